@@ -1,0 +1,40 @@
+# Two commands on a fresh machine:
+#   make app    create .venv, install requirements.txt, start the dashboard (streamlit run app.py)
+#   make test   create .venv, install requirements-dev.txt (+ Debian's Chromium for the browser test), run pytest
+# On a GPU host that already has a CUDA build of torch: `make app TORCH=keep` reuses it (the venv sees the
+# system site-packages and the torch pin is not installed).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= pin
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+ifeq ($(TORCH),keep)
+VENV_FLAGS := --system-site-packages
+REQ_FILTER := grep -v '^torch=='
+else
+VENV_FLAGS :=
+REQ_FILTER := cat
+endif
+
+.PHONY: app test bench
+
+$(PY):
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+
+$(VENV)/.app: requirements.txt | $(PY)
+	$(REQ_FILTER) requirements.txt > $(VENV)/requirements.txt
+	$(PIP) -r $(VENV)/requirements.txt
+	touch $@
+
+$(VENV)/.dev: requirements-dev.txt $(VENV)/.app
+	$(PIP) -r requirements-dev.txt
+	touch $@
+
+app: $(VENV)/.app
+	$(VENV)/bin/streamlit run app.py
+
+test: $(VENV)/.dev
+	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	$(PY) -m pytest
