@@ -1,0 +1,341 @@
+"""The PACE state quantiser (PACE_SPEC §2): b-bit codes, fp16 group scales, real packed storage.
+
+A state `x [..., K, V]` (K = key axis, V = value axis; transformers' `[B, HV, K, V]`) is split into
+groups of `g` entries, either along the key axis (`x[..., k0:k0+g, j]`, scales `[..., K/g, V]`) or
+along the value axis (`x[..., i, j0:j0+g]`, scales `[..., K, V/g]`).
+
+Storage format (the kernels read and write exactly this):
+- codes are unsigned: symmetric stores `q + 2^(b-1)` with `q` in `[-qmax, qmax]`,
+  `qmax = 2^(b-1) - 1`; zero point stores `q` in `[0, 2^b - 1]`.
+- bits 2..4: two codes per byte along the last (V) dim, `byte[..., j] = code[..., 2j] |
+  code[..., 2j+1] << 4`; an odd last dim is padded with one zero code. bits 5..8: one uint8 each.
+- scales: float16. Zero points (zero-point mode): integers in `[0, 2^b - 1]`, shaped like the
+  scales, packed like codes when b <= 4 and the scales' last dim is even, else one uint8 each.
+- Leading dims are kept as they are in codes, scales and zero points, so indexing them (a batch
+  reorder, a head subset) is indexing the three tensors.
+
+Arithmetic (exact, reproducible on CPU and CUDA and by an fp32 kernel):
+- the "working dtype" is float64 for float64 input and float32 otherwise (fp32/bf16/fp16 values
+  are exact in float32; for such inputs an fp32 quotient rounds to the same code as the exact one).
+- symmetric: `scale = fp16(fl32(amax) / qmax)`; zero point: the group's min/max are first
+  extended to include 0 **[ours: needed so that z fits in b bits; for a group that spans zero,
+  which is the usual case, this is the spec's `(max - min) / (2^b - 1)`]**, then
+  `scale = fp16((fl32(max) - fl32(min)) / (2^b - 1))` (fp32 arithmetic), `z = round(-min/scale)`
+  clamped to `[0, 2^b - 1]`, `q = clamp(round(x/scale) + z, 0, 2^b - 1)`, dequant `(q - z) scale`.
+  Codes use the STORED fp16 scale; rounding is half to even (torch.round); every division is a
+  true IEEE division (`div_by_int`), also on CUDA.
+- dequantised values `(q - z) * scale` are exact in float32 (an 8-bit integer times an fp16).
+- all-zero group: scale 0, codes 0 (+ offset), dequantises to 0.
+- fp16 range **[ours]**: a non-zero group's scale is clamped into fp16's normal range
+  `[2^-14, 65504]` before rounding. Resulting bounds per element: symmetric `|x - x̂| <= scale/2`;
+  zero point `|x - x̂| <= scale * (1/2 + (2^b - 1) * 2^-11)` (the last term from rounding the
+  scale to fp16). Tiny groups therefore have an absolute resolution floor of `2^-15`, and values
+  beyond `qmax * 65504` (symmetric) or a range beyond `(2^b - 1) * 65504` (zero point) saturate
+  at the largest code: never NaN or inf.
+- non-finite input raises PaceError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal, Sequence
+
+import torch
+
+from pace_core.errors import PaceError
+
+GroupAxis = Literal["key", "value"]
+GROUP_AXES: tuple[str, ...] = ("key", "value")
+BITS_RANGE = range(2, 9)
+FP16_TINY = torch.finfo(torch.float16).tiny  # 2^-14, the smallest normal fp16
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+
+
+def check_bits(bits: int, field: str = "bits") -> None:
+    """Raise PaceError unless `bits` is an int in 2..8."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS_RANGE:
+        raise PaceError(f"{field}={bits!r} is not supported; allowed: integers 2..8")
+
+
+def check_finite(x: torch.Tensor, name: str) -> None:
+    """Raise PaceError if the tensor `name` holds NaN or inf."""
+    bad = int((~torch.isfinite(x)).sum())
+    if bad:
+        raise PaceError(
+            f"{name} has {bad} non-finite value(s) (NaN or inf) of {x.numel()}; allowed: finite values"
+        )
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 data, float32 for every other float dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fp16_scale(ratio: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
+    """Stored fp16 scale: `ratio` (float32) clamped into [2^-14, 65504] where `nonzero`, else 0."""
+    return torch.where(nonzero, ratio.clamp(FP16_TINY, FP16_MAX), 0.0).to(torch.float16)
+
+
+def div_by_int(a: torch.Tensor, n: int) -> torch.Tensor:
+    """`a / n` as a true IEEE division on every device (CUDA turns a division by a Python scalar
+    into a multiplication by its reciprocal, which rounds differently)."""
+    return a / torch.tensor(n, dtype=a.dtype, device=a.device)
+
+
+def safe_divisor(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`scale` in `dtype` with zeros replaced by 1 (an all-zero group divides 0 by 1)."""
+    s = scale.to(dtype)
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a state is quantised: bit width 2..8, symmetric or zero point, group axis and size."""
+
+    bits: int
+    symmetric: bool
+    axis: GroupAxis
+    group_size: int
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+        if not isinstance(self.symmetric, bool):
+            raise PaceError(f"symmetric={self.symmetric!r} is not supported; allowed: True, False")
+        if self.axis not in GROUP_AXES:
+            raise PaceError(f"axis={self.axis!r} is not supported; allowed: 'key', 'value'")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise PaceError(
+                f"group_size={self.group_size!r} is not supported; allowed: a positive integer "
+                "that divides the grouped axis"
+            )
+
+    @property
+    def qmax(self) -> int:
+        """Largest symmetric code magnitude `2^(b-1) - 1`."""
+        return 2 ** (self.bits - 1) - 1
+
+    @property
+    def levels(self) -> int:
+        """Largest zero-point code `2^b - 1`."""
+        return 2**self.bits - 1
+
+
+@dataclass
+class PackedTensor:
+    """A quantised `[..., K, V]` tensor as stored (see the module docstring for the format).
+
+    codes [..., K, ceil(V/2)] (bits <= 4) or [..., K, V] uint8; scale float16 [..., K/g, V] (key
+    axis) or [..., K, V/g] (value axis); zero: packed uint8 like the scales, or None (symmetric).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    spec: QuantSpec
+    shape: tuple[int, ...]
+
+    def nbytes(self) -> int:
+        """Real bytes of codes + scale + zero points."""
+        parts = [self.codes, self.scale] + ([] if self.zero is None else [self.zero])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def _group_dims(shape: Sequence[int], spec: QuantSpec) -> tuple[tuple[int, ...], int]:
+    """Shape that puts each group on its own dim, and that dim (-2 key axis, -1 value axis)."""
+    *lead, k, v = shape
+    g = spec.group_size
+    if spec.axis == "key":
+        return (*lead, k // g, g, v), -2
+    return (*lead, k, v // g, g), -1
+
+
+def scale_shape(shape: Sequence[int], spec: QuantSpec) -> tuple[int, ...]:
+    """Scale (and zero point) shape for a `[..., K, V]` tensor: `[..., K/g, V]` or `[..., K, V/g]`."""
+    grouped, dim = _group_dims(shape, spec)
+    return grouped[:dim] + grouped[len(grouped) + dim + 1 :]
+
+
+def _check_input(x: torch.Tensor, spec: QuantSpec, name: str) -> None:
+    if not isinstance(spec, QuantSpec):
+        raise PaceError(f"spec={spec!r} is not supported; allowed: a QuantSpec")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2:
+        raise PaceError(f"{name} must be a floating-point tensor [..., K, V]; got {type(x).__name__} "
+                        f"{getattr(x, 'dtype', '')} {tuple(getattr(x, 'shape', ()))}")
+    check_divides(spec.group_size, x.shape[-2] if spec.axis == "key" else x.shape[-1], spec.axis, name)
+    check_finite(x, name)
+
+
+def check_divides(group_size: int, length: int, axis: str, name: str) -> None:
+    """Raise PaceError naming `group_size` and the divisors of `length` unless it divides it."""
+    if length % group_size:
+        divisors = [d for d in range(1, length + 1) if length % d == 0]
+        raise PaceError(
+            f"group_size={group_size} does not divide the {axis} axis of {name} (length {length}); "
+            f"allowed: {', '.join(map(str, divisors))}"
+        )
+
+
+def _quantize_codes(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Unpacked codes uint8 [..., K, V], fp16 scale and uint8 zero points (or None) of checked `x`."""
+    w = work_dtype(x.dtype)
+    grouped, dim = _group_dims(x.shape, spec)
+    xg = x.to(w).reshape(grouped)
+    if spec.symmetric:
+        amax = xg.abs().amax(dim, keepdim=True)
+        scale = fp16_scale(div_by_int(amax.float(), spec.qmax), amax > 0)
+        q = torch.round(xg / safe_divisor(scale, w)).clamp_(-spec.qmax, spec.qmax) + (spec.qmax + 1)
+        zero = None
+    else:
+        lo = xg.amin(dim, keepdim=True).clamp(max=0)
+        hi = xg.amax(dim, keepdim=True).clamp(min=0)
+        scale = fp16_scale(div_by_int(hi.float() - lo.float(), spec.levels), hi > lo)
+        div = safe_divisor(scale, w)
+        z = torch.round(-lo / div).clamp_(0, spec.levels)
+        q = (torch.round(xg / div) + z).clamp_(0, spec.levels)
+        zero = z.squeeze(dim).to(torch.uint8)
+    return q.to(torch.uint8).reshape(x.shape), scale.squeeze(dim), zero
+
+
+def _dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                      spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
+    """`(q - z) * scale` [..., K, V] from unpacked codes; exact in float32, then cast to `dtype`."""
+    w = work_dtype(dtype)
+    grouped, dim = _group_dims(codes.shape, spec)
+    offset = torch.tensor(spec.qmax + 1, dtype=w, device=codes.device) if zero is None else zero.unsqueeze(dim).to(w)
+    q = codes.reshape(grouped).to(w) - offset
+    return (q * scale.unsqueeze(dim).to(w)).reshape(codes.shape).to(dtype)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    codes = codes.to(torch.uint8)
+    if bits > 4:
+        return codes.contiguous()
+    if codes.shape[-1] % 2:
+        codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], 1)], dim=-1)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack(packed: torch.Tensor, bits: int, last_dim: int) -> torch.Tensor:
+    if bits > 4:
+        return packed
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)[..., :last_dim]
+
+
+def _zero_packed(bits: int, last_dim: int) -> bool:
+    return bits <= 4 and last_dim % 2 == 0
+
+
+def packed_last_dim(bits: int, last_dim: int) -> int:
+    """Bytes along the last dim that `pack_codes` stores for `last_dim` codes of `bits` bits."""
+    return (last_dim + 1) // 2 if bits <= 4 else last_dim
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes [..., n] (values in [0, 2^bits - 1]) into uint8 [..., ceil(n/2)] (bits
+    2..4, two per byte, low nibble first, odd n padded with a zero code) or [..., n] (bits 5..8)."""
+    check_bits(bits)
+    if not isinstance(codes, torch.Tensor) or codes.is_floating_point() or codes.is_complex() or codes.dim() < 1:
+        raise PaceError("codes must be an integer tensor [..., n]; allowed: integer dtypes")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 2**bits - 1):
+        raise PaceError(f"codes hold values outside [0, {2**bits - 1}] for bits={bits}; "
+                        f"allowed: integers 0..{2**bits - 1}")
+    return _pack(codes, bits)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, last_dim: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: uint8 [..., ceil(n/2)] or [..., n] -> codes uint8 [..., last_dim]."""
+    check_bits(bits)
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() < 1:
+        raise PaceError("packed must be a uint8 tensor [..., m]; allowed: torch.uint8")
+    expected = packed_last_dim(bits, last_dim)
+    if packed.shape[-1] != expected:
+        raise PaceError(f"last_dim={last_dim} does not match packed last dim {packed.shape[-1]} for "
+                        f"bits={bits}; allowed: a last_dim whose packed size is {packed.shape[-1]}")
+    return _unpack(packed, bits, last_dim)
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, *, name: str = "x") -> PackedTensor:
+    """Quantise and pack `x [..., K, V]` (any float dtype, any device). `name` is used in errors."""
+    _check_input(x, spec, name)
+    codes, scale, zero = _quantize_codes(x, spec)
+    if zero is not None and _zero_packed(spec.bits, zero.shape[-1]):
+        zero = _pack(zero, spec.bits)
+    return PackedTensor(_pack(codes, spec.bits), scale, zero, spec, tuple(x.shape))
+
+
+def dequantize(p: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantised values [..., K, V] of a PackedTensor, in `dtype` (exact for float32/float64)."""
+    bits, v = p.spec.bits, p.shape[-1]
+    zero = p.zero
+    if zero is not None and _zero_packed(bits, p.scale.shape[-1]):
+        zero = _unpack(zero, bits, p.scale.shape[-1])
+    return _dequantize_codes(_unpack(p.codes, bits, v), p.scale, zero, p.spec, dtype)
+
+
+def fake_quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None, *,
+                  name: str = "x") -> torch.Tensor:
+    """Quantise-dequantise `x [..., K, V]` without packing; bit-identical to
+    `dequantize(quantize(x, spec), dtype)`. `dtype` defaults to `x.dtype`."""
+    _check_input(x, spec, name)
+    codes, scale, zero = _quantize_codes(x, spec)
+    return _dequantize_codes(codes, scale, zero, spec, x.dtype if dtype is None else dtype)
+
+
+def packed_nbytes(shape: Sequence[int], spec: QuantSpec) -> int:
+    """Bytes that `quantize` stores for a tensor of `shape [..., K, V]` (codes + scales + zero points)."""
+    *lead, k, v = shape
+    check_divides(spec.group_size, k if spec.axis == "key" else v, spec.axis, "shape")
+    sshape = scale_shape(shape, spec)
+    n_scales = math.prod(sshape)
+    code_bytes = math.prod(lead) * k * packed_last_dim(spec.bits, v)
+    zero_bytes = 0
+    if not spec.symmetric:
+        zero_bytes = n_scales // 2 if _zero_packed(spec.bits, sshape[-1]) else n_scales
+    return code_bytes + 2 * n_scales + zero_bytes
+
+
+@dataclass
+class MixedPackedState:
+    """A state `[..., HV, K, V]` whose heads have different bit widths (PACE-4/8).
+
+    parts[b] is the PackedTensor of the heads `heads[b]` (LongTensor, ascending) at b bits. The
+    head map is part of the configuration (shared by every sequence), so nbytes() counts only the
+    stored parts.
+    """
+
+    parts: dict[int, PackedTensor]
+    heads: dict[int, torch.Tensor]
+    shape: tuple[int, ...]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantised state [..., HV, K, V]."""
+        first = next(iter(self.parts.values()))
+        out = torch.empty(self.shape, dtype=dtype, device=first.codes.device)
+        for b, part in self.parts.items():
+            out.index_copy_(len(self.shape) - 3, self.heads[b], dequantize(part, dtype))
+        return out
+
+    def nbytes(self) -> int:
+        """Real bytes of all parts."""
+        return sum(p.nbytes() for p in self.parts.values())
+
+
+def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor, spec: QuantSpec, *,
+                   name: str = "state") -> MixedPackedState:
+    """Quantise `S [..., HV, K, V]` with head h at `bits_per_head[h]` bits (2..8); the other
+    settings come from `spec` (its own `bits` is not used)."""
+    if not isinstance(S, torch.Tensor) or S.dim() < 3:
+        raise PaceError(f"{name} must be a tensor [..., HV, K, V]; got shape {tuple(getattr(S, 'shape', ()))}")
+    bits = [int(b) for b in (bits_per_head.tolist() if isinstance(bits_per_head, torch.Tensor) else bits_per_head)]
+    hv = S.shape[-3]
+    if len(bits) != hv:
+        raise PaceError(f"bits_per_head has {len(bits)} entries; allowed: one per value head ({hv})")
+    for b in bits:
+        check_bits(b, "bits_per_head")
+    parts, heads = {}, {}
+    for b in sorted(set(bits)):
+        idx = torch.tensor([h for h in range(hv) if bits[h] == b], dtype=torch.long, device=S.device)
+        heads[b] = idx
+        parts[b] = quantize(S.index_select(S.dim() - 3, idx), replace(spec, bits=b), name=name)
+    return MixedPackedState(parts, heads, tuple(S.shape))

@@ -1,0 +1,375 @@
+"""Tests of pace_core.quant against an independent numpy reference of PACE_SPEC §2."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from pace_core.errors import PaceError
+from pace_core.quant import (
+    QuantSpec,
+    dequantize,
+    fake_quantize,
+    pack_codes,
+    packed_nbytes,
+    quantize,
+    quantize_heads,
+    unpack_codes,
+)
+
+F16_TINY = 2.0**-14
+F16_MAX = 65504.0
+PROPERTY = settings(max_examples=60, deadline=None)
+
+
+def ref_quantize(x: np.ndarray, bits: int, symmetric: bool, axis: str, g: int):
+    """numpy reference: codes (unsigned) [..., K, V], fp16 scales, zero points or None, dequant (float64).
+
+    Groups are formed on the last axis of a view (the key axis is swapped to the end first).
+    Working precision: float64 for float64 data, else float32; amax / qmax in float32.
+    """
+    work = np.float64 if x.dtype == np.float64 else np.float32
+    xs = np.swapaxes(x.astype(work), -1, -2) if axis == "key" else x.astype(work)
+    *lead, rows, cols = xs.shape
+    grp = xs.reshape(*lead, rows, cols // g, g)
+
+    def fp16(ratio, nonzero):
+        clipped = np.clip(ratio.astype(np.float32), np.float32(F16_TINY), np.float32(F16_MAX))
+        return np.where(nonzero, clipped, np.float32(0)).astype(np.float16)
+
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        amax = np.abs(grp).max(-1)
+        s = fp16(amax.astype(np.float32) / np.float32(qmax), amax > 0)
+        div = np.where(s == 0, np.float16(1), s).astype(work)[..., None]
+        q = np.clip(np.round(grp / div), -qmax, qmax)
+        codes, z, deq = q + qmax + 1, None, q * s.astype(np.float64)[..., None]
+    else:
+        top = 2**bits - 1
+        lo, hi = np.minimum(grp.min(-1), 0), np.maximum(grp.max(-1), 0)
+        s = fp16((hi.astype(np.float32) - lo.astype(np.float32)) / np.float32(top), hi > lo)
+        div = np.where(s == 0, np.float16(1), s).astype(work)
+        z = np.clip(np.round(-lo / div), 0, top)
+        codes = np.clip(np.round(grp / div[..., None]) + z[..., None], 0, top)
+        deq = (codes - z[..., None]) * s.astype(np.float64)[..., None]
+
+    def back(t):
+        t = t.reshape(*lead, rows, cols)
+        return np.swapaxes(t, -1, -2) if axis == "key" else t
+
+    def meta(t):
+        return None if t is None else (np.swapaxes(t, -1, -2) if axis == "key" else t)
+
+    return back(codes).astype(np.int64), meta(s), meta(z), back(deq)
+
+
+def _zero_codes(p) -> torch.Tensor:
+    n = p.scale.shape[-1]
+    if p.spec.bits <= 4 and n % 2 == 0:
+        return unpack_codes(p.zero, p.spec.bits, n)
+    return p.zero
+
+
+def _state(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Random values with group magnitudes spread over decades and a few large columns."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = x * torch.exp(2 * torch.randn(*shape[:-1], 1, generator=gen, dtype=torch.float64))
+    x[..., 1] *= 40
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("axis", ["key", "value"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_matches_numpy_reference(bits, symmetric, axis, dtype):
+    shape = (2, 3, 16, 24) if dtype == torch.float32 else (3, 8, 12)
+    g = 8 if axis == "key" else 4
+    x = _state(shape, seed=bits * 7 + symmetric, dtype=dtype)
+    spec = QuantSpec(bits, symmetric, axis, g)
+    p = quantize(x, spec)
+    np_in = x.double().numpy() if dtype == torch.float64 else x.float().numpy()
+    codes, scale, zero, deq = ref_quantize(np_in, bits, symmetric, axis, g)
+    assert p.shape == shape and p.scale.dtype == torch.float16
+    assert np.array_equal(unpack_codes(p.codes, bits, shape[-1]).numpy(), codes)
+    assert np.array_equal(p.scale.numpy(), scale)
+    if symmetric:
+        assert p.zero is None
+    else:
+        assert np.array_equal(_zero_codes(p).numpy(), zero)
+    assert np.array_equal(dequantize(p, torch.float64).numpy(), deq)
+    assert torch.equal(dequantize(p), torch.from_numpy(deq).float())
+
+
+def test_two_dim_input_and_scale_shapes():
+    x = _state((8, 6), seed=1)
+    assert quantize(x, QuantSpec(4, True, "key", 4)).scale.shape == (2, 6)
+    assert quantize(x, QuantSpec(4, False, "value", 3)).scale.shape == (8, 2)
+    assert quantize(x, QuantSpec(4, True, "value", 6)).codes.shape == (8, 3)
+    assert quantize(x, QuantSpec(6, True, "value", 6)).codes.shape == (8, 6)
+
+
+def test_round_half_to_even():
+    # 4-bit symmetric, amax 7 -> scale exactly 1: ties go to the even integer.
+    x = torch.tensor([[7.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5]])
+    deq = fake_quantize(x, QuantSpec(4, True, "value", 8))
+    assert deq.tolist() == [[7.0, 0.0, 2.0, 2.0, 0.0, -2.0, -2.0, 4.0]]
+    # zero point, 2 bits: range [-1.5, 1.5] -> scale 1, z = round(1.5) = 2.
+    p = quantize(torch.tensor([[-1.5, 0.5, 1.5, -0.5]]), QuantSpec(2, False, "value", 4))
+    assert p.scale.item() == 1.0 and _zero_codes(p).item() == 2
+    assert dequantize(p).tolist() == [[-2.0, 0.0, 1.0, 0.0]]
+
+
+@st.composite
+def cases(draw, lo=-1e4, hi=1e4, dtype=np.float32):
+    bits = draw(st.integers(2, 8))
+    symmetric = draw(st.booleans())
+    axis = draw(st.sampled_from(["key", "value"]))
+    k, v = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    n = k if axis == "key" else v
+    g = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+    width = 64 if dtype == np.float64 else 32
+    lo, hi = float(dtype(lo)), float(dtype(hi))  # bounds exactly representable at this width
+    x = draw(arrays(dtype, (2, k, v), elements=st.floats(lo, hi, width=width, allow_subnormal=True)))
+    return torch.from_numpy(x), QuantSpec(bits, symmetric, axis, g)
+
+
+def _scale_per_element(p) -> torch.Tensor:
+    g = p.spec.group_size
+    s = p.scale.double()
+    return s.repeat_interleave(g, dim=-2) if p.spec.axis == "key" else s.repeat_interleave(g, dim=-1)
+
+
+def _bound(p) -> torch.Tensor:
+    """Documented per-element error bound."""
+    s = _scale_per_element(p)
+    if p.spec.symmetric:
+        return s / 2
+    return s * (0.5 + 1.001 * p.spec.levels * 2.0**-11)
+
+
+@PROPERTY
+@given(cases())
+def test_error_bound(case):
+    x, spec = case
+    p = quantize(x, spec)
+    err = (dequantize(p, torch.float64) - x.double()).abs()
+    assert bool((err <= _bound(p)).all())
+
+
+@PROPERTY
+@given(cases(dtype=np.float64))
+def test_error_bound_float64_input(case):
+    x, spec = case
+    p = quantize(x, spec)
+    assert bool(((dequantize(p, torch.float64) - x).abs() <= _bound(p)).all())
+
+
+@PROPERTY
+@given(cases(), st.floats(-1e4, 1e4, width=32), st.booleans())
+def test_zero_and_constant_groups(case, c, all_zero):
+    x, spec = case
+    fill = 0.0 if all_zero else c
+    x = torch.full_like(x, fill)
+    p = quantize(x, spec)
+    deq = dequantize(p, torch.float64)
+    assert not bool(deq.isnan().any())
+    if fill == 0.0:
+        assert bool((p.scale == 0).all()) and bool((deq == 0).all())
+    else:
+        assert bool(((deq - x.double()).abs() <= _bound(p)).all())
+
+
+@PROPERTY
+@given(cases(lo=-1e-6, hi=1e-6))
+def test_tiny_values(case):
+    x, spec = case
+    p = quantize(x, spec)
+    deq = dequantize(p, torch.float64)
+    nonzero = p.scale != 0
+    assert bool((p.scale[nonzero] == F16_TINY).all())  # clamped up to fp16's smallest normal
+    assert bool(((deq - x.double()).abs() <= _bound(p)).all())
+
+
+@PROPERTY
+@given(cases(lo=-3e38, hi=3e38))
+def test_huge_values_saturate(case):
+    x, spec = case
+    p = quantize(x, spec)
+    deq = dequantize(p, torch.float64)
+    s = _scale_per_element(p)
+    assert bool(deq.isfinite().all()) and bool((p.scale.float() <= F16_MAX).all())
+    # deq is the nearest grid point to x clamped into the group's representable range
+    if spec.symmetric:
+        low, high = -spec.qmax * s, spec.qmax * s
+    else:
+        z = _zero_codes(p).double()
+        z = z.repeat_interleave(spec.group_size, -2 if spec.axis == "key" else -1)
+        low, high = -z * s, (spec.levels - z) * s
+    clamped = torch.minimum(torch.maximum(x.double(), low), high)
+    assert bool(((deq - clamped).abs() <= s / 2).all())
+    assert bool((deq.abs() <= spec.levels * F16_MAX).all())
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@PROPERTY
+@given(arrays(np.int64, st.tuples(st.integers(1, 3), st.integers(1, 11)), elements=st.integers(0, 255)))
+def test_pack_unpack_round_trip(bits, codes):
+    codes = torch.from_numpy(codes % 2**bits)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape[-1] == (math.ceil(codes.shape[-1] / 2) if bits <= 4 else codes.shape[-1])
+    assert torch.equal(unpack_codes(packed, bits, codes.shape[-1]).long(), codes)
+
+
+def test_pack_layout():
+    assert pack_codes(torch.tensor([1, 2, 15, 0, 7]), 4).tolist() == [0x21, 0x0F, 0x07]
+    assert pack_codes(torch.tensor([200, 3]), 8).tolist() == [200, 3]
+
+
+@PROPERTY
+@given(cases(), st.sampled_from([torch.float32, torch.float64]))
+def test_fake_quantize_bit_identical(case, dtype):
+    x, spec = case
+    x = x.to(dtype)
+    fake = fake_quantize(x, spec)
+    assert fake.dtype == dtype
+    assert torch.equal(fake, dequantize(quantize(x, spec), dtype))
+    assert torch.equal(fake_quantize(x, spec, torch.float32), dequantize(quantize(x, spec)))
+
+
+def _real_bytes(p) -> int:
+    return sum(t.numel() * t.element_size() for t in (p.codes, p.scale, p.zero) if t is not None)
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("axis,shape,g", [("key", (2, 3, 32, 16), 8), ("value", (2, 3, 32, 16), 8),
+                                          ("value", (1, 2, 8, 9), 3), ("key", (3, 4, 5), 4)])
+def test_nbytes_is_real(bits, symmetric, axis, shape, g):
+    spec = QuantSpec(bits, symmetric, axis, g)
+    p = quantize(_state(shape, seed=bits), spec)
+    assert p.nbytes() == _real_bytes(p) == packed_nbytes(shape, spec)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("axis", ["key", "value"])
+def test_nbytes_formula_4bit(symmetric, axis):
+    b, g, (batch, hv, k, v) = 4, 32, (2, 4, 128, 128)
+    p = quantize(_state((batch, hv, k, v), seed=3), QuantSpec(b, symmetric, axis, g))
+    n_scales = batch * hv * k * v // g
+    expected = batch * hv * k * v * b // 8 + n_scales * 2 + (0 if symmetric else n_scales * b // 8)
+    assert p.nbytes() == expected
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("g", [16, 32, 64])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_key_axis_beats_value_axis_on_outlier_columns(bits, g, symmetric):
+    """Four value channels 30x larger. Measured: the key axis wins from 4 bits on; at 2-3 bits the
+    coarse key-axis step on the outlier columns themselves costs more than it saves."""
+    gen = torch.Generator().manual_seed(bits * g)
+    x = torch.randn(2, 4, 128, 128, generator=gen)
+    x[..., torch.randperm(128, generator=gen)[:4]] *= 30.0
+    err = {}
+    for axis in ("key", "value"):
+        err[axis] = (fake_quantize(x, QuantSpec(bits, symmetric, axis, g)) - x).square().sum().item()
+    assert err["key"] < err["value"]
+
+
+def test_bad_bits():
+    for bits in (1, 9, 4.0, True):
+        with pytest.raises(PaceError, match=r"bits=.*allowed: integers 2\.\.8"):
+            QuantSpec(bits, True, "key", 32)
+        with pytest.raises(PaceError, match=r"bits=.*allowed: integers 2\.\.8"):
+            pack_codes(torch.zeros(4, dtype=torch.uint8), bits)
+
+
+def test_bad_spec_fields():
+    with pytest.raises(PaceError, match=r"axis='row'.*allowed: 'key', 'value'"):
+        QuantSpec(4, True, "row", 32)
+    with pytest.raises(PaceError, match=r"group_size=0.*allowed: a positive integer"):
+        QuantSpec(4, True, "key", 0)
+    with pytest.raises(PaceError, match=r"symmetric=1.*allowed: True, False"):
+        QuantSpec(4, 1, "key", 32)
+
+
+def test_group_size_not_dividing():
+    x = torch.zeros(2, 128, 96)
+    with pytest.raises(PaceError, match=r"group_size=48 does not divide the key axis of state \(length 128\); "
+                                        r"allowed: 1, 2, 4, 8, 16, 32, 64, 128"):
+        quantize(x, QuantSpec(4, True, "key", 48), name="state")
+    with pytest.raises(PaceError, match=r"group_size=64 .* value axis .*allowed: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96"):
+        fake_quantize(x, QuantSpec(4, True, "value", 64))
+    with pytest.raises(PaceError, match="group_size=5"):
+        packed_nbytes((128, 96), QuantSpec(4, True, "key", 5))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input(bad):
+    x = torch.randn(2, 8, 8)
+    x[1, 3, 5] = bad
+    with pytest.raises(PaceError, match=r"layer 3 state has 1 non-finite value\(s\).*allowed: finite values"):
+        quantize(x, QuantSpec(4, True, "key", 8), name="layer 3 state")
+    with pytest.raises(PaceError, match="non-finite"):
+        fake_quantize(x, QuantSpec(4, False, "value", 8))
+
+
+def test_bad_tensors_and_codes():
+    with pytest.raises(PaceError, match=r"must be a floating-point tensor \[\.\.\., K, V\]"):
+        quantize(torch.zeros(8, dtype=torch.int32).view(2, 4), QuantSpec(4, True, "key", 2))
+    with pytest.raises(PaceError, match=r"must be a floating-point tensor"):
+        quantize(torch.zeros(8), QuantSpec(4, True, "key", 2))
+    with pytest.raises(PaceError, match=r"outside \[0, 15\].*allowed: integers 0\.\.15"):
+        pack_codes(torch.tensor([3, 16]), 4)
+    with pytest.raises(PaceError, match=r"last_dim=4 does not match"):
+        unpack_codes(torch.zeros(3, dtype=torch.uint8), 4, 4)
+    with pytest.raises(PaceError, match=r"allowed: torch.uint8"):
+        unpack_codes(torch.zeros(3, dtype=torch.int64), 4, 6)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantize_heads_mixed(symmetric):
+    S = _state((2, 5, 16, 8), seed=11)
+    bits = [4, 8, 4, 2, 8]
+    spec = QuantSpec(4, symmetric, "key", 8)
+    mixed = quantize_heads(S, torch.tensor(bits), spec)
+    assert sorted(mixed.parts) == [2, 4, 8]
+    assert mixed.heads[4].tolist() == [0, 2] and mixed.heads[8].tolist() == [1, 4]
+    deq = mixed.dequantize()
+    for h, b in enumerate(bits):
+        expected = fake_quantize(S[:, h], QuantSpec(b, symmetric, "key", 8))
+        assert torch.equal(deq[:, h], expected)
+    assert mixed.nbytes() == sum(packed_nbytes((2, len(mixed.heads[b]), 16, 8), QuantSpec(b, symmetric, "key", 8))
+                                 for b in (2, 4, 8))
+    assert torch.equal(quantize_heads(S, [4] * 5, spec).dequantize(torch.float64), fake_quantize(S, spec, torch.float64))
+
+
+def test_quantize_heads_bad_input():
+    S = torch.zeros(1, 3, 8, 8)
+    with pytest.raises(PaceError, match=r"bits_per_head has 2 entries; allowed: one per value head \(3\)"):
+        quantize_heads(S, [4, 8], QuantSpec(4, True, "key", 8))
+    with pytest.raises(PaceError, match=r"bits_per_head=16 .*allowed: integers 2\.\.8"):
+        quantize_heads(S, [4, 16, 4], QuantSpec(4, True, "key", 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cuda_matches_cpu(symmetric, dtype):
+    x = _state((4, 8, 128, 128), seed=5, dtype=dtype)
+    for bits in range(2, 9):
+        for axis in ("key", "value"):
+            spec = QuantSpec(bits, symmetric, axis, 32)
+            cpu, gpu = quantize(x, spec), quantize(x.cuda(), spec)
+            assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu.scale.cpu(), cpu.scale)
+            assert torch.equal(dequantize(gpu).cpu(), dequantize(cpu))
+            assert torch.equal(fake_quantize(x.cuda(), spec).cpu(), fake_quantize(x, spec))
