@@ -1,0 +1,337 @@
+"""Gated DeltaNet (GDN) reference math: plain recurrence, chunked form, segmented prefill and the
+buffered decode of PACE (spec §1 and §3).
+
+Conventions (as transformers' Qwen3.5 / Qwen3-Next):
+
+- ``q, k [B, T, H, K]`` (H key heads), ``v [B, T, HV, V]`` (HV value heads), ``g, beta [B, T, HV]``,
+  state ``S [B, HV, K, V]``. With ``gamma = HV / H`` value head ``h`` reads key head ``h // gamma``;
+  the key axis is never repeated in memory: value heads are viewed as ``[H, gamma]``.
+- ``q`` and ``k`` are already L2-normalised and ``q`` is scaled by ``K**-0.5`` (see :func:`prepare_qk`).
+- Per token: ``alpha_t = exp(g_t)``, ``u_t = beta_t (v_t - alpha_t S_{t-1}^T k_t)``,
+  ``S_t = alpha_t S_{t-1} + k_t u_t^T``, ``o_t = S_t^T q_t``.
+
+All functions compute in the promoted float dtype of their inputs, at least float32 (float64 inputs
+stay float64; bfloat16 / float16 inputs are computed in float32), and return that dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from pace_core.buffer import DecodeBuffer
+from pace_core.errors import PaceError
+
+L2NORM_EPS = 1e-6
+"""The epsilon of transformers' (and FLA's) ``l2norm``: ``x * rsqrt(sum(x*x) + eps)``."""
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        if not t.is_floating_point():
+            raise PaceError(f"tensor dtype: {t.dtype} is not allowed; allowed: floating point dtypes")
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalise ``q [..., K]`` and ``k [..., K]`` (eps as transformers' ``l2norm``) and scale ``q``
+    by ``K**-0.5``. Returns ``(q, k)`` in the compute dtype (at least float32)."""
+    dtype = _compute_dtype(q, k)
+    q, k = q.to(dtype), k.to(dtype)
+    return _l2norm(q) * q.shape[-1] ** -0.5, _l2norm(k)
+
+
+def _check_sequence(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int, int, int, int]:
+    """Validate shapes; return ``(B, T, H, gamma, HV, K, V)``."""
+    if q.dim() != 4 or k.shape != q.shape:
+        raise PaceError(f"q, k: shapes {tuple(q.shape)}, {tuple(k.shape)} not allowed; allowed: equal [B, T, H, K]")
+    B, T, H, K = k.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        raise PaceError(f"v: shape {tuple(v.shape)} not allowed; allowed: [B={B}, T={T}, HV, V]")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise PaceError(f"v: {HV} value heads not allowed; allowed: a multiple of the {H} key heads")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (B, T, HV):
+            raise PaceError(f"{name}: shape {tuple(t.shape)} not allowed; allowed: [B, T, HV] = {(B, T, HV)}")
+    if initial_state is not None and initial_state.shape != (B, HV, K, V):
+        raise PaceError(
+            f"initial_state: shape {tuple(initial_state.shape)} not allowed; allowed: [B, HV, K, V] = {(B, HV, K, V)}"
+        )
+    return B, T, H, HV // H, HV, K, V
+
+
+def _initial(initial_state, B, H, gamma, K, V, dtype, device) -> torch.Tensor:
+    """The state as ``[B, H, gamma, K, V]`` in ``dtype`` (zeros when ``initial_state`` is None)."""
+    if initial_state is None:
+        return torch.zeros(B, H, gamma, K, V, dtype=dtype, device=device)
+    return initial_state.to(dtype).reshape(B, H, gamma, K, V)
+
+
+def gdn_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: one token at a time.
+
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``, ``initial_state [B, HV, K, V]``
+    or None (zeros). Returns ``o [B, T, HV, V]`` and the final state ``S [B, HV, K, V]``.
+    """
+    B, T, H, gamma, HV, K, V = _check_sequence(q, k, v, g, beta, initial_state)
+    dtype = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    v = v.reshape(B, T, H, gamma, V)
+    alpha = g.exp().reshape(B, T, H, gamma)
+    beta = beta.reshape(B, T, H, gamma)
+    S = _initial(initial_state, B, H, gamma, K, V, dtype, q.device)
+    outputs = []
+    for t in range(T):
+        S = S * alpha[:, t, :, :, None, None]
+        read = torch.einsum("bhk,bhgkv->bhgv", k[:, t], S)
+        u = beta[:, t, :, :, None] * (v[:, t] - read)
+        S = S + torch.einsum("bhk,bhgv->bhgkv", k[:, t], u)
+        outputs.append(torch.einsum("bhk,bhgkv->bhgv", q[:, t], S))
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, gamma, V)
+    return o.reshape(B, T, HV, V), S.reshape(B, HV, K, V)
+
+
+def gdn_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form: within a chunk of C tokens starting from state ``S0`` and with the
+    in-chunk cumulative log decay ``Γ_i = Σ_{j<=i} g_j``,
+
+    - ``(I + A) U = β ⊙ (V - e^Γ ⊙ K S0)`` with ``A_ij = β_i e^{Γ_i-Γ_j} k_i·k_j`` for ``j < i``
+      (so ``U`` holds the delta values ``u_i`` of the recurrence),
+    - ``O = e^Γ ⊙ Q S0 + (M ⊙ Q Kᵀ) U`` with ``M_ij = e^{Γ_i-Γ_j}`` for ``j <= i``, else 0,
+    - ``S_C = e^{Γ_C} S0 + (e^{Γ_C-Γ} ⊙ K)ᵀ U``.
+
+    ``chunk_size`` is any positive integer (need not divide T; the tail is padded with tokens that
+    have ``k = 0, β = 0, g = 0``, which leave the state unchanged). Shapes as :func:`gdn_recurrent`.
+    """
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise PaceError(f"chunk_size: {chunk_size!r} not allowed; allowed: an integer >= 1")
+    B, T, H, gamma, HV, K, V = _check_sequence(q, k, v, g, beta, initial_state)
+    dtype = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        # [B, T, ...] -> zero-padded [B, N, C, ...]
+        x = x.to(dtype)
+        x = torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], dim=1)
+        return x.reshape(B, N, C, *x.shape[2:])
+
+    qc = chunks(q).permute(0, 3, 1, 2, 4)  # [B, H, N, C, K]
+    kc = chunks(k).permute(0, 3, 1, 2, 4)  # [B, H, N, C, K]
+    vc = chunks(v).reshape(B, N, C, H, gamma, V).permute(0, 3, 4, 1, 2, 5)  # [B, H, gamma, N, C, V]
+    gc = chunks(g).reshape(B, N, C, H, gamma).permute(0, 3, 4, 1, 2)  # [B, H, gamma, N, C]
+    bc = chunks(beta).reshape(B, N, C, H, gamma).permute(0, 3, 4, 1, 2)  # [B, H, gamma, N, C]
+
+    cum = gc.cumsum(dim=-1)  # Γ
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    diff = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf"))
+    decay_ij = diff.exp()  # M: e^{Γ_i - Γ_j} for j <= i, 0 above the diagonal
+    kk = (kc @ kc.transpose(-1, -2)).unsqueeze(2)  # [B, H, 1, N, C, C]
+    qk = (qc @ kc.transpose(-1, -2)).unsqueeze(2)
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    system = torch.eye(C, dtype=dtype, device=q.device) + (bc[..., :, None] * decay_ij * kk) * strict
+    attn = decay_ij * qk  # [B, H, gamma, N, C, C]
+
+    # Precompute (I + A)^-1 β V and (I + A)^-1 β e^Γ K once for all chunks; U = W - Kr S0 per chunk.
+    rhs_v = bc[..., None] * vc
+    rhs_k = (bc * cum.exp())[..., None] * kc.unsqueeze(2)
+    w = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
+    kr = torch.linalg.solve_triangular(system, rhs_k, upper=False, unitriangular=True)
+    chunk_decay = cum[..., -1].exp()  # [B, H, gamma, N]
+    write_weight = (cum[..., -1:] - cum).exp()  # e^{Γ_C - Γ_j} [B, H, gamma, N, C]
+
+    S = _initial(initial_state, B, H, gamma, K, V, dtype, q.device)
+    outputs = []
+    for n in range(N):
+        u = w[:, :, :, n] - kr[:, :, :, n] @ S  # [B, H, gamma, C, V]
+        read = cum[:, :, :, n, :, None].exp() * (qc[:, :, None, n] @ S)
+        outputs.append(read + attn[:, :, :, n] @ u)
+        S = chunk_decay[:, :, :, n, None, None] * S + torch.einsum(
+            "bhgc,bhck,bhgcv->bhgkv", write_weight[:, :, :, n], kc[:, :, n], u
+        )
+    if outputs:
+        o = torch.stack(outputs, dim=3)  # [B, H, gamma, N, C, V]
+    else:
+        o = torch.zeros(B, H, gamma, 0, C, V, dtype=dtype, device=q.device)
+    o = o.reshape(B, H, gamma, N * C, V)[:, :, :, :T].permute(0, 3, 1, 2, 4).reshape(B, T, HV, V)
+    return o, S.reshape(B, HV, K, V)
+
+
+def gdn_prefill_segmented(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    period: int,
+    round_fn: Callable[[torch.Tensor], torch.Tensor],
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill in ``period``-token segments (spec §3, P): each segment runs :func:`gdn_chunked` from
+    the (already dequantised) state; ``round_fn(S [B, HV, K, V]) -> S`` (quantise + dequantise) is
+    applied to each segment's final state, including a last, shorter segment. ``initial_state`` is
+    used as given (not rounded). Shapes as :func:`gdn_recurrent`; returns ``(o, rounded final S)``.
+    """
+    if not isinstance(period, int) or period < 1:
+        raise PaceError(f"period: {period!r} not allowed; allowed: an integer >= 1")
+    B, T, H, gamma, HV, K, V = _check_sequence(q, k, v, g, beta, initial_state)
+    dtype = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
+    S = _initial(initial_state, B, H, gamma, K, V, dtype, q.device).reshape(B, HV, K, V)
+    outputs = []
+    for start in range(0, T, period):
+        part = slice(start, start + period)
+        o, S = gdn_chunked(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], S, chunk_size)
+        outputs.append(o)
+        S = round_fn(S).to(dtype)
+    o = torch.cat(outputs, dim=1) if outputs else torch.zeros(B, 0, HV, V, dtype=dtype, device=q.device)
+    return o, S
+
+
+def _check_step(S_hat, buf, q_t, k_t, v_t, g_t, beta_t) -> None:
+    B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
+    expected = {
+        "S_hat": (S_hat, (B, HV, K, V)),
+        "q_t": (q_t, (B, H, K)),
+        "k_t": (k_t, (B, H, K)),
+        "v_t": (v_t, (B, HV, V)),
+        "g_t": (g_t, (B, HV)),
+        "beta_t": (beta_t, (B, HV)),
+    }
+    for name, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise PaceError(f"{name}: shape {tuple(t.shape)} not allowed; allowed: {shape} (from the buffer)")
+
+
+def _suffix_log_decays(gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gs [B, n, HV]`` -> (``G_n [B, HV]`` total, ``G_n - G_i [B, n, HV]``), summed directly as
+    suffix sums (no difference of two cumulative sums)."""
+    inclusive = gs.flip(1).cumsum(1).flip(1)  # Σ_{j>=i} g_j
+    exclusive = torch.cat([inclusive[:, 1:], torch.zeros_like(inclusive[:, :1])], dim=1)  # Σ_{j>i} g_j
+    return inclusive[:, 0], exclusive
+
+
+def _buffer_read(
+    S_hat: torch.Tensor, buf: DecodeBuffer, x: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``(e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ)ᵀ x`` for ``x [B, H, K]`` without forming the state;
+    returns ``[B, HV, V]`` with ``G`` the buffer's total log decay."""
+    B, HV, K, V = S_hat.shape
+    H = buf.num_k_heads
+    gamma = HV // H
+    S_hat = S_hat.to(dtype).reshape(B, H, gamma, K, V)
+    read = torch.einsum("bhk,bhgkv->bhgv", x, S_hat)
+    if len(buf) == 0:
+        return read.reshape(B, HV, V)
+    keys = buf.keys().to(dtype)  # [B, n, H, K]
+    us = buf.values().to(dtype).reshape(B, len(buf), H, gamma, V)
+    total, after = _suffix_log_decays(buf.log_decays().to(dtype))
+    weights = after.exp().reshape(B, len(buf), H, gamma) * torch.einsum("bnhk,bhk->bnh", keys, x)[..., None]
+    read = total.exp().reshape(B, H, gamma, 1) * read + torch.einsum("bnhg,bnhgv->bhgv", weights, us)
+    return read.reshape(B, HV, V)
+
+
+def buffered_step(
+    S_hat: torch.Tensor,
+    buf: DecodeBuffer,
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    g_t: torch.Tensor,
+    beta_t: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token against the fixed checkpoint ``Ŝ`` and the buffer (spec §3).
+
+    ``S_hat [B, HV, K, V]`` (dequantised checkpoint), ``q_t, k_t [B, H, K]``, ``v_t [B, HV, V]``,
+    ``g_t, beta_t [B, HV]``. Computes ``S_{t-1}ᵀ k_t`` from the checkpoint and the buffer,
+    ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)``, appends ``(k_t, u_t, g_t)`` to ``buf`` (stored in its
+    precision) and returns ``o_t = S_tᵀ q_t [B, HV, V]`` computed from the buffer's stored values, so
+    that the output and a later :func:`fold` use the same record.
+    """
+    _check_step(S_hat, buf, q_t, k_t, v_t, g_t, beta_t)
+    dtype = torch.promote_types(_compute_dtype(S_hat, q_t, k_t, v_t, g_t, beta_t), buf.dtype)
+    q_t, k_t, v_t, g_t, beta_t = (x.to(dtype) for x in (q_t, k_t, v_t, g_t, beta_t))
+    previous = _buffer_read(S_hat, buf, k_t, dtype)  # S_{t-1}ᵀ k_t
+    u_t = beta_t[..., None] * (v_t - g_t.exp()[..., None] * previous)
+    buf.append(k_t, u_t, g_t)
+    return _buffer_read(S_hat, buf, q_t, dtype)
+
+
+def fold(S_hat: torch.Tensor, buf: DecodeBuffer) -> torch.Tensor:
+    """The state after the buffered tokens: ``S = e^{G} Ŝ + Σ_i e^{G - G_i} k_i u_iᵀ``.
+
+    ``S_hat [B, HV, K, V]``; returns ``S [B, HV, K, V]`` in the compute dtype (a new tensor)."""
+    B, HV, K, V = buf.batch, buf.num_v_heads, buf.d_k, buf.d_v
+    if tuple(S_hat.shape) != (B, HV, K, V):
+        raise PaceError(f"S_hat: shape {tuple(S_hat.shape)} not allowed; allowed: {(B, HV, K, V)}")
+    dtype = torch.promote_types(_compute_dtype(S_hat), buf.dtype)
+    S = S_hat.to(dtype)
+    if len(buf) == 0:
+        return S.clone()
+    H = buf.num_k_heads
+    gamma = HV // H
+    n = len(buf)
+    total, after = _suffix_log_decays(buf.log_decays().to(dtype))
+    us = buf.values().to(dtype).reshape(B, n, H, gamma, V)
+    weights = after.exp().reshape(B, n, H, gamma)
+    writes = torch.einsum("bnhg,bnhk,bnhgv->bhgkv", weights, buf.keys().to(dtype), us).reshape(B, HV, K, V)
+    return total.exp()[..., None, None] * S + writes
+
+
+def gdn_decode_periodic(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    period: int,
+    round_fn: Callable[[torch.Tensor], torch.Tensor],
+    precision: str = "fp32",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode T tokens one at a time with :func:`buffered_step`, flushing every ``period`` (dP)
+    tokens: ``Ŝ <- round_fn(fold(Ŝ, buffer))``, then the buffer is cleared (spec §3).
+
+    ``initial_state [B, HV, K, V]`` is the checkpoint as given (not rounded; None = zeros); the
+    buffer holds up to ``period`` records in ``precision`` (see :mod:`pace_core.buffer`). Shapes as
+    :func:`gdn_recurrent`; returns ``o [B, T, HV, V]`` and the effective state ``fold(Ŝ, buffer)``
+    after the last token.
+    """
+    if not isinstance(period, int) or period < 1:
+        raise PaceError(f"period: {period!r} not allowed; allowed: an integer >= 1")
+    B, T, H, gamma, HV, K, V = _check_sequence(q, k, v, g, beta, initial_state)
+    dtype = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
+    buf = DecodeBuffer(B, H, HV, K, V, period, precision, q.device)
+    S_hat = _initial(initial_state, B, H, gamma, K, V, dtype, q.device).reshape(B, HV, K, V)
+    outputs = []
+    for t in range(T):
+        outputs.append(buffered_step(S_hat, buf, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]))
+        if len(buf) == period:
+            S_hat = round_fn(fold(S_hat, buf)).to(dtype)
+            buf.clear()
+    o = torch.stack(outputs, 1) if outputs else torch.zeros(B, 0, HV, V, dtype=dtype, device=q.device)
+    return o, fold(S_hat, buf)

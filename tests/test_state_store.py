@@ -1,0 +1,292 @@
+"""Tests of pace_core.state_store: prefill / decode orchestration, bytes, reorder, errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pace_core import quant
+from pace_core.config import get_config
+from pace_core.errors import PaceError
+from pace_core.outliers import dsq_dequantize, dsq_quantize
+from pace_core.recurrence import gdn_decode_periodic, gdn_prefill_segmented, gdn_recurrent, prepare_qk
+from pace_core.shapes import ModelShape
+from pace_core.state_store import StateStore
+
+B, H, GAMMA, K, V = 2, 2, 2, 64, 32
+HV = H * GAMMA
+LAYERS = [0, 2]
+
+
+def make_tokens(T, seed, batch=B, alpha=(0.9, 0.999)):
+    """Prepared GDN inputs in float32: q, k [b, T, H, K], v [b, T, HV, V], g, beta [b, T, HV]."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = prepare_qk(torch.randn(batch, T, H, K, generator=gen), torch.randn(batch, T, H, K, generator=gen))
+    v = torch.randn(batch, T, HV, V, generator=gen)
+    g = torch.empty(batch, T, HV).uniform_(*alpha, generator=gen).log()
+    beta = torch.rand(batch, T, HV, generator=gen)
+    return q, k, v, g, beta
+
+
+def split(tokens, start, stop=None):
+    return [x[:, start:stop] for x in tokens]
+
+
+def damp_rows(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.stack([torch.randperm(K, generator=gen)[:16] for _ in range(HV)]) for _ in LAYERS]
+
+
+def store_for(name, batch=B, **changes):
+    cfg = get_config(name).replace(**changes) if changes else get_config(name)
+    rows = damp_rows() if cfg.method == "damp" else None
+    return StateStore(cfg, None, batch, "cpu", H, HV, K, V, LAYERS, damp_rows=rows)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_fp32_reference_equals_recurrence():
+    tokens = make_tokens(40, seed=1)
+    store = store_for("fp32")
+    o_pre = store.prefill(2, *split(tokens, 0, 30))
+    o_dec = store.decode(2, *split(tokens, 30))
+    o_ref, S_ref = gdn_recurrent(*(x.double() for x in tokens))
+    assert rel(torch.cat([o_pre, o_dec], 1), o_ref) < 1e-5
+    assert rel(store.effective_state(2), S_ref) < 1e-5
+    assert store.buffer(2) is None
+    # the other layer is untouched
+    assert torch.equal(store.effective_state(0), torch.zeros(B, HV, K, V))
+
+
+def test_bf16_reference_rounds_every_token():
+    tokens = make_tokens(20, seed=2)
+    store = store_for("bf16")
+    o_pre = store.prefill(0, *split(tokens, 0, 12))
+    outs = [store.decode(0, *split(tokens, t, t + 1)) for t in range(12, 20)]
+    # reference: whole prompt in float64, state stored as bf16, then one bf16 rounding per token
+    _, S = gdn_recurrent(*(x.double() for x in split(tokens, 0, 12)))
+    S = S.bfloat16().double()
+    o_ref = []
+    for t in range(12, 20):
+        o_t, S = gdn_recurrent(*(x.double() for x in split(tokens, t, t + 1)), S)
+        S = S.bfloat16().double()
+        o_ref.append(o_t)
+    assert rel(torch.cat(outs, 1), torch.cat(o_ref, 1)) < 1e-5
+    assert torch.equal(store.checkpoint_dequantized(0).double(), S)
+    assert store.layer(0).checkpoint.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("reference_dtype,bits", [("float32", 32), ("bfloat16", 16)])
+def test_reference_with_buffering(reference_dtype, bits):
+    """Method none with dP = 4: the float32 store equals the plain recurrence (quantisation off,
+    buffering on); the bfloat16 store casts at each prefill-segment end and each flush."""
+    cfg = get_config("fp32").replace(reference_dtype=reference_dtype, bits=bits, decode_period=4,
+                                     buffer="fp32", prefill_period=8)
+    store = StateStore(cfg, None, B, "cpu", H, HV, K, V, LAYERS)
+    tokens = make_tokens(30, seed=12)
+    assert not store.has_state(0)
+    o = torch.cat([store.prefill(0, *split(tokens, 0, 19)), store.decode(0, *split(tokens, 19))], 1)
+    assert store.has_state(0) and not store.has_state(2)
+    assert len(store.buffer(0)) == 3
+    if reference_dtype == "float32":
+        o_ref, S_ref = gdn_recurrent(*(x.double() for x in tokens))
+        assert rel(o, o_ref) < 1e-5 and rel(store.effective_state(0), S_ref) < 1e-5
+    else:
+        def cast(S):
+            return S.bfloat16().to(S.dtype)
+        o_pre, S_pre = gdn_prefill_segmented(*split(tokens, 0, 19), None, 8, cast)
+        o_dec, S_ref = gdn_decode_periodic(*split(tokens, 19), S_pre, 4, cast, "fp32")
+        assert rel(o, torch.cat([o_pre, o_dec], 1)) < 1e-6
+        assert rel(store.effective_state(0), S_ref) < 1e-6
+        assert store.layer(0).checkpoint.dtype == torch.bfloat16
+    store.reset()
+    assert not store.has_state(0)
+
+
+@pytest.mark.parametrize("name", ["pace-4", "rtn-int4", "qmamba-dsq"])
+def test_quantised_pipeline_matches_composition(name):
+    """Prefill in P-token segments rounded at each end, then decode with a flush every dP tokens
+    through a buffer in the config's precision, equals the same composition of the tested
+    recurrence functions."""
+    cfg = get_config(name).replace(prefill_period=16)
+    store = StateStore(cfg, None, B, "cpu", H, HV, K, V, LAYERS)
+    if cfg.method == "dsq":
+        def round_fn(S):
+            return dsq_dequantize(dsq_quantize(S, cfg.bits)).to(S.dtype)
+    else:
+        def round_fn(S):
+            return quant.fake_quantize(S, cfg.quant_spec())
+    tokens = make_tokens(61, seed=3)
+    o_pre = store.prefill(0, *split(tokens, 0, 40))
+    o_dec = store.decode(0, *split(tokens, 40))
+    o_pre_ref, S_pre = gdn_prefill_segmented(*split(tokens, 0, 40), None, 16, round_fn)
+    o_dec_ref, S_ref = gdn_decode_periodic(*split(tokens, 40), S_pre, cfg.decode_period, round_fn,
+                                           cfg.buffer if cfg.buffered else "fp32")
+    assert rel(o_pre, o_pre_ref) < 1e-6
+    assert rel(o_dec, o_dec_ref) < 1e-5
+    assert rel(store.effective_state(0), S_ref) < 1e-5
+    expected_len = 21 % cfg.decode_period if cfg.buffered else None
+    assert (store.buffer(0) is None) == (not cfg.buffered)
+    if cfg.buffered:
+        assert len(store.buffer(0)) == expected_len
+
+
+def test_prefill_flushes_buffer_first():
+    cfg = get_config("pace-4")
+    store = StateStore(cfg, None, B, "cpu", H, HV, K, V, LAYERS)
+    tokens = make_tokens(30, seed=4)
+    store.prefill(0, *split(tokens, 0, 10))
+    store.decode(0, *split(tokens, 10, 13))
+    assert len(store.buffer(0)) == 3
+    folded = store.effective_state(0)
+    o = store.prefill(0, *split(tokens, 13))
+    assert len(store.buffer(0)) == 0
+    spec = cfg.quant_spec()
+    o_ref, S_ref = gdn_prefill_segmented(*split(tokens, 13), quant.fake_quantize(folded, spec), 256,
+                                         lambda S: quant.fake_quantize(S, spec))
+    assert rel(o, o_ref) < 1e-6
+    assert torch.equal(store.checkpoint_dequantized(0), S_ref)
+
+
+def test_periodic_rounding_lowers_state_error():
+    """Synthetic run with realistic decays (α = exp(-softplus(a)) in ~0.9..0.999): after N decode
+    tokens the 4-bit key-axis (g = 32) state error is lower at dP = 8 than at dP = 1."""
+    gen = torch.Generator().manual_seed(5)
+    T0, N = 64, 64
+    q, k = prepare_qk(torch.randn(B, T0 + N, H, K, generator=gen), torch.randn(B, T0 + N, H, K, generator=gen))
+    v = torch.randn(B, T0 + N, HV, V, generator=gen)
+    g = -F.softplus(torch.empty(B, T0 + N, HV).uniform_(-6.9, -2.3, generator=gen))
+    beta = torch.sigmoid(torch.randn(B, T0 + N, HV, generator=gen))
+    tokens = (q, k, v, g, beta)
+    _, S_ref = gdn_recurrent(*(x.double() for x in tokens))
+    errors = {}
+    for dP in (1, 8):
+        cfg = get_config("pace-4").replace(group_size=32, decode_period=dP)
+        store = StateStore(cfg, None, B, "cpu", H, HV, K, V, LAYERS)
+        store.prefill(0, *split(tokens, 0, T0))
+        store.decode(0, *split(tokens, T0))
+        errors[dP] = rel(store.effective_state(0), S_ref)
+    assert 0 < errors[8] < errors[1]
+
+
+def test_per_head_bits():
+    cfg = get_config("pace-4-8").replace(high_heads=((1,), (0,)))
+    store = StateStore(cfg, None, B, "cpu", H, HV, K, V, LAYERS)
+    assert store.bits_per_head(0) == (4, 8, 4, 4) and store.bits_per_head(2) == (8, 4, 4, 4)
+    tokens = make_tokens(24, seed=6)
+    store.prefill(0, *tokens)
+    _, S = gdn_recurrent(*tokens)
+    err = (store.checkpoint_dequantized(0) - S).square().sum((0, 2, 3)) / S.square().sum((0, 2, 3))
+    assert float(err[1]) * 64 < float(err[[0, 2, 3]].min())  # 8-bit head: ~256x less error energy
+    parts = store.layer(0).checkpoint.parts
+    assert sorted(parts) == [4, 8]
+    with pytest.raises(PaceError, match="high_heads"):
+        StateStore(get_config("pace-4-8"), None, B, "cpu", H, HV, K, V, LAYERS)
+
+
+def expected_bytes(name):
+    """(payload, metadata, buffer) per layer from the storage formats, B=2, HV=4, K=64, V=32."""
+    n = B * HV * K * V
+    if name == "fp32":
+        return 4 * n, 0, 0
+    if name == "bf16":
+        return 2 * n, 0, 0
+    if name == "rtn-int4":  # value axis g 32, fp16 scales
+        return n // 2, 2 * n // 32, 0
+    if name == "pace-4":  # key axis g 64; int8 buffer of 8 records: keys, values, fp32 decays, fp16 scales
+        record = H * K + HV * V + 4 * HV + 2 * (H + HV)
+        return n // 2, 2 * n // 64, 8 * B * record
+    if name == "pace-4-8":  # heads 1 (layer 0) at 8 bits; g 32 key axis with fp16 scale + zero point
+        low, high = 3 * n // 4, n // 4
+        groups_low, groups_high = low // 32, high // 32
+        record = H * K // 2 + HV * V * 2 + 4 * HV + 2 * H  # mixed: 4-bit keys + bf16 values
+        return low // 2 + high, 2 * (groups_low + groups_high) + groups_low // 2 + groups_high, 8 * B * record
+    if name == "qmamba-dsq":  # codes + row scales [B, HV, K] + column scales [B, HV, V]
+        return n // 2, 2 * B * HV * (K + V), 0
+    if name == "damp-int4":  # 16 fp16 rows + 48 4-bit rows with fp16 scales (value axis g 32) + int16 rows
+        rest = B * HV * 48 * V
+        return 2 * B * HV * 16 * V + rest // 2, 2 * rest // 32 + 2 * HV * 16, 0
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8", "qmamba-dsq", "damp-int4"])
+def test_byte_counts(name):
+    changes = {"high_heads": ((1,), (0,))} if name == "pace-4-8" else {}
+    store = store_for(name, **changes)
+    tokens = make_tokens(12, seed=7)
+    store.prefill(0, *split(tokens, 0, 9))
+    store.decode(0, *split(tokens, 9))
+    payload, metadata, buffer = expected_bytes(name)
+    sizes = store.layer_nbytes(0)
+    assert sizes == {"payload": payload, "metadata": metadata, "buffer": buffer}
+    layer = store.layer(0)
+    checkpoint = layer.checkpoint
+    if isinstance(checkpoint, torch.Tensor):
+        assert payload == checkpoint.numel() * checkpoint.element_size()
+    elif name == "damp-int4":
+        assert payload + metadata == checkpoint.nbytes() == layer.damp.nbytes((B, HV, K, V))
+    else:
+        assert payload + metadata == checkpoint.nbytes()
+    if layer.buffer is not None:
+        assert buffer == sum(t.numel() * t.element_size() for t in layer.buffer.storage().values())
+    assert store.nbytes() == sum(sum(store.layer_nbytes(i).values()) for i in LAYERS)
+
+
+@pytest.mark.parametrize("name", ["fp32", "pace-4", "pace-4-8", "qmamba-dsq", "damp-int4"])
+def test_reorder(name):
+    changes = {"high_heads": ((1,), (0,))} if name == "pace-4-8" else {}
+    store = store_for(name, batch=3, **changes)
+    tokens = make_tokens(13, seed=8, batch=3)
+    store.prefill(2, *split(tokens, 0, 10))
+    store.decode(2, *split(tokens, 10))
+    before = store.effective_state(2)
+    checkpoint_before = store.checkpoint_dequantized(2)
+    store.reorder(torch.tensor([2, 0, 0]))
+    assert torch.equal(store.effective_state(2), before[[2, 0, 0]])
+    assert torch.equal(store.checkpoint_dequantized(2), checkpoint_before[[2, 0, 0]])
+    with pytest.raises(PaceError, match="beam_idx"):
+        store.reorder(torch.tensor([0, 3, 1]))
+
+
+def test_reset():
+    store = store_for("pace-4")
+    store.prefill(0, *make_tokens(11, seed=9))
+    store.decode(0, *make_tokens(2, seed=10))
+    sizes = store.layer_nbytes(0)
+    store.reset()
+    assert torch.equal(store.effective_state(0), torch.zeros(B, HV, K, V))
+    assert len(store.buffer(0)) == 0 and store.layer_nbytes(0) == sizes
+
+
+@pytest.mark.parametrize("name", ["fp32", "pace-4", "rtn-int4"])
+def test_non_finite_state_raises(name):
+    store = store_for(name)
+    q, k, v, g, beta = make_tokens(5, seed=11)
+    v[0, 2, 1, 3] = float("inf")
+    with pytest.raises(PaceError, match="non-finite"):
+        store.prefill(0, q, k, v, g, beta)
+    store.reset()
+    v[0, 2, 1, 3] = float("nan")
+    with pytest.raises(PaceError, match="non-finite"):
+        store.decode(0, q, k, v, g, beta)
+
+
+def test_bad_input_raises():
+    cfg = get_config("pace-4")
+    with pytest.raises(PaceError, match="layer"):
+        store_for("pace-4").decode(1, *make_tokens(1, seed=0))
+    with pytest.raises(PaceError, match="v:"):
+        q, k, v, g, beta = make_tokens(3, seed=0)
+        store_for("pace-4").prefill(0, q, k, v[:, :, :2], g, beta)
+    with pytest.raises(PaceError, match="damp_rows"):
+        StateStore(get_config("damp-int4"), None, B, "cpu", H, HV, K, V, LAYERS)
+    with pytest.raises(PaceError, match="high_heads"):
+        StateStore(get_config("pace-4-8").replace(high_heads=((1,),)), None, B, "cpu", H, HV, K, V, LAYERS)
+    with pytest.raises(PaceError, match="high_heads"):
+        StateStore(get_config("pace-4-8").replace(high_heads=((1,), (7,))), None, B, "cpu", H, HV, K, V, LAYERS)
+    with pytest.raises(PaceError, match="group_size"):
+        StateStore(cfg.replace(group_size=128), None, B, "cpu", H, HV, K, V, LAYERS)
+    shape = ModelShape("toy", 4, 2, H, HV, K, 2 * V, 1000)
+    with pytest.raises(PaceError, match="d_v"):
+        StateStore(cfg, shape, B, "cpu", H, HV, K, V, LAYERS)
