@@ -1,0 +1,212 @@
+"""Resident bits per state value (PACE_SPEC §5), state bytes, and what fits in memory.
+
+**The paper's accounting** (per state value, averaged over the GDN layers of one sequence):
+``resident = payload + metadata + c · dP`` with
+
+- ``payload``: the stored state with its scales and zero points, the seeds' "payload" (5.65625 for
+  PACE-4/8, "5.66, the same as DAMP INT4"). It is reported in two parts:
+  ``code_bits``: rtn / pace ``(1 − s)·b + s·b_high``, ``s`` = share of heads at ``high_bits`` (the
+  real per-layer head counts, ``round(high_share · HV)`` or ``high_heads``); damp
+  ``((d_k − r)·b + r·16) / d_k`` (r outlier key rows kept in fp16); dsq ``b``; references 32 or 16.
+  ``scale_bits``: groups of g: ``16/g`` per value (fp16 scale) plus, with a zero point, ``b/g``
+  (zero points stored in b bits; high heads ``b_high/g``); damp ``16/g`` on the ``d_k − r``
+  quantised rows; dsq ``16 (d_k + d_v) / (d_k d_v)`` (row scales r_k and column scales c_v, fp16);
+  references 0. PACE-4/8: ``0.75·(4 + 16/32 + 4/32) + 0.25·(8 + 16/32 + 8/32) = 5.65625``.
+- ``c · dP``: the decode buffer, ``c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v)`` **[seed]** with
+  ``(b_k, b_v)`` = fp32 (32, 32), bf16 (16, 16), int8 (8, 8), mixed (4, 16) by buffer precision;
+  keys are shared by the γ value heads of a key head, 32 = the fp32 log decay. There is no buffer
+  at dP = 1 (per-token rounding) and for the references: the term is 0 there.
+- ``metadata`` **[ours]**: what the implementation stores beyond payload and ``c · dP``: the
+  per-vector fp16 scales of integer buffers, DAMP's outlier-row indices, and the padding of 2- and
+  3-bit codes (stored two per byte). So ``resident`` equals the exact stored bits (``exact_bits``),
+  and ``payload + c · dP`` alone is the paper's formula (``formula_bits``).
+
+**Exact bits** (``exact_bits``, :func:`state_bytes`): the bytes the implementation stores, from the
+storage code itself: :func:`pace_core.quant.packed_nbytes` (2..4-bit codes two per byte, so a 3-bit
+code occupies 4 bits; 5..8-bit codes one byte; fp16 scales; zero points packed two per byte when
+b <= 4, else one byte), separate packed parts for the low- and high-bit heads (the head map is part
+of the configuration, not of a sequence), :meth:`pace_core.outliers.DampQuantizer.nbytes` (fp16
+outlier rows, INT-b rest with fp16 scales, and the int16 outlier-row indices ``[HV, r]`` once per
+layer), DSQ's packed codes with fp16 row scales ``[K]`` and column scales ``[V]`` per head, and
+:func:`pace_core.buffer.record_bytes` times dP records (int8 / mixed buffers add one fp16 scale per
+key vector and, for int8, per value vector). ``exact_bits`` is ``8 · state_bytes(cfg, shape, 1)``
+divided by the state values of one sequence.
+
+Readings of the seeds' numbers (reported, and checked in tests/test_accounting.py):
+
+- PACE-4 "5.03 bits on Qwen3.5-27B": the formula gives 4.93229 on 27B (γ = 3) and 5.01563 on the
+  γ = 2 backbones; the exact bits are 4.94271 on 27B and **5.02734 → 5.03** on 4B / 9B / 35B-A3B.
+  **[ours]**: 5.03 is reproduced by the stored bits (per-vector fp16 buffer scales) at γ = 2.
+- PACE-4/8 "6.82 on Qwen3.5-27B": formula 6.75521 (27B), 6.79688 (γ = 2); exact 6.75781 (27B),
+  6.80078 (γ = 2). Not reproduced under any reading we consider sensible; 6.82 would need, at
+  γ = 2, 4-bit buffer keys with 32-wide fp16 scale + 4-bit zero-point groups (6.8164).
+- DAMP INT8 "9.90 on Qwen3.5-27B": our §6 reading (16 fp16 rows of 128, INT8 value-axis groups of
+  32) gives 9.4375 (exact 9.453125), and DAMP INT4 5.9375 instead of the seeds' 5.66. Not
+  reproduced; no clean reading of fp16 rows, group scales, zero points and a buffer yields 9.90
+  together with a DAMP INT4 payload of 5.66.
+- "An fp32 state takes 10–41% of weights + state at 64 sequences": with bf16 weights (the text
+  model transformers loads) the paper's four backbones give 27.7% (4B), 15.2% (9B), 15.2% (27B),
+  5.5% (35B-A3B); with weights at 1 byte per parameter 43.4%, 26.5%, 26.4%, 10.4%. **[ours]**: the
+  closest reading is 1 byte per weight parameter (FP8 weights, ``state_share(...,
+  weight_bytes_per_param=1)``): the lower end (10%) matches, the upper end is 43% instead of 41%
+  (counting the 4B checkpoint's vision tower and MTP head, which transformers does not load,
+  would lower it). Qwen3-Next-80B-A3B (not a paper backbone) is at 2.9% / 5.7%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from pace_core.buffer import record_bytes
+from pace_core.config import PaceConfig, num_high_heads
+from pace_core.errors import PaceError
+from pace_core.outliers import DampQuantizer
+from pace_core.quant import QuantSpec, packed_last_dim, packed_nbytes
+from pace_core.shapes import ModelShape
+
+BUFFER_BITS: dict[str, tuple[int, int]] = {"fp32": (32, 32), "bf16": (16, 16), "int8": (8, 8), "mixed": (4, 16)}
+"""Buffer precision -> (b_k, b_v): bits per buffered key / value entry in spec §5's c."""
+LOG_DECAY_BITS = 32
+SCALE_BITS = 16
+OUTLIER_ROW_BITS = 16
+
+
+@dataclass(frozen=True)
+class ResidentBits:
+    """Bits per state value of one configuration on one model (see the module docstring).
+
+    payload_bits + metadata_bits + buffer_bits = resident_bits = exact_bits (the bits actually
+    stored); payload_bits = code_bits + scale_bits; ``c`` is the buffer cost per state value per
+    buffered token; formula_bits = payload_bits + buffer_bits is the paper's formula alone.
+    """
+
+    code_bits: float
+    scale_bits: float
+    payload_bits: float
+    metadata_bits: float
+    buffer_bits: float
+    resident_bits: float
+    c: float
+    exact_bits: float
+
+    @property
+    def formula_bits(self) -> float:
+        """payload + c · dP: the paper's formula without the implementation's metadata."""
+        return self.payload_bits + self.buffer_bits
+
+
+def _check(cfg: PaceConfig, shape: ModelShape) -> None:
+    if not isinstance(cfg, PaceConfig):
+        raise PaceError(f"cfg must be a PaceConfig; got {type(cfg).__name__}")
+    if not isinstance(shape, ModelShape):
+        raise PaceError(f"shape must be a ModelShape; got {type(shape).__name__}")
+    cfg.validate_for(shape)
+
+
+def high_head_counts(cfg: PaceConfig, shape: ModelShape) -> tuple[int, ...]:
+    """Heads kept at ``high_bits`` in each GDN layer: from ``high_heads`` when calibrated, else
+    ``num_high_heads(high_share, HV)`` (0 for methods without high-bit heads)."""
+    if cfg.high_share == 0:
+        return (0,) * shape.num_gdn_layers
+    if cfg.high_heads is not None:
+        return tuple(len(layer) for layer in cfg.high_heads)
+    return (num_high_heads(cfg.high_share, shape.num_v_heads),) * shape.num_gdn_layers
+
+
+def buffer_c(cfg: PaceConfig, shape: ModelShape) -> Fraction:
+    """``c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v)`` for the config's buffer precision (exact)."""
+    b_k, b_v = BUFFER_BITS[cfg.buffer]
+    return (Fraction(b_k * shape.d_k, shape.gamma) + b_v * shape.d_v + LOG_DECAY_BITS) / (shape.d_k * shape.d_v)
+
+
+def _formula_terms(cfg: PaceConfig, shape: ModelShape) -> tuple[Fraction, Fraction]:
+    """(code bits, scale bits) per state value, exact fractions."""
+    k, v = shape.d_k, shape.d_v
+    if not cfg.quantized:
+        return Fraction(cfg.bits), Fraction(0)
+    if cfg.method == "dsq":
+        return Fraction(cfg.bits), Fraction(SCALE_BITS * (k + v), k * v)
+    if cfg.method == "damp":
+        kept = Fraction(k - cfg.damp_outlier_rows, k)
+        return kept * cfg.bits + (1 - kept) * OUTLIER_ROW_BITS, kept * Fraction(SCALE_BITS, cfg.group_size)
+    s = Fraction(sum(high_head_counts(cfg, shape)), shape.num_gdn_layers * shape.num_v_heads)
+    payload = (1 - s) * cfg.bits + s * cfg.high_bits
+    zero = Fraction(0) if cfg.symmetric else payload / cfg.group_size
+    return payload, Fraction(SCALE_BITS, cfg.group_size) + zero
+
+
+def _layer_state_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int, high: int) -> int:
+    """Stored bytes of one GDN layer's states (no buffer) for `n_seq` sequences, `high` high-bit heads."""
+    hv, k, v = shape.num_v_heads, shape.d_k, shape.d_v
+    if not cfg.quantized:
+        return n_seq * hv * k * v * cfg.bits // 8
+    if cfg.method == "dsq":
+        return n_seq * hv * (k * packed_last_dim(cfg.bits, v) + 2 * k + 2 * v)
+    if cfg.method == "damp":
+        rows = torch.arange(cfg.damp_outlier_rows).expand(hv, cfg.damp_outlier_rows)
+        return DampQuantizer(rows, cfg.bits, cfg.damp_hadamard, cfg.group_size).nbytes((n_seq, hv, k, v))
+    total = 0
+    for heads, bits in ((hv - high, cfg.bits), (high, cfg.high_bits)):
+        if heads:
+            spec = QuantSpec(bits=bits, symmetric=cfg.symmetric, axis=cfg.group_axis, group_size=cfg.group_size)
+            total += packed_nbytes((n_seq, heads, k, v), spec)
+    return total
+
+
+def _check_n(n_seq: int, field: str = "n_seq") -> None:
+    if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 0:
+        raise PaceError(f"{field}={n_seq!r} is not allowed; allowed: an integer >= 0")
+
+
+def state_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> int:
+    """Bytes the implementation keeps resident for `n_seq` sequences: every GDN layer's stored state
+    plus, when buffered (quantised, dP > 1), its decode buffer of dP records; the once-per-layer DAMP
+    row indices are included (0 sequences -> 0 bytes)."""
+    _check(cfg, shape)
+    _check_n(n_seq)
+    if n_seq == 0:
+        return 0
+    total = sum(_layer_state_bytes(cfg, shape, n_seq, high) for high in high_head_counts(cfg, shape))
+    if cfg.buffered:
+        record = record_bytes(cfg.buffer, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v)
+        total += shape.num_gdn_layers * n_seq * cfg.decode_period * record
+    return total
+
+
+def resident_bits(cfg: PaceConfig, shape: ModelShape) -> ResidentBits:
+    """The resident bits per state value of `cfg` on `shape`: each term of the paper's accounting and
+    the exact stored bits (one sequence)."""
+    _check(cfg, shape)
+    codes, scales = _formula_terms(cfg, shape)
+    c = buffer_c(cfg, shape) if cfg.quantized else Fraction(0)
+    buffer = c * cfg.decode_period if cfg.buffered else Fraction(0)
+    exact = Fraction(8 * state_bytes(cfg, shape, 1), shape.state_values)
+    metadata = exact - codes - scales - buffer
+    return ResidentBits(code_bits=float(codes), scale_bits=float(scales), payload_bits=float(codes + scales),
+                        metadata_bits=float(metadata), buffer_bits=float(buffer), resident_bits=float(exact),
+                        c=float(c), exact_bits=float(exact))
+
+
+def state_share(cfg: PaceConfig, shape: ModelShape, n_seq: int, *, weight_bytes_per_param: int | None = None) -> float:
+    """The state's share of weights + state memory at `n_seq` sequences (exact state bytes; weights
+    ``weight_params · weight_bytes_per_param``, the shape's own value unless given)."""
+    _check_n(n_seq)
+    per_param = shape.weight_bytes_per_param if weight_bytes_per_param is None else weight_bytes_per_param
+    if isinstance(per_param, bool) or not isinstance(per_param, int) or per_param < 1:
+        raise PaceError(f"weight_bytes_per_param={per_param!r} is not allowed; allowed: an integer >= 1")
+    state = state_bytes(cfg, shape, n_seq)
+    total = state + shape.weight_params * per_param
+    return state / total if total else 0.0
+
+
+def sequences_that_fit(cfg: PaceConfig, shape: ModelShape, budget_bytes: int) -> int:
+    """The most sequences whose resident state fits in `budget_bytes` after the weights
+    (``shape.weight_bytes``); 0 when the weights alone do not fit."""
+    _check_n(budget_bytes, "budget_bytes")
+    one, two = state_bytes(cfg, shape, 1), state_bytes(cfg, shape, 2)
+    per_seq, fixed = two - one, 2 * one - two
+    free = budget_bytes - shape.weight_bytes - fixed
+    return max(free // per_seq, 0)

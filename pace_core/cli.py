@@ -1,0 +1,208 @@
+"""``python -m pace_core <command>``: the command line of PACE Studio.
+
+Commands register themselves on the argparse sub-parsers: a module exposing
+``register(subparsers)`` adds its parsers, each with ``set_defaults(func=run)`` where
+``run(args) -> int`` is the exit code. :func:`build_parser` calls every registrar; a new group of
+commands is one import and one call there. A :class:`~pace_core.errors.PaceError` from any command
+is printed as ``error: <message>`` on stderr with exit code 2, without a traceback.
+
+``bits``: the resident-bit breakdown of one configuration (``--config``: a named configuration or
+an exported config JSON file) or, without ``--config``, a table of every named configuration, on a
+built-in shape, a ``config.json`` or a checkpoint folder (``--model``; default: the embedded model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_share
+from pace_core.config import (
+    BUFFER_PRECISIONS,
+    GROUP_AXES,
+    NAMED_CONFIGS,
+    PaceConfig,
+    config_from_json,
+    get_config,
+)
+from pace_core.errors import PaceError
+from pace_core.shapes import BUILTIN_SHAPES, ModelShape, load_shape
+
+DEFAULT_SEQUENCES = 64
+GIB = 2**30
+
+# (option, PaceConfig field, argparse keyword arguments) of the config overrides of `bits`
+_OVERRIDES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("--bits", "bits", {"type": int, "help": "state bits of the low-precision heads (2..8)"}),
+    ("--high-bits", "high_bits", {"type": int, "help": "bits of the promoted heads"}),
+    ("--high-share", "high_share", {"type": float, "help": "share of heads per layer at --high-bits (0..1)"}),
+    ("--dp", "decode_period", {"type": int, "help": "decode period dP (1 = per-token rounding)"}),
+    ("--prefill-period", "prefill_period", {"type": int, "help": "prefill period P"}),
+    ("--group-size", "group_size", {"type": int, "help": "scale group size g"}),
+    ("--axis", "group_axis", {"choices": GROUP_AXES, "help": "group axis"}),
+    ("--buffer", "buffer", {"choices": BUFFER_PRECISIONS, "help": "decode-buffer precision"}),
+    ("--symmetric", "symmetric", {"action": argparse.BooleanOptionalAction, "default": None,
+                                  "help": "symmetric codes (--no-symmetric: integer zero point)"}),
+    ("--outlier-rows", "damp_outlier_rows", {"type": int, "help": "DAMP outlier key rows in fp16"}),
+)
+
+
+def _resolve_config(spec: str) -> PaceConfig:
+    """A named configuration, or the config of an exported JSON file."""
+    path = Path(spec).expanduser()
+    if spec.strip().lower() in NAMED_CONFIGS or path.suffix != ".json":
+        return get_config(spec)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PaceError(f"--config {spec!r} cannot be read ({e}); allowed: {', '.join(NAMED_CONFIGS)} "
+                        "or a config JSON file") from None
+    return config_from_json(text)
+
+
+def _default_model() -> str:
+    from pace_core.model.loading import DEFAULT_MODEL_DIR
+
+    if not DEFAULT_MODEL_DIR.joinpath("config.json").is_file():
+        raise PaceError(f"no --model given and the embedded model {DEFAULT_MODEL_DIR} is missing; allowed "
+                        f"--model: {', '.join(BUILTIN_SHAPES)}, a config.json or a checkpoint folder")
+    return str(DEFAULT_MODEL_DIR)
+
+
+def _apply_overrides(cfg: PaceConfig, args: argparse.Namespace) -> PaceConfig:
+    changes = {field: getattr(args, field) for _, field, _ in _OVERRIDES if getattr(args, field) is not None}
+    return cfg.replace(**changes) if changes else cfg
+
+
+def _row(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> dict[str, Any]:
+    rb = resident_bits(cfg, shape)
+    return {
+        "model": shape.name,
+        "config": cfg.name,
+        "code_bits": rb.code_bits,
+        "scale_bits": rb.scale_bits,
+        "payload_bits": rb.payload_bits,
+        "metadata_bits": rb.metadata_bits,
+        "buffer_bits": rb.buffer_bits,
+        "resident_bits": rb.resident_bits,
+        "c": rb.c,
+        "decode_period": cfg.decode_period,
+        "exact_bits": rb.exact_bits,
+        "formula_bits": rb.formula_bits,
+        "sequences": n_seq,
+        "state_bytes": state_bytes(cfg, shape, n_seq),
+        "state_share": state_share(cfg, shape, n_seq),
+    }
+
+
+def _shape_line(shape: ModelShape) -> str:
+    return (f"{shape.name}: {shape.num_gdn_layers} GDN layers of {shape.num_layers}, {shape.num_k_heads} key / "
+            f"{shape.num_v_heads} value heads (γ = {shape.gamma}), d_k = {shape.d_k}, d_v = {shape.d_v}, "
+            f"{shape.weight_params / 1e9:.2f}B weight parameters")
+
+
+def _print_one(row: dict[str, Any], shape: ModelShape, budget: int | None, fits: int | None) -> None:
+    print(f"{row['config']} on {_shape_line(shape)}")
+    print(f"  payload   {row['payload_bits']:9.5f} bits per state value "
+          f"(codes {row['code_bits']:.5f} + scales/zero points {row['scale_bits']:.5f})")
+    print(f"  metadata  {row['metadata_bits']:9.5f}  (stored beyond the formula: buffer scales, row indices, padding)")
+    print(f"  buffer    {row['buffer_bits']:9.5f}  (c = {row['c']:.6f} x dP {row['decode_period']})")
+    print(f"  resident  {row['resident_bits']:9.5f}  (= the bits stored per state value, one sequence)")
+    print(f"  formula   {row['formula_bits']:9.5f}  (the paper's payload + c·dP)")
+    print(f"  state of {row['sequences']} sequences: {row['state_bytes'] / GIB:.3f} GiB, "
+          f"{100 * row['state_share']:.1f}% of weights + state")
+    if budget is not None:
+        print(f"  sequences that fit in {budget / 1e9:g} GB with the weights: {fits}")
+
+
+def _print_table(rows: list[dict[str, Any]], shape: ModelShape) -> None:
+    print(_shape_line(shape))
+    fit = "sequences_that_fit" in rows[0]
+    head = f"{'config':<12} {'payload':>8} {'metadata':>9} {'buffer':>8} {'resident':>9} {'formula':>8} {'dP':>4} " \
+           f"{'state GiB':>10} {'share':>6}" + (f" {'fit':>8}" if fit else "")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['config']:<12} {r['payload_bits']:8.4f} {r['metadata_bits']:9.4f} {r['buffer_bits']:8.4f} "
+              f"{r['resident_bits']:9.4f} {r['formula_bits']:8.4f} {r['decode_period']:4d} "
+              f"{r['state_bytes'] / GIB:10.3f} {100 * r['state_share']:5.1f}%"
+              + (f" {r['sequences_that_fit']:8d}" if fit else ""))
+    note = f"(bits per state value; state and share at {rows[0]['sequences']} sequences"
+    print(note + (f"; fit: sequences in {rows[0]['budget_bytes'] / 1e9:g} GB with the weights)" if fit else ")"))
+
+
+def run_bits(args: argparse.Namespace) -> int:
+    """The ``bits`` command."""
+    shape = load_shape(args.model if args.model is not None else _default_model())
+    if args.sequences < 1:
+        raise PaceError(f"--sequences={args.sequences} is not allowed; allowed: an integer >= 1")
+    budget = None if args.budget_gb is None else int(args.budget_gb * 1e9)
+    if budget is not None and budget < 0:
+        raise PaceError(f"--budget-gb={args.budget_gb} is not allowed; allowed: a number >= 0")
+    if args.config is not None:
+        cfg = _apply_overrides(_resolve_config(args.config), args)
+        row = _row(cfg, shape, args.sequences)
+        fits = None if budget is None else sequences_that_fit(cfg, shape, budget)
+        if budget is not None:
+            row.update(budget_bytes=budget, sequences_that_fit=fits)
+        if args.json:
+            print(json.dumps(row, indent=2))
+        else:
+            _print_one(row, shape, budget, fits)
+        return 0
+    configs = [_apply_overrides(c, args) if c.quantized else c for c in NAMED_CONFIGS.values()]
+    rows = [_row(c, shape, args.sequences) for c in configs]
+    if budget is not None:
+        for r, c in zip(rows, configs):
+            r.update(budget_bytes=budget, sequences_that_fit=sequences_that_fit(c, shape, budget))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        _print_table(rows, shape)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``bits`` command."""
+    p = subparsers.add_parser(
+        "bits", help="resident bits per state value of a configuration (or of all named ones)",
+        description="Resident bits per state value (PACE_SPEC §5): payload, metadata, buffer c·dP, their sum, "
+                    "and the bits actually stored. Without --config: a table of every named configuration "
+                    "(overrides then apply to the quantised ones).")
+    p.add_argument("--config", help=f"named configuration ({', '.join(NAMED_CONFIGS)}) or a config JSON file")
+    p.add_argument("--model", help=f"built-in shape ({', '.join(BUILTIN_SHAPES)}), a config.json or a checkpoint "
+                                   "folder (default: the embedded model)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--sequences", type=int, default=DEFAULT_SEQUENCES,
+                   help=f"concurrent sequences for the state bytes and share (default {DEFAULT_SEQUENCES})")
+    p.add_argument("--budget-gb", type=float, help="memory budget in GB (1e9 bytes): how many sequences fit")
+    for option, field, kwargs in _OVERRIDES:
+        p.add_argument(option, dest=field, **kwargs)
+    p.set_defaults(func=run_bits)
+
+
+REGISTRARS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (register,)
+"""Command registrars, called in order by build_parser."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with every registered command."""
+    parser = argparse.ArgumentParser(prog="python -m pace_core",
+                                     description="PACE Studio: 4-bit recurrent states for Gated DeltaNet hybrids.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_commands in REGISTRARS:
+        add_commands(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (2 with a message on stderr for bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PaceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
