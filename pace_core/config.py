@@ -42,17 +42,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pace_core import __version__
 from pace_core.errors import PaceError
-from pace_core.quant import QuantSpec
+from pace_core.quant import GROUP_AXES, GroupAxis, QuantSpec
 
 if TYPE_CHECKING:
     from pace_core.shapes import ModelShape
 
-GroupAxis = Literal["key", "value"]
 BufferPrecision = Literal["fp32", "bf16", "int8", "mixed"]  # mixed: keys 4-bit, values bf16
 Method = Literal["none", "rtn", "pace", "damp", "dsq"]  # none = fp32/bf16 reference
 
 METHODS: tuple[str, ...] = ("none", "rtn", "pace", "damp", "dsq")
-GROUP_AXES: tuple[str, ...] = ("key", "value")
 BUFFER_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8", "mixed")
 REFERENCE_DTYPES: dict[str, int] = {"float32": 32, "bfloat16": 16}
 """Reference dtype -> its bits (the ``bits`` of a method ``none`` config)."""
