@@ -15,7 +15,7 @@
 - ``c · dP``: the decode buffer, ``c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v)`` **[seed]** with
   ``(b_k, b_v)`` = fp32 (32, 32), bf16 (16, 16), int8 (8, 8), mixed (4, 16) by buffer precision;
   keys are shared by the γ value heads of a key head, 32 = the fp32 log decay. There is no buffer
-  at dP = 1 (per-token rounding) and for the references: the term is 0 there.
+  at dP = 1 (per-token rounding): the term is 0 there (``c`` is still reported).
 - ``metadata`` **[ours]**: what the implementation stores beyond payload and ``c · dP``: the
   per-vector fp16 scales of integer buffers, DAMP's outlier-row indices, and the padding of 2- and
   3-bit codes (stored two per byte). So ``resident`` equals the exact stored bits (``exact_bits``),
@@ -163,7 +163,7 @@ def _check_n(n_seq: int, field: str = "n_seq") -> None:
 
 def state_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> int:
     """Bytes the implementation keeps resident for `n_seq` sequences: every GDN layer's stored state
-    plus, when buffered (quantised, dP > 1), its decode buffer of dP records; the once-per-layer DAMP
+    plus, when buffered (dP > 1), its decode buffer of dP records; the once-per-layer DAMP
     row indices are included (0 sequences -> 0 bytes)."""
     _check(cfg, shape)
     _check_n(n_seq)
@@ -181,7 +181,7 @@ def resident_bits(cfg: PaceConfig, shape: ModelShape) -> ResidentBits:
     the exact stored bits (one sequence)."""
     _check(cfg, shape)
     codes, scales = _formula_terms(cfg, shape)
-    c = buffer_c(cfg, shape) if cfg.quantized else Fraction(0)
+    c = buffer_c(cfg, shape)
     buffer = c * cfg.decode_period if cfg.buffered else Fraction(0)
     exact = Fraction(8 * state_bytes(cfg, shape, 1), shape.state_values)
     metadata = exact - codes - scales - buffer

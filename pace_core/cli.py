@@ -29,6 +29,7 @@ from pace_core.config import (
     get_config,
 )
 from pace_core.errors import PaceError
+from pace_core.model import commands as model_commands
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape, load_shape
 
 DEFAULT_SEQUENCES = 64
@@ -184,7 +185,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_bits)
 
 
-REGISTRARS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (register,)
+REGISTRARS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (register, model_commands.register)
 """Command registrars, called in order by build_parser."""
 
 

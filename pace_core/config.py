@@ -131,8 +131,9 @@ class PaceConfig:
 
     @property
     def buffered(self) -> bool:
-        """True when decoding keeps a buffer: a quantised method with dP > 1."""
-        return self.quantized and self.decode_period > 1
+        """True when decoding keeps a buffer: dP > 1, for every method (method none buffers too and
+        casts to its reference dtype at each flush)."""
+        return self.decode_period > 1
 
     def validate(self) -> PaceConfig:
         """Check every field; raise PaceError naming the field and its allowed values. Returns self."""
