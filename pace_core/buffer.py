@@ -34,8 +34,8 @@ from pace_core.errors import PaceError
 Precision = Literal["fp32", "bf16", "int8", "mixed", "fp64"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8", "mixed", "fp64")
 
-# precision -> (key storage, value storage): a torch dtype or an integer bit width
-_LAYOUT: dict[str, tuple[torch.dtype | int, torch.dtype | int]] = {
+# precision -> (key storage, value storage): a torch dtype or an integer bit width (kernels read it too)
+BUFFER_LAYOUT: dict[str, tuple[torch.dtype | int, torch.dtype | int]] = {
     "fp32": (torch.float32, torch.float32),
     "bf16": (torch.bfloat16, torch.bfloat16),
     "int8": (8, 8),
@@ -50,9 +50,9 @@ def _bits(kind: torch.dtype | int) -> int:
 
 def record_bytes(precision: str, num_k_heads: int, num_v_heads: int, d_k: int, d_v: int) -> int:
     """Bytes of one buffered record of one sequence: keys + values + log decays + fp16 scales."""
-    if precision not in _LAYOUT:
+    if precision not in BUFFER_LAYOUT:
         raise PaceError(f"precision: {precision!r} not allowed; allowed: {', '.join(PRECISIONS)}")
-    key_kind, value_kind = _LAYOUT[precision]
+    key_kind, value_kind = BUFFER_LAYOUT[precision]
     decay_bytes = 8 if precision == "fp64" else 4
     key_bits = num_k_heads * d_k * _bits(key_kind)
     value_bits = num_v_heads * d_v * _bits(value_kind)
@@ -135,7 +135,7 @@ class DecodeBuffer:
         precision: str,
         device: torch.device | str = "cpu",
     ) -> None:
-        if precision not in _LAYOUT:
+        if precision not in BUFFER_LAYOUT:
             raise PaceError(f"precision: {precision!r} not allowed; allowed: {', '.join(PRECISIONS)}")
         for name, value in (("batch", batch), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
                             ("d_k", d_k), ("d_v", d_v), ("capacity", capacity)):
@@ -149,7 +149,7 @@ class DecodeBuffer:
         self.d_k, self.d_v, self.capacity, self.precision = d_k, d_v, capacity, precision
         self.dtype = torch.float64 if precision == "fp64" else torch.float32
         """dtype of the dequantised keys / values / log decays."""
-        key_kind, value_kind = _LAYOUT[precision]
+        key_kind, value_kind = BUFFER_LAYOUT[precision]
         self._keys = _VectorStore(batch, capacity, num_k_heads, d_k, key_kind, device)
         self._values = _VectorStore(batch, capacity, num_v_heads, d_v, value_kind, device)
         self._decays = torch.zeros(batch, capacity, num_v_heads, dtype=self.dtype, device=device)

@@ -1,0 +1,261 @@
+"""GDN decode-step benchmark on the GPU (issue 5): Qwen3.5-4B GDN shapes (24 GDN layers, 16 key heads,
+32 value heads, K = V = 128), batch 1..128, one decode token summed over the layers, for
+
+- per-token fp32 state and per-token bf16 state (:func:`kernels.decode_step.dense_recurrent_step`:
+  the whole state read and written every token),
+- buffered bf16 (dense bf16 checkpoint, bf16 buffer, dP = 8),
+- PACE-4 (4-bit key-axis g 64 symmetric checkpoint, int8 buffer, dP = 8),
+- PACE-4/8 (key-axis g 32 zero point, a quarter of the heads at 8 bits, mixed buffer, dP = 8)
+  (:func:`kernels.decode_step.buffered_decode_step`).
+
+Timing: each layer has its own state, buffer and inputs; one dP = 8 token period over all layers
+(8 x 24 launches) is captured in a CUDA graph, replayed ``--reps`` times after a warm-up, timed by
+CUDA events; the median replay / 8 is the time per token. Each variant tries a few launch
+configurations (:func:`configs`, the same number for the baselines) and reports its fastest. The state does not depend on the context
+length (512 tokens in the issue), so none is built.
+
+Bytes per token: see ``BYTES_MODEL``. Achieved bandwidth over the device-to-device copy bandwidth
+measured in the same run (bytes read + written) gives the fraction of HBM bandwidth.
+
+Usage (on the GPU machine): ``python3 kernels/bench.py --out DIR``; writes ``DIR/bench.json`` and
+``DIR/bench.png`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import quant_pack  # noqa: E402
+from kernels.decode_step import buffered_decode_step, dense_recurrent_step, plan_decode  # noqa: E402
+from pace_core import quant  # noqa: E402
+from pace_core.buffer import DecodeBuffer, record_bytes  # noqa: E402
+from pace_core.recurrence import prepare_qk  # noqa: E402
+
+LAYERS, H, HV, K, V, PERIOD = 24, 16, 32, 128, 128, 8
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+BYTES_MODEL = (
+    "a lower bound, each byte counted once: per-token states read + write the whole state; buffered "
+    "variants read the checkpoint every token, write it once per dP, write one record per non-flush token "
+    "and read the (dP - 1) / 2 records held on average; all variants read q, k, v, g, beta and write o "
+    "(float32). The flush token's second pass over the checkpoint (an L2 hit) is not counted."
+)
+VARIANTS = ("fp32 per-token", "bf16 per-token", "bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8")
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of ``reps``."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def _inputs(B: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    q, k = prepare_qk(torch.randn(B, H, K, device=device), torch.randn(B, H, K, device=device))
+    v = torch.randn(B, HV, V, device=device)
+    g = -torch.rand(B, HV, device=device) * 0.3
+    beta = torch.rand(B, HV, device=device)
+    return q, k, v, g, beta
+
+
+def _io_bytes(B: int) -> int:
+    """q, k, v, g, beta read and o written, float32."""
+    return 4 * B * (2 * H * K + HV * V + 2 * HV + HV * V)
+
+
+def _checkpoint(variant: str, S: torch.Tensor):
+    if variant == "bf16 buffered dP=8":
+        return S.to(torch.bfloat16), "bf16"
+    if variant == "PACE-4 dP=8":
+        return quant_pack.quantize(S, quant.QuantSpec(4, True, "key", 64)), "int8"
+    bits = [8 if h % 4 == 0 else 4 for h in range(HV)]
+    return quant_pack.quantize_heads(S, bits, quant.QuantSpec(4, False, "key", 32)), "mixed"
+
+
+def _ckpt_bytes(ckpt) -> int:
+    return ckpt.numel() * ckpt.element_size() if isinstance(ckpt, torch.Tensor) else ckpt.nbytes()
+
+
+def configs(variant: str) -> list[dict]:
+    """Launch configurations tried for ``variant`` (the fastest is reported; all are kept in the JSON):
+    per-token kernels: columns per program and warps; buffered kernels: rows per tile and warps."""
+    if variant.endswith("per-token"):
+        return [{"block_v": 32, "num_warps": 4}, {"block_v": 64, "num_warps": 4}, {"block_v": 64, "num_warps": 8}]
+    return [{"BK": 64, "num_warps": 4}, {"BK": 64, "num_warps": 8}, {"BK": 128, "num_warps": 8}]
+
+
+def build(variant: str, B: int, device: torch.device):
+    """Each layer's state, inputs and output, and the bytes moved per token (all layers)."""
+    layers = []
+    bytes_per_token = 0
+    for _ in range(LAYERS):
+        S = torch.randn(B, HV, K, V, device=device) * 0.05
+        inputs = _inputs(B, device)
+        out = torch.empty(B, HV, V, device=device)
+        if variant.endswith("per-token"):
+            state = S if variant.startswith("fp32") else S.to(torch.bfloat16)
+            layers.append(("dense", state, inputs, out))
+            bytes_per_token += 2 * state.numel() * state.element_size() + _io_bytes(B)
+        else:
+            ckpt, precision = _checkpoint(variant, S)
+            buf = DecodeBuffer(B, H, HV, K, V, PERIOD, precision, device)
+            layers.append(("buffered", (ckpt, buf, plan_decode(ckpt, buf)), inputs, out))
+            rec = B * record_bytes(precision, H, HV, K, V)
+            cb = _ckpt_bytes(ckpt)
+            bytes_per_token += (cb + cb / PERIOD + rec * ((PERIOD - 1) / PERIOD + (PERIOD - 1) / 2)
+                                + _io_bytes(B))
+    return layers, bytes_per_token
+
+
+def run_period(layers: list, config: dict) -> None:
+    """dP tokens over all layers with one launch configuration."""
+    for _ in range(PERIOD):
+        for kind, state, (q, k, v, g, beta), out in layers:
+            if kind == "dense":
+                dense_recurrent_step(state, q, k, v, g, beta, out=out, **config)
+            else:
+                ckpt, buf, plan = state
+                tuned = dataclasses.replace(plan, meta={**plan.meta, "BK": min(config["BK"], K),
+                                                        "num_warps": config["num_warps"]})
+                buffered_decode_step(ckpt, buf, q, k, v, g, beta, PERIOD, out=out, plan=tuned, check_finite=False)
+
+
+def time_config(layers: list, config: dict, reps: int) -> list[float]:
+    """Seconds per token of ``reps`` CUDA-graph replays of one period (after a warm-up run)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run_period(layers, config)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_period(layers, config)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3 / PERIOD)
+    del graph
+    return times
+
+
+def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
+    layers, nbytes = build(variant, B, device)
+    tried = []
+    for config in configs(variant):
+        times = time_config(layers, config, reps)
+        tried.append({"config": config, "seconds_per_token": statistics.median(times),
+                      "spread": (min(times), max(times))})
+    finite = all(bool(torch.isfinite(out).all()) for _, _, _, out in layers)
+    del layers
+    torch.cuda.empty_cache()
+    best = min(tried, key=lambda r: r["seconds_per_token"])
+    t = best["seconds_per_token"]
+    return {"variant": variant, "batch": B, "seconds_per_token": t, "spread": best["spread"],
+            "config": best["config"], "tried": tried, "bytes_per_token": nbytes,
+            "bytes_per_second": nbytes / t, "outputs_finite": finite}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for variant in VARIANTS:
+        rows = [r for r in results["rows"] if r["variant"] == variant]
+        xs = [r["batch"] for r in rows]
+        ax1.plot(xs, [r["seconds_per_token"] * 1e6 for r in rows], marker="o", label=variant)
+        ax2.plot(xs, [r["hbm_fraction"] * 100 for r in rows], marker="o", label=variant)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (sequences)")
+        ax.grid(alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("GDN decode step, µs per token (24 layers)")
+    ax2.set_ylabel("% of measured HBM copy bandwidth")
+    ax2.axhline(80, color="grey", ls="--", lw=1)
+    ax1.legend(fontsize=8)
+    fig.suptitle(f"Qwen3.5-4B GDN decode step on {results['device']} "
+                 f"(copy {results['copy_bandwidth'] / 1e12:.2f} TB/s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("data/bench"))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench: no CUDA device; this benchmark runs on the GPU machine only", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    bw = copy_bandwidth(device)
+    results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+               "triton": triton.__version__, "python": platform.python_version(),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+               "shape": {"gdn_layers": LAYERS, "key_heads": H, "value_heads": HV, "d_k": K, "d_v": V,
+                         "decode_period": PERIOD},
+               "copy_bandwidth": bw, "bytes_model": BYTES_MODEL, "rows": []}
+    print(f"device {results['device']}  copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+    for B in (int(b) for b in args.batches.split(",")):
+        for variant in VARIANTS:
+            row = time_variant(variant, B, device, args.reps)
+            row["hbm_fraction"] = row["bytes_per_second"] / bw
+            results["rows"].append(row)
+            print(f"B={B:4d} {variant:20s} {row['seconds_per_token'] * 1e6:9.1f} us/token "
+                  f"{row['bytes_per_token'] / 1e6:9.2f} MB {row['hbm_fraction'] * 100:5.1f}% HBM {row['config']} "
+                  f"finite={row['outputs_finite']}", flush=True)
+        (args.out / "bench.json").write_text(json.dumps(results, indent=1))  # partial results survive a timeout
+    by = {(r["variant"], r["batch"]): r for r in results["rows"]}
+    batches = sorted({r["batch"] for r in results["rows"]})
+    for B in batches:
+        base = by[("bf16 per-token", B)]["seconds_per_token"]
+        for variant in VARIANTS:
+            by[(variant, B)]["speedup_vs_bf16_per_token"] = base / by[(variant, B)]["seconds_per_token"]
+    (args.out / "bench.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "bench.png")
+    header = f"{'batch':>5} " + " ".join(f"{v:>20}" for v in VARIANTS) + f" {'PACE-4 vs bf16':>15}"
+    print("\nµs per token (24 GDN layers) [% of HBM copy bandwidth]")
+    print(header)
+    for B in batches:
+        cells = " ".join(f"{by[(v, B)]['seconds_per_token'] * 1e6:11.1f} [{by[(v, B)]['hbm_fraction'] * 100:4.0f}%]"
+                         for v in VARIANTS)
+        print(f"{B:5d} {cells} {by[('PACE-4 dP=8', B)]['speedup_vs_bf16_per_token']:14.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

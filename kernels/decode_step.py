@@ -1,0 +1,475 @@
+"""Fused buffered decode step (PACE_SPEC §3) for a batch of sequences and all value heads, and the
+per-token dense step used as the fp32 / bf16 baseline.
+
+:func:`buffered_decode_step` — one launch per token, one program per (sequence, value head, column
+block): it reads the checkpoint ``Ŝ`` once (dense fp32/bf16, or packed codes with per-head bit
+widths), computes ``Ŝᵀk_t`` and ``Ŝᵀq_t`` in the same pass, reads the buffered records
+``(k_i, u_i, g_i)`` as one block (up to 16 records per load), forms ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)`` and the output ``o_t`` with the
+stored (buffer-precision) ``k_t, u_t``, exactly as :func:`pace_core.recurrence.buffered_step`.
+When the record fills the buffer to ``period`` tokens the same launch folds
+``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (a second pass over ``Ŝ``, an L2 hit; the record sum is
+one ``[rows, 16] x [16, columns]`` IEEE-fp32 ``tl.dot``) and requantises it
+in place with :mod:`kernels.quant_pack`'s arithmetic; otherwise it appends the record to the buffer in
+its precision (fp32 / bf16 / int8 / mixed, pace_core.buffer's storage).
+
+Tolerances against the reference (float32 in both): outputs and folded states agree to a relative
+Frobenius error below 1e-5 (only the summation order of the dot products and of the log-decay
+suffix sums differs); the records
+written to an int8 / 4-bit buffer and the requantised checkpoint are bit-identical to quantising the
+kernel's own ``u_t`` / folded ``S``, so against the reference they differ at most by one code where a
+value lies within float32 rounding of a rounding boundary (that is, by at most one scale step).
+
+Speed on the H200 (kernels/NOTES.md, data/bench/): correct at full Qwen3.5 shapes, but
+instruction-bound (about 22 instructions per 4-bit element where the memory allows about 4), so
+PACE-4 runs at about 4-5 % of HBM bandwidth, slower than the per-token bf16 baseline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant_pack import (
+    _load_tile,
+    _quant_tile,
+    _rint,
+    _store_tile,
+    check_kernel_shape,
+    head_table,
+    layout_args,
+    part_layout,
+    part_pointers,
+    round_bf16,
+    store_as,
+)
+from pace_core import quant
+from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
+from pace_core.errors import PaceError
+
+Checkpoint = torch.Tensor | quant.PackedTensor | quant.MixedPackedState
+
+
+def _buffer_tensors(buf: DecodeBuffer) -> dict:
+    """The live storage of ``buf`` (:meth:`DecodeBuffer.storage`) and its record layout: for keys and
+    values the tensor, its per-vector scale (the tensor itself for float storage, never read) and its
+    bits (0 for float storage)."""
+    live = buf.storage()
+    key_kind, value_kind = BUFFER_LAYOUT[buf.precision]
+    out = {"n": len(buf), "cap": buf.capacity, "log_decays": live["log_decays"]}
+    for name, single, kind in (("keys", "key", key_kind), ("values", "value", value_kind)):
+        bits = kind if isinstance(kind, int) else 0
+        out[name], out[name + "_scale"], out[name + "_bits"] = live[name], live.get(single + "_scale", live[name]), bits
+    return out
+
+
+@triton.jit
+def _load_vecs(ptr, scale_ptr, recs, valid, r0, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
+    """Elements ``r0 .. r0+R`` of the buffered vectors ``recs [NB]`` (flat record indices), dequantised
+    to fp32 ``[NB, R]``; rows where ``valid`` is False read as 0."""
+    m = valid[:, None]
+    if BITS == 0:
+        x = tl.load(ptr + recs[:, None] * L + r0 + tl.arange(0, R)[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        s = tl.load(scale_ptr + recs, mask=valid, other=0.0).to(tl.float32)
+        if BITS <= 4:
+            p = tl.load(ptr + recs[:, None] * (L // 2) + r0 // 2 + tl.arange(0, R // 2)[None, :], mask=m, other=0)
+            p = p.to(tl.int32)
+            c = tl.reshape(tl.join(p & 15, p >> 4), (recs.shape[0], R))
+        else:
+            c = tl.load(ptr + recs[:, None] * L + r0 + tl.arange(0, R)[None, :], mask=m, other=0).to(tl.int32)
+        x = (c.to(tl.float32) - (1 << (BITS - 1)) * 1.0) * s[:, None]
+    return x
+
+
+@triton.jit
+def _stored_vec(x, L: tl.constexpr, BITS: tl.constexpr, DT_BF16: tl.constexpr):
+    """What the buffer stores for the fp32 vector ``x [L]``: codes int32 ``[1, L]``, fp16 scale ``[1, 1]``
+    and the stored value dequantised ``[L]`` (for float storage the codes/scale are unused)."""
+    if BITS == 0:
+        codes = tl.zeros((1, L), tl.int32)
+        scale = tl.zeros((1, 1), tl.float16)
+        if DT_BF16:
+            xs = round_bf16(x)
+        else:
+            xs = x
+    else:
+        codes, scale, _z = _quant_tile(tl.reshape(x, (1, L)), 1, L, L, False, True, BITS)
+        xs = tl.reshape((codes.to(tl.float32) - (1 << (BITS - 1)) * 1.0) * scale.to(tl.float32), (L,))
+    return codes, scale, xs
+
+
+@triton.jit
+def _store_vec(ptr, scale_ptr, rec, c0, codes, scale, x, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
+    """Store elements ``c0 .. c0+R`` of buffered vector ``rec`` of length ``L`` (codes + scale: the
+    whole vector, R == L; or ``x`` in the storage's float dtype)."""
+    if BITS == 0:
+        store_as(ptr + rec * L + c0 + tl.arange(0, R), x)
+    else:
+        if BITS <= 4:
+            a, b = tl.split(tl.reshape(codes, (L // 2, 2)))
+            tl.store(ptr + rec * (L // 2) + tl.arange(0, L // 2), (a | (b << 4)).to(tl.uint8))
+        else:
+            tl.store(ptr + rec * L + tl.arange(0, L), tl.reshape(codes, (L,)).to(tl.uint8))
+        tl.store(scale_ptr + rec + tl.arange(0, 1), tl.reshape(scale, (1,)))
+
+
+@triton.jit
+def _ckpt_base(part, slot, b, HV0, HV1, K: tl.constexpr, c0p, s0p, z0p, c1p, s1p, z1p,
+               CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+               CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr):
+    """Base pointers (codes, scale, zero) of this head in part 0 and part 1."""
+    i0 = b * HV0 + slot
+    i1 = b * HV1 + slot
+    return (c0p + i0 * K * CC0, s0p + i0 * SS0, z0p + i0 * ZS0, c1p + i1 * K * CC1, s1p + i1 * SS1, z1p + i1 * ZS1)
+
+
+@triton.jit
+def _ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK: tl.constexpr, BV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr, SYM: tl.constexpr,
+               BITS0: tl.constexpr, PZ0: tl.constexpr, BITS1: tl.constexpr, PZ1: tl.constexpr,
+               TWO: tl.constexpr, DENSE: tl.constexpr):
+    """The checkpoint tile ``[BK, BV]`` at rows ``r0``, columns ``c0`` of this head, as fp32."""
+    if DENSE:
+        rows = r0 + tl.arange(0, BK)
+        cols = c0 + tl.arange(0, BV)
+        S = tl.load(dense_base + rows[:, None] * V + cols[None, :]).to(tl.float32)
+    else:
+        if TWO:
+            if part == 1:
+                S = _load_tile(a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS1, PZ1)
+            else:
+                S = _load_tile(a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
+        else:
+            S = _load_tile(a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
+    return S
+
+
+@triton.jit
+def _ckpt_store(x, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK: tl.constexpr, BV: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr, SYM: tl.constexpr,
+                BITS0: tl.constexpr, PZ0: tl.constexpr, BITS1: tl.constexpr, PZ1: tl.constexpr,
+                TWO: tl.constexpr, DENSE: tl.constexpr):
+    """Store the folded tile ``x [BK, BV]``: cast (dense) or quantised in this head's bit width."""
+    if DENSE:
+        rows = r0 + tl.arange(0, BK)
+        cols = c0 + tl.arange(0, BV)
+        store_as(dense_base + rows[:, None] * V + cols[None, :], x)
+    else:
+        if TWO:
+            if part == 1:
+                _store_tile(x, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS1, PZ1)
+            else:
+                _store_tile(x, a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
+        else:
+            _store_tile(x, a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+    dense_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
+    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    G: tl.constexpr, KEY_AXIS: tl.constexpr, SYM: tl.constexpr,
+    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
+    TWO: tl.constexpr, DENSE: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    K_BF16: tl.constexpr, V_BF16: tl.constexpr, FLUSH: tl.constexpr, NB: tl.constexpr,
+    NB2: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * BV
+    b = pid // HV
+    h = pid % HV
+    kh = h // (HV // H)
+    cols = c0 + tl.arange(0, BV)
+    kfull = tl.load(k_ptr + (b * H + kh) * K + tl.arange(0, K))
+    qfull = tl.load(q_ptr + (b * H + kh) * K + tl.arange(0, K))
+    if DENSE:
+        part = 0
+        slot = 0
+    else:
+        part = tl.load(part_ptr + h)
+        slot = tl.load(slot_ptr + h).to(tl.int64)
+    a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
+                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    dense_base = dense_ptr + pid * K * V
+
+    # pass 1: Ŝᵀk and Ŝᵀq for this column block, one read of the checkpoint
+    sk = tl.zeros((BV,), tl.float32)
+    sq = tl.zeros((BV,), tl.float32)
+    for r0 in tl.static_range(0, K, BK):
+        rows = r0 + tl.arange(0, BK)
+        S = _ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM,
+                       BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
+        kc = tl.load(k_ptr + (b * H + kh) * K + rows)
+        qc = tl.load(q_ptr + (b * H + kh) * K + rows)
+        sk += tl.sum(S * kc[:, None], axis=0)
+        sq += tl.sum(S * qc[:, None], axis=0)
+
+    # the buffered records, NB at a time (one load round trip for n <= NB), newest block first
+    g_t = tl.load(g_ptr + pid)
+    ridx = tl.arange(0, NB)
+    later = ridx[None, :] > ridx[:, None]
+    run = g_t * 0.0  # Σ of the log decays of the records after the current block
+    rk = tl.zeros((BV,), tl.float32)
+    rq = tl.zeros((BV,), tl.float32)
+    for blk in range(0, tl.cdiv(n, NB)):
+        i = n - (blk + 1) * NB + ridx
+        valid = i >= 0
+        gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
+        kb = _load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
+        ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
+        after = run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)  # Σ_{j>i} g_j over the held records
+        wk = tl.exp(after) * tl.sum(kb * kfull[None, :], axis=1)
+        wq = tl.exp(after + g_t) * tl.sum(kb * qfull[None, :], axis=1)
+        rk += tl.sum(wk[:, None] * ub, axis=0)
+        rq += tl.sum(wq[:, None] * ub, axis=0)
+        run += tl.sum(gb)
+    run_prev = run
+    run_o = run + g_t
+
+    beta = tl.load(beta_ptr + pid)
+    v = tl.load(v_ptr + pid * V + cols)
+    prev = tl.exp(run_prev) * sk + rk
+    u = beta * (v - tl.exp(g_t) * prev)
+    kcodes, kscale, khat = _stored_vec(kfull, K, KBITS, K_BF16)
+    ucodes, uscale, uhat = _stored_vec(u, BV, VBITS, V_BF16)
+    o = tl.exp(run_o) * sq + rq + tl.sum(khat * qfull) * uhat
+    tl.store(o_ptr + pid * V + cols, o)
+
+    if FLUSH:
+        # fold every record (the new one included) into Ŝ and requantise this column block in place
+        kdiv = tl.where(kscale == 0, 1.0, kscale.to(tl.float32))
+        QK: tl.constexpr = (1 << KBITS) // 2 - 1  # the key codes' qmax (unused for float keys)
+        ridx2 = tl.arange(0, NB2)  # 16 records per block: the fold is a [BK, 16] x [16, BV] product
+        later2 = ridx2[None, :] > ridx2[:, None]
+        for r0 in tl.static_range(0, K, BK):
+            rows = r0 + tl.arange(0, BK)
+            S = _ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM,
+                           BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
+            kc = tl.load(k_ptr + (b * H + kh) * K + rows)
+            if KBITS == 0:
+                if K_BF16:
+                    kc = round_bf16(kc)
+            else:
+                kq = _rint(tl.minimum(tl.maximum(tl.math.div_rn(kc[None, :], kdiv), -QK * 1.0), QK * 1.0))
+                kc = tl.reshape(kq * kscale.to(tl.float32), (BK,))
+            acc = tl.exp(run_o) * S + kc[:, None] * uhat[None, :]
+            run = g_t * 0.0
+            for blk in range(0, tl.cdiv(n, NB2)):
+                i = n - (blk + 1) * NB2 + ridx2
+                valid = i >= 0
+                gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
+                kb = _load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, r0, BK, K, KBITS)
+                ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
+                w = tl.exp(run + tl.sum(tl.where(later2, gb[None, :], 0.0), axis=1) + g_t)
+                acc += tl.dot(tl.trans(kb), w[:, None] * ub, input_precision="ieee")
+                run += tl.sum(gb)
+            _ckpt_store(acc, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS,
+                        SYM, BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
+    else:
+        if c0 == 0:
+            tl.store(bg_ptr + (b * cap + n) * HV + h, g_t)
+            if h % (HV // H) == 0:
+                _store_vec(bk_ptr, bks_ptr, (b * cap + n) * H + kh, 0, kcodes, kscale, khat, K, K, KBITS)
+        _store_vec(bv_ptr, bvs_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uhat, BV, V, VBITS)
+
+
+def _as_mixed(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.MixedPackedState:
+    if isinstance(ckpt, quant.MixedPackedState):
+        return ckpt
+    hv = ckpt.shape[-3]
+    heads = torch.arange(hv, device=ckpt.codes.device)
+    return quant.MixedPackedState({ckpt.spec.bits: ckpt}, {ckpt.spec.bits: heads}, ckpt.shape)
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise PaceError(f"out: {tuple(out.shape)} {out.dtype} not allowed; allowed: contiguous float32 {shape}")
+    return out
+
+
+def _check_inputs(buf: DecodeBuffer, tensors: dict[str, torch.Tensor]) -> None:
+    B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
+    shapes = {"q_t": (B, H, K), "k_t": (B, H, K), "v_t": (B, HV, V), "g_t": (B, HV), "beta_t": (B, HV)}
+    for name, t in tensors.items():
+        if tuple(t.shape) != shapes[name]:
+            raise PaceError(f"{name}: shape {tuple(t.shape)} not allowed; allowed: {shapes[name]} (from the buffer)")
+
+
+def column_block(buf: DecodeBuffer) -> int:
+    """Columns per program: all of V when the values are stored as integers (one scale per vector),
+    else 64 (more programs at small batch)."""
+    return buf.d_v if buf.precision == "int8" else min(buf.d_v, 64)
+
+
+@dataclass
+class DecodePlan:
+    """Everything a decode launch needs that does not change from token to token: the checkpoint's
+    storage pointers and head table, the tile sizes and compile-time layout. Built once per
+    checkpoint/buffer pair (it reads the head map off the device), then reused, e.g. for every token
+    of a CUDA graph; the checkpoint is updated in place, so the plan stays valid."""
+
+    shape: tuple[int, int, int, int, int]  # B, H, HV, K, V
+    precision: str
+    capacity: int
+    ckpt_args: list
+    meta: dict = field(default_factory=dict)
+
+
+def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
+    """Validate ``ckpt`` against ``buf`` and prepare the launch (see :class:`DecodePlan`)."""
+    B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
+    if buf.precision == "fp64":
+        raise PaceError("buffer precision: 'fp64' not supported by the kernels; allowed: fp32, bf16, int8, mixed")
+    if isinstance(ckpt, torch.Tensor):
+        if ckpt.shape != (B, HV, K, V) or ckpt.dtype not in (torch.float32, torch.bfloat16) or not ckpt.is_contiguous():
+            raise PaceError(f"ckpt: dense checkpoint {tuple(ckpt.shape)} {ckpt.dtype} not allowed; "
+                            f"allowed: contiguous float32/bfloat16 {(B, HV, K, V)}")
+        layouts = [part_layout(quant.QuantSpec(8, True, "key", 1), K, V)]
+        table = torch.zeros(1, dtype=torch.int32, device=ckpt.device)
+        ckpt_args = [ckpt, table, table, *([ckpt] * 6), 0, 0]
+        G, key_axis, sym, BK = 1, True, True, min(K, 32)
+    else:
+        m = _as_mixed(ckpt)
+        widths = sorted(m.parts)
+        parts = [m.parts[w] for w in widths]
+        spec = parts[0].spec
+        if m.shape != (B, HV, K, V):
+            raise PaceError(f"ckpt: shape {m.shape} not allowed; allowed: {(B, HV, K, V)}")
+        check_kernel_shape(K, V, spec, "ckpt")
+        bits_per_head = [0] * HV
+        for w in widths:
+            for hh in m.heads[w].tolist():
+                bits_per_head[hh] = w
+        _, table = head_table(bits_per_head, parts[0].codes.device)
+        layouts = [part_layout(p.spec, K, V) for p in parts]
+        ptrs = part_pointers(parts)
+        if not all(t.is_contiguous() for t in ptrs):
+            raise PaceError("ckpt: packed tensors must be contiguous; allowed: contiguous codes/scale/zero")
+        hv1 = len(m.heads[widths[1]]) if len(widths) == 2 else 0
+        ckpt_args = [parts[0].scale, table.part, table.slot, *ptrs, len(m.heads[widths[0]]), hv1]
+        G, key_axis, sym = spec.group_size, spec.axis == "key", spec.symmetric
+        BK = min(max(G, 32) if key_axis else 32, K)
+    BV = column_block(buf)
+    if not key_axis and BV % (2 * G if not sym and layouts[0].pack_zero else G):
+        BV = V
+    st = _buffer_tensors(buf)
+    meta = dict(K=K, V=V, BK=BK, BV=BV, G=G, KEY_AXIS=key_axis, SYM=sym, **layout_args(layouts),
+                DENSE=isinstance(ckpt, torch.Tensor), KBITS=st["keys_bits"], VBITS=st["values_bits"],
+                K_BF16=st["keys"].dtype == torch.bfloat16, V_BF16=st["values"].dtype == torch.bfloat16,
+                num_warps=8 if BK * BV >= 8192 else 4)
+    return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta)
+
+
+def buffered_decode_step(
+    ckpt: Checkpoint,
+    buf: DecodeBuffer,
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    g_t: torch.Tensor,
+    beta_t: torch.Tensor,
+    period: int,
+    out: torch.Tensor | None = None,
+    plan: DecodePlan | None = None,
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """One decode token for all sequences and value heads, in one launch.
+
+    ``ckpt``: the checkpoint ``Ŝ`` — a dense ``[B, HV, K, V]`` float32/bfloat16 tensor, a
+    :class:`~pace_core.quant.PackedTensor` or a :class:`~pace_core.quant.MixedPackedState` (at most
+    two bit widths); ``buf``: the decode buffer (precisions fp32, bf16, int8, mixed);
+    ``q_t, k_t [B, H, K]`` (prepared), ``v_t [B, HV, V]``, ``g_t, beta_t [B, HV]``.
+    Returns ``o_t [B, HV, V]`` float32 (written into ``out`` when given). If the record brings the
+    buffer to ``period`` records, the checkpoint is folded and requantised IN PLACE and the buffer
+    cleared; else the record is appended.
+
+    ``plan``: from :func:`plan_decode` for this ``ckpt``/``buf`` (built here when None).
+    ``check_finite``: raise PaceError for non-finite ``k_t, v_t, g_t`` (one device sync); pass False
+    under CUDA-graph capture, where non-finite inputs then reach the stored state unreported.
+    """
+    B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
+    _check_inputs(buf, {"q_t": q_t, "k_t": k_t, "v_t": v_t, "g_t": g_t, "beta_t": beta_t})
+    if not isinstance(period, int) or not 1 <= period <= buf.capacity:
+        raise PaceError(f"period: {period!r} not allowed; allowed: an integer in 1..{buf.capacity} (buffer capacity)")
+    if len(buf) >= period:
+        raise PaceError(f"buffer: holds {len(buf)} records; allowed: fewer than period={period}")
+    if plan is None:
+        plan = plan_decode(ckpt, buf)
+    elif plan.shape != (B, H, HV, K, V) or plan.precision != buf.precision or plan.capacity != buf.capacity:
+        raise PaceError("plan: made for another buffer; allowed: plan_decode(ckpt, buf) of this buffer")
+    q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q_t, k_t, v_t, g_t, beta_t))
+    if check_finite:
+        for name, t in (("k_t", k), ("v_t", v), ("g_t", g)):
+            quant.check_finite(t, name)
+    st = _buffer_tensors(buf)
+    o = _output(out, (B, HV, V), q.device)
+    flush = len(buf) + 1 == period
+    meta = plan.meta
+    if flush:  # the fold + requantise launch holds more live values: 8 warps, at most 64 rows per tile
+        meta = {**meta, "BK": min(meta["BK"], max(64, meta["G"] if meta["KEY_AXIS"] else 1)), "num_warps": 8}
+    _decode_kernel[(B * HV, V // meta["BV"])](
+        q, k, v, g, beta, o, *plan.ckpt_args,
+        st["keys"], st["keys_scale"], st["values"], st["values_scale"], st["log_decays"], st["n"], st["cap"],
+        H, HV, FLUSH=flush, NB=min(triton.next_power_of_2(buf.capacity), 16), NB2=16, **meta,
+    )
+    if flush:
+        buf.clear()
+    else:
+        buf.mark_appended()
+    return o
+
+
+@triton.jit
+def _dense_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * BV
+    b = pid // HV
+    h = pid % HV
+    kh = h // (HV // H)
+    rows = tl.arange(0, K)
+    cols = c0 + tl.arange(0, BV)
+    ptrs = s_ptr + pid * K * V + rows[:, None] * V + cols[None, :]
+    S = tl.load(ptrs).to(tl.float32)
+    k = tl.load(k_ptr + (b * H + kh) * K + rows)
+    q = tl.load(q_ptr + (b * H + kh) * K + rows)
+    alpha = tl.exp(tl.load(g_ptr + pid))
+    beta = tl.load(beta_ptr + pid)
+    S = S * alpha
+    u = beta * (tl.load(v_ptr + pid * V + cols) - tl.sum(S * k[:, None], axis=0))
+    S = S + k[:, None] * u[None, :]
+    tl.store(o_ptr + pid * V + cols, tl.sum(S * q[:, None], axis=0))
+    store_as(ptrs, S)
+
+
+def dense_recurrent_step(S: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
+                         g_t: torch.Tensor, beta_t: torch.Tensor, block_v: int = 32,
+                         out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+    """Per-token step on a dense state updated IN PLACE (the fp32 / bf16 baseline: the whole state is
+    read and written every token; ``block_v`` columns and ``num_warps`` warps per program).
+    ``S [B, HV, K, V]`` float32/bfloat16 contiguous, ``q_t, k_t [B, H, K]``,
+    ``v_t [B, HV, V]``, ``g_t, beta_t [B, HV]``. Returns ``o_t [B, HV, V]`` float32. Matches
+    :func:`pace_core.recurrence.gdn_recurrent` with T = 1 to float32 rounding (relative error < 1e-5),
+    and then the state's own rounding for bfloat16."""
+    if S.dim() != 4 or S.dtype not in (torch.float32, torch.bfloat16) or not S.is_contiguous():
+        raise PaceError(f"S: {tuple(S.shape)} {S.dtype} not allowed; allowed: contiguous float32/bfloat16 [B, HV, K, V]")
+    B, HV, K, V = S.shape
+    H = k_t.shape[1]
+    if q_t.shape != (B, H, K) or k_t.shape != (B, H, K) or v_t.shape != (B, HV, V) or g_t.shape != (B, HV) \
+            or beta_t.shape != (B, HV) or HV % H:
+        raise PaceError("q_t, k_t, v_t, g_t, beta_t: shapes not allowed; allowed: [B, H, K], [B, H, K], "
+                        f"[B, HV, V], [B, HV], [B, HV] with HV a multiple of H (S is {tuple(S.shape)})")
+    BV = min(block_v, V)
+    q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q_t, k_t, v_t, g_t, beta_t))
+    o = _output(out, (B, HV, V), S.device)
+    _dense_step_kernel[(B * HV, V // BV)](q, k, v, g, beta, o, S, H=H, HV=HV, K=K, V=V, BV=BV,
+                                          num_warps=num_warps)
+    return o

@@ -1,0 +1,192 @@
+"""kernels.decode_step / kernels.prefill / kernels.dispatch (Triton, run by the interpreter on CPU)
+against pace_core.recurrence's buffered decode and a float64 plain recurrence; GQA γ = 2 and 3;
+outputs and the buffer slot being written poisoned before each launch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pace_core import quant
+from pace_core.buffer import DecodeBuffer
+from pace_core.errors import PaceError
+from pace_core.recurrence import fold, gdn_recurrent, prepare_qk
+from kernels_support import DEVICE, SIZES, kernel_modules
+
+KERNELS = kernel_modules()
+ds = KERNELS["decode_step"]
+dispatch = KERNELS["dispatch"]
+prefill_mod = KERNELS["prefill"]
+
+B, H, K, V, PERIOD, GROUP = (SIZES[x] for x in ("B", "H", "K", "V", "PERIOD", "GROUP"))
+CONFIGS = {
+    # name: (checkpoint storage, buffer precision); groups as PACE-4 (key 2g), PACE-4/8 (key g), RTN (value g)
+    "fp32": (torch.float32, "fp32"),
+    "bf16": (torch.bfloat16, "bf16"),
+    "pace-4": (quant.QuantSpec(4, True, "key", 2 * GROUP), "int8"),
+    "pace-4-8": (quant.QuantSpec(4, False, "key", GROUP), "mixed"),
+    "rtn-value": (quant.QuantSpec(4, False, "value", GROUP), "int8"),
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _bits(hv: int) -> list[int]:
+    return [8 if h % 4 == 1 else 4 for h in range(hv)]
+
+
+def _checkpoint(name: str, S: torch.Tensor):
+    storage, _ = CONFIGS[name]
+    if isinstance(storage, torch.dtype):
+        return S.to(storage).contiguous()
+    if name == "pace-4-8":
+        return quant.quantize_heads(S, _bits(S.shape[1]), storage)
+    return quant.quantize(S, storage)
+
+
+def _token(hv: int):
+    q, k = prepare_qk(torch.randn(B, H, K), torch.randn(B, H, K))
+    return q, k, torch.randn(B, hv, V), -torch.rand(B, hv) * 0.7, torch.rand(B, hv)
+
+
+def _poison_slot(buf: DecodeBuffer) -> None:
+    """Garbage in record slot len(buf) of every storage tensor (so an unwritten record shows)."""
+    slot = len(buf)
+    for store in (buf._keys, buf._values):
+        for t in store.tensors:
+            t[:, slot] = (0xAB if t.dtype == torch.uint8 else float("nan"))
+    buf._decays[:, slot] = float("nan")
+
+
+def _assert_within_one_step(got, ref) -> None:
+    """Requantised checkpoints: equal except entries within float32 rounding of a code boundary."""
+    if isinstance(ref, torch.Tensor):
+        assert _rel(got, ref) < 1e-5 if ref.dtype == torch.float32 else _rel(got, ref) < 1e-2
+        return
+    parts_ref = {ref.spec.bits: ref} if isinstance(ref, quant.PackedTensor) else ref.parts
+    parts_got = {got.spec.bits: got} if isinstance(got, quant.PackedTensor) else got.parts
+    for b, r in parts_ref.items():
+        g = parts_got[b]
+        d = (quant.dequantize(g) - quant.dequantize(r)).abs()
+        one = (0x99 if b <= 4 else 0x81) if r.zero is None else (0x11 if b <= 4 else 0x01)  # q - z = 1 everywhere
+        step = quant.dequantize(quant.PackedTensor(torch.full_like(r.codes, one), r.scale,
+                                                   None if r.zero is None else torch.zeros_like(r.zero),
+                                                   r.spec, r.shape)).abs()
+        assert torch.isfinite(d).all()
+        assert (d <= step * 1.01 + 1e-30).all()
+        assert (d == 0).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("gamma", [2, 3])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("n", [1, PERIOD - 1])
+def test_decode_step_matches_reference(name: str, gamma: int, n: int) -> None:
+    """One token with n records buffered: output, appended record, or fold + requantise (n = dP - 1)."""
+    HV = H * gamma
+    _, precision = CONFIGS[name]
+    ckpt = _checkpoint(name, torch.randn(B, HV, K, V) * 0.3)
+    buf = DecodeBuffer(B, H, HV, K, V, PERIOD, precision, DEVICE)
+    for _ in range(n):
+        _, k, _, g, _ = _token(HV)
+        buf.append(k, torch.randn(B, HV, V) * 0.5, g)
+    ckpt_k, buf_k = copy.deepcopy(ckpt), copy.deepcopy(buf)
+    q, k, v, g, beta = _token(HV)
+    o_ref, ckpt_ref = dispatch.decode_step(ckpt, buf, q, k, v, g, beta, PERIOD, backend="reference")
+    _poison_slot(buf_k)
+    out = torch.full((B, HV, V), float("nan"))
+    o = ds.buffered_decode_step(ckpt_k, buf_k, q, k, v, g, beta, PERIOD, out=out)
+    assert o is out and torch.isfinite(o).all()
+    assert _rel(o, o_ref) < 1e-5
+    assert len(buf_k) == len(buf) == (0 if n == PERIOD - 1 else n + 1)
+    if n == PERIOD - 1:
+        _assert_within_one_step(ckpt_k, ckpt_ref)
+        return
+    assert torch.equal(buf_k.log_decays(), buf.log_decays())
+    assert torch.equal(buf_k.keys(), buf.keys())
+    got, ref = buf_k.values(), buf.values()
+    assert torch.isfinite(got).all()
+    if precision == "fp32":
+        assert _rel(got, ref) < 1e-5
+    else:
+        assert (got == ref).float().mean() > 0.95 and _rel(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_buffered_fp32_equals_plain_recurrence(gamma: int) -> None:
+    """Spec §3's first test: quantisation off, fp32 buffer, any dP -> the plain recurrence (float64)."""
+    HV, T = H * gamma, 5
+    S0 = torch.randn(B, HV, K, V) * 0.3
+    q, k = prepare_qk(torch.randn(B, T, H, K), torch.randn(B, T, H, K))
+    v, g, beta = torch.randn(B, T, HV, V), -torch.rand(B, T, HV) * 0.7, torch.rand(B, T, HV)
+    o_ref, S_ref = gdn_recurrent(*(x.double() for x in (q, k, v, g, beta)), initial_state=S0.double())
+    ckpt, buf = S0.clone(), DecodeBuffer(B, H, HV, K, V, 2, "fp32", DEVICE)
+    outs = []
+    for t in range(T):
+        o, ckpt = dispatch.decode_step(ckpt, buf, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], 2, backend="triton")
+        outs.append(o)
+    assert _rel(torch.stack(outs, 1), o_ref) < 1e-5
+    assert len(buf) == T % 2
+    assert _rel(fold(ckpt, buf), S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_dense_step_matches_recurrence(dtype: torch.dtype, tol: float, gamma: int) -> None:
+    HV = H * gamma
+    S = (torch.randn(B, HV, K, V) * 0.3).to(dtype)
+    q, k, v, g, beta = _token(HV)
+    o_ref, S_ref = gdn_recurrent(q[:, None].double(), k[:, None].double(), v[:, None].double(),
+                                 g[:, None].double(), beta[:, None].double(), initial_state=S.double())
+    out = torch.full((B, HV, V), float("nan"))
+    o = ds.dense_recurrent_step(S, q, k, v, g, beta, block_v=8, out=out)
+    assert o is out
+    assert _rel(o, o_ref[:, 0]) < 1e-5
+    assert _rel(S, S_ref) < tol
+    if dtype == torch.bfloat16:  # the stored state is the fp32 result rounded to bf16: off by 1 ulp at most, rarely
+        assert (S != S_ref.to(torch.bfloat16)).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("name,gamma", [("fp32", 2), ("pace-4", 3), ("pace-4-8", 2)])
+def test_prefill_matches_reference(name: str, gamma: int) -> None:
+    HV, T, P = H * gamma, SIZES["T"], SIZES["P"]
+    storage, _ = CONFIGS[name]
+    bits = _bits(HV) if name == "pace-4-8" else None
+    S0 = torch.randn(B, HV, K, V) * 0.3
+    q, k = prepare_qk(torch.randn(B, T, H, K), torch.randn(B, T, H, K))
+    v, g, beta = torch.randn(B, T, HV, V), -torch.rand(B, T, HV) * 0.7, torch.rand(B, T, HV)
+    args = (q, k, v, g, beta, S0, P, storage, bits, SIZES["CHUNK"])
+    o_k, c_k = dispatch.prefill(*args, backend="triton")
+    o_r, c_r = dispatch.prefill(*args, backend="reference")
+    assert torch.equal(o_k, o_r)
+    assert torch.equal(dispatch.dequantize(c_k, backend="reference"), dispatch.dequantize(c_r, backend="reference"))
+    if name == "fp32":
+        o64, S64 = gdn_recurrent(*(x.double() for x in (q, k, v, g, beta)), initial_state=S0.double())
+        assert _rel(o_k, o64) < 1e-5 and _rel(c_k, S64) < 1e-5
+    else:
+        assert type(c_k) is type(c_r)
+    o_empty, c_empty = prefill_mod.prefill(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], S0, P, storage, bits)
+    assert o_empty.shape == (B, 0, HV, V)
+    assert torch.equal(dispatch.dequantize(c_empty, backend="reference"),
+                       dispatch.dequantize(dispatch.prefill(*(x[:, :0] for x in (q, k, v, g, beta)), S0, P, storage,
+                                                            bits, backend="reference")[1], backend="reference"))
+
+
+def test_bad_inputs_raise() -> None:
+    HV = 2 * H
+    buf = DecodeBuffer(B, H, HV, K, V, PERIOD, "int8", DEVICE)
+    ckpt = _checkpoint("pace-4", torch.randn(B, HV, K, V))
+    q, k, v, g, beta = _token(HV)
+    with pytest.raises(PaceError, match="period"):
+        ds.buffered_decode_step(ckpt, buf, q, k, v, g, beta, PERIOD + 1)
+    with pytest.raises(PaceError, match="v_t"):
+        ds.buffered_decode_step(ckpt, buf, q, k, v[:, :2], g, beta, PERIOD)
+    with pytest.raises(PaceError, match="fp64"):
+        ds.buffered_decode_step(ckpt, DecodeBuffer(B, H, HV, K, V, PERIOD, "fp64", DEVICE), q, k, v, g, beta, PERIOD)
+    with pytest.raises(PaceError, match="out"):
+        ds.buffered_decode_step(ckpt, buf, q, k, v, g, beta, PERIOD, out=torch.empty(B, HV, V, dtype=torch.float64))
+    with pytest.raises(PaceError, match="storage"):
+        prefill_mod.prefill(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], None, 4, "int4")

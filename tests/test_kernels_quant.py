@@ -1,0 +1,122 @@
+"""kernels.quant_pack (Triton, run by the interpreter on CPU) against pace_core.quant: bit-identical
+codes, fp16 scales, zero points and dequantised values; outputs poisoned before each launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pace_core import quant
+from pace_core.errors import PaceError
+from kernels_support import SIZES, kernel_modules
+
+KERNELS = kernel_modules()
+qp = KERNELS["quant_pack"]
+dispatch = KERNELS["dispatch"]
+
+
+def _state(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Random state with column outliers, an all-zero group and a tiny-valued group."""
+    x = torch.randn(shape) * (1 + 8 * (torch.rand(shape[-1]) > 0.85))
+    x[..., 0, :8, :8] = 0
+    x[..., -1, -8:, -8:] *= 1e-7
+    return x.to(dtype)
+
+
+def _poisoned_like(m: quant.MixedPackedState) -> quant.MixedPackedState:
+    """Storage of m's layout filled with garbage: 0xAB bytes, NaN scales."""
+    parts = {}
+    for b, p in m.parts.items():
+        parts[b] = quant.PackedTensor(
+            torch.full_like(p.codes, 0xAB), torch.full_like(p.scale, float("nan")),
+            None if p.zero is None else torch.full_like(p.zero, 0xAB), p.spec, p.shape)
+    return quant.MixedPackedState(parts, m.heads, m.shape)
+
+
+def _assert_packed_equal(a: quant.PackedTensor, b: quant.PackedTensor) -> None:
+    assert torch.equal(a.codes, b.codes)
+    assert torch.equal(a.scale.view(torch.int16), b.scale.view(torch.int16))
+    assert (a.zero is None) == (b.zero is None)
+    if a.zero is not None:
+        assert torch.equal(a.zero, b.zero)
+    assert a.shape == b.shape and a.spec == b.spec
+
+
+@pytest.mark.parametrize("axis", ["key", "value"])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_matches_reference(axis: str, symmetric: bool, bits: int) -> None:
+    spec = quant.QuantSpec(bits, symmetric, axis, SIZES["GROUP"])
+    x = _state(SIZES["QUANT_SHAPE"])
+    hv = x.shape[1]
+    ref = quant.quantize(x, spec)
+    got = qp.quantize(x, spec)
+    _assert_packed_equal(got, ref)
+    assert got.nbytes() == ref.nbytes() == quant.packed_nbytes(x.shape, spec)
+    poisoned = torch.full(x.shape, float("nan"))
+    deq = qp.dequantize_heads(qp.quantize_heads(x, [bits] * hv, spec), out=poisoned)
+    assert torch.equal(deq, quant.dequantize(ref))
+    assert torch.equal(qp.dequantize(ref), quant.dequantize(ref))
+
+
+@pytest.mark.parametrize("axis,symmetric,group", [("key", False, 1), ("value", True, 2), ("value", False, 1)])
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_per_head_bits_one_launch(axis: str, symmetric: bool, group: int, gamma: int) -> None:
+    """PACE-4/8: a quarter of the heads at 8 bits, the rest at 4, in one launch (group in GROUP units)."""
+    spec = quant.QuantSpec(4, symmetric, axis, group * SIZES["GROUP"])
+    num_heads = 2 * gamma if SIZES["B"] == 2 else 16 * gamma
+    x = _state((SIZES["B"], num_heads, *SIZES["QUANT_SHAPE"][2:]))
+    bits = [8 if h % 4 == 1 else 4 for h in range(num_heads)]
+    ref = quant.quantize_heads(x, bits, spec)
+    out = _poisoned_like(ref)
+    got = qp.quantize_heads(x, bits, spec, out=out)
+    assert got.parts[4] is out.parts[4]
+    for b in (4, 8):
+        _assert_packed_equal(got.parts[b], ref.parts[b])
+        assert torch.equal(got.heads[b], ref.heads[b])
+    for dtype in (torch.float32, torch.bfloat16):
+        poisoned = torch.full(x.shape, float("nan"), dtype=dtype)
+        assert torch.equal(qp.dequantize_heads(got, dtype, out=poisoned), ref.dequantize(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_input(dtype: torch.dtype) -> None:
+    spec = quant.QuantSpec(4, False, "key", SIZES["GROUP"])
+    x = _state((1, 2, *SIZES["QUANT_SHAPE"][2:]), dtype)
+    _assert_packed_equal(qp.quantize(x, spec), quant.quantize(x, spec))
+
+
+def test_huge_and_tiny_groups_saturate_like_reference() -> None:
+    spec = quant.QuantSpec(4, True, "value", 8)
+    x = torch.randn(1, 1, 16, 16)
+    x[0, 0, 0, :8] = 1e9
+    x[0, 0, 1, :8] = 1e-12
+    ref = quant.quantize(x, spec)
+    _assert_packed_equal(qp.quantize(x, spec), ref)
+    assert torch.isfinite(quant.dequantize(ref)).all()
+
+
+def test_bad_inputs_raise() -> None:
+    spec = quant.QuantSpec(4, True, "key", 8)
+    with pytest.raises(PaceError, match="float64"):
+        qp.quantize(torch.randn(1, 16, 16, dtype=torch.float64), spec)
+    with pytest.raises(PaceError, match="powers of two"):
+        qp.quantize(torch.randn(1, 24, 24), spec)
+    bad = torch.randn(1, 16, 16)
+    bad[0, 3, 3] = float("inf")
+    with pytest.raises(PaceError, match="non-finite"):
+        qp.quantize(bad, spec)
+    with pytest.raises(PaceError, match="at most 2"):
+        qp.quantize_heads(torch.randn(1, 3, 16, 16), [2, 4, 8], spec)
+
+
+def test_dispatch_backends_agree() -> None:
+    spec = quant.QuantSpec(4, True, "key", SIZES["GROUP"])
+    x = _state((2, 4, *SIZES["QUANT_SHAPE"][2:]))
+    assert dispatch.use_kernels(x.device) == (x.device.type == "cuda") and dispatch.use_kernels(x.device, "triton")
+    assert not dispatch.use_kernels(x.device, "reference")
+    _assert_packed_equal(dispatch.quantize(x, spec, "triton"), dispatch.quantize(x, spec))
+    m = dispatch.quantize_heads(x, [4, 8, 4, 8], spec, "triton")
+    assert torch.equal(dispatch.dequantize(m, backend="triton"), dispatch.dequantize(m, backend="reference"))
+    with pytest.raises(PaceError, match="backend"):
+        dispatch.use_kernels(x.device, "cuda")
