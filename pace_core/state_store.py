@@ -205,7 +205,7 @@ class LayerState:
     def prefill(self, q, k, v, g, beta) -> torch.Tensor:
         """Prompt tokens ``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``
         in P-token segments from the dequantised checkpoint; returns ``o [B, T, HV, V]`` float32."""
-        T = self._check(q, k, v, g, beta)
+        self._check(q, k, v, g, beta)
         self.flush()
         period = self.cfg.prefill_period
 

@@ -62,7 +62,7 @@ def test_fp32_reference_equals_recurrence():
 def test_bf16_reference_rounds_every_token():
     tokens = make_tokens(20, seed=2)
     store = store_for("bf16")
-    o_pre = store.prefill(0, *split(tokens, 0, 12))
+    store.prefill(0, *split(tokens, 0, 12))
     outs = [store.decode(0, *split(tokens, t, t + 1)) for t in range(12, 20)]
     # reference: whole prompt in float64, state stored as bf16, then one bf16 rounding per token
     _, S = gdn_recurrent(*(x.double() for x in split(tokens, 0, 12)))

@@ -1,0 +1,30 @@
+"""PACE inside transformers' Qwen hybrid models: loading, patching the GDN layers, state capture.
+
+The names below are imported on first use (PEP 562), so importing ``pace_core.model.commands``
+(the CLI) does not import transformers until a model command runs.
+"""
+
+import importlib
+
+_EXPORTS: dict[str, str] = {
+    "DEFAULT_MODEL_DIR": "loading",
+    "LoadedModel": "loading",
+    "load_config": "loading",
+    "load_model": "loading",
+    "apply_pace": "patch",
+    "current_config": "patch",
+    "get_state_store": "patch",
+    "pace": "patch",
+    "remove_pace": "patch",
+    "RunResult": "capture",
+    "cache_states": "capture",
+    "run_with_states": "capture",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pace_core.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pace_core.model.{_EXPORTS[name]}"), name)

@@ -1,0 +1,121 @@
+"""Teacher-forced runs that capture the recurrent state of every GDN layer (spec §7: drift).
+
+A run prefills ``input_ids[:, :decode_from]`` in one forward (PACE: P-token segments), then feeds
+the remaining tokens one at a time through the decode path (PACE: the decode buffer, a flush every
+dP), exactly as ``generate`` would, but with the given tokens instead of sampled ones.
+
+A *step* is the number of tokens consumed: step ``decode_from`` is the state right after the
+prefill, step ``decode_from + j`` the state after ``j`` decoded tokens, step ``T`` the final state.
+The state captured for a PACE run is its effective state (the dequantised checkpoint with the
+decode buffer folded in), for the fp32 reference transformers' own fp32 cache tensor. The reference
+states of a run are those of a second call with the fp32 configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+from transformers import DynamicCache
+
+from pace_core.config import PaceConfig
+from pace_core.errors import PaceError
+from pace_core.model.loading import LoadedModel
+from pace_core.model.patch import get_state_store, pace
+
+
+@dataclasses.dataclass
+class RunResult:
+    """Logits and captured states of one teacher-forced run.
+
+    ``logits [B, T, vocab]`` float32 on the CPU (position t predicts token t + 1);
+    ``states[step][gdn_layer]`` = ``S [B, HV, K, V]`` float32 on the CPU; ``state_nbytes[gdn_layer]``
+    the real ``{"payload", "metadata", "buffer"}`` bytes of that layer's state at the end of the run.
+    """
+
+    config: PaceConfig
+    logits: torch.Tensor
+    states: dict[int, dict[int, torch.Tensor]]
+    decode_from: int
+    state_nbytes: dict[int, dict[str, int]]
+
+
+def _check_inputs(input_ids, decode_from, capture_steps: Iterable[int]) -> tuple[int, list[int]]:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise PaceError(f"input_ids: {got} not allowed; allowed: a LongTensor [B, T] with B, T >= 1")
+    B, T = input_ids.shape
+    if B < 1 or T < 1:
+        raise PaceError(f"input_ids: shape {(B, T)} not allowed; allowed: [B, T] with B, T >= 1")
+    start = T if decode_from is None else decode_from
+    if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start <= T:
+        raise PaceError(f"decode_from: {decode_from!r} not allowed; allowed: None or an integer in 1..{T}")
+    steps = sorted(set(capture_steps))
+    bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, int) or not start <= s <= T]
+    if bad:
+        raise PaceError(f"capture_steps: {bad} not allowed; allowed: integers in decode_from..T = {start}..{T}")
+    return start, steps
+
+
+def cache_states(cache, gdn_layers: list[int]) -> dict[int, torch.Tensor]:
+    """The current state ``S [B, HV, K, V]`` (float32, CPU copy) of every GDN layer held in a
+    forward / generate cache: the PACE store's effective state, or the cache's own fp32 tensor on
+    transformers' reference path."""
+    store = get_state_store(cache)
+    if store is not None:
+        return {layer: store.effective_state(layer).float().cpu() for layer in gdn_layers}
+    return {layer: cache.layers[layer].recurrent_states[0].float().cpu().clone() for layer in gdn_layers}
+
+
+def _layer_nbytes(cache, gdn_layers: list[int]) -> dict[int, dict[str, int]]:
+    store = get_state_store(cache)
+    if store is not None:
+        return {layer: store.layer_nbytes(layer) for layer in gdn_layers}
+    out = {}
+    for layer in gdn_layers:
+        state = cache.layers[layer].recurrent_states[0]
+        out[layer] = {"payload": state.numel() * state.element_size(), "metadata": 0, "buffer": 0}
+    return out
+
+
+@torch.no_grad()
+def run_with_states(
+    loaded: LoadedModel,
+    cfg: PaceConfig,
+    input_ids: torch.Tensor,
+    *,
+    decode_from: int | None = None,
+    capture_steps: Iterable[int] = (),
+    damp_rows: list[torch.Tensor] | None = None,
+) -> RunResult:
+    """Teacher-force ``input_ids [B, T]`` through ``loaded.model`` under ``cfg``.
+
+    Prefill ``input_ids[:, :decode_from]`` (all of it when None), then decode the rest token by
+    token; capture every GDN layer's state at each step of ``capture_steps`` (token counts in
+    ``decode_from..T``; see the module docstring). The model's PACE configuration is restored
+    afterwards. ``damp_rows``: the calibrated outlier rows for method ``damp`` (see
+    :func:`pace_core.model.patch.apply_pace`).
+    """
+    start, steps = _check_inputs(input_ids, decode_from, capture_steps)
+    model = loaded.model
+    ids = input_ids.to(loaded.device)
+    wanted = set(steps)
+    states: dict[int, dict[int, torch.Tensor]] = {}
+    with pace(model, cfg, damp_rows=damp_rows):
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids[:, :start], past_key_values=cache, use_cache=True)
+        logits = [out.logits.float().cpu()]
+        if start in wanted:
+            states[start] = cache_states(cache, loaded.gdn_layers)
+        for t in range(start, ids.shape[1]):
+            out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits.float().cpu())
+            if t + 1 in wanted:
+                states[t + 1] = cache_states(cache, loaded.gdn_layers)
+        nbytes = _layer_nbytes(cache, loaded.gdn_layers)
+    return RunResult(
+        config=cfg, logits=torch.cat(logits, dim=1), states=states, decode_from=start, state_nbytes=nbytes
+    )
+
+

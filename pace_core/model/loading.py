@@ -1,0 +1,212 @@
+"""Load a Gated DeltaNet hybrid (Qwen3.5 / Qwen3.5-MoE / Qwen3-Next) with transformers' own code.
+
+Checkpoints go through ``AutoConfig`` / ``AutoModelForCausalLM`` / ``AutoTokenizer`` (never
+``trust_remote_code``). A composite ``qwen3_5`` / ``qwen3_5_moe`` checkpoint (text + vision config)
+loads as its text-only causal LM (transformers maps it to ``Qwen3_5ForCausalLM`` /
+``Qwen3_5MoeForCausalLM``; the vision tower is not loaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from pace_core.accounting import state_bytes
+from pace_core.config import get_config
+from pace_core.errors import PaceError
+from pace_core.shapes import GDN_LAYER_TYPE, SUPPORTED_MODEL_TYPES, ModelShape, shape_from_hf_config
+
+DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parents[2] / "data" / "models" / "pace-tiny-qwen35"
+"""The embedded model, used when no source is given."""
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A loaded hybrid model with its tokenizer and its state geometry.
+
+    ``gdn_layers`` are the decoder-layer indices whose ``layer_types`` entry is ``linear_attention``;
+    ``device`` is the device of the input embeddings (the first device under ``device_map``).
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    shape: ModelShape
+    source: str
+    gdn_layers: list[int]
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def model_type(self) -> str:
+        """The ``model_type`` of the loaded (text) config, e.g. ``qwen3_5_text``."""
+        return self.model.config.model_type
+
+    def summary(self) -> dict:
+        """Architecture summary from the loaded config: layers, GDN layers, heads, head dims, γ,
+        the fp32 recurrent-state bytes of one sequence, and the parameter count."""
+        s = self.shape
+        text = self.model.config.get_text_config(decoder=True)
+        return {
+            "source": self.source,
+            "model_type": self.model_type,
+            "layers": s.num_layers,
+            "gdn_layers": s.num_gdn_layers,
+            "gdn_layer_indices": list(self.gdn_layers),
+            "attention_layers": s.num_layers - s.num_gdn_layers,
+            "num_k_heads": s.num_k_heads,
+            "num_v_heads": s.num_v_heads,
+            "d_k": s.d_k,
+            "d_v": s.d_v,
+            "gamma": s.num_v_heads // s.num_k_heads,
+            "hidden_size": text.hidden_size,
+            "vocab_size": text.vocab_size,
+            "state_bytes_per_sequence_fp32": state_bytes(get_config("fp32"), s, 1),
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+        }
+
+
+def gdn_layer_indices(config: PretrainedConfig) -> list[int]:
+    """Decoder-layer indices whose ``layer_types`` entry is ``linear_attention`` (text config of a
+    composite config)."""
+    text = config.get_text_config(decoder=True)
+    return [i for i, kind in enumerate(getattr(text, "layer_types", None) or []) if kind == GDN_LAYER_TYPE]
+
+
+def _not_hybrid(source: str, why: str) -> PaceError:
+    return PaceError(
+        f"source: {source!r} is not a hybrid Gated DeltaNet model ({why}); "
+        f"allowed model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    )
+
+
+def _looks_like_path(source: str) -> bool:
+    """A hub id is ``name`` or ``owner/name``; anything else (absolute, relative with ./ or ~,
+    deeper than one slash, or an existing file system entry) is a local path."""
+    return (
+        os.path.isabs(source)
+        or source.startswith((".", "~"))
+        or source.count("/") > 1
+        or source.endswith(("/", os.sep))
+        or Path(source).exists()
+    )
+
+
+def _resolve_source(source: str | os.PathLike | None) -> str:
+    if source is None:
+        if not DEFAULT_MODEL_DIR.is_dir():
+            raise PaceError(
+                f"source: the embedded model directory {str(DEFAULT_MODEL_DIR)!r} does not exist; "
+                "allowed: a local checkpoint directory or a hub id (train the embedded model first)"
+            )
+        return str(DEFAULT_MODEL_DIR)
+    source = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
+    if not isinstance(source, str) or not source:
+        raise PaceError(f"source: {source!r} not allowed; allowed: a local checkpoint directory or a hub id")
+    if _looks_like_path(source):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise PaceError(
+                f"source: path {source!r} does not exist; allowed: a local checkpoint directory or a hub id"
+            )
+        if not path.is_dir():
+            raise PaceError(
+                f"source: {source!r} is a file; allowed: a checkpoint directory (with config.json) or a hub id"
+            )
+        return str(path)
+    return source
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype == "auto":
+        return "auto"
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise PaceError(f"dtype: {dtype!r} not allowed; allowed: auto, {', '.join(DTYPES)}")
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise PaceError(f"device: {device!r} not allowed; allowed: cpu, cuda, cuda:<index>, mps") from err
+
+
+def load_config(source: str | os.PathLike | None = None) -> tuple[str, PretrainedConfig]:
+    """Resolve ``source`` and load its config; checks it is a hybrid Gated DeltaNet model.
+
+    Returns ``(resolved source, config)``. Raises PaceError for a missing path, an unreadable
+    source or a model without GDN layers.
+    """
+    resolved = _resolve_source(source)
+    try:
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as err:
+        raise PaceError(
+            f"source: could not load a transformers config from {resolved!r} ({err}); "
+            "allowed: a local checkpoint directory with config.json or a reachable hub id"
+        ) from err
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise _not_hybrid(resolved, f"model type {config.model_type!r}")
+    if not gdn_layer_indices(config):
+        raise _not_hybrid(resolved, f"model type {config.model_type!r} but no {GDN_LAYER_TYPE} layers")
+    return resolved, config
+
+
+def load_model(
+    source: str | os.PathLike | None = None,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    device_map: str | dict | None = None,
+) -> LoadedModel:
+    """Load a hybrid Gated DeltaNet checkpoint (local directory or hub id) and its tokenizer.
+
+    ``source`` None loads the embedded model (:data:`DEFAULT_MODEL_DIR`). ``dtype`` is one of
+    ``float32``, ``bfloat16``, ``float16``, ``auto`` (the checkpoint's dtype). ``device_map`` (e.g.
+    ``"auto"`` for models larger than one GPU) is passed to ``from_pretrained`` and then ``device``
+    is not used. The tokenizer pads on the left (decoder-only batches) and gets the EOS token as its
+    pad token when it has none. The model is put in eval mode.
+    """
+    torch_dtype = _resolve_dtype(dtype)
+    target = None if device_map is not None else _resolve_device(device)
+    resolved, _ = load_config(source)
+    kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": False}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolved, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise PaceError(f"source: could not load the model or tokenizer from {resolved!r} ({err})") from err
+    if target is not None:
+        try:
+            model = model.to(target)
+        except (RuntimeError, AssertionError) as err:
+            raise PaceError(
+                f"device: {str(target)!r} is not available here ({err}); allowed: cpu or an available device"
+            ) from err
+    model.eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    text = model.config.get_text_config(decoder=True)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        shape=shape_from_hf_config(text),
+        source=str(source) if source is not None else resolved,
+        gdn_layers=gdn_layer_indices(model.config),
+        device=model.get_input_embeddings().weight.device,
+        dtype=next(model.parameters()).dtype,
+    )

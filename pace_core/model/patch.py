@@ -1,0 +1,338 @@
+"""Run PACE inside transformers' own Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
+
+How it hooks in (no copy of transformers' layer code):
+
+- Each GDN module's ``forward`` is wrapped. The wrapper finds the call's cache (the forward
+  argument is ``cache_params`` in transformers 5.17-5.23 and ``cache`` in other versions: the name
+  is read from the signature at run time), gets or creates the :class:`StateStore` attached to that
+  cache object, and runs the original forward with a context naming the store and the layer.
+- The two core functions of the layer's modeling module (``torch_chunk_gated_delta_rule`` and
+  ``torch_recurrent_gated_delta_rule``, which transformers itself swaps for FLA kernels when those
+  are installed) are replaced by a dispatcher. Outside a PACE context it calls the original with the
+  same arguments, so unpatched models are untouched. Inside, it takes the layer's ``q, k, v, g,
+  beta``: transformers' choice of the recurrent function (a cached single-token step) is a PACE
+  decode step (:meth:`StateStore.decode`, buffered, flush every dP); the chunked function (prompt,
+  or any forward without a cached state) is a PACE prefill (:meth:`StateStore.prefill`, P-token
+  segments). q/k arrive either per key head (5.23) or already repeated to the value heads (5.17,
+  the GQA repeat sits in the layer there); repeated heads are taken back to one per key head.
+- The recurrent state lives only in the store (packed codes + scales + decode buffer). The cache's
+  own ``recurrent_states`` entry of a GDN layer is an empty ``[B, HV, 0, V]`` tensor, so no fp32
+  copy is held. Conv states, attention KV and everything else stay in transformers' cache.
+
+``method "none"`` with ``reference_dtype "float32"`` is transformers' own full-precision path: the
+layers run unwrapped (the fp32 state is the cache's own tensor), so the behaviour is exactly the
+original's. Every other configuration (including the bf16 reference) goes through the store.
+
+Limits: the store follows a cache through ``reorder_cache`` (beam search) and ``reset``;
+``crop`` / batch reshaping of a PACE cache (assisted decoding, contrastive search) are not
+supported and raise. With left padding the P-token segments are counted over the padded positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from pace_core.config import PaceConfig
+from pace_core.errors import PaceError
+from pace_core.recurrence import prepare_qk
+from pace_core.shapes import ModelShape, shape_from_hf_config
+from pace_core.state_store import StateStore
+
+CORE_FUNCTIONS: tuple[str, str] = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+"""Names of the GDN core functions in transformers' modeling modules: (prefill, decode step)."""
+
+_STORE_ATTR = "_pace_state_store"
+_STORE_CONFIG_ATTR = "_pace_state_config"
+_CONFIG_ATTR = "_pace_config"
+_SHAPE_ATTR = "_pace_shape"
+_DAMP_ATTR = "_pace_damp_rows"
+_ORIGINAL_ATTR = "_pace_original_forward"
+_CACHE_ARG_NAMES = ("cache_params", "cache", "past_key_values")
+
+
+@dataclasses.dataclass
+class _Call:
+    """What the dispatcher needs inside one patched GDN forward."""
+
+    module: nn.Module
+    store: StateStore  # the cache's store, or one for this forward only (no cache)
+
+
+_ACTIVE: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("pace_active_gdn_call", default=None)
+
+# modeling module name -> (original functions by name, number of patched GDN modules using it)
+_DISPATCH: dict[str, tuple[dict[str, object], int]] = {}
+
+
+def is_reference(cfg: PaceConfig) -> bool:
+    """True for the configuration that is transformers' own fp32 path (no store, no wrapping):
+    method ``none``, ``float32``, ``decode_period`` 1. (``none`` + ``float32`` with dP > 1 runs the
+    decode buffer without any rounding: the "quantisation off, buffering on" check.)"""
+    return cfg.method == "none" and cfg.reference_dtype == "float32" and cfg.decode_period == 1
+
+
+def gdn_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """``(layer_idx, module)`` of every Gated DeltaNet module of ``model``, in layer order."""
+    found = [
+        (int(m.layer_idx), m)
+        for m in model.modules()
+        if type(m).__name__.endswith("GatedDeltaNet") and hasattr(m, "layer_idx")
+    ]
+    return sorted(found, key=lambda item: item[0])
+
+
+def _cache_arg_name(forward) -> str:
+    params = inspect.signature(forward).parameters
+    for name in _CACHE_ARG_NAMES:
+        if name in params:
+            return name
+    raise PaceError(
+        f"transformers GDN forward: no cache argument among {', '.join(_CACHE_ARG_NAMES)} "
+        f"(signature {inspect.signature(forward)}); this transformers version is not supported"
+    )
+
+
+def get_state_store(cache) -> StateStore | None:
+    """The PACE state held in a ``generate()`` / forward cache, or None (no PACE, or the fp32
+    reference path whose state is the cache's own ``recurrent_states``)."""
+    return getattr(cache, _STORE_ATTR, None)
+
+
+def _follow_cache(cache, store: StateStore, cfg: PaceConfig) -> None:
+    """Attach ``store`` (of configuration ``cfg``) to ``cache`` and make the cache's batch
+    operations keep it in step."""
+    setattr(cache, _STORE_ATTR, store)
+    setattr(cache, _STORE_CONFIG_ATTR, cfg)
+    reorder, reset = cache.reorder_cache, cache.reset
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        reorder(beam_idx)
+        store.reorder(beam_idx)
+
+    def reset_cache(self):
+        reset()
+        store.reset()
+
+    def unsupported(name):
+        def refuse(self, *args, **kwargs):
+            raise PaceError(
+                f"cache.{name}: not supported on a PACE cache; allowed: generate, forward, reorder_cache, reset"
+            )
+
+        return refuse
+
+    cache.reorder_cache = types.MethodType(reorder_cache, cache)
+    cache.reset = types.MethodType(reset_cache, cache)
+    for name in ("crop", "batch_repeat_interleave", "batch_select_indices"):
+        if hasattr(cache, name):
+            setattr(cache, name, types.MethodType(unsupported(name), cache))
+
+
+def _new_store(model: nn.Module, cfg: PaceConfig, hidden_states: torch.Tensor, layer: int | None) -> StateStore:
+    """A store for every GDN layer (``layer`` None: a cache's store), or for the one GDN layer
+    ``layer`` (a forward without a cache), with that layer's share of ``high_heads`` / DAMP rows."""
+    shape: ModelShape = model.__dict__[_SHAPE_ATTR]
+    damp_rows = model.__dict__.get(_DAMP_ATTR)
+    layers = [i for i, _ in gdn_modules(model)]
+    if layer is not None:
+        ordinal = layers.index(layer)
+        layers = [layer]
+        if cfg.high_heads is not None:
+            cfg = cfg.replace(high_heads=(cfg.high_heads[ordinal],))
+        if damp_rows is not None:
+            damp_rows = [damp_rows[ordinal]]
+    return StateStore(
+        cfg,
+        shape if layer is None else None,  # the model shape counts every GDN layer
+        hidden_states.shape[0],
+        hidden_states.device,
+        shape.num_k_heads,
+        shape.num_v_heads,
+        shape.d_k,
+        shape.d_v,
+        layers,
+        damp_rows=damp_rows,
+    )
+
+
+def _wrap_forward(model: nn.Module, module: nn.Module, original) -> None:
+    cache_name = _cache_arg_name(original)
+    signature = inspect.signature(original)
+    layer_idx = int(module.layer_idx)
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        cfg: PaceConfig = getattr(model, _CONFIG_ATTR)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        hidden_states = bound["hidden_states"] if "hidden_states" in bound else args[0]
+        cache = bound.get(cache_name)
+        if cache is None:
+            call = _Call(module, _new_store(model, cfg, hidden_states, layer_idx))
+        else:
+            store = get_state_store(cache)
+            if store is None:
+                store = _new_store(model, cfg, hidden_states, None)
+                _follow_cache(cache, store, cfg)
+            elif getattr(cache, _STORE_CONFIG_ATTR) != cfg:
+                raise PaceError(
+                    "cache: it holds a PACE state of another configuration; allowed: a fresh cache after apply_pace"
+                )
+            call = _Call(module, store)
+        token = _ACTIVE.set(call)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    setattr(module, _ORIGINAL_ATTR, module.__dict__.get("forward"))
+    module.forward = forward
+
+
+def _unwrap_forward(module: nn.Module) -> None:
+    original = module.__dict__.pop(_ORIGINAL_ATTR)
+    if original is None:
+        del module.forward
+    else:
+        module.forward = original
+
+
+def core_inputs(module: nn.Module, arguments: dict) -> tuple[torch.Tensor, ...]:
+    """The recurrence inputs of one call of a GDN core function (``arguments``: its arguments by
+    name) as pace_core uses them: ``q, k [B, T, H, K]`` prepared (L2-normalised as transformers'
+    kernel does when ``use_qk_l2norm_in_kernel``, q scaled by ``K**-0.5``), ``v [B, T, HV, V]``,
+    ``g, beta [B, T, HV]``, all float32. q/k repeated to the value heads by the layer (transformers
+    5.17 repeats before the call, 5.23 inside it) are taken back to one per key head."""
+    query, key = arguments["query"], arguments["key"]
+    if query.shape[2] != module.num_k_heads:
+        gamma = module.num_v_heads // module.num_k_heads
+        query, key = query[:, :, ::gamma], key[:, :, ::gamma]
+    if arguments.get("use_qk_l2norm_in_kernel", False):
+        q, k = prepare_qk(query, key)
+    else:
+        q, k = query.float() * query.shape[-1] ** -0.5, key.float()
+    return q, k, arguments["value"].float(), arguments["g"].float(), arguments["beta"].float()
+
+
+def _run_pace(call: _Call, decode: bool, bound: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The PACE replacement of one core call; returns ``(o [B, T, HV, V], empty state or None)``."""
+    q, k, v, g, beta = core_inputs(call.module, bound)
+    layer = int(call.module.layer_idx)
+    o = (call.store.decode if decode else call.store.prefill)(layer, q, k, v, g, beta)
+    final = None
+    if bound.get("output_final_state", False):
+        B, _, HV, V = v.shape
+        final = torch.empty(B, HV, 0, V, dtype=torch.float32, device=v.device)
+    return o.to(bound["query"].dtype), final
+
+
+def _dispatcher(original, decode: bool):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def core(*args, **kwargs):
+        call = _ACTIVE.get()
+        if call is None:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return _run_pace(call, decode, bound.arguments)
+
+    return core
+
+
+def _install_dispatch(module_name: str) -> None:
+    originals, users = _DISPATCH.get(module_name, ({}, 0))
+    if not originals:
+        modeling = sys.modules[module_name]
+        missing = [name for name in CORE_FUNCTIONS if not callable(getattr(modeling, name, None))]
+        if missing:
+            raise PaceError(
+                f"transformers: {module_name} has no {', '.join(missing)}; this transformers version is not supported"
+            )
+        for name, decode in zip(CORE_FUNCTIONS, (False, True)):
+            originals[name] = getattr(modeling, name)
+            setattr(modeling, name, _dispatcher(originals[name], decode))
+    _DISPATCH[module_name] = (originals, users + 1)
+
+
+def _release_dispatch(module_name: str) -> None:
+    originals, users = _DISPATCH[module_name]
+    if users > 1:
+        _DISPATCH[module_name] = (originals, users - 1)
+        return
+    modeling = sys.modules[module_name]
+    for name, fn in originals.items():
+        setattr(modeling, name, fn)
+    del _DISPATCH[module_name]
+
+
+def _patched(model: nn.Module) -> bool:
+    return any(_ORIGINAL_ATTR in m.__dict__ for _, m in gdn_modules(model))
+
+
+def apply_pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tensor] | None = None) -> None:
+    """Run ``model``'s GDN layers with PACE configuration ``cfg`` (idempotent; a new ``cfg``
+    replaces the previous one). The reference (:func:`is_reference`) restores transformers' own
+    path. ``damp_rows``: for method ``damp``, the calibrated outlier key rows ``[HV, r]`` of each
+    GDN layer (GDN-layer order, :func:`pace_core.outliers.rank_outlier_rows`). A cache keeps the
+    configuration it was filled with: caches from before a change are refused."""
+    if not isinstance(cfg, PaceConfig):
+        raise PaceError(f"cfg: {type(cfg).__name__} not allowed; allowed: a PaceConfig")
+    modules = gdn_modules(model)
+    if not modules:
+        raise PaceError(f"model: {type(model).__name__} has no Gated DeltaNet layers; allowed: a hybrid GDN model")
+    if _SHAPE_ATTR not in model.__dict__:
+        model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
+    cfg.validate_for(model.__dict__[_SHAPE_ATTR])
+    if is_reference(cfg):
+        remove_pace(model)
+        return
+    if cfg.method == "damp" and damp_rows is None:
+        raise PaceError("damp_rows: None not allowed for method 'damp'; allowed: one [HV, r] tensor per GDN layer")
+    model.__dict__[_CONFIG_ATTR] = cfg
+    model.__dict__[_DAMP_ATTR] = damp_rows
+    if _patched(model):
+        return
+    for _, module in modules:
+        _install_dispatch(type(module).__module__)
+        _wrap_forward(model, module, module.forward)
+
+
+def remove_pace(model: nn.Module) -> None:
+    """Restore ``model``'s original GDN layers (no-op when PACE is not applied)."""
+    for _, module in gdn_modules(model):
+        if _ORIGINAL_ATTR in module.__dict__:
+            _unwrap_forward(module)
+            _release_dispatch(type(module).__module__)
+    model.__dict__.pop(_CONFIG_ATTR, None)
+    model.__dict__.pop(_DAMP_ATTR, None)
+
+
+def current_config(model: nn.Module) -> PaceConfig | None:
+    """The PACE configuration applied to ``model`` (None: transformers' own fp32 path)."""
+    return model.__dict__.get(_CONFIG_ATTR)
+
+
+@contextlib.contextmanager
+def pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tensor] | None = None) -> Iterator[nn.Module]:
+    """Apply ``cfg`` (see :func:`apply_pace`) for the ``with`` block, then restore the
+    configuration that was there before."""
+    previous, previous_rows = current_config(model), model.__dict__.get(_DAMP_ATTR)
+    apply_pace(model, cfg, damp_rows=damp_rows)
+    try:
+        yield model
+    finally:
+        if previous is None:
+            remove_pace(model)
+        else:
+            apply_pace(model, previous, damp_rows=previous_rows)

@@ -1,0 +1,124 @@
+"""Shared fixtures: tiny random checkpoints of every supported hybrid model type (and one
+non-hybrid model), written with ``save_pretrained`` into a session temp dir, each with a small
+character-level tokenizer, so loading goes through ``from_pretrained`` like a real checkpoint."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+VOCAB = 128
+
+_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=1,
+)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: ids 0 pad, 1 eos, 2 unk, then the printable ASCII characters."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for ch in string.printable:
+        if ch not in "\r\x0b\x0c":
+            vocab[ch] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def build_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random model of ``model_type`` (the composite types as their conditional-generation
+    class, as the real Qwen3.5 checkpoints are saved). The GDN decays are set to a long memory
+    (``A = exp(A_log)`` in [0.01, 0.1], ``dt_bias`` -2: ``α_t`` mostly 0.9..1) like trained models,
+    instead of the init's near-zero ``α_t`` that would erase every state within a few tokens."""
+    torch.manual_seed(seed)
+    model = _build(model_type)
+    for module in model.modules():
+        if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+            with torch.no_grad():
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 0.1).log())
+                module.dt_bias.fill_(-2.0)
+    return model
+
+
+def _build(model_type: str) -> torch.nn.Module:
+    if model_type == "qwen3_5":
+        return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=_TEXT, vision_config=_VISION))
+    if model_type == "qwen3_5_text":
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_TEXT))
+    if model_type == "qwen3_5_moe":
+        return Qwen3_5MoeForConditionalGeneration(
+            Qwen3_5MoeConfig(text_config={**_TEXT, **_MOE}, vision_config=_VISION)
+        )
+    if model_type == "qwen3_5_moe_text":
+        return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**_TEXT, **_MOE))
+    if model_type == "qwen3_next":
+        return Qwen3NextForCausalLM(Qwen3NextConfig(**_TEXT, **_MOE, decoder_sparse_step=1))
+    if model_type == "qwen3":
+        text = {k: v for k, v in _TEXT.items() if not k.startswith("linear_") and k != "layer_types"}
+        return Qwen3ForCausalLM(Qwen3Config(**text))
+    raise KeyError(model_type)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """model type -> checkpoint directory, for the hybrid types and a non-hybrid ``qwen3``."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    tokenizer = tiny_tokenizer()
+    out = {}
+    for model_type in (*HYBRID_TYPES, "qwen3"):
+        path = root / model_type
+        build_model(model_type).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        out[model_type] = path
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_thread():
+    """Run the tests on one torch thread: on the small, shared CPU machine two intra-op threads
+    oversubscribe the cores and tiny kernels get 10-20x slower. The previous setting is restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -1,0 +1,109 @@
+"""pace_core.model.loading: tiny random checkpoints of every hybrid model type, saved with
+save_pretrained and loaded back through AutoModelForCausalLM / AutoTokenizer."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import HYBRID_TYPES, build_model
+
+from pace_core.errors import PaceError
+from pace_core.model import loading
+from pace_core.model.loading import load_config, load_model
+from pace_core.shapes import SUPPORTED_MODEL_TYPES
+
+
+@pytest.mark.parametrize("model_type", HYBRID_TYPES)
+def test_loads_every_hybrid_type_with_its_weights(tiny_checkpoints, model_type):
+    loaded = load_model(str(tiny_checkpoints[model_type]))
+    assert type(loaded.model).__name__.endswith("ForCausalLM")
+    assert loaded.gdn_layers == [0, 1, 3]
+    assert loaded.device == torch.device("cpu") and loaded.dtype == torch.float32
+    assert not loaded.model.training
+    assert loaded.tokenizer.padding_side == "left" and loaded.tokenizer.pad_token_id == 0
+    shape = loaded.shape
+    assert (shape.num_layers, shape.num_gdn_layers, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v) == (
+        4, 3, 2, 4, 64, 32)
+    # the loaded weights are the saved ones: same logits as the model that was saved
+    original = build_model(model_type).eval()
+    ids = torch.randint(3, 100, (2, 11))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, original(ids).logits)
+
+
+def test_summary_from_the_loaded_config(tiny_checkpoints):
+    loaded = load_model(tiny_checkpoints["qwen3_5"])
+    s = loaded.summary()
+    assert s["model_type"] == "qwen3_5_text"  # the composite checkpoint loads as its text causal LM
+    assert (s["layers"], s["gdn_layers"], s["attention_layers"], s["gdn_layer_indices"]) == (4, 3, 1, [0, 1, 3])
+    assert (s["num_k_heads"], s["num_v_heads"], s["d_k"], s["d_v"], s["gamma"]) == (2, 4, 64, 32, 2)
+    # 3 GDN layers x 4 value heads x 64 x 32 fp32 values x 4 bytes
+    assert s["state_bytes_per_sequence_fp32"] == 3 * 4 * 64 * 32 * 4
+    assert s["params"] == sum(p.numel() for p in loaded.model.parameters())
+    assert s["vocab_size"] == 128 and s["hidden_size"] == 64
+
+
+def test_dtype_and_device_map_options(tiny_checkpoints):
+    path = tiny_checkpoints["qwen3_5_text"]
+    bf16 = load_model(path, dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    mapped = load_model(path, device_map={"": "cpu"})
+    assert mapped.device == torch.device("cpu")
+    assert load_model(path, dtype=torch.float16).dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"dtype": "float8"}, "dtype"),
+        ({"dtype": "fp32"}, "dtype"),
+        ({"device": "tpu:0"}, "device"),
+        ({"device": "cuda:7" if torch.cuda.device_count() < 8 else "cuda:99"}, "device"),
+    ],
+)
+def test_bad_options_name_the_field(tiny_checkpoints, kwargs, field):
+    with pytest.raises(PaceError, match=field):
+        load_model(tiny_checkpoints["qwen3_5_text"], **kwargs)
+
+
+def test_non_hybrid_checkpoint_is_refused(tiny_checkpoints):
+    with pytest.raises(PaceError) as err:
+        load_model(tiny_checkpoints["qwen3"])
+    message = str(err.value)
+    assert "not a hybrid Gated DeltaNet model" in message and "'qwen3'" in message
+    assert all(t in message for t in SUPPORTED_MODEL_TYPES)
+
+
+def test_hybrid_type_without_gdn_layers_is_refused(tmp_path):
+    config = build_model("qwen3_5_text").config.to_dict()
+    config["layer_types"] = ["full_attention"] * 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PaceError, match="not a hybrid Gated DeltaNet model.*no linear_attention layers"):
+        load_config(str(tmp_path))
+
+
+def test_missing_path_is_named(tmp_path):
+    missing = tmp_path / "no" / "such-model"
+    with pytest.raises(PaceError, match=re.escape(str(missing))):
+        load_model(str(missing))
+    with pytest.raises(PaceError, match="does not exist"):
+        load_model("./not-here")
+
+
+def test_file_instead_of_directory(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0")
+    with pytest.raises(PaceError, match="is a file"):
+        load_model(str(f))
+
+
+def test_default_source_is_the_embedded_model(tiny_checkpoints, monkeypatch, tmp_path):
+    monkeypatch.setattr(loading, "DEFAULT_MODEL_DIR", tiny_checkpoints["qwen3_next"])
+    loaded = load_model()
+    assert loaded.source == str(tiny_checkpoints["qwen3_next"]) and loaded.model_type == "qwen3_next"
+    monkeypatch.setattr(loading, "DEFAULT_MODEL_DIR", tmp_path / "pace-tiny-qwen35")
+    with pytest.raises(PaceError, match="embedded model"):
+        load_model(None)

@@ -1,0 +1,264 @@
+"""pace_core.model.patch: PACE inside transformers' own GDN layers, for every hybrid model type
+(tiny random checkpoints saved with save_pretrained and loaded with from_pretrained)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import HYBRID_TYPES
+
+from pace_core.accounting import state_bytes
+from pace_core.config import get_config
+from pace_core.errors import PaceError
+from pace_core.model.loading import load_model
+from pace_core.model.patch import (
+    CORE_FUNCTIONS,
+    apply_pace,
+    current_config,
+    gdn_modules,
+    get_state_store,
+    pace,
+    remove_pace,
+)
+from pace_core.quant import PackedTensor
+
+NEW_TOKENS = 12
+FP32_BUFFERED = get_config("fp32").replace(name="fp32-buffered", decode_period=8, prefill_period=5, buffer="fp32")
+"""Quantisation off, buffering on: no rounding, fp32 decode buffer with a flush every 8 tokens,
+5-token prefill segments."""
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _prompt(seed: int, batch: int = 2, length: int = 13) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 100, (batch, length), generator=g)
+
+
+def _generate(model, ids, attention_mask=None):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+            do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+        )
+
+
+def _gdn_cache_tensors(cache, layers):
+    return [cache.layers[i].recurrent_states[0] for i in layers]
+
+
+@pytest.fixture(scope="module")
+def loaded_models(tiny_checkpoints):
+    return {t: load_model(tiny_checkpoints[t]) for t in HYBRID_TYPES}
+
+
+@pytest.mark.parametrize("model_type", HYBRID_TYPES)
+def test_reference_and_buffered_fp32_match_transformers(loaded_models, model_type):
+    loaded = loaded_models[model_type]
+    model = loaded.model
+    ids = _prompt(1)
+    with torch.no_grad():
+        ref_logits = model(ids).logits
+    ref = _generate(model, ids)
+    assert all(t.shape == (2, 4, 64, 32) for t in _gdn_cache_tensors(ref.past_key_values, loaded.gdn_layers))
+
+    with pace(model, get_config("fp32")):  # PACE off: transformers' own path, bit for bit
+        assert current_config(model) is None
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref_logits)
+        off = _generate(model, ids)
+        assert torch.equal(off.sequences, ref.sequences)
+        assert get_state_store(off.past_key_values) is None
+
+    with pace(model, FP32_BUFFERED):  # through the store, no rounding
+        with torch.no_grad():
+            assert _relative(model(ids).logits, ref_logits) <= 1e-5
+        run = _generate(model, ids)
+        assert torch.equal(run.sequences, ref.sequences)
+        for a, b in zip(run.logits, ref.logits):
+            assert _relative(a, b) <= 1e-5
+        store = get_state_store(run.past_key_values)
+        for layer in loaded.gdn_layers:
+            # 11 decode forwards after the prompt: one flush at 8, 3 records buffered
+            assert len(store.buffer(layer)) == 3 and store.buffer(layer).precision == "fp32"
+            reference_state = ref.past_key_values.layers[layer].recurrent_states[0]
+            assert _relative(store.effective_state(layer), reference_state) <= 1e-5
+        assert all(t.numel() == 0 for t in _gdn_cache_tensors(run.past_key_values, loaded.gdn_layers))
+    assert current_config(model) is None
+
+
+def test_bf16_reference_holds_the_bf16_rounding_of_the_state(loaded_models):
+    loaded = loaded_models["qwen3_5_text"]
+    ids = _prompt(7)
+    with torch.no_grad():
+        ref = loaded.model(ids, use_cache=True).past_key_values
+        with pace(loaded.model, get_config("bf16")):
+            cache = loaded.model(ids, use_cache=True).past_key_values
+            assert _generate(loaded.model, ids).sequences.shape == (2, 13 + NEW_TOKENS)
+    store = get_state_store(cache)
+    for layer in loaded.gdn_layers:
+        checkpoint = store.layer(layer).checkpoint
+        assert checkpoint.dtype == torch.bfloat16 and store.layer_nbytes(layer)["payload"] == 2 * 4 * 64 * 32 * 2
+        # one prefill segment (P = 256 > 13 tokens): the stored state is the bf16 cast of the fp32 state
+        expected = ref.layers[layer].recurrent_states[0].to(torch.bfloat16).float()
+        got = checkpoint.float()
+        # at most one bf16 step apart (a cast may flip where the two fp32 computations differ by
+        # ~1e-7 of the state's scale), and almost all entries identical
+        step = torch.maximum(expected.abs(), got.abs()) * 2.0**-7 + 1e-6 * expected.abs().max()
+        assert torch.all((got - expected).abs() <= step)
+        assert (got == expected).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("model_type", HYBRID_TYPES)
+def test_pace4_generation_holds_the_state_packed(loaded_models, model_type):
+    loaded = loaded_models[model_type]
+    model = loaded.model
+    cfg = get_config("pace-4")
+    ids = _prompt(2)
+    with pace(model, cfg):
+        run = _generate(model, ids)
+    assert run.sequences.shape == (2, 13 + NEW_TOKENS)
+    cache = run.past_key_values
+    store = get_state_store(cache)
+    # the cache keeps no full-precision copy of the recurrent state
+    assert all(t.numel() == 0 for t in _gdn_cache_tensors(cache, loaded.gdn_layers))
+    fp32_bytes = 2 * 4 * 64 * 32 * 4  # one GDN layer, batch 2
+    for layer in loaded.gdn_layers:
+        checkpoint = store.layer(layer).checkpoint
+        assert isinstance(checkpoint, PackedTensor) and checkpoint.codes.dtype == torch.uint8
+        parts = store.layer_nbytes(layer)
+        assert parts["payload"] == fp32_bytes // 8  # 4-bit codes, two per byte
+        assert parts["metadata"] == fp32_bytes // 128  # one fp16 scale per 64 key entries
+    expected = state_bytes(cfg, loaded.shape, 2)
+    assert abs(store.nbytes() - expected) <= 0.01 * expected
+    # 12 decode tokens: the decode buffer (dP = 8) was flushed once and holds 4 records
+    assert all(len(store.buffer(layer)) == (NEW_TOKENS - 1) % 8 for layer in loaded.gdn_layers)
+
+
+def test_pace4_changes_outputs_only_where_rounding_reaches(loaded_models):
+    """With P = 4, prompt positions 0..3 see no rounding (identical logits); later positions read a
+    rounded state and differ."""
+    model = loaded_models["qwen3_5_text"].model
+    ids = _prompt(3, batch=1, length=12)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with pace(model, get_config("pace-4").replace(prefill_period=4)):
+            out = model(ids).logits
+    assert _relative(out[:, :4], ref[:, :4]) <= 1e-5
+    assert _relative(out[:, 4:], ref[:, 4:]) > 1e-3
+
+
+@pytest.mark.parametrize("cfg", [FP32_BUFFERED, get_config("pace-4")], ids=lambda c: c.name)
+def test_left_padded_batch_matches_single_runs(loaded_models, cfg):
+    loaded = loaded_models["qwen3_5"]
+    tok = loaded.tokenizer
+    texts = ["Hi", "The quick brown fox"]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    assert batch.attention_mask[0, 0] == 0  # padded on the left
+    with pace(loaded.model, cfg):
+        together = _generate(loaded.model, batch.input_ids, batch.attention_mask)
+        width = batch.input_ids.shape[1]
+        for row, text in enumerate(texts):
+            single = tok([text], return_tensors="pt")
+            alone = _generate(loaded.model, single.input_ids, single.attention_mask)
+            n = single.input_ids.shape[1]
+            assert torch.equal(together.sequences[row, width:], alone.sequences[0, n:])
+            for a, b in zip(together.logits, alone.logits):
+                assert _relative(a[row], b[0]) <= 1e-4
+
+
+def test_remove_restores_the_original_layers(loaded_models):
+    model = loaded_models["qwen3_next"].model
+    modeling = sys.modules[type(gdn_modules(model)[0][1]).__module__]
+    originals = {name: getattr(modeling, name) for name in CORE_FUNCTIONS}
+    ids = _prompt(4)
+    with torch.no_grad():
+        ref = model(ids).logits
+        apply_pace(model, get_config("rtn-int4"))
+        apply_pace(model, get_config("rtn-int4"))  # idempotent
+        assert not torch.equal(model(ids).logits, ref)
+        wrapped = gdn_modules(model)[0][1].forward
+        apply_pace(model, get_config("pace-4"))  # replaces the configuration, keeps one wrapper
+        assert gdn_modules(model)[0][1].forward is wrapped and current_config(model).name == "pace-4"
+        remove_pace(model)
+        assert torch.equal(model(ids).logits, ref)
+    assert all("forward" not in m.__dict__ for _, m in gdn_modules(model))
+    assert {name: getattr(modeling, name) for name in CORE_FUNCTIONS} == originals
+    remove_pace(model)  # no-op
+
+
+def test_pace_context_restores_the_previous_config(loaded_models):
+    model = loaded_models["qwen3_5_moe"].model
+    apply_pace(model, get_config("rtn-int8"))
+    try:
+        with pace(model, get_config("pace-4")):
+            assert current_config(model).name == "pace-4"
+        assert current_config(model).name == "rtn-int8"
+    finally:
+        remove_pace(model)
+    assert current_config(model) is None
+
+
+def test_cache_of_another_config_and_bad_input_are_refused(loaded_models):
+    model = loaded_models["qwen3_5_moe_text"].model
+    ids = _prompt(5)
+    with pace(model, get_config("pace-4")):
+        with torch.no_grad():
+            cache = model(ids, use_cache=True).past_key_values
+        apply_pace(model, get_config("rtn-int4"))
+        with pytest.raises(PaceError, match="another configuration"), torch.no_grad():
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+        with pytest.raises(PaceError, match="crop"):
+            cache.crop(-1)
+    with pytest.raises(PaceError, match="cfg"):
+        apply_pace(model, "pace-4")
+    with pytest.raises(PaceError, match="damp_rows"):
+        apply_pace(model, get_config("damp-int4"))
+    with pytest.raises(PaceError, match="group_size"):  # key-axis groups of 128 do not divide d_k = 64
+        apply_pace(model, get_config("pace-4").replace(group_size=128))
+    assert current_config(model) is None
+
+
+def test_beam_search_reorders_the_store(loaded_models):
+    model = loaded_models["qwen3_5_text"].model
+    ids = _prompt(6, batch=1)
+    with pace(model, FP32_BUFFERED):
+        with torch.no_grad():
+            beams = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        reference = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(beams, reference)
+
+
+def test_non_hybrid_model_is_refused(tiny_checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen3"])
+    with pytest.raises(PaceError, match="no Gated DeltaNet layers"):
+        apply_pace(model, get_config("pace-4"))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [get_config("pace-4-8").replace(high_heads=((0,), (3,), (1,))), get_config("rtn-int4"), get_config("damp-int4")],
+    ids=lambda c: c.name,
+)
+def test_forward_without_cache_equals_forward_with_cache(loaded_models, cfg):
+    """Without a cache each GDN layer gets its own store (with its share of the per-layer
+    settings); the outputs equal those of a cached forward. Also runs generation for each method."""
+    model = loaded_models["qwen3_5_text"].model
+    ids = _prompt(8, length=20)
+    rows = [torch.randperm(64, generator=torch.Generator().manual_seed(i))[:16].expand(4, 16) for i in range(3)]
+    damp_rows = rows if cfg.method == "damp" else None
+    with pace(model, cfg.replace(prefill_period=8), damp_rows=damp_rows), torch.no_grad():
+        cached = model(ids, use_cache=True)
+        uncached = model(ids, use_cache=False)
+        assert uncached.past_key_values is None
+        assert torch.equal(cached.logits, uncached.logits)
+        run = _generate(model, ids)
+    store = get_state_store(run.past_key_values)
+    assert store.bits_per_head(3) == ((4, 8, 4, 4) if cfg.method == "pace" else (4,) * 4)
