@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_share
@@ -25,8 +24,7 @@ from pace_core.config import (
     GROUP_AXES,
     NAMED_CONFIGS,
     PaceConfig,
-    config_from_json,
-    get_config,
+    resolve_config,
 )
 from pace_core.errors import PaceError
 from pace_core.model import commands as model_commands
@@ -49,19 +47,6 @@ _OVERRIDES: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                   "help": "symmetric codes (--no-symmetric: integer zero point)"}),
     ("--outlier-rows", "damp_outlier_rows", {"type": int, "help": "DAMP outlier key rows in fp16"}),
 )
-
-
-def _resolve_config(spec: str) -> PaceConfig:
-    """A named configuration, or the config of an exported JSON file."""
-    path = Path(spec).expanduser()
-    if spec.strip().lower() in NAMED_CONFIGS or path.suffix != ".json":
-        return get_config(spec)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PaceError(f"--config {spec!r} cannot be read ({e}); allowed: {', '.join(NAMED_CONFIGS)} "
-                        "or a config JSON file") from None
-    return config_from_json(text)
 
 
 def _default_model() -> str:
@@ -144,7 +129,7 @@ def run_bits(args: argparse.Namespace) -> int:
     if budget is not None and budget < 0:
         raise PaceError(f"--budget-gb={args.budget_gb} is not allowed; allowed: a number >= 0")
     if args.config is not None:
-        cfg = _apply_overrides(_resolve_config(args.config), args)
+        cfg = _apply_overrides(resolve_config(args.config), args)
         row = _row(cfg, shape, args.sequences)
         fits = None if budget is None else sequences_that_fit(cfg, shape, budget)
         if budget is not None:

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pace_core import __version__
@@ -466,3 +467,16 @@ def _parse_json(s: str) -> Any:
     except json.JSONDecodeError as e:
         raise PaceError(f"config JSON is malformed at line {e.lineno} column {e.colno}: {e.msg}; "
                         "allowed: a JSON object as written by config_to_json") from None
+
+
+def resolve_config(spec: str) -> PaceConfig:
+    """A named configuration, or the config of an exported JSON file (a path ending in ``.json``)."""
+    path = Path(spec).expanduser()
+    if spec.strip().lower() in NAMED_CONFIGS or path.suffix != ".json":
+        return get_config(spec)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PaceError(f"config {spec!r} cannot be read ({e}); allowed: {', '.join(NAMED_CONFIGS)} "
+                        "or a config JSON file") from None
+    return config_from_json(text)

@@ -96,7 +96,7 @@ def test_config_file_and_model_paths(capsys, tmp_path, tiny_checkpoints):
     (["--config", "pace-4", "--model", "qwen3.5-4b", "--bits", "9"], "error: bits=9 is not allowed"),
     (["--config", "pace-4", "--model", "llama-7b"], "error: model 'llama-7b' is neither a built-in shape"),
     (["--config", "pace-4", "--model", "qwen3.5-4b", "--sequences", "0"], "error: --sequences=0 is not allowed"),
-    (["--config", "missing.json", "--model", "qwen3.5-4b"], "error: --config 'missing.json' cannot be read"),
+    (["--config", "missing.json", "--model", "qwen3.5-4b"], "error: config 'missing.json' cannot be read"),
     (["--config", "pace-4", "--model", "qwen3.5-4b", "--group-size", "48"], "error: group_size=48 is not allowed"),
 ])
 def test_bad_input_exits_2_with_a_message(capsys, argv, message):

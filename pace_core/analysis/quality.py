@@ -1,0 +1,183 @@
+"""Quality against the fp32 reference: sliding-window perplexity, bits per byte, next-token top-1
+agreement and KL divergence (spec §7).
+
+Sliding windows follow the usual transformers recipe: windows of ``window`` tokens start every
+``stride`` tokens; each window scores only the tokens not scored by an earlier window (so every token
+after the first is scored exactly once, with up to ``window - stride`` tokens of context before the
+first scored one). Each window is one independent run from an empty state. With ``decode_from``
+set, a window's first ``decode_from`` tokens are the prompt (prefill, P-token segments) and the rest
+is teacher-forced token by token through the decode path (buffer, flush every dP); without it the
+whole window is prefilled. Note that a prefill rounds the state only at P-token segment ends, after
+the logits of the segment's tokens are computed, so with P >= window a prefill-only evaluation
+cannot see the state quantisation at all: ``decode_from = window - stride`` (the CLI default)
+decodes every scored token after the first window.
+
+Bits per byte = total NLL in bits / UTF-8 bytes of the scored tokens' text.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from pace_core.analysis.text import read_text, tokenize
+from pace_core.config import PaceConfig, get_config
+from pace_core.errors import PaceError
+from pace_core.model.capture import run_with_states
+from pace_core.model.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class Window:
+    """Tokens ``[begin, end)`` run together; tokens ``[first_target, end)`` are scored."""
+
+    begin: int
+    end: int
+    first_target: int
+
+
+def sliding_windows(n_tokens: int, window: int, stride: int) -> list[Window]:
+    """Windows covering ``n_tokens`` tokens; every token but the first is scored exactly once."""
+    if window < 2:
+        raise PaceError(f"window: must be >= 2 tokens, got {window}")
+    if not 1 <= stride <= window:
+        raise PaceError(f"stride: must be in [1, window={window}], got {stride}")
+    if n_tokens < 2:
+        raise PaceError(f"text: need at least 2 tokens, got {n_tokens}")
+    out, prev_end = [], 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + window, n_tokens)
+        out.append(Window(begin, end, max(prev_end, begin + 1)))
+        prev_end = end
+        if end == n_tokens:
+            break
+    return out
+
+
+def config_map(configs: Mapping[str, PaceConfig] | list[PaceConfig]) -> dict[str, PaceConfig]:
+    """``{name: config}`` of a mapping or a list of configurations (names must be unique)."""
+    if isinstance(configs, Mapping):
+        out = dict(configs)
+    else:
+        out = {}
+        for cfg in configs:
+            if cfg.name in out:
+                raise PaceError(f"configs: two configurations are named {cfg.name!r}; names must be unique")
+            out[cfg.name] = cfg
+    if not out:
+        raise PaceError("configs: need at least one configuration")
+    for name, cfg in out.items():
+        if not isinstance(cfg, PaceConfig):
+            raise PaceError(f"configs[{name!r}]: {type(cfg).__name__} not allowed; allowed: a PaceConfig")
+    return out
+
+
+def window_logits(loaded: LoadedModel, cfg: PaceConfig, ids: torch.Tensor, decode_from: int | None) -> torch.Tensor:
+    """Logits of one window run from an empty state: ids [1, W] -> [W, vocab] fp32 cpu."""
+    d = decode_from if decode_from is not None and decode_from < ids.shape[1] else None
+    return run_with_states(loaded, cfg, ids, decode_from=d).logits[0].float()
+
+
+def evaluate_quality(
+    loaded: LoadedModel,
+    configs: Mapping[str, PaceConfig] | list[PaceConfig],
+    ids: torch.Tensor,
+    *,
+    window: int = 512,
+    stride: int = 256,
+    decode_from: int | None = None,
+    reference: PaceConfig | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> pd.DataFrame:
+    """Perplexity, NLL, top-1 agreement and KL(reference ‖ config) per configuration.
+
+    ids [1, T] int64. Returns one row per configuration (the reference first, named as given, with
+    agreement 1 and KL 0): config, tokens, nll (mean nats per scored token), ppl, agreement, kl.
+    ``progress(n)`` is called after each window run.
+    """
+    cfgs = config_map(configs)
+    ref = reference if reference is not None else get_config("fp32")
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise PaceError(f"ids: expected shape [1, T], got {tuple(ids.shape)}")
+    if decode_from is not None and decode_from < 1:
+        raise PaceError(f"decode_from: must be >= 1 (prompt tokens per window), got {decode_from}")
+    windows = sliding_windows(ids.shape[1], window, stride)
+    if ref.name in cfgs and cfgs[ref.name] != ref:
+        raise PaceError(f"configs: {ref.name!r} names the reference; allowed: another name for a different config")
+    names = [ref.name] + [n for n in cfgs if n != ref.name]
+    run = {ref.name: ref, **{n: c for n, c in cfgs.items() if n != ref.name}}
+    nll = dict.fromkeys(names, 0.0)
+    agree = dict.fromkeys(names, 0)
+    kl = dict.fromkeys(names, 0.0)
+    count = 0
+    for w in windows:
+        chunk = ids[:, w.begin : w.end]
+        rows = slice(w.first_target - w.begin - 1, w.end - w.begin - 1)  # logits predicting targets
+        targets = ids[0, w.first_target : w.end].cpu()
+        ref_logp = None
+        for name in names:
+            logp = torch.log_softmax(window_logits(loaded, run[name], chunk, decode_from)[rows].double(), dim=-1)
+            nll[name] += float(-logp.gather(1, targets[:, None]).sum())
+            if ref_logp is None:
+                ref_logp, ref_top = logp, logp.argmax(-1)
+            agree[name] += int((logp.argmax(-1) == ref_top).sum())
+            kl[name] += float((ref_logp.exp() * (ref_logp - logp)).sum())
+            if progress is not None:
+                progress(1)
+        count += targets.numel()
+    return pd.DataFrame(
+        [
+            {
+                "config": n,
+                "tokens": count,
+                "nll": nll[n] / count,
+                "ppl": math.exp(nll[n] / count),
+                "agreement": agree[n] / count,
+                "kl": max(kl[n] / count, 0.0),
+            }
+            for n in names
+        ]
+    )
+
+
+def scored_bytes(tokenizer, ids: torch.Tensor, windows: list[Window]) -> int:
+    """UTF-8 bytes of the text of the tokens the windows score (ids [1, T]); consecutive scored
+    spans are decoded together."""
+    spans: list[list[int]] = []
+    for w in windows:
+        if spans and spans[-1][1] == w.first_target:
+            spans[-1][1] = w.end
+        else:
+            spans.append([w.first_target, w.end])
+    return sum(len(tokenizer.decode(ids[0, a:b].tolist()).encode("utf-8")) for a, b in spans)
+
+
+def perplexity(
+    loaded: LoadedModel,
+    configs: Mapping[str, PaceConfig] | list[PaceConfig],
+    text_path: str | os.PathLike,
+    *,
+    window: int = 512,
+    stride: int = 256,
+    max_tokens: int | None = None,
+    decode_from: int | None = None,
+    reference: PaceConfig | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> pd.DataFrame:
+    """Quality table on a text file (first ``max_tokens`` tokens): the rows of
+    :func:`evaluate_quality` plus ``bpb`` (bits per UTF-8 byte of the scored text)."""
+    ids = tokenize(loaded.tokenizer, read_text(text_path), max_tokens)
+    table = evaluate_quality(
+        loaded, configs, ids.to(loaded.device), window=window, stride=stride, decode_from=decode_from,
+        reference=reference, progress=progress,
+    )
+    n_bytes = scored_bytes(loaded.tokenizer, ids, sliding_windows(ids.shape[1], window, stride))
+    if n_bytes == 0:
+        raise PaceError(f"text: {str(text_path)!r} gives no scored bytes")
+    table["bpb"] = table["nll"] * table["tokens"] / (math.log(2) * n_bytes)
+    return table

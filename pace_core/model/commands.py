@@ -1,0 +1,442 @@
+"""Model commands of ``python -m pace_core``: calibrate, drift, perplexity, generate, sweep, export, all.
+
+Each command loads a checkpoint (``--model``: a local folder or a hub id; default: the embedded
+model), runs one analysis of :mod:`pace_core.analysis`, prints a short table and stores the result
+under ``<--out>/<model>/`` (default ``data/results/``) through :mod:`pace_core.results`, keyed by
+everything that defines it (model, configurations, text hash, settings), so the app and later runs
+reuse it; ``--force`` recomputes a stored result. Configurations are named ones or exported config
+JSON files; a configuration that needs calibration (PACE-4/8's high-bit heads, DAMP's outlier rows)
+is calibrated first on the calibration text. ``all`` produces the full result set in one command,
+e.g. ``python -m pace_core all --model Qwen/Qwen3.5-4B --device cuda``.
+
+Heavy imports (torch models, transformers) happen inside the commands, so ``bits`` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from pace_core.config import resolve_config
+from pace_core.errors import PaceError
+
+DEFAULT_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8")
+ALL_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8", "damp-int8", "damp-int4", "qmamba-dsq")
+DEFAULT_PROMPT = "The history of the city begins in"
+
+
+class Context:
+    """What every command needs: the loaded model, its result folder name, provenance, progress."""
+
+    def __init__(self, args: argparse.Namespace):
+        from pace_core.model.loading import load_model
+
+        self.args = args
+        self.loaded = load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map)
+        self.model_name = args.model if args.model is not None else self.loaded.source
+        self._calibrations: dict[str, Any] = {}
+
+    def bar(self, total: int, desc: str):
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, disable=self.args.quiet, file=sys.stderr, leave=False)
+
+    def cached(self, kind: str, params: dict[str, Any]):
+        """(key, stored Result or None unless --force)."""
+        from pace_core.results import load_result, result_key
+
+        key = result_key({"kind": kind, "model": self.model_name, "dtype": self.args.dtype, **params})
+        found = None if self.args.force else load_result(kind, self.model_name, key, root=self.args.out)
+        return key, found
+
+    def save(self, kind: str, key: str, data: dict, table=None, *, configs=(), text=None, extra=None):
+        from pace_core.results import make_provenance, save_result
+
+        prov = make_provenance(self.model_name, configs=list(configs), text_path=text, command=_command(),
+                               extra={"dtype": self.args.dtype, "device": str(self.loaded.device), **(extra or {})})
+        result = save_result(kind, self.model_name, key, data, prov, table, root=self.args.out)
+        print(f"saved {result.path}")
+        return result
+
+    def calibration(self, cfg, text: str | None, tokens: int, sample_every: int):
+        """The calibration of ``cfg`` (cached in memory and on disk as kind 'calibration')."""
+        from pace_core.analysis.calibration import calibrate
+        from pace_core.analysis.text import CALIBRATION_TEXT
+        from pace_core.config import config_to_dict
+        from pace_core.results import text_sha256
+
+        path = str(text or CALIBRATION_TEXT)
+        key, found = self.cached("calibration", {"config": config_to_dict(cfg), "text": _sha(path),
+                                                 "tokens": tokens, "sample_every": sample_every})
+        if key in self._calibrations:
+            return self._calibrations[key]
+        if found is not None:
+            cal = calibration_from_result(found)
+        else:
+            with self.bar(tokens // sample_every, f"calibrate {cfg.name}") as bar:
+                cal = calibrate(self.loaded, cfg, path, tokens=tokens, sample_every=sample_every, progress=bar.update)
+            self.save("calibration", key, {"config": config_to_dict(cal.config), "layers": cal.layers,
+                                           "a": cal.a.tolist(), "e": cal.e.tolist(), "E": cal.E.tolist(),
+                                           "tokens": cal.tokens, "samples": cal.samples,
+                                           "damp_rows": None if cal.damp_rows is None else [r.tolist() for r in cal.damp_rows],
+                                           "text_sha256": text_sha256(path)},
+                      cal.table(), configs=[cal.config], text=path)
+        self._calibrations[key] = cal
+        return cal
+
+    def prepared(self, names: list[str]):
+        """Resolve configurations and calibrate those that need it (PACE-4/8 high-bit heads, DAMP
+        outlier rows). Returns (configs, {damp config name: outlier rows per GDN layer})."""
+        cfgs, damp_rows = [], {}
+        for spec in names:
+            cfg = resolve_config(spec)
+            if (cfg.high_share > 0 and cfg.high_heads is None) or cfg.method == "damp":
+                cal = self.calibration(cfg, self.args.calibration_text, self.args.calibration_tokens, 64)
+                if cfg.method == "damp":
+                    damp_rows[cfg.name] = [r.to(self.loaded.device) for r in cal.damp_rows]
+                cfg = cal.config
+            cfgs.append(cfg.validate_for(self.loaded.shape))
+        return cfgs, damp_rows
+
+
+def _command() -> str:
+    return " ".join(["python -m pace_core", *sys.argv[1:]])
+
+
+_CONTEXTS: dict[tuple, Context] = {}
+
+
+def _context(args: argparse.Namespace) -> Context:
+    """One Context (one loaded model) per model, dtype and device within a process (``all`` reuses it)."""
+    key = (args.model, args.dtype, args.device, args.device_map)
+    if key not in _CONTEXTS:
+        _CONTEXTS[key] = Context(args)
+    ctx = _CONTEXTS[key]
+    ctx.args = args
+    return ctx
+
+
+def calibration_from_result(result):
+    """The :class:`~pace_core.analysis.calibration.Calibration` stored by ``calibrate`` (a Result)."""
+    import torch
+
+    from pace_core.analysis.calibration import Calibration
+    from pace_core.config import config_from_dict
+
+    d = result.data
+    rows = None if d["damp_rows"] is None else [torch.tensor(r, dtype=torch.long) for r in d["damp_rows"]]
+    return Calibration(config_from_dict(d["config"]), list(d["layers"]), torch.tensor(d["a"], dtype=torch.float64),
+                       torch.tensor(d["e"], dtype=torch.float64), torch.tensor(d["E"], dtype=torch.float64),
+                       d["tokens"], d["samples"], rows)
+
+
+def _sha(path: str | os.PathLike) -> str:
+    from pace_core.analysis.text import read_text
+    from pace_core.results import text_sha256
+
+    read_text(path)  # missing / empty -> PaceError
+    return text_sha256(path)
+
+
+def _print_table(table, columns: list[str] | None = None) -> None:
+    import pandas as pd
+
+    with pd.option_context("display.max_columns", None, "display.width", 160, "display.max_colwidth", 60):
+        print((table[columns] if columns else table).to_string(index=False))
+
+
+def _reuse(found, what: str) -> bool:
+    if found is None:
+        return False
+    print(f"reusing stored {what}: {found.path} (--force recomputes)")
+    if found.table is not None:
+        _print_table(found.table)
+    return True
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    ctx = _context(args)
+    cfg = resolve_config(args.config)
+    cal = ctx.calibration(cfg, args.text, args.tokens, args.sample_every)
+    _print_table(cal.table())
+    print(f"high_heads: {cal.config.high_heads}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from pace_core.analysis.text import CALIBRATION_TEXT
+    from pace_core.config import config_to_json
+    from pace_core.results import atomic_write, make_provenance, results_dir
+
+    ctx = _context(args)
+    cfg = resolve_config(args.config)
+    if cfg.high_share > 0:
+        cfg = ctx.calibration(cfg, args.text, args.tokens, args.sample_every).config
+    cfg.validate_for(ctx.loaded.shape)
+    prov = make_provenance(ctx.model_name, configs=[cfg], text_path=args.text or CALIBRATION_TEXT,
+                           command=_command(), extra={"calibration_tokens": args.tokens})
+    text = config_to_json(cfg, model=ctx.model_name, provenance=prov)
+    out = Path(args.output) if args.output else results_dir(ctx.model_name, args.out) / f"config-{cfg.name}.json"
+    atomic_write(out, lambda p: p.write_text(text, encoding="utf-8"))
+    print(f"wrote {out}")
+    return 0
+
+
+def run_drift(args: argparse.Namespace) -> int:
+    from pace_core.analysis.drift import drift
+    from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
+    from pace_core.config import config_to_dict
+
+    ctx = _context(args)
+    text = args.text or str(CALIBRATION_TEXT)
+    cfgs, damp_rows = ctx.prepared(args.configs)
+    params = {"configs": [config_to_dict(c) for c in cfgs], "text": _sha(text), "tokens": args.tokens,
+              "decode_from": args.decode_from, "every": args.every}
+    key, found = ctx.cached("drift", params)
+    if _reuse(found, "drift"):
+        return 0
+    ids = tokenize(ctx.loaded.tokenizer, read_text(text), args.tokens)
+    decode_from = args.decode_from if args.decode_from is not None else ids.shape[1] // 2
+    with ctx.bar(len(cfgs) + 1, "drift") as bar:
+        res = drift(ctx.loaded, cfgs, ids, decode_from, every=args.every, damp_rows=damp_rows, progress=bar.update)
+    _print_table(res.summary)
+    ctx.save("drift", key, {"summary": res.summary.to_dict("records"), "decode_from": decode_from,
+                            "tokens": int(ids.shape[1]), "layer_table": res.layer_table.to_dict("list")},
+             res.table, configs=cfgs, text=text)
+    return 0
+
+
+def run_perplexity(args: argparse.Namespace) -> int:
+    from pace_core.analysis.quality import perplexity, sliding_windows
+    from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
+    from pace_core.config import config_to_dict
+
+    ctx = _context(args)
+    text = args.text or str(TEST_TEXT)
+    cfgs, damp_rows = ctx.prepared(args.configs)
+    if damp_rows:
+        raise PaceError("--configs: damp configurations are not supported by perplexity; allowed: the others")
+    decode_from = None if args.prefill_only else (args.decode_from or args.window - args.stride or None)
+    params = {"configs": [config_to_dict(c) for c in cfgs], "text": _sha(text), "window": args.window,
+              "stride": args.stride, "max_tokens": args.max_tokens, "decode_from": decode_from}
+    key, found = ctx.cached("perplexity", params)
+    if _reuse(found, "perplexity"):
+        return 0
+    n = tokenize(ctx.loaded.tokenizer, read_text(text), args.max_tokens).shape[1]
+    total = len(sliding_windows(n, args.window, args.stride)) * (1 + sum(c.name != "fp32" for c in cfgs))
+    with ctx.bar(total, "perplexity") as bar:
+        table = perplexity(ctx.loaded, cfgs, text, window=args.window, stride=args.stride, max_tokens=args.max_tokens,
+                           decode_from=decode_from, progress=bar.update)
+    _print_table(table)
+    ctx.save("perplexity", key, {"rows": table.to_dict("records"), "decode_from": decode_from}, table,
+             configs=cfgs, text=text)
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pace_core.analysis.generation import generate_side_by_side
+    from pace_core.config import config_to_dict
+
+    ctx = _context(args)
+    cfgs, damp_rows = ctx.prepared(args.configs)
+    if damp_rows:
+        raise PaceError("--configs: damp configurations are not supported by generate; allowed: the others")
+    params = {"configs": [config_to_dict(c) for c in cfgs], "prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
+              "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "modes": args.modes}
+    key, found = ctx.cached("generation", params)
+    if _reuse(found, "generations"):
+        return 0
+    with ctx.bar(len(args.modes) * (1 + sum(c.name != "fp32" for c in cfgs)), "generate") as bar:
+        table = generate_side_by_side(ctx.loaded, cfgs, args.prompt, max_new_tokens=args.max_new_tokens,
+                                      modes=args.modes, seed=args.seed, temperature=args.temperature,
+                                      top_p=args.top_p, progress=bar.update)
+    _print_table(table, ["mode", "config", "first_divergence", "ref_nll", "ref_agreement", "text"])
+    ctx.save("generation", key, {"prompt": args.prompt}, table, configs=cfgs)
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from pace_core.analysis.sweep import grid_configs, sweep, sweep_progress_total
+    from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
+    from pace_core.config import get_config
+
+    ctx = _context(args)
+    text = args.text or str(CALIBRATION_TEXT)
+    ids = tokenize(ctx.loaded.tokenizer, read_text(text), args.tokens)
+    if not 1 <= args.decode_tokens < ids.shape[1]:
+        raise PaceError(f"--decode-tokens: {args.decode_tokens} not allowed; allowed: 1..{ids.shape[1] - 1} "
+                        f"(the text gives {ids.shape[1]} tokens)")
+    prompt = ids.shape[1] - args.decode_tokens
+    base = get_config("pace-4").replace(buffer=args.buffer, prefill_period=args.prefill_period or prompt,
+                                        symmetric=args.symmetric)
+    cfgs = grid_configs(args.bits, args.dp, args.axis, args.group_size, base)
+    params = {"grid": {"bits": args.bits, "dp": args.dp, "axis": args.axis, "group_size": args.group_size},
+              "base": {"buffer": args.buffer, "prefill_period": args.prefill_period, "symmetric": args.symmetric},
+              "text": _sha(text), "tokens": args.tokens, "decode_tokens": args.decode_tokens}
+    key, found = ctx.cached("sweep", params)
+    if _reuse(found, "sweep"):
+        return 0
+    with ctx.bar(sweep_progress_total(cfgs, ids.shape[1], args.decode_tokens), "sweep") as bar:
+        summary, steps = sweep(ctx.loaded, ids, cfgs, decode_tokens=args.decode_tokens, progress=bar.update)
+    _print_table(summary, ["config", "prefill_rel_error", "mean_rel_error", "final_rel_error", "output_rel_error",
+                           "resident_bits"])
+    ctx.save("sweep", key, {"steps": steps.to_dict("list"), "tokens": int(ids.shape[1]),
+                            "decode_tokens": args.decode_tokens, "mode": "layer-local"},
+             summary, configs=cfgs, text=text)
+    return 0
+
+
+def run_all(args: argparse.Namespace) -> int:
+    """calibrate (pace-4-8), export, sweep, drift, perplexity, generate with the given settings."""
+    quality = [c for c in args.configs if not resolve_config(c).method == "damp"]
+    steps: list[tuple[str, Callable[[argparse.Namespace], int], dict[str, Any]]] = [
+        ("calibrate", run_calibrate, {"config": "pace-4-8", "text": args.calibration_text,
+                                      "tokens": args.calibration_tokens, "sample_every": 64}),
+        ("export", run_export, {"config": "pace-4-8", "text": args.calibration_text,
+                                "tokens": args.calibration_tokens, "sample_every": 64, "output": None}),
+        ("sweep", run_sweep, {**_SWEEP_DEFAULTS, "text": None, "tokens": args.sweep_tokens,
+                              "decode_tokens": args.sweep_decode_tokens}),
+        ("drift", run_drift, {"configs": list(args.configs), "text": None, "tokens": args.drift_tokens,
+                              "decode_from": None, "every": args.drift_every}),
+        ("perplexity", run_perplexity, {"configs": quality, "text": args.ppl_text, "window": args.ppl_window,
+                                        "stride": args.ppl_window // 2, "max_tokens": args.ppl_tokens,
+                                        "decode_from": None, "prefill_only": False}),
+        ("generate", run_generate, {"configs": quality, "prompt": DEFAULT_PROMPT, "max_new_tokens": args.max_new_tokens,
+                                    "seed": 0, "temperature": 0.8, "top_p": 0.95, "modes": ["greedy", "sampled"]}),
+    ]
+    for name, run, extra in steps:
+        print(f"== {name}")
+        code = run(argparse.Namespace(**{**vars(args), **extra}))
+        if code:
+            return code
+    return 0
+
+
+_SWEEP_DEFAULTS: dict[str, Any] = {"bits": [3, 4, 5, 6, 8], "dp": [1, 8, 32], "axis": ["key", "value"],
+                                   "group_size": [32], "buffer": "int8", "prefill_period": None, "symmetric": True,
+                                   "tokens": 2048, "decode_tokens": 128}
+
+
+# ----------------------------------------------------------------------------- parsers
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint folder or hub id (default: the embedded model data/models/pace-tiny-qwen35)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps (default cpu)")
+    p.add_argument("--device-map", dest="device_map", help="transformers device_map, e.g. auto (overrides --device)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="weight dtype (default float32)")
+    p.add_argument("--out", help="results root folder (default data/results or $PACE_RESULTS_DIR)")
+    p.add_argument("--force", action="store_true", help="recompute even if a stored result matches")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--calibration-text", dest="calibration_text",
+                   help="calibration text for configs that need it (default ../shared/corpus/wikitext2-valid.txt)")
+    p.add_argument("--calibration-tokens", dest="calibration_tokens", type=int, default=2048,
+                   help="calibration tokens (default 2048)")
+
+
+def _configs_arg(p: argparse.ArgumentParser, default=DEFAULT_CONFIGS) -> None:
+    p.add_argument("--configs", nargs="+", default=list(default),
+                   help=f"named configurations or config JSON files (default {' '.join(default)}); "
+                        "the fp32 reference is always included")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add calibrate, export, drift, perplexity, generate, sweep and all."""
+    p = subparsers.add_parser("calibrate", help="head calibration (a_h, e_h, E_h, 8-bit heads) on a text")
+    _common(p)
+    p.add_argument("--config", default="pace-4-8", help="configuration to calibrate (default pace-4-8)")
+    p.add_argument("--text", help="calibration text (default wikitext2-valid; the test split is refused)")
+    p.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default 2048)")
+    p.add_argument("--sample-every", dest="sample_every", type=int, default=64,
+                   help="one calibration state every this many tokens (default 64)")
+    p.set_defaults(func=run_calibrate)
+
+    p = subparsers.add_parser("export", help="write a config JSON with calibration-derived high_heads")
+    _common(p)
+    p.add_argument("--config", default="pace-4-8", help="configuration to export (default pace-4-8)")
+    p.add_argument("--text", help="calibration text (default wikitext2-valid)")
+    p.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default 2048)")
+    p.add_argument("--sample-every", dest="sample_every", type=int, default=64, help="calibration sample spacing")
+    p.add_argument("--output", help="output JSON path (default <out>/<model>/config-<name>.json)")
+    p.set_defaults(func=run_export)
+
+    p = subparsers.add_parser("drift", help="state error and excess NLL over teacher-forced decode steps")
+    _common(p)
+    _configs_arg(p)
+    p.add_argument("--text", help="text (default wikitext2-valid)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens of the sequence (default 512)")
+    p.add_argument("--decode-from", dest="decode_from", type=int,
+                   help="prefill this many tokens, decode the rest (default: half)")
+    p.add_argument("--every", type=int, default=1, help="capture the states every this many steps (default 1)")
+    p.set_defaults(func=run_drift)
+
+    p = subparsers.add_parser("perplexity", help="sliding-window perplexity, bits per byte, agreement and KL")
+    _common(p)
+    _configs_arg(p)
+    p.add_argument("--text", help="text (default wikitext2-test)")
+    p.add_argument("--window", type=int, default=512, help="window tokens (default 512)")
+    p.add_argument("--stride", type=int, default=256, help="stride tokens (default 256)")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=4096,
+                   help="use the first this many tokens of the text (default 4096)")
+    p.add_argument("--decode-from", dest="decode_from", type=int,
+                   help="per window: prefill this many tokens and decode the rest token by token (default: "
+                        "window - stride, so every scored token after the first window is decoded; a prefill "
+                        "with P >= window would round the state only after the last scored token)")
+    p.add_argument("--prefill-only", dest="prefill_only", action="store_true",
+                   help="score whole windows through the prefill path (P-token segments) instead")
+    p.set_defaults(func=run_perplexity)
+
+    p = subparsers.add_parser("generate", help="side-by-side greedy and sampled generations")
+    _common(p)
+    _configs_arg(p)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every configuration)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", dest="top_p", type=float, default=0.95)
+    p.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
+    p.set_defaults(func=run_generate)
+
+    p = subparsers.add_parser("sweep", help="grid of bits x dP x axis x group size (layer-local state errors)")
+    _common(p)
+    d = _SWEEP_DEFAULTS
+    p.add_argument("--bits", nargs="+", type=int, default=d["bits"], help="state bits (default 3 4 5 6 8)")
+    p.add_argument("--dp", nargs="+", type=int, default=d["dp"], help="decode periods (default 1 8 32)")
+    p.add_argument("--axis", nargs="+", default=d["axis"], choices=["key", "value"], help="group axes")
+    p.add_argument("--group-size", dest="group_size", nargs="+", type=int, default=d["group_size"],
+                   help="group sizes (default 32)")
+    p.add_argument("--buffer", default=d["buffer"], choices=["fp32", "bf16", "int8", "mixed"],
+                   help="decode buffer precision for dP > 1 (default int8)")
+    p.add_argument("--prefill-period", dest="prefill_period", type=int, default=d["prefill_period"],
+                   help="prefill period P (default: the whole prompt, i.e. the fp32 prefill state rounded once, "
+                        "so the grid measures the decode-time rounding)")
+    p.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=d["symmetric"])
+    p.add_argument("--text", help="text (default wikitext2-valid)")
+    p.add_argument("--tokens", type=int, default=d["tokens"], help="tokens (default 2048)")
+    p.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=d["decode_tokens"],
+                   help="the last this many tokens are decoded, the rest prefilled (default 128)")
+    p.set_defaults(func=run_sweep)
+
+    p = subparsers.add_parser("all", help="the full result set: calibrate, export, sweep, drift, perplexity, generate")
+    _common(p)
+    _configs_arg(p, ALL_CONFIGS)
+    p.add_argument("--sweep-tokens", dest="sweep_tokens", type=int, default=2048, help="sweep tokens (default 2048)")
+    p.add_argument("--sweep-decode-tokens", dest="sweep_decode_tokens", type=int, default=128,
+                   help="decoded tokens of the sweep (default 128)")
+    p.add_argument("--drift-tokens", dest="drift_tokens", type=int, default=1024,
+                   help="drift sequence length, the second half decoded (default 1024)")
+    p.add_argument("--drift-every", dest="drift_every", type=int, default=4, help="drift capture spacing (default 4)")
+    p.add_argument("--ppl-text", dest="ppl_text", help="perplexity text (default wikitext2-test)")
+    p.add_argument("--ppl-tokens", dest="ppl_tokens", type=int, default=4096,
+                   help="perplexity on the first this many tokens (default 4096)")
+    p.add_argument("--ppl-window", dest="ppl_window", type=int, default=1024,
+                   help="perplexity window, stride half of it (default 1024)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64, help="generated tokens (default 64)")
+    p.set_defaults(func=run_all)

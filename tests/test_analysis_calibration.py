@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from pace_core.analysis.calibration import calibrate, reference_samples
+from pace_core.analysis.text import CALIBRATION_TEXT, TEST_TEXT, read_text, tokenize
+from pace_core.config import get_config
+from pace_core.errors import PaceError
+from pace_core.model.capture import run_with_states
+from pace_core.model.loading import load_model
+from pace_core.quant import fake_quantize
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints):
+    return load_model(tiny_checkpoints["qwen3_5_text"])
+
+
+def test_samples_match_decode_path_and_decays_match_hidden_states(loaded):
+    ids = torch.randint(3, 100, (1, 50))
+    states, g = reference_samples(loaded, ids, 16)
+    run = run_with_states(loaded, get_config("fp32"), ids, decode_from=16, capture_steps=[16, 32, 48])
+    for layer in loaded.gdn_layers:
+        assert states[layer].shape == (3, 4, 64, 32)
+        for i, step in enumerate([16, 32, 48]):
+            torch.testing.assert_close(states[layer][i], run.states[step][layer][0], rtol=1e-4, atol=1e-5)
+    # independent g: GDN input = input_layernorm(hidden state entering the layer)
+    with torch.no_grad():
+        hs = loaded.model(ids, output_hidden_states=True).hidden_states
+        for layer in loaded.gdn_layers:
+            dec = loaded.model.model.layers[layer]
+            a = dec.linear_attn.in_proj_a(dec.input_layernorm(hs[layer]))[0].double()
+            want = -dec.linear_attn.A_log.double().exp() * torch.nn.functional.softplus(a + dec.linear_attn.dt_bias.double())
+            assert g[layer].shape == (48, 4)
+            torch.testing.assert_close(g[layer].double(), want[:48], rtol=1e-4, atol=1e-5)
+
+
+def test_calibrate_pace_4_8(loaded):
+    cfg = get_config("pace-4-8")
+    cal = calibrate(loaded, cfg, tokens=96, sample_every=32)
+    assert cal.tokens == 96 and cal.samples == 3
+    ids = tokenize(loaded.tokenizer, read_text(CALIBRATION_TEXT), 96)
+    states, g = reference_samples(loaded, ids, 32)
+    for i, layer in enumerate(loaded.gdn_layers):
+        S = states[layer].double()
+        e = (fake_quantize(states[layer], cfg.quant_spec()).double() - S).square().sum((-2, -1)).mean(0)
+        torch.testing.assert_close(cal.e[i], e, rtol=1e-9, atol=0)
+        torch.testing.assert_close(cal.a[i], g[layer].double().exp().mean(0), rtol=1e-9, atol=0)
+        torch.testing.assert_close(cal.E[i], e / (1 - cal.a[i] ** (2 * cfg.decode_period)), rtol=1e-9, atol=0)
+        high = cal.config.high_heads[i]
+        assert len(high) == 1  # round(0.25 * 4)
+        assert cal.E[i, high[0]] == cal.E[i].max()
+    assert cal.config.replace(high_heads=None, high_share=0.25) == cfg
+    tab = cal.table()
+    assert len(tab) == 4 * len(loaded.gdn_layers) and tab.high.sum() == len(loaded.gdn_layers)
+
+
+def test_calibrate_refuses_test_split_and_bad_input(loaded, tmp_path):
+    fake = tmp_path / "wikitext2-test.txt"
+    fake.write_text("some text " * 50)
+    for path in (fake, TEST_TEXT):
+        with pytest.raises(PaceError, match="test split"):
+            calibrate(loaded, get_config("pace-4-8"), path)
+    empty = tmp_path / "e.txt"
+    empty.write_text("")
+    with pytest.raises(PaceError, match="empty"):
+        calibrate(loaded, get_config("pace-4-8"), empty)
+    with pytest.raises(PaceError, match="nothing to calibrate"):
+        calibrate(loaded, get_config("fp32"))
+
+
+def test_calibrate_qwen3_next_and_damp(tiny_checkpoints):
+    m = load_model(tiny_checkpoints["qwen3_next"])
+    cal = calibrate(m, get_config("damp-int4").replace(damp_outlier_rows=4), tokens=64, sample_every=32)
+    assert ((cal.a > 0) & (cal.a <= 1)).all()
+    assert [tuple(r.shape) for r in cal.damp_rows] == [(4, 4)] * len(m.gdn_layers)

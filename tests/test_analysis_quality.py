@@ -1,0 +1,89 @@
+import math
+
+import pytest
+import torch
+
+from pace_core.analysis.quality import evaluate_quality, perplexity, scored_bytes, sliding_windows
+from pace_core.analysis.text import tokenize
+from pace_core.config import get_config
+from pace_core.errors import PaceError
+from pace_core.model.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints):
+    return load_model(tiny_checkpoints["qwen3_5_text"])
+
+
+def _plain_transformers_ppl(model, ids, window, stride):
+    """The transformers documentation's sliding-window loop (labels masked with -100)."""
+    nlls, n_tokens, prev_end = [], 0, 0
+    T = ids.shape[1]
+    for begin in range(0, T, stride):
+        end = min(begin + window, T)
+        trg_len = end - prev_end
+        chunk = ids[:, begin:end]
+        labels = chunk.clone()
+        labels[:, :-trg_len] = -100
+        with torch.no_grad():
+            loss = model(chunk, labels=labels).loss
+        n = int((labels[:, 1:] != -100).sum())
+        nlls.append(loss.double() * n)
+        n_tokens += n
+        prev_end = end
+        if end == T:
+            break
+    return math.exp(float(torch.stack(nlls).sum()) / n_tokens), n_tokens
+
+
+def test_windows_score_every_token_once():
+    for T, w, s in [(10, 4, 2), (7, 10, 3), (50, 16, 5), (9, 4, 4)]:
+        scored = [t for win in sliding_windows(T, w, s) for t in range(win.first_target, win.end)]
+        # overlapping windows score every token after the first once; with stride == window a
+        # window's first token has no context and is not scored (as in the transformers recipe)
+        skipped = set(range(s, T, s)) if s == w else set()
+        assert scored == [t for t in range(1, T) if t not in skipped]
+        assert all(win.end - win.begin <= w for win in sliding_windows(T, w, s))
+    with pytest.raises(PaceError, match="stride"):
+        sliding_windows(10, 4, 5)
+    with pytest.raises(PaceError, match="window"):
+        sliding_windows(10, 1, 1)
+
+
+def test_reference_perplexity_equals_plain_transformers(loaded, tmp_path):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    text = "".join(chr(c) for c in torch.randint(32, 127, (150,), generator=g).tolist())
+    path = tmp_path / "t.txt"
+    path.write_text(text)
+    table = perplexity(loaded, [get_config("fp32")], path, window=48, stride=20)
+    ids = tokenize(loaded.tokenizer, text)
+    want, n = _plain_transformers_ppl(loaded.model, ids, 48, 20)
+    row = table.iloc[0]
+    assert row.config == "fp32" and row.tokens == n == ids.shape[1] - 1
+    assert row.ppl == pytest.approx(want, rel=1e-5)
+    assert row.agreement == 1.0 and row.kl == 0.0
+    # character tokenizer: one byte per scored token
+    assert scored_bytes(loaded.tokenizer, ids, sliding_windows(ids.shape[1], 48, 20)) == n
+    assert scored_bytes(loaded.tokenizer, ids, sliding_windows(ids.shape[1], 20, 20)) == n - (n // 20)
+    assert row.bpb == pytest.approx(math.log(want) / math.log(2), rel=1e-5)
+
+
+def test_quantised_configs_move_away_from_reference(loaded):
+    ids = torch.randint(3, 100, (1, 96))
+    cfgs = [get_config("rtn-int8"), get_config("rtn-int2")]
+    table = evaluate_quality(loaded, cfgs, ids, window=64, stride=32, decode_from=40).set_index("config")
+    assert list(table.index) == ["fp32", "rtn-int8", "rtn-int2"]
+    assert table.loc["rtn-int2", "kl"] > table.loc["rtn-int8", "kl"] > 0
+    assert table.loc["rtn-int2", "agreement"] <= table.loc["rtn-int8", "agreement"] <= 1
+    # the reference row is unaffected by what else is evaluated
+    alone = evaluate_quality(loaded, [get_config("fp32")], ids, window=64, stride=32, decode_from=40)
+    assert alone.iloc[0].nll == pytest.approx(table.loc["fp32", "nll"], rel=1e-12)
+
+
+def test_bad_text(loaded, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(PaceError, match="empty"):
+        perplexity(loaded, [get_config("fp32")], empty)
+    with pytest.raises(PaceError, match="does not exist"):
+        perplexity(loaded, [get_config("fp32")], tmp_path / "missing.txt")

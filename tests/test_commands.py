@@ -1,0 +1,96 @@
+import pandas as pd
+import pytest
+import torch
+
+from pace_core.analysis.text import TEST_TEXT
+from pace_core.cli import main
+from pace_core.config import config_from_dict, config_from_json
+from pace_core.results import list_results
+
+
+@pytest.fixture(scope="module")
+def env(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cmd")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    text = root / "text.txt"
+    text.write_text("".join(chr(c) for c in torch.randint(32, 127, (400,), generator=g).tolist()))
+    return {"model": str(tiny_checkpoints["qwen3_5_text"]), "out": str(root / "results"), "text": str(text),
+            "qwen3": str(tiny_checkpoints["qwen3"]), "root": root}
+
+
+def _run(env, *argv):
+    return main([argv[0], "--model", env["model"], "--out", env["out"], "--quiet", *argv[1:]])
+
+
+def test_calibrate_export_and_reuse(env, capsys):
+    assert _run(env, "calibrate", "--text", env["text"], "--tokens", "128", "--sample-every", "32") == 0
+    out = capsys.readouterr().out
+    assert "high_heads: ((" in out and "saved" in out
+    [cal] = list_results(env["model"], "calibration", root=env["out"])
+    assert len(cal.table) == 4 * 3 and cal.table.high.sum() == 3
+    dest = env["root"] / "cfg.json"
+    assert _run(env, "export", "--text", env["text"], "--tokens", "128", "--sample-every", "32",
+                "--output", str(dest)) == 0
+    out = capsys.readouterr().out
+    assert "saved" not in out  # the stored calibration was reused
+    cfg = config_from_json(dest.read_text())
+    assert cfg.high_heads == config_from_dict(cal.data["config"]).high_heads
+    assert cfg.high_heads == tuple((int(t[t.gdn_index == i].sort_values("E").iloc[-1]["head"]),) for i, t in
+                                   cal.table.groupby("gdn_index"))
+    assert [len(h) for h in cfg.high_heads] == [1, 1, 1]
+
+
+def test_drift_perplexity_generate_sweep(env, capsys):
+    assert _run(env, "drift", "--text", env["text"], "--tokens", "40", "--decode-from", "24",
+                "--configs", "rtn-int4", "--every", "4") == 0
+    [r] = list_results(env["model"], "drift", root=env["out"])
+    assert set(r.table.columns) >= {"config", "step", "rel_error", "excess_nll"}
+    assert set(r.table.config) == {"rtn-int4"} and r.provenance["text"]["sha256"]
+    assert _run(env, "drift", "--text", env["text"], "--tokens", "40", "--decode-from", "24",
+                "--configs", "rtn-int4", "--every", "4") == 0
+    assert "reusing stored drift" in capsys.readouterr().out
+    assert _run(env, "perplexity", "--text", env["text"], "--window", "64", "--stride", "32", "--max-tokens", "96",
+                "--configs", "rtn-int8") == 0
+    [p] = list_results(env["model"], "perplexity", root=env["out"])
+    assert list(p.table.config) == ["fp32", "rtn-int8"] and (p.table.ppl > 1).all()
+    assert p.data["decode_from"] == 32 and p.table.kl[1] > 0  # scored tokens decoded by default
+    assert _run(env, "generate", "--prompt", "Hello", "--max-new-tokens", "4", "--configs", "rtn-int4",
+                "--modes", "greedy") == 0
+    [gr] = list_results(env["model"], "generation", root=env["out"])
+    assert list(gr.table.config) == ["fp32", "rtn-int4"]
+    assert _run(env, "sweep", "--text", env["text"], "--tokens", "64", "--decode-tokens", "16", "--bits", "4", "8",
+                "--dp", "1", "8", "--axis", "key") == 0
+    [sw] = list_results(env["model"], "sweep", root=env["out"])
+    assert len(sw.table) == 4 and (sw.table.final_rel_error > 0).all()
+    assert isinstance(sw.table, pd.DataFrame) and sw.data["mode"] == "layer-local"
+
+
+def test_errors_exit_2(env, capsys, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cases = [
+        (("drift", "--text", str(tmp_path / "missing.txt")), "does not exist"),
+        (("perplexity", "--text", str(empty)), "empty"),
+        (("calibrate", "--text", str(TEST_TEXT)), "test split"),
+        (("drift", "--configs", "nope"), "unknown"),
+    ]
+    for argv, msg in cases:
+        assert _run(env, *argv) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["drift", "--model", env["qwen3"], "--out", env["out"], "--quiet"]) == 2
+    assert "not a hybrid" in capsys.readouterr().err
+    assert main(["drift", "--model", str(tmp_path / "nowhere"), "--quiet"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_all_small(env, tmp_path, capsys):
+    out = str(tmp_path / "all")
+    argv = ["all", "--model", env["model"], "--out", out, "--quiet", "--configs", "rtn-int4", "pace-4-8",
+            "--calibration-text", env["text"], "--calibration-tokens", "64", "--sweep-tokens", "48",
+            "--sweep-decode-tokens", "16", "--drift-tokens", "24", "--drift-every", "4", "--ppl-text", env["text"],
+            "--ppl-tokens", "64", "--ppl-window", "32", "--max-new-tokens", "3"]
+    assert main(argv) == 0
+    kinds = sorted({r.kind for r in list_results(env["model"], root=out)})
+    assert kinds == ["calibration", "drift", "generation", "perplexity", "sweep"]
+    exported = list((tmp_path / "all").glob("*/config-pace-4-8.json"))
+    assert len(exported) == 1 and config_from_json(exported[0].read_text()).high_heads is not None
