@@ -1,0 +1,316 @@
+"""Plotly figure and table builders of the dashboard (no streamlit here: pages only place them).
+
+Every builder takes plain arrays / tables (numpy, torch or pandas) and returns a plotly Figure,
+a pandas DataFrame or an HTML string, so each can be unit-tested without a browser.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes
+from pace_core.config import PaceConfig, config_to_dict
+from pace_core.shapes import ModelShape
+
+MIB = 2**20
+GB = 10**9
+GPU_BUDGETS_GB: dict[str, float] = {"H100 80 GB": 80.0, "H200 141 GB": 141.0}
+_TERM_COLOURS = {"payload": "#2f6fdf", "metadata": "#f2a93b", "buffer c·dP": "#3aa675"}
+_STATE_SCALE = "RdBu_r"
+
+
+def _np(x: Any) -> np.ndarray:
+    """torch / list / numpy -> float64 numpy array (on CPU)."""
+    if hasattr(x, "detach"):
+        x = x.detach().to("cpu").double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def state_heatmaps(
+    reference: Any,
+    quantised: Mapping[str, Any],
+    *,
+    outlier_columns: Sequence[int] = (),
+    title: str = "",
+) -> go.Figure:
+    """fp32 state, quantised states and their errors of one head, one row per grouping.
+
+    reference [K, V] fp32 state; quantised {label: S_hat [K, V]} (e.g. key-axis and value-axis groups).
+    Row r shows: reference | quantised[label_r] | quantised − reference. The state panels share one
+    symmetric colour range, the error panels another. Outlier columns get a marker above each panel.
+    """
+    ref = _np(reference)
+    if ref.ndim != 2:
+        raise ValueError(f"reference: expected a [K, V] matrix, got shape {ref.shape}")
+    labels = list(quantised)
+    quants = [_np(quantised[k]) for k in labels]
+    for lab, q in zip(labels, quants):
+        if q.shape != ref.shape:
+            raise ValueError(f"quantised[{lab!r}]: shape {q.shape} differs from reference {ref.shape}")
+    errors = [q - ref for q in quants]
+    vmax = max([np.abs(ref).max()] + [np.abs(q).max() for q in quants]) or 1.0
+    emax = max([np.abs(e).max() for e in errors] + [0.0]) or 1.0
+    titles = []
+    for lab, err in zip(labels, errors):
+        rel = np.linalg.norm(err) / (np.linalg.norm(ref) or 1.0)
+        titles += ["fp32 state", f"quantised: {lab}", f"error: {lab} (rel. {rel:.2%})"]
+    fig = make_subplots(rows=len(labels), cols=3, subplot_titles=titles,
+                        horizontal_spacing=0.05, vertical_spacing=0.12)
+    hover = "key row %{y}<br>value col %{x}<br>%{z:.4g}<extra></extra>"
+    for r, (q, e) in enumerate(zip(quants, errors), start=1):
+        for c, (z, axis) in enumerate([(ref, "coloraxis"), (q, "coloraxis"), (e, "coloraxis2")], start=1):
+            fig.add_trace(go.Heatmap(z=z, coloraxis=axis, hovertemplate=hover), row=r, col=c)
+            if outlier_columns:
+                fig.add_trace(go.Scatter(
+                    x=list(outlier_columns), y=[-2.0] * len(outlier_columns), mode="markers",
+                    marker=dict(symbol="triangle-down", size=9, color="#00a844"),
+                    name="outlier column", showlegend=(r == 1 and c == 1),
+                    hovertemplate="outlier column %{x}<extra></extra>"), row=r, col=c)
+            fig.update_yaxes(autorange="reversed", row=r, col=c, title_text="key row i" if c == 1 else None)
+            fig.update_xaxes(title_text="value column j", row=r, col=c)
+    fig.update_layout(
+        title=title, height=380 * len(labels) + 80, margin=dict(t=90, l=50, r=40, b=40),
+        legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1.0),
+        coloraxis=dict(colorscale=_STATE_SCALE, cmin=-vmax, cmax=vmax,
+                       colorbar=dict(title="state", x=1.01, y=1.0, yanchor="top", len=0.48)),
+        coloraxis2=dict(colorscale=_STATE_SCALE, cmin=-emax, cmax=emax,
+                        colorbar=dict(title="error", x=1.01, y=0.0, yanchor="bottom", len=0.48)))
+    return fig
+
+
+def rms_profiles(col_rms: Any, row_rms: Any, col_ratio: float, row_ratio: float,
+                 outlier_columns: Sequence[int], threshold: float) -> go.Figure:
+    """Column RMS ‖S[:, j]‖/√d_k and row RMS ‖S[i, :]‖/√d_v of one head, with the median lines.
+
+    col_rms [V], row_rms [K] and the max/median ratios as pace_core.analysis.structure computes them;
+    outlier columns (RMS > threshold × median) are drawn red.
+    """
+    col, row = _np(col_rms), _np(row_rms)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        f"column RMS (max/median {col_ratio:.2f})", f"row RMS (max/median {row_ratio:.2f})"))
+    outliers = set(int(j) for j in outlier_columns)
+    for c, prof, axis_name, marked in ((1, col, "value column j", outliers), (2, row, "key row i", set())):
+        med = float(np.median(prof))
+        colours = ["#d62728" if j in marked else "#4a78c2" for j in range(len(prof))]
+        fig.add_trace(go.Bar(x=np.arange(len(prof)), y=prof, marker_color=colours, showlegend=False,
+                             hovertemplate=f"{axis_name} %{{x}}<br>RMS %{{y:.4g}}<extra></extra>"),
+                      row=1, col=c)
+        fig.add_hline(y=med, line_dash="dot", line_color="#555", row=1, col=c,
+                      annotation_text="median", annotation_position="top left")
+        if c == 1:
+            fig.add_hline(y=threshold * med, line_dash="dash", line_color="#d62728", row=1, col=c,
+                          annotation_text=f"{threshold:g}× median (outlier)", annotation_position="top left")
+        fig.update_xaxes(title_text=axis_name, row=1, col=c)
+        fig.update_yaxes(title_text="RMS", row=1, col=c)
+    fig.update_layout(height=330, margin=dict(t=50, l=50, r=20, b=40))
+    return fig
+
+
+def head_ranking_figure(E: Any, a: Any, e: Any, high_heads: Sequence[Sequence[int]],
+                        layer_labels: Sequence[str]) -> go.Figure:
+    """E_h heatmap over GDN layer × value head (chosen 8-bit heads boxed) and a_h, e_h beside it.
+
+    E, a, e [L, HV]; high_heads per layer (indices of the heads kept at high bits).
+    """
+    E, a, e = _np(E), _np(a), _np(e)
+    L, HV = E.shape
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.04, shared_yaxes=True, subplot_titles=(
+        "retained error E_h = e_h / (1 − a_h^(2·dP))", "mean decay a_h", "rounding error e_h"))
+    panels = ((np.log10(np.maximum(E, 1e-30)), "Viridis", "log10 E_h", ".3g"), (a, "Blues", "a_h", ".4f"),
+              (np.log10(np.maximum(e, 1e-30)), "Oranges", "log10 e_h", ".3g"))
+    for c, (z, scale, name, fmt) in enumerate(panels, start=1):
+        fig.add_trace(go.Heatmap(z=z, x=list(range(HV)), y=list(layer_labels), colorscale=scale,
+                                 colorbar=dict(title=dict(text=name, side="top"), orientation="h",
+                                               x=(c - 0.5) / 3, xanchor="center", y=-0.3, yanchor="top",
+                                               len=0.28, thickness=12),
+                                 hovertemplate=f"%{{y}}, head %{{x}}<br>{name} %{{z:{fmt}}}<extra></extra>"),
+                      row=1, col=c)
+        fig.update_xaxes(title_text="value head", row=1, col=c)
+    xs, ys = [], []
+    for li, heads in enumerate(high_heads):
+        for h in heads:
+            xs.append(h)
+            ys.append(layer_labels[li])
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name="8-bit head",
+                             marker=dict(symbol="square-open", size=16, color="#ff1744", line=dict(width=2)),
+                             hovertemplate="8-bit: %{y}, head %{x}<extra></extra>"), row=1, col=1)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(height=max(300, 34 * L + 230), margin=dict(t=60, l=70, r=20, b=150),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.08, xanchor="right", x=1.0))
+    return fig
+
+
+def drift_figure(table: pd.DataFrame) -> go.Figure:
+    """Relative state error and excess NLL over decode steps, one line per configuration.
+
+    table: long form with columns config, step, rel_error, excess_nll.
+    """
+    missing = {"config", "step", "rel_error", "excess_nll"} - set(table.columns)
+    if missing:
+        raise ValueError(f"drift table: missing columns {sorted(missing)}")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        "relative state error ‖S̃ − S‖_F / ‖S‖_F", "excess NLL over fp32 (nats/token)"))
+    palette = _palette(table["config"].unique())
+    for name, part in table.groupby("config", sort=False):
+        part = part.sort_values("step")
+        fig.add_trace(go.Scatter(x=part["step"], y=part["rel_error"], name=str(name), mode="lines",
+                                 line=dict(color=palette[name]), legendgroup=str(name)), row=1, col=1)
+        fig.add_trace(go.Scatter(x=part["step"], y=part["excess_nll"], name=str(name), mode="lines",
+                                 line=dict(color=palette[name]), legendgroup=str(name), showlegend=False),
+                      row=1, col=2)
+    fig.update_yaxes(type="log", title_text="relative error", row=1, col=1)
+    fig.update_yaxes(title_text="Δ NLL (nats)", row=1, col=2)
+    fig.update_xaxes(title_text="decode step")
+    fig.update_layout(height=420, margin=dict(t=50, l=60, r=20, b=40))
+    return fig
+
+
+def _palette(names: Iterable[Any]) -> dict[Any, str]:
+    colours = ["#2f6fdf", "#d62728", "#3aa675", "#f2a93b", "#8e44ad", "#17becf", "#7f7f7f",
+               "#bcbd22", "#e377c2", "#8c564b"]
+    return {n: colours[i % len(colours)] for i, n in enumerate(names)}
+
+
+def resident_bits_table(configs: Mapping[str, PaceConfig], shape: ModelShape) -> pd.DataFrame:
+    """Resident bits per state value of each configuration on `shape` (spec §5).
+
+    Columns: config, payload, metadata, buffer c·dP, resident (= sum), exact (bits actually stored), c, dP.
+    """
+    rows = []
+    for label, cfg in configs.items():
+        rb = resident_bits(cfg, shape)
+        rows.append({"config": label, "payload": rb.payload_bits, "metadata": rb.metadata_bits,
+                     "buffer c·dP": rb.buffer_bits, "resident": rb.resident_bits,
+                     "exact": rb.exact_bits, "c": rb.c, "dP": cfg.decode_period})
+    return pd.DataFrame(rows)
+
+
+def resident_bits_figure(table: pd.DataFrame) -> go.Figure:
+    """Stacked bars payload / metadata / c·dP per configuration with the total on top."""
+    fig = go.Figure()
+    for term, colour in _TERM_COLOURS.items():
+        fig.add_trace(go.Bar(x=table["config"], y=table[term], name=term, marker_color=colour,
+                             hovertemplate=f"%{{x}}<br>{term}: %{{y:.4g}} bits/value<extra></extra>"))
+    fig.add_trace(go.Scatter(x=table["config"], y=table["resident"], mode="text",
+                             text=[f"{v:.2f}" for v in table["resident"]], textposition="top center",
+                             showlegend=False, hoverinfo="skip"))
+    fig.update_layout(barmode="stack", height=420, yaxis_title="resident bits per state value",
+                      margin=dict(t=30, l=60, r=20, b=80), legend=dict(orientation="h", y=1.08))
+    return fig
+
+
+def dp_curve_figure(configs: Mapping[str, PaceConfig], shape: ModelShape,
+                    periods: Sequence[int] = tuple(range(1, 65))) -> go.Figure:
+    """Resident bits per value against the decode period dP for each configuration (spec §5)."""
+    fig = go.Figure()
+    for label, cfg in configs.items():
+        ys = [resident_bits(cfg.replace(decode_period=p), shape).resident_bits for p in periods]
+        fig.add_trace(go.Scatter(x=list(periods), y=ys, mode="lines", name=label,
+                                 hovertemplate=f"{label}<br>dP %{{x}}: %{{y:.3f}} bits/value<extra></extra>"))
+        fig.add_trace(go.Scatter(x=[cfg.decode_period], y=[resident_bits(cfg, shape).resident_bits],
+                                 mode="markers", marker=dict(size=10), showlegend=False,
+                                 hovertemplate=f"{label} (set dP)<br>%{{y:.3f}} bits/value<extra></extra>"))
+    fig.update_layout(height=380, xaxis_title="decode period dP (tokens)",
+                      yaxis_title="resident bits per state value", margin=dict(t=30, l=60, r=20, b=50))
+    return fig
+
+
+def fit_table(configs: Mapping[str, PaceConfig], shapes: Mapping[str, ModelShape],
+              budgets_gb: Mapping[str, float]) -> pd.DataFrame:
+    """Sequences that fit beside the weights in each budget, per model shape and configuration.
+
+    Also the state MiB per sequence. Budgets in GB (10^9 bytes).
+    """
+    rows = []
+    for model, shape in shapes.items():
+        for label, cfg in configs.items():
+            row = {"model": model, "config": label,
+                   "state MiB / sequence": state_bytes(cfg, shape, 1) / MIB}
+            for budget, gb in budgets_gb.items():
+                row[f"sequences in {budget}"] = sequences_that_fit(cfg, shape, int(gb * GB))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def generation_html(pieces: Sequence[str], divergence: int | None) -> str:
+    """Token texts as HTML with the first divergent token and everything after it highlighted."""
+    out = []
+    for i, piece in enumerate(pieces):
+        text = html.escape(piece).replace("\n", "↵<br>")
+        if divergence is not None and i == divergence:
+            out.append(f'<mark style="background:#ff8a80" title="first divergent token">{text}</mark>')
+        elif divergence is not None and i > divergence:
+            out.append(f'<span style="background:#fff3c4">{text}</span>')
+        else:
+            out.append(text)
+    return ('<div style="font-family:monospace;font-size:0.9em;line-height:1.5;'
+            'white-space:pre-wrap;border:1px solid #ddd;border-radius:6px;padding:8px">'
+            + "".join(out) + "</div>")
+
+
+def bench_figure(rows: pd.DataFrame, *, x: str, y: str, series: str, title: str,
+                 y_title: str, log_x: bool = True) -> go.Figure:
+    """Line plot of a benchmark table: `y` against `x`, one line per `series` value."""
+    missing = {x, y, series} - set(rows.columns)
+    if missing:
+        raise ValueError(f"benchmark table: missing columns {sorted(missing)}")
+    fig = go.Figure()
+    for name, part in rows.groupby(series, sort=False):
+        part = part.sort_values(x)
+        fig.add_trace(go.Scatter(x=part[x], y=part[y], mode="lines+markers", name=str(name)))
+    fig.update_layout(title=title, height=440, xaxis_title=x, yaxis_title=y_title,
+                      margin=dict(t=50, l=60, r=20, b=50),
+                      legend=dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0.0))
+    if log_x:
+        ticks = sorted(rows[x].unique())
+        fig.update_xaxes(type="log", tickvals=ticks, ticktext=[str(t) for t in ticks])
+    return fig
+
+
+def export_json(cfg: PaceConfig, model: str, provenance: Mapping[str, Any]) -> str:
+    """The downloadable configuration document: config_to_dict with model and provenance, indented."""
+    return json.dumps(config_to_dict(cfg, model=model, provenance=dict(provenance)), indent=2)
+
+
+def split_bench_document(doc: Mapping[str, Any]) -> tuple[dict[str, list[dict]], dict[str, Any]]:
+    """A benchmark JSON -> ({name: rows} for every list of records, everything else = provenance)."""
+    tables, rest = {}, {}
+    for key, value in doc.items():
+        if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+            tables[key] = value
+        else:
+            rest[key] = value
+    return tables, rest
+
+
+_SERIES_COLUMNS = ("variant", "method", "config", "impl", "kernel", "name")
+_METRIC_HINTS = ("seconds", "time", "_us", "_ms", "tpot", "latency", "fraction", "speedup", "bandwidth", "gbps")
+
+
+def bench_scalar_table(rows: list[dict]) -> pd.DataFrame:
+    """The benchmark records as a table of their scalar fields (nested lists / dicts left out)."""
+    frame = pd.DataFrame(rows)
+    nested = [c for c in frame.columns if frame[c].map(lambda v: isinstance(v, (list, dict))).any()]
+    return frame.drop(columns=nested)
+
+
+def bench_plot_columns(rows: pd.DataFrame) -> tuple[str, list[str], str] | None:
+    """(x, [y...], series) to plot a benchmark table: x = batch, ys = the numeric columns named like
+    timings, bandwidth fractions or speed-ups (in table order), series = the first label column; None
+    when the table has no such columns."""
+    if "batch" not in rows.columns:
+        return None
+    series = next((c for c in _SERIES_COLUMNS if c in rows.columns and not
+                   pd.api.types.is_numeric_dtype(rows[c])), None)
+    ys = [c for c in rows.columns if c != "batch" and pd.api.types.is_numeric_dtype(rows[c])
+          and any(h in c.lower() for h in _METRIC_HINTS)]
+    if series is None or not ys:
+        return None
+    return "batch", ys, series

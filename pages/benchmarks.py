@@ -1,0 +1,52 @@
+"""Benchmarks: the GPU results stored in data/bench/ with their provenance."""
+
+import json
+
+import streamlit as st
+
+import app_state
+from pace_core import figures
+from pace_core.config import PaceConfig
+
+
+def page(cfg: PaceConfig) -> None:
+    """The page body for the sidebar's configuration `cfg`."""
+    st.title("Benchmarks")
+    st.caption("GDN decode-step time and end-to-end time per output token measured on a GPU host by the "
+               "project's benchmark script; this page only reads its JSON results and plots from data/bench/.")
+
+    files = sorted(app_state.BENCH_DIR.glob("*.json"))
+    if not files:
+        st.info(f"No benchmark results yet in {app_state.BENCH_DIR}. On a CUDA host run "
+                f"`{app_state.BENCH_COMMAND}`; it writes JSON and PNG files there, and this page shows them.",
+                icon=":material/speed:")
+        st.stop()
+
+    for path in files:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            st.error(f"{path.name}: not readable as JSON ({err}); re-run the benchmark to rewrite it.",
+                     icon=":material/block:")
+            continue
+        st.subheader(path.stem)
+        tables, provenance = figures.split_bench_document(doc)
+        st.caption("Measured on " + ", ".join(f"{k} {provenance[k]}" for k in ("device", "date", "torch", "triton")
+                                              if k in provenance) + f" · file {path.name}")
+        with st.expander("Provenance", expanded=False):
+            st.json(provenance)
+        for name, rows in tables.items():
+            frame = figures.bench_scalar_table(rows)
+            plot = figures.bench_plot_columns(frame)
+            if plot is not None:
+                x, ys, series = plot
+                for col, y in zip(st.columns(min(len(ys), 3)) * len(ys), ys):
+                    col.plotly_chart(figures.bench_figure(frame, x=x, y=y, series=series, title=y,
+                                                          y_title=y), key=f"bench_{path.stem}_{name}_{y}")
+            st.dataframe(frame, hide_index=True, key=f"bench_table_{path.stem}_{name}")
+        png = path.with_suffix(".png")
+        if png.exists():
+            st.image(str(png), caption=png.name)
+
+
+app_state.run_page(page)

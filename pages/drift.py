@@ -1,0 +1,61 @@
+"""Drift: relative state error and excess NLL over decode steps for several dP and bit widths."""
+
+import pandas as pd
+import streamlit as st
+
+import app_state
+from pace_core import figures
+from pace_core.config import PaceConfig
+
+
+def page(cfg: PaceConfig) -> None:
+    """The page body for the sidebar's configuration `cfg`."""
+    st.title("Drift")
+    st.caption("One text, teacher-forced: the prompt prefix is prefilled, then every further token goes "
+               "through the decode path (buffer, a rounding every dP tokens). Relative state error "
+               "‖S̃_t − S_t‖_F / ‖S_t‖_F compares the effective state (checkpoint + folded buffer) with the "
+               "fp32 reference, pooled over all GDN layers; excess NLL is the quantised run's NLL of the next "
+               "token minus the reference's (spec §7).")
+
+    app_state.loaded_model()  # load the model (or show why it cannot) before any control
+    stored = app_state.stored_results(app_state.model_source(), "drift")
+    options = ["live: the sidebar configuration at several dP and bit widths"] + [
+        f"stored: {', '.join(r.table['config'].unique())} · {r.provenance.get('date', '?')}" for r in stored]
+    choice = st.radio("Source", options, key="drift_source", horizontal=len(options) < 3,
+                      help="Results of `python -m pace_core drift` stored under data/results/ for this model "
+                           "are listed here with their provenance; 'live' computes on the loaded model now.")
+    if choice != options[0]:
+        result = stored[options.index(choice) - 1]
+        st.caption(f"Source: {app_state.provenance_label(result.provenance)}")
+        st.plotly_chart(figures.drift_figure(result.table), key="drift_chart")
+        st.dataframe(pd.DataFrame(result.data["summary"]), hide_index=True, key="drift_summary")
+        return
+    if not cfg.quantized:
+        st.info("Method 'none' does not quantise: choose a quantising method (e.g. start from pace-4) to "
+                "see the drift of its bits and dP.", icon=":material/info:")
+        return
+    c1, c2, c3, c4 = st.columns(4)
+    choices = sorted({1, 2, 4, 8, 16, 32, 64, cfg.decode_period})
+    periods = c1.multiselect("Decode periods dP", choices, default=sorted({1, cfg.decode_period}),
+                             key="drift_periods", help="One curve per dP × bit width (each is a full "
+                             "teacher-forced run: more curves take longer).")
+    bit_list = c2.multiselect("Bit widths", list(range(2, 9)), default=[cfg.bits], key="drift_bits")
+    prefill = c3.slider("Prompt tokens (prefill)", 8, 512, 32, step=8, key="drift_prefill")
+    steps = c4.slider("Decode steps", 8, 256, 32, step=8, key="drift_steps")
+    if not periods or not bit_list:
+        st.warning("Choose at least one dP and one bit width.", icon=":material/touch_app:")
+        return
+
+    configs = {f"{b}-bit, dP {p}": cfg.replace(name=f"{b}-bit dP{p}", bits=b, decode_period=p)
+               for b in bit_list for p in periods}
+    result = app_state.drift(app_state.model_source(), st.session_state["device"],
+                             tuple((label, app_state.config_key(c)) for label, c in configs.items()),
+                             prefill, steps)
+    st.caption(f"Source: {result['provenance_label']}")
+    st.plotly_chart(figures.drift_figure(result["table"]), key="drift_chart")
+    st.dataframe(result["summary"].style.format({"mean_rel_error": "{:.3%}", "final_rel_error": "{:.3%}",
+                                                 "mean_excess_nll": "{:+.4f}"}),
+                 hide_index=True, key="drift_summary")
+
+
+app_state.run_page(page)

@@ -1,0 +1,60 @@
+"""Export: the configuration as JSON for deployment, and import of an existing JSON."""
+
+import streamlit as st
+
+import app_state
+from pace_core import figures
+from pace_core.config import PaceConfig, config_from_json
+from pace_core.errors import PaceError
+from pace_core.results import make_provenance
+
+
+def page(cfg: PaceConfig) -> None:
+    """The page body for the sidebar's configuration `cfg`."""
+    st.title("Export")
+    st.caption("A compressed-tensors-style `kv_cache_scheme` (num_bits, type, symmetric, strategy, group_size, "
+               "scale_dtype, zp_dtype) plus the PACE fields: group axis, decode and prefill period, buffer "
+               "precision and the per-layer 8-bit heads.")
+
+    if cfg.high_share > 0 and cfg.high_heads is None:
+        if app_state.loaded_model(stop=False) is None:
+            st.warning(f"Share of 8-bit heads is {cfg.high_share:.1%} but no model is loaded to choose them: "
+                       "the export carries the share only.", icon=":material/leaderboard:")
+        else:
+            cfg, _ = app_state.runnable(app_state.model_source(), st.session_state["device"], cfg)
+            st.info("The per-layer 8-bit heads below were calibrated on the loaded model for these settings "
+                    "(see Head ranking).", icon=":material/leaderboard:")
+    text = figures.export_json(cfg, app_state.model_label(),
+                               make_provenance(app_state.model_label(), configs=[cfg], command="PACE Studio export"))
+    left, right = st.columns([3, 2])
+    with left:
+        st.subheader("Preview")
+        st.code(text, language="json")
+    with right:
+        st.subheader("Download")
+        st.download_button("Download configuration JSON", text, file_name=f"pace-{cfg.name}.json",
+                           mime="application/json", key="export_download", type="primary")
+        st.subheader("Import")
+        upload = st.file_uploader("A PACE configuration JSON", type=["json"], key="export_upload")
+        pasted = st.text_area("…or paste JSON here", key="export_paste", height=140)
+        raw = upload.getvalue().decode("utf-8", errors="replace") if upload is not None else pasted
+        if raw.strip():
+            try:
+                imported = config_from_json(raw)
+            except PaceError as err:
+                st.error(f"Not a valid PACE configuration: {err}", icon=":material/block:")
+            except ValueError as err:
+                st.error(f"Not valid JSON: {err}", icon=":material/block:")
+            else:
+                st.success(f"Valid configuration '{imported.name}': method {imported.method}, {imported.bits} bits, "
+                           f"{imported.group_axis}-axis groups of {imported.group_size}, dP {imported.decode_period}, "
+                           f"P {imported.prefill_period}, buffer {imported.buffer}.", icon=":material/check_circle:")
+                outside = app_state.outside_controls(imported)
+                if outside:
+                    st.warning("Outside the sidebar's ranges (loading moves them to the nearest offered value): "
+                               + "; ".join(outside), icon=":material/warning:")
+                st.button("Load into the sidebar", key="export_load", on_click=app_state.load_config,
+                          args=(imported,))
+
+
+app_state.run_page(page)

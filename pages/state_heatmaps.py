@@ -1,0 +1,69 @@
+"""State heatmaps: one head's fp32 state, its key-axis and value-axis quantisation and the errors."""
+
+import streamlit as st
+import torch
+
+import app_state
+from pace_core import figures
+from pace_core.analysis.structure import structure_stats
+from pace_core.quant import QuantSpec, fake_quantize
+from pace_core.config import PaceConfig
+
+
+def page(cfg: PaceConfig) -> None:
+    """The page body for the sidebar's configuration `cfg`."""
+    st.title("State heatmaps")
+    st.caption("The fp32 reference state S [d_k × d_v] of one value head after a prompt prefix, rounded once "
+               "with the sidebar's bits, group size and zero point, once with key-axis (channel-aligned) "
+               "groups and once with value-axis groups. Outlier columns (column RMS > 4× the head's median) "
+               "are marked ▼.")
+
+    loaded = app_state.loaded_model()
+    if not cfg.quantized:
+        st.info("Method 'none' stores the state unquantised; the views below use the bits, group size and "
+                "zero point of the sidebar controls to show what a quantised state would look like.",
+                icon=":material/info:")
+
+    text = st.text_area("Prompt text", app_state.default_text(), key="heat_text", height=110,
+                        help="The state is the model's recurrent state after reading this text up to the position.")
+    n_tokens = app_state.token_count(loaded, text)
+    if n_tokens == 0:
+        st.error("The prompt text is empty: type some text to see a state.", icon=":material/edit:")
+        st.stop()
+    c1, c2, c3 = st.columns(3)
+    layer = c1.selectbox("GDN layer", loaded.gdn_layers, key="heat_layer",
+                         help="Decoder layer index (only Gated DeltaNet layers have a recurrent state).")
+    head = c2.slider("Value head", 0, loaded.shape.num_v_heads - 1, 0, key="heat_head",
+                     help=f"Key head = value head // γ (γ = {loaded.shape.num_v_heads // loaded.shape.num_k_heads}).")
+    position = c3.slider("Position (tokens read)", 1, n_tokens, min(n_tokens, app_state.HEATMAP_POSITION),
+                         key="heat_pos", help="The state after this many prompt tokens.")
+
+    with st.spinner("Running the fp32 reference…"):
+        states = app_state.reference_states(app_state.model_source(), st.session_state["device"], text, position)
+    S = torch.from_numpy(states[layer])              # [HV, K, V] fp32
+    stats = structure_stats(S)
+    outliers = [int(j) for j in torch.nonzero(stats.outlier_cols[head]).flatten()]
+    views = {}
+    for axis in ("key", "value"):
+        spec = QuantSpec(bits=cfg.bits if cfg.quantized else st.session_state["bits"], symmetric=cfg.symmetric,
+                         axis=axis, group_size=cfg.group_size)
+        views[f"{axis}-axis g={cfg.group_size}"] = fake_quantize(S[head], spec)
+
+    errors = {label: float(torch.linalg.norm(q - S[head]) / torch.linalg.norm(S[head]).clamp_min(1e-30))
+              for label, q in views.items()}
+    m = st.columns(4)
+    for i, (label, err) in enumerate(errors.items()):
+        m[i].metric(f"relative error, {label}", f"{err:.3%}")
+    m[2].metric("column RMS max/median", f"{float(stats.col_ratio[head]):.2f}")
+    m[3].metric("row RMS max/median", f"{float(stats.row_ratio[head]):.2f}")
+    st.plotly_chart(figures.state_heatmaps(S[head], views, outlier_columns=outliers,
+                                           title=f"layer {layer}, value head {head}, after {position} tokens"),
+                    key="heat_chart")
+    st.plotly_chart(figures.rms_profiles(stats.col_rms[head], stats.row_rms[head], float(stats.col_ratio[head]),
+                                         float(stats.row_ratio[head]), outliers, stats.threshold),
+                    key="heat_profiles")
+    with st.expander("All heads of this layer: structure statistics"):
+        st.dataframe(stats.table(layer).drop(columns=["outlier_col_index"]), hide_index=True, key="heat_stats")
+
+
+app_state.run_page(page)

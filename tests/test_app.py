@@ -1,0 +1,274 @@
+"""The dashboard with streamlit's AppTest: every page renders without exception, and moving a
+control changes what is shown (asserted on the shown values against pace_core computed here)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+
+import app_state
+from app_support import REPO_ROOT, app_model_param
+from pace_core.accounting import resident_bits, state_bytes
+from pace_core.analysis.text import tokenize
+from pace_core.config import config_from_dict, config_to_json, get_config
+from pace_core.figures import MIB
+from pace_core.model.capture import run_with_states
+from pace_core.model.loading import load_model
+from pace_core.quant import QuantSpec, fake_quantize
+
+APP = str(REPO_ROOT / "app.py")
+
+
+@pytest.fixture(scope="module")
+def params(tmp_path_factory) -> dict[str, str]:
+    return app_model_param(tmp_path_factory.mktemp("app_model"))
+
+
+@pytest.fixture(scope="module")
+def loaded(params):
+    return load_model(params.get("model"))
+
+
+def start(params: dict[str, str], page: str | None = None, **query: str) -> AppTest:
+    """A fresh session of the app with `query` in the URL, switched to pages/<page>.py."""
+    at = AppTest.from_file(APP, default_timeout=180)
+    for k, v in {**params, **query}.items():
+        at.query_params[k] = v
+    at.run()
+    if page is not None:
+        at.switch_page(f"pages/{page}.py").run()
+    check(at)
+    return at
+
+
+def check(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def metric(at: AppTest, label: str) -> str:
+    found = [m.value for m in at.metric if m.label == label]
+    assert found, f"no metric {label!r}; have {[m.label for m in at.metric]}"
+    return found[0]
+
+
+def array(value) -> np.ndarray:
+    """A plotly JSON array (a list or a typed array {dtype, bdata, shape}) as numpy."""
+    if isinstance(value, dict):
+        flat = np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"])
+        return flat.reshape([int(n) for n in str(value.get("shape", len(flat))).split(",")])
+    return np.asarray(value)
+
+
+def chart(at: AppTest, key: str) -> dict:
+    return json.loads(at.get("plotly_chart")[[c.key for c in at.get("plotly_chart")].index(key)].proto.spec)
+
+
+def test_url_values_are_validated_and_fall_back(params):
+    at = start(params, preset="pace-4", bits="11", dp="0", axis="diagonal", device="tpu")
+    warnings = " ".join(w.value for w in at.warning)
+    for name in ("'bits'", "'dp'", "'axis'", "'device'"):
+        assert f"URL parameter {name}" in warnings
+    assert "allowed: 2, 3, 4, 5, 6, 7, 8" in warnings
+    assert at.sidebar.select_slider(key="w_bits").value == 4
+    assert at.sidebar.selectbox(key="w_axis").value == "key"
+    assert at.query_params["bits"] == ["4"] or at.query_params["bits"] == "4"
+
+
+def test_url_sets_the_controls_and_controls_write_the_url(params):
+    at = start(params, page="export", preset="pace-4-8", bits="3", dp="16", sym="1")
+    assert at.sidebar.select_slider(key="w_bits").value == 3
+    assert at.sidebar.select_slider(key="w_dp").value == 16
+    doc = json.loads(at.code[0].value)
+    assert doc["state_cache_scheme"]["num_bits"] == 3 and doc["pace"]["decode_period"] == 16
+    at.sidebar.select_slider(key="w_dp").set_value(32).run()
+    check(at)
+    assert str(at.query_params["dp"]).strip("[]'") == "32"
+    assert json.loads(at.code[0].value)["pace"]["decode_period"] == 32
+
+
+def test_overview_state_memory_follows_the_sequence_slider(params, loaded):
+    at = start(params)
+    assert metric(at, "GDN layers") == str(loaded.shape.num_gdn_layers)
+    fp32 = state_bytes(get_config("fp32"), loaded.shape, 64) / MIB
+    assert metric(at, "fp32 state, N = 64") == f"{fp32:,.2f} MiB"
+    at.slider(key="overview_n").set_value(128).run()
+    check(at)
+    assert metric(at, "fp32 state, N = 128") == f"{state_bytes(get_config('fp32'), loaded.shape, 128) / MIB:,.2f} MiB"
+    pace4 = state_bytes(get_config("pace-4"), loaded.shape, 128) / MIB
+    assert metric(at, "pace-4 state, N = 128") == f"{pace4:,.2f} MiB"
+
+
+def test_memory_table_follows_the_bits_control(params, loaded):
+    at = start(params, page="memory", preset="pace-4")
+    table = at.dataframe[0].value.set_index("config")
+    assert table.loc["sidebar: pace-4", "resident"] == pytest.approx(
+        resident_bits(get_config("pace-4"), loaded.shape).resident_bits)
+    at.sidebar.select_slider(key="w_bits").set_value(6).run()
+    check(at)
+    table = at.dataframe[0].value.set_index("config")
+    expected = resident_bits(get_config("pace-4").replace(bits=6), loaded.shape)
+    assert table.loc["sidebar: custom", "payload"] == pytest.approx(expected.payload_bits)
+    assert table.loc["sidebar: custom", "resident"] == pytest.approx(expected.resident_bits)
+
+
+def test_state_heatmap_shows_the_quantisation_error_of_the_reference_state(params, loaded):
+    at = start(params, page="state_heatmaps", preset="pace-4")
+    text = at.text_area(key="heat_text").value
+    at.slider(key="heat_pos").set_value(12).run()
+    at.slider(key="heat_head").set_value(1).run()
+    check(at)
+    ids = tokenize(loaded.tokenizer, text, max_tokens=12, min_tokens=1)
+    layer = loaded.gdn_layers[0]
+    S = run_with_states(loaded, get_config("fp32"), ids, capture_steps=[12]).states[12][layer][0, 1]
+
+    def shown_error(bits: int, axis: str) -> str:
+        q = fake_quantize(S, QuantSpec(bits=bits, symmetric=True, axis=axis, group_size=64))
+        return f"{float(torch.linalg.norm(q - S) / torch.linalg.norm(S)):.3%}"
+
+    assert metric(at, "relative error, key-axis g=64") == shown_error(4, "key")
+    assert metric(at, "relative error, value-axis g=64") == shown_error(4, "value")
+    fig = chart(at, "heat_chart")
+    assert "after 12 tokens" in fig["layout"]["title"]["text"]
+    np.testing.assert_allclose(array(fig["data"][0]["z"]), S.double().numpy(), rtol=1e-6)
+    at.sidebar.select_slider(key="w_bits").set_value(8).run()
+    check(at)
+    assert metric(at, "relative error, key-axis g=64") == shown_error(8, "key")
+
+
+def test_generations_reference_agrees_with_itself_and_length_follows_slider(params):
+    at = start(params, page="generations", preset="rtn-int4")
+    at.multiselect(key="gen_others").set_value([]).run()
+    at.slider(key="gen_tokens").set_value(6).run()
+    check(at)
+    summary = at.dataframe[0].value
+    assert list(summary["configuration"]) == ["fp32", "sidebar: rtn-int4"]
+    assert summary["top-1 agreement"][0] == 1.0              # the fp32 row scores its own greedy tokens
+    assert summary["first divergence"][0] == "none"
+    html_before = [h.proto.body for h in at.get("html")]
+    at.slider(key="gen_tokens").set_value(12).run()
+    check(at)
+    assert [h.proto.body for h in at.get("html")] != html_before
+
+
+def test_benchmarks_without_results_say_what_to_run(params, tmp_path, monkeypatch):
+    monkeypatch.setattr(app_state, "BENCH_DIR", tmp_path)
+    at = start(params, page="benchmarks")
+    assert "No benchmark results yet" in at.info[0].value and app_state.BENCH_COMMAND in at.info[0].value
+
+
+def test_benchmarks_show_tables_with_provenance(params, tmp_path, monkeypatch):
+    rows = [{"batch": b, "variant": v, "step_time_us": float(t)} for v, t0 in (("bf16", 50), ("pace-4", 20))
+            for b, t in ((1, t0), (8, 2 * t0))]
+    (tmp_path / "decode.json").write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-11-30",
+                                                      "decode_step": rows}))
+    monkeypatch.setattr(app_state, "BENCH_DIR", tmp_path)
+    at = start(params, page="benchmarks")
+    assert at.subheader[0].value == "decode"
+    assert at.json[0].value == json.dumps({"device": "NVIDIA H200", "date": "2026-11-30"})
+    assert any(c.value.startswith("Measured on device NVIDIA H200, date 2026-11-30") for c in at.caption)
+    table = at.dataframe[0].value
+    assert list(table["step_time_us"]) == [50.0, 100.0, 20.0, 40.0]
+    fig = chart(at, "bench_decode_decode_step_step_time_us")
+    assert [t["name"] for t in fig["data"]] == ["bf16", "pace-4"]
+
+
+def test_export_preview_import_and_load(params):
+    at = start(params, page="export", preset="pace-4")
+    assert config_from_dict(json.loads(at.code[0].value)) == get_config("pace-4")
+    at.text_area(key="export_paste").set_value('{"schema_version": 99}').run()
+    assert at.error and "schema_version" in at.error[0].value
+    assert not at.exception
+    imported = get_config("rtn-int5").replace(decode_period=4, name="mine")
+    at.text_area(key="export_paste").set_value(config_to_json(imported)).run()
+    check(at)
+    assert "Valid configuration 'mine'" in at.success[0].value and not at.warning
+    at.text_area(key="export_paste").set_value(config_to_json(imported.replace(decode_period=100))).run()
+    assert "Decode period dP (tokens) = 100" in at.warning[0].value
+    at.text_area(key="export_paste").set_value(config_to_json(imported)).run()
+    at.button(key="export_load").click().run()
+    check(at)
+    assert at.sidebar.select_slider(key="w_bits").value == 5
+    assert at.sidebar.selectbox(key="w_axis").value == "value"
+    assert config_from_dict(json.loads(at.code[0].value)) == imported.replace(name="custom")
+
+
+def test_head_ranking_follows_dp_and_share(params, loaded):
+    at = start(params, page="head_ranking", preset="pace-4-8")
+    HV = loaded.shape.num_v_heads
+
+    def check_table(dP: int, share: float) -> None:
+        table = at.dataframe[0].value
+        np.testing.assert_allclose(table["E_h"], table["e_h"] / (1 - table["a_h"] ** (2 * dP)), rtol=1e-9)
+        for _, part in table.groupby("layer"):
+            chosen = set(part[part["8-bit"]]["head"])
+            top = set(part.sort_values("E_h", ascending=False)["head"][:int(share * HV + 0.5)])
+            assert chosen == top
+
+    check_table(8, 0.25)
+    E8 = at.dataframe[0].value.sort_values(["layer", "head"])["E_h"].to_numpy()
+    at.sidebar.select_slider(key="w_dp").set_value(2).run()
+    check(at)
+    check_table(2, 0.25)
+    assert not np.allclose(at.dataframe[0].value.sort_values(["layer", "head"])["E_h"].to_numpy(), E8)
+    at.sidebar.select_slider(key="w_hi").set_value(0.5).run()
+    check(at)
+    check_table(2, 0.5)
+    assert metric(at, "8-bit heads per layer") == f"{int(0.5 * HV + 0.5)} of {HV}"
+    table = at.dataframe[0].value
+    at.button(key="heads_use").click().run()
+    at.switch_page("pages/export.py").run()
+    check(at)
+    heads = json.loads(at.code[0].value)["pace"]["high_heads"]
+    expected = [sorted(table[(table.layer == layer) & table["8-bit"]]["head"]) for layer in loaded.gdn_layers]
+    assert [heads[str(i)] for i in range(len(loaded.gdn_layers))] == expected
+
+
+def test_drift_shows_the_analysis_and_follows_the_step_slider(params, loaded):
+    from pace_core.analysis.drift import drift
+
+    at = start(params, page="drift", preset="pace-4")
+    at.slider(key="drift_steps").set_value(16).run()
+    check(at)
+    fig = chart(at, "drift_chart")
+    assert [t["name"] for t in fig["data"]] == ["4-bit, dP 1"] * 2 + ["4-bit, dP 8"] * 2
+    assert array(fig["data"][0]["x"]).max() == 16            # steps 0 (right after the prefill) .. 16
+    text = app_state.analysis_text()
+    ids = tokenize(loaded.tokenizer, text, max_tokens=32 + 16 + 1)
+    ref = drift(loaded, {"4-bit, dP 8": get_config("pace-4").replace(name="4-bit dP8")}, ids, 32).table
+    np.testing.assert_allclose(array(fig["data"][2]["y"]), ref["rel_error"].to_numpy(), rtol=1e-6)
+    np.testing.assert_allclose(array(fig["data"][3]["y"]), ref["excess_nll"].to_numpy(), rtol=1e-6, atol=1e-9)
+    at.multiselect(key="drift_periods").set_value([8]).run()
+    check(at)
+    assert [t["name"] for t in chart(at, "drift_chart")["data"]] == ["4-bit, dP 8"] * 2
+
+
+def test_drift_shows_stored_results_with_provenance(params, tmp_path, monkeypatch):
+    from pace_core.results import make_provenance, result_key, save_result
+
+    rng = np.random.default_rng()
+    table = pd.DataFrame({"config": ["rtn-int4"] * 5 + ["pace-4"] * 5, "step": list(range(5)) * 2,
+                          "rel_error": rng.random(10), "excess_nll": rng.standard_normal(10)})
+    summary = [{"config": c, "mean_rel_error": float(table[table.config == c].rel_error.mean())}
+               for c in ("rtn-int4", "pace-4")]
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    prov = make_provenance("m", configs=[get_config("pace-4")], command="python -m pace_core drift --tokens 9")
+    save_result("drift", app_state.results_model_name(params.get("model", "")), result_key({"n": 1}),
+                {"summary": summary}, prov, table)
+    app_state.stored_results.clear()          # the listing is cached for 30 s; this test just wrote one
+    at = start(params, page="drift", preset="pace-4")
+    stored = [o for o in at.radio(key="drift_source").options if o.startswith("stored: rtn-int4, pace-4")]
+    assert len(stored) == 1
+    at.radio(key="drift_source").set_value(stored[0]).run()
+    check(at)
+    assert any("`python -m pace_core drift --tokens 9`" in c.value for c in at.caption)
+    fig = chart(at, "drift_chart")
+    assert [t["name"] for t in fig["data"]] == ["rtn-int4", "rtn-int4", "pace-4", "pace-4"]
+    np.testing.assert_allclose(array(fig["data"][2]["y"]), table.rel_error[5:].to_numpy())
+    assert list(at.dataframe[0].value["mean_rel_error"]) == [s["mean_rel_error"] for s in summary]

@@ -1,0 +1,135 @@
+"""Real-browser test: `streamlit run app.py` driven by Playwright in Debian's Chromium.
+
+Visits every page, fails on any exception or error alert shown, moves a slider, downloads the
+configuration JSON and validates it with pace_core.config, and saves screenshots under
+artifacts/screenshots/. Needs /usr/bin/chromium (Debian's package; never a downloaded browser).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from app_support import REPO_ROOT, app_model_param
+from pace_core.config import config_from_json
+
+CHROMIUM = Path("/usr/bin/chromium")
+SHOTS = REPO_ROOT / "artifacts" / "screenshots"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+PAGE_TIMEOUT_MS = 300_000        # live analyses on a loaded 2-core CPU: calibration, drift, generation
+PAGES = ["", "state_heatmaps", "head_ranking", "drift", "memory", "generations", "benchmarks", "export"]
+
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed at "
+                                "/usr/bin/chromium (apt-get install chromium; `make test` does it)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A `streamlit run app.py` subprocess on a free port; yields (base url, URL model params)."""
+    params = app_model_param(tmp_path_factory.mktemp("model"))
+    port = _free_port()
+    # One torch thread: on the shared 2-core CI box two intra-op threads oversubscribe the cores.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = tmp_path_factory.mktemp("log") / "streamlit.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+             "--server.port", str(port), "--server.address", "127.0.0.1",
+             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
+            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if urllib.request.urlopen(f"{base}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"streamlit did not become healthy:\n{log.read_text()}")
+            time.sleep(0.5)
+        yield base, params
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1440, "height": 2000}, accept_downloads=True)
+        yield context.new_page()
+        context.close()
+        browser.close()
+
+
+def _url(base: str, path: str, params: dict[str, str]) -> str:
+    query = urllib.parse.urlencode(params)
+    return f"{base}/{path}" + (f"?{query}" if query else "")
+
+
+def _settle(page) -> None:
+    """Wait until the script run has finished (the app root says notRunning) and the page has a title."""
+    page.wait_for_selector('[data-testid="stApp"][data-test-script-state="notRunning"]', timeout=PAGE_TIMEOUT_MS)
+    page.wait_for_selector('[data-testid="stMain"] h1', timeout=PAGE_TIMEOUT_MS)
+    page.wait_for_timeout(500)
+
+
+def _assert_no_error(page, name: str) -> None:
+    exceptions = page.locator('[data-testid="stException"]')
+    errors = page.locator('[data-testid="stAlertContentError"]')
+    assert exceptions.count() == 0, f"{name}: exception shown: {exceptions.first.inner_text()}"
+    assert errors.count() == 0, f"{name}: error shown: {errors.first.inner_text()}"
+
+
+def test_every_page_renders_without_error(server, page):
+    base, params = server
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    for path in PAGES:
+        started = time.monotonic()
+        page.goto(_url(base, path, params))
+        _settle(page)
+        print(f"{path or 'overview'}: {time.monotonic() - started:.1f} s")
+        _assert_no_error(page, path or "overview")
+        page.screenshot(path=str(SHOTS / f"{path or 'overview'}.png"), full_page=True)
+
+
+def test_slider_moves_and_json_download_validates(server, page):
+    base, params = server
+    page.goto(_url(base, "export", dict(params, preset="pace-4", bits="4")))
+    _settle(page)
+    code = page.locator('[data-testid="stCode"]').first
+    assert '"num_bits": 4' in code.inner_text()
+    slider = page.get_by_role("slider", name="State bits (bits/value)")
+    slider.focus()
+    slider.press("ArrowLeft")                      # 4 -> 3 bits
+    page.wait_for_function("() => location.search.includes('bits=3')", timeout=PAGE_TIMEOUT_MS)
+    page.wait_for_function("""() => [...document.querySelectorAll('[data-testid="stCode"]')]
+                                     .some(e => e.innerText.includes('"num_bits": 3'))""", timeout=PAGE_TIMEOUT_MS)
+    _settle(page)
+    with page.expect_download() as info:
+        page.get_by_role("button", name="Download configuration JSON").click()
+    download = info.value
+    cfg = config_from_json(Path(download.path()).read_text(encoding="utf-8"))
+    assert cfg.bits == 3 and cfg.group_axis == "key" and cfg.decode_period == 8
+    _assert_no_error(page, "export")
+    page.screenshot(path=str(SHOTS / "export_after_slider.png"), full_page=True)

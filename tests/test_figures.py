@@ -1,0 +1,175 @@
+"""Figure, table and export builders of the dashboard (pace_core.figures) on fresh random inputs."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from pace_core import figures
+from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes
+from pace_core.config import config_from_json, config_to_dict, get_config
+from pace_core.shapes import BUILTIN_SHAPES
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def test_state_heatmaps_panels_hold_state_quantised_and_error(rng):
+    ref = rng.standard_normal((16, 12))
+    q_key = ref + rng.standard_normal((16, 12)) * 0.01
+    q_val = ref + rng.standard_normal((16, 12)) * 0.1
+    fig = figures.state_heatmaps(torch.from_numpy(ref), {"key": q_key, "value": q_val}, outlier_columns=[3, 7])
+    heat = [t for t in fig.data if t.type == "heatmap"]
+    assert len(heat) == 6
+    np.testing.assert_array_equal(np.asarray(heat[0].z), ref)
+    np.testing.assert_array_equal(np.asarray(heat[1].z), q_key)
+    np.testing.assert_allclose(np.asarray(heat[2].z), q_key - ref)
+    np.testing.assert_allclose(np.asarray(heat[5].z), q_val - ref)
+    vmax = max(np.abs(ref).max(), np.abs(q_key).max(), np.abs(q_val).max())
+    assert [h.coloraxis for h in heat] == ["coloraxis", "coloraxis", "coloraxis2"] * 2
+    assert fig.layout.coloraxis.cmax == pytest.approx(vmax) and fig.layout.coloraxis.cmin == pytest.approx(-vmax)
+    emax = max(np.abs(q_key - ref).max(), np.abs(q_val - ref).max())
+    assert fig.layout.coloraxis2.cmax == pytest.approx(emax)
+    titles = [a.text for a in fig.layout.annotations]
+    rel_key = np.linalg.norm(q_key - ref) / np.linalg.norm(ref)
+    assert f"error: key (rel. {rel_key:.2%})" in titles
+    markers = [t for t in fig.data if t.type == "scatter"]
+    assert len(markers) == 6 and list(markers[0].x) == [3, 7]
+
+
+def test_state_heatmaps_rejects_mismatched_shapes(rng):
+    with pytest.raises(ValueError, match="quantised\\['k'\\]"):
+        figures.state_heatmaps(rng.standard_normal((4, 4)), {"k": rng.standard_normal((4, 5))})
+
+
+def test_rms_profiles_colours_outliers_and_titles_ratios(rng):
+    col = np.abs(rng.standard_normal(10)) + 0.5
+    row = np.abs(rng.standard_normal(8)) + 0.5
+    fig = figures.rms_profiles(col, row, 5.25, 1.5, [2, 9], 4.0)
+    bars = [t for t in fig.data if t.type == "bar"]
+    np.testing.assert_array_equal(np.asarray(bars[0].y), col)
+    colours = list(bars[0].marker.color)
+    assert [j for j, c in enumerate(colours) if c == "#d62728"] == [2, 9]
+    assert set(bars[1].marker.color) == {"#4a78c2"}
+    titles = [a.text for a in fig.layout.annotations]
+    assert "column RMS (max/median 5.25)" in titles and "row RMS (max/median 1.50)" in titles
+    medians = [s.y0 for s in fig.layout.shapes]
+    assert medians[0] == pytest.approx(np.median(col)) and medians[1] == pytest.approx(4 * np.median(col))
+    assert medians[2] == pytest.approx(np.median(row))
+
+
+def test_head_ranking_marks_the_chosen_heads(rng):
+    E = rng.random((3, 6)) + 1e-3
+    a = rng.random((3, 6))
+    e = rng.random((3, 6))
+    high = ((0, 5), (2,), ())
+    fig = figures.head_ranking_figure(E, a, e, high, ["L0", "L4", "L8"])
+    np.testing.assert_allclose(np.asarray(fig.data[0].z), np.log10(E))
+    np.testing.assert_array_equal(np.asarray(fig.data[1].z), a)
+    chosen = fig.data[3]
+    assert list(chosen.x) == [0, 5, 2] and list(chosen.y) == ["L0", "L0", "L4"]
+
+
+def test_drift_figure_one_line_per_config_and_checks_columns(rng):
+    steps = np.arange(20)
+    table = pd.concat([pd.DataFrame({"config": name, "step": steps, "rel_error": rng.random(20),
+                                     "excess_nll": rng.standard_normal(20)}) for name in ("a", "b")])
+    shuffled = table.sample(frac=1.0)
+    fig = figures.drift_figure(shuffled)
+    order = list(shuffled["config"].unique())
+    assert [t.name for t in fig.data] == [order[0], order[0], order[1], order[1]]
+    np.testing.assert_array_equal(np.asarray(fig.data[0].x), steps)
+    b = 2 * order.index("b")
+    np.testing.assert_allclose(np.asarray(fig.data[b].y), table[table.config == "b"]["rel_error"].to_numpy())
+    np.testing.assert_allclose(np.asarray(fig.data[b + 1].y), table[table.config == "b"]["excess_nll"].to_numpy())
+    with pytest.raises(ValueError, match="excess_nll"):
+        figures.drift_figure(table.drop(columns=["excess_nll"]))
+
+
+def test_resident_bits_table_and_figure_match_accounting():
+    shape = BUILTIN_SHAPES["qwen3.5-27b"]
+    configs = {"pace-4-8": get_config("pace-4-8"), "rtn-int4": get_config("rtn-int4"),
+               "dP 32": get_config("pace-4").replace(decode_period=32)}
+    table = figures.resident_bits_table(configs, shape)
+    for _, row in table.iterrows():
+        rb = resident_bits(configs[row["config"]], shape)
+        assert row["payload"] == rb.payload_bits and row["buffer c·dP"] == rb.buffer_bits
+        assert row["resident"] == pytest.approx(row["payload"] + row["metadata"] + row["buffer c·dP"])
+    row = table.set_index("config").loc["pace-4-8"]
+    rb = resident_bits(configs["pace-4-8"], shape)
+    assert row["payload"] == pytest.approx(rb.code_bits + rb.scale_bits) and row["exact"] == rb.exact_bits
+    fig = figures.resident_bits_figure(table)
+    assert fig.layout.barmode == "stack"
+    assert [t.name for t in fig.data[:3]] == ["payload", "metadata", "buffer c·dP"]
+    assert list(fig.data[3].text) == [f"{v:.2f}" for v in table["resident"]]
+
+
+def test_dp_curve_is_the_accounting_at_each_dp_and_linear_beyond_one():
+    shape = BUILTIN_SHAPES["qwen3.5-4b"]
+    cfg = get_config("pace-4")
+    periods = [1, 2, 5, 8, 11]
+    fig = figures.dp_curve_figure({"pace-4": cfg}, shape, periods=periods)
+    ys = np.asarray(fig.data[0].y)
+    for p, y in zip(periods, ys):
+        assert y == resident_bits(cfg.replace(decode_period=p), shape).resident_bits
+    steps = np.diff(ys[1:]) / np.diff(periods[1:])
+    np.testing.assert_allclose(steps, steps[0], rtol=1e-12)
+    assert steps[0] > 0 and ys[0] < ys[1]
+    assert fig.data[1].y[0] == resident_bits(cfg, shape).resident_bits      # the marker at the set dP
+
+
+def test_fit_table_uses_the_accounting():
+    shapes = {k: BUILTIN_SHAPES[k] for k in ("qwen3.5-4b", "qwen3.5-27b")}
+    configs = {"fp32": get_config("fp32"), "pace-4": get_config("pace-4")}
+    table = figures.fit_table(configs, shapes, {"H200 141 GB": 141.0, "x": 33.5})
+    assert len(table) == 4
+    row = table[(table.model == "qwen3.5-27b") & (table.config == "pace-4")].iloc[0]
+    assert row["sequences in H200 141 GB"] == sequences_that_fit(configs["pace-4"], shapes["qwen3.5-27b"], 141 * 10**9)
+    assert row["sequences in x"] == sequences_that_fit(configs["pace-4"], shapes["qwen3.5-27b"], int(33.5e9))
+    one = state_bytes(configs["pace-4"], shapes["qwen3.5-27b"], 1)
+    assert row["state MiB / sequence"] == pytest.approx(one / 2**20)
+
+
+def test_generation_html_marks_the_first_divergent_token():
+    out = figures.generation_html(["a", "<b>", "c\n", "d"], 1)
+    assert '<mark style="background:#ff8a80" title="first divergent token">&lt;b&gt;</mark>' in out
+    assert '<span style="background:#fff3c4">c↵<br></span>' in out
+    assert "<mark" not in figures.generation_html(["a", "b"], None)
+
+
+def test_bench_figure_groups_series_and_checks_columns(rng):
+    rows = pd.DataFrame({"batch": [1, 2, 4] * 2, "us": rng.random(6), "variant": ["x"] * 3 + ["y"] * 3})
+    fig = figures.bench_figure(rows, x="batch", y="us", series="variant", title="t", y_title="µs")
+    assert [t.name for t in fig.data] == ["x", "y"] and fig.layout.xaxis.type == "log"
+    np.testing.assert_array_equal(np.asarray(fig.data[1].y), rows["us"].to_numpy()[3:])
+    with pytest.raises(ValueError, match="missing columns"):
+        figures.bench_figure(rows, x="batch", y="ms", series="variant", title="t", y_title="ms")
+
+
+@pytest.mark.parametrize("name", ["pace-4", "pace-4-8", "rtn-int3"])
+def test_export_json_round_trips_with_model_and_provenance(name):
+    cfg = get_config(name).replace(decode_period=int(np.random.default_rng().integers(1, 65)))
+    text = figures.export_json(cfg, "my/model", {"producer": "test", "date": "2026-11-30"})
+    doc = json.loads(text)
+    assert config_from_json(text) == cfg
+    assert doc == config_to_dict(cfg, model="my/model", provenance={"producer": "test", "date": "2026-11-30"})
+    assert "my/model" in text and '"producer": "test"' in text
+
+
+def test_split_bench_document_and_plot_columns(rng):
+    rows = [{"batch": b, "variant": v, "step_time_us": float(rng.random()), "bytes": 10 * b}
+            for v in ("bf16", "pace-4") for b in (1, 8)]
+    doc = {"device": "H200", "date": "2026-11-30", "decode_step": rows, "notes": ["a", "b"]}
+    tables, prov = figures.split_bench_document(doc)
+    assert list(tables) == ["decode_step"] and tables["decode_step"] == rows
+    assert prov == {"device": "H200", "date": "2026-11-30", "notes": ["a", "b"]}
+    assert figures.bench_plot_columns(pd.DataFrame(rows)) == ("batch", ["step_time_us"], "variant")
+    assert figures.bench_plot_columns(pd.DataFrame(rows).drop(columns=["variant"])) is None
+    nested = [dict(r, spread=[0.1, 0.2], config={"warps": 4}, hbm_fraction=0.5) for r in rows]
+    table = figures.bench_scalar_table(nested)
+    assert list(table.columns) == ["batch", "variant", "step_time_us", "bytes", "hbm_fraction"]
+    assert figures.bench_plot_columns(table) == ("batch", ["step_time_us", "hbm_fraction"], "variant")
