@@ -381,14 +381,10 @@ def generations(source: str, device: str, configs: tuple[tuple[str, str], ...], 
     from pace_core.analysis.generation import generate_side_by_side
 
     loaded = _load_model(source, device)
-    cfgs = {}
-    for label, text in configs:
-        cfg, rows = runnable(source, device, config_from_json(text))
-        if rows is not None:
-            raise PaceError(f"configuration {label!r}: DAMP needs its calibrated outlier rows, which side-by-side "
-                            "generation does not take yet; allowed here: fp32, bf16, rtn, pace, qmamba-dsq")
-        cfgs[label] = cfg
-    return generate_side_by_side(loaded, cfgs, prompt, max_new_tokens=max_new_tokens, modes=(mode,))
+    ready = {label: runnable(source, device, config_from_json(text)) for label, text in configs}
+    return generate_side_by_side(loaded, {label: cfg for label, (cfg, _) in ready.items()}, prompt,
+                                 max_new_tokens=max_new_tokens, modes=(mode,),
+                                 damp_rows={label: rows for label, (_, rows) in ready.items() if rows is not None})
 
 
 def analysis_text() -> str:

@@ -61,3 +61,23 @@ def test_bad_input(loaded):
         generate_side_by_side(loaded, [get_config("fp32")], "x", modes=["beam"])
     with pytest.raises(PaceError, match="max_new_tokens"):
         generate_side_by_side(loaded, [get_config("fp32")], "x", max_new_tokens=0)
+
+
+def test_damp_side_by_side_uses_the_given_outlier_rows(loaded):
+    from pace_core.model.patch import pace
+
+    cfg = get_config("damp-int4")
+    shape = loaded.shape
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rows = [torch.stack([torch.randperm(shape.d_k, generator=gen)[:cfg.damp_outlier_rows].sort().values
+                         for _ in range(shape.num_v_heads)]) for _ in range(shape.num_gdn_layers)]
+    t = generate_side_by_side(loaded, {"damp": cfg}, "The cat sat", max_new_tokens=10, modes=["greedy"],
+                              damp_rows={"damp": rows})
+    ids = loaded.tokenizer("The cat sat", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with pace(loaded.model, cfg, damp_rows=rows), torch.no_grad():
+        out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                                    do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id)
+    assert list(t["config"]) == ["fp32", "damp"]
+    assert t.iloc[1].tokens == out[0, ids.shape[1]:].tolist()
+    with pytest.raises(PaceError, match="damp_rows"):
+        generate_side_by_side(loaded, {"damp": cfg}, "The cat sat", max_new_tokens=4, modes=["greedy"])

@@ -272,3 +272,13 @@ def test_drift_shows_stored_results_with_provenance(params, tmp_path, monkeypatc
     assert [t["name"] for t in fig["data"]] == ["rtn-int4", "rtn-int4", "pace-4", "pace-4"]
     np.testing.assert_allclose(array(fig["data"][2]["y"]), table.rel_error[5:].to_numpy())
     assert list(at.dataframe[0].value["mean_rel_error"]) == [s["mean_rel_error"] for s in summary]
+
+
+def test_generations_run_damp_with_its_calibrated_outlier_rows(params):
+    at = start(params, page="generations", preset="damp-int4")
+    at.multiselect(key="gen_others").set_value([]).run()
+    at.slider(key="gen_tokens").set_value(4).run()
+    check(at)
+    summary = at.dataframe[0].value
+    assert list(summary["configuration"]) == ["fp32", "sidebar: damp-int4"]
+    assert 0.0 <= summary["top-1 agreement"][1] <= 1.0

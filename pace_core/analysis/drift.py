@@ -55,7 +55,7 @@ def relative_errors(states: dict[int, torch.Tensor], ref: dict[int, torch.Tensor
     return per, pooled
 
 
-def _damp_rows_of(damp_rows, name: str) -> list[torch.Tensor]:
+def damp_rows_of(damp_rows, name: str) -> list[torch.Tensor]:
     """The outlier rows of damp configuration ``name`` from a list (shared) or a mapping by name."""
     rows = damp_rows.get(name) if isinstance(damp_rows, Mapping) else damp_rows
     if rows is None:
@@ -101,7 +101,7 @@ def drift(
     rows, layer_rows, summary = [], [], []
     for name, cfg in cfgs.items():
         rows_before = len(rows)
-        kwargs = {"damp_rows": _damp_rows_of(damp_rows, name)} if cfg.method == "damp" else {}
+        kwargs = {"damp_rows": damp_rows_of(damp_rows, name)} if cfg.method == "damp" else {}
         run = run_with_states(loaded, cfg, ids, decode_from=decode_from, capture_steps=capture, **kwargs)
         excess = token_nll(run.logits, ids)[decode_from - 1 :] - ref_nll  # [last + 1] steps 0..last
         for j, step in zip(steps, capture):

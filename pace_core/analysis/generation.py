@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import pandas as pd
 import torch
 
+from pace_core.analysis.drift import damp_rows_of
 from pace_core.analysis.quality import config_map
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
@@ -34,15 +35,16 @@ def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | No
 
 
 def _generate(loaded: LoadedModel, cfg: PaceConfig, ids: torch.Tensor, mode: str, max_new_tokens: int,
-              seed: int, temperature: float, top_p: float) -> list[int]:
-    """New token ids of one generation: ids [1, T] -> list of <= max_new_tokens ids."""
+              seed: int, temperature: float, top_p: float, pace_kwargs: dict) -> list[int]:
+    """New token ids of one generation: ids [1, T] -> list of <= max_new_tokens ids (``pace_kwargs``:
+    the DAMP outlier rows of a damp configuration, else empty)."""
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=loaded.tokenizer.pad_token_id)
     if mode == "greedy":
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
         kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
     devices = [loaded.device] if loaded.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), pace(loaded.model, cfg), torch.no_grad():
+    with torch.random.fork_rng(devices=devices), pace(loaded.model, cfg, **pace_kwargs), torch.no_grad():
         torch.manual_seed(seed)
         out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
     return out[0, ids.shape[1]:].tolist()
@@ -73,11 +75,14 @@ def generate_side_by_side(
     temperature: float = 0.8,
     top_p: float = 0.95,
     reference: PaceConfig | None = None,
+    damp_rows: Mapping[str, list[torch.Tensor]] | list[torch.Tensor] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
     """One row per (mode, configuration), the reference first in each mode: mode, config, tokens
     (new ids), pieces (their texts), text, first_divergence (Int64, <NA> when identical to the reference's continuation),
-    ref_nll (mean nats per generated token under the reference), ref_agreement."""
+    ref_nll (mean nats per generated token under the reference), ref_agreement. ``damp_rows``: the
+    calibrated outlier rows [HV, r] per GDN layer of the damp configurations (one list for all, or
+    a mapping by configuration name), as in :func:`pace_core.analysis.drift.drift`."""
     cfgs = config_map(configs)
     ref = reference if reference is not None else get_config("fp32")
     if not prompt:
@@ -97,7 +102,8 @@ def generate_side_by_side(
     for mode in modes:
         ref_tokens: list[int] | None = None
         for name, cfg in run.items():
-            new = _generate(loaded, cfg, ids, mode, max_new_tokens, seed, temperature, top_p)
+            pace_kwargs = {"damp_rows": damp_rows_of(damp_rows, name)} if cfg.method == "damp" else {}
+            new = _generate(loaded, cfg, ids, mode, max_new_tokens, seed, temperature, top_p, pace_kwargs)
             if ref_tokens is None:
                 ref_tokens = new
             nll, agreement = _score(loaded, ref, ids, new)
