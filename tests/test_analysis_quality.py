@@ -87,3 +87,21 @@ def test_bad_text(loaded, tmp_path):
         perplexity(loaded, [get_config("fp32")], empty)
     with pytest.raises(PaceError, match="does not exist"):
         perplexity(loaded, [get_config("fp32")], tmp_path / "missing.txt")
+
+
+def test_damp_quality_runs_with_the_given_outlier_rows(loaded):
+    from pace_core.model.capture import run_with_states
+
+    cfg = get_config("damp-int4")
+    shape = loaded.shape
+    rows = [torch.stack([torch.randperm(shape.d_k)[:cfg.damp_outlier_rows].sort().values
+                         for _ in range(shape.num_v_heads)]) for _ in range(shape.num_gdn_layers)]
+    ids = torch.randint(3, 100, (1, 48))
+    table = evaluate_quality(loaded, {"damp": cfg}, ids, window=48, stride=24, decode_from=24,
+                             damp_rows={"damp": rows}).set_index("config")
+    # one window: the damp row's NLL is that of the same run made directly
+    logits = run_with_states(loaded, cfg, ids, decode_from=24, damp_rows=rows).logits[0, :-1].double()
+    want = float(torch.nn.functional.cross_entropy(logits, ids[0, 1:]))
+    assert table.loc["damp", "nll"] == pytest.approx(want, rel=1e-9)
+    with pytest.raises(PaceError, match="damp_rows"):
+        evaluate_quality(loaded, {"damp": cfg}, ids, window=48, stride=24, decode_from=24)

@@ -85,12 +85,15 @@ def test_errors_exit_2(env, capsys, tmp_path):
 
 def test_all_small(env, tmp_path, capsys):
     out = str(tmp_path / "all")
-    argv = ["all", "--model", env["model"], "--out", out, "--quiet", "--configs", "rtn-int4", "pace-4-8",
+    argv = ["all", "--model", env["model"], "--out", out, "--quiet", "--configs", "rtn-int4", "pace-4-8", "damp-int4",
             "--calibration-text", env["text"], "--calibration-tokens", "64", "--sweep-tokens", "48",
             "--sweep-decode-tokens", "16", "--drift-tokens", "24", "--drift-every", "4", "--ppl-text", env["text"],
             "--ppl-tokens", "64", "--ppl-window", "32", "--max-new-tokens", "3"]
     assert main(argv) == 0
     kinds = sorted({r.kind for r in list_results(env["model"], root=out)})
     assert kinds == ["calibration", "drift", "generation", "perplexity", "sweep"]
+    for kind in ("drift", "perplexity", "generation"):  # damp runs with its calibrated outlier rows everywhere
+        [r] = list_results(env["model"], kind, root=out)
+        assert "damp-int4" in set(r.table.config)
     exported = list((tmp_path / "all").glob("*/config-pace-4-8.json"))
     assert len(exported) == 1 and config_from_json(exported[0].read_text()).high_heads is not None

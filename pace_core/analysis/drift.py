@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from pace_core.analysis.quality import config_map
+from pace_core.analysis.quality import config_map, damp_rows_of
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.model.capture import run_with_states
@@ -53,15 +53,6 @@ def relative_errors(states: dict[int, torch.Tensor], ref: dict[int, torch.Tensor
         num, den = num + d, den + n
     pooled = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
     return per, pooled
-
-
-def damp_rows_of(damp_rows, name: str) -> list[torch.Tensor]:
-    """The outlier rows of damp configuration ``name`` from a list (shared) or a mapping by name."""
-    rows = damp_rows.get(name) if isinstance(damp_rows, Mapping) else damp_rows
-    if rows is None:
-        raise PaceError(f"damp_rows: none for damp configuration {name!r}; allowed: calibrated outlier rows "
-                        "per GDN layer (a list, or a mapping by configuration name)")
-    return rows
 
 
 def drift(

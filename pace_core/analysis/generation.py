@@ -15,8 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import pandas as pd
 import torch
 
-from pace_core.analysis.drift import damp_rows_of
-from pace_core.analysis.quality import config_map
+from pace_core.analysis.quality import config_map, damp_rows_of
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel

@@ -77,10 +77,21 @@ def config_map(configs: Mapping[str, PaceConfig] | list[PaceConfig]) -> dict[str
     return out
 
 
-def window_logits(loaded: LoadedModel, cfg: PaceConfig, ids: torch.Tensor, decode_from: int | None) -> torch.Tensor:
-    """Logits of one window run from an empty state: ids [1, W] -> [W, vocab] fp32 cpu."""
+def damp_rows_of(damp_rows, name: str) -> list[torch.Tensor]:
+    """The outlier rows of damp configuration ``name`` from a list (shared) or a mapping by name."""
+    rows = damp_rows.get(name) if isinstance(damp_rows, Mapping) else damp_rows
+    if rows is None:
+        raise PaceError(f"damp_rows: none for damp configuration {name!r}; allowed: calibrated outlier rows "
+                        "per GDN layer (a list, or a mapping by configuration name)")
+    return rows
+
+
+def window_logits(loaded: LoadedModel, cfg: PaceConfig, ids: torch.Tensor, decode_from: int | None,
+                  damp_rows: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Logits of one window run from an empty state: ids [1, W] -> [W, vocab] fp32 cpu
+    (``damp_rows``: the outlier rows [HV, r] per GDN layer of a damp configuration)."""
     d = decode_from if decode_from is not None and decode_from < ids.shape[1] else None
-    return run_with_states(loaded, cfg, ids, decode_from=d).logits[0].float()
+    return run_with_states(loaded, cfg, ids, decode_from=d, damp_rows=damp_rows).logits[0].float()
 
 
 def evaluate_quality(
@@ -92,11 +103,12 @@ def evaluate_quality(
     stride: int = 256,
     decode_from: int | None = None,
     reference: PaceConfig | None = None,
+    damp_rows: Mapping[str, list[torch.Tensor]] | list[torch.Tensor] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
     """Perplexity, NLL, top-1 agreement and KL(reference ‖ config) per configuration.
 
-    ids [1, T] int64. Returns one row per configuration (the reference first, named as given, with
+    ids [1, T] int64; ``damp_rows`` as in :func:`pace_core.analysis.drift.drift`. Returns one row per configuration (the reference first, named as given, with
     agreement 1 and KL 0): config, tokens, nll (mean nats per scored token), ppl, agreement, kl.
     ``progress(n)`` is called after each window run.
     """
@@ -111,6 +123,7 @@ def evaluate_quality(
         raise PaceError(f"configs: {ref.name!r} names the reference; allowed: another name for a different config")
     names = [ref.name] + [n for n in cfgs if n != ref.name]
     run = {ref.name: ref, **{n: c for n, c in cfgs.items() if n != ref.name}}
+    rows_of = {n: damp_rows_of(damp_rows, n) if c.method == "damp" else None for n, c in run.items()}
     nll = dict.fromkeys(names, 0.0)
     agree = dict.fromkeys(names, 0)
     kl = dict.fromkeys(names, 0.0)
@@ -121,7 +134,7 @@ def evaluate_quality(
         targets = ids[0, w.first_target : w.end].cpu()
         ref_logp = None
         for name in names:
-            logp = torch.log_softmax(window_logits(loaded, run[name], chunk, decode_from)[rows].double(), dim=-1)
+            logp = torch.log_softmax(window_logits(loaded, run[name], chunk, decode_from, rows_of[name])[rows].double(), dim=-1)
             nll[name] += float(-logp.gather(1, targets[:, None]).sum())
             if ref_logp is None:
                 ref_logp, ref_top = logp, logp.argmax(-1)
@@ -167,6 +180,7 @@ def perplexity(
     max_tokens: int | None = None,
     decode_from: int | None = None,
     reference: PaceConfig | None = None,
+    damp_rows: Mapping[str, list[torch.Tensor]] | list[torch.Tensor] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
     """Quality table on a text file (first ``max_tokens`` tokens): the rows of
@@ -174,7 +188,7 @@ def perplexity(
     ids = tokenize(loaded.tokenizer, read_text(text_path), max_tokens)
     table = evaluate_quality(
         loaded, configs, ids.to(loaded.device), window=window, stride=stride, decode_from=decode_from,
-        reference=reference, progress=progress,
+        reference=reference, damp_rows=damp_rows, progress=progress,
     )
     n_bytes = scored_bytes(loaded.tokenizer, ids, sliding_windows(ids.shape[1], window, stride))
     if n_bytes == 0:

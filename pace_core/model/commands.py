@@ -220,8 +220,6 @@ def run_perplexity(args: argparse.Namespace) -> int:
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
     cfgs, damp_rows = ctx.prepared(args.configs)
-    if damp_rows:
-        raise PaceError("--configs: damp configurations are not supported by perplexity; allowed: the others")
     decode_from = None if args.prefill_only else (args.decode_from or args.window - args.stride or None)
     params = {"configs": [config_to_dict(c) for c in cfgs], "text": _sha(text), "window": args.window,
               "stride": args.stride, "max_tokens": args.max_tokens, "decode_from": decode_from}
@@ -232,7 +230,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     total = len(sliding_windows(n, args.window, args.stride)) * (1 + sum(c.name != "fp32" for c in cfgs))
     with ctx.bar(total, "perplexity") as bar:
         table = perplexity(ctx.loaded, cfgs, text, window=args.window, stride=args.stride, max_tokens=args.max_tokens,
-                           decode_from=decode_from, progress=bar.update)
+                           decode_from=decode_from, damp_rows=damp_rows, progress=bar.update)
     _print_table(table)
     ctx.save("perplexity", key, {"rows": table.to_dict("records"), "decode_from": decode_from}, table,
              configs=cfgs, text=text)
@@ -245,8 +243,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
     ctx = _context(args)
     cfgs, damp_rows = ctx.prepared(args.configs)
-    if damp_rows:
-        raise PaceError("--configs: damp configurations are not supported by generate; allowed: the others")
     params = {"configs": [config_to_dict(c) for c in cfgs], "prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
               "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "modes": args.modes}
     key, found = ctx.cached("generation", params)
@@ -255,7 +251,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with ctx.bar(len(args.modes) * (1 + sum(c.name != "fp32" for c in cfgs)), "generate") as bar:
         table = generate_side_by_side(ctx.loaded, cfgs, args.prompt, max_new_tokens=args.max_new_tokens,
                                       modes=args.modes, seed=args.seed, temperature=args.temperature,
-                                      top_p=args.top_p, progress=bar.update)
+                                      top_p=args.top_p, damp_rows=damp_rows, progress=bar.update)
     _print_table(table, ["mode", "config", "first_divergence", "ref_nll", "ref_agreement", "text"])
     ctx.save("generation", key, {"prompt": args.prompt}, table, configs=cfgs)
     return 0
@@ -294,7 +290,6 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def run_all(args: argparse.Namespace) -> int:
     """calibrate (pace-4-8), export, sweep, drift, perplexity, generate with the given settings."""
-    quality = [c for c in args.configs if not resolve_config(c).method == "damp"]
     steps: list[tuple[str, Callable[[argparse.Namespace], int], dict[str, Any]]] = [
         ("calibrate", run_calibrate, {"config": "pace-4-8", "text": args.calibration_text,
                                       "tokens": args.calibration_tokens, "sample_every": 64}),
@@ -304,10 +299,10 @@ def run_all(args: argparse.Namespace) -> int:
                               "decode_tokens": args.sweep_decode_tokens}),
         ("drift", run_drift, {"configs": list(args.configs), "text": None, "tokens": args.drift_tokens,
                               "decode_from": None, "every": args.drift_every}),
-        ("perplexity", run_perplexity, {"configs": quality, "text": args.ppl_text, "window": args.ppl_window,
+        ("perplexity", run_perplexity, {"configs": list(args.configs), "text": args.ppl_text, "window": args.ppl_window,
                                         "stride": args.ppl_window // 2, "max_tokens": args.ppl_tokens,
                                         "decode_from": None, "prefill_only": False}),
-        ("generate", run_generate, {"configs": quality, "prompt": DEFAULT_PROMPT, "max_new_tokens": args.max_new_tokens,
+        ("generate", run_generate, {"configs": list(args.configs), "prompt": DEFAULT_PROMPT, "max_new_tokens": args.max_new_tokens,
                                     "seed": 0, "temperature": 0.8, "top_p": 0.95, "modes": ["greedy", "sampled"]}),
     ]
     for name, run, extra in steps:
