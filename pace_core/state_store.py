@@ -164,7 +164,7 @@ class LayerState:
         if method == "damp":
             return self.damp.quantize(S, name=self.name)
         if len(set(self.bits_per_head)) == 1:
-            return quant.quantize(S, self.cfg.quant_spec(), name=self.name)
+            return quant.quantize(S, self.cfg.quant_spec(self.bits_per_head[0]), name=self.name)
         return quant.quantize_heads(S, self.bits_per_head, self.cfg.quant_spec(), name=self.name)
 
     def dequantized(self) -> torch.Tensor:

@@ -290,3 +290,17 @@ def test_bad_input_raises():
     shape = ModelShape("toy", 4, 2, H, HV, K, 2 * V, 1000)
     with pytest.raises(PaceError, match="d_v"):
         StateStore(cfg, shape, B, "cpu", H, HV, K, V, LAYERS)
+
+
+def test_a_layer_with_every_head_promoted_stores_8_bit_codes():
+    cfg = get_config("pace-4-8").replace(high_share=1.0, high_heads=((0, 1, 2, 3), (0, 1, 2, 3)))
+    store = StateStore(cfg, None, B, "cpu", H, HV, K, V, LAYERS)
+    tokens = make_tokens(20, seed=int(torch.randint(0, 2**31, ())))
+    store.prefill(0, *tokens)
+    assert store.bits_per_head(0) == (8,) * HV
+    spec = quant.QuantSpec(bits=8, symmetric=False, axis="key", group_size=32)
+    assert store.layer(0).checkpoint.spec == spec
+    nbytes = store.layer_nbytes(0)
+    assert nbytes["payload"] + nbytes["metadata"] == quant.packed_nbytes((B, HV, K, V), spec)
+    _, S_ref = gdn_recurrent(*(x.double() for x in tokens))
+    assert rel(store.checkpoint_dequantized(0), S_ref) < 0.01  # 8-bit error level; 4-bit codes give ~0.1
