@@ -200,10 +200,10 @@ class PaceConfig:
             axis_len = shape.d_k if self.group_axis == "key" else shape.d_v
             axis_name = "d_k" if self.group_axis == "key" else "d_v"
             if axis_len % self.group_size:
-                divisors = [d for d in range(1, axis_len + 1) if axis_len % d == 0]
+                allowed = [d for d in GROUP_SIZES_NO_SHAPE if axis_len % d == 0]
                 raise PaceError(
                     f"group_size={self.group_size} does not divide the {self.group_axis} axis of "
-                    f"{shape.name} ({axis_name}={axis_len}); allowed: {', '.join(map(str, divisors))}")
+                    f"{shape.name} ({axis_name}={axis_len}); allowed: {', '.join(map(str, allowed))}")
         if self.method == "damp":
             if self.damp_outlier_rows > shape.d_k:
                 raise PaceError(f"damp_outlier_rows={self.damp_outlier_rows} exceeds d_k={shape.d_k} of "

@@ -134,7 +134,7 @@ def test_validate_for_checks_the_model():
     with pytest.raises(PaceError) as e:
         get_config("pace-4").validate_for(_shape(d_k=96))
     assert "group_size=64 does not divide the key axis" in str(e.value) and "d_k=96" in str(e.value)
-    assert "allowed: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96" in str(e.value)
+    assert str(e.value).endswith("allowed: 1, 2, 4, 8, 16, 32")  # group sizes that also pass validate()
     get_config("pace-4").validate_for(_shape(d_v=96))  # key groups do not care about d_v
     get_config("rtn-int4").validate_for(_shape(d_v=96))  # 32 divides 96
     with pytest.raises(PaceError, match="group_size=64 does not divide the value axis.*d_v=96"):
