@@ -214,6 +214,10 @@ def test_cache_of_another_config_and_bad_input_are_refused(loaded_models):
             model(ids[:, :1], past_key_values=cache, use_cache=True)
         with pytest.raises(PaceError, match="crop"):
             cache.crop(-1)
+    with torch.no_grad():  # a cache filled without PACE holds a full-precision state PACE cannot take over
+        plain = model(ids, use_cache=True).past_key_values
+        with pace(model, get_config("pace-4")), pytest.raises(PaceError, match="without PACE"):
+            model(ids[:, :1], past_key_values=plain, use_cache=True)
     with pytest.raises(PaceError, match="cfg"):
         apply_pace(model, "pace-4")
     with pytest.raises(PaceError, match="damp_rows"):

@@ -181,6 +181,9 @@ def _wrap_forward(model: nn.Module, module: nn.Module, original) -> None:
         else:
             store = get_state_store(cache)
             if store is None:
+                if cache.get_seq_length() > 0:
+                    raise PaceError("cache: it already holds the state of tokens run without PACE (a full-"
+                                    "precision state); allowed: a fresh cache after apply_pace")
                 store = _new_store(model, cfg, hidden_states, None)
                 _follow_cache(cache, store, cfg)
             elif getattr(cache, _STORE_CONFIG_ATTR) != cfg:
