@@ -97,3 +97,24 @@ def test_all_small(env, tmp_path, capsys):
         assert "damp-int4" in set(r.table.config)
     exported = list((tmp_path / "all").glob("*/config-pace-4-8.json"))
     assert len(exported) == 1 and config_from_json(exported[0].read_text()).high_heads is not None
+
+
+def test_structure_reports_the_fp32_state_after_the_prefill(env):
+    from pace_core.analysis.structure import structure_stats
+    from pace_core.analysis.text import read_text, tokenize
+    from pace_core.config import get_config
+    from pace_core.model.capture import run_with_states
+    from pace_core.model.loading import load_model
+
+    assert _run(env, "structure", "--text", env["text"], "--tokens", "96", "--threshold", "3") == 0
+    [r] = list_results(env["model"], "structure", root=env["out"])
+    loaded = load_model(env["model"])
+    ids = tokenize(loaded.tokenizer, read_text(env["text"]), 96)
+    states = run_with_states(loaded, get_config("fp32"), ids, capture_steps=[ids.shape[1]]).states[ids.shape[1]]
+    assert len(r.table) == len(loaded.gdn_layers) * loaded.shape.num_v_heads
+    for layer, S in states.items():  # independent recomputation from the captured state
+        stats = structure_stats(S, 3.0)
+        rows = r.table[r.table.layer == layer].sort_values("head")
+        assert rows.col_ratio.tolist() == pytest.approx(stats.col_ratio.tolist(), rel=1e-12)
+        assert rows.outlier_cols.tolist() == stats.outlier_cols.sum(-1).tolist()
+    assert r.data["tokens"] == ids.shape[1] and r.data["threshold"] == 3.0

@@ -212,6 +212,33 @@ def run_drift(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_structure(args: argparse.Namespace) -> int:
+    from pace_core.analysis.structure import structure_table
+    from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
+    from pace_core.config import get_config
+    from pace_core.model.capture import run_with_states
+
+    ctx = _context(args)
+    text = args.text or str(CALIBRATION_TEXT)
+    params = {"text": _sha(text), "tokens": args.tokens, "threshold": args.threshold}
+    key, found = ctx.cached("structure", params)
+    if _reuse(found, "structure"):
+        return 0
+    ids = tokenize(ctx.loaded.tokenizer, read_text(text), args.tokens)
+    n = int(ids.shape[1])
+    states = run_with_states(ctx.loaded, get_config("fp32"), ids, capture_steps=[n]).states[n]
+    table = structure_table(states, args.threshold)
+    summary = table.groupby("layer").agg(col_ratio_median=("col_ratio", "median"), col_ratio_max=("col_ratio", "max"),
+                                         row_ratio_median=("row_ratio", "median"), row_ratio_max=("row_ratio", "max"),
+                                         outlier_cols=("outlier_cols", "sum")).reset_index()
+    _print_table(summary)
+    print(f"(fp32 state after {n} tokens; ratios are max/median column or row RMS per head; outlier columns: "
+          f"column RMS > {args.threshold:g} x the head's median)")
+    ctx.save("structure", key, {"tokens": n, "threshold": args.threshold, "summary": summary.to_dict("records")},
+             table.drop(columns=["outlier_col_index"]), configs=[get_config("fp32")], text=text)
+    return 0
+
+
 def run_perplexity(args: argparse.Namespace) -> int:
     from pace_core.analysis.quality import perplexity, sliding_windows
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
@@ -343,7 +370,7 @@ def _configs_arg(p: argparse.ArgumentParser, default=DEFAULT_CONFIGS) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add calibrate, export, drift, perplexity, generate, sweep and all."""
+    """Add calibrate, export, drift, structure, perplexity, generate, sweep and all."""
     p = subparsers.add_parser("calibrate", help="head calibration (a_h, e_h, E_h, 8-bit heads) on a text")
     _common(p)
     p.add_argument("--config", default="pace-4-8", help="configuration to calibrate (default pace-4-8)")
@@ -371,6 +398,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="prefill this many tokens, decode the rest (default: half)")
     p.add_argument("--every", type=int, default=1, help="capture the states every this many steps (default 1)")
     p.set_defaults(func=run_drift)
+
+    p = subparsers.add_parser("structure", help="column/row structure of the fp32 states after a prefill")
+    _common(p)
+    p.add_argument("--text", help="text (default wikitext2-valid)")
+    p.add_argument("--tokens", type=int, default=1024, help="prefill tokens (default 1024)")
+    p.add_argument("--threshold", type=float, default=4.0,
+                   help="outlier column: column RMS above this many times the head's median (default 4)")
+    p.set_defaults(func=run_structure)
 
     p = subparsers.add_parser("perplexity", help="sliding-window perplexity, bits per byte, agreement and KL")
     _common(p)
