@@ -29,7 +29,14 @@ must come on that device.
 Bytes (:meth:`StateStore.layer_nbytes`), all counted from the stored tensors: ``payload`` = the
 tensors that hold state values (codes; DAMP's fp16 outlier rows; the plain tensor of ``none``),
 ``metadata`` = scales, zero points, DSQ row/column scales, DAMP row indices; ``buffer`` = the
-decode buffer's allocated storage for dP records (the memory it holds; 0 at dP = 1).
+decode buffer's allocated storage for dP records (the memory it holds; 0 at dP = 1). Note the
+naming: the store's ``payload`` / ``metadata`` bytes are the stored codes and their scales, i.e.
+:class:`pace_core.accounting.ResidentBits`'s ``code_bits`` and ``scale_bits`` (plus DAMP's row
+indices), whose ``payload_bits`` is their sum, the seeds' "payload".
+
+A prefill that follows decode tokens first flushes the partial buffer (one extra rounding at a point
+that need not be a multiple of dP), and its P-token segments count from the start of that prefill
+call **[ours]**: the spec does not say how rounding periods continue across prefill calls.
 
 All batch rows step together (as in HF ``generate``). Computation is float32.
 """
