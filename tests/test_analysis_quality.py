@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from pace_core.analysis.quality import evaluate_quality, perplexity, scored_bytes, sliding_windows
+from pace_core.analysis.quality import batched_windows, evaluate_quality, perplexity, scored_bytes, sliding_windows
 from pace_core.analysis.text import tokenize
 from pace_core.config import get_config
 from pace_core.errors import PaceError
@@ -78,6 +78,27 @@ def test_quantised_configs_move_away_from_reference(loaded):
     # the reference row is unaffected by what else is evaluated
     alone = evaluate_quality(loaded, [get_config("fp32")], ids, window=64, stride=32, decode_from=40)
     assert alone.iloc[0].nll == pytest.approx(table.loc["fp32", "nll"], rel=1e-12)
+
+
+def test_batched_windows_group_equal_lengths_in_order():
+    windows = sliding_windows(100, 32, 16)
+    groups = batched_windows(windows, 3)
+    assert [w for g in groups for w in g] == windows
+    assert all(len(g) <= 3 and len({w.end - w.begin for w in g}) == 1 for g in groups)
+    assert [len(g) for g in groups] == [3, 2, 1]  # five full windows, then the short last one
+    with pytest.raises(PaceError, match="batch"):
+        batched_windows(windows, 0)
+
+
+def test_batched_windows_score_as_one_by_one(loaded):
+    ids = torch.randint(3, 100, (1, 120))
+    heads = tuple((int(torch.randint(0, loaded.shape.num_v_heads, ())),) for _ in range(loaded.shape.num_gdn_layers))
+    cfgs = [get_config(n) for n in ("pace-4", "rtn-int4", "qmamba-dsq")] + [get_config("pace-4-8").replace(high_heads=heads)]
+    one = evaluate_quality(loaded, cfgs, ids, window=40, stride=20, decode_from=20).set_index("config")
+    many = evaluate_quality(loaded, cfgs, ids, window=40, stride=20, decode_from=20, batch=4).set_index("config")
+    assert list(many.index) == list(one.index) and (many.tokens == one.tokens).all()
+    for col in ("nll", "kl", "agreement"):
+        assert many[col].to_numpy() == pytest.approx(one[col].to_numpy(), rel=1e-4, abs=1e-7), col
 
 
 def test_bad_text(loaded, tmp_path):

@@ -65,6 +65,19 @@ def test_drift_perplexity_generate_sweep(env, capsys):
     assert isinstance(sw.table, pd.DataFrame) and sw.data["mode"] == "layer-local"
 
 
+def test_perplexity_whole_text_in_batches(env, tmp_path):
+    out = str(tmp_path / "results")
+    common = ["perplexity", "--model", env["model"], "--quiet", "--text", env["text"], "--window", "64",
+              "--stride", "32", "--configs", "rtn-int4"]
+    assert main([*common, "--out", out, "--max-tokens", "0", "--batch", "4"]) == 0
+    [p] = list_results(env["model"], "perplexity", root=out)
+    assert list(p.table.tokens) == [399, 399]  # 400 one-character tokens, all but the first scored
+    assert main([*common, "--out", str(tmp_path / "one"), "--max-tokens", "400"]) == 0
+    [q] = list_results(env["model"], "perplexity", root=str(tmp_path / "one"))
+    # same scores up to summation order (batched matmuls), which can move a rounding boundary
+    assert p.table.nll.to_numpy() == pytest.approx(q.table.nll.to_numpy(), rel=1e-4)
+
+
 def test_errors_exit_2(env, capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -253,11 +253,12 @@ def run_perplexity(args: argparse.Namespace) -> int:
     key, found = ctx.cached("perplexity", params)
     if _reuse(found, "perplexity"):
         return 0
-    n = tokenize(ctx.loaded.tokenizer, read_text(text), args.max_tokens).shape[1]
+    max_tokens = args.max_tokens or None
+    n = tokenize(ctx.loaded.tokenizer, read_text(text), max_tokens).shape[1]
     total = len(sliding_windows(n, args.window, args.stride)) * (1 + sum(c.name != "fp32" for c in cfgs))
     with ctx.bar(total, "perplexity") as bar:
-        table = perplexity(ctx.loaded, cfgs, text, window=args.window, stride=args.stride, max_tokens=args.max_tokens,
-                           decode_from=decode_from, damp_rows=damp_rows, progress=bar.update)
+        table = perplexity(ctx.loaded, cfgs, text, window=args.window, stride=args.stride, max_tokens=max_tokens,
+                           decode_from=decode_from, damp_rows=damp_rows, batch=args.batch, progress=bar.update)
     _print_table(table)
     ctx.save("perplexity", key, {"rows": table.to_dict("records"), "decode_from": decode_from}, table,
              configs=cfgs, text=text)
@@ -328,7 +329,7 @@ def run_all(args: argparse.Namespace) -> int:
                               "decode_from": None, "every": args.drift_every}),
         ("perplexity", run_perplexity, {"configs": list(args.configs), "text": args.ppl_text, "window": args.ppl_window,
                                         "stride": args.ppl_window // 2, "max_tokens": args.ppl_tokens,
-                                        "decode_from": None, "prefill_only": False}),
+                                        "decode_from": None, "prefill_only": False, "batch": args.ppl_batch}),
         ("generate", run_generate, {"configs": list(args.configs), "prompt": DEFAULT_PROMPT, "max_new_tokens": args.max_new_tokens,
                                     "seed": 0, "temperature": 0.8, "top_p": 0.95, "modes": ["greedy", "sampled"]}),
     ]
@@ -414,13 +415,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=512, help="window tokens (default 512)")
     p.add_argument("--stride", type=int, default=256, help="stride tokens (default 256)")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=4096,
-                   help="use the first this many tokens of the text (default 4096)")
+                   help="use the first this many tokens of the text, 0 for all of it (default 4096)")
     p.add_argument("--decode-from", dest="decode_from", type=int,
                    help="per window: prefill this many tokens and decode the rest token by token (default: "
                         "window - stride, so every scored token after the first window is decoded; a prefill "
                         "with P >= window would round the state only after the last scored token)")
     p.add_argument("--prefill-only", dest="prefill_only", action="store_true",
                    help="score whole windows through the prefill path (P-token segments) instead")
+    p.add_argument("--batch", type=int, default=1,
+                   help="run up to this many windows together, each with its own state (same scores; "
+                        "faster, above all on a GPU; default 1)")
     p.set_defaults(func=run_perplexity)
 
     p = subparsers.add_parser("generate", help="side-by-side greedy and sampled generations")
@@ -465,8 +469,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--drift-every", dest="drift_every", type=int, default=4, help="drift capture spacing (default 4)")
     p.add_argument("--ppl-text", dest="ppl_text", help="perplexity text (default wikitext2-test)")
     p.add_argument("--ppl-tokens", dest="ppl_tokens", type=int, default=4096,
-                   help="perplexity on the first this many tokens (default 4096)")
+                   help="perplexity on the first this many tokens, 0 for the whole text (default 4096)")
     p.add_argument("--ppl-window", dest="ppl_window", type=int, default=1024,
                    help="perplexity window, stride half of it (default 1024)")
+    p.add_argument("--ppl-batch", dest="ppl_batch", type=int, default=1,
+                   help="perplexity windows run together (default 1)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64, help="generated tokens (default 64)")
     p.set_defaults(func=run_all)
