@@ -37,7 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import quant_pack  # noqa: E402
-from kernels.decode_step import buffered_decode_step, dense_recurrent_step, plan_decode  # noqa: E402
+from kernels.decode_step import (  # noqa: E402
+    buffered_decode_step,
+    dense_recurrent_step,
+    launch_flush,
+    launch_packed_step,
+    plan_decode,
+)
 from pace_core import quant  # noqa: E402
 from pace_core.buffer import DecodeBuffer, record_bytes  # noqa: E402
 from pace_core.recurrence import prepare_qk  # noqa: E402
@@ -95,12 +101,26 @@ def _ckpt_bytes(ckpt) -> int:
     return ckpt.numel() * ckpt.element_size() if isinstance(ckpt, torch.Tensor) else ckpt.nbytes()
 
 
+SPLIT_VARIANTS = ("PACE-4 dP=8", "PACE-4/8 dP=8")  # packed key-axis checkpoints: step + flush kernels
+
+
 def configs(variant: str) -> list[dict]:
     """Launch configurations tried for ``variant`` (the fastest is reported; all are kept in the JSON):
-    per-token kernels: columns per program and warps; buffered kernels: rows per tile and warps."""
+    per-token kernels: columns per program and warps; the fused buffered kernel: rows per tile and
+    warps; the split path: warps of the step and flush kernels and columns per flush program."""
     if variant.endswith("per-token"):
         return [{"block_v": 32, "num_warps": 4}, {"block_v": 64, "num_warps": 4}, {"block_v": 64, "num_warps": 8}]
+    if variant in SPLIT_VARIANTS:
+        return [{"step_warps": 4, "flush_warps": 4, "flush_columns": 32},
+                {"step_warps": 8, "flush_warps": 4, "flush_columns": 32},
+                {"step_warps": 4, "flush_warps": 8, "flush_columns": 64}]
     return [{"BK": 64, "num_warps": 4}, {"BK": 64, "num_warps": 8}, {"BK": 128, "num_warps": 8}]
+
+
+def _tuned(plan, config: dict):
+    if plan.split:
+        return dataclasses.replace(plan, meta={**plan.meta, **config})
+    return dataclasses.replace(plan, meta={**plan.meta, "BK": min(config["BK"], K), "num_warps": config["num_warps"]})
 
 
 def build(variant: str, B: int, device: torch.device):
@@ -134,22 +154,21 @@ def run_period(layers: list, config: dict) -> None:
                 dense_recurrent_step(state, q, k, v, g, beta, out=out, **config)
             else:
                 ckpt, buf, plan = state
-                tuned = dataclasses.replace(plan, meta={**plan.meta, "BK": min(config["BK"], K),
-                                                        "num_warps": config["num_warps"]})
-                buffered_decode_step(ckpt, buf, q, k, v, g, beta, PERIOD, out=out, plan=tuned, check_finite=False)
+                buffered_decode_step(ckpt, buf, q, k, v, g, beta, PERIOD, out=out, plan=_tuned(plan, config),
+                                     check_finite=False)
 
 
-def time_config(layers: list, config: dict, reps: int) -> list[float]:
-    """Seconds per token of ``reps`` CUDA-graph replays of one period (after a warm-up run)."""
+def time_graph(work, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` CUDA-graph replays of ``work()`` (captured after a warm-up run)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run_period(layers, config)
+        work()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run_period(layers, config)
+        work()
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -159,9 +178,40 @@ def time_config(layers: list, config: dict, reps: int) -> list[float]:
         graph.replay()
         e1.record()
         e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / PERIOD)
+        times.append(e0.elapsed_time(e1) / 1e3)
     del graph
     return times
+
+
+def time_config(layers: list, config: dict, reps: int) -> list[float]:
+    """Seconds per token of ``reps`` CUDA-graph replays of one period."""
+    return [t / PERIOD for t in time_graph(lambda: run_period(layers, config), reps)]
+
+
+def split_breakdown(layers: list, config: dict, reps: int) -> dict:
+    """The split path's two kernels timed alone over all layers (median seconds): the step kernel
+    with dP / 2 records buffered (its record written into the free slot, not counted) and the flush
+    kernel with dP records."""
+    def fill(n: int) -> None:
+        for _, (_, buf, _), (_, k, v, g, _), _ in layers:
+            buf.clear()
+            for _ in range(n):
+                buf.append(k, v * 0.1, g)
+
+    def steps() -> None:
+        for _, (_, buf, plan), (q, k, v, g, beta), out in layers:
+            launch_packed_step(_tuned(plan, config), buf, q, k, v, g, beta, out)
+
+    def flushes() -> None:
+        for _, (_, buf, plan), _, _ in layers:
+            launch_flush(_tuned(plan, config), buf)
+
+    fill(PERIOD // 2)
+    step = statistics.median(time_graph(steps, reps))
+    fill(PERIOD)
+    flush = statistics.median(time_graph(flushes, reps))
+    fill(0)
+    return {"step_seconds": step, "flush_seconds": flush, "records_at_step": PERIOD // 2}
 
 
 def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
@@ -172,13 +222,14 @@ def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
         tried.append({"config": config, "seconds_per_token": statistics.median(times),
                       "spread": (min(times), max(times))})
     finite = all(bool(torch.isfinite(out).all()) for _, _, _, out in layers)
+    best = min(tried, key=lambda r: r["seconds_per_token"])
+    breakdown = split_breakdown(layers, best["config"], reps) if variant in SPLIT_VARIANTS else None
     del layers
     torch.cuda.empty_cache()
-    best = min(tried, key=lambda r: r["seconds_per_token"])
     t = best["seconds_per_token"]
     return {"variant": variant, "batch": B, "seconds_per_token": t, "spread": best["spread"],
             "config": best["config"], "tried": tried, "bytes_per_token": nbytes,
-            "bytes_per_second": nbytes / t, "outputs_finite": finite}
+            "bytes_per_second": nbytes / t, "outputs_finite": finite, "split_breakdown": breakdown}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -235,9 +286,12 @@ def main(argv: list[str] | None = None) -> int:
             row = time_variant(variant, B, device, args.reps)
             row["hbm_fraction"] = row["bytes_per_second"] / bw
             results["rows"].append(row)
+            split = row["split_breakdown"]
+            parts = "" if split is None else (f" step {split['step_seconds'] * 1e6:.1f} us, "
+                                              f"flush {split['flush_seconds'] * 1e6:.1f} us")
             print(f"B={B:4d} {variant:20s} {row['seconds_per_token'] * 1e6:9.1f} us/token "
                   f"{row['bytes_per_token'] / 1e6:9.2f} MB {row['hbm_fraction'] * 100:5.1f}% HBM {row['config']} "
-                  f"finite={row['outputs_finite']}", flush=True)
+                  f"finite={row['outputs_finite']}{parts}", flush=True)
         (args.out / "bench.json").write_text(json.dumps(results, indent=1))  # partial results survive a timeout
     by = {(r["variant"], r["batch"]): r for r in results["rows"]}
     batches = sorted({r["batch"] for r in results["rows"]})

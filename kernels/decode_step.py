@@ -1,27 +1,32 @@
-"""Fused buffered decode step (PACE_SPEC §3) for a batch of sequences and all value heads, and the
-per-token dense step used as the fp32 / bf16 baseline.
+"""Buffered decode step (PACE_SPEC §3) for a batch of sequences and all value heads, and the per-token
+dense step used as the fp32 / bf16 baseline.
 
-:func:`buffered_decode_step` — one launch per token, one program per (sequence, value head, column
-block): it reads the checkpoint ``Ŝ`` once (dense fp32/bf16, or packed codes with per-head bit
-widths), computes ``Ŝᵀk_t`` and ``Ŝᵀq_t`` in the same pass, reads the buffered records
-``(k_i, u_i, g_i)`` as one block (up to 16 records per load), forms ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)`` and the output ``o_t`` with the
-stored (buffer-precision) ``k_t, u_t``, exactly as :func:`pace_core.recurrence.buffered_step`.
-When the record fills the buffer to ``period`` tokens the same launch folds
-``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (a second pass over ``Ŝ``, an L2 hit; the record sum is
-one ``[rows, 16] x [16, columns]`` IEEE-fp32 ``tl.dot``) and requantises it
-in place with :mod:`kernels.quant_pack`'s arithmetic; otherwise it appends the record to the buffer in
-its precision (fp32 / bf16 / int8 / mixed, pace_core.buffer's storage).
+:func:`buffered_decode_step` — one token for all sequences and value heads. Two paths:
+
+- **split** (packed checkpoints with key-axis groups: PACE-4, PACE-4/8): :func:`launch_packed_step`,
+  one program per (sequence, value head, column block), reads the packed checkpoint once and forms
+  ``Ŝᵀk_t`` and ``Ŝᵀq_t`` together on tensor cores (:func:`_packed_dots`: one ``[16, G] x [G, BV]``
+  fp16 dot per key group, ``k`` and ``q`` split into exact fp16 terms, codes turned into fp16 by
+  bit operations), then the buffered records, ``u_t``, ``o_t``, and writes the record into the
+  buffer in its precision, every token. On the token that fills the buffer to ``period`` records
+  :func:`launch_flush` folds ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (one ``[K, 16] x [16, BV]``
+  IEEE-fp32 ``tl.dot`` per 16 records) and requantises the checkpoint in place.
+- **fused** (dense fp32 / bf16 checkpoints, value-axis groups): :func:`_decode_kernel`, one launch
+  per token that also folds and requantises on the flush token (a second pass over ``Ŝ``).
+
+Both compute ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)`` and ``o_t`` with the stored
+(buffer-precision) ``k_t, u_t``, exactly as :func:`pace_core.recurrence.buffered_step`.
 
 Tolerances against the reference (float32 in both): outputs and folded states agree to a relative
-Frobenius error below 1e-5 (only the summation order of the dot products and of the log-decay
-suffix sums differs); the records
-written to an int8 / 4-bit buffer and the requantised checkpoint are bit-identical to quantising the
-kernel's own ``u_t`` / folded ``S``, so against the reference they differ at most by one code where a
-value lies within float32 rounding of a rounding boundary (that is, by at most one scale step).
+Frobenius error below 1e-5 (the summation order differs; the split path's 4-bit codes enter as
+``1 + c/16`` and cost about 4 bits of the fp32 accumulation, about 1e-6); the records written to an
+int8 / 4-bit buffer and the requantised checkpoint are bit-identical to quantising the kernel's own
+``u_t`` / folded ``S``, so against the reference they differ at most by one code where a value lies
+within float32 rounding of a rounding boundary (that is, by at most one scale step).
 
-Speed on the H200 (kernels/NOTES.md, data/bench/): correct at full Qwen3.5 shapes, but
-instruction-bound (about 22 instructions per 4-bit element where the memory allows about 4), so
-PACE-4 runs at about 4-5 % of HBM bandwidth, slower than the per-token bf16 baseline.
+Speed on the H200 (kernels/NOTES.md, data/bench/): correct at full Qwen3.5 shapes, but far from the
+memory floor: at batch 128 the split step kernel moves its bytes at about 8 % of HBM bandwidth and
+the flush at about 3 %, so PACE-4 is still about 2x slower than the per-token bf16 baseline.
 """
 
 from __future__ import annotations
@@ -279,6 +284,206 @@ def _decode_kernel(
         _store_vec(bv_ptr, bvs_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uhat, BV, V, VBITS)
 
 
+@triton.jit
+def _pow2_scale(x):
+    """Powers of two ``(2^e, 2^-e)`` that bring ``max|x|`` into ``[2^13, 2^14)`` (e clamped to
+    ``[-126, 126]``; ``(1, 1)`` for an all-zero ``x``), so that fp16 holds the scaled vector."""
+    amax = tl.max(tl.abs(x))
+    e = 140 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
+    e = tl.minimum(tl.maximum(tl.where(amax > 0, e, 0), -126), 126)
+    return ((127 + e) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp16_split(x):
+    """fp32 ``x`` (scaled, ``|x| < 2^14``) as three fp16 terms whose sum is ``x`` to within ``2^-25``
+    absolute: the exact operands of a tensor-core dot product."""
+    hi = x.to(tl.float16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.float16)
+    return hi, mid, (r - mid.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _unit_codes(codes, r0, c0, G: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, V: tl.constexpr):
+    """The 4-bit codes (two per byte) of key rows ``r0 .. r0+G`` (padded to ``KB`` rows with code 0),
+    columns ``c0 .. c0+BV`` of one head, as the exact fp16 ``1 + c / 16`` ``[KB, BV]``: the code
+    becomes the top mantissa bits of 1.0, a shift and a mask-or per code, no int -> float convert."""
+    rows = tl.arange(0, KB)
+    cols = c0 // 2 + tl.arange(0, BV // 2)
+    p = tl.load(codes + (r0 + rows[:, None]) * (V // 2) + cols[None, :], mask=(rows < G)[:, None], other=0)
+    p = p.to(tl.int32)
+    lo = (((p << 6) & 0x3C0) | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)  # even columns
+    hi = (((p << 2) & 0x3C0) | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)  # odd columns
+    return tl.reshape(tl.join(lo, hi), (KB, BV))
+
+
+@triton.jit
+def _centred_codes(codes, r0, c0, off, G: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, V: tl.constexpr):
+    """The 8-bit codes (one per byte) of key rows ``r0 .. r0+G`` (padded to ``KB`` rows with 0),
+    columns ``c0 .. c0+BV``, minus their offset ``off`` (int32 scalar or ``[BV]``): the exact fp16
+    integers ``c - z`` ``[KB, BV]``."""
+    rows = tl.arange(0, KB)
+    cols = c0 + tl.arange(0, BV)
+    m = (rows < G)[:, None]
+    p = tl.load(codes + (r0 + rows[:, None]) * V + cols[None, :], mask=m, other=0).to(tl.int32)
+    return tl.where(m, p - off, 0).to(tl.float16)
+
+
+@triton.jit
+def _packed_dots(codes, scale, zero, kx, qx, kfull, qfull, c0, K: tl.constexpr, V: tl.constexpr,
+                 BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr,
+                 PACK_Z: tl.constexpr):
+    """``Ŝᵀk`` and ``Ŝᵀq`` (``[BV]`` each, columns ``c0 ..``) of one head's packed key-axis checkpoint
+    on tensor cores; ``k, q`` at ``kx, qx`` (``kfull, qfull [K]``, the same vectors loaded).
+
+    Per key group one ``[16, G] x [G, BV]`` fp16 dot with fp32 accumulation: rows 0-2 hold ``k``
+    and rows 3-5 ``q``, each scaled by a power of two and split into three fp16 terms (exact
+    products). 8-bit codes enter as the exact integers ``c - z``; the group adds ``s T`` per
+    column. 4-bit codes enter as ``1 + c / 16`` (no conversion instruction); with
+    ``T = Σ_i x_i (1 + c_i / 16)`` and the row sums ``X = Σ_i x_i`` the group adds
+    ``s (16 T - (16 + z) X)`` (= ``Σ_i s (c_i - z) x_i``), which costs the fp32 accumulation about 4
+    bits (relative error about 1e-6)."""
+    KB: tl.constexpr = G if G >= 16 else 16
+    kup, kdown = _pow2_scale(kfull)
+    qup, qdown = _pow2_scale(qfull)
+    rr = tl.arange(0, 16)[:, None]
+    acc = tl.zeros((16, BV), tl.float32)
+    cols = c0 + tl.arange(0, BV)
+    zeros = tl.zeros((16, KB), tl.float16)
+    for r0 in tl.static_range(0, K, G):
+        m = tl.arange(0, KB) < G
+        k1, k2, k3 = _fp16_split(tl.load(kx + r0 + tl.arange(0, KB), mask=m, other=0.0) * kup)
+        q1, q2, q3 = _fp16_split(tl.load(qx + r0 + tl.arange(0, KB), mask=m, other=0.0) * qup)
+        a = tl.where(rr == 0, k1[None, :], tl.where(rr == 1, k2[None, :], tl.where(rr == 2, k3[None, :], zeros)))
+        a = tl.where(rr == 3, q1[None, :], tl.where(rr == 4, q2[None, :], tl.where(rr == 5, q3[None, :], a)))
+        s = tl.load(scale + (r0 // G) * V + cols).to(tl.float32)
+        if SYM:
+            off = (1 << (BITS - 1))
+        else:
+            if PACK_Z:
+                zp = tl.load(zero + (r0 // G) * (V // 2) + c0 // 2 + tl.arange(0, BV // 2)).to(tl.int32)
+                off = tl.reshape(tl.join(zp & 15, zp >> 4), (BV,))
+            else:
+                off = tl.load(zero + (r0 // G) * V + cols).to(tl.int32)
+        if BITS <= 4:
+            t = tl.dot(a, _unit_codes(codes, r0, c0, G, KB, BV, V))
+            x = tl.sum(a.to(tl.float32), axis=1)
+            acc += s[None, :] * (16.0 * t - (16.0 + off * 1.0) * x[:, None])
+        else:
+            acc += s[None, :] * tl.dot(a, _centred_codes(codes, r0, c0, off, G, KB, BV, V))
+    sk = tl.sum(tl.where(rr < 3, acc, 0.0), axis=0) * kdown
+    sq = tl.sum(tl.where((rr >= 3) & (rr < 6), acc, 0.0), axis=0) * qdown
+    return sk, sq
+
+
+@triton.jit
+def _packed_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+    part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
+    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
+    TWO: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr,
+    NB: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * BV
+    b = pid // HV
+    h = pid % HV
+    kh = h // (HV // H)
+    cols = c0 + tl.arange(0, BV)
+    kx = k_ptr + (b * H + kh) * K
+    qx = q_ptr + (b * H + kh) * K
+    kfull = tl.load(kx + tl.arange(0, K))
+    qfull = tl.load(qx + tl.arange(0, K))
+    part = tl.load(part_ptr + h)
+    slot = tl.load(slot_ptr + h).to(tl.int64)
+    a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
+                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    if TWO:
+        if part == 1:
+            sk, sq = _packed_dots(a1, as1, az1, kx, qx, kfull, qfull, c0, K, V, BV, G, SYM, BITS1, PZ1)
+        else:
+            sk, sq = _packed_dots(a0, as0, az0, kx, qx, kfull, qfull, c0, K, V, BV, G, SYM, BITS0, PZ0)
+    else:
+        sk, sq = _packed_dots(a0, as0, az0, kx, qx, kfull, qfull, c0, K, V, BV, G, SYM, BITS0, PZ0)
+
+    # the buffered records, NB at a time, newest block first (as in _decode_kernel)
+    g_t = tl.load(g_ptr + pid)
+    ridx = tl.arange(0, NB)
+    later = ridx[None, :] > ridx[:, None]
+    run = g_t * 0.0
+    rk = tl.zeros((BV,), tl.float32)
+    rq = tl.zeros((BV,), tl.float32)
+    for blk in range(0, tl.cdiv(n, NB)):
+        i = n - (blk + 1) * NB + ridx
+        valid = i >= 0
+        gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
+        kb = _load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
+        ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
+        after = run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)
+        wk = tl.exp(after) * tl.sum(kb * kfull[None, :], axis=1)
+        wq = tl.exp(after + g_t) * tl.sum(kb * qfull[None, :], axis=1)
+        rk += tl.sum(wk[:, None] * ub, axis=0)
+        rq += tl.sum(wq[:, None] * ub, axis=0)
+        run += tl.sum(gb)
+
+    beta = tl.load(beta_ptr + pid)
+    v = tl.load(v_ptr + pid * V + cols)
+    u = beta * (v - tl.exp(g_t) * (tl.exp(run) * sk + rk))
+    kcodes, kscale, khat = _stored_vec(kfull, K, KBITS, K_BF16)
+    ucodes, uscale, uhat = _stored_vec(u, BV, VBITS, V_BF16)
+    tl.store(o_ptr + pid * V + cols, tl.exp(run + g_t) * sq + rq + tl.sum(khat * qfull) * uhat)
+    # append the record (also on the token that fills the buffer: the flush kernel folds it)
+    if c0 == 0:
+        tl.store(bg_ptr + (b * cap + n) * HV + h, g_t)
+        if h % (HV // H) == 0:
+            _store_vec(bk_ptr, bks_ptr, (b * cap + n) * H + kh, 0, kcodes, kscale, khat, K, K, KBITS)
+    _store_vec(bv_ptr, bvs_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uhat, BV, V, VBITS)
+
+
+@triton.jit
+def _flush_kernel(
+    part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
+    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
+    TWO: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, NB: tl.constexpr,
+):
+    """Fold the ``n`` buffered records into the packed checkpoint and requantise it in place:
+    ``S = e^{G} Ŝ + Σ_i e^{G - G_i} k_i u_iᵀ`` for the columns ``c0 .. c0+BV`` of one head."""
+    pid = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * BV
+    b = pid // HV
+    h = pid % HV
+    kh = h // (HV // H)
+    part = tl.load(part_ptr + h)
+    slot = tl.load(slot_ptr + h).to(tl.int64)
+    a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
+                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    ridx = tl.arange(0, NB)
+    later = ridx[None, :] > ridx[:, None]
+    run = tl.sum(tl.zeros((NB,), tl.float32))
+    acc = tl.zeros((K, BV), tl.float32)
+    for blk in range(0, tl.cdiv(n, NB)):  # newest block first; run = Σ g of the newer blocks
+        i = n - (blk + 1) * NB + ridx
+        valid = i >= 0
+        gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
+        kb = _load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
+        ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
+        w = tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1))
+        acc += tl.dot(tl.trans(kb), w[:, None] * ub, input_precision="ieee")
+        run += tl.sum(gb)
+    S = _ckpt_tile(a0, part, a0, as0, az0, a1, as1, az1, 0, c0, K, BV, K, V, G, True, SYM,
+                   BITS0, PZ0, BITS1, PZ1, TWO, False)
+    acc += tl.exp(run) * S
+    _ckpt_store(acc, a0, part, a0, as0, az0, a1, as1, az1, 0, c0, K, BV, K, V, G, True, SYM,
+                BITS0, PZ0, BITS1, PZ1, TWO, False)
+
+
 def _as_mixed(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.MixedPackedState:
     if isinstance(ckpt, quant.MixedPackedState):
         return ckpt
@@ -321,6 +526,7 @@ class DecodePlan:
     capacity: int
     ckpt_args: list
     meta: dict = field(default_factory=dict)
+    split: bool = False  # packed key-axis checkpoint: step kernel + separate flush kernel
 
 
 def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
@@ -365,7 +571,49 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
                 DENSE=isinstance(ckpt, torch.Tensor), KBITS=st["keys_bits"], VBITS=st["values_bits"],
                 K_BF16=st["keys"].dtype == torch.bfloat16, V_BF16=st["values"].dtype == torch.bfloat16,
                 num_warps=8 if BK * BV >= 8192 else 4)
-    return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta)
+    split = not meta["DENSE"] and key_axis
+    return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split)
+
+
+SPLIT_DEFAULTS = {"step_warps": 4, "flush_warps": 4, "flush_columns": 32}
+"""Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others): warps of
+the step and flush kernels, columns per flush program (a ``[K, flush_columns]`` fp32 fold tile)."""
+
+
+def _split_common(plan: DecodePlan) -> dict:
+    m = plan.meta
+    return dict(K=m["K"], V=m["V"], G=m["G"], SYM=m["SYM"], TWO=m["TWO"], KBITS=m["KBITS"], VBITS=m["VBITS"],
+                **{f"{x}{i}": m[f"{x}{i}"] for x in ("BITS", "PZ", "CC", "SS", "ZS") for i in (0, 1)})
+
+
+def _records(buf: DecodeBuffer) -> tuple[dict, tuple]:
+    st = _buffer_tensors(buf)
+    return st, (st["keys"], st["keys_scale"], st["values"], st["values_scale"], st["log_decays"])
+
+
+def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+    """The split path's step kernel: outputs ``o [B, HV, V]`` from the packed checkpoint and the
+    buffer's ``len(buf)`` records, and writes the new record into slot ``len(buf)`` (the caller counts
+    it). Inputs as in :func:`buffered_decode_step`, float32 and contiguous."""
+    B, H, HV, K, V = plan.shape
+    m = {**SPLIT_DEFAULTS, **plan.meta}
+    st, records = _records(buf)
+    _packed_step_kernel[(B * HV, V // m["BV"])](
+        q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, BV=m["BV"],
+        K_BF16=m["K_BF16"], V_BF16=m["V_BF16"], NB=min(triton.next_power_of_2(plan.capacity), 16),
+        num_warps=m["step_warps"], **_split_common(plan),
+    )
+
+
+def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
+    """The split path's flush kernel: fold the buffer's ``len(buf)`` records into the packed
+    checkpoint and requantise it in place (the caller clears the buffer)."""
+    B, H, HV, K, V = plan.shape
+    m = {**SPLIT_DEFAULTS, **plan.meta}
+    st, records = _records(buf)
+    bv = min(m["flush_columns"], V)
+    _flush_kernel[(B * HV, V // bv)](*plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, BV=bv, NB=16,
+                                     num_warps=m["flush_warps"], **_split_common(plan))
 
 
 def buffered_decode_step(
@@ -412,6 +660,13 @@ def buffered_decode_step(
     st = _buffer_tensors(buf)
     o = _output(out, (B, HV, V), q.device)
     flush = len(buf) + 1 == period
+    if plan.split:
+        launch_packed_step(plan, buf, q, k, v, g, beta, o)
+        buf.mark_appended()
+        if flush:
+            launch_flush(plan, buf)
+            buf.clear()
+        return o
     meta = plan.meta
     if flush:  # the fold + requantise launch holds more live values: 8 warps, at most 64 rows per tile
         meta = {**meta, "BK": min(meta["BK"], max(64, meta["G"] if meta["KEY_AXIS"] else 1)), "num_warps": 8}

@@ -190,3 +190,34 @@ def test_bad_inputs_raise() -> None:
         ds.buffered_decode_step(ckpt, buf, q, k, v, g, beta, PERIOD, out=torch.empty(B, HV, V, dtype=torch.float64))
     with pytest.raises(PaceError, match="storage"):
         prefill_mod.prefill(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], None, 4, "int4")
+
+
+@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3)])
+def test_packed_key_axis_split_path_over_two_periods(name: str, gamma: int) -> None:
+    """Packed key-axis checkpoints take the split path (step kernel, then a separate flush kernel).
+    Two whole periods, every token against the reference run from the kernel's own checkpoint and
+    buffer (a low-precision buffer would otherwise let one-ulp differences of earlier records add up),
+    and each period's flush against the reference's fold + requantisation."""
+    HV = H * gamma
+    _, precision = CONFIGS[name]
+    ckpt = _checkpoint(name, torch.randn(B, HV, K, V) * 0.3)
+    buf = DecodeBuffer(B, H, HV, K, V, PERIOD, precision, DEVICE)
+    assert ds.plan_decode(ckpt, buf).split
+    for _ in range(2):
+        start = quant.dequantize(_as_packed(ckpt))
+        for _ in range(PERIOD):
+            q, k, v, g, beta = _token(HV)
+            ref_buf = copy.deepcopy(buf)
+            o_ref, ref_ckpt = dispatch.decode_step(copy.deepcopy(ckpt), ref_buf, q, k, v, g, beta, PERIOD,
+                                                   backend="reference")
+            _poison_slot(buf)
+            o = ds.buffered_decode_step(ckpt, buf, q, k, v, g, beta, PERIOD)
+            assert _rel(o, o_ref) < 1e-5
+            assert len(buf) == len(ref_buf)
+        assert len(buf) == 0
+        _assert_within_one_step(ckpt, ref_ckpt)
+        assert not torch.equal(quant.dequantize(_as_packed(ckpt)), start)
+
+
+def _as_packed(ckpt):
+    return ckpt if isinstance(ckpt, quant.PackedTensor) else ckpt.parts[4]
