@@ -74,8 +74,10 @@ def test_perplexity_whole_text_in_batches(env, tmp_path):
     assert list(p.table.tokens) == [399, 399]  # 400 one-character tokens, all but the first scored
     assert main([*common, "--out", str(tmp_path / "one"), "--max-tokens", "400"]) == 0
     [q] = list_results(env["model"], "perplexity", root=str(tmp_path / "one"))
-    # same scores up to summation order (batched matmuls), which can move a rounding boundary
-    assert p.table.nll.to_numpy() == pytest.approx(q.table.nll.to_numpy(), rel=1e-4)
+    # same scores up to summation order (batched matmuls): tight for the unquantised reference; for the
+    # quantised rows that order can move a rounding boundary (see test_analysis_quality)
+    assert p.table.nll[0] == pytest.approx(q.table.nll[0], rel=1e-6)
+    assert p.table.nll.to_numpy() == pytest.approx(q.table.nll.to_numpy(), rel=1e-3)
 
 
 def test_errors_exit_2(env, capsys, tmp_path):
