@@ -450,12 +450,14 @@ def results_model_name(source: str) -> str:
 
 
 @st.cache_data(show_spinner=False, ttl=30)
-def stored_results(source: str, kind: str) -> list[Any]:
-    """Results of `kind` stored by `python -m pace_core <command>` under data/results/ for the model,
+def stored_results(source: str, kind: str, weights: str) -> list[Any]:
+    """Results of `kind` stored by `python -m pace_core <command>` under data/results/ for the model
+    whose weights have the fingerprint `weights` (pace_core.model.loading.weights_fingerprint; results
+    of other weights under the same name, e.g. before a retrained checkpoint replaced it, are left out),
     newest first (re-read at most every 30 s)."""
     from pace_core.results import list_results
 
-    return list_results(results_model_name(source), kind)
+    return [r for r in list_results(results_model_name(source), kind) if r.provenance.get("weights") == weights]
 
 
 def provenance_label(prov: dict[str, Any]) -> str:
@@ -469,9 +471,9 @@ def provenance_label(prov: dict[str, Any]) -> str:
     return "stored result of " + ", ".join(parts)
 
 
-def _stored_calibration(source: str, key: str) -> dict[str, Any] | None:
-    """A calibration stored by the CLI for the same quantiser (see calibration_key), if any."""
-    for result in stored_results(source, "calibration"):
+def _stored_calibration(source: str, weights: str, key: str) -> dict[str, Any] | None:
+    """A calibration stored by the CLI for the same weights and quantiser (see calibration_key), if any."""
+    for result in stored_results(source, "calibration", weights):
         try:
             same = calibration_key(config_from_dict(result.data["config"])) == key
         except (PaceError, KeyError, TypeError):
@@ -494,10 +496,10 @@ def calibration(source: str, device: str, key: str) -> dict[str, Any]:
     "provenance_label"} (cached per model, device and quantiser)."""
     from pace_core.analysis.calibration import calibrate
 
-    stored = _stored_calibration(source, key)
+    loaded = _load_model(source, device)
+    stored = _stored_calibration(source, loaded.fingerprint, key)
     if stored is not None:
         return stored
-    loaded = _load_model(source, device)
     chunks = CALIBRATION_TOKENS // CALIBRATION_EVERY
     advance = progress_bar(chunks, f"Calibrating on {CALIBRATION_TOKENS} tokens of {CALIBRATION_TEXT.name}")
     calib = calibrate(loaded, config_from_json(key), tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,

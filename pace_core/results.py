@@ -6,8 +6,8 @@ file in the same folder and moved into place with ``os.replace``, so a reader se
 file or the new one, never a partial write. The Parquet file is written first and the JSON last: the
 JSON is the commit marker, and ``load_result`` only returns a result whose JSON exists.
 
-The key is a short hash of the parameters that define the result (model, configurations, text hash,
-token counts, ...), so the app and a later run of the CLI find the same result again.
+The key is a short hash of the parameters that define the result (model, its weights' fingerprint,
+configurations, text hash, token counts, ...), so the app and a later run of the CLI find the same result again.
 """
 
 from __future__ import annotations

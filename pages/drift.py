@@ -17,8 +17,8 @@ def page(cfg: PaceConfig) -> None:
                "fp32 reference, pooled over all GDN layers; excess NLL is the quantised run's NLL of the next "
                "token minus the reference's (spec §7).")
 
-    app_state.loaded_model()  # load the model (or show why it cannot) before any control
-    stored = app_state.stored_results(app_state.model_source(), "drift")
+    loaded = app_state.loaded_model()  # load the model (or show why it cannot) before any control
+    stored = app_state.stored_results(app_state.model_source(), "drift", loaded.fingerprint)
     options = ["live: the sidebar configuration at several dP and bit widths"] + [
         f"stored: {', '.join(r.table['config'].unique())} · {r.provenance.get('date', '?')}" for r in stored]
     choice = st.radio("Source", options, key="drift_source", horizontal=len(options) < 3,

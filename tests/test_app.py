@@ -249,7 +249,7 @@ def test_drift_shows_the_analysis_and_follows_the_step_slider(params, loaded):
     assert [t["name"] for t in chart(at, "drift_chart")["data"]] == ["4-bit, dP 8"] * 2
 
 
-def test_drift_shows_stored_results_with_provenance(params, tmp_path, monkeypatch):
+def test_drift_shows_stored_results_with_provenance(params, loaded, tmp_path, monkeypatch):
     from pace_core.results import make_provenance, result_key, save_result
 
     rng = np.random.default_rng()
@@ -258,16 +258,18 @@ def test_drift_shows_stored_results_with_provenance(params, tmp_path, monkeypatc
     summary = [{"config": c, "mean_rel_error": float(table[table.config == c].rel_error.mean())}
                for c in ("rtn-int4", "pace-4")]
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
-    prov = make_provenance("m", configs=[get_config("pace-4")], command="python -m pace_core drift --tokens 9")
-    save_result("drift", app_state.results_model_name(params.get("model", "")), result_key({"n": 1}),
-                {"summary": summary}, prov, table)
-    app_state.stored_results.clear()          # the listing is cached for 30 s; this test just wrote one
+    name = app_state.results_model_name(params.get("model", ""))
+    for n, weights in ((1, loaded.fingerprint), (2, "0" * 16)):  # the second: other weights, same model name
+        prov = make_provenance("m", configs=[get_config("pace-4")], command=f"python -m pace_core drift --tokens {n}",
+                               extra={"weights": weights})
+        save_result("drift", name, result_key({"n": n}), {"summary": summary}, prov, table.iloc[::n])
+    app_state.stored_results.clear()          # the listing is cached for 30 s; this test just wrote two
     at = start(params, page="drift", preset="pace-4")
-    stored = [o for o in at.radio(key="drift_source").options if o.startswith("stored: rtn-int4, pace-4")]
-    assert len(stored) == 1
+    stored = [o for o in at.radio(key="drift_source").options if o.startswith("stored: ")]
+    assert len(stored) == 1 and stored[0].startswith("stored: rtn-int4, pace-4")
     at.radio(key="drift_source").set_value(stored[0]).run()
     check(at)
-    assert any("`python -m pace_core drift --tokens 9`" in c.value for c in at.caption)
+    assert any("`python -m pace_core drift --tokens 1`" in c.value for c in at.caption)
     fig = chart(at, "drift_chart")
     assert [t["name"] for t in fig["data"]] == ["rtn-int4", "rtn-int4", "pace-4", "pace-4"]
     np.testing.assert_allclose(array(fig["data"][2]["y"]), table.rel_error[5:].to_numpy())

@@ -4,6 +4,7 @@ import torch
 
 from pace_core.analysis.text import TEST_TEXT
 from pace_core.cli import main
+from pace_core.model import commands
 from pace_core.config import config_from_dict, config_from_json
 from pace_core.results import list_results
 
@@ -78,6 +79,28 @@ def test_perplexity_whole_text_in_batches(env, tmp_path):
     # quantised rows that order can move a rounding boundary (see test_analysis_quality)
     assert p.table.nll[0] == pytest.approx(q.table.nll[0], rel=1e-6)
     assert p.table.nll.to_numpy() == pytest.approx(q.table.nll.to_numpy(), rel=1e-3)
+
+
+def test_stored_results_belong_to_the_weights(env, capsys, tmp_path):
+    """A checkpoint retrained in place gets its own results: the cache key holds the weights' fingerprint."""
+    from pace_core.model.loading import load_model
+
+    folder = tmp_path / "model"
+    loaded = load_model(env["model"])
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    argv = ["perplexity", "--model", str(folder), "--out", str(tmp_path / "results"), "--quiet", "--text",
+            env["text"], "--window", "32", "--stride", "16", "--max-tokens", "64", "--configs", "rtn-int8"]
+    assert main(argv) == 0 and main(argv) == 0
+    assert "reusing stored perplexity" in capsys.readouterr().out
+    with torch.no_grad():
+        next(loaded.model.parameters()).view(-1)[0] += 1.0
+    loaded.model.save_pretrained(folder)
+    commands._CONTEXTS.clear()  # as a new process would: the CLI keeps one loaded model per process
+    assert main(argv) == 0
+    assert "reusing" not in capsys.readouterr().out
+    results = list_results(str(folder), "perplexity", root=str(tmp_path / "results"))
+    assert len({r.provenance["weights"] for r in results}) == 2
 
 
 def test_errors_exit_2(env, capsys, tmp_path):

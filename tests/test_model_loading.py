@@ -107,3 +107,17 @@ def test_default_source_is_the_embedded_model(tiny_checkpoints, monkeypatch, tmp
     monkeypatch.setattr(loading, "DEFAULT_MODEL_DIR", tmp_path / "pace-tiny-qwen35")
     with pytest.raises(PaceError, match="embedded model"):
         load_model(None)
+
+
+def test_weights_fingerprint_names_the_weights(tiny_checkpoints, tmp_path):
+    path = tiny_checkpoints["qwen3_5_text"]
+    first, again = load_model(path), load_model(path)
+    assert re.fullmatch(r"[0-9a-f]{16}", first.fingerprint)
+    assert first.fingerprint == again.fingerprint == loading.weights_fingerprint(first.model)
+    params = dict(first.model.named_parameters())
+    name = list(params)[int(torch.randint(0, len(params), ()))]
+    with torch.no_grad():
+        params[name].view(-1)[-1] += 1.0  # one retrained value, saved as another checkpoint
+    first.model.save_pretrained(tmp_path / "edited")
+    first.tokenizer.save_pretrained(tmp_path / "edited")
+    assert load_model(tmp_path / "edited").fingerprint != again.fingerprint

@@ -48,7 +48,8 @@ class Context:
         """(key, stored Result or None unless --force)."""
         from pace_core.results import load_result, result_key
 
-        key = result_key({"kind": kind, "model": self.model_name, "dtype": self.args.dtype, **params})
+        key = result_key({"kind": kind, "model": self.model_name, "weights": self.loaded.fingerprint,
+                          "dtype": self.args.dtype, **params})
         found = None if self.args.force else load_result(kind, self.model_name, key, root=self.args.out)
         return key, found
 
@@ -56,7 +57,8 @@ class Context:
         from pace_core.results import make_provenance, save_result
 
         prov = make_provenance(self.model_name, configs=list(configs), text_path=text, command=_command(),
-                               extra={"dtype": self.args.dtype, "device": str(self.loaded.device), **(extra or {})})
+                               extra={"weights": self.loaded.fingerprint, "dtype": self.args.dtype,
+                                      "device": str(self.loaded.device), **(extra or {})})
         result = save_result(kind, self.model_name, key, data, prov, table, root=self.args.out)
         print(f"saved {result.path}")
         return result

@@ -9,6 +9,7 @@ loads as its text-only causal LM (transformers maps it to ``Qwen3_5ForCausalLM``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
 
@@ -42,6 +43,7 @@ class LoadedModel:
     gdn_layers: list[int]
     device: torch.device
     dtype: torch.dtype
+    fingerprint: str = ""  # weights_fingerprint(model): which weights, for result caches
 
     @property
     def model_type(self) -> str:
@@ -163,6 +165,24 @@ def load_config(source: str | os.PathLike | None = None) -> tuple[str, Pretraine
     return resolved, config
 
 
+FINGERPRINT_VALUES = 64
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of which weights ``model`` holds: every parameter's name, shape and its first and
+    last ``FINGERPRINT_VALUES`` values (as fp32, so fp32 and bf16 loads of a bf16 checkpoint agree).
+    Retraining or editing a checkpoint changes it; reading it costs a few small copies per parameter,
+    also for a model spread over devices."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            ends = torch.cat([flat[:FINGERPRINT_VALUES], flat[-FINGERPRINT_VALUES:]]).float().cpu()
+            h.update(f"{name}:{tuple(p.shape)};".encode())
+            h.update(ends.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def load_model(
     source: str | os.PathLike | None = None,
     *,
@@ -209,4 +229,5 @@ def load_model(
         gdn_layers=gdn_layer_indices(model.config),
         device=model.get_input_embeddings().weight.device,
         dtype=next(model.parameters()).dtype,
+        fingerprint=weights_fingerprint(model),
     )
