@@ -39,10 +39,19 @@ that need not be a multiple of dP), and its P-token segments count from the star
 call **[ours]**: the spec does not say how rounding periods continue across prefill calls.
 
 All batch rows step together (as in HF ``generate``). Computation is float32.
+
+Kernels: buffered decode (dP >= 2) of the methods ``none`` (float32 / bfloat16), ``rtn`` and ``pace``
+runs on the Triton kernels of ``kernels/`` (:func:`kernels.dispatch.decode_step`) when the layer's
+tensors are on a CUDA device and the kernels support the shapes (powers of two); everything else,
+and every CPU tensor, runs the pure-PyTorch reference here. ``backend`` (or the environment variable
+``PACE_KERNELS``): ``auto`` (the default), ``reference`` (never the kernels, e.g. to compare) or
+``triton`` (always where supported; on a CPU only under ``TRITON_INTERPRET=1``, as the tests do).
+The kernels match the reference to float32 rounding (``kernels.dispatch`` states the tolerances).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence, Union
 
@@ -59,6 +68,16 @@ if TYPE_CHECKING:
     from pace_core.shapes import ModelShape
 
 Checkpoint = Union[torch.Tensor, quant.PackedTensor, quant.MixedPackedState, DSQTensor, DampTensor]
+KERNELS_ENV = "PACE_KERNELS"
+KERNEL_BACKENDS = ("auto", "reference", "triton")
+
+
+def default_backend() -> str:
+    """The decode backend from ``$PACE_KERNELS`` (``auto`` when unset); PaceError for another value."""
+    backend = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if backend not in KERNEL_BACKENDS:
+        raise PaceError(f"{KERNELS_ENV}={backend!r} not allowed; allowed: {', '.join(KERNEL_BACKENDS)}")
+    return backend
 
 
 def _nb(t: torch.Tensor | None) -> int:
@@ -120,8 +139,12 @@ class LayerState:
         damp_rows: torch.Tensor | None = None,
         name: str = "state",
         chunk_size: int = 64,
+        backend: str | None = None,
     ) -> None:
         self.cfg, self.name, self.chunk_size = cfg, name, chunk_size
+        self.backend = default_backend() if backend is None else backend
+        if self.backend not in KERNEL_BACKENDS:
+            raise PaceError(f"backend: {self.backend!r} not allowed; allowed: {', '.join(KERNEL_BACKENDS)}")
         self.batch, self.num_k_heads, self.num_v_heads, self.d_k, self.d_v = batch, num_k_heads, num_v_heads, d_k, d_v
         self.device = torch.device(device)
         self.shape = (batch, num_v_heads, d_k, d_v)
@@ -223,9 +246,36 @@ class LayerState:
         o, _ = gdn_prefill_segmented(q, k, v, g, beta, self.dequantized(), period, round_fn, self.chunk_size)
         return o
 
+    def uses_kernels(self) -> bool:
+        """Whether :meth:`decode` runs on the Triton kernels (module docstring)."""
+        if self.backend == "reference" or (self.backend == "auto" and self.device.type != "cuda"):
+            return False
+        if self.buffer is None or self.buffer.precision == "fp64" or self.cfg.method not in ("none", "rtn", "pace"):
+            return False
+        if self.cfg.method == "none" and self.reference_dtype not in (torch.float32, torch.bfloat16):
+            return False
+        from kernels.quant_pack import check_kernel_shape
+
+        try:
+            check_kernel_shape(self.d_k, self.d_v, self.cfg.quant_spec() if self.cfg.quantized else
+                               quant.QuantSpec(8, True, "key", 1), self.name)
+        except PaceError:
+            return False
+        return True
+
     def decode(self, q, k, v, g, beta) -> torch.Tensor:
         """Decode tokens one by one (shapes as :meth:`prefill`), flushing every dP tokens."""
         T = self._check(q, k, v, g, beta)
+        if self.uses_kernels():
+            from kernels.dispatch import decode_step
+
+            outs = []
+            for t in range(T):
+                o, self.checkpoint = decode_step(self.checkpoint, self.buffer, q[:, t], k[:, t], v[:, t], g[:, t],
+                                                 beta[:, t], self.decode_period, backend="triton")
+                outs.append(o)
+            return torch.stack(outs, dim=1) if outs else torch.zeros(self.batch, 0, self.num_v_heads, self.d_v,
+                                                                     device=self.device)
         S_hat = self.dequantized()
         outputs = []
         for t in range(T):
@@ -293,6 +343,7 @@ class StateStore:
         *,
         damp_rows: Sequence[torch.Tensor] | None = None,
         chunk_size: int = 64,
+        backend: str | None = None,
     ) -> None:
         cfg = cfg.validate()
         if shape is not None:
@@ -324,6 +375,7 @@ class StateStore:
                 damp_rows=None if damp_rows is None else damp_rows[i],
                 name=f"state of GDN layer {layer}",
                 chunk_size=chunk_size,
+                backend=backend,
             )
             for i, layer in enumerate(layers)
         }

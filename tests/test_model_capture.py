@@ -112,3 +112,24 @@ def test_bad_input_ids(loaded, ids):
         run_with_states(loaded, PACE4, ids.float())
     with pytest.raises(PaceError, match="input_ids"):
         run_with_states(loaded, PACE4, ids[0])
+
+
+def test_decode_through_the_kernels_in_the_model(loaded, ids, monkeypatch):
+    """The model's GDN decode routed to the Triton kernels (PACE_KERNELS=triton, interpreted here)
+    gives the reference path's logits; PACE_KERNELS=reference never routes there."""
+    from kernels_support import kernel_modules
+
+    dispatch = kernel_modules()["dispatch"]
+    calls = []
+    kernel_step = dispatch.decode_step
+    monkeypatch.setattr(dispatch, "decode_step", lambda *a, **kw: calls.append(1) or kernel_step(*a, **kw))
+    cfg = get_config("pace-4").replace(decode_period=4)
+    logits = {}
+    for backend in ("triton", "reference"):
+        monkeypatch.setenv("PACE_KERNELS", backend)
+        calls.clear()
+        logits[backend] = run_with_states(loaded, cfg, ids, decode_from=14).logits
+        # one kernel step per decoded token and GDN layer, and none on the reference path
+        assert len(calls) == (8 * len(loaded.gdn_layers) if backend == "triton" else 0)
+    assert _relative(logits["triton"], logits["reference"]) < 1e-3
+    assert _relative(logits["triton"][:, 14:], logits["reference"][:, 14:]) < 1e-3

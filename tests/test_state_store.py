@@ -304,3 +304,59 @@ def test_a_layer_with_every_head_promoted_stores_8_bit_codes():
     assert nbytes["payload"] + nbytes["metadata"] == quant.packed_nbytes((B, HV, K, V), spec)
     _, S_ref = gdn_recurrent(*(x.double() for x in tokens))
     assert rel(store.checkpoint_dequantized(0), S_ref) < 0.01  # 8-bit error level; 4-bit codes give ~0.1
+
+
+KERNEL_CASES = {
+    # name: config (dP 4 to keep the interpreter quick); pace-4/pace-4-8 take the split kernel path,
+    # value-axis rtn and fp32 the fused one
+    "pace-4": get_config("pace-4").replace(decode_period=4, group_size=32),
+    "pace-4-8": get_config("pace-4-8").replace(decode_period=4, high_heads=((1,),)),
+    "rtn-value": get_config("rtn-int4").replace(decode_period=4, buffer="int8"),
+    "fp32": get_config("fp32").replace(decode_period=4, buffer="fp32"),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_decode_on_the_kernels_follows_the_reference(name):
+    """Buffered decode routed to the Triton kernels (interpreted here) against the reference path,
+    over two flushes after a prefill; any wiring slip (inputs, the in-place checkpoint, the flush)
+    would be off by far more than the records' one-code differences allow."""
+    from kernels_support import kernel_modules
+
+    kernel_modules()  # the interpreter, as for the kernels' own tests
+    from pace_core.state_store import LayerState
+
+    cfg = KERNEL_CASES[name]
+    B, Hk, Hv, K, V = 2, 2, 4, 64, 32
+    layers = {b: LayerState(cfg, B, Hk, Hv, K, V, "cpu", backend=b) for b in ("triton", "reference")}
+    assert layers["triton"].uses_kernels() and not layers["reference"].uses_kernels()
+    T0, T = 6, 2 * cfg.decode_period + 1
+    q, k = prepare_qk(torch.randn(B, T0 + T, Hk, K), torch.randn(B, T0 + T, Hk, K))
+    v, g, beta = torch.randn(B, T0 + T, Hv, V), -torch.rand(B, T0 + T, Hv) * 0.5, torch.rand(B, T0 + T, Hv)
+    pre, dec = slice(0, T0), slice(T0, T0 + T)
+    outs = {}
+    for b, layer in layers.items():
+        layer.prefill(q[:, pre], k[:, pre], v[:, pre], g[:, pre], beta[:, pre])
+        outs[b] = layer.decode(q[:, dec], k[:, dec], v[:, dec], g[:, dec], beta[:, dec])
+    assert outs["triton"].shape == (B, T, Hv, V)
+    rel = lambda a, r: float((a - r).norm() / r.norm())  # noqa: E731
+    assert rel(outs["triton"], outs["reference"]) < 1e-3
+    assert len(layers["triton"].buffer) == len(layers["reference"].buffer) == 1
+    assert type(layers["triton"].checkpoint) is type(layers["reference"].checkpoint)
+    assert rel(layers["triton"].effective_state(), layers["reference"].effective_state()) < 1e-3
+
+
+def test_kernel_backend_setting(monkeypatch):
+    from pace_core.state_store import LayerState, default_backend
+
+    monkeypatch.setenv("PACE_KERNELS", "reference")
+    assert default_backend() == "reference"
+    cfg = get_config("pace-4").replace(group_size=32)
+    assert not LayerState(cfg, 1, 1, 2, 64, 32, "cpu").uses_kernels()
+    monkeypatch.setenv("PACE_KERNELS", "fast")
+    with pytest.raises(PaceError, match="PACE_KERNELS"):
+        LayerState(cfg, 1, 1, 2, 64, 32, "cpu")
+    monkeypatch.delenv("PACE_KERNELS")
+    assert not LayerState(cfg, 1, 1, 2, 64, 32, "cpu").uses_kernels()  # auto: CPU tensors use the reference
+    assert not LayerState(get_config("qmamba-dsq").replace(decode_period=4), 1, 1, 2, 64, 32, "cpu",
+                          backend="triton").uses_kernels()  # no kernel for DSQ
