@@ -25,7 +25,7 @@ from kernels import quant_pack as _qp
 from pace_core import quant
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
-from pace_core.recurrence import buffered_step, fold, gdn_prefill_segmented
+from pace_core.recurrence import buffered_step, fold, gdn_prefill_segmented, gdn_recurrent
 
 Backend = Literal["auto", "triton", "reference"]
 BACKENDS = ("auto", "triton", "reference")
@@ -96,6 +96,18 @@ def decode_step(ckpt: Checkpoint, buf: DecodeBuffer, q_t: torch.Tensor, k_t: tor
         ckpt = _requantize_like(ckpt, fold(S_hat, buf))
         buf.clear()
     return o.to(torch.float32), ckpt
+
+
+def dense_step(S: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor,
+               beta_t: torch.Tensor, backend: Backend = "auto") -> torch.Tensor:
+    """One per-token step on a dense float32 / bfloat16 state ``S [B, HV, K, V]``, updated IN PLACE
+    (the whole state read and written); ``q_t, k_t [B, H, K]`` (prepared), ``v_t [B, HV, V]``,
+    ``g_t, beta_t [B, HV]``. Returns ``o_t [B, HV, V]`` float32."""
+    if use_kernels(S.device, backend):
+        return _ds.dense_recurrent_step(S, q_t, k_t, v_t, g_t, beta_t)
+    o, S_new = gdn_recurrent(*(x[:, None].float() for x in (q_t, k_t, v_t, g_t, beta_t)), initial_state=S.float())
+    S.copy_(S_new)
+    return o[:, 0]
 
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -41,7 +41,8 @@ call **[ours]**: the spec does not say how rounding periods continue across pref
 All batch rows step together (as in HF ``generate``). Computation is float32.
 
 Kernels: buffered decode (dP >= 2) of the methods ``none`` (float32 / bfloat16), ``rtn`` and ``pace``
-runs on the Triton kernels of ``kernels/`` (:func:`kernels.dispatch.decode_step`) when the layer's
+(:func:`kernels.dispatch.decode_step`), and per-token decode (dP = 1) of method ``none``
+(:func:`kernels.dispatch.dense_step`), run on the Triton kernels of ``kernels/`` when the layer's
 tensors are on a CUDA device and the kernels support the shapes (powers of two); everything else,
 and every CPU tensor, runs the pure-PyTorch reference here. ``backend`` (or the environment variable
 ``PACE_KERNELS``): ``auto`` (the default), ``reference`` (never the kernels, e.g. to compare) or
@@ -250,7 +251,9 @@ class LayerState:
         """Whether :meth:`decode` runs on the Triton kernels (module docstring)."""
         if self.backend == "reference" or (self.backend == "auto" and self.device.type != "cuda"):
             return False
-        if self.buffer is None or self.buffer.precision == "fp64" or self.cfg.method not in ("none", "rtn", "pace"):
+        if self.cfg.method not in ("none", "rtn", "pace") or (self.buffer is None and self.cfg.method != "none"):
+            return False
+        if self.buffer is not None and self.buffer.precision == "fp64":
             return False
         if self.cfg.method == "none" and self.reference_dtype not in (torch.float32, torch.bfloat16):
             return False
@@ -267,12 +270,16 @@ class LayerState:
         """Decode tokens one by one (shapes as :meth:`prefill`), flushing every dP tokens."""
         T = self._check(q, k, v, g, beta)
         if self.uses_kernels():
-            from kernels.dispatch import decode_step
+            from kernels.dispatch import decode_step, dense_step
 
             outs = []
             for t in range(T):
-                o, self.checkpoint = decode_step(self.checkpoint, self.buffer, q[:, t], k[:, t], v[:, t], g[:, t],
-                                                 beta[:, t], self.decode_period, backend="triton")
+                x = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+                if self.buffer is None:
+                    outs.append(dense_step(self.checkpoint, *x, backend="triton"))
+                    continue
+                o, self.checkpoint = decode_step(self.checkpoint, self.buffer, *x, self.decode_period,
+                                                 backend="triton")
                 outs.append(o)
             return torch.stack(outs, dim=1) if outs else torch.zeros(self.batch, 0, self.num_v_heads, self.d_v,
                                                                      device=self.device)

@@ -221,3 +221,15 @@ def test_packed_key_axis_split_path_over_two_periods(name: str, gamma: int) -> N
 
 def _as_packed(ckpt):
     return ckpt if isinstance(ckpt, quant.PackedTensor) else ckpt.parts[4]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_dispatch_dense_step_backends_agree(dtype: torch.dtype, tol: float) -> None:
+    HV = 2 * H
+    S = (torch.randn(B, HV, K, V) * 0.3).to(dtype)
+    S_k, S_r = S.clone(), S.clone()
+    q, k, v, g, beta = _token(HV)
+    o_k = dispatch.dense_step(S_k, q, k, v, g, beta, backend="triton")
+    o_r = dispatch.dense_step(S_r, q, k, v, g, beta, backend="reference")
+    assert _rel(o_k, o_r) < 1e-5
+    assert S_k.dtype == S_r.dtype == dtype and _rel(S_k, S_r) < tol and not torch.equal(S_k, S)
