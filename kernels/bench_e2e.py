@@ -1,0 +1,198 @@
+"""End-to-end time per output token (issue 5): a random-initialised Qwen3.5-4B-sized model in bf16 on
+the GPU, per-token bf16 state against PACE-4, the same harness for both.
+
+The model is ``Qwen3_5ForCausalLM`` built from the published Qwen/Qwen3.5-4B text config
+(:data:`pace_core.shapes.PUBLISHED_CONFIGS`: 32 layers, 24 GDN layers of 16 key / 32 value heads of
+128 x 128, 8 attention layers, hidden 2560, vocab 248,320) with random weights (they do not matter
+for time). Variants, both through :func:`pace_core.model.patch.apply_pace` and
+:class:`pace_core.state_store.StateStore`:
+
+- ``bf16 per-token``: the named config ``bf16`` (dense bf16 state, read and written every token by
+  :func:`kernels.decode_step.dense_recurrent_step`);
+- ``PACE-4 dP=8``: the named config ``pace-4`` (4-bit key-axis checkpoint, int8 buffer, the split
+  step + flush kernels).
+
+Per batch: random prompt ids ``[B, context]``, one prefill, two untimed decode steps, then
+``--tokens`` decode steps (a multiple of dP, so the flushes are counted in proportion), each the
+whole model with the greedy next token fed back, timed one by one with CUDA events. TPOT = the mean
+over the timed steps (the median is kept too). No CUDA graphs for either variant: PACE's decode
+keeps host-side control (the buffer's record count, a flush every dP) and transformers' dynamic
+cache grows, so neither path can be captured as it is; both pay the same Python and launch overhead
+per layer, which dominates at small batch.
+
+Usage (on the GPU machine): ``python3 kernels/bench_e2e.py --out DIR``; writes ``DIR/bench_e2e.json``
+and ``DIR/bench_e2e.png`` and prints a table. ``--tiny --device cpu`` runs a small model on a CPU
+(a smoke run of the harness; the tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pace_core.config import get_config  # noqa: E402
+from pace_core.model.patch import pace  # noqa: E402
+from pace_core.shapes import PUBLISHED_CONFIGS  # noqa: E402
+
+VARIANTS = {"bf16 per-token": "bf16", "PACE-4 dP=8": "pace-4"}
+BATCHES = (1, 8, 16, 32, 64, 128)
+TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "full_attention_interval": 4,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 32, "tie_word_embeddings": True}
+
+
+def model_config(tiny: bool):
+    """The ``Qwen3_5TextConfig`` of the published Qwen/Qwen3.5-4B text model, or a small one (``tiny``)."""
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    fields = TINY if tiny else {k: v for k, v in PUBLISHED_CONFIGS["qwen3.5-4b"].items()
+                                if k not in ("model_type", "dtype")}
+    return Qwen3_5TextConfig(**fields)
+
+
+def build_model(tiny: bool, device: torch.device, dtype: torch.dtype):
+    """A random-initialised model of :func:`model_config` in ``dtype`` on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(model_config(tiny), dtype=dtype).to(device).eval()
+
+
+class _Clock:
+    """Seconds of one step: CUDA events on a GPU, ``perf_counter`` after a sync elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+@torch.no_grad()
+def time_decode(model, config_name: str, batch: int, context: int, tokens: int, device: torch.device) -> dict:
+    """Prefill ``[batch, context]`` random ids under ``config_name``, then time ``tokens`` decode steps."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
+    with pace(model, get_config(config_name)):
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        times = []
+        for step in range(tokens + 2):
+            with _Clock(device) as clock:
+                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1:].argmax(-1)
+            if step >= 2:
+                times.append(clock.seconds)
+        finite = bool(torch.isfinite(out.logits).all())
+    return {"tpot_mean_s": statistics.fmean(times), "tpot_median_s": statistics.median(times),
+            "spread": (min(times), max(times)), "tokens": tokens, "outputs_finite": finite}
+
+
+def plot(results: dict, path: Path) -> None:
+    """TPOT against batch for both variants as a PNG (skipped, with a note, without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"bench_e2e: matplotlib is not installed, so no {path.name}", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for variant in VARIANTS:
+        rows = [r for r in results["rows"] if r["variant"] == variant and "tpot_mean_s" in r]
+        ax.plot([r["batch"] for r in rows], [r["tpot_mean_s"] * 1e3 for r in rows], marker="o", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (sequences)")
+    ax.set_ylabel("time per output token, ms")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"{results['model']} (random weights, bf16) on {results['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("data/bench"))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens before the timed decode (default 512)")
+    ap.add_argument("--tokens", type=int, default=32, help="timed decode steps, a multiple of dP = 8 (default 32)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a small model (smoke run, e.g. on a CPU)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_e2e: no CUDA device; run this on the GPU machine (or --tiny --device cpu)", file=sys.stderr)
+        return 2
+    if args.tokens < 8 or args.tokens % 8:
+        print(f"bench_e2e: --tokens {args.tokens} not allowed; allowed: a positive multiple of 8 (dP)", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(args.tiny, device, dtype)
+    import transformers
+
+    results = {"model": "tiny Qwen3.5" if args.tiny else "Qwen3.5-4B-sized", "device": str(
+        torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"),
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "dtype": str(dtype).removeprefix("torch."),
+        "parameters": sum(p.numel() for p in model.parameters()), "context": args.context, "rows": []}
+    print(f"{results['model']} ({results['parameters'] / 1e9:.2f}B parameters, {results['dtype']}) on "
+          f"{results['device']}, context {args.context}, {args.tokens} timed tokens", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for batch in (int(b) for b in args.batches.split(",")):
+        for variant, config_name in VARIANTS.items():
+            row = {"variant": variant, "config": config_name, "batch": batch}
+            try:
+                row.update(time_decode(model, config_name, batch, args.context, args.tokens, device))
+                print(f"B={batch:4d} {variant:16s} TPOT {row['tpot_mean_s'] * 1e3:8.2f} ms (median "
+                      f"{row['tpot_median_s'] * 1e3:.2f}) finite={row['outputs_finite']}", flush=True)
+            except torch.cuda.OutOfMemoryError as err:
+                row["error"] = f"out of memory: {err}".splitlines()[0]
+                print(f"B={batch:4d} {variant:16s} {row['error']}", flush=True)
+                torch.cuda.empty_cache()
+            results["rows"].append(row)
+        (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=1))  # partial results survive
+    by = {(r["variant"], r["batch"]): r for r in results["rows"]}
+    for r in results["rows"]:
+        base = by[("bf16 per-token", r["batch"])]
+        if "tpot_mean_s" in r and "tpot_mean_s" in base:
+            r["speedup_vs_bf16_per_token"] = base["tpot_mean_s"] / r["tpot_mean_s"]
+    (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "bench_e2e.png")
+    print(f"\n{'batch':>5} " + " ".join(f"{v:>18}" for v in VARIANTS) + f" {'PACE-4 vs bf16':>15}")
+    for batch in sorted({r["batch"] for r in results["rows"]}):
+        cells = [by[(v, batch)].get("tpot_mean_s") for v in VARIANTS]
+        speed = by[("PACE-4 dP=8", batch)].get("speedup_vs_bf16_per_token")
+        print(f"{batch:5d} " + " ".join(f"{'OOM' if c is None else f'{c * 1e3:.2f} ms':>18}" for c in cells)
+              + (f" {speed:14.2f}x" if speed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
