@@ -112,7 +112,7 @@ def configs(variant: str) -> list[dict]:
         return [{"block_v": 32, "num_warps": 4}, {"block_v": 64, "num_warps": 4}, {"block_v": 64, "num_warps": 8}]
     if variant in SPLIT_VARIANTS:
         return [{"step_warps": 4, "flush_warps": 4, "flush_columns": 32},
-                {"step_warps": 8, "flush_warps": 4, "flush_columns": 32},
+                {"step_warps": 8, "flush_warps": 4, "flush_columns": 16},
                 {"step_warps": 4, "flush_warps": 8, "flush_columns": 64}]
     return [{"BK": 64, "num_warps": 4}, {"BK": 64, "num_warps": 8}, {"BK": 128, "num_warps": 8}]
 

@@ -6,11 +6,12 @@ dense step used as the fp32 / bf16 baseline.
 - **split** (packed checkpoints with key-axis groups: PACE-4, PACE-4/8): :func:`launch_packed_step`,
   one program per (sequence, value head, column block), reads the packed checkpoint once and forms
   ``Ŝᵀk_t`` and ``Ŝᵀq_t`` together on tensor cores (:func:`_packed_dots`: one ``[16, G] x [G, BV]``
-  fp16 dot per key group, ``k`` and ``q`` split into exact fp16 terms, codes turned into fp16 by
-  bit operations), then the buffered records, ``u_t``, ``o_t``, and writes the record into the
+  fp16 dot per key group, ``k`` and ``q`` split into exact fp16 terms, the codes turned into the
+  exact fp16 integers ``c - z`` by bit operations and one fp16 subtraction), then the buffered records, ``u_t``, ``o_t``, and writes the record into the
   buffer in its precision, every token. On the token that fills the buffer to ``period`` records
   :func:`launch_flush` folds ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (one ``[K, 16] x [16, BV]``
-  IEEE-fp32 ``tl.dot`` per 16 records) and requantises the checkpoint in place.
+  ``tl.dot`` per 16 records in ``tf32x3``, three tf32 products that together keep fp32 accuracy)
+  and requantises the checkpoint in place.
 - **fused** (dense fp32 / bf16 checkpoints, value-axis groups): :func:`_decode_kernel`, one launch
   per token that also folds and requantises on the flush token (a second pass over ``Ŝ``).
 
@@ -18,8 +19,8 @@ Both compute ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)`` and ``o_t`` with the 
 (buffer-precision) ``k_t, u_t``, exactly as :func:`pace_core.recurrence.buffered_step`.
 
 Tolerances against the reference (float32 in both): outputs and folded states agree to a relative
-Frobenius error below 1e-5 (the summation order differs; the split path's 4-bit codes enter as
-``1 + c/16`` and cost about 4 bits of the fp32 accumulation, about 1e-6); the records written to an
+Frobenius error below 1e-5 (the summation order differs; the split path's tensor-core products are
+exact, its fold in ``tf32x3`` about as accurate as fp32); the records written to an
 int8 / 4-bit buffer and the requantised checkpoint are bit-identical to quantising the kernel's own
 ``u_t`` / folded ``S``, so against the reference they differ at most by one code where a value lies
 within float32 rounding of a rounding boundary (that is, by at most one scale step).
@@ -285,10 +286,9 @@ def _decode_kernel(
 
 
 @triton.jit
-def _pow2_scale(x):
-    """Powers of two ``(2^e, 2^-e)`` that bring ``max|x|`` into ``[2^13, 2^14)`` (e clamped to
-    ``[-126, 126]``; ``(1, 1)`` for an all-zero ``x``), so that fp16 holds the scaled vector."""
-    amax = tl.max(tl.abs(x))
+def _pow2_scale(amax):
+    """Powers of two ``(2^e, 2^-e)`` that bring ``amax >= 0`` into ``[2^13, 2^14)`` (e clamped to
+    ``[-126, 126]``; ``(1, 1)`` for 0), so that fp16 holds vectors scaled by ``2^e``."""
     e = 140 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
     e = tl.minimum(tl.maximum(tl.where(amax > 0, e, 0), -126), 126)
     return ((127 + e) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
@@ -305,29 +305,28 @@ def _fp16_split(x):
 
 
 @triton.jit
-def _unit_codes(codes, r0, c0, G: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, V: tl.constexpr):
-    """The 4-bit codes (two per byte) of key rows ``r0 .. r0+G`` (padded to ``KB`` rows with code 0),
-    columns ``c0 .. c0+BV`` of one head, as the exact fp16 ``1 + c / 16`` ``[KB, BV]``: the code
-    becomes the top mantissa bits of 1.0, a shift and a mask-or per code, no int -> float convert."""
+def _centred_codes(codes, r0, c0, off, G: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, V: tl.constexpr,
+                   BITS: tl.constexpr):
+    """The codes of key rows ``r0 .. r0+G`` (padded to ``KB`` rows with 0), columns ``c0 .. c0+BV`` of
+    one head, minus their offset ``off`` (int32 scalar or ``[BV]``: ``2^(b-1)`` or the zero point), as
+    the exact fp16 integers ``c - z`` ``[KB, BV]``. A code becomes fp16 ``1024 + c`` by or-ing it into
+    the bits of 1024.0 (no int -> float conversion), then ``1024 + z`` is subtracted (exact)."""
     rows = tl.arange(0, KB)
-    cols = c0 // 2 + tl.arange(0, BV // 2)
-    p = tl.load(codes + (r0 + rows[:, None]) * (V // 2) + cols[None, :], mask=(rows < G)[:, None], other=0)
-    p = p.to(tl.int32)
-    lo = (((p << 6) & 0x3C0) | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)  # even columns
-    hi = (((p << 2) & 0x3C0) | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)  # odd columns
-    return tl.reshape(tl.join(lo, hi), (KB, BV))
-
-
-@triton.jit
-def _centred_codes(codes, r0, c0, off, G: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, V: tl.constexpr):
-    """The 8-bit codes (one per byte) of key rows ``r0 .. r0+G`` (padded to ``KB`` rows with 0),
-    columns ``c0 .. c0+BV``, minus their offset ``off`` (int32 scalar or ``[BV]``): the exact fp16
-    integers ``c - z`` ``[KB, BV]``."""
-    rows = tl.arange(0, KB)
-    cols = c0 + tl.arange(0, BV)
     m = (rows < G)[:, None]
-    p = tl.load(codes + (r0 + rows[:, None]) * V + cols[None, :], mask=m, other=0).to(tl.int32)
-    return tl.where(m, p - off, 0).to(tl.float16)
+    if BITS <= 4:
+        cols = c0 // 2 + tl.arange(0, BV // 2)
+        p = tl.load(codes + (r0 + rows[:, None]) * (V // 2) + cols[None, :], mask=m, other=0).to(tl.int32)
+        lo = ((p & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # even columns
+        hi = ((p >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # odd columns
+        f = tl.reshape(tl.join(lo, hi), (KB, BV))
+    else:
+        cols = c0 + tl.arange(0, BV)
+        p = tl.load(codes + (r0 + rows[:, None]) * V + cols[None, :], mask=m, other=0).to(tl.int32)
+        f = (p | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    f = f - (off + 1024).to(tl.float16)
+    if KB > G:
+        f = tl.where(m, f, 0.0)
+    return f
 
 
 @triton.jit
@@ -338,23 +337,19 @@ def _packed_dots(codes, scale, zero, kx, qx, kfull, qfull, c0, K: tl.constexpr, 
     on tensor cores; ``k, q`` at ``kx, qx`` (``kfull, qfull [K]``, the same vectors loaded).
 
     Per key group one ``[16, G] x [G, BV]`` fp16 dot with fp32 accumulation: rows 0-2 hold ``k``
-    and rows 3-5 ``q``, each scaled by a power of two and split into three fp16 terms (exact
-    products). 8-bit codes enter as the exact integers ``c - z``; the group adds ``s T`` per
-    column. 4-bit codes enter as ``1 + c / 16`` (no conversion instruction); with
-    ``T = Σ_i x_i (1 + c_i / 16)`` and the row sums ``X = Σ_i x_i`` the group adds
-    ``s (16 T - (16 + z) X)`` (= ``Σ_i s (c_i - z) x_i``), which costs the fp32 accumulation about 4
-    bits (relative error about 1e-6)."""
+    and rows 3-5 ``q``, scaled by one power of two and each split into three fp16 terms, against
+    the exact fp16 integers ``c - z``; every product is exact, and the group adds ``s T`` per column
+    (``T = Σ_i x_i (c_i - z)``), so only the fp32 accumulation order differs from the reference."""
     KB: tl.constexpr = G if G >= 16 else 16
-    kup, kdown = _pow2_scale(kfull)
-    qup, qdown = _pow2_scale(qfull)
+    up, down = _pow2_scale(tl.maximum(tl.max(tl.abs(kfull)), tl.max(tl.abs(qfull))))
     rr = tl.arange(0, 16)[:, None]
     acc = tl.zeros((16, BV), tl.float32)
     cols = c0 + tl.arange(0, BV)
     zeros = tl.zeros((16, KB), tl.float16)
     for r0 in tl.static_range(0, K, G):
         m = tl.arange(0, KB) < G
-        k1, k2, k3 = _fp16_split(tl.load(kx + r0 + tl.arange(0, KB), mask=m, other=0.0) * kup)
-        q1, q2, q3 = _fp16_split(tl.load(qx + r0 + tl.arange(0, KB), mask=m, other=0.0) * qup)
+        k1, k2, k3 = _fp16_split(tl.load(kx + r0 + tl.arange(0, KB), mask=m, other=0.0) * up)
+        q1, q2, q3 = _fp16_split(tl.load(qx + r0 + tl.arange(0, KB), mask=m, other=0.0) * up)
         a = tl.where(rr == 0, k1[None, :], tl.where(rr == 1, k2[None, :], tl.where(rr == 2, k3[None, :], zeros)))
         a = tl.where(rr == 3, q1[None, :], tl.where(rr == 4, q2[None, :], tl.where(rr == 5, q3[None, :], a)))
         s = tl.load(scale + (r0 // G) * V + cols).to(tl.float32)
@@ -363,17 +358,12 @@ def _packed_dots(codes, scale, zero, kx, qx, kfull, qfull, c0, K: tl.constexpr, 
         else:
             if PACK_Z:
                 zp = tl.load(zero + (r0 // G) * (V // 2) + c0 // 2 + tl.arange(0, BV // 2)).to(tl.int32)
-                off = tl.reshape(tl.join(zp & 15, zp >> 4), (BV,))
+                off = tl.reshape(tl.join(zp & 15, zp >> 4), (BV,))[None, :]
             else:
-                off = tl.load(zero + (r0 // G) * V + cols).to(tl.int32)
-        if BITS <= 4:
-            t = tl.dot(a, _unit_codes(codes, r0, c0, G, KB, BV, V))
-            x = tl.sum(a.to(tl.float32), axis=1)
-            acc += s[None, :] * (16.0 * t - (16.0 + off * 1.0) * x[:, None])
-        else:
-            acc += s[None, :] * tl.dot(a, _centred_codes(codes, r0, c0, off, G, KB, BV, V))
-    sk = tl.sum(tl.where(rr < 3, acc, 0.0), axis=0) * kdown
-    sq = tl.sum(tl.where((rr >= 3) & (rr < 6), acc, 0.0), axis=0) * qdown
+                off = tl.load(zero + (r0 // G) * V + cols).to(tl.int32)[None, :]
+        acc += s[None, :] * tl.dot(a, _centred_codes(codes, r0, c0, off, G, KB, BV, V, BITS))
+    sk = tl.sum(tl.where(rr < 3, acc, 0.0), axis=0) * down
+    sq = tl.sum(tl.where((rr >= 3) & (rr < 6), acc, 0.0), axis=0) * down
     return sk, sq
 
 
@@ -475,7 +465,7 @@ def _flush_kernel(
         kb = _load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
         ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
         w = tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1))
-        acc += tl.dot(tl.trans(kb), w[:, None] * ub, input_precision="ieee")
+        acc += tl.dot(tl.trans(kb), w[:, None] * ub, input_precision="tf32x3")
         run += tl.sum(gb)
     S = _ckpt_tile(a0, part, a0, as0, az0, a1, as1, az1, 0, c0, K, BV, K, V, G, True, SYM,
                    BITS0, PZ0, BITS1, PZ1, TWO, False)
