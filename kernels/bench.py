@@ -6,7 +6,11 @@
 - buffered bf16 (dense bf16 checkpoint, bf16 buffer, dP = 8),
 - PACE-4 (4-bit key-axis g 64 symmetric checkpoint, int8 buffer, dP = 8),
 - PACE-4/8 (key-axis g 32 zero point, a quarter of the heads at 8 bits, mixed buffer, dP = 8)
-  (:func:`kernels.decode_step.buffered_decode_step`).
+  (:func:`kernels.decode_step.buffered_decode_step`),
+- when flash-linear-attention is installed (carry the ``fla-core`` wheel), its
+  ``fused_recurrent_gated_delta_rule`` per token, as transformers calls it for decode: its state is
+  fp32 whatever the input (it allocates the final state in fp32), so it is the fla baseline for
+  the per-token states.
 
 Timing: each layer has its own state, buffer and inputs; one dP = 8 token period over all layers
 (8 x 24 launches) is captured in a CUDA graph, replayed ``--reps`` times after a warm-up, timed by
@@ -56,7 +60,17 @@ BYTES_MODEL = (
     "and read the (dP - 1) / 2 records held on average; all variants read q, k, v, g, beta and write o "
     "(float32). The flush token's second pass over the checkpoint (an L2 hit) is not counted."
 )
-VARIANTS = ("fp32 per-token", "bf16 per-token", "bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8")
+FLA = "fla fused_recurrent (fp32 state)"
+VARIANTS = ("fp32 per-token", "bf16 per-token", "bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8", FLA)
+try:
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+except ImportError:  # the fla baseline is optional
+    fla_recurrent = None
+
+
+def available_variants() -> list[str]:
+    """The variants this machine can run (the fla baseline only with flash-linear-attention)."""
+    return [v for v in VARIANTS if v != FLA or fla_recurrent is not None]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -108,6 +122,8 @@ def configs(variant: str) -> list[dict]:
     """Launch configurations tried for ``variant`` (the fastest is reported; all are kept in the JSON):
     per-token kernels: columns per program and warps; the fused buffered kernel: rows per tile and
     warps; the split path: warps of the step and flush kernels and columns per flush program."""
+    if variant == FLA:
+        return [{}]  # fla picks its own launch configuration
     if variant.endswith("per-token"):
         return [{"block_v": 32, "num_warps": 4}, {"block_v": 64, "num_warps": 4}, {"block_v": 64, "num_warps": 8}]
     if variant in SPLIT_VARIANTS:
@@ -131,7 +147,10 @@ def build(variant: str, B: int, device: torch.device):
         S = torch.randn(B, HV, K, V, device=device) * 0.05
         inputs = _inputs(B, device)
         out = torch.empty(B, HV, V, device=device)
-        if variant.endswith("per-token"):
+        if variant == FLA:
+            layers.append(("fla", [S], tuple(x[:, None] for x in inputs), out))  # [B, T=1, ...] inputs
+            bytes_per_token += 2 * S.numel() * S.element_size() + _io_bytes(B)
+        elif variant.endswith("per-token"):
             state = S if variant.startswith("fp32") else S.to(torch.bfloat16)
             layers.append(("dense", state, inputs, out))
             bytes_per_token += 2 * state.numel() * state.element_size() + _io_bytes(B)
@@ -152,6 +171,10 @@ def run_period(layers: list, config: dict) -> None:
         for kind, state, (q, k, v, g, beta), out in layers:
             if kind == "dense":
                 dense_recurrent_step(state, q, k, v, g, beta, out=out, **config)
+            elif kind == "fla":  # a new fp32 state each token, as transformers keeps it
+                o, state[0] = fla_recurrent(q, k, v, g=g, beta=beta, scale=1.0, initial_state=state[0],
+                                            output_final_state=True)  # q prepared: already scaled
+                out.copy_(o[:, 0])
             else:
                 ckpt, buf, plan = state
                 buffered_decode_step(ckpt, buf, q, k, v, g, beta, PERIOD, out=out, plan=_tuned(plan, config),
@@ -239,7 +262,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for variant in VARIANTS:
+    for variant in results["variants"]:
         rows = [r for r in results["rows"] if r["variant"] == variant]
         xs = [r["batch"] for r in rows]
         ax1.plot(xs, [r["seconds_per_token"] * 1e6 for r in rows], marker="o", label=variant)
@@ -274,15 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     bw = copy_bandwidth(device)
+    variants = available_variants()
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "triton": triton.__version__, "python": platform.python_version(),
-               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+               "fla": _fla_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "shape": {"gdn_layers": LAYERS, "key_heads": H, "value_heads": HV, "d_k": K, "d_v": V,
                          "decode_period": PERIOD},
-               "copy_bandwidth": bw, "bytes_model": BYTES_MODEL, "rows": []}
-    print(f"device {results['device']}  copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+               "copy_bandwidth": bw, "bytes_model": BYTES_MODEL, "variants": variants, "rows": []}
+    print(f"device {results['device']}  copy bandwidth {bw / 1e12:.3f} TB/s (read + write)  fla {results['fla']}",
+          flush=True)
     for B in (int(b) for b in args.batches.split(",")):
-        for variant in VARIANTS:
+        for variant in variants:
             row = time_variant(variant, B, device, args.reps)
             row["hbm_fraction"] = row["bytes_per_second"] / bw
             results["rows"].append(row)
@@ -297,18 +322,29 @@ def main(argv: list[str] | None = None) -> int:
     batches = sorted({r["batch"] for r in results["rows"]})
     for B in batches:
         base = by[("bf16 per-token", B)]["seconds_per_token"]
-        for variant in VARIANTS:
+        for variant in variants:
             by[(variant, B)]["speedup_vs_bf16_per_token"] = base / by[(variant, B)]["seconds_per_token"]
     (args.out / "bench.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "bench.png")
-    header = f"{'batch':>5} " + " ".join(f"{v:>20}" for v in VARIANTS) + f" {'PACE-4 vs bf16':>15}"
+    header = f"{'batch':>5} " + " ".join(f"{v:>20}" for v in variants) + f" {'PACE-4 vs bf16':>15}"
     print("\nµs per token (24 GDN layers) [% of HBM copy bandwidth]")
     print(header)
     for B in batches:
         cells = " ".join(f"{by[(v, B)]['seconds_per_token'] * 1e6:11.1f} [{by[(v, B)]['hbm_fraction'] * 100:4.0f}%]"
-                         for v in VARIANTS)
+                         for v in variants)
         print(f"{B:5d} {cells} {by[('PACE-4 dP=8', B)]['speedup_vs_bf16_per_token']:14.2f}x")
     return 0
+
+
+def _fla_version() -> str:
+    if fla_recurrent is None:
+        return "not installed"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fla-core")
+    except PackageNotFoundError:
+        return "installed (version unknown)"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""kernels/bench.py's harness on the CPU (its timings come from the GPU machine): every variant's
+layers compute the decode step they claim, run by the Triton interpreter at small shapes with the
+CUDA-graph timer replaced by one direct call."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels_support import kernel_modules
+from pace_core.recurrence import gdn_recurrent
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def bench(monkeypatch):
+    kernel_modules()
+    import kernels.bench as module
+
+    module = importlib.reload(module)
+    for name, value in (("LAYERS", 2), ("H", 2), ("HV", 4), ("K", 64), ("V", 32)):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(module, "time_graph", lambda work, reps: [work(), 1e-3][1:] * reps)
+    return module
+
+
+def _period_reference(S0, q, k, v, g, beta, period):
+    S = S0.double()
+    for _ in range(period):  # the bench feeds every layer the same token dP times
+        o, S = gdn_recurrent(*(x[:, None].double() for x in (q, k, v, g, beta)), initial_state=S)
+    return o[:, 0], S
+
+
+@pytest.mark.parametrize("variant", ["fp32 per-token", "bf16 per-token", "fla fused_recurrent (fp32 state)"])
+def test_per_token_variants_compute_the_recurrence(bench, variant):
+    if variant == bench.FLA:
+        _fla_in_a_fresh_interpreter(variant)
+        return
+    layers, nbytes = bench.build(variant, 2, torch.device("cpu"))
+    state_of = (lambda st: st[0]) if variant == bench.FLA else (lambda st: st)
+    _, state, x, out = layers[0]
+    S0 = state_of(state).clone()
+    bench.run_period(layers, bench.configs(variant)[0])
+    o_ref, S_ref = _period_reference(S0.float(), *(t[:, 0] if variant == bench.FLA else t for t in x), bench.PERIOD)
+    tol = 1e-5 if variant != "bf16 per-token" else 2e-2
+    assert float((out.double() - o_ref).norm() / o_ref.norm()) < tol
+    assert float((state_of(state).double() - S_ref).norm() / S_ref.norm()) < tol
+    assert nbytes == bench.LAYERS * (2 * S0.numel() * S0.element_size() + bench._io_bytes(2))
+
+
+@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8"])
+def test_buffered_variants_run_and_report(bench, variant):
+    row = bench.time_variant(variant, 2, torch.device("cpu"), 2)
+    assert row["outputs_finite"] and row["seconds_per_token"] == pytest.approx(1e-3 / bench.PERIOD)
+    assert [t["config"] for t in row["tried"]] == bench.configs(variant)
+    if variant in bench.SPLIT_VARIANTS:
+        assert row["split_breakdown"] == {"step_seconds": 1e-3, "flush_seconds": 1e-3,
+                                          "records_at_step": bench.PERIOD // 2}
+    else:
+        assert row["split_breakdown"] is None
+
+
+def test_fla_variant_listed_only_when_installed(bench):
+    assert (bench.FLA in bench.available_variants()) == (bench.fla_recurrent is not None)
+
+
+def _fla_in_a_fresh_interpreter(variant: str) -> None:
+    """The fla baseline checked like the others, in a child process that sets ``TRITON_INTERPRET``
+    before anything imports flash-linear-attention (in this process transformers may already have
+    compiled-mode fla kernels loaded)."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    script = f"""
+import sys, torch
+sys.path[:0] = {[str(ROOT), str(ROOT / "tests")]!r}
+import kernels.bench as bench
+from test_kernels_bench import _period_reference
+bench.LAYERS, bench.H, bench.HV, bench.K, bench.V = 2, 2, 4, 64, 32
+layers, nbytes = bench.build({variant!r}, 2, torch.device("cpu"))
+_, state, x, out = layers[0]
+S0 = state[0].clone()
+bench.run_period(layers, {{}})
+o_ref, S_ref = _period_reference(S0, *(t[:, 0] for t in x), bench.PERIOD)
+print(float((out.double() - o_ref).norm() / o_ref.norm()), float((state[0].double() - S_ref).norm() / S_ref.norm()))
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rel_o, rel_s = map(float, run.stdout.split()[-2:])
+    assert rel_o < 1e-5 and rel_s < 1e-5
