@@ -123,6 +123,62 @@ def _store_vec(ptr, scale_ptr, rec, c0, codes, scale, x, R: tl.constexpr, L: tl.
 
 
 @triton.jit
+def _record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, kfull, qfull, g_t,
+                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                  NB: tl.constexpr):
+    """The buffered records' part of ``S_{t-1}ᵀk_t`` and ``S_tᵀq_t`` (columns ``c0 .. c0+BV``), read NB
+    records at a time (one load round trip for n <= NB), newest block first. Returns ``run`` (Σ of
+    the held records' log decays), ``rk``, ``rq`` ``[BV]``."""
+    ridx = tl.arange(0, NB)
+    later = ridx[None, :] > ridx[:, None]
+    run = g_t * 0.0  # Σ of the log decays of the records after the current block
+    rk = tl.zeros((BV,), tl.float32)
+    rq = tl.zeros((BV,), tl.float32)
+    for blk in range(0, tl.cdiv(n, NB)):
+        i = n - (blk + 1) * NB + ridx
+        valid = i >= 0
+        gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
+        kb = _load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
+        ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
+        after = run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)  # Σ_{j>i} g_j over the held records
+        wk = tl.exp(after) * tl.sum(kb * kfull[None, :], axis=1)
+        wq = tl.exp(after + g_t) * tl.sum(kb * qfull[None, :], axis=1)
+        rk += tl.sum(wk[:, None] * ub, axis=0)
+        rq += tl.sum(wq[:, None] * ub, axis=0)
+        run += tl.sum(gb)
+    return run, rk, rq
+
+
+@triton.jit
+def _token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq, rk, rq, kfull, qfull,
+                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                  K_BF16: tl.constexpr, V_BF16: tl.constexpr):
+    """``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀk_t)`` and ``o_t`` (stored) from the checkpoint's ``sk, sq`` and
+    the records' ``run, rk, rq``, with the stored (buffer-precision) ``k_t, u_t``. Returns the stored
+    key and value: codes, scale and value of each (see :func:`_stored_vec`)."""
+    beta = tl.load(beta_ptr + pid)
+    v = tl.load(v_ptr + pid * V + cols)
+    u = beta * (v - tl.exp(g_t) * (tl.exp(run) * sk + rk))
+    kcodes, kscale, khat = _stored_vec(kfull, K, KBITS, K_BF16)
+    ucodes, uscale, uhat = _stored_vec(u, BV, VBITS, V_BF16)
+    tl.store(o_ptr + pid * V + cols, tl.exp(run + g_t) * sq + rq + tl.sum(khat * qfull) * uhat)
+    return kcodes, kscale, khat, ucodes, uscale, uhat
+
+
+@triton.jit
+def _append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
+                   kcodes, kscale, khat, ucodes, uscale, uhat, K: tl.constexpr, V: tl.constexpr,
+                   BV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr):
+    """Write the token's record into slot ``n``: its log decay and key once per key head (by the
+    first value head of the group, column block 0), its value columns by every program."""
+    if c0 == 0:
+        tl.store(bg_ptr + (b * cap + n) * HV + h, g_t)
+        if h % (HV // H) == 0:
+            _store_vec(bk_ptr, bks_ptr, (b * cap + n) * H + kh, 0, kcodes, kscale, khat, K, K, KBITS)
+    _store_vec(bv_ptr, bvs_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uhat, BV, V, VBITS)
+
+
+@triton.jit
 def _ckpt_base(part, slot, b, HV0, HV1, K: tl.constexpr, c0p, s0p, z0p, c1p, s1p, z1p,
                CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
                CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr):
@@ -216,36 +272,13 @@ def _decode_kernel(
         sk += tl.sum(S * kc[:, None], axis=0)
         sq += tl.sum(S * qc[:, None], axis=0)
 
-    # the buffered records, NB at a time (one load round trip for n <= NB), newest block first
     g_t = tl.load(g_ptr + pid)
-    ridx = tl.arange(0, NB)
-    later = ridx[None, :] > ridx[:, None]
-    run = g_t * 0.0  # Σ of the log decays of the records after the current block
-    rk = tl.zeros((BV,), tl.float32)
-    rq = tl.zeros((BV,), tl.float32)
-    for blk in range(0, tl.cdiv(n, NB)):
-        i = n - (blk + 1) * NB + ridx
-        valid = i >= 0
-        gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
-        kb = _load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
-        ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
-        after = run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)  # Σ_{j>i} g_j over the held records
-        wk = tl.exp(after) * tl.sum(kb * kfull[None, :], axis=1)
-        wq = tl.exp(after + g_t) * tl.sum(kb * qfull[None, :], axis=1)
-        rk += tl.sum(wk[:, None] * ub, axis=0)
-        rq += tl.sum(wq[:, None] * ub, axis=0)
-        run += tl.sum(gb)
-    run_prev = run
+    run, rk, rq = _record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, kfull, qfull,
+                                g_t, K, V, BV, KBITS, VBITS, NB)
+    kcodes, kscale, khat, ucodes, uscale, uhat = _token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq,
+                                                               rk, rq, kfull, qfull, K, V, BV, KBITS, VBITS,
+                                                               K_BF16, V_BF16)
     run_o = run + g_t
-
-    beta = tl.load(beta_ptr + pid)
-    v = tl.load(v_ptr + pid * V + cols)
-    prev = tl.exp(run_prev) * sk + rk
-    u = beta * (v - tl.exp(g_t) * prev)
-    kcodes, kscale, khat = _stored_vec(kfull, K, KBITS, K_BF16)
-    ucodes, uscale, uhat = _stored_vec(u, BV, VBITS, V_BF16)
-    o = tl.exp(run_o) * sq + rq + tl.sum(khat * qfull) * uhat
-    tl.store(o_ptr + pid * V + cols, o)
 
     if FLUSH:
         # fold every record (the new one included) into Ŝ and requantise this column block in place
@@ -278,11 +311,8 @@ def _decode_kernel(
             _ckpt_store(acc, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS,
                         SYM, BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
     else:
-        if c0 == 0:
-            tl.store(bg_ptr + (b * cap + n) * HV + h, g_t)
-            if h % (HV // H) == 0:
-                _store_vec(bk_ptr, bks_ptr, (b * cap + n) * H + kh, 0, kcodes, kscale, khat, K, K, KBITS)
-        _store_vec(bv_ptr, bvs_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uhat, BV, V, VBITS)
+        _append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
+                       kcodes, kscale, khat, ucodes, uscale, uhat, K, V, BV, KBITS, VBITS)
 
 
 @triton.jit
@@ -400,38 +430,15 @@ def _packed_step_kernel(
     else:
         sk, sq = _packed_dots(a0, as0, az0, kx, qx, kfull, qfull, c0, K, V, BV, G, SYM, BITS0, PZ0)
 
-    # the buffered records, NB at a time, newest block first (as in _decode_kernel)
     g_t = tl.load(g_ptr + pid)
-    ridx = tl.arange(0, NB)
-    later = ridx[None, :] > ridx[:, None]
-    run = g_t * 0.0
-    rk = tl.zeros((BV,), tl.float32)
-    rq = tl.zeros((BV,), tl.float32)
-    for blk in range(0, tl.cdiv(n, NB)):
-        i = n - (blk + 1) * NB + ridx
-        valid = i >= 0
-        gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
-        kb = _load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
-        ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
-        after = run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)
-        wk = tl.exp(after) * tl.sum(kb * kfull[None, :], axis=1)
-        wq = tl.exp(after + g_t) * tl.sum(kb * qfull[None, :], axis=1)
-        rk += tl.sum(wk[:, None] * ub, axis=0)
-        rq += tl.sum(wq[:, None] * ub, axis=0)
-        run += tl.sum(gb)
-
-    beta = tl.load(beta_ptr + pid)
-    v = tl.load(v_ptr + pid * V + cols)
-    u = beta * (v - tl.exp(g_t) * (tl.exp(run) * sk + rk))
-    kcodes, kscale, khat = _stored_vec(kfull, K, KBITS, K_BF16)
-    ucodes, uscale, uhat = _stored_vec(u, BV, VBITS, V_BF16)
-    tl.store(o_ptr + pid * V + cols, tl.exp(run + g_t) * sq + rq + tl.sum(khat * qfull) * uhat)
-    # append the record (also on the token that fills the buffer: the flush kernel folds it)
-    if c0 == 0:
-        tl.store(bg_ptr + (b * cap + n) * HV + h, g_t)
-        if h % (HV // H) == 0:
-            _store_vec(bk_ptr, bks_ptr, (b * cap + n) * H + kh, 0, kcodes, kscale, khat, K, K, KBITS)
-    _store_vec(bv_ptr, bvs_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uhat, BV, V, VBITS)
+    run, rk, rq = _record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, kfull, qfull,
+                                g_t, K, V, BV, KBITS, VBITS, NB)
+    kcodes, kscale, khat, ucodes, uscale, uhat = _token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq,
+                                                               rk, rq, kfull, qfull, K, V, BV, KBITS, VBITS,
+                                                               K_BF16, V_BF16)
+    # the record is appended also on the token that fills the buffer: the flush kernel folds it
+    _append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
+                   kcodes, kscale, khat, ucodes, uscale, uhat, K, V, BV, KBITS, VBITS)
 
 
 @triton.jit
