@@ -12,13 +12,17 @@ for time). Variants, both through :func:`pace_core.model.patch.apply_pace` and
 - ``PACE-4 dP=8``: the named config ``pace-4`` (4-bit key-axis checkpoint, int8 buffer, the split
   step + flush kernels).
 
-Per batch: random prompt ids ``[B, context]``, one prefill, two untimed decode steps, then
+Per batch: random prompt ids ``[B, context]``, one prefill, ``WARMUP`` untimed decode steps (two
+periods: every specialisation of the kernels, e.g. for 0, 1 and more buffered records, and the
+flush, is compiled before timing), then
 ``--tokens`` decode steps (a multiple of dP, so the flushes are counted in proportion), each the
 whole model with the greedy next token fed back, timed one by one with CUDA events. TPOT = the mean
 over the timed steps (the median is kept too). No CUDA graphs for either variant: PACE's decode
 keeps host-side control (the buffer's record count, a flush every dP) and transformers' dynamic
-cache grows, so neither path can be captured as it is; both pay the same Python and launch overhead
-per layer, which dominates at small batch.
+cache grows, so neither path can be captured as it is. Both pay Python and launch overhead per
+layer and one device sync per GDN layer and token (the input finiteness check of
+:mod:`pace_core.state_store`'s kernel path), which dominate at small batch; PACE-4 launches one more
+kernel every dP tokens (the flush).
 
 Usage (on the GPU machine): ``python3 kernels/bench_e2e.py --out DIR``; writes ``DIR/bench_e2e.json``
 and ``DIR/bench_e2e.png`` and prints a table. ``--tiny --device cpu`` runs a small model on a CPU
@@ -44,6 +48,7 @@ from pace_core.model.patch import pace  # noqa: E402
 from pace_core.shapes import PUBLISHED_CONFIGS  # noqa: E402
 
 VARIANTS = {"bf16 per-token": "bf16", "PACE-4 dP=8": "pace-4"}
+WARMUP = 16  # untimed decode steps: two periods of dP = 8
 BATCHES = (1, 8, 16, 32, 64, 128)
 TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "full_attention_interval": 4,
@@ -102,11 +107,11 @@ def time_decode(model, config_name: str, batch: int, context: int, tokens: int, 
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         times = []
-        for step in range(tokens + 2):
+        for step in range(WARMUP + tokens):
             with _Clock(device) as clock:
                 out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
                 nxt = out.logits[:, -1:].argmax(-1)
-            if step >= 2:
+            if step >= WARMUP:
                 times.append(clock.seconds)
         finite = bool(torch.isfinite(out.logits).all())
     return {"tpot_mean_s": statistics.fmean(times), "tpot_median_s": statistics.median(times),

@@ -369,7 +369,9 @@ def _packed_dots(codes, scale, zero, kx, qx, kfull, qfull, c0, K: tl.constexpr, 
     Per key group one ``[16, G] x [G, BV]`` fp16 dot with fp32 accumulation: rows 0-2 hold ``k``
     and rows 3-5 ``q``, scaled by one power of two and each split into three fp16 terms, against
     the exact fp16 integers ``c - z``; every product is exact, and the group adds ``s T`` per column
-    (``T = Σ_i x_i (c_i - z)``), so only the fp32 accumulation order differs from the reference."""
+    (``T = Σ_i x_i (c_i - z)``). Against the reference, which rounds each ``s (c - z)`` to fp32 and
+    sums in IEEE fp32, the differences are the summation order and the tensor cores' fp32
+    accumulation (not IEEE round-to-nearest): float32-rounding level, within the tested 1e-5."""
     KB: tl.constexpr = G if G >= 16 else 16
     up, down = _pow2_scale(tl.maximum(tl.max(tl.abs(kfull)), tl.max(tl.abs(qfull))))
     rr = tl.arange(0, 16)[:, None]

@@ -41,8 +41,8 @@ call **[ours]**: the spec does not say how rounding periods continue across pref
 All batch rows step together (as in HF ``generate``). Computation is float32.
 
 Kernels: buffered decode (dP >= 2) of the methods ``none`` (float32 / bfloat16), ``rtn`` and ``pace``
-(:func:`kernels.dispatch.decode_step`), and per-token decode (dP = 1) of method ``none``
-(:func:`kernels.dispatch.dense_step`), run on the Triton kernels of ``kernels/`` when the layer's
+(:func:`kernels.decode_step.buffered_decode_step`), and per-token decode (dP = 1) of method ``none``
+(:func:`kernels.decode_step.dense_recurrent_step`), run on the Triton kernels of ``kernels/`` when the layer's
 tensors are on a CUDA device and the kernels support the shapes (powers of two); everything else,
 and every CPU tensor, runs the pure-PyTorch reference here. ``backend`` (or the environment variable
 ``PACE_KERNELS``): ``auto`` (the default), ``reference`` (never the kernels, e.g. to compare) or
@@ -53,6 +53,7 @@ The kernels match the reference to float32 rounding (``kernels.dispatch`` states
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence, Union
 
@@ -168,6 +169,7 @@ class LayerState:
         self.device = device
         self.damp = self._damp_quantizer(self.damp_rows) if self.cfg.method == "damp" else None
         self.buffer = None
+        self._plan = None  # (checkpoint, kernels.decode_step.DecodePlan) of the kernel path
         if self.decode_period > 1:
             self.buffer = DecodeBuffer(self.batch, self.num_k_heads, self.num_v_heads, self.d_k, self.d_v,
                                        self.decode_period, self.cfg.buffer, device)
@@ -270,19 +272,7 @@ class LayerState:
         """Decode tokens one by one (shapes as :meth:`prefill`), flushing every dP tokens."""
         T = self._check(q, k, v, g, beta)
         if self.uses_kernels():
-            from kernels.dispatch import decode_step, dense_step
-
-            outs = []
-            for t in range(T):
-                x = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
-                if self.buffer is None:
-                    outs.append(dense_step(self.checkpoint, *x, backend="triton"))
-                    continue
-                o, self.checkpoint = decode_step(self.checkpoint, self.buffer, *x, self.decode_period,
-                                                 backend="triton")
-                outs.append(o)
-            return torch.stack(outs, dim=1) if outs else torch.zeros(self.batch, 0, self.num_v_heads, self.d_v,
-                                                                     device=self.device)
+            return self._kernel_decode(q, k, v, g, beta, T)
         S_hat = self.dequantized()
         outputs = []
         for t in range(T):
@@ -300,6 +290,30 @@ class LayerState:
         if not outputs:
             return torch.zeros(self.batch, 0, self.num_v_heads, self.d_v, device=self.device)
         return torch.stack(outputs, dim=1)
+
+    def _kernel_decode(self, q, k, v, g, beta, T: int) -> torch.Tensor:
+        """:meth:`decode` on the Triton kernels: the checkpoint is updated in place, so the launch plan
+        is made once per checkpoint (a prefill, reset or reorder makes a new one); one device sync per
+        token checks the inputs, and the launches go to the layer's own GPU (under ``device_map``)."""
+        from kernels.decode_step import buffered_decode_step, dense_recurrent_step, plan_decode
+
+        outs = []
+        guard = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+        with guard:
+            for t in range(T):
+                x = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+                if not bool(torch.isfinite(x[1]).all() & torch.isfinite(x[2]).all() & torch.isfinite(x[3]).all()):
+                    raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
+                if self.buffer is None:
+                    outs.append(dense_recurrent_step(self.checkpoint, *x))
+                    continue
+                if self._plan is None or self._plan[0] is not self.checkpoint:
+                    self._plan = (self.checkpoint, plan_decode(self.checkpoint, self.buffer))
+                outs.append(buffered_decode_step(self.checkpoint, self.buffer, *x, self.decode_period,
+                                                 plan=self._plan[1], check_finite=False))
+        if not outs:
+            return torch.zeros(self.batch, 0, self.num_v_heads, self.d_v, device=self.device)
+        return torch.stack(outs, dim=1)
 
     def effective_state(self) -> torch.Tensor:
         """Checkpoint plus folded buffer: ``S [B, HV, K, V]`` float32."""

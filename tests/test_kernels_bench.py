@@ -67,10 +67,6 @@ def test_buffered_variants_run_and_report(bench, variant):
         assert row["split_breakdown"] is None
 
 
-def test_fla_variant_listed_only_when_installed(bench):
-    assert (bench.FLA in bench.available_variants()) == (bench.fla_recurrent is not None)
-
-
 def _fla_in_a_fresh_interpreter(variant: str) -> None:
     """The fla baseline checked like the others, in a child process that sets ``TRITON_INTERPRET``
     before anything imports flash-linear-attention (in this process transformers may already have

@@ -119,10 +119,10 @@ def test_decode_through_the_kernels_in_the_model(loaded, ids, monkeypatch):
     gives the reference path's logits; PACE_KERNELS=reference never routes there."""
     from kernels_support import kernel_modules
 
-    dispatch = kernel_modules()["dispatch"]
+    decode_step = kernel_modules()["decode_step"]
     calls = []
-    kernel_step = dispatch.decode_step
-    monkeypatch.setattr(dispatch, "decode_step", lambda *a, **kw: calls.append(1) or kernel_step(*a, **kw))
+    kernel_step = decode_step.buffered_decode_step
+    monkeypatch.setattr(decode_step, "buffered_decode_step", lambda *a, **kw: calls.append(1) or kernel_step(*a, **kw))
     cfg = get_config("pace-4").replace(decode_period=4)
     logits = {}
     for backend in ("triton", "reference"):

@@ -121,3 +121,9 @@ def test_weights_fingerprint_names_the_weights(tiny_checkpoints, tmp_path):
     first.model.save_pretrained(tmp_path / "edited")
     first.tokenizer.save_pretrained(tmp_path / "edited")
     assert load_model(tmp_path / "edited").fingerprint != again.fingerprint
+
+
+def test_weights_fingerprint_counts_offloaded_parameters_by_name_and_shape():
+    offloaded = torch.nn.Linear(4, 3, device="meta")  # as accelerate leaves CPU/disk-offloaded weights
+    assert loading.weights_fingerprint(offloaded) == loading.weights_fingerprint(torch.nn.Linear(4, 3, device="meta"))
+    assert loading.weights_fingerprint(offloaded) != loading.weights_fingerprint(torch.nn.Linear(3, 4, device="meta"))

@@ -318,13 +318,17 @@ KERNEL_CASES = {
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
-def test_decode_on_the_kernels_follows_the_reference(name):
+def test_decode_on_the_kernels_follows_the_reference(name, monkeypatch):
     """Buffered decode routed to the Triton kernels (interpreted here) against the reference path,
     over two flushes after a prefill; any wiring slip (inputs, the in-place checkpoint, the flush)
-    would be off by far more than the records' one-code differences allow."""
+    would be off by far more than the records' one-code differences allow. The launch plan is made
+    once per checkpoint."""
     from kernels_support import kernel_modules
 
-    kernel_modules()  # the interpreter, as for the kernels' own tests
+    decode_step = kernel_modules()["decode_step"]  # the interpreter, as for the kernels' own tests
+    plans = []
+    make_plan = decode_step.plan_decode
+    monkeypatch.setattr(decode_step, "plan_decode", lambda *a: plans.append(1) or make_plan(*a))
     from pace_core.state_store import LayerState
 
     cfg = KERNEL_CASES[name]
@@ -346,6 +350,11 @@ def test_decode_on_the_kernels_follows_the_reference(name):
         assert len(layers["triton"].buffer) == len(layers["reference"].buffer) == 1
     assert type(layers["triton"].checkpoint) is type(layers["reference"].checkpoint)
     assert rel(layers["triton"].effective_state(), layers["reference"].effective_state()) < 1e-3
+    assert len(plans) == (1 if cfg.decode_period > 1 else 0)
+    bad = v[:, dec].clone()
+    bad[0, 1, 2, 3] = float("nan")
+    with pytest.raises(PaceError, match="non-finite"):
+        layers["triton"].decode(q[:, dec], k[:, dec], bad, g[:, dec], beta[:, dec])
 
 
 def test_kernel_backend_setting(monkeypatch):

@@ -426,7 +426,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="score whole windows through the prefill path (P-token segments) instead")
     p.add_argument("--batch", type=int, default=1,
                    help="run up to this many windows together, each with its own state (same scores; "
-                        "faster, above all on a GPU; default 1)")
+                        "faster, above all on a GPU; memory grows with batch x window x vocabulary: the "
+                        "logits of a batch are held in fp32; default 1)")
     p.set_defaults(func=run_perplexity)
 
     p = subparsers.add_parser("generate", help="side-by-side greedy and sampled generations")

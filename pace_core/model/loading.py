@@ -171,14 +171,17 @@ FINGERPRINT_VALUES = 64
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """A short hash of which weights ``model`` holds: every parameter's name, shape and its first and
     last ``FINGERPRINT_VALUES`` values (as fp32, so fp32 and bf16 loads of a bf16 checkpoint agree).
-    Retraining or editing a checkpoint changes it; reading it costs a few small copies per parameter,
-    also for a model spread over devices."""
+    Retraining changes it (every value moves); an edit confined to the middle of tensors would not.
+    Parameters offloaded by ``device_map`` (on the ``meta`` device) count by name and shape only.
+    Reading it costs a few small copies per parameter, also for a model spread over devices."""
     h = hashlib.sha256()
     with torch.no_grad():
         for name, p in model.named_parameters():
+            h.update(f"{name}:{tuple(p.shape)};".encode())
+            if p.device.type == "meta":
+                continue
             flat = p.detach().reshape(-1)
             ends = torch.cat([flat[:FINGERPRINT_VALUES], flat[-FINGERPRINT_VALUES:]]).float().cpu()
-            h.update(f"{name}:{tuple(p.shape)};".encode())
             h.update(ends.numpy().tobytes())
     return h.hexdigest()[:16]
 
