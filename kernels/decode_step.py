@@ -656,7 +656,6 @@ def buffered_decode_step(
     if check_finite:
         for name, t in (("k_t", k), ("v_t", v), ("g_t", g)):
             quant.check_finite(t, name)
-    st = _buffer_tensors(buf)
     o = _output(out, (B, HV, V), q.device)
     flush = len(buf) + 1 == period
     if plan.split:
@@ -669,9 +668,9 @@ def buffered_decode_step(
     meta = plan.meta
     if flush:  # the fold + requantise launch holds more live values: 8 warps, at most 64 rows per tile
         meta = {**meta, "BK": min(meta["BK"], max(64, meta["G"] if meta["KEY_AXIS"] else 1)), "num_warps": 8}
+    st, records = _records(buf)
     _decode_kernel[(B * HV, V // meta["BV"])](
-        q, k, v, g, beta, o, *plan.ckpt_args,
-        st["keys"], st["keys_scale"], st["values"], st["values_scale"], st["log_decays"], st["n"], st["cap"],
+        q, k, v, g, beta, o, *plan.ckpt_args, *records, st["n"], st["cap"],
         H, HV, FLUSH=flush, NB=min(triton.next_power_of_2(buf.capacity), 16), NB2=16, **meta,
     )
     if flush:

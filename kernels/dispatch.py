@@ -78,16 +78,19 @@ def _requantize_like(ckpt: Checkpoint, S: torch.Tensor) -> Checkpoint:
 
 
 def decode_step(ckpt: Checkpoint, buf: DecodeBuffer, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
-                g_t: torch.Tensor, beta_t: torch.Tensor, period: int,
-                backend: Backend = "auto") -> tuple[torch.Tensor, Checkpoint]:
+                g_t: torch.Tensor, beta_t: torch.Tensor, period: int, backend: Backend = "auto", *,
+                plan: _ds.DecodePlan | None = None, check_finite: bool = True) -> tuple[torch.Tensor, Checkpoint]:
     """One buffered decode token (PACE_SPEC §3). ``ckpt`` dense ``[B, HV, K, V]`` / PackedTensor /
     MixedPackedState, ``q_t, k_t [B, H, K]`` (prepared), ``v_t [B, HV, V]``, ``g_t, beta_t [B, HV]``.
 
     Appends the record to ``buf``; when it holds ``period`` records, folds, requantises and clears it.
     Returns ``(o_t [B, HV, V] float32, checkpoint)``: the kernels update ``ckpt`` in place and return
-    it, the reference returns a new checkpoint after a flush (else ``ckpt``)."""
+    it, the reference returns a new checkpoint after a flush (else ``ckpt``). ``plan`` and
+    ``check_finite`` go to :func:`kernels.decode_step.buffered_decode_step` (the reference has no
+    launch plan, and its requantisation checks finiteness)."""
     if use_kernels(q_t.device, backend):
-        return _ds.buffered_decode_step(ckpt, buf, q_t, k_t, v_t, g_t, beta_t, period), ckpt
+        return _ds.buffered_decode_step(ckpt, buf, q_t, k_t, v_t, g_t, beta_t, period, plan=plan,
+                                        check_finite=check_finite), ckpt
     if not isinstance(period, int) or not 1 <= period <= buf.capacity:
         raise PaceError(f"period: {period!r} not allowed; allowed: an integer in 1..{buf.capacity} (buffer capacity)")
     S_hat = dequantize(ckpt, torch.float32, "reference")

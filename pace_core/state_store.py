@@ -41,8 +41,8 @@ call **[ours]**: the spec does not say how rounding periods continue across pref
 All batch rows step together (as in HF ``generate``). Computation is float32.
 
 Kernels: buffered decode (dP >= 2) of the methods ``none`` (float32 / bfloat16), ``rtn`` and ``pace``
-(:func:`kernels.decode_step.buffered_decode_step`), and per-token decode (dP = 1) of method ``none``
-(:func:`kernels.decode_step.dense_recurrent_step`), run on the Triton kernels of ``kernels/`` when the layer's
+(:func:`kernels.dispatch.decode_step`), and per-token decode (dP = 1) of method ``none``
+(:func:`kernels.dispatch.dense_step`), run on the Triton kernels of ``kernels/`` when the layer's
 tensors are on a CUDA device and the kernels support the shapes (powers of two); everything else,
 and every CPU tensor, runs the pure-PyTorch reference here. ``backend`` (or the environment variable
 ``PACE_KERNELS``): ``auto`` (the default), ``reference`` (never the kernels, e.g. to compare) or
@@ -173,6 +173,7 @@ class LayerState:
         if self.decode_period > 1:
             self.buffer = DecodeBuffer(self.batch, self.num_k_heads, self.num_v_heads, self.d_k, self.d_v,
                                        self.decode_period, self.cfg.buffer, device)
+        self._use_kernels = self._kernels_apply()
         self.reset()
 
     def _damp_quantizer(self, rows: torch.Tensor | None) -> DampQuantizer:
@@ -250,7 +251,10 @@ class LayerState:
         return o
 
     def uses_kernels(self) -> bool:
-        """Whether :meth:`decode` runs on the Triton kernels (module docstring)."""
+        """Whether :meth:`decode` runs on the Triton kernels (module docstring; fixed per device)."""
+        return self._use_kernels
+
+    def _kernels_apply(self) -> bool:
         if self.backend == "reference" or (self.backend == "auto" and self.device.type != "cuda"):
             return False
         if self.cfg.method not in ("none", "rtn", "pace") or (self.buffer is None and self.cfg.method != "none"):
@@ -271,8 +275,13 @@ class LayerState:
     def decode(self, q, k, v, g, beta) -> torch.Tensor:
         """Decode tokens one by one (shapes as :meth:`prefill`), flushing every dP tokens."""
         T = self._check(q, k, v, g, beta)
-        if self.uses_kernels():
-            return self._kernel_decode(q, k, v, g, beta, T)
+        steps = self._kernel_steps if self._use_kernels else self._reference_steps
+        outputs = steps(q, k, v, g, beta, T)
+        if not outputs:
+            return torch.zeros(self.batch, 0, self.num_v_heads, self.d_v, device=self.device)
+        return torch.stack(outputs, dim=1)
+
+    def _reference_steps(self, q, k, v, g, beta, T: int) -> list[torch.Tensor]:
         S_hat = self.dequantized()
         outputs = []
         for t in range(T):
@@ -287,33 +296,31 @@ class LayerState:
             if len(self.buffer) == self.decode_period:
                 self.flush()
                 S_hat = self.dequantized()
-        if not outputs:
-            return torch.zeros(self.batch, 0, self.num_v_heads, self.d_v, device=self.device)
-        return torch.stack(outputs, dim=1)
+        return outputs
 
-    def _kernel_decode(self, q, k, v, g, beta, T: int) -> torch.Tensor:
-        """:meth:`decode` on the Triton kernels: the checkpoint is updated in place, so the launch plan
-        is made once per checkpoint (a prefill, reset or reorder makes a new one); one device sync per
-        token checks the inputs, and the launches go to the layer's own GPU (under ``device_map``)."""
-        from kernels.decode_step import buffered_decode_step, dense_recurrent_step, plan_decode
+    def _kernel_steps(self, q, k, v, g, beta, T: int) -> list[torch.Tensor]:
+        """The decode steps on the Triton kernels (through :mod:`kernels.dispatch`): the checkpoint is
+        updated in place, so the launch plan is made once per checkpoint (a prefill, reset or reorder
+        makes a new one); one device sync per token checks the inputs, and the launches go to the
+        layer's own GPU (under ``device_map``)."""
+        from kernels.decode_step import plan_decode
+        from kernels.dispatch import decode_step, dense_step
 
-        outs = []
-        guard = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
-        with guard:
+        outputs = []
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             for t in range(T):
                 x = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
                 if not bool(torch.isfinite(x[1]).all() & torch.isfinite(x[2]).all() & torch.isfinite(x[3]).all()):
                     raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
                 if self.buffer is None:
-                    outs.append(dense_recurrent_step(self.checkpoint, *x))
+                    outputs.append(dense_step(self.checkpoint, *x, backend="triton"))
                     continue
                 if self._plan is None or self._plan[0] is not self.checkpoint:
                     self._plan = (self.checkpoint, plan_decode(self.checkpoint, self.buffer))
-                outs.append(buffered_decode_step(self.checkpoint, self.buffer, *x, self.decode_period,
-                                                 plan=self._plan[1], check_finite=False))
-        if not outs:
-            return torch.zeros(self.batch, 0, self.num_v_heads, self.d_v, device=self.device)
-        return torch.stack(outs, dim=1)
+                o, _ = decode_step(self.checkpoint, self.buffer, *x, self.decode_period, backend="triton",
+                                   plan=self._plan[1], check_finite=False)
+                outputs.append(o)
+        return outputs
 
     def effective_state(self) -> torch.Tensor:
         """Checkpoint plus folded buffer: ``S [B, HV, K, V]`` float32."""
