@@ -44,8 +44,9 @@ from kernels import quant_pack  # noqa: E402
 from kernels.decode_step import (  # noqa: E402
     buffered_decode_step,
     dense_recurrent_step,
+    launch_dots,
     launch_flush,
-    launch_packed_step,
+    launch_records,
     plan_decode,
 )
 from pace_core import quant  # noqa: E402
@@ -127,9 +128,10 @@ def configs(variant: str) -> list[dict]:
     if variant.endswith("per-token"):
         return [{"block_v": 32, "num_warps": 4}, {"block_v": 64, "num_warps": 4}, {"block_v": 64, "num_warps": 8}]
     if variant in SPLIT_VARIANTS:
-        return [{"step_warps": 4, "flush_warps": 4, "flush_columns": 32},
-                {"step_warps": 8, "flush_warps": 4, "flush_columns": 16},
-                {"step_warps": 4, "flush_warps": 8, "flush_columns": 64}]
+        return [{"dots_columns": 64, "dots_warps": 4, "record_warps": 1, "flush_warps": 4, "flush_columns": 32},
+                {"dots_columns": 128, "dots_warps": 4, "record_warps": 2, "flush_warps": 8, "flush_columns": 64},
+                {"dots_columns": 32, "dots_warps": 2, "record_warps": 1, "flush_warps": 4, "flush_columns": 16},
+                {"dots_columns": 128, "dots_warps": 8, "record_warps": 4, "flush_warps": 8, "flush_columns": 128}]
     return [{"BK": 64, "num_warps": 4}, {"BK": 64, "num_warps": 8}, {"BK": 128, "num_warps": 8}]
 
 
@@ -212,29 +214,34 @@ def time_config(layers: list, config: dict, reps: int) -> list[float]:
 
 
 def split_breakdown(layers: list, config: dict, reps: int) -> dict:
-    """The split path's two kernels timed alone over all layers (median seconds): the step kernel
-    with dP / 2 records buffered (its record written into the free slot, not counted) and the flush
-    kernel with dP records."""
+    """The split path's three kernels timed alone over all layers (median seconds): the dots kernel,
+    the record kernel with dP / 2 records buffered (its record written into the free slot, not
+    counted) and the flush kernel with dP records."""
     def fill(n: int) -> None:
         for _, (_, buf, _), (_, k, v, g, _), _ in layers:
             buf.clear()
             for _ in range(n):
                 buf.append(k, v * 0.1, g)
 
-    def steps() -> None:
+    def dots() -> None:
+        for _, (_, _, plan), (q, k, _, _, _), _ in layers:
+            launch_dots(_tuned(plan, config), q, k)
+
+    def records() -> None:
         for _, (_, buf, plan), (q, k, v, g, beta), out in layers:
-            launch_packed_step(_tuned(plan, config), buf, q, k, v, g, beta, out)
+            launch_records(_tuned(plan, config), buf, q, k, v, g, beta, out)
 
     def flushes() -> None:
         for _, (_, buf, plan), _, _ in layers:
             launch_flush(_tuned(plan, config), buf)
 
     fill(PERIOD // 2)
-    step = statistics.median(time_graph(steps, reps))
+    out = {"dots_seconds": statistics.median(time_graph(dots, reps)),
+           "records_seconds": statistics.median(time_graph(records, reps))}
     fill(PERIOD)
-    flush = statistics.median(time_graph(flushes, reps))
+    out["flush_seconds"] = statistics.median(time_graph(flushes, reps))
     fill(0)
-    return {"step_seconds": step, "flush_seconds": flush, "records_at_step": PERIOD // 2}
+    return {**out, "records_at_step": PERIOD // 2}
 
 
 def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
@@ -243,10 +250,11 @@ def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
     for config in configs(variant):
         times = time_config(layers, config, reps)
         tried.append({"config": config, "seconds_per_token": statistics.median(times),
-                      "spread": (min(times), max(times))})
+                      "spread": (min(times), max(times)),
+                      "split_breakdown": split_breakdown(layers, config, reps) if variant in SPLIT_VARIANTS else None})
     finite = all(bool(torch.isfinite(out).all()) for _, _, _, out in layers)
     best = min(tried, key=lambda r: r["seconds_per_token"])
-    breakdown = split_breakdown(layers, best["config"], reps) if variant in SPLIT_VARIANTS else None
+    breakdown = best["split_breakdown"]
     del layers
     torch.cuda.empty_cache()
     t = best["seconds_per_token"]
@@ -287,7 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("data/bench"))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated subset of: " + ", ".join(VARIANTS) + " (default: all available)")
     args = ap.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS) if args.variants else set()
+    if unknown:
+        print(f"bench: --variants {', '.join(sorted(unknown))} not known; allowed: {', '.join(VARIANTS)}",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench: no CUDA device; this benchmark runs on the GPU machine only", file=sys.stderr)
         return 2
@@ -297,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     bw = copy_bandwidth(device)
-    variants = available_variants()
+    chosen = args.variants.split(",") if args.variants else VARIANTS
+    variants = [v for v in available_variants() if v in chosen or v == "bf16 per-token"]  # the speed-up's base
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "triton": triton.__version__, "python": platform.python_version(),
                "fla": _fla_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -312,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
             row["hbm_fraction"] = row["bytes_per_second"] / bw
             results["rows"].append(row)
             split = row["split_breakdown"]
-            parts = "" if split is None else (f" step {split['step_seconds'] * 1e6:.1f} us, "
-                                              f"flush {split['flush_seconds'] * 1e6:.1f} us")
+            parts = "" if split is None else (f" dots {split['dots_seconds'] * 1e6:.1f} us, records "
+                                              f"{split['records_seconds'] * 1e6:.1f} us, flush "
+                                              f"{split['flush_seconds'] * 1e6:.1f} us")
             print(f"B={B:4d} {variant:20s} {row['seconds_per_token'] * 1e6:9.1f} us/token "
                   f"{row['bytes_per_token'] / 1e6:9.2f} MB {row['hbm_fraction'] * 100:5.1f}% HBM {row['config']} "
                   f"finite={row['outputs_finite']}{parts}", flush=True)
@@ -332,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         cells = " ".join(f"{by[(v, B)]['seconds_per_token'] * 1e6:11.1f} [{by[(v, B)]['hbm_fraction'] * 100:4.0f}%]"
                          for v in variants)
-        print(f"{B:5d} {cells} {by[('PACE-4 dP=8', B)]['speedup_vs_bf16_per_token']:14.2f}x")
+        speed = by.get(("PACE-4 dP=8", B), {}).get("speedup_vs_bf16_per_token")
+        print(f"{B:5d} {cells} " + (f"{speed:14.2f}x" if speed else f"{'-':>15}"))
     return 0
 
 

@@ -72,12 +72,15 @@ def _buffer_tensors(buf: DecodeBuffer) -> dict:
 
 
 @triton.jit
-def _load_vecs(ptr, scale_ptr, recs, valid, r0, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
-    """Elements ``r0 .. r0+R`` of the buffered vectors ``recs [NB]`` (flat record indices), dequantised
-    to fp32 ``[NB, R]``; rows where ``valid`` is False read as 0."""
+def _vec_parts(ptr, scale_ptr, recs, valid, r0, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
+    """Elements ``r0 .. r0+R`` of the buffered vectors ``recs [NB]`` (flat record indices) as
+    ``(x [NB, R], s [NB])`` fp32 with ``x * s`` the stored values: the codes minus ``2^(BITS-1)``
+    (exact integers) and each vector's scale for integer storage, the values and 1 for float
+    storage; rows where ``valid`` is False read as 0."""
     m = valid[:, None]
     if BITS == 0:
         x = tl.load(ptr + recs[:, None] * L + r0 + tl.arange(0, R)[None, :], mask=m, other=0.0).to(tl.float32)
+        s = tl.where(valid, 1.0, 0.0)
     else:
         s = tl.load(scale_ptr + recs, mask=valid, other=0.0).to(tl.float32)
         if BITS <= 4:
@@ -86,8 +89,16 @@ def _load_vecs(ptr, scale_ptr, recs, valid, r0, R: tl.constexpr, L: tl.constexpr
             c = tl.reshape(tl.join(p & 15, p >> 4), (recs.shape[0], R))
         else:
             c = tl.load(ptr + recs[:, None] * L + r0 + tl.arange(0, R)[None, :], mask=m, other=0).to(tl.int32)
-        x = (c.to(tl.float32) - (1 << (BITS - 1)) * 1.0) * s[:, None]
-    return x
+        x = c.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+    return x, s
+
+
+@triton.jit
+def _load_vecs(ptr, scale_ptr, recs, valid, r0, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
+    """Elements ``r0 .. r0+R`` of the buffered vectors ``recs [NB]``, dequantised to fp32 ``[NB, R]``
+    (see :func:`_vec_parts`)."""
+    x, s = _vec_parts(ptr, scale_ptr, recs, valid, r0, R, L, BITS)
+    return x * s[:, None]
 
 
 @triton.jit
@@ -316,131 +327,183 @@ def _decode_kernel(
 
 
 @triton.jit
-def _pow2_scale(amax):
-    """Powers of two ``(2^e, 2^-e)`` that bring ``amax >= 0`` into ``[2^13, 2^14)`` (e clamped to
-    ``[-126, 126]``; ``(1, 1)`` for 0), so that fp16 holds vectors scaled by ``2^e``."""
-    e = 140 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
-    e = tl.minimum(tl.maximum(tl.where(amax > 0, e, 0), -126), 126)
-    return ((127 + e) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
+def _bf16_split(x):
+    """fp32 ``x`` as three fp32 terms that bfloat16 holds exactly (each rounded to nearest even) and whose
+    sum is exactly ``x``: the operands of an exact tensor-core product. bfloat16 keeps fp32's exponent
+    range, so no scaling is needed (finite ``x``, ``|x| < 2^127``)."""
+    hi = round_bf16(x)
+    r = x - hi
+    mid = round_bf16(r)
+    return hi, mid, r - mid
 
 
 @triton.jit
-def _fp16_split(x):
-    """fp32 ``x`` (scaled, ``|x| < 2^14``) as three fp16 terms whose sum is ``x`` to within ``2^-25``
-    absolute: the exact operands of a tensor-core dot product."""
-    hi = x.to(tl.float16)
-    r = x - hi.to(tl.float32)
-    mid = r.to(tl.float16)
-    return hi, mid, (r - mid.to(tl.float32)).to(tl.float16)
-
-
-@triton.jit
-def _centred_codes(codes, r0, c0, off, G: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, V: tl.constexpr,
-                   BITS: tl.constexpr):
-    """The codes of key rows ``r0 .. r0+G`` (padded to ``KB`` rows with 0), columns ``c0 .. c0+BV`` of
-    one head, minus their offset ``off`` (int32 scalar or ``[BV]``: ``2^(b-1)`` or the zero point), as
-    the exact fp16 integers ``c - z`` ``[KB, BV]``. A code becomes fp16 ``1024 + c`` by or-ing it into
-    the bits of 1024.0 (no int -> float conversion), then ``1024 + z`` is subtracted (exact)."""
-    rows = tl.arange(0, KB)
-    m = (rows < G)[:, None]
-    if BITS <= 4:
-        cols = c0 // 2 + tl.arange(0, BV // 2)
-        p = tl.load(codes + (r0 + rows[:, None]) * (V // 2) + cols[None, :], mask=m, other=0).to(tl.int32)
-        lo = ((p & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # even columns
-        hi = ((p >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # odd columns
-        f = tl.reshape(tl.join(lo, hi), (KB, BV))
+def _operand(x, BF16: tl.constexpr):
+    """fp32 ``x`` holding bfloat16-exact values as a dot operand: bfloat16 on the GPU; fp32 under the
+    interpreter (``BF16`` False), whose bfloat16 ``tl.dot`` is not exact; the values are the same."""
+    if BF16:
+        out = x.to(tl.bfloat16)
     else:
-        cols = c0 + tl.arange(0, BV)
-        p = tl.load(codes + (r0 + rows[:, None]) * V + cols[None, :], mask=m, other=0).to(tl.int32)
-        f = (p | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    f = f - (off + 1024).to(tl.float16)
-    if KB > G:
-        f = tl.where(m, f, 0.0)
-    return f
+        out = x
+    return out
 
 
 @triton.jit
-def _packed_dots(codes, scale, zero, kx, qx, kfull, qfull, c0, K: tl.constexpr, V: tl.constexpr,
-                 BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr,
-                 PACK_Z: tl.constexpr):
-    """``Ŝᵀk`` and ``Ŝᵀq`` (``[BV]`` each, columns ``c0 ..``) of one head's packed key-axis checkpoint
-    on tensor cores; ``k, q`` at ``kx, qx`` (``kfull, qfull [K]``, the same vectors loaded).
+def _centred(c, off, BITS: tl.constexpr, BF16: tl.constexpr):
+    """Codes ``c`` (int32, one per element, ``0 .. 2^BITS - 1``) minus ``off`` (int32, broadcast) as the
+    exact integers ``c - off``, a dot operand (see :func:`_operand`). 4-bit codes on the GPU become
+    bfloat16 ``128 + c`` by or-ing them into the bits of 128.0 (no int -> float conversion); other codes
+    become fp32 ``2^23 + c`` the same way; then ``128 + off`` or ``2^23 + off`` is subtracted (exact)."""
+    if BF16 and BITS <= 4:
+        out = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (off + 128).to(tl.bfloat16)
+    else:
+        f = (c | 0x4B000000).to(tl.float32, bitcast=True) - (off + 8388608).to(tl.float32)
+        out = _operand(f, BF16)
+    return out
 
-    Per key group one ``[16, G] x [G, BV]`` fp16 dot with fp32 accumulation: rows 0-2 hold ``k``
-    and rows 3-5 ``q``, scaled by one power of two and each split into three fp16 terms, against
-    the exact fp16 integers ``c - z``; every product is exact, and the group adds ``s T`` per column
-    (``T = Σ_i x_i (c_i - z)``). Against the reference, which rounds each ``s (c - z)`` to fp32 and
-    sums in IEEE fp32, the differences are the summation order and the tensor cores' fp32
-    accumulation (not IEEE round-to-nearest): float32-rounding level, within the tested 1e-5."""
+
+@triton.jit
+def _ckpt_dots(codes, scale, zero, kx, qx, yx, c0, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+               G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, PACK_Z: tl.constexpr,
+               BF16: tl.constexpr):
+    """``Ŝᵀk`` and ``Ŝᵀq`` of one head's packed key-axis checkpoint, columns ``c0 .. c0+BV``, stored at
+    ``yx`` (``[2, V]``: row 0 ``Ŝᵀk``, row 1 ``Ŝᵀq``); ``k, q [K]`` at ``kx, qx``.
+
+    Per key group one ``[16, G] x [G, N]`` dot on tensor cores with fp32 accumulation: rows 0-2 hold
+    ``k`` and rows 3-5 ``q``, each split into three bfloat16 terms (:func:`_bf16_split`), against the
+    exact integers ``c - z`` (:func:`_centred`); every product is exact and the group adds ``s T``
+    per column (``T = Σ_i x_i (c_i - z)``). 4-bit codes are taken as two half tiles, the low nibbles
+    (even columns) and the high nibbles (odd columns), so no unpacking shuffle is needed. Against
+    the reference, which rounds each ``s (c - z)`` to fp32 and sums in IEEE fp32, the differences are
+    the summation order and the tensor cores' fp32 accumulation: float32-rounding level."""
     KB: tl.constexpr = G if G >= 16 else 16
-    up, down = _pow2_scale(tl.maximum(tl.max(tl.abs(kfull)), tl.max(tl.abs(qfull))))
+    HALVES: tl.constexpr = BITS <= 4
+    N: tl.constexpr = BV // 2 if HALVES else BV
+    NP: tl.constexpr = N if N >= 16 else 16  # a dot has at least 16 columns: pad with masked ones
     rr = tl.arange(0, 16)[:, None]
-    acc = tl.zeros((16, BV), tl.float32)
-    cols = c0 + tl.arange(0, BV)
-    zeros = tl.zeros((16, KB), tl.float16)
+    rows = tl.arange(0, KB)
+    m = rows < G
+    j = tl.arange(0, NP)
+    cm = j < N
+    acc_a = tl.zeros((16, NP), tl.float32)  # even columns (4-bit) or all columns
+    acc_b = tl.zeros((16, NP), tl.float32)  # odd columns (4-bit)
     for r0 in tl.static_range(0, K, G):
-        m = tl.arange(0, KB) < G
-        k1, k2, k3 = _fp16_split(tl.load(kx + r0 + tl.arange(0, KB), mask=m, other=0.0) * up)
-        q1, q2, q3 = _fp16_split(tl.load(qx + r0 + tl.arange(0, KB), mask=m, other=0.0) * up)
-        a = tl.where(rr == 0, k1[None, :], tl.where(rr == 1, k2[None, :], tl.where(rr == 2, k3[None, :], zeros)))
-        a = tl.where(rr == 3, q1[None, :], tl.where(rr == 4, q2[None, :], tl.where(rr == 5, q3[None, :], a)))
-        s = tl.load(scale + (r0 // G) * V + cols).to(tl.float32)
-        if SYM:
-            off = (1 << (BITS - 1))
-        else:
-            if PACK_Z:
-                zp = tl.load(zero + (r0 // G) * (V // 2) + c0 // 2 + tl.arange(0, BV // 2)).to(tl.int32)
-                off = tl.reshape(tl.join(zp & 15, zp >> 4), (BV,))[None, :]
+        k1, k2, k3 = _bf16_split(tl.load(kx + r0 + rows, mask=m, other=0.0))
+        q1, q2, q3 = _bf16_split(tl.load(qx + r0 + rows, mask=m, other=0.0))
+        a = tl.where(rr == 0, k1[None, :], tl.where(rr == 1, k2[None, :], tl.where(rr == 2, k3[None, :], 0.0)))
+        a = _operand(tl.where(rr == 3, q1[None, :], tl.where(rr == 4, q2[None, :], tl.where(rr == 5, q3[None, :], a))),
+                     BF16)
+        srow = scale + (r0 // G) * V
+        if HALVES:
+            p = tl.load(codes + (r0 + rows[:, None]) * (V // 2) + c0 // 2 + j[None, :], mask=m[:, None] & cm[None, :],
+                        other=0).to(tl.int32)
+            if SYM:
+                off_a = 1 << (BITS - 1)
+                off_b = 1 << (BITS - 1)
+            elif PACK_Z:
+                zp = tl.load(zero + (r0 // G) * (V // 2) + c0 // 2 + j, mask=cm, other=0).to(tl.int32)
+                off_a = (zp & 15)[None, :]
+                off_b = (zp >> 4)[None, :]
             else:
-                off = tl.load(zero + (r0 // G) * V + cols).to(tl.int32)[None, :]
-        acc += s[None, :] * tl.dot(a, _centred_codes(codes, r0, c0, off, G, KB, BV, V, BITS))
-    sk = tl.sum(tl.where(rr < 3, acc, 0.0), axis=0) * down
-    sq = tl.sum(tl.where((rr >= 3) & (rr < 6), acc, 0.0), axis=0) * down
-    return sk, sq
+                off_a = tl.load(zero + (r0 // G) * V + c0 + 2 * j, mask=cm, other=0).to(tl.int32)[None, :]
+                off_b = tl.load(zero + (r0 // G) * V + c0 + 2 * j + 1, mask=cm, other=0).to(tl.int32)[None, :]
+            s_a = tl.load(srow + c0 + 2 * j, mask=cm, other=0.0).to(tl.float32)
+            s_b = tl.load(srow + c0 + 2 * j + 1, mask=cm, other=0.0).to(tl.float32)
+            acc_a += s_a[None, :] * tl.dot(a, _centred(p & 15, off_a, BITS, BF16))
+            acc_b += s_b[None, :] * tl.dot(a, _centred(p >> 4, off_b, BITS, BF16))
+        else:
+            p = tl.load(codes + (r0 + rows[:, None]) * V + c0 + j[None, :], mask=m[:, None] & cm[None, :],
+                        other=0).to(tl.int32)
+            if SYM:
+                off = 1 << (BITS - 1)
+            elif PACK_Z:
+                zp = tl.load(zero + (r0 // G) * (V // 2) + c0 // 2 + tl.arange(0, NP // 2), mask=tl.arange(0, NP // 2) < N // 2,
+                             other=0).to(tl.int32)
+                off = tl.reshape(tl.join(zp & 15, zp >> 4), (NP,))[None, :]
+            else:
+                off = tl.load(zero + (r0 // G) * V + c0 + j, mask=cm, other=0).to(tl.int32)[None, :]
+            s_a = tl.load(srow + c0 + j, mask=cm, other=0.0).to(tl.float32)
+            acc_a += s_a[None, :] * tl.dot(a, _centred(p, off, BITS, BF16))
+    if HALVES:
+        _store_dots(yx, c0 + 2 * j, cm, acc_a, V)
+        _store_dots(yx, c0 + 2 * j + 1, cm, acc_b, V)
+    else:
+        _store_dots(yx, c0 + j, cm, acc_a, V)
 
 
 @triton.jit
-def _packed_step_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
-    part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
-    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+def _store_dots(yx, cols, cm, acc, V: tl.constexpr):
+    """Sum the three split rows of ``k`` (rows 0-2 of ``acc [16, N]``) and of ``q`` (rows 3-5) and
+    store them at ``yx + cols`` and ``yx + V + cols`` (columns where ``cm``)."""
+    rr = tl.arange(0, 16)[:, None]
+    tl.store(yx + cols, tl.sum(tl.where(rr < 3, acc, 0.0), axis=0), mask=cm)
+    tl.store(yx + V + cols, tl.sum(tl.where((rr >= 3) & (rr < 6), acc, 0.0), axis=0), mask=cm)
+
+
+@triton.jit
+def _ckpt_dots_kernel(
+    q_ptr, k_ptr, y_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, H, HV,
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr,
-    NB: tl.constexpr,
+    TWO: tl.constexpr, BF16: tl.constexpr,
 ):
+    """The split path's first kernel: ``y [B*HV, 2, V]`` = ``Ŝᵀk_t, Ŝᵀq_t`` per (sequence, value head),
+    one program per column block; reads the packed checkpoint once and nothing else of the state."""
     pid = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * BV
     b = pid // HV
     h = pid % HV
     kh = h // (HV // H)
-    cols = c0 + tl.arange(0, BV)
-    kx = k_ptr + (b * H + kh) * K
-    qx = q_ptr + (b * H + kh) * K
-    kfull = tl.load(kx + tl.arange(0, K))
-    qfull = tl.load(qx + tl.arange(0, K))
-    part = tl.load(part_ptr + h)
-    slot = tl.load(slot_ptr + h).to(tl.int64)
+    if TWO:
+        part = tl.load(part_ptr + h)
+        slot = tl.load(slot_ptr + h).to(tl.int64)
+    else:  # one bit width: head h is slot h of part 0, no table read on the critical path
+        part = 0
+        slot = h
     a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
                                             CC0, SS0, ZS0, CC1, SS1, ZS1)
+    kx = k_ptr + (b * H + kh) * K
+    qx = q_ptr + (b * H + kh) * K
+    yx = y_ptr + pid * 2 * V
     if TWO:
         if part == 1:
-            sk, sq = _packed_dots(a1, as1, az1, kx, qx, kfull, qfull, c0, K, V, BV, G, SYM, BITS1, PZ1)
+            _ckpt_dots(a1, as1, az1, kx, qx, yx, c0, K, V, BV, G, SYM, BITS1, PZ1, BF16)
         else:
-            sk, sq = _packed_dots(a0, as0, az0, kx, qx, kfull, qfull, c0, K, V, BV, G, SYM, BITS0, PZ0)
+            _ckpt_dots(a0, as0, az0, kx, qx, yx, c0, K, V, BV, G, SYM, BITS0, PZ0, BF16)
     else:
-        sk, sq = _packed_dots(a0, as0, az0, kx, qx, kfull, qfull, c0, K, V, BV, G, SYM, BITS0, PZ0)
+        _ckpt_dots(a0, as0, az0, kx, qx, yx, c0, K, V, BV, G, SYM, BITS0, PZ0, BF16)
 
+
+@triton.jit
+def _record_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, y_ptr,
+    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr,
+    V_BF16: tl.constexpr, NB: tl.constexpr,
+):
+    """The split path's second kernel, one program per (sequence, value head): the buffered records'
+    part of the two products, ``u_t``, ``o_t`` from ``y`` (:func:`_ckpt_dots_kernel`), and the token's
+    record written in the buffer's precision. Launched with few warps: its reductions are over
+    vectors, so they stay within a warp or two."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // HV
+    h = pid % HV
+    kh = h // (HV // H)
+    cols = tl.arange(0, V)
+    kfull = tl.load(k_ptr + (b * H + kh) * K + tl.arange(0, K))
+    qfull = tl.load(q_ptr + (b * H + kh) * K + tl.arange(0, K))
+    sk = tl.load(y_ptr + pid * 2 * V + cols)
+    sq = tl.load(y_ptr + pid * 2 * V + V + cols)
     g_t = tl.load(g_ptr + pid)
-    run, rk, rq = _record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, kfull, qfull,
-                                g_t, K, V, BV, KBITS, VBITS, NB)
+    run, rk, rq = _record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, kfull, qfull,
+                                g_t, K, V, V, KBITS, VBITS, NB)
     kcodes, kscale, khat, ucodes, uscale, uhat = _token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq,
-                                                               rk, rq, kfull, qfull, K, V, BV, KBITS, VBITS,
+                                                               rk, rq, kfull, qfull, K, V, V, KBITS, VBITS,
                                                                K_BF16, V_BF16)
     # the record is appended also on the token that fills the buffer: the flush kernel folds it
-    _append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
-                   kcodes, kscale, khat, ucodes, uscale, uhat, K, V, BV, KBITS, VBITS)
+    _append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, g_t,
+                   kcodes, kscale, khat, ucodes, uscale, uhat, K, V, V, KBITS, VBITS)
 
 
 @triton.jit
@@ -450,10 +513,16 @@ def _flush_kernel(
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, NB: tl.constexpr,
+    TWO: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr, NB: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """Fold the ``n`` buffered records into the packed checkpoint and requantise it in place:
-    ``S = e^{G} Ŝ + Σ_i e^{G - G_i} k_i u_iᵀ`` for the columns ``c0 .. c0+BV`` of one head."""
+    ``S = e^{G} Ŝ + Σ_i e^{G - G_i} k_i u_iᵀ`` for the columns ``c0 .. c0+BV`` of one head.
+
+    The fold is ``[K, NB] x [NB, BV]`` on tensor cores: the keys as the exact integers ``c - 2^(b-1)``
+    (integer storage; bfloat16 keys as they are) against ``e^{G - G_i} s_i u_i`` split into three
+    bfloat16 terms (:func:`_bf16_split`), so every product is exact; float32 keys take an IEEE fp32
+    dot."""
     pid = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * BV
     b = pid // HV
@@ -471,10 +540,15 @@ def _flush_kernel(
         i = n - (blk + 1) * NB + ridx
         valid = i >= 0
         gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
-        kb = _load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
+        kc, ks = _vec_parts(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
         ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
-        w = tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1))
-        acc += tl.dot(tl.trans(kb), w[:, None] * ub, input_precision="tf32x3")
+        rhs = (tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)) * ks)[:, None] * ub
+        if KBITS > 0 or K_BF16:
+            kt = _operand(tl.trans(kc), BF16)
+            r1, r2, r3 = _bf16_split(rhs)
+            acc += tl.dot(kt, _operand(r1, BF16)) + tl.dot(kt, _operand(r2, BF16)) + tl.dot(kt, _operand(r3, BF16))
+        else:
+            acc += tl.dot(tl.trans(kc), rhs, input_precision="ieee")
         run += tl.sum(gb)
     S = _ckpt_tile(a0, part, a0, as0, az0, a1, as1, az1, 0, c0, K, BV, K, V, G, True, SYM,
                    BITS0, PZ0, BITS1, PZ1, TWO, False)
@@ -525,7 +599,8 @@ class DecodePlan:
     capacity: int
     ckpt_args: list
     meta: dict = field(default_factory=dict)
-    split: bool = False  # packed key-axis checkpoint: step kernel + separate flush kernel
+    split: bool = False  # packed key-axis checkpoint: dots + record kernels, a separate flush kernel
+    workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the kernels
 
 
 def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
@@ -569,19 +644,22 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
     meta = dict(K=K, V=V, BK=BK, BV=BV, G=G, KEY_AXIS=key_axis, SYM=sym, **layout_args(layouts),
                 DENSE=isinstance(ckpt, torch.Tensor), KBITS=st["keys_bits"], VBITS=st["values_bits"],
                 K_BF16=st["keys"].dtype == torch.bfloat16, V_BF16=st["values"].dtype == torch.bfloat16,
-                num_warps=8 if BK * BV >= 8192 else 4)
+                num_warps=8 if BK * BV >= 8192 else 4, BF16=buf.device.type == "cuda")
     split = not meta["DENSE"] and key_axis
-    return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split)
+    workspace = torch.empty(B * HV * 2 * V, dtype=torch.float32, device=buf.device) if split else None
+    return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace)
 
 
-SPLIT_DEFAULTS = {"step_warps": 4, "flush_warps": 4, "flush_columns": 32}
-"""Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others): warps of
-the step and flush kernels, columns per flush program (a ``[K, flush_columns]`` fp32 fold tile)."""
+SPLIT_DEFAULTS = {"dots_columns": 64, "dots_warps": 4, "record_warps": 1, "flush_warps": 4, "flush_columns": 32}
+"""Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others): columns
+per program and warps of the dots kernel, warps of the record kernel (one program per sequence and
+value head), warps of the flush kernel and columns per flush program (a ``[K, flush_columns]`` fold
+tile)."""
 
 
-def _split_common(plan: DecodePlan) -> dict:
-    m = plan.meta
-    return dict(K=m["K"], V=m["V"], G=m["G"], SYM=m["SYM"], TWO=m["TWO"], KBITS=m["KBITS"], VBITS=m["VBITS"],
+def _ckpt_common(m: dict) -> dict:
+    """The packed checkpoint's compile-time layout (the split kernels' common constexpr arguments)."""
+    return dict(K=m["K"], V=m["V"], G=m["G"], SYM=m["SYM"], TWO=m["TWO"], BF16=m["BF16"],
                 **{f"{x}{i}": m[f"{x}{i}"] for x in ("BITS", "PZ", "CC", "SS", "ZS") for i in (0, 1)})
 
 
@@ -590,18 +668,34 @@ def _records(buf: DecodeBuffer) -> tuple[dict, tuple]:
     return st, (st["keys"], st["keys_scale"], st["values"], st["values_scale"], st["log_decays"])
 
 
-def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
-    """The split path's step kernel: outputs ``o [B, HV, V]`` from the packed checkpoint and the
-    buffer's ``len(buf)`` records, and writes the new record into slot ``len(buf)`` (the caller counts
-    it). Inputs as in :func:`buffered_decode_step`, float32 and contiguous."""
+def launch_dots(plan: DecodePlan, q, k) -> None:
+    """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]``
+    float32, contiguous)."""
+    B, H, HV, K, V = plan.shape
+    m = {**SPLIT_DEFAULTS, **plan.meta}
+    bv = min(m["dots_columns"], V)
+    _ckpt_dots_kernel[(B * HV, V // bv)](q, k, plan.workspace, *plan.ckpt_args[1:], H, HV, BV=bv,
+                                         num_warps=m["dots_warps"], **_ckpt_common(m))
+
+
+def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+    """The split path's second kernel: ``o [B, HV, V]`` from ``plan.workspace`` and the buffer's
+    ``len(buf)`` records; writes the token's record into slot ``len(buf)`` (the caller counts it)."""
     B, H, HV, K, V = plan.shape
     m = {**SPLIT_DEFAULTS, **plan.meta}
     st, records = _records(buf)
-    _packed_step_kernel[(B * HV, V // m["BV"])](
-        q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, BV=m["BV"],
-        K_BF16=m["K_BF16"], V_BF16=m["V_BF16"], NB=min(triton.next_power_of_2(plan.capacity), 16),
-        num_warps=m["step_warps"], **_split_common(plan),
+    _record_step_kernel[(B * HV,)](
+        q, k, v, g, beta, o, plan.workspace, *records, st["n"], st["cap"], H, HV, K=K, V=V, KBITS=m["KBITS"],
+        VBITS=m["VBITS"], K_BF16=m["K_BF16"], V_BF16=m["V_BF16"], NB=min(triton.next_power_of_2(plan.capacity), 16),
+        num_warps=m["record_warps"],
     )
+
+
+def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+    """The split path's step: :func:`launch_dots` then :func:`launch_records`. Inputs as in
+    :func:`buffered_decode_step`, float32 and contiguous."""
+    launch_dots(plan, q, k)
+    launch_records(plan, buf, q, k, v, g, beta, o)
 
 
 def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
@@ -612,7 +706,8 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     st, records = _records(buf)
     bv = min(m["flush_columns"], V)
     _flush_kernel[(B * HV, V // bv)](*plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, BV=bv, NB=16,
-                                     num_warps=m["flush_warps"], **_split_common(plan))
+                                     KBITS=m["KBITS"], VBITS=m["VBITS"], K_BF16=m["K_BF16"],
+                                     num_warps=m["flush_warps"], **_ckpt_common(m))
 
 
 def buffered_decode_step(
@@ -671,7 +766,8 @@ def buffered_decode_step(
     st, records = _records(buf)
     _decode_kernel[(B * HV, V // meta["BV"])](
         q, k, v, g, beta, o, *plan.ckpt_args, *records, st["n"], st["cap"],
-        H, HV, FLUSH=flush, NB=min(triton.next_power_of_2(buf.capacity), 16), NB2=16, **meta,
+        H, HV, FLUSH=flush, NB=min(triton.next_power_of_2(buf.capacity), 16), NB2=16,
+        **{key: x for key, x in meta.items() if key != "BF16"},
     )
     if flush:
         buf.clear()

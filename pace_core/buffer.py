@@ -158,6 +158,11 @@ class DecodeBuffer:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def device(self) -> torch.device:
+        """Where the records are stored."""
+        return self._decays.device
+
     def append(self, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> None:
         """Append one record: ``k [B, H, K]``, ``u [B, HV, V]``, ``g [B, HV]``."""
         B, H, HV = self.batch, self.num_k_heads, self.num_v_heads

@@ -61,8 +61,9 @@ def test_buffered_variants_run_and_report(bench, variant):
     assert row["outputs_finite"] and row["seconds_per_token"] == pytest.approx(1e-3 / bench.PERIOD)
     assert [t["config"] for t in row["tried"]] == bench.configs(variant)
     if variant in bench.SPLIT_VARIANTS:
-        assert row["split_breakdown"] == {"step_seconds": 1e-3, "flush_seconds": 1e-3,
+        assert row["split_breakdown"] == {"dots_seconds": 1e-3, "records_seconds": 1e-3, "flush_seconds": 1e-3,
                                           "records_at_step": bench.PERIOD // 2}
+        assert all(t["split_breakdown"] == row["split_breakdown"] for t in row["tried"])
     else:
         assert row["split_breakdown"] is None
 
