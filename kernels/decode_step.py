@@ -3,15 +3,18 @@ dense step used as the fp32 / bf16 baseline.
 
 :func:`buffered_decode_step` — one token for all sequences and value heads. Two paths:
 
-- **split** (packed checkpoints with key-axis groups: PACE-4, PACE-4/8): :func:`launch_packed_step`,
-  one program per (sequence, value head, column block), reads the packed checkpoint once and forms
-  ``Ŝᵀk_t`` and ``Ŝᵀq_t`` together on tensor cores (:func:`_packed_dots`: one ``[16, G] x [G, BV]``
-  fp16 dot per key group, ``k`` and ``q`` split into exact fp16 terms, the codes turned into the
-  exact fp16 integers ``c - z`` by bit operations and one fp16 subtraction), then the buffered records, ``u_t``, ``o_t``, and writes the record into the
-  buffer in its precision, every token. On the token that fills the buffer to ``period`` records
-  :func:`launch_flush` folds ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (one ``[K, 16] x [16, BV]``
-  ``tl.dot`` per 16 records in ``tf32x3``, three tf32 products that together keep fp32 accuracy)
-  and requantises the checkpoint in place.
+- **split** (packed checkpoints with key-axis groups: PACE-4, PACE-4/8), three kernels:
+  :func:`_ckpt_dots_kernel` (:func:`launch_dots`), one program per (sequence, value head, column
+  block), reads the packed checkpoint once and forms ``Ŝᵀk_t`` and ``Ŝᵀq_t`` together on tensor
+  cores (:func:`_ckpt_dots`: one ``[16, G] x [G, N]`` dot per key group, ``k`` and ``q`` split into
+  three bfloat16 terms each, the codes turned into the exact integers ``c - z`` by bit operations,
+  4-bit codes as even / odd half tiles) into the plan's workspace; :func:`_record_step_kernel`
+  (:func:`launch_records`), one small program per (sequence, value head), adds the buffered records'
+  part, forms ``u_t`` and ``o_t`` and writes the record into the buffer in its precision, every
+  token. On the token that fills the buffer to ``period`` records :func:`_flush_kernel`
+  (:func:`launch_flush`) folds ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (``[K, 16] x [16, N]`` dots
+  on tensor cores, exact products: integer key codes against bfloat16 splits) and requantises the
+  checkpoint in place.
 - **fused** (dense fp32 / bf16 checkpoints, value-axis groups): :func:`_decode_kernel`, one launch
   per token that also folds and requantises on the flush token (a second pass over ``Ŝ``).
 
@@ -19,15 +22,18 @@ Both compute ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)`` and ``o_t`` with the 
 (buffer-precision) ``k_t, u_t``, exactly as :func:`pace_core.recurrence.buffered_step`.
 
 Tolerances against the reference (float32 in both): outputs and folded states agree to a relative
-Frobenius error below 1e-5 (the summation order differs; the split path's tensor-core products are
-exact, its fold in ``tf32x3`` about as accurate as fp32); the records written to an
-int8 / 4-bit buffer and the requantised checkpoint are bit-identical to quantising the kernel's own
-``u_t`` / folded ``S``, so against the reference they differ at most by one code where a value lies
-within float32 rounding of a rounding boundary (that is, by at most one scale step).
+Frobenius error below 1e-5 given the same stored record (the summation order differs; the split
+path's tensor-core products are exact, their fp32 accumulation is not IEEE round-to-nearest); where
+the kernel's ``u_t`` lies within float32 rounding of a bfloat16 / int8 rounding boundary it may be
+stored one step apart from the reference's, and ``o_t`` then differs by that step times
+``k̂_t·q_t``. The records written to an int8 / 4-bit buffer and the requantised checkpoint are
+bit-identical to quantising the kernel's own ``u_t`` / folded ``S``, so against the reference they
+differ at most by one code where a value lies within float32 rounding of a rounding boundary.
 
-Speed on the H200 (kernels/NOTES.md, data/bench/): correct at full Qwen3.5 shapes, but far from the
-memory floor: at batch 128 the split step kernel moves its bytes at about 8 % of HBM bandwidth and
-the flush at about 3 %, so PACE-4 is still about 2x slower than the per-token bf16 baseline.
+Under the Triton interpreter (CPU tensors) the tensor-core operands stay fp32 holding the same
+bfloat16-exact values (:func:`_operand`): the interpreter's bfloat16 ``tl.dot`` is not exact.
+
+Speed on the H200: kernels/NOTES.md and data/bench/.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant_pack import (
+    _expand,
     _load_tile,
     _quant_tile,
     _rint,
@@ -507,6 +514,101 @@ def _record_step_kernel(
 
 
 @triton.jit
+def _fold(kt, rhs, EXACT: tl.constexpr, BF16: tl.constexpr):
+    """``kt [K, NB] x rhs [NB, N]`` fp32 on tensor cores. ``EXACT``: ``kt`` holds bfloat16-exact values
+    (integer key codes, bfloat16 keys) and ``rhs`` is split into three bfloat16 terms
+    (:func:`_bf16_split`), so every product is exact; else an IEEE fp32 dot."""
+    if EXACT:
+        r1, r2, r3 = _bf16_split(rhs)
+        out = tl.dot(kt, _operand(r1, BF16)) + tl.dot(kt, _operand(r2, BF16)) + tl.dot(kt, _operand(r3, BF16))
+    else:
+        out = tl.dot(kt, rhs, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def _dequant_half(c, s, z, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr):
+    """``(c - z) * s`` fp32 ``[K, N]`` from codes ``c`` int32 ``[K, N]``, per-group scales ``s`` fp32
+    ``[K/G, N]`` and zero points ``z`` (int32 ``[K/G, N]``; symmetric: the scalar ``2^(b-1)``), as
+    :func:`kernels.quant_pack._load_tile`."""
+    if SYM:
+        q = c.to(tl.float32) - z * 1.0
+    else:
+        q = c.to(tl.float32) - _expand(z.to(tl.float32), K, N, G, True)
+    return q * _expand(s, K, N, G, True)
+
+
+@triton.jit
+def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0,
+                K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+                BITS: tl.constexpr, PZ: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                K_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr):
+    """The flush of one head's columns ``c0 .. c0+BV`` (see :func:`_flush_kernel`). 4-bit codes are
+    taken as two half tiles, low nibbles (even columns) and high nibbles (odd columns): each is
+    folded, dequantised and requantised on its own (key-axis groups never mix columns) and the two
+    are packed back into bytes without any shuffle between threads."""
+    HALVES: tl.constexpr = BITS <= 4 and BV >= 32
+    EXACT: tl.constexpr = KBITS > 0 or K_BF16
+    N: tl.constexpr = BV // 2 if HALVES else BV
+    ridx = tl.arange(0, NB)
+    later = ridx[None, :] > ridx[:, None]
+    run = tl.sum(tl.zeros((NB,), tl.float32))
+    acc_a = tl.zeros((K, N), tl.float32)  # even columns (halves) or all columns
+    acc_b = tl.zeros((K, N), tl.float32)  # odd columns (halves)
+    for blk in range(0, tl.cdiv(n, NB)):  # newest block first; run = Σ g of the newer blocks
+        i = n - (blk + 1) * NB + ridx
+        valid = i >= 0
+        gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
+        kc, ks = _vec_parts(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
+        ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
+        w = (tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)) * ks)[:, None]
+        if EXACT:
+            kt = _operand(tl.trans(kc), BF16)
+        else:
+            kt = tl.trans(kc)
+        if HALVES:
+            u_a, u_b = tl.split(tl.reshape(ub, (NB, N, 2)))
+            acc_a += _fold(kt, w * u_a, EXACT, BF16)
+            acc_b += _fold(kt, w * u_b, EXACT, BF16)
+        else:
+            acc_a += _fold(kt, w * ub, EXACT, BF16)
+        run += tl.sum(gb)
+    decay = tl.exp(run)
+    if HALVES:
+        rows = tl.arange(0, K)
+        j = tl.arange(0, N)
+        grp = tl.arange(0, K // G)[:, None]
+        p = tl.load(codes + rows[:, None] * (V // 2) + c0 // 2 + j[None, :]).to(tl.int32)
+        s_at = scale + grp * V + c0 + 2 * j[None, :]
+        if SYM:
+            z_a = 1 << (BITS - 1)
+            z_b = 1 << (BITS - 1)
+        elif PZ:
+            zp = tl.load(zero + grp * (V // 2) + c0 // 2 + j[None, :]).to(tl.int32)
+            z_a = zp & 15
+            z_b = zp >> 4
+        else:
+            z_a = tl.load(zero + grp * V + c0 + 2 * j[None, :]).to(tl.int32)
+            z_b = tl.load(zero + grp * V + c0 + 2 * j[None, :] + 1).to(tl.int32)
+        x_a = acc_a + decay * _dequant_half(p & 15, tl.load(s_at).to(tl.float32), z_a, K, N, G, SYM)
+        x_b = acc_b + decay * _dequant_half(p >> 4, tl.load(s_at + 1).to(tl.float32), z_b, K, N, G, SYM)
+        c_a, sc_a, zq_a = _quant_tile(x_a, K, N, G, True, SYM, BITS)
+        c_b, sc_b, zq_b = _quant_tile(x_b, K, N, G, True, SYM, BITS)
+        tl.store(codes + rows[:, None] * (V // 2) + c0 // 2 + j[None, :], (c_a | (c_b << 4)).to(tl.uint8))
+        tl.store(s_at, sc_a)
+        tl.store(s_at + 1, sc_b)
+        if not SYM:
+            if PZ:
+                tl.store(zero + grp * (V // 2) + c0 // 2 + j[None, :], (zq_a | (zq_b << 4)).to(tl.uint8))
+            else:
+                tl.store(zero + grp * V + c0 + 2 * j[None, :], zq_a.to(tl.uint8))
+                tl.store(zero + grp * V + c0 + 2 * j[None, :] + 1, zq_b.to(tl.uint8))
+    else:
+        S = _load_tile(codes, scale, zero, 0, c0, K, BV, K, V, G, True, SYM, BITS, PZ)
+        _store_tile(acc_a + decay * S, codes, scale, zero, 0, c0, K, BV, K, V, G, True, SYM, BITS, PZ)
+
+
+@triton.jit
 def _flush_kernel(
     part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
     bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
@@ -522,39 +624,30 @@ def _flush_kernel(
     The fold is ``[K, NB] x [NB, BV]`` on tensor cores: the keys as the exact integers ``c - 2^(b-1)``
     (integer storage; bfloat16 keys as they are) against ``e^{G - G_i} s_i u_i`` split into three
     bfloat16 terms (:func:`_bf16_split`), so every product is exact; float32 keys take an IEEE fp32
-    dot."""
+    dot (:func:`_fold`)."""
     pid = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * BV
     b = pid // HV
     h = pid % HV
     kh = h // (HV // H)
-    part = tl.load(part_ptr + h)
-    slot = tl.load(slot_ptr + h).to(tl.int64)
+    if TWO:
+        part = tl.load(part_ptr + h)
+        slot = tl.load(slot_ptr + h).to(tl.int64)
+    else:
+        part = 0
+        slot = h
     a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
                                             CC0, SS0, ZS0, CC1, SS1, ZS1)
-    ridx = tl.arange(0, NB)
-    later = ridx[None, :] > ridx[:, None]
-    run = tl.sum(tl.zeros((NB,), tl.float32))
-    acc = tl.zeros((K, BV), tl.float32)
-    for blk in range(0, tl.cdiv(n, NB)):  # newest block first; run = Σ g of the newer blocks
-        i = n - (blk + 1) * NB + ridx
-        valid = i >= 0
-        gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
-        kc, ks = _vec_parts(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
-        ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
-        rhs = (tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)) * ks)[:, None] * ub
-        if KBITS > 0 or K_BF16:
-            kt = _operand(tl.trans(kc), BF16)
-            r1, r2, r3 = _bf16_split(rhs)
-            acc += tl.dot(kt, _operand(r1, BF16)) + tl.dot(kt, _operand(r2, BF16)) + tl.dot(kt, _operand(r3, BF16))
+    if TWO:
+        if part == 1:
+            _flush_head(a1, as1, az1, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0,
+                        K, V, BV, G, SYM, BITS1, PZ1, KBITS, VBITS, K_BF16, NB, BF16)
         else:
-            acc += tl.dot(tl.trans(kc), rhs, input_precision="ieee")
-        run += tl.sum(gb)
-    S = _ckpt_tile(a0, part, a0, as0, az0, a1, as1, az1, 0, c0, K, BV, K, V, G, True, SYM,
-                   BITS0, PZ0, BITS1, PZ1, TWO, False)
-    acc += tl.exp(run) * S
-    _ckpt_store(acc, a0, part, a0, as0, az0, a1, as1, az1, 0, c0, K, BV, K, V, G, True, SYM,
-                BITS0, PZ0, BITS1, PZ1, TWO, False)
+            _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0,
+                        K, V, BV, G, SYM, BITS0, PZ0, KBITS, VBITS, K_BF16, NB, BF16)
+    else:
+        _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0,
+                    K, V, BV, G, SYM, BITS0, PZ0, KBITS, VBITS, K_BF16, NB, BF16)
 
 
 def _as_mixed(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.MixedPackedState:

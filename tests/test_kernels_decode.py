@@ -48,9 +48,9 @@ def _checkpoint(name: str, S: torch.Tensor):
     return quant.quantize(S, storage)
 
 
-def _token(hv: int):
+def _token(hv: int, v_dim: int = V):
     q, k = prepare_qk(torch.randn(B, H, K), torch.randn(B, H, K))
-    return q, k, torch.randn(B, hv, V), -torch.rand(B, hv) * 0.7, torch.rand(B, hv)
+    return q, k, torch.randn(B, hv, v_dim), -torch.rand(B, hv) * 0.7, torch.rand(B, hv)
 
 
 def _poison_slot(buf: DecodeBuffer) -> None:
@@ -91,11 +91,12 @@ def _storage_step(precision: str, u: torch.Tensor) -> torch.Tensor:
     return u.abs() * 2.0 ** -7
 
 
-def _token_without_flush(ckpt, buf: DecodeBuffer, token, gamma: int) -> torch.Tensor:
+def _token_without_flush(ckpt, buf: DecodeBuffer, token, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one token on copies of ``ckpt, buf`` (capacity dP + 1) with a period that keeps its record,
     kernel and reference, and check the kernel against the reference given the same stored record:
     where the kernel's ``u_t`` (float32-rounding close to the reference's) rounds to another bfloat16
-    / int8 value, ``o_t`` moves by ``(k̂_t·q_t) Δû_t``, by design. Returns the kernel's ``o_t``."""
+    / int8 value, ``o_t`` moves by ``(k̂_t·q_t) Δû_t``, by design. Returns the kernel's ``o_t`` and that
+    possible move's bound (one storage step times ``|k̂_t·q_t|``, :func:`_check_flush_token_output`)."""
     n, precision, q = len(buf), buf.precision, token[0]
     ckpt_r, buf_r, ckpt_k, buf_k = (copy.deepcopy(x) for x in (ckpt, buf, ckpt, buf))
     o_ref, _ = dispatch.decode_step(ckpt_r, buf_r, *token, PERIOD + 1, backend="reference")
@@ -256,6 +257,29 @@ def test_packed_key_axis_split_path_over_two_periods(name: str, gamma: int) -> N
         assert len(buf) == 0
         _assert_within_one_step(ckpt, ref_ckpt)
         assert not torch.equal(quant.dequantize(_as_packed(ckpt)), start)
+
+
+@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3)])
+def test_split_path_on_half_tiles(name: str, gamma: int) -> None:
+    """Heads at least 32 values wide, so that the dots and flush kernels take 4-bit codes as even / odd
+    half tiles of 16 or more columns (narrower heads pad the dots and fold whole tiles): a period's
+    last token, its output and the fold + requantisation against the reference."""
+    HV, VW = H * gamma, max(V, 32)
+    _, precision = CONFIGS[name]
+    ckpt = _checkpoint(name, torch.randn(B, HV, K, VW) * 0.3)
+    buf = DecodeBuffer(B, H, HV, K, VW, PERIOD + 1, precision, DEVICE)
+    assert ds.plan_decode(ckpt, buf).split
+    for _ in range(PERIOD - 1):
+        _, k, _, g, _ = _token(HV)
+        buf.append(k, torch.randn(B, HV, VW) * 0.5, g)
+    token = _token(HV, VW)
+    o_kept, slack = _token_without_flush(ckpt, buf, token, gamma)
+    ref_ckpt, ref_buf = copy.deepcopy(ckpt), copy.deepcopy(buf)
+    _, ref_ckpt = dispatch.decode_step(ref_ckpt, ref_buf, *token, PERIOD, backend="reference")
+    o = ds.buffered_decode_step(ckpt, buf, *token, PERIOD)
+    _check_flush_token_output(True, o, o_kept, slack)
+    assert len(buf) == len(ref_buf) == 0
+    _assert_within_one_step(ckpt, ref_ckpt)
 
 
 def _as_packed(ckpt):
