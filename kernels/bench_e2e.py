@@ -118,6 +118,24 @@ def time_decode(model, config_name: str, batch: int, context: int, tokens: int, 
             "spread": (min(times), max(times)), "tokens": tokens, "outputs_finite": finite}
 
 
+def profile_decode(model, config_name: str, batch: int, context: int, tokens: int, device: torch.device,
+                   path: Path) -> dict:
+    """:func:`time_decode` under ``torch.profiler`` (CPU and, on a GPU, CUDA activity): writes the table
+    of operators by self CPU time to ``path`` and returns the host-side counts per timed token (kernel
+    launches, CPU operator calls), which show whether a step is bound by the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        row = time_decode(model, config_name, batch, context, tokens, device)
+    events = prof.key_averages()
+    path.write_text(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    steps = WARMUP + tokens  # the profile also holds the prefill and the warm-up steps
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"))
+    ops = sum(e.count for e in events if e.key.startswith("aten::"))
+    return {"tpot_mean_s": row["tpot_mean_s"], "launches_per_step": launches / steps, "aten_calls_per_step": ops / steps}
+
+
 def plot(results: dict, path: Path) -> None:
     """TPOT against batch for both variants as a PNG (skipped, with a note, without matplotlib)."""
     try:
@@ -150,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="timed decode steps, a multiple of dP = 8 (default 32)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small model (smoke run, e.g. on a CPU)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each variant at the first batch (profile_<config>.txt, the host-side counts "
+                         "in the JSON): where the time per token goes")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -183,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             results["rows"].append(row)
         (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=1))  # partial results survive
+    if args.profile:
+        first = int(args.batches.split(",")[0])
+        results["profile"] = {variant: profile_decode(model, name, first, args.context, args.tokens, device,
+                                                      args.out / f"profile_{name}.txt")
+                              for variant, name in VARIANTS.items()}
+        results["profile_batch"] = first
+        for variant, p in results["profile"].items():
+            print(f"profile B={first} {variant:16s} {p['launches_per_step']:.0f} kernel launches and "
+                  f"{p['aten_calls_per_step']:.0f} aten calls per step", flush=True)
     by = {(r["variant"], r["batch"]): r for r in results["rows"]}
     for r in results["rows"]:
         base = by[("bf16 per-token", r["batch"])]

@@ -30,3 +30,15 @@ def test_tiny_run_writes_every_variant_and_batch(tmp_path, capsys):
                             / r["tpot_mean_s"])
     assert "PACE-4 vs bf16" in capsys.readouterr().out
     assert bench_e2e.main(["--tiny", "--device", "cpu", "--tokens", "12", "--out", str(out)]) == 2
+
+
+def test_profile_writes_tables_and_host_counts(tmp_path):
+    out = tmp_path / "e2e"
+    assert bench_e2e.main(["--tiny", "--device", "cpu", "--batches", "2", "--context", "8", "--tokens", "8",
+                           "--profile", "--out", str(out)]) == 0
+    result = json.loads((out / "bench_e2e.json").read_text())
+    assert result["profile_batch"] == 2 and set(result["profile"]) == set(bench_e2e.VARIANTS)
+    for variant, name in bench_e2e.VARIANTS.items():
+        p = result["profile"][variant]
+        assert p["tpot_mean_s"] > 0 and p["aten_calls_per_step"] > 10 and p["launches_per_step"] == 0  # CPU
+        assert "Self CPU" in (out / f"profile_{name}.txt").read_text()
