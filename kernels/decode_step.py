@@ -197,6 +197,20 @@ def _append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H
 
 
 @triton.jit
+def _head_slot(part_ptr, slot_ptr, h, TWO: tl.constexpr):
+    """Which part (0 or 1) of the checkpoint holds value head ``h``, and its slot there: read from the
+    head table for two bit widths; with one, head ``h`` is slot ``h`` of part 0 (no table read on the
+    critical path)."""
+    if TWO:
+        part = tl.load(part_ptr + h)
+        slot = tl.load(slot_ptr + h).to(tl.int64)
+    else:
+        part = 0
+        slot = h
+    return part, slot
+
+
+@triton.jit
 def _ckpt_base(part, slot, b, HV0, HV1, K: tl.constexpr, c0p, s0p, z0p, c1p, s1p, z1p,
                CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
                CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr):
@@ -272,8 +286,7 @@ def _decode_kernel(
         part = 0
         slot = 0
     else:
-        part = tl.load(part_ptr + h)
-        slot = tl.load(slot_ptr + h).to(tl.int64)
+        part, slot = _head_slot(part_ptr, slot_ptr, h, TWO)
     a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
                                             CC0, SS0, ZS0, CC1, SS1, ZS1)
     dense_base = dense_ptr + pid * K * V
@@ -462,12 +475,7 @@ def _ckpt_dots_kernel(
     b = pid // HV
     h = pid % HV
     kh = h // (HV // H)
-    if TWO:
-        part = tl.load(part_ptr + h)
-        slot = tl.load(slot_ptr + h).to(tl.int64)
-    else:  # one bit width: head h is slot h of part 0, no table read on the critical path
-        part = 0
-        slot = h
+    part, slot = _head_slot(part_ptr, slot_ptr, h, TWO)
     a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
                                             CC0, SS0, ZS0, CC1, SS1, ZS1)
     kx = k_ptr + (b * H + kh) * K
@@ -630,12 +638,7 @@ def _flush_kernel(
     b = pid // HV
     h = pid % HV
     kh = h // (HV // H)
-    if TWO:
-        part = tl.load(part_ptr + h)
-        slot = tl.load(slot_ptr + h).to(tl.int64)
-    else:
-        part = 0
-        slot = h
+    part, slot = _head_slot(part_ptr, slot_ptr, h, TWO)
     a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
                                             CC0, SS0, ZS0, CC1, SS1, ZS1)
     if TWO:
@@ -696,6 +699,13 @@ class DecodePlan:
     workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the kernels
 
 
+SPLIT_DEFAULTS = {"dots_columns": 64, "dots_warps": 4, "record_warps": 1, "flush_warps": 4, "flush_columns": 32}
+"""Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others): columns
+per program and warps of the dots kernel, warps of the record kernel (one program per sequence and
+value head), warps of the flush kernel and columns per flush program (a ``[K, flush_columns]`` fold
+tile)."""
+
+
 def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
     """Validate ``ckpt`` against ``buf`` and prepare the launch (see :class:`DecodePlan`)."""
     B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
@@ -737,17 +747,13 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
     meta = dict(K=K, V=V, BK=BK, BV=BV, G=G, KEY_AXIS=key_axis, SYM=sym, **layout_args(layouts),
                 DENSE=isinstance(ckpt, torch.Tensor), KBITS=st["keys_bits"], VBITS=st["values_bits"],
                 K_BF16=st["keys"].dtype == torch.bfloat16, V_BF16=st["values"].dtype == torch.bfloat16,
-                num_warps=8 if BK * BV >= 8192 else 4, BF16=buf.device.type == "cuda")
+                num_warps=8 if BK * BV >= 8192 else 4)
     split = not meta["DENSE"] and key_axis
-    workspace = torch.empty(B * HV * 2 * V, dtype=torch.float32, device=buf.device) if split else None
+    workspace = None
+    if split:  # bfloat16 tensor-core operands on a GPU (fp32 holding the same values under the interpreter)
+        meta = {**meta, **SPLIT_DEFAULTS, "BF16": buf.device.type == "cuda"}
+        workspace = torch.empty(B * HV * 2 * V, dtype=torch.float32, device=buf.device)
     return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace)
-
-
-SPLIT_DEFAULTS = {"dots_columns": 64, "dots_warps": 4, "record_warps": 1, "flush_warps": 4, "flush_columns": 32}
-"""Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others): columns
-per program and warps of the dots kernel, warps of the record kernel (one program per sequence and
-value head), warps of the flush kernel and columns per flush program (a ``[K, flush_columns]`` fold
-tile)."""
 
 
 def _ckpt_common(m: dict) -> dict:
@@ -765,7 +771,7 @@ def launch_dots(plan: DecodePlan, q, k) -> None:
     """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]``
     float32, contiguous)."""
     B, H, HV, K, V = plan.shape
-    m = {**SPLIT_DEFAULTS, **plan.meta}
+    m = plan.meta
     bv = min(m["dots_columns"], V)
     _ckpt_dots_kernel[(B * HV, V // bv)](q, k, plan.workspace, *plan.ckpt_args[1:], H, HV, BV=bv,
                                          num_warps=m["dots_warps"], **_ckpt_common(m))
@@ -775,7 +781,7 @@ def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> 
     """The split path's second kernel: ``o [B, HV, V]`` from ``plan.workspace`` and the buffer's
     ``len(buf)`` records; writes the token's record into slot ``len(buf)`` (the caller counts it)."""
     B, H, HV, K, V = plan.shape
-    m = {**SPLIT_DEFAULTS, **plan.meta}
+    m = plan.meta
     st, records = _records(buf)
     _record_step_kernel[(B * HV,)](
         q, k, v, g, beta, o, plan.workspace, *records, st["n"], st["cap"], H, HV, K=K, V=V, KBITS=m["KBITS"],
@@ -795,7 +801,7 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     """The split path's flush kernel: fold the buffer's ``len(buf)`` records into the packed
     checkpoint and requantise it in place (the caller clears the buffer)."""
     B, H, HV, K, V = plan.shape
-    m = {**SPLIT_DEFAULTS, **plan.meta}
+    m = plan.meta
     st, records = _records(buf)
     bv = min(m["flush_columns"], V)
     _flush_kernel[(B * HV, V // bv)](*plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, BV=bv, NB=16,
@@ -859,8 +865,7 @@ def buffered_decode_step(
     st, records = _records(buf)
     _decode_kernel[(B * HV, V // meta["BV"])](
         q, k, v, g, beta, o, *plan.ckpt_args, *records, st["n"], st["cap"],
-        H, HV, FLUSH=flush, NB=min(triton.next_power_of_2(buf.capacity), 16), NB2=16,
-        **{key: x for key, x in meta.items() if key != "BF16"},
+        H, HV, FLUSH=flush, NB=min(triton.next_power_of_2(buf.capacity), 16), NB2=16, **meta,
     )
     if flush:
         buf.clear()

@@ -129,20 +129,18 @@ def _check_flush_token_output(split: bool, o_flush, o_kept, slack) -> None:
         assert ((o_flush - o_kept).abs() <= 1e-5 * o_kept.pow(2).mean().sqrt() + slack).all()
 
 
-@pytest.mark.parametrize("gamma", [2, 3])
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("n", [1, PERIOD - 1])
-def test_decode_step_matches_reference(name: str, gamma: int, n: int) -> None:
-    """One token with n records buffered: output and appended record (:func:`_token_without_flush`),
-    and at n = dP - 1 the fold + requantise."""
+def _one_token(name: str, gamma: int, n: int, v_dim: int = V) -> bool:
+    """One token with n records buffered, value heads ``v_dim`` wide: output and appended record
+    (:func:`_token_without_flush`), and at n = dP - 1 the fold + requantise. Returns whether the
+    launch took the split path."""
     HV = H * gamma
     _, precision = CONFIGS[name]
-    ckpt = _checkpoint(name, torch.randn(B, HV, K, V) * 0.3)
-    buf = DecodeBuffer(B, H, HV, K, V, PERIOD + 1, precision, DEVICE)
+    ckpt = _checkpoint(name, torch.randn(B, HV, K, v_dim) * 0.3)
+    buf = DecodeBuffer(B, H, HV, K, v_dim, PERIOD + 1, precision, DEVICE)
     for _ in range(n):
         _, k, _, g, _ = _token(HV)
-        buf.append(k, torch.randn(B, HV, V) * 0.5, g)
-    token = _token(HV)
+        buf.append(k, torch.randn(B, HV, v_dim) * 0.5, g)
+    token = _token(HV, v_dim)
     o_kept, slack = _token_without_flush(ckpt, buf, token, gamma)
     split = ds.plan_decode(ckpt, buf).split
     ckpt_ref, buf_ref = copy.deepcopy(ckpt), copy.deepcopy(buf)
@@ -152,6 +150,15 @@ def test_decode_step_matches_reference(name: str, gamma: int, n: int) -> None:
     _check_flush_token_output(split, o, o_kept, slack)
     if n == PERIOD - 1:
         _assert_within_one_step(ckpt, ckpt_ref)
+    return split
+
+
+@pytest.mark.parametrize("gamma", [2, 3])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("n", [1, PERIOD - 1])
+def test_decode_step_matches_reference(name: str, gamma: int, n: int) -> None:
+    """One token with n records buffered (:func:`_one_token`)."""
+    _one_token(name, gamma, n)
 
 
 @pytest.mark.parametrize("gamma", [2, 3])
@@ -264,22 +271,7 @@ def test_split_path_on_half_tiles(name: str, gamma: int) -> None:
     """Heads at least 32 values wide, so that the dots and flush kernels take 4-bit codes as even / odd
     half tiles of 16 or more columns (narrower heads pad the dots and fold whole tiles): a period's
     last token, its output and the fold + requantisation against the reference."""
-    HV, VW = H * gamma, max(V, 32)
-    _, precision = CONFIGS[name]
-    ckpt = _checkpoint(name, torch.randn(B, HV, K, VW) * 0.3)
-    buf = DecodeBuffer(B, H, HV, K, VW, PERIOD + 1, precision, DEVICE)
-    assert ds.plan_decode(ckpt, buf).split
-    for _ in range(PERIOD - 1):
-        _, k, _, g, _ = _token(HV)
-        buf.append(k, torch.randn(B, HV, VW) * 0.5, g)
-    token = _token(HV, VW)
-    o_kept, slack = _token_without_flush(ckpt, buf, token, gamma)
-    ref_ckpt, ref_buf = copy.deepcopy(ckpt), copy.deepcopy(buf)
-    _, ref_ckpt = dispatch.decode_step(ref_ckpt, ref_buf, *token, PERIOD, backend="reference")
-    o = ds.buffered_decode_step(ckpt, buf, *token, PERIOD)
-    _check_flush_token_output(True, o, o_kept, slack)
-    assert len(buf) == len(ref_buf) == 0
-    _assert_within_one_step(ckpt, ref_ckpt)
+    assert _one_token(name, gamma, PERIOD - 1, max(V, 32))
 
 
 def _as_packed(ckpt):
