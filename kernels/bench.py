@@ -46,6 +46,7 @@ from kernels.decode_step import (  # noqa: E402
     dense_recurrent_step,
     launch_dots,
     launch_flush,
+    launch_packed_step,
     launch_records,
     plan_decode,
 )
@@ -127,11 +128,14 @@ def configs(variant: str) -> list[dict]:
         return [{}]  # fla picks its own launch configuration
     if variant.endswith("per-token"):
         return [{"block_v": 32, "num_warps": 4}, {"block_v": 64, "num_warps": 4}, {"block_v": 64, "num_warps": 8}]
-    if variant in SPLIT_VARIANTS:
-        return [{"dots_columns": 64, "dots_warps": 4, "record_warps": 1, "flush_warps": 4, "flush_columns": 32},
-                {"dots_columns": 128, "dots_warps": 4, "record_warps": 2, "flush_warps": 8, "flush_columns": 64},
-                {"dots_columns": 32, "dots_warps": 2, "record_warps": 1, "flush_warps": 4, "flush_columns": 16},
-                {"dots_columns": 128, "dots_warps": 8, "record_warps": 4, "flush_warps": 8, "flush_columns": 128}]
+    if variant in SPLIT_VARIANTS:  # each kernel's options side by side; time_variant also combines the best
+        step = [(True, 4), (True, 8), (False, 4), (False, 4), (True, 2)]
+        dots = [(128, 4), (64, 4), (128, 8), (32, 2), (128, 2)]
+        records = [1, 1, 2, 4, 1]
+        flush = [(4, 128), (1, 32), (2, 64), (4, 64), (8, 128)]
+        return [{"fused_step": fs, "step_warps": sw, "dots_columns": dc, "dots_warps": dw, "record_warps": rw,
+                 "flush_warps": fw, "flush_columns": fc}
+                for (fs, sw), (dc, dw), rw, (fw, fc) in zip(step, dots, records, flush)]
     return [{"BK": 64, "num_warps": 4}, {"BK": 64, "num_warps": 8}, {"BK": 128, "num_warps": 8}]
 
 
@@ -214,9 +218,9 @@ def time_config(layers: list, config: dict, reps: int) -> list[float]:
 
 
 def split_breakdown(layers: list, config: dict, reps: int) -> dict:
-    """The split path's three kernels timed alone over all layers (median seconds): the dots kernel,
-    the record kernel with dP / 2 records buffered (its record written into the free slot, not
-    counted) and the flush kernel with dP records."""
+    """The split path's kernels timed alone over all layers (median seconds): the one-kernel step, the
+    dots kernel and the record kernel with dP / 2 records buffered (the token's record written into
+    the free slot, not counted), and the flush kernel with dP records."""
     def fill(n: int) -> None:
         for _, (_, buf, _), (_, k, v, g, _), _ in layers:
             buf.clear()
@@ -231,17 +235,39 @@ def split_breakdown(layers: list, config: dict, reps: int) -> dict:
         for _, (_, buf, plan), (q, k, v, g, beta), out in layers:
             launch_records(_tuned(plan, config), buf, q, k, v, g, beta, out)
 
+    def step() -> None:
+        for _, (_, buf, plan), (q, k, v, g, beta), out in layers:
+            launch_packed_step(_tuned(plan, {**config, "fused_step": True}), buf, q, k, v, g, beta, out)
+
     def flushes() -> None:
         for _, (_, buf, plan), _, _ in layers:
             launch_flush(_tuned(plan, config), buf)
 
     fill(PERIOD // 2)
-    out = {"dots_seconds": statistics.median(time_graph(dots, reps)),
+    out = {"step_seconds": statistics.median(time_graph(step, reps)),
+           "dots_seconds": statistics.median(time_graph(dots, reps)),
            "records_seconds": statistics.median(time_graph(records, reps))}
     fill(PERIOD)
     out["flush_seconds"] = statistics.median(time_graph(flushes, reps))
     fill(0)
     return {**out, "records_at_step": PERIOD // 2}
+
+
+SPLIT_KERNEL_KEYS = {"step_seconds": ("step_warps",), "dots_seconds": ("dots_columns", "dots_warps"),
+                     "records_seconds": ("record_warps",), "flush_seconds": ("flush_warps", "flush_columns")}
+
+
+def best_split_combination(tried: list[dict]) -> dict:
+    """The split path's launch settings with each kernel's own fastest options (every kernel is timed
+    alone in every configuration tried, :func:`split_breakdown`), and the step as one kernel where
+    the fastest one-kernel step beats the fastest dots and record kernels together."""
+    config, fastest = {}, {}
+    for seconds, keys in SPLIT_KERNEL_KEYS.items():
+        best = min(tried, key=lambda r: r["split_breakdown"][seconds])
+        config.update({key: best["config"][key] for key in keys})
+        fastest[seconds] = best["split_breakdown"][seconds]
+    config["fused_step"] = fastest["step_seconds"] < fastest["dots_seconds"] + fastest["records_seconds"]
+    return config
 
 
 def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
@@ -252,6 +278,12 @@ def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
         tried.append({"config": config, "seconds_per_token": statistics.median(times),
                       "spread": (min(times), max(times)),
                       "split_breakdown": split_breakdown(layers, config, reps) if variant in SPLIT_VARIANTS else None})
+    if variant in SPLIT_VARIANTS:
+        config = best_split_combination(tried)
+        if all(r["config"] != config for r in tried):
+            times = time_config(layers, config, reps)
+            tried.append({"config": config, "seconds_per_token": statistics.median(times),
+                          "spread": (min(times), max(times)), "split_breakdown": split_breakdown(layers, config, reps)})
     finite = all(bool(torch.isfinite(out).all()) for _, _, _, out in layers)
     best = min(tried, key=lambda r: r["seconds_per_token"])
     breakdown = best["split_breakdown"]
@@ -328,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             row["hbm_fraction"] = row["bytes_per_second"] / bw
             results["rows"].append(row)
             split = row["split_breakdown"]
-            parts = "" if split is None else (f" dots {split['dots_seconds'] * 1e6:.1f} us, records "
+            parts = "" if split is None else (f" step {split['step_seconds'] * 1e6:.1f} us, dots "
+                                              f"{split['dots_seconds'] * 1e6:.1f} us, records "
                                               f"{split['records_seconds'] * 1e6:.1f} us, flush "
                                               f"{split['flush_seconds'] * 1e6:.1f} us")
             print(f"B={B:4d} {variant:20s} {row['seconds_per_token'] * 1e6:9.1f} us/token "

@@ -22,7 +22,10 @@ keeps host-side control (the buffer's record count, a flush every dP) and transf
 cache grows, so neither path can be captured as it is. Both pay Python and launch overhead per
 layer and one device sync per GDN layer and token (the input finiteness check of
 :mod:`pace_core.state_store`'s kernel path), which dominate at small batch; PACE-4 launches one more
-kernel every dP tokens (the flush).
+kernel every dP tokens (the flush). ``--profile`` therefore also reports, per row, the GPU's busy time
+per token (the sum of the durations of the kernels of one profiled period of dP steps): the time a
+step would take without the host's overhead, e.g. under CUDA graphs, which this harness does not
+build (it would need a static attention cache and one graph per buffer position).
 
 Usage (on the GPU machine): ``python3 kernels/bench_e2e.py --out DIR``; writes ``DIR/bench_e2e.json``
 and ``DIR/bench_e2e.png`` and prints a table. ``--tiny --device cpu`` runs a small model on a CPU
@@ -97,8 +100,10 @@ class _Clock:
 
 
 @torch.no_grad()
-def time_decode(model, config_name: str, batch: int, context: int, tokens: int, device: torch.device) -> dict:
-    """Prefill ``[batch, context]`` random ids under ``config_name``, then time ``tokens`` decode steps."""
+def time_decode(model, config_name: str, batch: int, context: int, tokens: int, device: torch.device,
+                profiler=None) -> dict:
+    """Prefill ``[batch, context]`` random ids under ``config_name``, then time ``tokens`` decode steps
+    (``profiler``, a ``torch.profiler.profile``, records the timed steps only)."""
     from transformers import DynamicCache
 
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
@@ -108,32 +113,44 @@ def time_decode(model, config_name: str, batch: int, context: int, tokens: int, 
         nxt = out.logits[:, -1:].argmax(-1)
         times = []
         for step in range(WARMUP + tokens):
+            if step == WARMUP and profiler is not None:
+                profiler.start()
             with _Clock(device) as clock:
                 out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
                 nxt = out.logits[:, -1:].argmax(-1)
             if step >= WARMUP:
                 times.append(clock.seconds)
+        if profiler is not None:
+            profiler.stop()
         finite = bool(torch.isfinite(out.logits).all())
     return {"tpot_mean_s": statistics.fmean(times), "tpot_median_s": statistics.median(times),
             "spread": (min(times), max(times)), "tokens": tokens, "outputs_finite": finite}
 
 
-def profile_decode(model, config_name: str, batch: int, context: int, tokens: int, device: torch.device,
-                   path: Path) -> dict:
-    """:func:`time_decode` under ``torch.profiler`` (CPU and, on a GPU, CUDA activity): writes the table
-    of operators by self CPU time to ``path`` and returns the host-side counts per timed token (kernel
-    launches, CPU operator calls), which show whether a step is bound by the host."""
+def profile_decode(model, config_name: str, batch: int, context: int, device: torch.device) -> tuple[dict, str]:
+    """One period of decode steps (dP = 8, after the prefill and warm-up of :func:`time_decode`) under
+    ``torch.profiler``. Returns the row's fields (per token: on a GPU its busy time, the sum of its
+    kernels' durations, i.e. what a step would take with no host overhead, e.g. under a CUDA graph,
+    and that time's share of the wall time; kernel launches and aten calls, host-side counts; the
+    profiled wall time) and the table of operators by self CPU time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    tokens = 8
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        row = time_decode(model, config_name, batch, context, tokens, device)
+    prof = profile(activities=activities)
+    row = time_decode(model, config_name, batch, context, tokens, device, profiler=prof)
     events = prof.key_averages()
-    path.write_text(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
-    steps = WARMUP + tokens  # the profile also holds the prefill and the warm-up steps
+    table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"))
     ops = sum(e.count for e in events if e.key.startswith("aten::"))
-    return {"tpot_mean_s": row["tpot_mean_s"], "launches_per_step": launches / steps, "aten_calls_per_step": ops / steps}
+    busy_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    out = {"profiled_tpot_s": row["tpot_mean_s"], "launches_per_step": launches / tokens,
+           "aten_calls_per_step": ops / tokens}
+    if device.type == "cuda":
+        out["gpu_busy_time_per_token_s"] = busy_us / 1e6 / tokens
+        out["gpu_busy_fraction"] = out["gpu_busy_time_per_token_s"] / row["tpot_mean_s"]
+    return out, table
 
 
 def plot(results: dict, path: Path) -> None:
@@ -149,7 +166,11 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for variant in VARIANTS:
         rows = [r for r in results["rows"] if r["variant"] == variant and "tpot_mean_s" in r]
-        ax.plot([r["batch"] for r in rows], [r["tpot_mean_s"] * 1e3 for r in rows], marker="o", label=variant)
+        line, = ax.plot([r["batch"] for r in rows], [r["tpot_mean_s"] * 1e3 for r in rows], marker="o", label=variant)
+        busy = [r for r in rows if r.get("gpu_busy_time_per_token_s")]
+        if busy:
+            ax.plot([r["batch"] for r in busy], [r["gpu_busy_time_per_token_s"] * 1e3 for r in busy],
+                    marker="s", ls="--", color=line.get_color(), label=f"{variant}: GPU busy")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (sequences)")
     ax.set_ylabel("time per output token, ms")
@@ -169,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small model (smoke run, e.g. on a CPU)")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile each variant at the first batch (profile_<config>.txt, the host-side counts "
-                         "in the JSON): where the time per token goes")
+                    help="also profile one period of each row (tables in profile.txt; in the rows the GPU's busy "
+                         "time per token and the host-side counts): where the time per token goes")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -205,14 +226,17 @@ def main(argv: list[str] | None = None) -> int:
             results["rows"].append(row)
         (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=1))  # partial results survive
     if args.profile:
-        first = int(args.batches.split(",")[0])
-        results["profile"] = {variant: profile_decode(model, name, first, args.context, args.tokens, device,
-                                                      args.out / f"profile_{name}.txt")
-                              for variant, name in VARIANTS.items()}
-        results["profile_batch"] = first
-        for variant, p in results["profile"].items():
-            print(f"profile B={first} {variant:16s} {p['launches_per_step']:.0f} kernel launches and "
-                  f"{p['aten_calls_per_step']:.0f} aten calls per step", flush=True)
+        tables = []
+        for row in (r for r in results["rows"] if "tpot_mean_s" in r):
+            counts, table = profile_decode(model, row["config"], row["batch"], args.context, device)
+            row.update(counts)
+            tables.append(f"=== {row['variant']}, batch {row['batch']}: {counts}\n{table}\n")
+            busy = counts.get("gpu_busy_time_per_token_s")
+            print(f"profile B={row['batch']:4d} {row['variant']:16s} {counts['launches_per_step']:.0f} kernel "
+                  f"launches and {counts['aten_calls_per_step']:.0f} aten calls per step"
+                  + (f", GPU busy {busy * 1e3:.2f} ms per token" if busy is not None else ""), flush=True)
+            (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=1))
+        (args.out / "profile.txt").write_text("".join(tables))
     by = {(r["variant"], r["batch"]): r for r in results["rows"]}
     for r in results["rows"]:
         base = by[("bf16 per-token", r["batch"])]
@@ -220,12 +244,15 @@ def main(argv: list[str] | None = None) -> int:
             r["speedup_vs_bf16_per_token"] = base["tpot_mean_s"] / r["tpot_mean_s"]
     (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "bench_e2e.png")
-    print(f"\n{'batch':>5} " + " ".join(f"{v:>18}" for v in VARIANTS) + f" {'PACE-4 vs bf16':>15}")
+    print(f"\n{'batch':>5} " + " ".join(f"{v:>18}" for v in VARIANTS) + f" {'PACE-4 vs bf16':>15}"
+          + (" GPU busy per token: " + " / ".join(VARIANTS) if args.profile else ""))
     for batch in sorted({r["batch"] for r in results["rows"]}):
         cells = [by[(v, batch)].get("tpot_mean_s") for v in VARIANTS]
         speed = by[("PACE-4 dP=8", batch)].get("speedup_vs_bf16_per_token")
+        busy = [by[(v, batch)].get("gpu_busy_time_per_token_s") for v in VARIANTS]
         print(f"{batch:5d} " + " ".join(f"{'OOM' if c is None else f'{c * 1e3:.2f} ms':>18}" for c in cells)
-              + (f" {speed:14.2f}x" if speed else ""))
+              + (f" {speed:14.2f}x" if speed else "")
+              + (" " + " / ".join(f"{b * 1e3:.2f} ms" for b in busy) if all(busy) else ""))
     return 0
 
 

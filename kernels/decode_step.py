@@ -3,18 +3,20 @@ dense step used as the fp32 / bf16 baseline.
 
 :func:`buffered_decode_step` — one token for all sequences and value heads. Two paths:
 
-- **split** (packed checkpoints with key-axis groups: PACE-4, PACE-4/8), three kernels:
+- **split** (packed checkpoints with key-axis groups: PACE-4, PACE-4/8): per token
   :func:`_ckpt_dots_kernel` (:func:`launch_dots`), one program per (sequence, value head, column
   block), reads the packed checkpoint once and forms ``Ŝᵀk_t`` and ``Ŝᵀq_t`` together on tensor
   cores (:func:`_ckpt_dots`: one ``[16, G] x [G, N]`` dot per key group, ``k`` and ``q`` split into
   three bfloat16 terms each, the codes turned into the exact integers ``c - z`` by bit operations,
   4-bit codes as even / odd half tiles) into the plan's workspace; :func:`_record_step_kernel`
   (:func:`launch_records`), one small program per (sequence, value head), adds the buffered records'
-  part, forms ``u_t`` and ``o_t`` and writes the record into the buffer in its precision, every
-  token. On the token that fills the buffer to ``period`` records :func:`_flush_kernel`
-  (:func:`launch_flush`) folds ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (``[K, 16] x [16, N]`` dots
-  on tensor cores, exact products: integer key codes against bfloat16 splits) and requantises the
-  checkpoint in place.
+  part, forms ``u_t`` and ``o_t`` and writes the record into the buffer in its precision. For a
+  batch of at most one wave the two run as one kernel, :func:`_ckpt_step_kernel` (``SPLIT_DEFAULTS``).
+  On the token that fills the buffer to ``period`` records :func:`_flush_kernel`
+  (:func:`launch_flush`) folds ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` and requantises the
+  checkpoint in place, transposed and a key group at a time (:func:`_flush_head`: ``[N, 16] x [16, T]``
+  dots on tensor cores onto the dequantised checkpoint, exact products: bfloat16 splits against
+  integer key codes; each group's range a reduction along a row).
 - **fused** (dense fp32 / bf16 checkpoints, value-axis groups): :func:`_decode_kernel`, one launch
   per token that also folds and requantises on the flush token (a second pass over ``Ŝ``).
 
@@ -383,11 +385,13 @@ def _centred(c, off, BITS: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _ckpt_dots(codes, scale, zero, kx, qx, yx, c0, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, PACK_Z: tl.constexpr,
                BF16: tl.constexpr):
-    """``Ŝᵀk`` and ``Ŝᵀq`` of one head's packed key-axis checkpoint, columns ``c0 .. c0+BV``, stored at
-    ``yx`` (``[2, V]``: row 0 ``Ŝᵀk``, row 1 ``Ŝᵀq``); ``k, q [K]`` at ``kx, qx``.
+    """``Ŝᵀk`` and ``Ŝᵀq`` of one head's packed key-axis checkpoint, columns ``c0 .. c0+BV``; ``k, q [K]``
+    at ``kx, qx``. Returns ``(yk_a, yq_a, yk_b, yq_b)``, each ``[NP]`` fp32: for 4-bit codes the even
+    (``_a``) and odd (``_b``) columns, ``c0 + 2j`` and ``c0 + 2j + 1``; else ``_a`` all columns
+    ``c0 + j`` and ``_b`` zeros. ``NP = max(N, 16)`` (``N`` = BV / 2 or BV): entries past N are padding.
 
     Per key group one ``[16, G] x [G, N]`` dot on tensor cores with fp32 accumulation: rows 0-2 hold
     ``k`` and rows 3-5 ``q``, each split into three bfloat16 terms (:func:`_bf16_split`), against the
@@ -444,20 +448,47 @@ def _ckpt_dots(codes, scale, zero, kx, qx, yx, c0, K: tl.constexpr, V: tl.conste
                 off = tl.load(zero + (r0 // G) * V + c0 + j, mask=cm, other=0).to(tl.int32)[None, :]
             s_a = tl.load(srow + c0 + j, mask=cm, other=0.0).to(tl.float32)
             acc_a += s_a[None, :] * tl.dot(a, _centred(p, off, BITS, BF16))
-    if HALVES:
-        _store_dots(yx, c0 + 2 * j, cm, acc_a, V)
-        _store_dots(yx, c0 + 2 * j + 1, cm, acc_b, V)
-    else:
-        _store_dots(yx, c0 + j, cm, acc_a, V)
+    yk_a, yq_a = _split_rows(acc_a)
+    yk_b, yq_b = _split_rows(acc_b)
+    return yk_a, yq_a, yk_b, yq_b
 
 
 @triton.jit
-def _store_dots(yx, cols, cm, acc, V: tl.constexpr):
-    """Sum the three split rows of ``k`` (rows 0-2 of ``acc [16, N]``) and of ``q`` (rows 3-5) and
-    store them at ``yx + cols`` and ``yx + V + cols`` (columns where ``cm``)."""
+def _split_rows(acc):
+    """The sums of the three split rows of ``k`` (rows 0-2 of ``acc [16, N]``) and of ``q`` (rows 3-5)."""
     rr = tl.arange(0, 16)[:, None]
-    tl.store(yx + cols, tl.sum(tl.where(rr < 3, acc, 0.0), axis=0), mask=cm)
-    tl.store(yx + V + cols, tl.sum(tl.where((rr >= 3) & (rr < 6), acc, 0.0), axis=0), mask=cm)
+    return tl.sum(tl.where(rr < 3, acc, 0.0), axis=0), tl.sum(tl.where((rr >= 3) & (rr < 6), acc, 0.0), axis=0)
+
+
+@triton.jit
+def _dots_to(yx, codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+             G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, PZ: tl.constexpr, BF16: tl.constexpr):
+    """:func:`_ckpt_dots` stored at ``yx`` (``[2, V]``: row 0 ``Ŝᵀk``, row 1 ``Ŝᵀq``)."""
+    yk_a, yq_a, yk_b, yq_b = _ckpt_dots(codes, scale, zero, kx, qx, c0, K, V, BV, G, SYM, BITS, PZ, BF16)
+    N: tl.constexpr = BV // 2 if BITS <= 4 else BV
+    j = tl.arange(0, yk_a.shape[0])
+    cm = j < N
+    cols = c0 + (2 * j if BITS <= 4 else j)
+    tl.store(yx + cols, yk_a, mask=cm)
+    tl.store(yx + V + cols, yq_a, mask=cm)
+    if BITS <= 4:
+        tl.store(yx + cols + 1, yk_b, mask=cm)
+        tl.store(yx + V + cols + 1, yq_b, mask=cm)
+
+
+@triton.jit
+def _head_dots(codes, scale, zero, kx, qx, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+               BITS: tl.constexpr, PZ: tl.constexpr, BF16: tl.constexpr):
+    """``Ŝᵀk, Ŝᵀq [V]`` of the whole head (:func:`_ckpt_dots`, the 4-bit half tiles interleaved back);
+    heads at least 32 values wide for 4-bit codes, 16 otherwise, so that nothing is padding."""
+    yk_a, yq_a, yk_b, yq_b = _ckpt_dots(codes, scale, zero, kx, qx, 0, K, V, V, G, SYM, BITS, PZ, BF16)
+    if BITS <= 4:
+        sk = tl.reshape(tl.join(yk_a, yk_b), (V,))
+        sq = tl.reshape(tl.join(yq_a, yq_b), (V,))
+    else:
+        sk = yk_a
+        sq = yq_a
+    return sk, sq
 
 
 @triton.jit
@@ -483,11 +514,11 @@ def _ckpt_dots_kernel(
     yx = y_ptr + pid * 2 * V
     if TWO:
         if part == 1:
-            _ckpt_dots(a1, as1, az1, kx, qx, yx, c0, K, V, BV, G, SYM, BITS1, PZ1, BF16)
+            _dots_to(yx, a1, as1, az1, kx, qx, c0, K, V, BV, G, SYM, BITS1, PZ1, BF16)
         else:
-            _ckpt_dots(a0, as0, az0, kx, qx, yx, c0, K, V, BV, G, SYM, BITS0, PZ0, BF16)
+            _dots_to(yx, a0, as0, az0, kx, qx, c0, K, V, BV, G, SYM, BITS0, PZ0, BF16)
     else:
-        _ckpt_dots(a0, as0, az0, kx, qx, yx, c0, K, V, BV, G, SYM, BITS0, PZ0, BF16)
+        _dots_to(yx, a0, as0, az0, kx, qx, c0, K, V, BV, G, SYM, BITS0, PZ0, BF16)
 
 
 @triton.jit
@@ -502,14 +533,25 @@ def _record_step_kernel(
     record written in the buffer's precision. Launched with few warps: its reductions are over
     vectors, so they stay within a warp or two."""
     pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, V)
+    _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H,
+                 HV, pid, tl.load(y_ptr + pid * 2 * V + cols), tl.load(y_ptr + pid * 2 * V + V + cols),
+                 K, V, KBITS, VBITS, K_BF16, V_BF16, NB)
+
+
+@triton.jit
+def _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H,
+                 HV, pid, sk, sq, K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                 K_BF16: tl.constexpr, V_BF16: tl.constexpr, NB: tl.constexpr):
+    """The step of (sequence, value head) ``pid`` given the checkpoint's ``Ŝᵀk_t, Ŝᵀq_t`` (``sk, sq
+    [V]``): the buffered records' part of the two products, ``u_t``, ``o_t`` and the token's record
+    written in the buffer's precision."""
     b = pid // HV
     h = pid % HV
     kh = h // (HV // H)
     cols = tl.arange(0, V)
     kfull = tl.load(k_ptr + (b * H + kh) * K + tl.arange(0, K))
     qfull = tl.load(q_ptr + (b * H + kh) * K + tl.arange(0, K))
-    sk = tl.load(y_ptr + pid * 2 * V + cols)
-    sq = tl.load(y_ptr + pid * 2 * V + V + cols)
     g_t = tl.load(g_ptr + pid)
     run, rk, rq = _record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, kfull, qfull,
                                 g_t, K, V, V, KBITS, VBITS, NB)
@@ -522,98 +564,176 @@ def _record_step_kernel(
 
 
 @triton.jit
-def _fold(kt, rhs, EXACT: tl.constexpr, BF16: tl.constexpr):
-    """``kt [K, NB] x rhs [NB, N]`` fp32 on tensor cores. ``EXACT``: ``kt`` holds bfloat16-exact values
-    (integer key codes, bfloat16 keys) and ``rhs`` is split into three bfloat16 terms
-    (:func:`_bf16_split`), so every product is exact; else an IEEE fp32 dot."""
+def _ckpt_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
+    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
+    TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr,
+    V_BF16: tl.constexpr, NB: tl.constexpr,
+):
+    """The split path's step as one kernel, one program per (sequence, value head): the dots kernel's
+    ``Ŝᵀk_t, Ŝᵀq_t`` for the whole head (:func:`_head_dots`) kept in registers, then the record
+    kernel's work (:func:`_record_step`). One launch and no workspace round trip per token; its
+    reductions span all the program's warps."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // HV
+    h = pid % HV
+    kh = h // (HV // H)
+    part, slot = _head_slot(part_ptr, slot_ptr, h, TWO)
+    a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
+                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    kx = k_ptr + (b * H + kh) * K
+    qx = q_ptr + (b * H + kh) * K
+    if TWO:
+        if part == 1:
+            sk, sq = _head_dots(a1, as1, az1, kx, qx, K, V, G, SYM, BITS1, PZ1, BF16)
+        else:
+            sk, sq = _head_dots(a0, as0, az0, kx, qx, K, V, G, SYM, BITS0, PZ0, BF16)
+    else:
+        sk, sq = _head_dots(a0, as0, az0, kx, qx, K, V, G, SYM, BITS0, PZ0, BF16)
+    _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H,
+                 HV, pid, sk, sq, K, V, KBITS, VBITS, K_BF16, V_BF16, NB)
+
+
+@triton.jit
+def _fold(wu, kx, acc, EXACT: tl.constexpr, BF16: tl.constexpr):
+    """``acc + wu [N, NB] x kx [NB, G]`` fp32 on tensor cores. ``EXACT``: ``kx`` is a dot operand holding
+    bfloat16-exact values (integer key codes, bfloat16 keys) and ``wu`` is split into three bfloat16
+    terms (:func:`_bf16_split`), so every product is exact; else an IEEE fp32 dot."""
     if EXACT:
-        r1, r2, r3 = _bf16_split(rhs)
-        out = tl.dot(kt, _operand(r1, BF16)) + tl.dot(kt, _operand(r2, BF16)) + tl.dot(kt, _operand(r3, BF16))
+        w1, w2, w3 = _bf16_split(wu)
+        acc = tl.dot(_operand(w1, BF16), kx, acc)
+        acc = tl.dot(_operand(w2, BF16), kx, acc)
+        acc = tl.dot(_operand(w3, BF16), kx, acc)
     else:
-        out = tl.dot(kt, rhs, input_precision="ieee")
-    return out
+        acc = tl.dot(wu, kx, acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit
-def _dequant_half(c, s, z, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr):
-    """``(c - z) * s`` fp32 ``[K, N]`` from codes ``c`` int32 ``[K, N]``, per-group scales ``s`` fp32
-    ``[K/G, N]`` and zero points ``z`` (int32 ``[K/G, N]``; symmetric: the scalar ``2^(b-1)``), as
-    :func:`kernels.quant_pack._load_tile`."""
-    if SYM:
-        q = c.to(tl.float32) - z * 1.0
-    else:
-        q = c.to(tl.float32) - _expand(z.to(tl.float32), K, N, G, True)
-    return q * _expand(s, K, N, G, True)
+def _dequant_rows(c, z, s, G: tl.constexpr):
+    """``(c - z) s`` fp32 ``[N, T]`` from codes ``c`` int32 ``[N, T]`` (``0 <= c < 2^22``) and per-group
+    zero points ``z`` int32 and factors ``s`` fp32, both ``[N, T/G]`` (a transposed tile, see
+    :func:`_flush_head`). ``c - z`` is formed exactly without an int -> float conversion: ``c`` or-ed
+    into the bits of ``2^23``, then ``2^23 + z`` subtracted."""
+    N: tl.constexpr = c.shape[0]
+    T: tl.constexpr = c.shape[1]
+    cz = (c | 0x4B000000).to(tl.float32, bitcast=True) - _expand((z + 8388608).to(tl.float32), N, T, G, False)
+    return cz * _expand(s, N, T, G, False)
 
 
 @triton.jit
-def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0,
-                K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
-                BITS: tl.constexpr, PZ: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                K_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr):
-    """The flush of one head's columns ``c0 .. c0+BV`` (see :func:`_flush_kernel`). 4-bit codes are
-    taken as two half tiles, low nibbles (even columns) and high nibbles (odd columns): each is
-    folded, dequantised and requantised on its own (key-axis groups never mix columns) and the two
-    are packed back into bytes without any shuffle between threads."""
-    HALVES: tl.constexpr = BITS <= 4 and BV >= 32
+def _fold_records(acc_a, acc_b, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, r0,
+                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, T: tl.constexpr, KBITS: tl.constexpr,
+                  VBITS: tl.constexpr, K_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr,
+                  HALVES: tl.constexpr):
+    """``acc + Σ_i e^{G - G_i} u_i k_iᵀ`` over the ``n`` buffered records for key rows ``r0 .. r0+T``
+    and value columns ``c0 .. c0+BV`` of one head, transposed: ``acc_a, acc_b [N, T]`` (the even and
+    odd columns with ``HALVES``, else ``acc_a`` all ``N = BV`` columns and ``acc_b`` returned as is),
+    NB records per ``[N, NB] x [NB, T]`` dot (:func:`_fold`), newest block first."""
     EXACT: tl.constexpr = KBITS > 0 or K_BF16
-    N: tl.constexpr = BV // 2 if HALVES else BV
+    N: tl.constexpr = acc_a.shape[0]
     ridx = tl.arange(0, NB)
     later = ridx[None, :] > ridx[:, None]
-    run = tl.sum(tl.zeros((NB,), tl.float32))
-    acc_a = tl.zeros((K, N), tl.float32)  # even columns (halves) or all columns
-    acc_b = tl.zeros((K, N), tl.float32)  # odd columns (halves)
-    for blk in range(0, tl.cdiv(n, NB)):  # newest block first; run = Σ g of the newer blocks
+    run = tl.sum(tl.zeros((NB,), tl.float32))  # Σ of the log decays of the newer blocks
+    for blk in range(0, tl.cdiv(n, NB)):
         i = n - (blk + 1) * NB + ridx
         valid = i >= 0
         gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
-        kc, ks = _vec_parts(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
+        kc, ks = _vec_parts(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, r0, T, K, KBITS)
         ub = _load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
-        w = (tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)) * ks)[:, None]
-        if EXACT:
-            kt = _operand(tl.trans(kc), BF16)
-        else:
-            kt = tl.trans(kc)
+        w = (tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)) * ks)[None, :]
+        kx = _operand(kc, BF16) if EXACT else kc
         if HALVES:
             u_a, u_b = tl.split(tl.reshape(ub, (NB, N, 2)))
-            acc_a += _fold(kt, w * u_a, EXACT, BF16)
-            acc_b += _fold(kt, w * u_b, EXACT, BF16)
+            acc_a = _fold(w * tl.trans(u_a), kx, acc_a, EXACT, BF16)
+            acc_b = _fold(w * tl.trans(u_b), kx, acc_b, EXACT, BF16)
         else:
-            acc_a += _fold(kt, w * ub, EXACT, BF16)
+            acc_a = _fold(w * tl.trans(ub), kx, acc_a, EXACT, BF16)
         run += tl.sum(gb)
-    decay = tl.exp(run)
-    if HALVES:
-        rows = tl.arange(0, K)
-        j = tl.arange(0, N)
-        grp = tl.arange(0, K // G)[:, None]
-        p = tl.load(codes + rows[:, None] * (V // 2) + c0 // 2 + j[None, :]).to(tl.int32)
-        s_at = scale + grp * V + c0 + 2 * j[None, :]
-        if SYM:
-            z_a = 1 << (BITS - 1)
-            z_b = 1 << (BITS - 1)
-        elif PZ:
-            zp = tl.load(zero + grp * (V // 2) + c0 // 2 + j[None, :]).to(tl.int32)
-            z_a = zp & 15
-            z_b = zp >> 4
-        else:
-            z_a = tl.load(zero + grp * V + c0 + 2 * j[None, :]).to(tl.int32)
-            z_b = tl.load(zero + grp * V + c0 + 2 * j[None, :] + 1).to(tl.int32)
-        x_a = acc_a + decay * _dequant_half(p & 15, tl.load(s_at).to(tl.float32), z_a, K, N, G, SYM)
-        x_b = acc_b + decay * _dequant_half(p >> 4, tl.load(s_at + 1).to(tl.float32), z_b, K, N, G, SYM)
-        c_a, sc_a, zq_a = _quant_tile(x_a, K, N, G, True, SYM, BITS)
-        c_b, sc_b, zq_b = _quant_tile(x_b, K, N, G, True, SYM, BITS)
-        tl.store(codes + rows[:, None] * (V // 2) + c0 // 2 + j[None, :], (c_a | (c_b << 4)).to(tl.uint8))
-        tl.store(s_at, sc_a)
-        tl.store(s_at + 1, sc_b)
-        if not SYM:
-            if PZ:
-                tl.store(zero + grp * (V // 2) + c0 // 2 + j[None, :], (zq_a | (zq_b << 4)).to(tl.uint8))
+    return acc_a, acc_b
+
+
+@triton.jit
+def _requant_rows(x, scale_at, G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr):
+    """Quantise ``x [N, T]`` (the key rows of ``T / G`` whole groups for N value columns, transposed:
+    a group is part of a row), store its fp16 scales at ``scale_at [N, T/G]`` and return its codes
+    int32 ``[N, T]`` and zero points int32 ``[N, T/G]`` (0 when symmetric) for the caller to pack."""
+    N: tl.constexpr = x.shape[0]
+    T: tl.constexpr = x.shape[1]
+    c, sc, zq = _quant_tile(x, N, T, G, False, SYM, BITS)
+    tl.store(scale_at, sc)
+    return c, zq
+
+
+@triton.jit
+def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, cb,
+                K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+                BITS: tl.constexpr, PZ: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                K_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr):
+    """The flush of one head's columns ``c0 .. c0+BV``, ``c0 = cb BV`` (see :func:`_flush_kernel`), ``T = max(G, 16)``
+    key rows (whole groups) at a time and transposed: a tile is ``[N, T]``, value columns by key rows,
+    so each group's range is a reduction along a row, inside a thread and its quad of the dot's
+    layout (no shared memory). 4-bit codes are two half tiles, the low nibbles (even columns) and
+    the high nibbles (odd columns), each folded, dequantised and requantised on its own (key-axis
+    groups never mix columns) and packed back into the same bytes without any shuffle."""
+    HALVES: tl.constexpr = BITS <= 4
+    N: tl.constexpr = BV // 2 if HALVES else BV
+    T: tl.constexpr = G if G >= 16 else 16
+    CW: tl.constexpr = V // 2 if HALVES else V  # bytes per key row of codes (and of packed zero points)
+    c0 = cb * BV
+    cbyte = cb * (BV // 2) if HALVES else c0  # first byte of the columns in a row (alignment visible)
+    ridx = tl.arange(0, NB)
+    total = tl.sum(tl.zeros((NB,), tl.float32))  # Σ of the n records' log decays
+    for blk in range(0, tl.cdiv(n, NB)):
+        i = blk * NB + ridx
+        total += tl.sum(tl.load(bg_ptr + (b * cap + i) * HV + h, mask=i < n, other=0.0))
+    decay = tl.exp(total)
+    j = tl.arange(0, N)
+    cols = c0 + (2 * j if HALVES else j)  # the (even) value columns of the tile's rows
+    for r0 in tl.static_range(0, K, T):
+        grp = (r0 // G + tl.arange(0, T // G))[None, :]  # the tile's groups
+        at = codes + (r0 + tl.arange(0, T))[None, :] * CW + cbyte + j[:, None]
+        s_at = scale + grp * V + cols[:, None]
+        p = tl.load(at).to(tl.int32)
+        if HALVES:
+            if SYM:
+                z_a = tl.full((N, T // G), 1 << (BITS - 1), tl.int32)
+                z_b = z_a
+            elif PZ:
+                zp = tl.load(zero + grp * CW + cbyte + j[:, None]).to(tl.int32)
+                z_a = zp & 15
+                z_b = zp >> 4
             else:
-                tl.store(zero + grp * V + c0 + 2 * j[None, :], zq_a.to(tl.uint8))
-                tl.store(zero + grp * V + c0 + 2 * j[None, :] + 1, zq_b.to(tl.uint8))
-    else:
-        S = _load_tile(codes, scale, zero, 0, c0, K, BV, K, V, G, True, SYM, BITS, PZ)
-        _store_tile(acc_a + decay * S, codes, scale, zero, 0, c0, K, BV, K, V, G, True, SYM, BITS, PZ)
+                z_a = tl.load(zero + grp * V + cols[:, None]).to(tl.int32)
+                z_b = tl.load(zero + grp * V + cols[:, None] + 1).to(tl.int32)
+            x_a = _dequant_rows(p & 15, z_a, decay * tl.load(s_at).to(tl.float32), G)
+            x_b = _dequant_rows(p >> 4, z_b, decay * tl.load(s_at + 1).to(tl.float32), G)
+            x_a, x_b = _fold_records(x_a, x_b, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
+                                     c0, r0, K, V, BV, T, KBITS, VBITS, K_BF16, NB, BF16, True)
+            c_a, zq_a = _requant_rows(x_a, s_at, G, SYM, BITS)
+            c_b, zq_b = _requant_rows(x_b, s_at + 1, G, SYM, BITS)
+            tl.store(at, (c_a | (c_b << 4)).to(tl.uint8))
+            if not SYM:
+                if PZ:
+                    tl.store(zero + grp * CW + cbyte + j[:, None], (zq_a | (zq_b << 4)).to(tl.uint8))
+                else:
+                    tl.store(zero + grp * V + cols[:, None], zq_a.to(tl.uint8))
+                    tl.store(zero + grp * V + cols[:, None] + 1, zq_b.to(tl.uint8))
+        else:
+            if SYM:
+                z = tl.full((N, T // G), 1 << (BITS - 1), tl.int32)
+            else:
+                z = tl.load(zero + grp * V + cols[:, None]).to(tl.int32)
+            x = _dequant_rows(p, z, decay * tl.load(s_at).to(tl.float32), G)
+            x, _ = _fold_records(x, x, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
+                                 c0, r0, K, V, BV, T, KBITS, VBITS, K_BF16, NB, BF16, False)
+            c, zq = _requant_rows(x, s_at, G, SYM, BITS)
+            tl.store(at, c.to(tl.uint8))
+            if not SYM:
+                tl.store(zero + grp * V + cols[:, None], zq.to(tl.uint8))
 
 
 @triton.jit
@@ -629,12 +749,12 @@ def _flush_kernel(
     """Fold the ``n`` buffered records into the packed checkpoint and requantise it in place:
     ``S = e^{G} Ŝ + Σ_i e^{G - G_i} k_i u_iᵀ`` for the columns ``c0 .. c0+BV`` of one head.
 
-    The fold is ``[K, NB] x [NB, BV]`` on tensor cores: the keys as the exact integers ``c - 2^(b-1)``
-    (integer storage; bfloat16 keys as they are) against ``e^{G - G_i} s_i u_i`` split into three
-    bfloat16 terms (:func:`_bf16_split`), so every product is exact; float32 keys take an IEEE fp32
-    dot (:func:`_fold`)."""
+    The fold is transposed, ``[N, NB] x [NB, T]`` on tensor cores for ``T`` key rows at a time
+    (:func:`_flush_head`): ``e^{G - G_i} s_i u_i`` split into three bfloat16 terms (:func:`_bf16_split`)
+    against the keys as the exact integers ``c - 2^(b-1)`` (integer storage; bfloat16 keys as they
+    are), so every product is exact; float32 keys take an IEEE fp32 dot (:func:`_fold`)."""
     pid = tl.program_id(0).to(tl.int64)
-    c0 = tl.program_id(1) * BV
+    cb = tl.program_id(1)
     b = pid // HV
     h = pid % HV
     kh = h // (HV // H)
@@ -643,13 +763,13 @@ def _flush_kernel(
                                             CC0, SS0, ZS0, CC1, SS1, ZS1)
     if TWO:
         if part == 1:
-            _flush_head(a1, as1, az1, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0,
+            _flush_head(a1, as1, az1, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, cb,
                         K, V, BV, G, SYM, BITS1, PZ1, KBITS, VBITS, K_BF16, NB, BF16)
         else:
-            _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0,
+            _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, cb,
                         K, V, BV, G, SYM, BITS0, PZ0, KBITS, VBITS, K_BF16, NB, BF16)
     else:
-        _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0,
+        _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, cb,
                     K, V, BV, G, SYM, BITS0, PZ0, KBITS, VBITS, K_BF16, NB, BF16)
 
 
@@ -699,11 +819,20 @@ class DecodePlan:
     workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the kernels
 
 
-SPLIT_DEFAULTS = {"dots_columns": 64, "dots_warps": 4, "record_warps": 1, "flush_warps": 4, "flush_columns": 32}
-"""Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others): columns
-per program and warps of the dots kernel, warps of the record kernel (one program per sequence and
-value head), warps of the flush kernel and columns per flush program (a ``[K, flush_columns]`` fold
-tile)."""
+SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
+                  "flush_warps": 4, "flush_columns": 128}
+"""Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others, and these
+are the fastest it measured on the H200 at batch 32 to 128, data/bench/bench.json): the step as one
+kernel (``fused_step``, :func:`_ckpt_step_kernel`, with ``step_warps``) or as two (the dots kernel's
+columns per program and warps, the record kernel's warps); ``"auto"`` fuses when there are at most
+as many (sequence, value head) programs as the GPU has SMs: one wave, where the launch saved
+outweighs the fused kernel's block-wide reductions (faster at batch 1-4 on the H200, slower from
+8). Then warps of the flush kernel and columns per flush program (4-bit codes: two half tiles of
+``flush_columns / 2`` rows; a tensor-core tile needs at least 16)."""
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
@@ -751,7 +880,10 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
     split = not meta["DENSE"] and key_axis
     workspace = None
     if split:  # bfloat16 tensor-core operands on a GPU (fp32 holding the same values under the interpreter)
-        meta = {**meta, **SPLIT_DEFAULTS, "BF16": buf.device.type == "cuda"}
+        fusable = all((V // 2 if p.spec.bits <= 4 else V) >= 16 for p in parts)  # no padded dot columns
+        meta = {**meta, **SPLIT_DEFAULTS, "BF16": buf.device.type == "cuda", "fusable": fusable}
+        if meta["fused_step"] == "auto":
+            meta["fused_step"] = buf.device.type == "cuda" and B * HV <= _sm_count(buf.device)
         workspace = torch.empty(B * HV * 2 * V, dtype=torch.float32, device=buf.device)
     return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace)
 
@@ -791,10 +923,21 @@ def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> 
 
 
 def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
-    """The split path's step: :func:`launch_dots` then :func:`launch_records`. Inputs as in
-    :func:`buffered_decode_step`, float32 and contiguous."""
-    launch_dots(plan, q, k)
-    launch_records(plan, buf, q, k, v, g, beta, o)
+    """The split path's step: one :func:`_ckpt_step_kernel` launch (``meta["fused_step"]``, where the
+    heads are wide enough: ``meta["fusable"]``), else :func:`launch_dots` then :func:`launch_records`.
+    Inputs as in :func:`buffered_decode_step`, float32 and contiguous."""
+    m = plan.meta
+    if not (m["fused_step"] and m["fusable"]):
+        launch_dots(plan, q, k)
+        launch_records(plan, buf, q, k, v, g, beta, o)
+        return
+    B, H, HV, K, V = plan.shape
+    st, records = _records(buf)
+    _ckpt_step_kernel[(B * HV,)](
+        q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, KBITS=m["KBITS"],
+        VBITS=m["VBITS"], K_BF16=m["K_BF16"], V_BF16=m["V_BF16"], NB=min(triton.next_power_of_2(plan.capacity), 16),
+        num_warps=m["step_warps"], **_ckpt_common(m),
+    )
 
 
 def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
@@ -806,7 +949,7 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     bv = min(m["flush_columns"], V)
     _flush_kernel[(B * HV, V // bv)](*plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, BV=bv, NB=16,
                                      KBITS=m["KBITS"], VBITS=m["VBITS"], K_BF16=m["K_BF16"],
-                                     num_warps=m["flush_warps"], **_ckpt_common(m))
+                                     num_warps=m["flush_warps"], num_stages=1, **_ckpt_common(m))
 
 
 def buffered_decode_step(

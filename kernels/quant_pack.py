@@ -26,12 +26,23 @@ FP16_TINY = tl.constexpr(6.103515625e-05)  # 2^-14, pace_core.quant.FP16_TINY
 FP16_MAX = tl.constexpr(65504.0)
 
 
+RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + RINT_MAGIC rounds x to an integer (|x| <= 2^22)
+
+
 @triton.jit
 def _rint(x):
     """Round half to even for ``|x| <= 2^22`` (callers clamp first): the fp32 magic-number trick,
     which works the same in the interpreter and compiled (``libdevice.rint`` has no interpreter
     version)."""
-    return (x + 12582912.0) - 12582912.0
+    return (x + RINT_MAGIC) - RINT_MAGIC
+
+
+@triton.jit
+def _rint_bits(t):
+    """The integer ``m`` (int32, ``0 <= m < 2^22``) from ``t = RINT_MAGIC + m``, an fp32 that already
+    holds an integer (a sum with ``RINT_MAGIC``, rounded half to even): its low mantissa bits, with no
+    float -> int conversion."""
+    return t.to(tl.int32, bitcast=True) & 0x3FFFFF
 
 
 @triton.jit
@@ -73,6 +84,19 @@ def _expand(s, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.c
 
 
 @triton.jit
+def _div_rn(x, d, r):
+    """``x / d`` correctly rounded (IEEE round to nearest even, as ``tl.math.div_rn``) from ``r``, the
+    correctly rounded ``1 / d`` of a positive divisor: ``y = x r`` is within one ulp of ``x / d``, the
+    residual ``x - y d`` is exact in one fma, and one more fma rounds the corrected quotient
+    correctly (Markstein's theorem, valid while the residual is not subnormal: divisors here are fp16
+    scales, at least 2^-14, so that needs ``|x| < 2^-102``, whose quotient rounds to 0 either way).
+    Three instructions an element instead of ``div_rn``'s range check and slow-path call; the
+    reciprocal is one per group."""
+    y = x * r
+    return tl.fma(tl.fma(-y, d, x), r, y)
+
+
+@triton.jit
 def _fp16_scale(ratio, nonzero):
     clamped = tl.minimum(tl.maximum(ratio, FP16_TINY), FP16_MAX)
     return tl.where(nonzero, clamped, 0.0).to(tl.float16)
@@ -92,8 +116,8 @@ def _quant_tile(x, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: 
         amax = tl.max(tl.abs(xg), axis=AX)
         scale = _fp16_scale(tl.math.div_rn(amax, QMAX * 1.0), amax > 0)
         div = tl.where(scale == 0, 1.0, scale.to(tl.float32))
-        y = tl.math.div_rn(x, _expand(div, R, C, G, KEY_AXIS))
-        codes = _rint(tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0)) + (QMAX + 1)
+        y = _div_rn(x, _expand(div, R, C, G, KEY_AXIS), _expand(tl.math.div_rn(1.0, div), R, C, G, KEY_AXIS))
+        codes = _rint_bits(tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0) + (RINT_MAGIC + (QMAX + 1)))  # even offset
         zero = tl.zeros(div.shape, tl.int32)
     else:
         LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -102,11 +126,11 @@ def _quant_tile(x, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: 
         scale = _fp16_scale(tl.math.div_rn(hi - lo, LEVELS * 1.0), hi > lo)
         div = tl.where(scale == 0, 1.0, scale.to(tl.float32))
         zf = _rint(tl.minimum(tl.maximum(tl.math.div_rn(-lo, div), 0.0), LEVELS * 1.0))
-        y = tl.math.div_rn(x, _expand(div, R, C, G, KEY_AXIS))
-        q = _rint(tl.minimum(tl.maximum(y, -LEVELS * 1.0), LEVELS * 1.0)) + _expand(zf, R, C, G, KEY_AXIS)
-        codes = tl.minimum(tl.maximum(q, 0.0), LEVELS * 1.0)
+        y = _div_rn(x, _expand(div, R, C, G, KEY_AXIS), _expand(tl.math.div_rn(1.0, div), R, C, G, KEY_AXIS))
+        q = (tl.minimum(tl.maximum(y, -LEVELS * 1.0), LEVELS * 1.0) + RINT_MAGIC) + _expand(zf, R, C, G, KEY_AXIS)
+        codes = _rint_bits(tl.minimum(tl.maximum(q, RINT_MAGIC), RINT_MAGIC + LEVELS))
         zero = zf.to(tl.int32)
-    return codes.to(tl.int32), scale, zero
+    return codes, scale, zero
 
 
 @triton.jit

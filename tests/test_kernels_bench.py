@@ -61,11 +61,26 @@ def test_buffered_variants_run_and_report(bench, variant):
     assert row["outputs_finite"] and row["seconds_per_token"] == pytest.approx(1e-3 / bench.PERIOD)
     assert [t["config"] for t in row["tried"]] == bench.configs(variant)
     if variant in bench.SPLIT_VARIANTS:
-        assert row["split_breakdown"] == {"dots_seconds": 1e-3, "records_seconds": 1e-3, "flush_seconds": 1e-3,
-                                          "records_at_step": bench.PERIOD // 2}
+        assert row["split_breakdown"] == {"step_seconds": 1e-3, "dots_seconds": 1e-3, "records_seconds": 1e-3,
+                                          "flush_seconds": 1e-3, "records_at_step": bench.PERIOD // 2}
         assert all(t["split_breakdown"] == row["split_breakdown"] for t in row["tried"])
     else:
         assert row["split_breakdown"] is None
+
+
+def test_best_split_combination_takes_each_kernels_fastest_options(bench):
+    configs = bench.configs("PACE-4 dP=8")[:3]
+    keys = ("step_seconds", "dots_seconds", "records_seconds", "flush_seconds")
+    times = [(5e-3, 3e-3, 1e-3, 9e-3), (4e-3, 1e-3, 2e-3, 8e-3), (6e-3, 2e-3, 3e-3, 7e-3)]
+    tried = [{"config": c, "split_breakdown": dict(zip(keys, t))} for c, t in zip(configs, times)]
+    best = bench.best_split_combination(tried)
+    assert best == {"fused_step": False, "step_warps": configs[1]["step_warps"],  # 4 ms > 1 + 1 ms
+                    "dots_columns": configs[1]["dots_columns"], "dots_warps": configs[1]["dots_warps"],
+                    "record_warps": configs[0]["record_warps"], "flush_warps": configs[2]["flush_warps"],
+                    "flush_columns": configs[2]["flush_columns"]}
+    tried[2]["split_breakdown"]["step_seconds"] = 1.5e-3
+    assert bench.best_split_combination(tried)["fused_step"] and bench.best_split_combination(tried)["step_warps"] \
+        == configs[2]["step_warps"]
 
 
 def _fla_in_a_fresh_interpreter(variant: str) -> None:

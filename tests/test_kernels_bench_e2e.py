@@ -36,9 +36,11 @@ def test_profile_writes_tables_and_host_counts(tmp_path):
     out = tmp_path / "e2e"
     assert bench_e2e.main(["--tiny", "--device", "cpu", "--batches", "2", "--context", "8", "--tokens", "8",
                            "--profile", "--out", str(out)]) == 0
-    result = json.loads((out / "bench_e2e.json").read_text())
-    assert result["profile_batch"] == 2 and set(result["profile"]) == set(bench_e2e.VARIANTS)
-    for variant, name in bench_e2e.VARIANTS.items():
-        p = result["profile"][variant]
-        assert p["tpot_mean_s"] > 0 and p["aten_calls_per_step"] > 10 and p["launches_per_step"] == 0  # CPU
-        assert "Self CPU" in (out / f"profile_{name}.txt").read_text()
+    rows = json.loads((out / "bench_e2e.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == list(bench_e2e.VARIANTS)
+    tables = (out / "profile.txt").read_text()
+    for r in rows:
+        assert r["profiled_tpot_s"] > 0 and r["aten_calls_per_step"] > 10 and r["launches_per_step"] == 0  # CPU
+        assert "gpu_busy_time_per_token_s" not in r  # no GPU, no busy time
+        assert f"=== {r['variant']}, batch 2" in tables
+    assert tables.count("Self CPU time total") == len(rows)

@@ -96,6 +96,46 @@ def test_huge_and_tiny_groups_saturate_like_reference() -> None:
     assert torch.isfinite(quant.dequantize(ref)).all()
 
 
+def _at_rounding_boundaries(shape: tuple[int, ...], bits: int, symmetric: bool, group: int) -> torch.Tensor:
+    """A state ``[..., K, V]`` whose key-axis groups have an exact fp16 scale ``s`` (the first rows set
+    the group's range: ``±qmax s``, or ``-z s`` and ``(levels - z) s``) and whose other values lie
+    on a rounding boundary ``(m + 1/2) s`` exactly (a tie) or one float32 ulp either side."""
+    *lead, K, V = shape
+    gshape = (*lead, K // group, 1, V)
+    s = (torch.rand(gshape) + 0.5).half().float()
+    levels = (1 << bits) - 1
+    if symmetric:
+        lo = -torch.full(gshape, float((1 << (bits - 1)) - 1))
+        hi = -lo
+    else:
+        lo = -torch.randint(1, levels, gshape).float()
+        hi = lo + levels
+    m = lo + torch.floor(torch.rand((*lead, K // group, group, V)) * (hi - lo))
+    x = (m + 0.5) * s
+    side = torch.randint(-1, 2, x.shape)
+    x = torch.where(side > 0, torch.nextafter(x, x + 1), torch.where(side < 0, torch.nextafter(x, x - 1), x))
+    x[..., 0:1, :] = hi * s
+    x[..., 1:2, :] = lo * s
+    return x.reshape(shape)
+
+
+@pytest.mark.parametrize("axis", ["key", "value"])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rounding_boundaries_match_reference(axis: str, symmetric: bool, bits: int) -> None:
+    """Ties (rounded to even) and their float32 neighbours: the kernels divide through the group's
+    reciprocal with an fma correction, which must round exactly as IEEE division."""
+    shape = SIZES["QUANT_SHAPE"]
+    spec = quant.QuantSpec(bits, symmetric, axis, SIZES["GROUP"])
+    if axis == "key":
+        x = _at_rounding_boundaries(shape, bits, symmetric, spec.group_size)
+    else:
+        x = _at_rounding_boundaries((*shape[:-2], shape[-1], shape[-2]), bits, symmetric, spec.group_size).mT.contiguous()
+    ref = quant.quantize(x, spec)
+    assert (ref.codes != quant.quantize(torch.nextafter(x, x + 1), spec).codes).any()  # values on boundaries
+    _assert_packed_equal(qp.quantize(x, spec), ref)
+
+
 def test_bad_inputs_raise() -> None:
     spec = quant.QuantSpec(4, True, "key", 8)
     with pytest.raises(PaceError, match="float64"):
