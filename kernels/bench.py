@@ -220,7 +220,8 @@ def time_config(layers: list, config: dict, reps: int) -> list[float]:
 def split_breakdown(layers: list, config: dict, reps: int) -> dict:
     """The split path's kernels timed alone over all layers (median seconds): the one-kernel step, the
     dots kernel and the record kernel with dP / 2 records buffered (the token's record written into
-    the free slot, not counted), and the flush kernel with dP records."""
+    the free slot, not counted), and the flush kernel with dP records. The one-kernel step is None
+    where the heads are too narrow for it (``plan.meta["fusable"]``)."""
     def fill(n: int) -> None:
         for _, (_, buf, _), (_, k, v, g, _), _ in layers:
             buf.clear()
@@ -244,7 +245,8 @@ def split_breakdown(layers: list, config: dict, reps: int) -> dict:
             launch_flush(_tuned(plan, config), buf)
 
     fill(PERIOD // 2)
-    out = {"step_seconds": statistics.median(time_graph(step, reps)),
+    fusable = all(plan.meta["fusable"] for _, (_, _, plan), _, _ in layers)
+    out = {"step_seconds": statistics.median(time_graph(step, reps)) if fusable else None,
            "dots_seconds": statistics.median(time_graph(dots, reps)),
            "records_seconds": statistics.median(time_graph(records, reps))}
     fill(PERIOD)
@@ -263,10 +265,12 @@ def best_split_combination(tried: list[dict]) -> dict:
     the fastest one-kernel step beats the fastest dots and record kernels together."""
     config, fastest = {}, {}
     for seconds, keys in SPLIT_KERNEL_KEYS.items():
-        best = min(tried, key=lambda r: r["split_breakdown"][seconds])
+        timed = [r for r in tried if r["split_breakdown"][seconds] is not None]
+        best = min(timed, key=lambda r: r["split_breakdown"][seconds]) if timed else tried[0]
         config.update({key: best["config"][key] for key in keys})
         fastest[seconds] = best["split_breakdown"][seconds]
-    config["fused_step"] = fastest["step_seconds"] < fastest["dots_seconds"] + fastest["records_seconds"]
+    step = fastest["step_seconds"]
+    config["fused_step"] = step is not None and step < fastest["dots_seconds"] + fastest["records_seconds"]
     return config
 
 
@@ -360,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             row["hbm_fraction"] = row["bytes_per_second"] / bw
             results["rows"].append(row)
             split = row["split_breakdown"]
-            parts = "" if split is None else (f" step {split['step_seconds'] * 1e6:.1f} us, dots "
+            step = "-" if split is None or split["step_seconds"] is None else f"{split['step_seconds'] * 1e6:.1f}"
+            parts = "" if split is None else (f" step {step} us, dots "
                                               f"{split['dots_seconds'] * 1e6:.1f} us, records "
                                               f"{split['records_seconds'] * 1e6:.1f} us, flush "
                                               f"{split['flush_seconds'] * 1e6:.1f} us")

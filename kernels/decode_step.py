@@ -14,7 +14,7 @@ dense step used as the fp32 / bf16 baseline.
   batch of at most one wave the two run as one kernel, :func:`_ckpt_step_kernel` (``SPLIT_DEFAULTS``).
   On the token that fills the buffer to ``period`` records :func:`_flush_kernel`
   (:func:`launch_flush`) folds ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` and requantises the
-  checkpoint in place, transposed and a key group at a time (:func:`_flush_head`: ``[N, 16] x [16, T]``
+  checkpoint in place, transposed and ``T`` key rows at a time (:func:`_flush_head`: ``[N, 16] x [16, T]``
   dots on tensor cores onto the dequantised checkpoint, exact products: bfloat16 splits against
   integer key codes; each group's range a reduction along a row).
 - **fused** (dense fp32 / bf16 checkpoints, value-axis groups): :func:`_decode_kernel`, one launch
@@ -424,13 +424,11 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
             if SYM:
                 off_a = 1 << (BITS - 1)
                 off_b = 1 << (BITS - 1)
-            elif PACK_Z:
+            else:
+                tl.static_assert(PACK_Z, "4-bit key-axis zero points are packed (pace_core.quant)")
                 zp = tl.load(zero + (r0 // G) * (V // 2) + c0 // 2 + j, mask=cm, other=0).to(tl.int32)
                 off_a = (zp & 15)[None, :]
                 off_b = (zp >> 4)[None, :]
-            else:
-                off_a = tl.load(zero + (r0 // G) * V + c0 + 2 * j, mask=cm, other=0).to(tl.int32)[None, :]
-                off_b = tl.load(zero + (r0 // G) * V + c0 + 2 * j + 1, mask=cm, other=0).to(tl.int32)[None, :]
             s_a = tl.load(srow + c0 + 2 * j, mask=cm, other=0.0).to(tl.float32)
             s_b = tl.load(srow + c0 + 2 * j + 1, mask=cm, other=0.0).to(tl.float32)
             acc_a += s_a[None, :] * tl.dot(a, _centred(p & 15, off_a, BITS, BF16))
@@ -440,11 +438,8 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
                         other=0).to(tl.int32)
             if SYM:
                 off = 1 << (BITS - 1)
-            elif PACK_Z:
-                zp = tl.load(zero + (r0 // G) * (V // 2) + c0 // 2 + tl.arange(0, NP // 2), mask=tl.arange(0, NP // 2) < N // 2,
-                             other=0).to(tl.int32)
-                off = tl.reshape(tl.join(zp & 15, zp >> 4), (NP,))[None, :]
             else:
+                tl.static_assert(not PACK_Z, "8-bit zero points are not packed (pace_core.quant)")
                 off = tl.load(zero + (r0 // G) * V + c0 + j, mask=cm, other=0).to(tl.int32)[None, :]
             s_a = tl.load(srow + c0 + j, mask=cm, other=0.0).to(tl.float32)
             acc_a += s_a[None, :] * tl.dot(a, _centred(p, off, BITS, BF16))
@@ -599,7 +594,7 @@ def _ckpt_step_kernel(
 
 @triton.jit
 def _fold(wu, kx, acc, EXACT: tl.constexpr, BF16: tl.constexpr):
-    """``acc + wu [N, NB] x kx [NB, G]`` fp32 on tensor cores. ``EXACT``: ``kx`` is a dot operand holding
+    """``acc + wu [N, NB] x kx [NB, T]`` fp32 on tensor cores. ``EXACT``: ``kx`` is a dot operand holding
     bfloat16-exact values (integer key codes, bfloat16 keys) and ``wu`` is split into three bfloat16
     terms (:func:`_bf16_split`), so every product is exact; else an IEEE fp32 dot."""
     if EXACT:
@@ -673,15 +668,15 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n,
                 K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
                 BITS: tl.constexpr, PZ: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                 K_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr):
-    """The flush of one head's columns ``c0 .. c0+BV``, ``c0 = cb BV`` (see :func:`_flush_kernel`), ``T = max(G, 16)``
-    key rows (whole groups) at a time and transposed: a tile is ``[N, T]``, value columns by key rows,
-    so each group's range is a reduction along a row, inside a thread and its quad of the dot's
-    layout (no shared memory). 4-bit codes are two half tiles, the low nibbles (even columns) and
+    """The flush of one head's columns ``c0 .. c0+BV``, ``c0 = cb BV`` (see :func:`_flush_kernel`),
+    ``T = max(G, 16)`` key rows (whole groups) at a time and transposed: a tile is
+    ``[N, T]``, value columns by key rows, so each group's range is a reduction along a row, inside a
+    thread and its quad of the dot's layout (no shared memory). 4-bit codes are two half tiles, the low nibbles (even columns) and
     the high nibbles (odd columns), each folded, dequantised and requantised on its own (key-axis
     groups never mix columns) and packed back into the same bytes without any shuffle."""
     HALVES: tl.constexpr = BITS <= 4
     N: tl.constexpr = BV // 2 if HALVES else BV
-    T: tl.constexpr = G if G >= 16 else 16
+    T: tl.constexpr = G if G >= 16 else 16  # whole groups; at most K, as K >= 16 (DECODE_MIN_K)
     CW: tl.constexpr = V // 2 if HALVES else V  # bytes per key row of codes (and of packed zero points)
     c0 = cb * BV
     cbyte = cb * (BV // 2) if HALVES else c0  # first byte of the columns in a row (alignment visible)
@@ -702,13 +697,11 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n,
             if SYM:
                 z_a = tl.full((N, T // G), 1 << (BITS - 1), tl.int32)
                 z_b = z_a
-            elif PZ:
+            else:
+                tl.static_assert(PZ, "4-bit key-axis zero points are packed (pace_core.quant)")
                 zp = tl.load(zero + grp * CW + cbyte + j[:, None]).to(tl.int32)
                 z_a = zp & 15
                 z_b = zp >> 4
-            else:
-                z_a = tl.load(zero + grp * V + cols[:, None]).to(tl.int32)
-                z_b = tl.load(zero + grp * V + cols[:, None] + 1).to(tl.int32)
             x_a = _dequant_rows(p & 15, z_a, decay * tl.load(s_at).to(tl.float32), G)
             x_b = _dequant_rows(p >> 4, z_b, decay * tl.load(s_at + 1).to(tl.float32), G)
             x_a, x_b = _fold_records(x_a, x_b, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
@@ -717,11 +710,7 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n,
             c_b, zq_b = _requant_rows(x_b, s_at + 1, G, SYM, BITS)
             tl.store(at, (c_a | (c_b << 4)).to(tl.uint8))
             if not SYM:
-                if PZ:
-                    tl.store(zero + grp * CW + cbyte + j[:, None], (zq_a | (zq_b << 4)).to(tl.uint8))
-                else:
-                    tl.store(zero + grp * V + cols[:, None], zq_a.to(tl.uint8))
-                    tl.store(zero + grp * V + cols[:, None] + 1, zq_b.to(tl.uint8))
+                tl.store(zero + grp * CW + cbyte + j[:, None], (zq_a | (zq_b << 4)).to(tl.uint8))
         else:
             if SYM:
                 z = tl.full((N, T // G), 1 << (BITS - 1), tl.int32)
@@ -816,7 +805,8 @@ class DecodePlan:
     ckpt_args: list
     meta: dict = field(default_factory=dict)
     split: bool = False  # packed key-axis checkpoint: dots + record kernels, a separate flush kernel
-    workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the kernels
+    workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the two
+    # step kernels (allocated also when the step runs fused: the launch settings may change per plan)
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
@@ -828,7 +818,7 @@ columns per program and warps, the record kernel's warps); ``"auto"`` fuses when
 as many (sequence, value head) programs as the GPU has SMs: one wave, where the launch saved
 outweighs the fused kernel's block-wide reductions (faster at batch 1-4 on the H200, slower from
 8). Then warps of the flush kernel and columns per flush program (4-bit codes: two half tiles of
-``flush_columns / 2`` rows; a tensor-core tile needs at least 16)."""
+``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles)."""
 
 
 def _sm_count(device: torch.device) -> int:
@@ -841,6 +831,7 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
     if buf.precision == "fp64":
         raise PaceError("buffer precision: 'fp64' not supported by the kernels; allowed: fp32, bf16, int8, mixed")
     if isinstance(ckpt, torch.Tensor):
+        check_kernel_shape(K, V, quant.QuantSpec(8, True, "key", 1), "ckpt", decode=True)
         if ckpt.shape != (B, HV, K, V) or ckpt.dtype not in (torch.float32, torch.bfloat16) or not ckpt.is_contiguous():
             raise PaceError(f"ckpt: dense checkpoint {tuple(ckpt.shape)} {ckpt.dtype} not allowed; "
                             f"allowed: contiguous float32/bfloat16 {(B, HV, K, V)}")
@@ -855,7 +846,7 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
         spec = parts[0].spec
         if m.shape != (B, HV, K, V):
             raise PaceError(f"ckpt: shape {m.shape} not allowed; allowed: {(B, HV, K, V)}")
-        check_kernel_shape(K, V, spec, "ckpt")
+        check_kernel_shape(K, V, spec, "ckpt", decode=True)
         bits_per_head = [0] * HV
         for w in widths:
             for hh in m.heads[w].tolist():

@@ -85,13 +85,16 @@ def _expand(s, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.c
 
 @triton.jit
 def _div_rn(x, d, r):
-    """``x / d`` correctly rounded (IEEE round to nearest even, as ``tl.math.div_rn``) from ``r``, the
-    correctly rounded ``1 / d`` of a positive divisor: ``y = x r`` is within one ulp of ``x / d``, the
-    residual ``x - y d`` is exact in one fma, and one more fma rounds the corrected quotient
-    correctly (Markstein's theorem, valid while the residual is not subnormal: divisors here are fp16
-    scales, at least 2^-14, so that needs ``|x| < 2^-102``, whose quotient rounds to 0 either way).
-    Three instructions an element instead of ``div_rn``'s range check and slow-path call; the
-    reciprocal is one per group."""
+    """``x / d`` correctly rounded (IEEE round to nearest even, as ``tl.math.div_rn``) for a divisor
+    ``d`` that is an fp16 value (at most 11 significant bits: the groups' scales), from ``r``, the
+    correctly rounded ``1 / d``. ``y = x r`` is within about 1.5 ulp of ``x / d``; the residual
+    ``x - y d`` needs only about a dozen significant bits, so one fma gives it exactly; ``y`` plus
+    residual times ``r`` is then within about 2^-23 ulp of ``x / d``, while a quotient by an 11-bit
+    divisor is either exact or at least about 2^-12 ulp away from any rounding midpoint, so one more
+    fma rounds it as IEEE division does (with a general fp32 divisor neither step holds). The residual
+    is subnormal only for ``|x| < 2^-102``, whose code is 0 anyway (scales are at least 2^-14). Three
+    instructions an element instead of ``div_rn``'s range check and slow-path call; the reciprocal is
+    one per group."""
     y = x * r
     return tl.fma(tl.fma(-y, d, x), r, y)
 
@@ -249,14 +252,23 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def check_kernel_shape(K: int, V: int, spec: quant.QuantSpec, name: str = "x") -> None:
-    """Raise PaceError unless the kernels support a ``[K, V]`` state with ``spec``'s groups."""
+DECODE_MIN_K = 16
+"""The decode kernels' narrowest keys (a tensor-core tile): the flush at K = 8 gave wrong PACE-4/8
+checkpoints on the H200 (kernels/NOTES.md, run 5), so narrower heads decode on the reference."""
+
+
+def check_kernel_shape(K: int, V: int, spec: quant.QuantSpec, name: str = "x", decode: bool = False) -> None:
+    """Raise PaceError unless the kernels support a ``[K, V]`` state with ``spec``'s groups (``decode``:
+    the buffered decode kernels, which also need ``K >= DECODE_MIN_K``)."""
     quant.check_divides(spec.group_size, K if spec.axis == "key" else V, spec.axis, name)
     for field, n in (("K", K), ("V", V), ("group_size", spec.group_size)):
         if not _is_pow2(n):
             raise PaceError(f"{name}: {field}={n} is not supported by the Triton kernels; allowed: powers of two")
     if V < 2:
         raise PaceError(f"{name}: V={V} is not supported by the Triton kernels; allowed: V >= 2")
+    if decode and K < DECODE_MIN_K:
+        raise PaceError(f"{name}: K={K} is not supported by the Triton decode kernels; allowed: K >= {DECODE_MIN_K} "
+                        "(narrower heads decode on the PyTorch reference)")
 
 
 def row_block(K: int, spec: quant.QuantSpec, V: int) -> int:

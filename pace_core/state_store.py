@@ -267,7 +267,7 @@ class LayerState:
 
         try:
             check_kernel_shape(self.d_k, self.d_v, self.cfg.quant_spec() if self.cfg.quantized else
-                               quant.QuantSpec(8, True, "key", 1), self.name)
+                               quant.QuantSpec(8, True, "key", 1), self.name, decode=True)
         except PaceError:
             return False
         return True

@@ -68,19 +68,44 @@ def test_buffered_variants_run_and_report(bench, variant):
         assert row["split_breakdown"] is None
 
 
+def _split_config(i: int) -> dict:
+    """A split-path launch configuration whose every setting differs from another index's."""
+    return {"fused_step": i % 2 == 0, "step_warps": 2 + i, "dots_columns": 16 * (i + 1), "dots_warps": 4 + i,
+            "record_warps": 1 + i, "flush_warps": 8 + i, "flush_columns": 32 * (i + 1)}
+
+
+def _breakdown(step, dots, records, flush) -> dict:
+    return {"step_seconds": step, "dots_seconds": dots, "records_seconds": records, "flush_seconds": flush,
+            "records_at_step": 4}
+
+
 def test_best_split_combination_takes_each_kernels_fastest_options(bench):
-    configs = bench.configs("PACE-4 dP=8")[:3]
-    keys = ("step_seconds", "dots_seconds", "records_seconds", "flush_seconds")
+    configs = [_split_config(i) for i in range(3)]
     times = [(5e-3, 3e-3, 1e-3, 9e-3), (4e-3, 1e-3, 2e-3, 8e-3), (6e-3, 2e-3, 3e-3, 7e-3)]
-    tried = [{"config": c, "split_breakdown": dict(zip(keys, t))} for c, t in zip(configs, times)]
-    best = bench.best_split_combination(tried)
-    assert best == {"fused_step": False, "step_warps": configs[1]["step_warps"],  # 4 ms > 1 + 1 ms
-                    "dots_columns": configs[1]["dots_columns"], "dots_warps": configs[1]["dots_warps"],
-                    "record_warps": configs[0]["record_warps"], "flush_warps": configs[2]["flush_warps"],
-                    "flush_columns": configs[2]["flush_columns"]}
+    tried = [{"config": c, "split_breakdown": _breakdown(*t)} for c, t in zip(configs, times)]
+    assert bench.best_split_combination(tried) == {
+        "fused_step": False, "step_warps": configs[1]["step_warps"],  # one kernel 4 ms > 1 + 1 ms for two
+        "dots_columns": configs[1]["dots_columns"], "dots_warps": configs[1]["dots_warps"],
+        "record_warps": configs[0]["record_warps"], "flush_warps": configs[2]["flush_warps"],
+        "flush_columns": configs[2]["flush_columns"]}
     tried[2]["split_breakdown"]["step_seconds"] = 1.5e-3
-    assert bench.best_split_combination(tried)["fused_step"] and bench.best_split_combination(tried)["step_warps"] \
-        == configs[2]["step_warps"]
+    best = bench.best_split_combination(tried)
+    assert best["fused_step"] and best["step_warps"] == configs[2]["step_warps"]
+    for r in tried:  # heads too narrow for the one-kernel step
+        r["split_breakdown"]["step_seconds"] = None
+    assert not bench.best_split_combination(tried)["fused_step"]
+
+
+def test_split_variant_also_times_the_combination(bench, monkeypatch):
+    configs = [_split_config(i) for i in range(2)]
+    times = {c["dots_warps"]: t for c, t in zip(configs, [(5e-3, 1e-3, 3e-3, 9e-3), (4e-3, 2e-3, 1e-3, 8e-3)])}
+    monkeypatch.setattr(bench, "configs", lambda variant: configs)
+    monkeypatch.setattr(bench, "split_breakdown", lambda layers, config, reps: _breakdown(*times.get(
+        config["dots_warps"], (4e-3, 1e-3, 1e-3, 8e-3))))
+    row = bench.time_variant("PACE-4 dP=8", 2, torch.device("cpu"), 1)
+    combined = bench.best_split_combination(row["tried"][:2])
+    assert [t["config"] for t in row["tried"]] == [*configs, combined]
+    assert combined["dots_warps"] == configs[0]["dots_warps"] and combined["record_warps"] == configs[1]["record_warps"]
 
 
 def _fla_in_a_fresh_interpreter(variant: str) -> None:

@@ -39,8 +39,10 @@ def _bits(hv: int) -> list[int]:
     return [8 if h % 4 == 1 else 4 for h in range(hv)]
 
 
-def _checkpoint(name: str, S: torch.Tensor):
+def _checkpoint(name: str, S: torch.Tensor, group: int | None = None):
     storage, _ = CONFIGS[name]
+    if group is not None:
+        storage = quant.QuantSpec(storage.bits, storage.symmetric, storage.axis, group)
     if isinstance(storage, torch.dtype):
         return S.to(storage).contiguous()
     if name == "pace-4-8":
@@ -72,10 +74,12 @@ def _step(p: quant.PackedTensor) -> torch.Tensor:
 
 def _assert_within_one_step(got, ref) -> None:
     """Requantised checkpoints: equal except near a rounding boundary. Each side's entry is within
-    ``s (1/2 + L 2^-11)`` of the (nearly equal) folded value: half a step, plus, for a value clamped
-    at its group's range end, the fp16 rounding of the scale over the ``L`` steps of the range (L =
-    2^(b-1) - 1 symmetric, 2^b - 1 with a zero point); so where the two scales differ by an fp16 ulp
-    an 8-bit entry may differ by a little more than one step."""
+    half a step ``s / 2`` of the (nearly equal) folded value; with a zero point, a value at its
+    group's range end may be ``s (1/2 + L 2^-11)`` away (the range's top ``(L - z) s`` misses it by
+    the rounded zero point and the fp16 rounding of the scale over the ``L = 2^b - 1`` steps), so
+    where the two sides' scales differ by an fp16 ulp an 8-bit entry may differ by a little more
+    than one step. (Symmetric groups: ``q_max s`` misses the maximum by at most ``q_max s 2^-11``,
+    less than half a step.)"""
     if isinstance(ref, torch.Tensor):
         assert _rel(got, ref) < 1e-5 if ref.dtype == torch.float32 else _rel(got, ref) < 1e-2
         return
@@ -84,7 +88,7 @@ def _assert_within_one_step(got, ref) -> None:
     for b, r in parts_ref.items():
         g = parts_got[b]
         d = (quant.dequantize(g) - quant.dequantize(r)).abs()
-        levels = (1 << (b - 1)) - 1 if r.zero is None else (1 << b) - 1
+        levels = 0 if r.zero is None else (1 << b) - 1
         bound = (_step(g) + _step(r)) * (0.5 + levels * 2.0 ** -11) * 1.01 + 1e-30
         assert torch.isfinite(d).all()
         worst = int((d / bound).argmax())
@@ -142,13 +146,14 @@ def _check_flush_token_output(split: bool, o_flush, o_kept, slack) -> None:
         assert ((o_flush - o_kept).abs() <= 1e-5 * o_kept.pow(2).mean().sqrt() + slack).all()
 
 
-def _one_token(name: str, gamma: int, n: int, v_dim: int = V):
-    """One token with n records buffered, value heads ``v_dim`` wide: output and appended record
-    (:func:`_token_without_flush`), and at n = dP - 1 the fold + requantise. Returns the launch plan
-    (whether it took the split path, and with which kernels)."""
+def _one_token(name: str, gamma: int, n: int, v_dim: int = V, group: int | None = None):
+    """One token with n records buffered, value heads ``v_dim`` wide (key groups of ``group`` rows, else
+    the configuration's): output and appended record (:func:`_token_without_flush`), and at n = dP - 1
+    the fold + requantise. Returns the launch plan (whether it took the split path, and with which
+    kernels)."""
     HV = H * gamma
     _, precision = CONFIGS[name]
-    ckpt = _checkpoint(name, torch.randn(B, HV, K, v_dim) * 0.3)
+    ckpt = _checkpoint(name, torch.randn(B, HV, K, v_dim) * 0.3, group)
     buf = DecodeBuffer(B, H, HV, K, v_dim, PERIOD + 1, precision, DEVICE)
     for _ in range(n):
         _, k, _, g, _ = _token(HV)
@@ -290,6 +295,22 @@ def test_split_path_on_half_tiles(name: str, gamma: int, fused: bool, monkeypatc
     monkeypatch.setitem(ds.SPLIT_DEFAULTS, "fused_step", fused)
     plan = _one_token(name, gamma, PERIOD - 1, max(V, 32))
     assert plan.split and plan.meta["fusable"] and plan.meta["fused_step"] == fused
+
+
+@pytest.mark.parametrize("name", ["pace-4", "pace-4-8"])
+def test_split_path_on_small_groups(name: str) -> None:
+    """Key groups of 8 rows, so that a flush tile of 16 key rows holds two groups."""
+    assert _one_token(name, 2, PERIOD - 1, group=8).split
+
+
+def test_narrow_keys_are_refused() -> None:
+    """Keys narrower than a tensor-core tile (K = 8) are refused by the decode kernels (the flush gave
+    wrong PACE-4/8 checkpoints there on the H200), with a message naming the limit."""
+    ckpt = _checkpoint("pace-4", torch.randn(B, H, 8, V), group=8)
+    with pytest.raises(PaceError, match="K >= 16"):
+        ds.plan_decode(ckpt, DecodeBuffer(B, H, H, 8, V, PERIOD, "int8", DEVICE))
+    with pytest.raises(PaceError, match="K >= 16"):
+        ds.plan_decode(torch.zeros(B, H, 8, V), DecodeBuffer(B, H, H, 8, V, PERIOD, "fp32", DEVICE))
 
 
 def _as_packed(ckpt):
