@@ -1032,10 +1032,13 @@ def _dense_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr,
 
 
 def dense_recurrent_step(S: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
-                         g_t: torch.Tensor, beta_t: torch.Tensor, block_v: int = 32,
+                         g_t: torch.Tensor, beta_t: torch.Tensor, block_v: int | None = None,
                          out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
     """Per-token step on a dense state updated IN PLACE (the fp32 / bf16 baseline: the whole state is
-    read and written every token; ``block_v`` columns and ``num_warps`` warps per program).
+    read and written every token; ``block_v`` columns and ``num_warps`` warps per program). ``block_v``
+    None: 64 when there are more than four (sequence, value head) pairs per SM, else 32, the faster of
+    the two on the H200 on each side (data/bench/bench.json: 32 up to batch 16, 64 from 32, with 32
+    value heads).
     ``S [B, HV, K, V]`` float32/bfloat16 contiguous, ``q_t, k_t [B, H, K]``,
     ``v_t [B, HV, V]``, ``g_t, beta_t [B, HV]``. Returns ``o_t [B, HV, V]`` float32. Matches
     :func:`pace_core.recurrence.gdn_recurrent` with T = 1 to float32 rounding (relative error < 1e-5),
@@ -1048,6 +1051,8 @@ def dense_recurrent_step(S: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, 
             or beta_t.shape != (B, HV) or HV % H:
         raise PaceError("q_t, k_t, v_t, g_t, beta_t: shapes not allowed; allowed: [B, H, K], [B, H, K], "
                         f"[B, HV, V], [B, HV], [B, HV] with HV a multiple of H (S is {tuple(S.shape)})")
+    if block_v is None:
+        block_v = 64 if S.device.type == "cuda" and B * HV > 4 * _sm_count(S.device) else 32
     BV = min(block_v, V)
     q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q_t, k_t, v_t, g_t, beta_t))
     o = _output(out, (B, HV, V), S.device)
