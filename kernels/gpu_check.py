@@ -31,7 +31,7 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     env = {**os.environ, "PACE_KERNEL_TESTS": "cuda",
            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    cmd = [sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-q", "-rfE",
+    cmd = [sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-rfE",
            "--durations=5", *TESTS]
     return subprocess.call(cmd, cwd=ROOT, env=env)
 

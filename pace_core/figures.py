@@ -172,6 +172,35 @@ def drift_figure(table: pd.DataFrame) -> go.Figure:
     return fig
 
 
+SWEEP_ERRORS = {"output_rel_error": "output", "mean_rel_error": "state, mean over decode",
+                "final_rel_error": "state, after the last decode step", "prefill_rel_error": "state, after prefill"}
+"""The relative errors of a stored sweep (``python -m pace_core sweep``) and their labels."""
+
+
+def sweep_figure(table: pd.DataFrame, error: str = "output_rel_error") -> go.Figure:
+    """Measured relative error against resident bits per state value, one marker per swept
+    configuration: one colour per bit width, a circle for key-axis and a square for value-axis groups,
+    the configuration's name on hover.
+
+    table: one row per configuration with columns config, bits, group_axis, resident_bits and ``error``
+    (one of :data:`SWEEP_ERRORS`).
+    """
+    missing = {"config", "bits", "group_axis", "resident_bits", error} - set(table.columns)
+    if missing:
+        raise ValueError(f"sweep table: missing columns {sorted(missing)}")
+    fig = go.Figure()
+    palette = _palette(sorted(table["bits"].unique()))
+    for (bits, axis), part in table.groupby(["bits", "group_axis"], sort=True):
+        fig.add_trace(go.Scatter(
+            x=part["resident_bits"], y=part[error], mode="markers", name=f"{bits}-bit, {axis} groups",
+            text=part["config"], hovertemplate="%{text}<br>%{x:.3f} bits, error %{y:.3%}<extra></extra>",
+            marker=dict(color=palette[bits], size=9, symbol="circle" if axis == "key" else "square")))
+    fig.update_xaxes(title_text="resident bits per state value")
+    fig.update_yaxes(type="log", title_text=f"relative error ({SWEEP_ERRORS.get(error, error)})")
+    fig.update_layout(height=420, margin=dict(t=30, l=60, r=20, b=40))
+    return fig
+
+
 def _palette(names: Iterable[Any]) -> dict[Any, str]:
     colours = ["#2f6fdf", "#d62728", "#3aa675", "#f2a93b", "#8e44ad", "#17becf", "#7f7f7f",
                "#bcbd22", "#e377c2", "#8c564b"]

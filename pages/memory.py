@@ -1,4 +1,5 @@
-"""Memory: resident bits per state value, the curve over dP, and how many sequences fit."""
+"""Memory: resident bits per state value, the curve over dP, the measured error against resident bits
+(stored sweeps), and how many sequences fit."""
 
 import streamlit as st
 
@@ -43,6 +44,23 @@ def page(cfg: PaceConfig) -> None:
     curve_cfgs = {"sidebar: " + cfg.name: cfg}
     curve_cfgs.update({n: NAMED_CONFIGS[n] for n in ("pace-4", "pace-4-8") if n in NAMED_CONFIGS and n != cfg.name})
     st.plotly_chart(figures.dp_curve_figure(curve_cfgs, shape), key="memory_dp_chart")
+
+    st.subheader("Measured error against resident bits")
+    stored = [] if loaded is None else app_state.stored_results(app_state.model_source(), "sweep", loaded.fingerprint)
+    if not stored:
+        st.caption("No stored sweep for the loaded model: `python -m pace_core sweep` measures the grid of bit "
+                   "widths × dP × group axis on it (relative state and output errors against the fp32 "
+                   "reference), and this section then plots it against the resident bits.")
+    else:
+        labels = [f"{r.provenance.get('date', '?')} · {len(r.table)} configurations · {r.key}" for r in stored]
+        pick = st.selectbox("Stored sweep", labels, key="memory_sweep", help="Results of `python -m pace_core "
+                            "sweep` stored under data/results/ for the loaded weights, newest first.")
+        result = stored[labels.index(pick)]
+        error = st.radio("Relative error", list(figures.SWEEP_ERRORS), format_func=figures.SWEEP_ERRORS.get,
+                         horizontal=True, key="memory_sweep_error")
+        st.caption(f"Source: {app_state.provenance_label(result.provenance)}")
+        st.plotly_chart(figures.sweep_figure(result.table, error), key="memory_sweep_chart")
+        st.dataframe(result.table, hide_index=True, key="memory_sweep_table")
 
     st.subheader("Sequences that fit beside the weights")
     custom_gb = st.number_input("Custom budget (GB, 10⁹ bytes)", min_value=1.0, max_value=10000.0, value=48.0,

@@ -1,4 +1,5 @@
-"""Overview: the loaded model's architecture, its state memory, and what each PACE part does."""
+"""Overview: the loaded model's architecture, its state memory, its measured quality (stored runs), and
+what each PACE part does."""
 
 import pandas as pd
 import streamlit as st
@@ -56,6 +57,24 @@ def page(cfg: PaceConfig) -> None:
         st.dataframe(pd.DataFrame(rows).style.format({"state MiB / sequence": "{:.3f}", n_col: "{:,.2f}",
                                                       "share of weights + state": "{:.2%}"}),
                      hide_index=True, key="overview_state_table")
+
+        st.subheader("Measured quality")
+        stored = app_state.stored_results(app_state.model_source(), "perplexity", loaded.fingerprint)
+        if not stored:
+            st.caption("No stored perplexity run for the loaded model: `python -m pace_core perplexity` measures "
+                       "the named configurations on held-out text, and this section then shows them.")
+        else:
+            labels = [f"{r.provenance.get('date', '?')} · {', '.join(r.table['config'])}" for r in stored]
+            pick = st.selectbox("Stored perplexity run", labels, key="overview_quality_run",
+                                help="Results of `python -m pace_core perplexity` stored under data/results/ for "
+                                     "the loaded weights, newest first.")
+            result = stored[labels.index(pick)]
+            st.caption(f"Source: {app_state.provenance_label(result.provenance)}. Perplexity and bits per byte "
+                       "of the text; top-1 agreement and KL divergence of the next-token distribution against "
+                       "the fp32 reference (spec §7).")
+            st.dataframe(result.table.style.format({"nll": "{:.4f}", "ppl": "{:.3f}", "agreement": "{:.2%}",
+                                                    "kl": "{:.5f}", "bpb": "{:.4f}"}),
+                         hide_index=True, key="overview_quality")
 
     st.subheader("The parts of PACE")
     st.caption("[seed] = stated by the seed articles about the paper; [ours] = our reading where they are "

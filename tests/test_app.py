@@ -276,6 +276,64 @@ def test_drift_shows_stored_results_with_provenance(params, loaded, tmp_path, mo
     assert list(at.dataframe[0].value["mean_rel_error"]) == [s["mean_rel_error"] for s in summary]
 
 
+def _store(kind: str, params, loaded, table: pd.DataFrame, monkeypatch, tmp_path) -> None:
+    """Save ``table`` as a ``kind`` result of the loaded weights, and another of other weights under the
+    same model name (which the app must leave out)."""
+    from pace_core.results import make_provenance, result_key, save_result
+
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    name = app_state.results_model_name(params.get("model", ""))
+    for n, weights in ((1, loaded.fingerprint), (2, "0" * 16)):
+        prov = make_provenance("m", configs=[get_config("pace-4")], command=f"python -m pace_core {kind} --n {n}",
+                               extra={"weights": weights})
+        save_result(kind, name, result_key({"n": n}), {}, prov, table.iloc[::n])
+    app_state.stored_results.clear()  # the listing is cached for 30 s
+
+
+def test_overview_shows_stored_perplexity_with_provenance(params, loaded, tmp_path, monkeypatch):
+    rng = np.random.default_rng()
+    table = pd.DataFrame({"config": ["fp32", "pace-4", "rtn-int4"], "tokens": [99] * 3, "nll": rng.random(3) + 3,
+                          "ppl": rng.random(3) * 50, "agreement": rng.random(3), "kl": rng.random(3) / 100,
+                          "bpb": rng.random(3) + 1})
+    _store("perplexity", params, loaded, table, monkeypatch, tmp_path)
+    at = start(params)
+    assert at.selectbox(key="overview_quality_run").options == [
+        at.selectbox(key="overview_quality_run").value]  # only the loaded weights' run
+    assert at.selectbox(key="overview_quality_run").value.endswith("fp32, pace-4, rtn-int4")
+    assert any("`python -m pace_core perplexity --n 1`" in c.value for c in at.caption)
+    shown = [d.value for d in at.dataframe if "ppl" in d.value.columns]  # AppTest keeps no dataframe keys
+    assert len(shown) == 1
+    pd.testing.assert_frame_equal(shown[0].reset_index(drop=True), table)
+
+
+def test_overview_without_stored_quality_says_what_to_run(params, tmp_path, monkeypatch):
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    app_state.stored_results.clear()
+    at = start(params)
+    assert any("python -m pace_core perplexity" in c.value for c in at.caption)
+    assert not [d for d in at.dataframe if "ppl" in d.value.columns]
+
+
+def test_memory_plots_a_stored_sweep_and_follows_the_error_choice(params, loaded, tmp_path, monkeypatch):
+    rng = np.random.default_rng()
+    table = pd.DataFrame({"config": [f"b{b}-{a}" for b in (3, 4) for a in ("key", "value")], "bits": [3, 3, 4, 4],
+                          "group_axis": ["key", "value"] * 2, "resident_bits": rng.random(4) * 8,
+                          "output_rel_error": rng.random(4), "mean_rel_error": rng.random(4),
+                          "final_rel_error": rng.random(4), "prefill_rel_error": rng.random(4)})
+    _store("sweep", params, loaded, table, monkeypatch, tmp_path)
+    at = start(params, page="memory")
+    assert len(at.selectbox(key="memory_sweep").options) == 1
+    fig = chart(at, "memory_sweep_chart")
+    assert [t["name"] for t in fig["data"]] == ["3-bit, key groups", "3-bit, value groups", "4-bit, key groups",
+                                               "4-bit, value groups"]
+    np.testing.assert_allclose(np.concatenate([array(t["y"]) for t in fig["data"]]), table["output_rel_error"])
+    at.radio(key="memory_sweep_error").set_value("final_rel_error").run()
+    check(at)
+    fig = chart(at, "memory_sweep_chart")
+    np.testing.assert_allclose(np.concatenate([array(t["y"]) for t in fig["data"]]), table["final_rel_error"])
+    np.testing.assert_allclose(np.concatenate([array(t["x"]) for t in fig["data"]]), table["resident_bits"])
+
+
 def test_generations_run_damp_with_its_calibrated_outlier_rows(params):
     at = start(params, page="generations", preset="damp-int4")
     at.multiselect(key="gen_others").set_value([]).run()

@@ -74,6 +74,22 @@ def test_head_ranking_marks_the_chosen_heads(rng):
     assert list(chosen.x) == [0, 5, 2] and list(chosen.y) == ["L0", "L0", "L4"]
 
 
+def test_sweep_figure_one_marker_per_config_grouped_by_bits_and_axis(rng):
+    table = pd.DataFrame({"config": [f"c{i}" for i in range(8)], "bits": [3, 3, 4, 4, 3, 4, 8, 8],
+                          "group_axis": ["key", "value"] * 4, "resident_bits": rng.random(8) * 8,
+                          "output_rel_error": rng.random(8), "mean_rel_error": rng.random(8)})
+    fig = figures.sweep_figure(table, "mean_rel_error")
+    assert [t.name for t in fig.data] == ["3-bit, key groups", "3-bit, value groups", "4-bit, key groups",
+                                          "4-bit, value groups", "8-bit, key groups", "8-bit, value groups"]
+    part = table[(table.bits == 4) & (table.group_axis == "value")]
+    np.testing.assert_allclose(np.asarray(fig.data[3].x), part["resident_bits"].to_numpy())
+    np.testing.assert_allclose(np.asarray(fig.data[3].y), part["mean_rel_error"].to_numpy())
+    assert list(fig.data[3].text) == list(part["config"]) and fig.data[3].marker.symbol == "square"
+    assert "state, mean over decode" in fig.layout.yaxis.title.text
+    with pytest.raises(ValueError, match="resident_bits"):
+        figures.sweep_figure(table.drop(columns="resident_bits"))
+
+
 def test_drift_figure_one_line_per_config_and_checks_columns(rng):
     steps = np.arange(20)
     table = pd.concat([pd.DataFrame({"config": name, "step": steps, "rel_error": rng.random(20),
