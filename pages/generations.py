@@ -1,4 +1,5 @@
-"""Generations: one prompt, up to four configurations side by side, first divergence marked."""
+"""Generations: one prompt, up to four configurations side by side, first divergence marked; live, or
+stored by `python -m pace_core generate`."""
 
 import pandas as pd
 import streamlit as st
@@ -17,7 +18,20 @@ def page(cfg: PaceConfig) -> None:
                "the reference would also pick as its top-1. The first token that differs from the fp32 "
                "continuation is marked red, what follows it yellow.")
 
-    app_state.loaded_model()  # load the model (or show why it cannot) before any control
+    loaded = app_state.loaded_model()  # load the model (or show why it cannot) before any control
+    stored = app_state.stored_results(app_state.model_source(), "generation", loaded.fingerprint)
+    options = ["live: the prompt and configurations below"] + [
+        f"stored: “{_excerpt(r.data.get('prompt', ''))}” · {', '.join(r.table['config'].unique())} · "
+        f"{r.provenance.get('date', '?')}" for r in stored]
+    choice = st.radio("Source", options, key="gen_source", horizontal=len(options) < 3,
+                      help="Results of `python -m pace_core generate` stored under data/results/ for this model's "
+                           "weights are listed here with their provenance; 'live' generates on the loaded model now.")
+    if choice != options[0]:
+        result = stored[options.index(choice) - 1]
+        st.caption(f"Source: {app_state.provenance_label(result.provenance)}")
+        st.markdown(f"**Prompt:** {result.data.get('prompt', '?')}")
+        _show(result.table)
+        return
 
     prompt = st.text_area("Prompt", app_state.default_prompt(), key="gen_prompt", height=90)
     c1, c2, c3 = st.columns([2, 1, 1])
@@ -32,18 +46,31 @@ def page(cfg: PaceConfig) -> None:
 
     configs = {f"sidebar: {cfg.name}": cfg}
     configs.update({n: NAMED_CONFIGS[n] for n in others})
-    table = app_state.generations(app_state.model_source(), st.session_state["device"],
-                                  tuple((label, app_state.config_key(c)) for label, c in configs.items()),
-                                  prompt, max_new, mode)
-    divergence = [None if pd.isna(d) else int(d) for d in table["first_divergence"]]
-    summary = pd.DataFrame({"configuration": table["config"], "NLL (nats/token)": table["ref_nll"],
-                            "top-1 agreement": table["ref_agreement"],
-                            "first divergence": ["none" if d is None else f"token {d}" for d in divergence]})
-    st.dataframe(summary.style.format({"NLL (nats/token)": "{:.3f}", "top-1 agreement": "{:.1%}"}),
-                 hide_index=True, key="gen_summary")
-    for (_, row), first in zip(table.iterrows(), divergence):
-        st.markdown(f"**{row['config']}**" + (" · reference" if row["config"] == "fp32" else ""))
-        st.html(figures.generation_html(row["pieces"], first))
+    _show(app_state.generations(app_state.model_source(), st.session_state["device"],
+                                tuple((label, app_state.config_key(c)) for label, c in configs.items()),
+                                prompt, max_new, mode))
+
+
+def _excerpt(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _show(table: pd.DataFrame) -> None:
+    """Per decoding mode of ``table`` (pace_core.analysis.generation.generate_side_by_side's rows): the
+    summary table, then each configuration's continuation with its first divergence marked."""
+    modes = list(table["mode"].unique())
+    for mode, part in table.groupby("mode", sort=False):
+        if len(modes) > 1:
+            st.subheader(str(mode))
+        divergence = [None if pd.isna(d) else int(d) for d in part["first_divergence"]]
+        summary = pd.DataFrame({"configuration": part["config"], "NLL (nats/token)": part["ref_nll"],
+                                "top-1 agreement": part["ref_agreement"],
+                                "first divergence": ["none" if d is None else f"token {d}" for d in divergence]})
+        st.dataframe(summary.style.format({"NLL (nats/token)": "{:.3f}", "top-1 agreement": "{:.1%}"}),
+                     hide_index=True, key=f"gen_summary_{mode}")
+        for (_, row), first in zip(part.iterrows(), divergence):
+            st.markdown(f"**{row['config']}**" + (" · reference" if row["config"] == "fp32" else ""))
+            st.html(figures.generation_html(list(row["pieces"]), first))
 
 
 app_state.run_page(page)

@@ -157,6 +157,28 @@ def test_generations_reference_agrees_with_itself_and_length_follows_slider(para
     assert [h.proto.body for h in at.get("html")] != html_before
 
 
+def test_generations_show_a_stored_run_per_mode(params, loaded, tmp_path, monkeypatch):
+    pieces = [[" the", " cat"], [" the", " dog"], [" a", " cat"], [" a", " cat"]]
+    table = pd.DataFrame({"mode": ["greedy", "greedy", "sampled", "sampled"], "config": ["fp32", "pace-4"] * 2,
+                          "tokens": [[1, 2], [1, 3], [4, 2], [4, 2]], "pieces": pieces,
+                          "text": ["".join(p) for p in pieces], "first_divergence": pd.array([None, 1, None, None],
+                                                                                             dtype="Int64"),
+                          "ref_nll": [1.5, 2.5, 1.25, 1.25], "ref_agreement": [1.0, 0.5, 1.0, 1.0]})
+    _store("generation", params, loaded, table, monkeypatch, tmp_path, {"prompt": "Once upon a time"})
+    at = start(params, page="generations")
+    stored = [o for o in at.radio(key="gen_source").options if o.startswith("stored: ")]
+    assert stored == [o for o in stored if "“Once upon a time” · fp32, pace-4" in o] and len(stored) == 1
+    at.radio(key="gen_source").set_value(stored[0]).run()
+    check(at)
+    assert [h.value for h in at.subheader if h.value in ("greedy", "sampled")] == ["greedy", "sampled"]
+    greedy, sampled = at.dataframe[0].value, at.dataframe[1].value
+    assert list(greedy["first divergence"]) == ["none", "token 1"] and list(greedy["NLL (nats/token)"]) == [1.5, 2.5]
+    assert list(sampled["first divergence"]) == ["none", "none"]
+    bodies = [h.proto.body for h in at.get("html")]
+    assert len(bodies) == 4 and "dog" in bodies[1] and "dog" not in bodies[0]
+    assert any("`python -m pace_core generation --n 1`" in c.value for c in at.caption)
+
+
 def test_benchmarks_without_results_say_what_to_run(params, tmp_path, monkeypatch):
     monkeypatch.setattr(app_state, "BENCH_DIR", tmp_path)
     at = start(params, page="benchmarks")
@@ -276,9 +298,9 @@ def test_drift_shows_stored_results_with_provenance(params, loaded, tmp_path, mo
     assert list(at.dataframe[0].value["mean_rel_error"]) == [s["mean_rel_error"] for s in summary]
 
 
-def _store(kind: str, params, loaded, table: pd.DataFrame, monkeypatch, tmp_path) -> None:
-    """Save ``table`` as a ``kind`` result of the loaded weights, and another of other weights under the
-    same model name (which the app must leave out)."""
+def _store(kind: str, params, loaded, table: pd.DataFrame, monkeypatch, tmp_path, data: dict | None = None) -> None:
+    """Save ``table`` (and ``data``) as a ``kind`` result of the loaded weights, and another of other
+    weights under the same model name (which the app must leave out)."""
     from pace_core.results import make_provenance, result_key, save_result
 
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
@@ -286,7 +308,7 @@ def _store(kind: str, params, loaded, table: pd.DataFrame, monkeypatch, tmp_path
     for n, weights in ((1, loaded.fingerprint), (2, "0" * 16)):
         prov = make_provenance("m", configs=[get_config("pace-4")], command=f"python -m pace_core {kind} --n {n}",
                                extra={"weights": weights})
-        save_result(kind, name, result_key({"n": n}), {}, prov, table.iloc[::n])
+        save_result(kind, name, result_key({"n": n}), data or {}, prov, table.iloc[::n])
     app_state.stored_results.clear()  # the listing is cached for 30 s
 
 
