@@ -460,6 +460,29 @@ def stored_results(source: str, kind: str, weights: str) -> list[Any]:
     return [r for r in list_results(results_model_name(source), kind) if r.provenance.get("weights") == weights]
 
 
+def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], str], key: str, *,
+                  live: str | None = None, title: str = "Source") -> Any | None:
+    """One result of `python -m pace_core <command>` stored as `kind` for the weights `weights`
+    (:func:`stored_results`), labelled by `label`: with `live`, a radio whose first option is `live`
+    (returns None for it); else a selectbox titled `title` (None, and nothing shown, when none is
+    stored). The chosen result's provenance is captioned."""
+    stored = stored_results(model_source(), kind, weights)
+    if not stored and live is None:
+        return None
+    options = ([live] if live else []) + [label(r) for r in stored]
+    help_text = (f"Results of `python -m pace_core {command}` stored under data/results/ for the loaded weights, "
+                 "newest first, with their provenance" + ("; 'live' computes on the loaded model now." if live else "."))
+    if live:
+        choice = st.radio(title, options, key=key, horizontal=len(options) < 3, help=help_text)
+    else:
+        choice = st.selectbox(title, options, key=key, help=help_text)
+    if choice == live:
+        return None
+    result = stored[options.index(choice) - (1 if live else 0)]
+    st.caption(f"Source: {provenance_label(result.provenance)}")
+    return result
+
+
 def provenance_label(prov: dict[str, Any]) -> str:
     """One line naming where a stored result comes from: command, date, device, text."""
     text = prov.get("text", {})

@@ -40,6 +40,7 @@ Speed on the H200: kernels/NOTES.md and data/bench/.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -220,6 +221,20 @@ def _ckpt_base(part, slot, b, HV0, HV1, K: tl.constexpr, c0p, s0p, z0p, c1p, s1p
     i0 = b * HV0 + slot
     i1 = b * HV1 + slot
     return (c0p + i0 * K * CC0, s0p + i0 * SS0, z0p + i0 * ZS0, c1p + i1 * K * CC1, s1p + i1 * SS1, z1p + i1 * ZS1)
+
+
+@triton.jit
+def _packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K: tl.constexpr,
+                 CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr,
+                 ZS1: tl.constexpr, TWO: tl.constexpr):
+    """The (sequence, value head) of program ``pid`` of a packed-checkpoint kernel: ``b, h``, the key head
+    ``kh``, the head's part (bit width) and its base pointers in both parts (:func:`_ckpt_base`)."""
+    b = pid // HV
+    h = pid % HV
+    part, slot = _head_slot(part_ptr, slot_ptr, h, TWO)
+    a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
+                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    return b, h, h // (HV // H), part, a0, as0, az0, a1, as1, az1
 
 
 @triton.jit
@@ -498,12 +513,9 @@ def _ckpt_dots_kernel(
     one program per column block; reads the packed checkpoint once and nothing else of the state."""
     pid = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * BV
-    b = pid // HV
-    h = pid % HV
-    kh = h // (HV // H)
-    part, slot = _head_slot(part_ptr, slot_ptr, h, TWO)
-    a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
-                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    b, h, kh, part, a0, as0, az0, a1, as1, az1 = _packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
+                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
+                                                              ZS1, TWO)
     kx = k_ptr + (b * H + kh) * K
     qx = q_ptr + (b * H + kh) * K
     yx = y_ptr + pid * 2 * V
@@ -573,12 +585,9 @@ def _ckpt_step_kernel(
     kernel's work (:func:`_record_step`). One launch and no workspace round trip per token; its
     reductions span all the program's warps."""
     pid = tl.program_id(0).to(tl.int64)
-    b = pid // HV
-    h = pid % HV
-    kh = h // (HV // H)
-    part, slot = _head_slot(part_ptr, slot_ptr, h, TWO)
-    a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
-                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    b, h, kh, part, a0, as0, az0, a1, as1, az1 = _packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
+                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
+                                                              ZS1, TWO)
     kx = k_ptr + (b * H + kh) * K
     qx = q_ptr + (b * H + kh) * K
     if TWO:
@@ -744,12 +753,9 @@ def _flush_kernel(
     are), so every product is exact; float32 keys take an IEEE fp32 dot (:func:`_fold`)."""
     pid = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
-    b = pid // HV
-    h = pid % HV
-    kh = h // (HV // H)
-    part, slot = _head_slot(part_ptr, slot_ptr, h, TWO)
-    a0, as0, az0, a1, as1, az1 = _ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
-                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    b, h, kh, part, a0, as0, az0, a1, as1, az1 = _packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
+                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
+                                                              ZS1, TWO)
     if TWO:
         if part == 1:
             _flush_head(a1, as1, az1, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, cb,
@@ -821,7 +827,9 @@ outweighs the fused kernel's block-wide reductions (faster at batch 1-4 on the H
 ``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles)."""
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
+    """SMs of CUDA ``device`` (read once per device: the dense step asks on every token)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

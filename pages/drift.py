@@ -18,15 +18,11 @@ def page(cfg: PaceConfig) -> None:
                "token minus the reference's (spec §7).")
 
     loaded = app_state.loaded_model()  # load the model (or show why it cannot) before any control
-    stored = app_state.stored_results(app_state.model_source(), "drift", loaded.fingerprint)
-    options = ["live: the sidebar configuration at several dP and bit widths"] + [
-        f"stored: {', '.join(r.table['config'].unique())} · {r.provenance.get('date', '?')}" for r in stored]
-    choice = st.radio("Source", options, key="drift_source", horizontal=len(options) < 3,
-                      help="Results of `python -m pace_core drift` stored under data/results/ for this model "
-                           "are listed here with their provenance; 'live' computes on the loaded model now.")
-    if choice != options[0]:
-        result = stored[options.index(choice) - 1]
-        st.caption(f"Source: {app_state.provenance_label(result.provenance)}")
+    result = app_state.choose_stored(
+        "drift", "drift", loaded.fingerprint,
+        lambda r: f"stored: {', '.join(r.table['config'].unique())} · {r.provenance.get('date', '?')}",
+        "drift_source", live="live: the sidebar configuration at several dP and bit widths")
+    if result is not None:
         st.plotly_chart(figures.drift_figure(result.table), key="drift_chart")
         st.dataframe(pd.DataFrame(result.data["summary"]), hide_index=True, key="drift_summary")
         return

@@ -19,16 +19,12 @@ def page(cfg: PaceConfig) -> None:
                "continuation is marked red, what follows it yellow.")
 
     loaded = app_state.loaded_model()  # load the model (or show why it cannot) before any control
-    stored = app_state.stored_results(app_state.model_source(), "generation", loaded.fingerprint)
-    options = ["live: the prompt and configurations below"] + [
-        f"stored: “{_excerpt(r.data.get('prompt', ''))}” · {', '.join(r.table['config'].unique())} · "
-        f"{r.provenance.get('date', '?')}" for r in stored]
-    choice = st.radio("Source", options, key="gen_source", horizontal=len(options) < 3,
-                      help="Results of `python -m pace_core generate` stored under data/results/ for this model's "
-                           "weights are listed here with their provenance; 'live' generates on the loaded model now.")
-    if choice != options[0]:
-        result = stored[options.index(choice) - 1]
-        st.caption(f"Source: {app_state.provenance_label(result.provenance)}")
+    result = app_state.choose_stored(
+        "generation", "generate", loaded.fingerprint,
+        lambda r: f"stored: “{_excerpt(r.data.get('prompt', ''))}” · {', '.join(r.table['config'].unique())} · "
+                  f"{r.provenance.get('date', '?')}",
+        "gen_source", live="live: the prompt and configurations below")
+    if result is not None:
         st.markdown(f"**Prompt:** {result.data.get('prompt', '?')}")
         _show(result.table)
         return

@@ -46,19 +46,17 @@ def page(cfg: PaceConfig) -> None:
     st.plotly_chart(figures.dp_curve_figure(curve_cfgs, shape), key="memory_dp_chart")
 
     st.subheader("Measured error against resident bits")
-    stored = [] if loaded is None else app_state.stored_results(app_state.model_source(), "sweep", loaded.fingerprint)
-    if not stored:
+    result = None if loaded is None else app_state.choose_stored(
+        "sweep", "sweep", loaded.fingerprint,
+        lambda r: f"{r.provenance.get('date', '?')} · {len(r.table)} configurations · {r.key}", "memory_sweep",
+        title="Stored sweep")
+    if result is None:
         st.caption("No stored sweep for the loaded model: `python -m pace_core sweep` measures the grid of bit "
                    "widths × dP × group axis on it (relative state and output errors against the fp32 "
                    "reference), and this section then plots it against the resident bits.")
     else:
-        labels = [f"{r.provenance.get('date', '?')} · {len(r.table)} configurations · {r.key}" for r in stored]
-        pick = st.selectbox("Stored sweep", labels, key="memory_sweep", help="Results of `python -m pace_core "
-                            "sweep` stored under data/results/ for the loaded weights, newest first.")
-        result = stored[labels.index(pick)]
         error = st.radio("Relative error", list(figures.SWEEP_ERRORS), format_func=figures.SWEEP_ERRORS.get,
                          horizontal=True, key="memory_sweep_error")
-        st.caption(f"Source: {app_state.provenance_label(result.provenance)}")
         st.plotly_chart(figures.sweep_figure(result.table, error), key="memory_sweep_chart")
         st.dataframe(result.table, hide_index=True, key="memory_sweep_table")
 

@@ -59,19 +59,16 @@ def page(cfg: PaceConfig) -> None:
                      hide_index=True, key="overview_state_table")
 
         st.subheader("Measured quality")
-        stored = app_state.stored_results(app_state.model_source(), "perplexity", loaded.fingerprint)
-        if not stored:
+        result = app_state.choose_stored(
+            "perplexity", "perplexity", loaded.fingerprint,
+            lambda r: f"{r.provenance.get('date', '?')} · {', '.join(r.table['config'])}", "overview_quality_run",
+            title="Stored perplexity run")
+        if result is None:
             st.caption("No stored perplexity run for the loaded model: `python -m pace_core perplexity` measures "
                        "the named configurations on held-out text, and this section then shows them.")
         else:
-            labels = [f"{r.provenance.get('date', '?')} · {', '.join(r.table['config'])}" for r in stored]
-            pick = st.selectbox("Stored perplexity run", labels, key="overview_quality_run",
-                                help="Results of `python -m pace_core perplexity` stored under data/results/ for "
-                                     "the loaded weights, newest first.")
-            result = stored[labels.index(pick)]
-            st.caption(f"Source: {app_state.provenance_label(result.provenance)}. Perplexity and bits per byte "
-                       "of the text; top-1 agreement and KL divergence of the next-token distribution against "
-                       "the fp32 reference (spec §7).")
+            st.caption("Perplexity and bits per byte of the text; top-1 agreement and KL divergence of the "
+                       "next-token distribution against the fp32 reference (spec §7).")
             st.dataframe(result.table.style.format({"nll": "{:.4f}", "ppl": "{:.3f}", "agreement": "{:.2%}",
                                                     "kl": "{:.5f}", "bpb": "{:.4f}"}),
                          hide_index=True, key="overview_quality")
