@@ -12,20 +12,26 @@ for time). Variants, both through :func:`pace_core.model.patch.apply_pace` and
 - ``PACE-4 dP=8``: the named config ``pace-4`` (4-bit key-axis checkpoint, int8 buffer, the split
   step + flush kernels).
 
-Per batch: random prompt ids ``[B, context]``, one prefill, ``WARMUP`` untimed decode steps (two
-periods: every specialisation of the kernels, e.g. for 0, 1 and more buffered records, and the
-flush, is compiled before timing), then
-``--tokens`` decode steps (a multiple of dP, so the flushes are counted in proportion), each the
-whole model with the greedy next token fed back, timed one by one with CUDA events. TPOT = the mean
-over the timed steps (the median is kept too). No CUDA graphs for either variant: PACE's decode
-keeps host-side control (the buffer's record count, a flush every dP) and transformers' dynamic
-cache grows, so neither path can be captured as it is. Both pay Python and launch overhead per
-layer and one device sync per GDN layer and token (the input finiteness check of
-:mod:`pace_core.state_store`'s kernel path), which dominate at small batch; PACE-4 launches one more
-kernel every dP tokens (the flush). ``--profile`` therefore also reports, per row, the GPU's busy time
-per token (the sum of the durations of the kernels of one profiled period of dP steps): the time a
-step would take without the host's overhead, e.g. under CUDA graphs, which this harness does not
-build (it would need a static attention cache and one graph per buffer position).
+Per batch: random prompt ids ``[B, context]`` and one prefill into transformers' ``StaticCache``
+(fixed-address attention keys / values and conv states, for both variants), ``WARMUP`` untimed eager
+decode steps (two periods: every specialisation of the kernels, e.g. for 0, 1 and more buffered
+records, and the flush, is compiled before timing), then ``--tokens`` decode steps (a multiple of
+dP, so the flushes are counted in proportion), each the whole model with the greedy next token fed
+back on the GPU, timed one by one with CUDA events. TPOT = the mean over the timed steps (the median
+is kept too). The attention layers decode with :func:`gqa_decode_attention` (no repeat of the
+key / value heads over the static length), for both variants alike.
+
+**CUDA graphs** (the default on a GPU; ``--eager`` turns them off): PACE's decode keeps host-side
+control (the buffer's record count picks the kernels' arguments; a flush every dP), so each variant
+is captured as one graph per buffer position (dP graphs for PACE-4, one for per-token bf16), in
+order on one memory pool, and the timed steps replay them in turn. Under capture the state store
+skips its per-token input finiteness check (a device sync); each row checks its logits instead.
+Before timing, one period is run eagerly, the whole decoding state is put back and the period is
+replayed from the graphs (``graph_vs_eager_max_abs_logit`` of the first step,
+``graph_vs_eager_token_mismatches`` over the period). Eager steps (``--eager``, and always on a CPU)
+pay Python and launch overhead per layer, which dominates at every batch. ``--profile`` also
+profiles one eager period per row: the GPU's busy time per token (the sum of the kernels' durations)
+and the table of operators by GPU time, i.e. where a graph's step spends its time.
 
 Usage (on the GPU machine): ``python3 kernels/bench_e2e.py --out DIR``; writes ``DIR/bench_e2e.json``
 and ``DIR/bench_e2e.png`` and prints a table. ``--tiny --device cpu`` runs a small model on a CPU
@@ -35,6 +41,7 @@ and ``DIR/bench_e2e.png`` and prints a table. ``--tiny --device cpu`` runs a sma
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -48,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pace_core.config import get_config  # noqa: E402
 from pace_core.model.patch import pace  # noqa: E402
+from pace_core.results import atomic_write  # noqa: E402
 from pace_core.shapes import PUBLISHED_CONFIGS  # noqa: E402
 
 VARIANTS = {"bf16 per-token": "bf16", "PACE-4 dP=8": "pace-4"}
@@ -68,12 +76,47 @@ def model_config(tiny: bool):
     return Qwen3_5TextConfig(**fields)
 
 
-def build_model(tiny: bool, device: torch.device, dtype: torch.dtype):
-    """A random-initialised model of :func:`model_config` in ``dtype`` on ``device``, in eval mode."""
-    from transformers import AutoModelForCausalLM
+def gqa_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                         **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of one new token per sequence over a static cache, without repeating the key / value
+    heads: ``query [B, H, 1, D]``, ``key, value [B, KVH, L, D]`` (query head ``h`` reads key / value
+    head ``h // (H / KVH)``, as transformers' ``repeat_kv`` does), ``attention_mask [B, 1, 1, L]``
+    bool (True: attend; transformers' ``sdpa_mask``) or None. Scores in the model's dtype, softmax
+    in float32. Returns ``(o [B, 1, H, D], None)``. Prompts (more than one query token) go to
+    transformers' SDPA path, which the decode step would also take: there it repeats the heads and
+    runs a prefill kernel over the whole static length (about 14 of 25 ms per token at B = 128).
+    Registered as :data:`ATTENTION` by :func:`build_model`, for both variants alike."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    B, H, _, D = query.shape
+    kvh = key.shape[1]
+    scores = torch.matmul(query.view(B, kvh, H // kvh, D), key.transpose(-1, -2)).float() * scaling
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)  # [B, KVH, H / KVH, D]
+    return out.reshape(B, 1, H, D), None
+
+
+ATTENTION = "pace_bench_gqa_decode"
+"""The attention implementation :func:`build_model` registers and sets: :func:`gqa_decode_attention`
+with transformers' SDPA masks."""
+
+
+def build_model(tiny: bool, device: torch.device, dtype: torch.dtype):
+    """A random-initialised model of :func:`model_config` in ``dtype`` on ``device``, in eval mode,
+    its attention layers on :data:`ATTENTION`."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, gqa_decode_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(model_config(tiny), dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_config(model_config(tiny), dtype=dtype, attn_implementation=ATTENTION)
+    return model.to(device).eval()
 
 
 class _Clock:
@@ -99,32 +142,127 @@ class _Clock:
             self.seconds = time.perf_counter() - self.t0
 
 
+class _Decoder:
+    """Greedy decoding of prompt ``ids [B, T]`` into a static cache of ``cache_len`` positions (the
+    prompt runs at construction, under the caller's PACE configuration). :meth:`step` runs the whole
+    model on the static ``[B, 1]`` next-token tensor, writes the new greedy token into it and returns
+    the logits ``[B, 1, vocab]``: every tensor it touches has a fixed address, so it can be captured."""
+
+    def __init__(self, model, ids: torch.Tensor, cache_len: int) -> None:
+        from transformers import StaticCache
+
+        self.model = model
+        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        self.next_ids = model(input_ids=ids, past_key_values=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    def step(self) -> torch.Tensor:
+        logits = self.model(input_ids=self.next_ids, past_key_values=self.cache, use_cache=True).logits
+        self.next_ids.copy_(logits[:, -1:].argmax(-1))
+        return logits
+
+    def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(tensor, copy)`` of every tensor of the decoding state: the next tokens and whatever the
+        cache holds (attention keys / values and lengths, conv states, the PACE state store with its
+        checkpoints, buffers and launch workspaces); :func:`_restore` puts them back in place."""
+        found, seen, todo = [self.next_ids], set(), [self.cache]
+        while todo:
+            obj = todo.pop()
+            if id(obj) in seen or callable(obj) or isinstance(obj, (str, bytes, int, float, torch.nn.Module)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                found.append(obj)
+            elif isinstance(obj, dict):
+                todo.extend(obj.values())
+            elif isinstance(obj, (list, tuple)):
+                todo.extend(obj)
+            elif hasattr(obj, "__dict__"):
+                todo.extend(vars(obj).values())
+        return [(t, t.clone()) for t in found]
+
+
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for tensor, copy in saved:
+        tensor.copy_(copy)
+
+
+def _capture_period(step, period: int) -> list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """One CUDA graph of ``step`` per buffer position ``0 .. period-1`` (the flush is in the last),
+    captured in order on one memory pool, each with its static logits. Capturing runs no kernel, but
+    the host-side bookkeeping (the buffer's record count) goes round one whole period, so it ends
+    where it started; replaying the graphs in order then decodes period after period."""
+    graphs, pool = [], None
+    for _ in range(period):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = step()
+        pool = graph.pool()
+        graphs.append((graph, logits))
+    return graphs
+
+
+def _check_graphs(decoder: _Decoder, captured: list) -> dict:
+    """One period run eagerly, then the state put back and the same period replayed from the graphs:
+    the first step's largest logit difference (same state, same input: 0 unless a kernel is not
+    deterministic) and the number of (step, sequence) pairs whose greedy token differs."""
+    saved = decoder.snapshot()
+    eager = torch.stack([decoder.step()[:, -1] for _ in captured])
+    _restore(saved)
+    replayed = []
+    for graph, logits in captured:
+        graph.replay()
+        replayed.append(logits[:, -1].clone())
+    replayed = torch.stack(replayed)
+    return {"graph_vs_eager_max_abs_logit": float((replayed[0].float() - eager[0].float()).abs().max()),
+            "graph_vs_eager_token_mismatches": int((replayed.argmax(-1) != eager.argmax(-1)).sum())}
+
+
 @torch.no_grad()
 def time_decode(model, config_name: str, batch: int, context: int, tokens: int, device: torch.device,
-                profiler=None) -> dict:
-    """Prefill ``[batch, context]`` random ids under ``config_name``, then time ``tokens`` decode steps
-    (``profiler``, a ``torch.profiler.profile``, records the timed steps only)."""
-    from transformers import DynamicCache
-
+                graphs: bool = False, profiler=None) -> dict:
+    """Prefill ``[batch, context]`` random ids under ``config_name`` into a static cache, run
+    ``WARMUP`` eager decode steps, then time ``tokens`` decode steps. ``graphs`` (CUDA only): the
+    steps are replays of one CUDA graph per buffer position (:func:`_capture_period`, dP graphs for
+    PACE-4, one for per-token bf16), checked first against the same period run eagerly
+    (:func:`_check_graphs`). Else each step runs eagerly (``profiler``, a ``torch.profiler.profile``,
+    records the timed steps only)."""
+    cfg = get_config(config_name)
+    period = cfg.decode_period
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
-    with pace(model, get_config(config_name)):
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        times = []
-        for step in range(WARMUP + tokens):
-            if step == WARMUP and profiler is not None:
-                profiler.start()
-            with _Clock(device) as clock:
-                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-                nxt = out.logits[:, -1:].argmax(-1)
-            if step >= WARMUP:
-                times.append(clock.seconds)
-        if profiler is not None:
-            profiler.stop()
-        finite = bool(torch.isfinite(out.logits).all())
-    return {"tpot_mean_s": statistics.fmean(times), "tpot_median_s": statistics.median(times),
-            "spread": (min(times), max(times)), "tokens": tokens, "outputs_finite": finite}
+    row = {"mode": "cuda graphs" if graphs else "eager"}
+    with pace(model, cfg):
+        decoder = _Decoder(model, ids, context + WARMUP + 2 * period + tokens)
+        if graphs:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(WARMUP):
+                    decoder.step()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            captured = _capture_period(decoder.step, period)
+            row.update(_check_graphs(decoder, captured))
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(tokens + 1)]
+            events[0].record()
+            for t in range(tokens):
+                captured[t % period][0].replay()
+                events[t + 1].record()
+            events[-1].synchronize()
+            times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+            last = captured[(tokens - 1) % period][1]
+        else:
+            times = []
+            for t in range(WARMUP + tokens):
+                if t == WARMUP and profiler is not None:
+                    profiler.start()
+                with _Clock(device) as clock:
+                    last = decoder.step()
+                if t >= WARMUP:
+                    times.append(clock.seconds)
+            if profiler is not None:
+                profiler.stop()
+        row["outputs_finite"] = bool(torch.isfinite(last).all())
+    return {**row, "tpot_mean_s": statistics.fmean(times), "tpot_median_s": statistics.median(times),
+            "spread": (min(times), max(times)), "tokens": tokens}
 
 
 def profile_decode(model, config_name: str, batch: int, context: int, device: torch.device) -> tuple[dict, str]:
@@ -132,7 +270,7 @@ def profile_decode(model, config_name: str, batch: int, context: int, device: to
     ``torch.profiler``. Returns the row's fields (per token: on a GPU its busy time, the sum of its
     kernels' durations, i.e. what a step would take with no host overhead, e.g. under a CUDA graph,
     and that time's share of the wall time; kernel launches and aten calls, host-side counts; the
-    profiled wall time) and the table of operators by self CPU time."""
+    profiled wall time) and the table of operators by self GPU time (CPU time on a CPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -141,7 +279,7 @@ def profile_decode(model, config_name: str, batch: int, context: int, device: to
     prof = profile(activities=activities)
     row = time_decode(model, config_name, batch, context, tokens, device, profiler=prof)
     events = prof.key_averages()
-    table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    table = events.table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=30, max_name_column_width=60)
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"))
     ops = sum(e.count for e in events if e.key.startswith("aten::"))
     busy_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
@@ -176,9 +314,13 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylabel("time per output token, ms")
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(f"{results['model']} (random weights, bf16) on {results['device']}", fontsize=9)
+    ax.set_title(f"{results['model']} (random weights, bf16, {results['mode']}) on {results['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _save(results: dict, path: Path) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,11 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="timed decode steps, a multiple of dP = 8 (default 32)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small model (smoke run, e.g. on a CPU)")
+    ap.add_argument("--eager", action="store_true",
+                    help="time eager steps (no CUDA graphs; the default on a CPU): host-bound, for comparison")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile one period of each row (tables in profile.txt; in the rows the GPU's busy "
-                         "time per token and the host-side counts): where the time per token goes")
+                    help="also profile one eager period of each row (tables in profile.txt; in the rows the GPU's "
+                         "busy time per token and the host-side counts): where the time per token goes")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    graphs = device.type == "cuda" and not args.eager
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device; run this on the GPU machine (or --tiny --device cpu)", file=sys.stderr)
         return 2
@@ -208,23 +353,26 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "dtype": str(dtype).removeprefix("torch."),
-        "parameters": sum(p.numel() for p in model.parameters()), "context": args.context, "rows": []}
+        "parameters": sum(p.numel() for p in model.parameters()), "context": args.context,
+        "mode": "cuda graphs" if graphs else "eager", "cache": "static", "rows": []}
     print(f"{results['model']} ({results['parameters'] / 1e9:.2f}B parameters, {results['dtype']}) on "
-          f"{results['device']}, context {args.context}, {args.tokens} timed tokens", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+          f"{results['device']}, context {args.context}, {args.tokens} timed tokens, {results['mode']}", flush=True)
+    save = functools.partial(_save, results, args.out / "bench_e2e.json")
     for batch in (int(b) for b in args.batches.split(",")):
         for variant, config_name in VARIANTS.items():
             row = {"variant": variant, "config": config_name, "batch": batch}
             try:
-                row.update(time_decode(model, config_name, batch, args.context, args.tokens, device))
+                row.update(time_decode(model, config_name, batch, args.context, args.tokens, device, graphs))
+                check = (f", graph vs eager: max |logit diff| {row['graph_vs_eager_max_abs_logit']:.3g}, "
+                         f"{row['graph_vs_eager_token_mismatches']} tokens differ" if graphs else "")
                 print(f"B={batch:4d} {variant:16s} TPOT {row['tpot_mean_s'] * 1e3:8.2f} ms (median "
-                      f"{row['tpot_median_s'] * 1e3:.2f}) finite={row['outputs_finite']}", flush=True)
+                      f"{row['tpot_median_s'] * 1e3:.2f}) finite={row['outputs_finite']}{check}", flush=True)
             except torch.cuda.OutOfMemoryError as err:
                 row["error"] = f"out of memory: {err}".splitlines()[0]
                 print(f"B={batch:4d} {variant:16s} {row['error']}", flush=True)
                 torch.cuda.empty_cache()
             results["rows"].append(row)
-        (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=1))  # partial results survive
+        save()  # partial results survive a timeout
     if args.profile:
         tables = []
         for row in (r for r in results["rows"] if "tpot_mean_s" in r):
@@ -235,14 +383,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"profile B={row['batch']:4d} {row['variant']:16s} {counts['launches_per_step']:.0f} kernel "
                   f"launches and {counts['aten_calls_per_step']:.0f} aten calls per step"
                   + (f", GPU busy {busy * 1e3:.2f} ms per token" if busy is not None else ""), flush=True)
-            (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=1))
-        (args.out / "profile.txt").write_text("".join(tables))
+            save()
+        atomic_write(args.out / "profile.txt", lambda tmp: tmp.write_text("".join(tables)))
     by = {(r["variant"], r["batch"]): r for r in results["rows"]}
     for r in results["rows"]:
         base = by[("bf16 per-token", r["batch"])]
         if "tpot_mean_s" in r and "tpot_mean_s" in base:
             r["speedup_vs_bf16_per_token"] = base["tpot_mean_s"] / r["tpot_mean_s"]
-    (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=1))
+    save()
     plot(results, args.out / "bench_e2e.png")
     print(f"\n{'batch':>5} " + " ".join(f"{v:>18}" for v in VARIANTS) + f" {'PACE-4 vs bf16':>15}"
           + (" GPU busy per token: " + " / ".join(VARIANTS) if args.profile else ""))
