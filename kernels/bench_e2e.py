@@ -18,7 +18,8 @@ decode steps (two periods: every specialisation of the kernels, e.g. for 0, 1 an
 records, and the flush, is compiled before timing), then ``--tokens`` decode steps (a multiple of
 dP, so the flushes are counted in proportion), each the whole model with the greedy next token fed
 back on the GPU, timed one by one with CUDA events. TPOT = the mean over the timed steps (the median
-is kept too). The attention layers decode with :func:`gqa_decode_attention` (no repeat of the
+is kept too; for PACE-4 it leaves out the flush, one step in dP). The static cache has the same
+length for both variants (:func:`cache_length`). The attention layers decode with :func:`gqa_decode_attention` (no repeat of the
 key / value heads over the static length), for both variants alike.
 
 **CUDA graphs** (the default on a GPU; ``--eager`` turns them off): PACE's decode keeps host-side
@@ -27,11 +28,12 @@ is captured as one graph per buffer position (dP graphs for PACE-4, one for per-
 order on one memory pool, and the timed steps replay them in turn. Under capture the state store
 skips its per-token input finiteness check (a device sync); each row checks its logits instead.
 Before timing, one period is run eagerly, the whole decoding state is put back and the period is
-replayed from the graphs (``graph_vs_eager_max_abs_logit`` of the first step,
-``graph_vs_eager_token_mismatches`` over the period). Eager steps (``--eager``, and always on a CPU)
-pay Python and launch overhead per layer, which dominates at every batch. ``--profile`` also
-profiles one eager period per row: the GPU's busy time per token (the sum of the kernels' durations)
-and the table of operators by GPU time, i.e. where a graph's step spends its time.
+replayed from the graphs; the row records the logit, token and state differences
+(:func:`_check_graphs`). Eager steps (``--eager``, and always on a CPU) pay Python and launch
+overhead per layer, which dominates at every batch. ``--profile`` also profiles one eager period per
+row: the GPU's busy time per token (the sum of the kernels' durations) and the table of operators by
+GPU time, i.e. where a graph's step spends its time, plus the store's finiteness check that eager
+steps run and graphs skip (about 0.3 ms per token at B = 128).
 
 Usage (on the GPU machine): ``python3 kernels/bench_e2e.py --out DIR``; writes ``DIR/bench_e2e.json``
 and ``DIR/bench_e2e.png`` and prints a table. ``--tiny --device cpu`` runs a small model on a CPU
@@ -60,6 +62,7 @@ from pace_core.shapes import PUBLISHED_CONFIGS  # noqa: E402
 
 VARIANTS = {"bf16 per-token": "bf16", "PACE-4 dP=8": "pace-4"}
 WARMUP = 16  # untimed decode steps: two periods of dP = 8
+CACHE_ALIGN = 64  # static cache lengths are a multiple of this, the same for both variants
 BATCHES = (1, 8, 16, 32, 64, 128)
 TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "full_attention_interval": 4,
@@ -202,19 +205,33 @@ def _capture_period(step, period: int) -> list[tuple[torch.cuda.CUDAGraph, torch
 
 
 def _check_graphs(decoder: _Decoder, captured: list) -> dict:
-    """One period run eagerly, then the state put back and the same period replayed from the graphs:
-    the first step's largest logit difference (same state, same input: 0 unless a kernel is not
-    deterministic) and the number of (step, sequence) pairs whose greedy token differs."""
-    saved = decoder.snapshot()
+    """One period run eagerly, the decoding state put back (:meth:`_Decoder.snapshot`), and the same
+    period replayed from the graphs. Returns the largest logit difference over the period, the
+    number of (step, sequence) pairs whose greedy token differs, and the number of state tensors
+    that differ after the period (attention cache, conv states, the PACE checkpoints as the period's
+    flush left them, buffers, next tokens): all 0 when the graphs do what the eager steps do and the
+    kernels are deterministic."""
+    before = decoder.snapshot()
     eager = torch.stack([decoder.step()[:, -1] for _ in captured])
-    _restore(saved)
+    after_eager = decoder.snapshot()
+    _restore(before)
     replayed = []
     for graph, logits in captured:
         graph.replay()
         replayed.append(logits[:, -1].clone())
     replayed = torch.stack(replayed)
-    return {"graph_vs_eager_max_abs_logit": float((replayed[0].float() - eager[0].float()).abs().max()),
-            "graph_vs_eager_token_mismatches": int((replayed.argmax(-1) != eager.argmax(-1)).sum())}
+    return {"graph_vs_eager_max_abs_logit": float((replayed.float() - eager.float()).abs().max()),
+            "graph_vs_eager_token_mismatches": int((replayed.argmax(-1) != eager.argmax(-1)).sum()),
+            "graph_vs_eager_state_tensors_differing": sum(not torch.equal(t, c) for t, c in after_eager)}
+
+
+def cache_length(context: int, tokens: int) -> int:
+    """Static cache positions for a row: the prompt, the warm-up, two periods of the largest dP (the
+    graphs' check, spare) and the timed tokens, rounded up to :data:`CACHE_ALIGN`. The same for
+    every variant: the attention's matmuls then run the same kernels (at 562 positions, 1124 bytes
+    per bf16 row, cuBLAS took slower ones than at 576)."""
+    period = max(get_config(name).decode_period for name in VARIANTS.values())
+    return -(-(context + WARMUP + 2 * period + tokens) // CACHE_ALIGN) * CACHE_ALIGN
 
 
 @torch.no_grad()
@@ -231,7 +248,7 @@ def time_decode(model, config_name: str, batch: int, context: int, tokens: int, 
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     row = {"mode": "cuda graphs" if graphs else "eager"}
     with pace(model, cfg):
-        decoder = _Decoder(model, ids, context + WARMUP + 2 * period + tokens)
+        decoder = _Decoder(model, ids, cache_length(context, tokens))
         if graphs:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -279,7 +296,8 @@ def profile_decode(model, config_name: str, batch: int, context: int, device: to
     prof = profile(activities=activities)
     row = time_decode(model, config_name, batch, context, tokens, device, profiler=prof)
     events = prof.key_averages()
-    table = events.table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    table = events.table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                         row_limit=30, max_name_column_width=60)
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"))
     ops = sum(e.count for e in events if e.key.startswith("aten::"))
     busy_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
@@ -364,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 row.update(time_decode(model, config_name, batch, args.context, args.tokens, device, graphs))
                 check = (f", graph vs eager: max |logit diff| {row['graph_vs_eager_max_abs_logit']:.3g}, "
-                         f"{row['graph_vs_eager_token_mismatches']} tokens differ" if graphs else "")
+                         f"{row['graph_vs_eager_token_mismatches']} tokens and "
+                         f"{row['graph_vs_eager_state_tensors_differing']} state tensors differ" if graphs else "")
                 print(f"B={batch:4d} {variant:16s} TPOT {row['tpot_mean_s'] * 1e3:8.2f} ms (median "
                       f"{row['tpot_median_s'] * 1e3:.2f}) finite={row['outputs_finite']}{check}", flush=True)
             except torch.cuda.OutOfMemoryError as err:

@@ -308,8 +308,8 @@ class LayerState:
         from kernels.dispatch import decode_step, dense_step
 
         outputs = []
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             for t in range(T):
                 x = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
                 if not capturing and not bool(

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from kernels import bench_e2e
 from pace_core.config import get_config
-from pace_core.model.patch import pace
+from pace_core.model.patch import get_state_store, pace
 from pace_core.shapes import BUILTIN_SHAPES, shape_from_hf_config
 
 
@@ -54,15 +54,17 @@ def test_profile_writes_tables_and_host_counts(tmp_path):
 
 
 @pytest.mark.parametrize("config_name", list(bench_e2e.VARIANTS.values()))
-def test_static_cache_step_matches_dynamic_cache_decode(config_name):
-    """The harness's step (static cache, next token fed back in place: what the CUDA graphs capture)
-    decodes what transformers' own dynamic-cache loop decodes, under each variant's PACE state."""
+def test_static_cache_step_matches_transformers_decode(config_name):
+    """The harness's step (static cache, its decode attention, next token fed back in place: what the
+    CUDA graphs capture) decodes what transformers' own loop decodes (dynamic cache, SDPA), under
+    each variant's PACE state."""
     model = bench_e2e.build_model(True, torch.device("cpu"), torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (3, 10))
     steps = 12  # one flush of PACE-4 (dP = 8) and records after it
     with torch.no_grad(), pace(model, get_config(config_name)):
-        decoder = bench_e2e._Decoder(model, ids, 10 + steps)
+        decoder = bench_e2e._Decoder(model, ids, bench_e2e.cache_length(10, steps))
         static = torch.stack([decoder.step()[:, -1] for _ in range(steps)])
+        model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
         nxt = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         dynamic = []
@@ -73,35 +75,74 @@ def test_static_cache_step_matches_dynamic_cache_decode(config_name):
     dynamic = torch.stack(dynamic)
     assert static.shape == (steps, 3, model.config.vocab_size)
     assert torch.equal(static.argmax(-1), dynamic.argmax(-1))
-    # float32 rounding differs (the attention runs over the padded static length): 1.5e-7 for both on this
+    # float32 rounding differs (the attention runs over the padded static length): about 1.5e-7 on this
     # seeded model; the bound leaves room, short of the 1e-3 of one flipped code of a stored value
     error = float((static - dynamic).norm() / dynamic.norm())
     assert error < 1e-5
 
 
-def test_snapshot_restores_the_whole_decoding_state(monkeypatch):
-    """What the graph check relies on: after a restore the same steps give the same logits (a tensor
-    of the state left out, e.g. the PACE checkpoint or buffer, would make them differ). On the kernel
-    path (interpreted here), which updates the state in place as the graphs need."""
+def test_cache_length_is_aligned_and_the_same_for_every_variant():
+    assert bench_e2e.cache_length(512, 32) == 576  # 512 + 16 warm-up + 2 x 8 + 32
+    assert bench_e2e.cache_length(512, 8) == 576 and bench_e2e.cache_length(10, 12) == 64
+
+
+class _ReplayByStep:
+    """A stand-in for a captured graph on a CPU: ``replay()`` runs the step into fixed logits, then
+    ``after`` (a fault to inject, or None)."""
+
+    def __init__(self, step, logits: torch.Tensor, after=None) -> None:
+        self.step, self.logits, self.after = step, logits, after
+
+    def replay(self) -> None:
+        self.logits.copy_(self.step())
+        if self.after is not None:
+            self.after()
+
+
+def test_graph_check_compares_logits_tokens_and_the_whole_state(monkeypatch):
+    """:func:`_check_graphs` with replays that redo the eager steps finds no difference: the snapshot
+    puts the whole state back (on the kernel path, interpreted here, which updates it in place as
+    graphs need). A fault after the period's flush, one bit of a stored checkpoint, leaves every
+    logit and token equal and is found in the state."""
     from kernels_support import kernel_modules
 
     kernel_modules()
     monkeypatch.setenv("PACE_KERNELS", "triton")
     model = bench_e2e.build_model(True, torch.device("cpu"), torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (1, 6))
-    with torch.no_grad(), pace(model, get_config("pace-4").replace(decode_period=4)):
-        decoder = bench_e2e._Decoder(model, ids, 20)
-        for _ in range(2):  # mid-period: 2 records buffered
-            decoder.step()
-        saved = decoder.snapshot()
-        first = torch.stack([decoder.step()[:, -1] for _ in range(4)])  # through a flush
-        moved = sum(not torch.equal(t, copy) for t, copy in saved)
-        bench_e2e._restore(saved)  # one period later the buffer's host-side count is 2 again
-        again = torch.stack([decoder.step()[:, -1] for _ in range(4)])
-    kinds = {(t.dtype, t.dim()) for t, _ in saved}
-    assert (torch.uint8, 4) in kinds and (torch.int64, 0) in kinds  # packed codes, the cache's length
-    assert moved >= len(saved) // 2  # the steps changed most of the state, so the restore is tested
-    assert torch.equal(first, again)
+    period = 4
+    with torch.no_grad(), pace(model, get_config("pace-4").replace(decode_period=period)):
+        decoder = bench_e2e._Decoder(model, ids, 32)
+        store = get_state_store(decoder.cache)
+        codes = store.layer(store.layers[-1]).checkpoint.codes
+
+        def flip() -> None:
+            codes.view(-1)[0] ^= 1
+
+        graphs = [_ReplayByStep(decoder.step, torch.empty(1, 1, model.config.vocab_size)) for _ in range(period)]
+        faithful = [(g, g.logits) for g in graphs]
+        clean = bench_e2e._check_graphs(decoder, faithful)
+        faulty = faithful[:-1] + [(_ReplayByStep(decoder.step, graphs[-1].logits, after=flip), graphs[-1].logits)]
+        found = bench_e2e._check_graphs(decoder, faulty)
+    assert clean == {"graph_vs_eager_max_abs_logit": 0.0, "graph_vs_eager_token_mismatches": 0,
+                     "graph_vs_eager_state_tensors_differing": 0}
+    assert found == {"graph_vs_eager_max_abs_logit": 0.0, "graph_vs_eager_token_mismatches": 0,
+                     "graph_vs_eager_state_tensors_differing": 1}
+
+
+def test_gqa_decode_attention_hands_prompts_to_causal_sdpa():
+    """More than one query token (a prompt) gets transformers' SDPA: causal attention over repeated
+    heads, checked against float64."""
+    model = bench_e2e.build_model(True, torch.device("cpu"), torch.float32)
+    attn = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    B, T, D = 2, 5, attn.head_dim
+    H, KVH = model.config.num_attention_heads, model.config.num_key_value_heads
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, KVH, T, D), torch.randn(B, KVH, T, D)
+    out, _ = bench_e2e.gqa_decode_attention(attn, q, k, v, None, scaling=D ** -0.5)
+    kr, vr = (x.double().repeat_interleave(H // KVH, dim=1) for x in (k, v))
+    scores = (q.double() @ kr.transpose(-1, -2) * D ** -0.5).masked_fill(
+        torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(out.double(), (scores.softmax(-1) @ vr).transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("masked", [False, True])
