@@ -113,6 +113,11 @@ CONTROLS: tuple[Control, ...] = (
             "Precision of the buffered (k_t, u_t) records between roundings: int8 (PACE-4, uniform "
             "configs), mixed = keys 4-bit + values bf16 (PACE-4/8), bf16/fp32 as references [seed]. "
             "Integer buffers use per-vector fp16 scales [ours].", ("fp32", "bf16", "int8", "mixed")),
+    Control("pad", "prefill_after_decode", "Prompt after decoded tokens",
+            "[ours] (the spec is silent) How a prompt that follows decoded tokens starts, e.g. a user's next "
+            "turn: **flush** folds the buffered records into the checkpoint and rounds it first (one extra "
+            "rounding, off the dP grid); **carry** runs the prompt from the exact state (checkpoint plus "
+            "buffer, not rounded), so its first rounding ends its first P-token segment.", ("flush", "carry")),
     Control("hi", "high_share", "Share of 8-bit heads",
             "PACE-4/8 (spec §4): in each layer this share of value heads, those with the largest "
             "retained error E_h = e_h / (1 − a_h^(2·dP)), keep high_bits (8). [ours] a_h = mean decay "

@@ -6,12 +6,12 @@ A :class:`PaceConfig` is valid from construction on (``__post_init__`` validates
 model (a group size dividing the real axis, the per-layer 8-bit heads) is checked by
 :meth:`PaceConfig.validate_for`.
 
-JSON (``schema_version`` 1) is shaped like compressed-tensors' ``kv_cache_scheme``
+JSON (``schema_version`` 2) is shaped like compressed-tensors' ``kv_cache_scheme``
 (``QuantizationArgs``: ``num_bits``, ``type``, ``symmetric``, ``strategy``, ``group_size``,
 ``scale_dtype``, ``zp_dtype``) under the key ``state_cache_scheme``, with the PACE settings under
 ``pace``::
 
-    {"schema_version": 1,
+    {"schema_version": 2,
      "producer": {"name": "pace-studio", "version": "0.1.0"},
      "model": "qwen3.5-27b" | null,
      "state_cache_scheme": {"num_bits": 4, "type": "int", "symmetric": false, "strategy": "group",
@@ -19,7 +19,7 @@ JSON (``schema_version`` 1) is shaped like compressed-tensors' ``kv_cache_scheme
      "pace": {"name": "pace-4-8", "method": "pace", "group_axis": "key", "decode_period": 8,
               "prefill_period": 256, "buffer_precision": "mixed", "high_bits": 8, "high_share": 0.25,
               "high_heads": {"0": [3, 17, ...], "1": [...]} | null, "reference_dtype": "float32",
-              "damp_outlier_rows": 16, "damp_hadamard": true},
+              "damp_outlier_rows": 16, "damp_hadamard": true, "prefill_after_decode": "flush"},
      "provenance": {...}}
 
 ``type`` is ``"float"`` for the references (method ``none``, ``num_bits`` 32 or 16). ``strategy`` is
@@ -29,7 +29,9 @@ do not use it). ``zp_dtype`` is ``"int<b>"`` (zero points stored in b bits) with
 ``null`` when symmetric. ``high_heads`` keys are GDN-layer ordinals ``"0".."L-1"`` (the order of the
 model's GDN layers, not the decoder-layer index). Import checks every field and rejects unknown keys
 in ``state_cache_scheme`` and ``pace``; ``producer`` and ``provenance`` are free-form objects.
-``config_from_dict(config_to_dict(c)) == c`` for every valid config.
+``config_from_dict(config_to_dict(c)) == c`` for every valid config. Schema 1 (PACE Studio before
+``prefill_after_decode``) is still read: its documents have no ``pace.prefill_after_decode`` and get
+``"flush"``, the behaviour they were made with.
 """
 
 from __future__ import annotations
@@ -50,9 +52,11 @@ if TYPE_CHECKING:
 
 BufferPrecision = Literal["fp32", "bf16", "int8", "mixed"]  # mixed: keys 4-bit, values bf16
 Method = Literal["none", "rtn", "pace", "damp", "dsq"]  # none = fp32/bf16 reference
+PrefillAfterDecode = Literal["flush", "carry"]
 
 METHODS: tuple[str, ...] = ("none", "rtn", "pace", "damp", "dsq")
 BUFFER_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8", "mixed")
+PREFILL_AFTER_DECODE: tuple[str, ...] = ("flush", "carry")
 REFERENCE_DTYPES: dict[str, int] = {"float32": 32, "bfloat16": 16}
 """Reference dtype -> its bits (the ``bits`` of a method ``none`` config)."""
 SCALE_DTYPES: tuple[str, ...] = ("float16",)
@@ -65,7 +69,7 @@ MAX_DAMP_OUTLIER_ROWS = 128
 HIGH_SHARE_METHODS: tuple[str, ...] = ("rtn", "pace")
 """Methods whose heads may be split into low- and high-bit heads."""
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 PRODUCER_NAME = "pace-studio"
 
 
@@ -98,6 +102,12 @@ class PaceConfig:
     - ``decode_period`` dP in 1..4096 (1 = per-token rounding, no decode buffer),
       ``prefill_period`` P in 1..2^20, ``buffer``: decode-buffer precision.
     - ``damp_outlier_rows`` (0..128, at most d_k), ``damp_hadamard``.
+    - ``prefill_after_decode`` **[ours]** (the spec does not say how a prompt continues after
+      decoded tokens, e.g. a user's next turn): ``flush`` folds the buffered records into the
+      checkpoint and rounds it (one extra rounding, at a point that need not be a multiple of dP),
+      then the prompt runs in P-token segments from that checkpoint; ``carry`` runs the prompt from
+      the exact state (checkpoint plus folded buffer, not rounded), so its first rounding is the end
+      of its first segment. Either way the segments count from the start of the prompt.
     """
 
     name: str = "custom"
@@ -116,6 +126,7 @@ class PaceConfig:
     damp_outlier_rows: int = 16
     damp_hadamard: bool = True
     high_heads: tuple[tuple[int, ...], ...] | None = None
+    prefill_after_decode: PrefillAfterDecode = "flush"
 
     def __post_init__(self) -> None:
         if _is_int(self.high_share):
@@ -174,6 +185,7 @@ class PaceConfig:
         _check_int("damp_outlier_rows", self.damp_outlier_rows, range(MAX_DAMP_OUTLIER_ROWS + 1),
                    f"integers 0..{MAX_DAMP_OUTLIER_ROWS} (at most d_k)")
         _check_choice("damp_hadamard", self.damp_hadamard, (True, False))
+        _check_choice("prefill_after_decode", self.prefill_after_decode, PREFILL_AFTER_DECODE)
         self._validate_high_heads()
         return self
 
@@ -339,6 +351,7 @@ def config_to_dict(cfg: PaceConfig, *, model: str | None = None, provenance: dic
             "reference_dtype": cfg.reference_dtype,
             "damp_outlier_rows": cfg.damp_outlier_rows,
             "damp_hadamard": cfg.damp_hadamard,
+            "prefill_after_decode": cfg.prefill_after_decode,
         },
         "provenance": dict(provenance or {}),
     }
@@ -346,7 +359,9 @@ def config_to_dict(cfg: PaceConfig, *, model: str | None = None, provenance: dic
 
 _SCHEME_KEYS = ("num_bits", "type", "symmetric", "strategy", "group_size", "scale_dtype", "zp_dtype")
 _PACE_KEYS = ("name", "method", "group_axis", "decode_period", "prefill_period", "buffer_precision", "high_bits",
-              "high_share", "high_heads", "reference_dtype", "damp_outlier_rows", "damp_hadamard")
+              "high_share", "high_heads", "reference_dtype", "damp_outlier_rows", "damp_hadamard",
+              "prefill_after_decode")
+_PACE_KEYS_V1 = _PACE_KEYS[:-1]  # schema 1: no prefill_after_decode (read as "flush")
 _TOP_KEYS = ("schema_version", "producer", "model", "state_cache_scheme", "pace", "provenance")
 
 
@@ -383,7 +398,7 @@ def _high_heads_from_json(value: Any) -> tuple[tuple[int, ...], ...] | None:
 
 
 def config_from_dict(d: dict) -> PaceConfig:
-    """The PaceConfig of a JSON document made by :func:`config_to_dict` (any schema version up to 1).
+    """The PaceConfig of a JSON document made by :func:`config_to_dict` (schema version 1 or 2).
 
     Malformed documents raise PaceError naming the field and what is allowed; a document of a newer
     schema version is rejected (written by a newer PACE Studio)."""
@@ -391,10 +406,11 @@ def config_from_dict(d: dict) -> PaceConfig:
         raise PaceError(f"config JSON must be an object; got {type(d).__name__}")
     missing = [k for k in _TOP_KEYS if k not in d]
     if "schema_version" in missing:
-        raise PaceError("config JSON field schema_version is missing; allowed: 1")
+        raise PaceError(f"config JSON field schema_version is missing; allowed: 1..{SCHEMA_VERSION}")
     version = d["schema_version"]
     if not _is_int(version) or version < 1:
-        raise PaceError(f"config JSON field schema_version={version!r} is not allowed; allowed: 1")
+        raise PaceError(f"config JSON field schema_version={version!r} is not allowed; "
+                        f"allowed: 1..{SCHEMA_VERSION}")
     if version > SCHEMA_VERSION:
         raise PaceError(f"config JSON field schema_version={version} is newer than this PACE Studio "
                         f"understands; allowed: 1..{SCHEMA_VERSION} (update pace-studio)")
@@ -406,7 +422,7 @@ def config_from_dict(d: dict) -> PaceConfig:
     if d["model"] is not None and not isinstance(d["model"], str):
         raise PaceError(f"config JSON field model={d['model']!r} is not allowed; allowed: a string or null")
     scheme = _section(d, "state_cache_scheme", _SCHEME_KEYS)
-    pace = _section(d, "pace", _PACE_KEYS)
+    pace = _section(d, "pace", _PACE_KEYS if version >= 2 else _PACE_KEYS_V1)
     _check_choice("config JSON field state_cache_scheme.type", scheme["type"], ("int", "float"))
     if (scheme["type"] == "float") != (pace["method"] == "none"):
         raise PaceError(f"config JSON field state_cache_scheme.type={scheme['type']!r} does not match "
@@ -420,7 +436,7 @@ def config_from_dict(d: dict) -> PaceConfig:
             decode_period=pace["decode_period"], prefill_period=pace["prefill_period"],
             buffer=pace["buffer_precision"], reference_dtype=pace["reference_dtype"],
             damp_outlier_rows=pace["damp_outlier_rows"], damp_hadamard=pace["damp_hadamard"],
-            high_heads=high_heads)
+            high_heads=high_heads, prefill_after_decode=pace.get("prefill_after_decode", "flush"))
     except PaceError as e:
         raise PaceError(f"config JSON: {e}") from None
     expected = config_to_dict(cfg)["state_cache_scheme"]

@@ -34,9 +34,11 @@ naming: the store's ``payload`` / ``metadata`` bytes are the stored codes and th
 :class:`pace_core.accounting.ResidentBits`'s ``code_bits`` and ``scale_bits`` (plus DAMP's row
 indices), whose ``payload_bits`` is their sum, the seeds' "payload".
 
-A prefill that follows decode tokens first flushes the partial buffer (one extra rounding at a point
-that need not be a multiple of dP), and its P-token segments count from the start of that prefill
-call **[ours]**: the spec does not say how rounding periods continue across prefill calls.
+A prefill that follows decode tokens (``cfg.prefill_after_decode`` **[ours]**: the spec does not say
+how rounding periods continue across prefill calls): ``flush`` first flushes the partial buffer (one
+extra rounding at a point that need not be a multiple of dP); ``carry`` runs the prompt from the
+exact state, the checkpoint plus the folded buffer, without rounding it. Either way the buffer is
+empty afterwards and the P-token segments count from the start of that prefill call.
 
 All batch rows step together (as in HF ``generate``). Computation is float32.
 
@@ -238,16 +240,25 @@ class LayerState:
 
     def prefill(self, q, k, v, g, beta) -> torch.Tensor:
         """Prompt tokens ``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``
-        in P-token segments from the dequantised checkpoint; returns ``o [B, T, HV, V]`` float32."""
-        self._check(q, k, v, g, beta)
-        self.flush()
+        in P-token segments from the dequantised checkpoint, after buffered decode tokens as
+        ``cfg.prefill_after_decode`` says (module docstring; under ``carry`` an empty prompt keeps the
+        buffer); returns ``o [B, T, HV, V]`` float32."""
+        T = self._check(q, k, v, g, beta)
+        if self.cfg.prefill_after_decode == "carry" and self.buffer is not None and len(self.buffer):
+            if T == 0:
+                return torch.zeros(self.batch, 0, self.num_v_heads, self.d_v, device=self.device)
+            initial = self.effective_state()
+            self.buffer.clear()
+        else:
+            self.flush()
+            initial = self.dequantized()
         period = self.cfg.prefill_period
 
         def round_fn(S: torch.Tensor) -> torch.Tensor:
             self.checkpoint = self.quantize(S)
             return self.dequantized()
 
-        o, _ = gdn_prefill_segmented(q, k, v, g, beta, self.dequantized(), period, round_fn, self.chunk_size)
+        o, _ = gdn_prefill_segmented(q, k, v, g, beta, initial, period, round_fn, self.chunk_size)
         return o
 
     def uses_kernels(self) -> bool:

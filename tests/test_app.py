@@ -71,9 +71,10 @@ def chart(at: AppTest, key: str) -> dict:
 
 
 def test_url_values_are_validated_and_fall_back(params):
-    at = start(params, preset="pace-4", bits="11", dp="0", axis="diagonal", device="tpu")
+    at = start(params, preset="pace-4", bits="11", dp="0", axis="diagonal", device="tpu", pad="later")
     warnings = " ".join(w.value for w in at.warning)
-    for name in ("'bits'", "'dp'", "'axis'", "'device'"):
+    assert "allowed: flush, carry" in warnings
+    for name in ("'bits'", "'dp'", "'axis'", "'device'", "'pad'"):
         assert f"URL parameter {name}" in warnings
     assert "allowed: 2, 3, 4, 5, 6, 7, 8" in warnings
     assert at.sidebar.select_slider(key="w_bits").value == 4
@@ -82,11 +83,13 @@ def test_url_values_are_validated_and_fall_back(params):
 
 
 def test_url_sets_the_controls_and_controls_write_the_url(params):
-    at = start(params, page="export", preset="pace-4-8", bits="3", dp="16", sym="1")
+    at = start(params, page="export", preset="pace-4-8", bits="3", dp="16", sym="1", pad="carry")
     assert at.sidebar.select_slider(key="w_bits").value == 3
     assert at.sidebar.select_slider(key="w_dp").value == 16
+    assert at.sidebar.selectbox(key="w_pad").value == "carry"
     doc = json.loads(at.code[0].value)
     assert doc["state_cache_scheme"]["num_bits"] == 3 and doc["pace"]["decode_period"] == 16
+    assert doc["pace"]["prefill_after_decode"] == "carry"
     at.sidebar.select_slider(key="w_dp").set_value(32).run()
     check(at)
     assert str(at.query_params["dp"]).strip("[]'") == "32"

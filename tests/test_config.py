@@ -180,7 +180,7 @@ def test_quant_spec_and_head_bits():
 def test_json_document_is_shaped_like_a_kv_cache_scheme():
     cfg = get_config("pace-4-8").replace(high_heads=((2, 9), (0, 1)))
     d = config_to_dict(cfg, model="qwen3.5-27b", provenance={"calibration": "wikitext2-valid.txt"})
-    assert d["schema_version"] == SCHEMA_VERSION == 1
+    assert d["schema_version"] == SCHEMA_VERSION == 2
     assert d["producer"] == {"name": "pace-studio", "version": __version__}
     assert d["model"] == "qwen3.5-27b"
     assert d["state_cache_scheme"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
@@ -188,7 +188,7 @@ def test_json_document_is_shaped_like_a_kv_cache_scheme():
     assert d["pace"] == {"name": "pace-4-8", "method": "pace", "group_axis": "key", "decode_period": 8,
                          "prefill_period": 256, "buffer_precision": "mixed", "high_bits": 8, "high_share": 0.25,
                          "high_heads": {"0": [2, 9], "1": [0, 1]}, "reference_dtype": "float32",
-                         "damp_outlier_rows": 16, "damp_hadamard": True}
+                         "damp_outlier_rows": 16, "damp_hadamard": True, "prefill_after_decode": "flush"}
     assert d["provenance"] == {"calibration": "wikitext2-valid.txt"}
     assert json.loads(json.dumps(d)) == d
     assert config_to_dict(get_config("pace-4"))["state_cache_scheme"]["zp_dtype"] is None
@@ -223,7 +223,8 @@ def configs(draw) -> PaceConfig:
         group_size=draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128])),
         decode_period=draw(st.integers(1, 4096)), prefill_period=draw(st.integers(1, 1 << 20)),
         buffer=draw(st.sampled_from(["fp32", "bf16", "int8", "mixed"])),
-        damp_outlier_rows=draw(st.integers(0, 128)), damp_hadamard=draw(st.booleans()), high_heads=heads)
+        damp_outlier_rows=draw(st.integers(0, 128)), damp_hadamard=draw(st.booleans()), high_heads=heads,
+        prefill_after_decode=draw(st.sampled_from(["flush", "carry"])))
 
 
 @settings(max_examples=150, deadline=None)
@@ -250,8 +251,8 @@ def _doc(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"schema_version": 2}, "schema_version=2 is newer than this PACE Studio understands; allowed: 1..1"),
-    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1"),
+    ({"schema_version": 3}, "schema_version=3 is newer than this PACE Studio understands; allowed: 1..2"),
+    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..2"),
     ({"schema_version": "1"}, "schema_version='1' is not allowed"),
     ({"schema_version": KeyError}, "schema_version is missing"),
     ({"pace": KeyError}, "field pace is missing"),
@@ -270,10 +271,23 @@ def _doc(**changes) -> dict:
     ({"pace__high_heads": {"0": [1], "2": [3]}}, "pace.high_heads has keys"),
     ({"pace__high_heads": {"0": [1.5]}}, r'pace.high_heads\["0"\]=\[1.5\]'),
     ({"pace__high_heads": []}, "pace.high_heads=\\[\\] is not allowed"),
+    ({"pace__prefill_after_decode": "round"}, "prefill_after_decode='round' is not allowed; allowed: 'flush', 'carry'"),
+    ({"pace__prefill_after_decode": KeyError}, "pace.prefill_after_decode is missing"),
+    ({"schema_version": 1}, "pace.prefill_after_decode is unknown"),
 ])
 def test_malformed_documents_name_the_field(changes, message):
     with pytest.raises(PaceError, match=message):
         config_from_dict(_doc(**changes))
+
+
+def test_schema_1_documents_read_as_flush():
+    """Documents of PACE Studio before ``prefill_after_decode`` (schema 1) load with the behaviour they
+    were made with."""
+    d = _doc(schema_version=1, pace__prefill_after_decode=KeyError)
+    cfg = config_from_dict(d)
+    assert cfg == get_config("pace-4-8") and cfg.prefill_after_decode == "flush"
+    with pytest.raises(PaceError, match="prefill_after_decode='later' is not allowed"):
+        get_config("pace-4").replace(prefill_after_decode="later")
 
 
 def test_malformed_json_text():

@@ -132,21 +132,27 @@ def test_quantised_pipeline_matches_composition(name):
         assert len(store.buffer(0)) == expected_len
 
 
-def test_prefill_flushes_buffer_first():
-    cfg = get_config("pace-4")
+@pytest.mark.parametrize("after", ["flush", "carry"])
+def test_prefill_after_decode(after):
+    """A prompt after 3 decoded tokens: ``flush`` rounds the checkpoint plus folded buffer first, ``carry``
+    runs the prompt from that state unrounded; either way the buffer is empty after it."""
+    cfg = get_config("pace-4").replace(prefill_after_decode=after)
     store = StateStore(cfg, None, B, "cpu", H, HV, K, V, LAYERS)
     tokens = make_tokens(30, seed=4)
     store.prefill(0, *split(tokens, 0, 10))
     store.decode(0, *split(tokens, 10, 13))
     assert len(store.buffer(0)) == 3
     folded = store.effective_state(0)
+    empty = store.prefill(0, *split(tokens, 13, 13))
+    assert empty.shape == (B, 0, HV, V) and len(store.buffer(0)) == (3 if after == "carry" else 0)
     o = store.prefill(0, *split(tokens, 13))
     assert len(store.buffer(0)) == 0
     spec = cfg.quant_spec()
-    o_ref, S_ref = gdn_prefill_segmented(*split(tokens, 13), quant.fake_quantize(folded, spec), 256,
-                                         lambda S: quant.fake_quantize(S, spec))
+    start = quant.fake_quantize(folded, spec) if after == "flush" else folded
+    o_ref, S_ref = gdn_prefill_segmented(*split(tokens, 13), start, 256, lambda S: quant.fake_quantize(S, spec))
     assert rel(o, o_ref) < 1e-6
     assert torch.equal(store.checkpoint_dequantized(0), S_ref)
+    assert not torch.equal(start, quant.fake_quantize(folded, spec) if after == "carry" else folded)
 
 
 def test_periodic_rounding_lowers_state_error():
