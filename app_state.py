@@ -117,7 +117,9 @@ CONTROLS: tuple[Control, ...] = (
             "[ours] (the spec is silent) How a prompt that follows decoded tokens starts, e.g. a user's next "
             "turn: **flush** folds the buffered records into the checkpoint and rounds it first (one extra "
             "rounding, off the dP grid); **carry** runs the prompt from the exact state (checkpoint plus "
-            "buffer, not rounded), so its first rounding ends its first P-token segment.", ("flush", "carry")),
+            "buffer, not rounded), so its first rounding ends its first P-token segment. It is part of the "
+            "exported configuration; this app's views run one prompt and then decode, so they do not change "
+            "with it.", ("flush", "carry")),
     Control("hi", "high_share", "Share of 8-bit heads",
             "PACE-4/8 (spec §4): in each layer this share of value heads, those with the largest "
             "retained error E_h = e_h / (1 − a_h^(2·dP)), keep high_bits (8). [ours] a_h = mean decay "
@@ -235,8 +237,10 @@ def current_config() -> PaceConfig:
 
 
 def allocation_key(cfg: PaceConfig) -> str:
-    """What a head allocation depends on: the model and every setting except name and the heads."""
-    return model_source() + "|" + config_to_json(cfg.replace(name="custom", high_heads=None))
+    """What a head allocation depends on: the model and every setting except name, the heads and what
+    happens to a prompt after decoded tokens."""
+    return model_source() + "|" + config_to_json(cfg.replace(name="custom", high_heads=None,
+                                                             prefill_after_decode="flush"))
 
 
 def set_allocation(cfg: PaceConfig, high_heads: tuple[tuple[int, ...], ...]) -> None:
@@ -444,9 +448,10 @@ CALIBRATION_EVERY = 32
 
 def calibration_key(cfg: PaceConfig) -> str:
     """What a calibration depends on: the quantiser (method, bits, axis, group size, zero point, DAMP
-    rows), not dP or the share (the pages derive E_h and the allocation from a_h and e_h live)."""
+    rows), not dP, P, the share (the pages derive E_h and the allocation from a_h and e_h live) or
+    what happens to a prompt after decoded tokens."""
     return config_to_json(cfg.replace(name="calibration", high_share=0.0, high_heads=None, decode_period=8,
-                                      prefill_period=256))
+                                      prefill_period=256, prefill_after_decode="flush"))
 
 
 def results_model_name(source: str) -> str:
@@ -476,7 +481,8 @@ def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], 
         return None
     options = ([live] if live else []) + [label(r) for r in stored]
     help_text = (f"Results of `python -m pace_core {command}` stored under data/results/ for the loaded weights, "
-                 "newest first, with their provenance" + ("; 'live' computes on the loaded model now." if live else "."))
+                 "newest first, with their provenance"
+                 + ("; 'live' computes on the loaded model now." if live else "."))
     if live:
         choice = st.radio(title, options, key=key, horizontal=len(options) < 3, help=help_text)
     else:

@@ -248,7 +248,6 @@ class LayerState:
             if T == 0:
                 return torch.zeros(self.batch, 0, self.num_v_heads, self.d_v, device=self.device)
             initial = self.effective_state()
-            self.buffer.clear()
         else:
             self.flush()
             initial = self.dequantized()
@@ -256,6 +255,8 @@ class LayerState:
 
         def round_fn(S: torch.Tensor) -> torch.Tensor:
             self.checkpoint = self.quantize(S)
+            if self.buffer is not None:  # carry: the checkpoint now holds the buffered tokens too
+                self.buffer.clear()
             return self.dequantized()
 
         o, _ = gdn_prefill_segmented(q, k, v, g, beta, initial, period, round_fn, self.chunk_size)

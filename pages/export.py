@@ -48,7 +48,8 @@ def page(cfg: PaceConfig) -> None:
             else:
                 st.success(f"Valid configuration '{imported.name}': method {imported.method}, {imported.bits} bits, "
                            f"{imported.group_axis}-axis groups of {imported.group_size}, dP {imported.decode_period}, "
-                           f"P {imported.prefill_period}, buffer {imported.buffer}.", icon=":material/check_circle:")
+                           f"P {imported.prefill_period}, buffer {imported.buffer}, prompt after decoded tokens: "
+                           f"{imported.prefill_after_decode}.", icon=":material/check_circle:")
                 outside = app_state.outside_controls(imported)
                 if outside:
                     st.warning("Outside the sidebar's ranges (loading moves them to the nearest offered value): "

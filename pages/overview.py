@@ -96,7 +96,8 @@ def page(cfg: PaceConfig) -> None:
         {"part": "Prompt after decoded tokens", "source": "[ours]", "setting": "Prompt after decoded tokens",
          "now": cfg.prefill_after_decode,
          "what it does": "flush: round the checkpoint plus buffer before the prompt; carry: run the prompt from "
-                         "that exact state, one rounding fewer."},
+                         "that exact state, one rounding fewer (serving multi-turn chats; no view here has a "
+                         "second prompt)."},
         {"part": "Head-level precision (PACE-4/8)", "source": "[seed]; a_h, e_h estimates [ours]",
          "setting": "Share of 8-bit heads", "now": f"{cfg.high_share:.1%}",
          "what it does": "Heads with the largest retained error E_h = e_h / (1 − a_h^(2·dP)) keep 8 bits."},

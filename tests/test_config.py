@@ -1,5 +1,6 @@
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -288,6 +289,11 @@ def test_schema_1_documents_read_as_flush():
     assert cfg == get_config("pace-4-8") and cfg.prefill_after_decode == "flush"
     with pytest.raises(PaceError, match="prefill_after_decode='later' is not allowed"):
         get_config("pace-4").replace(prefill_after_decode="later")
+    shipped = Path(__file__).resolve().parents[1] / "data/models/pace-tiny-qwen35/eval/calibration_pace-4-8.json"
+    stored = json.loads(shipped.read_text())["data"]["config"]
+    assert stored["schema_version"] == 1 and "prefill_after_decode" not in stored["pace"]
+    loaded = config_from_dict(stored)
+    assert loaded.replace(high_heads=None) == get_config("pace-4-8").replace(name=stored["pace"]["name"])
 
 
 def test_malformed_json_text():

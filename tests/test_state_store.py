@@ -132,27 +132,57 @@ def test_quantised_pipeline_matches_composition(name):
         assert len(store.buffer(0)) == expected_len
 
 
-@pytest.mark.parametrize("after", ["flush", "carry"])
-def test_prefill_after_decode(after):
+def test_prefill_after_decode():
     """A prompt after 3 decoded tokens: ``flush`` rounds the checkpoint plus folded buffer first, ``carry``
     runs the prompt from that state unrounded; either way the buffer is empty after it."""
-    cfg = get_config("pace-4").replace(prefill_after_decode=after)
-    store = StateStore(cfg, None, B, "cpu", H, HV, K, V, LAYERS)
     tokens = make_tokens(30, seed=4)
+    spec = get_config("pace-4").quant_spec()
+    outputs = {}
+    for after in ("flush", "carry"):
+        store = store_for("pace-4", prefill_after_decode=after)
+        store.prefill(0, *split(tokens, 0, 10))
+        store.decode(0, *split(tokens, 10, 13))
+        assert len(store.buffer(0)) == 3
+        folded = store.effective_state(0)
+        outputs[after] = o = store.prefill(0, *split(tokens, 13))
+        assert len(store.buffer(0)) == 0
+        start = quant.fake_quantize(folded, spec) if after == "flush" else folded
+        o_ref, S_ref = gdn_prefill_segmented(*split(tokens, 13), start, 256, lambda S: quant.fake_quantize(S, spec))
+        assert rel(o, o_ref) < 1e-6
+        assert torch.equal(store.checkpoint_dequantized(0), S_ref)
+    assert rel(outputs["carry"], outputs["flush"]) > 1e-4  # the flush's extra rounding shows
+
+
+@pytest.mark.parametrize("after", ["flush", "carry"])
+def test_empty_prompt_after_decode(after):
+    """``flush`` flushes even for an empty prompt (as before the setting); ``carry`` leaves the state as it
+    is, buffer included."""
+    store = store_for("pace-4", prefill_after_decode=after)
+    tokens = make_tokens(13, seed=5)
     store.prefill(0, *split(tokens, 0, 10))
     store.decode(0, *split(tokens, 10, 13))
+    before = store.checkpoint_dequantized(0)
+    o = store.prefill(0, *split(tokens, 13, 13))
+    assert o.shape == (B, 0, HV, V)
+    assert len(store.buffer(0)) == (3 if after == "carry" else 0)
+    assert torch.equal(store.checkpoint_dequantized(0), before) == (after == "carry")
+
+
+def test_carry_keeps_the_buffer_when_the_prompt_fails():
+    """A prompt whose state turns non-finite is refused before anything is stored: under ``carry`` the
+    decoded tokens stay in the buffer, on the checkpoint they were decoded from."""
+    store = store_for("pace-4", prefill_after_decode="carry")
+    tokens = make_tokens(20, seed=6)
+    store.prefill(0, *split(tokens, 0, 10))
+    store.decode(0, *split(tokens, 10, 13))
+    before = store.effective_state(0)
+    q, k, v, g, beta = split(tokens, 13)
+    v = v.clone()
+    v[0, 2, 1, 5] = float("nan")
+    with pytest.raises(PaceError, match="non-finite"):
+        store.prefill(0, q, k, v, g, beta)
     assert len(store.buffer(0)) == 3
-    folded = store.effective_state(0)
-    empty = store.prefill(0, *split(tokens, 13, 13))
-    assert empty.shape == (B, 0, HV, V) and len(store.buffer(0)) == (3 if after == "carry" else 0)
-    o = store.prefill(0, *split(tokens, 13))
-    assert len(store.buffer(0)) == 0
-    spec = cfg.quant_spec()
-    start = quant.fake_quantize(folded, spec) if after == "flush" else folded
-    o_ref, S_ref = gdn_prefill_segmented(*split(tokens, 13), start, 256, lambda S: quant.fake_quantize(S, spec))
-    assert rel(o, o_ref) < 1e-6
-    assert torch.equal(store.checkpoint_dequantized(0), S_ref)
-    assert not torch.equal(start, quant.fake_quantize(folded, spec) if after == "carry" else folded)
+    assert torch.equal(store.effective_state(0), before)
 
 
 def test_periodic_rounding_lowers_state_error():
