@@ -103,6 +103,34 @@ def test_stored_results_belong_to_the_weights(env, capsys, tmp_path):
     assert len({r.provenance["weights"] for r in results}) == 2
 
 
+def test_damp_results_follow_their_calibration(env, capsys, tmp_path):
+    """DAMP's outlier rows come from calibration, not from its config: a run calibrated on another text
+    is not served the stored result of the first."""
+    out = str(tmp_path / "results")
+    other = tmp_path / "other.txt"
+    other.write_text("the state of a gated delta net layer " * 20)
+    argv = ["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--window", "32",
+            "--stride", "16", "--max-tokens", "64", "--configs", "damp-int4", "--calibration-tokens", "64"]
+    assert main([*argv, "--calibration-text", env["text"]]) == 0
+    assert main([*argv, "--calibration-text", env["text"]]) == 0
+    assert "reusing stored perplexity" in capsys.readouterr().out
+    assert main([*argv, "--calibration-text", str(other)]) == 0
+    assert "reusing" not in capsys.readouterr().out
+    rows = [r.data["damp_rows"] for r in list_results(env["model"], "calibration", root=out)]
+    assert len(rows) == 2 and rows[0] != rows[1]  # two calibrations with different rows
+    assert len(list_results(env["model"], "perplexity", root=out)) == 2
+
+
+def test_perplexity_with_stride_equal_to_window_still_decodes(env, tmp_path):
+    """No context tokens per window (stride = window): one prompt token, the rest decoded, so the state's
+    rounding shows (a whole-window prefill with P >= window would hide it)."""
+    out = str(tmp_path / "results")
+    assert main(["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"],
+                 "--window", "32", "--stride", "32", "--max-tokens", "64", "--configs", "rtn-int2"]) == 0
+    [p] = list_results(env["model"], "perplexity", root=out)
+    assert p.data["decode_from"] == 1 and p.table.kl[1] > 0
+
+
 def test_errors_exit_2(env, capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

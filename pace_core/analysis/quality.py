@@ -2,15 +2,16 @@
 agreement and KL divergence (spec §7).
 
 Sliding windows follow the usual transformers recipe: windows of ``window`` tokens start every
-``stride`` tokens; each window scores only the tokens not scored by an earlier window (so every token
-after the first is scored exactly once, with up to ``window - stride`` tokens of context before the
-first scored one). Each window is one independent run from an empty state. With ``decode_from``
+``stride`` tokens; each window scores only the tokens not scored by an earlier window (so with
+``stride < window`` every token after the first is scored exactly once, with up to ``window - stride``
+tokens of context before the first scored one; with ``stride == window`` each window's first token has
+no context in its window and is not scored). Each window is one independent run from an empty state. With ``decode_from``
 set, a window's first ``decode_from`` tokens are the prompt (prefill, P-token segments) and the rest
 is teacher-forced token by token through the decode path (buffer, flush every dP); without it the
 whole window is prefilled. Note that a prefill rounds the state only at P-token segment ends, after
 the logits of the segment's tokens are computed, so with P >= window a prefill-only evaluation
-cannot see the state quantisation at all: ``decode_from = window - stride`` (the CLI default)
-decodes every scored token after the first window.
+cannot see the state quantisation at all: ``decode_from = window - stride``, at least 1 (the CLI
+default), decodes every scored token after the first window.
 
 Windows of equal length can run together as one batch (``batch``): every sequence of a batch has
 its own state, scales and buffer, so a batched run scores the same as window-by-window runs up to
@@ -46,7 +47,8 @@ class Window:
 
 
 def sliding_windows(n_tokens: int, window: int, stride: int) -> list[Window]:
-    """Windows covering ``n_tokens`` tokens; every token but the first is scored exactly once."""
+    """Windows covering ``n_tokens`` tokens; every token but the first is scored once, except the first
+    token of each window when ``stride == window`` (no context in its window)."""
     if window < 2:
         raise PaceError(f"window: must be >= 2 tokens, got {window}")
     if not 1 <= stride <= window:

@@ -45,11 +45,12 @@ class Context:
         return tqdm(total=total, desc=desc, disable=self.args.quiet, file=sys.stderr, leave=False)
 
     def cached(self, kind: str, params: dict[str, Any]):
-        """(key, stored Result or None unless --force)."""
+        """(key, stored Result or None unless --force). The key holds the model, its weights, dtype and
+        device (results differ a little between devices; sampling draws other numbers) and ``params``."""
         from pace_core.results import load_result, result_key
 
         key = result_key({"kind": kind, "model": self.model_name, "weights": self.loaded.fingerprint,
-                          "dtype": self.args.dtype, **params})
+                          "dtype": self.args.dtype, "device": str(self.loaded.device), **params})
         found = None if self.args.force else load_result(kind, self.model_name, key, root=self.args.out)
         return key, found
 
@@ -102,6 +103,16 @@ class Context:
                 cfg = cal.config
             cfgs.append(cfg.validate_for(self.loaded.shape))
         return cfgs, damp_rows
+
+    @staticmethod
+    def config_params(cfgs, damp_rows: dict[str, list]) -> dict[str, Any]:
+        """What a result of ``cfgs`` depends on beyond its own settings: each config's JSON and, for
+        DAMP configs, the calibrated outlier rows (they are not part of the config, and another
+        calibration text or length gives other rows)."""
+        from pace_core.config import config_to_dict
+
+        return {"configs": [config_to_dict(c) for c in cfgs],
+                "damp_rows": {name: [r.tolist() for r in rows] for name, rows in damp_rows.items()}}
 
 
 def _command() -> str:
@@ -193,12 +204,11 @@ def run_export(args: argparse.Namespace) -> int:
 def run_drift(args: argparse.Namespace) -> int:
     from pace_core.analysis.drift import drift
     from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
-    from pace_core.config import config_to_dict
 
     ctx = _context(args)
     text = args.text or str(CALIBRATION_TEXT)
     cfgs, damp_rows = ctx.prepared(args.configs)
-    params = {"configs": [config_to_dict(c) for c in cfgs], "text": _sha(text), "tokens": args.tokens,
+    params = {**ctx.config_params(cfgs, damp_rows), "text": _sha(text), "tokens": args.tokens,
               "decode_from": args.decode_from, "every": args.every}
     key, found = ctx.cached("drift", params)
     if _reuse(found, "drift"):
@@ -244,13 +254,12 @@ def run_structure(args: argparse.Namespace) -> int:
 def run_perplexity(args: argparse.Namespace) -> int:
     from pace_core.analysis.quality import perplexity, sliding_windows
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
-    from pace_core.config import config_to_dict
 
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
     cfgs, damp_rows = ctx.prepared(args.configs)
-    decode_from = None if args.prefill_only else (args.decode_from or args.window - args.stride or None)
-    params = {"configs": [config_to_dict(c) for c in cfgs], "text": _sha(text), "window": args.window,
+    decode_from = None if args.prefill_only else (args.decode_from or max(args.window - args.stride, 1))
+    params = {**ctx.config_params(cfgs, damp_rows), "text": _sha(text), "window": args.window,
               "stride": args.stride, "max_tokens": args.max_tokens, "decode_from": decode_from}
     key, found = ctx.cached("perplexity", params)
     if _reuse(found, "perplexity"):
@@ -269,11 +278,10 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from pace_core.analysis.generation import generate_side_by_side
-    from pace_core.config import config_to_dict
 
     ctx = _context(args)
     cfgs, damp_rows = ctx.prepared(args.configs)
-    params = {"configs": [config_to_dict(c) for c in cfgs], "prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
+    params = {**ctx.config_params(cfgs, damp_rows), "prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
               "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "modes": args.modes}
     key, found = ctx.cached("generation", params)
     if _reuse(found, "generations"):
@@ -420,8 +428,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="use the first this many tokens of the text, 0 for all of it (default 4096)")
     p.add_argument("--decode-from", dest="decode_from", type=int,
                    help="per window: prefill this many tokens and decode the rest token by token (default: "
-                        "window - stride, so every scored token after the first window is decoded; a prefill "
-                        "with P >= window would round the state only after the last scored token)")
+                        "window - stride, at least 1, so every scored token after the first window is decoded; "
+                        "a prefill with P >= window would round the state only after the last scored token)")
     p.add_argument("--prefill-only", dest="prefill_only", action="store_true",
                    help="score whole windows through the prefill path (P-token segments) instead")
     p.add_argument("--batch", type=int, default=1,
