@@ -534,6 +534,11 @@ def calibration(source: str, device: str, key: str) -> dict[str, Any]:
     stored = _stored_calibration(source, loaded.fingerprint, key)
     if stored is not None:
         return stored
+    if not CALIBRATION_TEXT.is_file():
+        raise PaceError(f"calibration text {CALIBRATION_TEXT} is not on this machine (the shared corpus), and no "
+                        "calibration of this quantiser is stored for the loaded weights; allowed: put the corpus "
+                        "there, or store one with `python -m pace_core calibrate --text FILE` and these settings, "
+                        "or set the share of 8-bit heads to 0 (DAMP always needs one)")
     chunks = CALIBRATION_TOKENS // CALIBRATION_EVERY
     advance = progress_bar(chunks, f"Calibrating on {CALIBRATION_TOKENS} tokens of {CALIBRATION_TEXT.name}")
     calib = calibrate(loaded, config_from_json(key), tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
@@ -620,6 +625,11 @@ def run_page(body: Callable[[PaceConfig], None]) -> None:
     except PaceError as err:
         st.error(f"{err}\n\nChange the named setting in the sidebar (or the input on this page) and the "
                  "page recomputes.", icon=":material/warning:")
+    except torch.OutOfMemoryError as err:
+        st.error(f"Out of memory on {st.session_state.get('device', 'the device')}: {str(err).splitlines()[0]}\n\n"
+                 "Ask for less at once on this page (fewer tokens, steps, sequences or configurations), or load "
+                 "the model on another device or with device_map; what was computed before is kept.",
+                 icon=":material/memory:")
     except Exception as err:  # a page failure must not take the app down: report it, keep going
         st.error(f"This page failed: {type(err).__name__}: {err}\n\nTry another configuration or model; "
                  "if it persists, please report it with the link in the address bar.", icon=":material/error:")

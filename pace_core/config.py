@@ -483,6 +483,9 @@ def _parse_json(s: str) -> Any:
     except json.JSONDecodeError as e:
         raise PaceError(f"config JSON is malformed at line {e.lineno} column {e.colno}: {e.msg}; "
                         "allowed: a JSON object as written by config_to_json") from None
+    except RecursionError:
+        raise PaceError("config JSON is nested too deeply to read; allowed: a JSON object as written by "
+                        "config_to_json") from None
 
 
 def resolve_config(spec: str) -> PaceConfig:

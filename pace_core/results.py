@@ -34,6 +34,8 @@ DEFAULT_RESULTS_ROOT = REPO_ROOT / "data" / "results"
 RESULTS_ENV = "PACE_RESULTS_DIR"
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _KEY_RE = re.compile(r"^[0-9a-f]{16}$")
+_UMASK = os.umask(0)  # read once, at import: os.umask can only be read by setting it
+os.umask(_UMASK)
 
 
 @dataclass
@@ -162,12 +164,14 @@ def _check_kind_key(kind: str, key: str) -> None:
 
 
 def atomic_write(path: Path, write) -> None:
-    """Write through ``write(tmp_path)`` to a temp file in ``path``'s folder, then os.replace."""
+    """Write through ``write(tmp_path)`` to a temp file in ``path``'s folder, then os.replace. The file
+    gets the permissions of a plainly created one (``mkstemp`` makes it private to its owner)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -206,23 +210,22 @@ def save_result(
 
 
 def load_result(kind: str, model: str, key: str, *, root: str | os.PathLike | None = None) -> Result | None:
-    """The stored result of ``kind`` for ``model`` under ``key``, or None if absent or unreadable."""
+    """The stored result of ``kind`` for ``model`` under ``key``, or None if absent or unreadable (not
+    UTF-8 JSON of a result object, a field missing, a damaged or unreadable Parquet table)."""
     _check_kind_key(kind, key)
     base = results_dir(model, root) / f"{kind}-{key}"
     path = base.with_suffix(".json")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    if doc.get("schema_version") != SCHEMA_VERSION or doc.get("kind") != kind or doc.get("key") != key:
-        return None
-    table = None
-    if doc.get("has_table"):
-        try:
-            table = pd.read_parquet(base.with_suffix(".parquet"))
-        except (FileNotFoundError, OSError):
+        if doc.get("schema_version") != SCHEMA_VERSION or doc.get("kind") != kind or doc.get("key") != key:
             return None
-    return Result(kind, doc["model"], key, doc["data"], doc["provenance"], table, path)
+        table = pd.read_parquet(base.with_suffix(".parquet")) if doc.get("has_table") else None
+        model_name, data, provenance = doc["model"], doc["data"], doc["provenance"]
+        if not isinstance(data, dict) or not isinstance(provenance, dict):
+            return None
+    except (OSError, ValueError, KeyError, AttributeError):  # ValueError: bad UTF-8, JSON or Parquet
+        return None
+    return Result(kind, model_name, key, data, provenance, table, path)
 
 
 def list_results(model: str, kind: str | None = None, *, root: str | os.PathLike | None = None) -> list[Result]:

@@ -25,9 +25,13 @@ def page(cfg: PaceConfig) -> None:
     for path in files:
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, ValueError) as err:  # ValueError: not UTF-8 or not JSON
             st.error(f"{path.name}: not readable as JSON ({err}); re-run the benchmark to rewrite it.",
                      icon=":material/block:")
+            continue
+        if not isinstance(doc, dict):
+            st.error(f"{path.name}: a JSON {type(doc).__name__}, not a benchmark result object; re-run the "
+                     "benchmark to rewrite it, or remove the file.", icon=":material/block:")
             continue
         st.subheader(path.stem)
         tables, provenance = figures.split_bench_document(doc)

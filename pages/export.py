@@ -21,9 +21,14 @@ def page(cfg: PaceConfig) -> None:
             st.warning(f"Share of 8-bit heads is {cfg.high_share:.1%} but no model is loaded to choose them: "
                        "the export carries the share only.", icon=":material/leaderboard:")
         else:
-            cfg, _ = app_state.runnable(app_state.model_source(), st.session_state["device"], cfg)
-            st.info("The per-layer 8-bit heads below were calibrated on the loaded model for these settings "
-                    "(see Head ranking).", icon=":material/leaderboard:")
+            try:
+                cfg, _ = app_state.runnable(app_state.model_source(), st.session_state["device"], cfg)
+            except PaceError as err:
+                st.warning(f"The 8-bit heads cannot be chosen here: {err}. The export carries the share only.",
+                           icon=":material/leaderboard:")
+            else:
+                st.info("The per-layer 8-bit heads below were calibrated on the loaded model for these settings "
+                        "(see Head ranking).", icon=":material/leaderboard:")
     text = figures.export_json(cfg, app_state.model_label(),
                                make_provenance(app_state.model_label(), configs=[cfg], command="PACE Studio export"))
     left, right = st.columns([3, 2])
@@ -51,6 +56,18 @@ def page(cfg: PaceConfig) -> None:
                            f"P {imported.prefill_period}, buffer {imported.buffer}, prompt after decoded tokens: "
                            f"{imported.prefill_after_decode}.", icon=":material/check_circle:")
                 outside = app_state.outside_controls(imported)
+                loaded = app_state.loaded_model(stop=False)
+                if imported.high_heads is not None and outside:
+                    st.warning("Its 8-bit heads were chosen for settings the sidebar does not offer; loading "
+                               "drops them and they are chosen again on the loaded model.", icon=":material/warning:")
+                    imported = imported.replace(high_heads=None)
+                elif imported.high_heads is not None and loaded is not None:
+                    try:
+                        imported.validate_for(loaded.shape)
+                    except PaceError as err:
+                        st.warning(f"Its 8-bit heads do not fit the loaded model ({err}); loading drops them and "
+                                   "they are chosen again on this model.", icon=":material/warning:")
+                        imported = imported.replace(high_heads=None)
                 if outside:
                     st.warning("Outside the sidebar's ranges (loading moves them to the nearest offered value): "
                                + "; ".join(outside), icon=":material/warning:")

@@ -33,10 +33,13 @@ def page(cfg: PaceConfig) -> None:
     c1, c2, c3 = st.columns(3)
     layer = c1.selectbox("GDN layer", loaded.gdn_layers, key="heat_layer",
                          help="Decoder layer index (only Gated DeltaNet layers have a recurrent state).")
-    head = c2.slider("Value head", 0, loaded.shape.num_v_heads - 1, 0, key="heat_head",
-                     help=f"Key head = value head // γ (γ = {loaded.shape.num_v_heads // loaded.shape.num_k_heads}).")
-    position = c3.slider("Position (tokens read)", 1, n_tokens, min(n_tokens, app_state.HEATMAP_POSITION),
-                         key="heat_pos", help="The state after this many prompt tokens.")
+    gamma = loaded.shape.num_v_heads // loaded.shape.num_k_heads
+    head = 0 if loaded.shape.num_v_heads == 1 else c2.slider(
+        "Value head", 0, loaded.shape.num_v_heads - 1, 0, key="heat_head",
+        help=f"Key head = value head // γ (γ = {gamma}).")
+    position = 1 if n_tokens == 1 else c3.slider(
+        "Position (tokens read)", 1, n_tokens, min(n_tokens, app_state.HEATMAP_POSITION), key="heat_pos",
+        help="The state after this many prompt tokens.")
 
     with st.spinner("Running the fp32 reference…"):
         states = app_state.reference_states(app_state.model_source(), st.session_state["device"], text, position)

@@ -16,7 +16,7 @@ import app_state
 from app_support import REPO_ROOT, app_model_param
 from pace_core.accounting import resident_bits, state_bytes
 from pace_core.analysis.text import tokenize
-from pace_core.config import config_from_dict, config_to_json, get_config
+from pace_core.config import config_from_dict, config_to_json, get_config, num_high_heads
 from pace_core.figures import MIB
 from pace_core.model.capture import run_with_states
 from pace_core.model.loading import load_model
@@ -145,6 +145,13 @@ def test_state_heatmap_shows_the_quantisation_error_of_the_reference_state(param
     assert metric(at, "relative error, key-axis g=64") == shown_error(8, "key")
 
 
+def test_state_heatmap_of_a_one_token_text(params):
+    at = start(params, page="state_heatmaps", preset="pace-4")
+    at.text_area(key="heat_text").set_value("a").run()
+    check(at)
+    assert "after 1 tokens" in chart(at, "heat_chart")["layout"]["title"]["text"]
+
+
 def test_generations_reference_agrees_with_itself_and_length_follows_slider(params):
     at = start(params, page="generations", preset="rtn-int4")
     at.multiselect(key="gen_others").set_value([]).run()
@@ -193,8 +200,16 @@ def test_benchmarks_show_tables_with_provenance(params, tmp_path, monkeypatch):
             for b, t in ((1, t0), (8, 2 * t0))]
     (tmp_path / "decode.json").write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-11-30",
                                                       "decode_step": rows}))
+    (tmp_path / "a_list.json").write_text("[1, 2]")  # sorts first: a bad file must not hide the others
+    (tmp_path / "b_bytes.json").write_bytes(b"\xff\xfe")
     monkeypatch.setattr(app_state, "BENCH_DIR", tmp_path)
-    at = start(params, page="benchmarks")
+    at = AppTest.from_file(APP, default_timeout=180)
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.run()
+    at.switch_page("pages/benchmarks.py").run()
+    assert not at.exception
+    assert [e.value.split(":")[0] for e in at.error] == ["a_list.json", "b_bytes.json"]
     assert at.subheader[0].value == "decode"
     assert at.json[0].value == json.dumps({"device": "NVIDIA H200", "date": "2026-11-30"})
     assert any(c.value.startswith("Measured on device NVIDIA H200, date 2026-11-30") for c in at.caption)
@@ -222,6 +237,26 @@ def test_export_preview_import_and_load(params):
     assert at.sidebar.select_slider(key="w_bits").value == 5
     assert at.sidebar.selectbox(key="w_axis").value == "value"
     assert config_from_dict(json.loads(at.code[0].value)) == imported.replace(name="custom")
+
+
+def test_imported_heads_must_fit_the_model_and_memory_takes_calibrated_heads(params, loaded):
+    """Heads that do not fit the loaded model are dropped on import (with a warning); heads that do fit
+    are kept, and the Memory page, which also shows other models' shapes, works with them."""
+    L, HV = loaded.shape.num_gdn_layers, loaded.shape.num_v_heads
+    at = start(params, page="export", preset="pace-4-8")
+    wrong = get_config("pace-4-8").replace(name="wrong", high_heads=((0,), (999,)))
+    at.text_area(key="export_paste").set_value(config_to_json(wrong)).run()
+    assert not at.exception and any("do not fit the loaded model" in w.value for w in at.warning)
+    n = num_high_heads(0.25, HV)
+    fitting = get_config("pace-4-8").replace(name="fitting", high_heads=tuple(tuple(range(n)) for _ in range(L)))
+    at.text_area(key="export_paste").set_value(config_to_json(fitting)).run()
+    check(at)
+    at.button(key="export_load").click().run()
+    check(at)
+    assert config_from_dict(json.loads(at.code[0].value)).high_heads == fitting.high_heads
+    at.switch_page("pages/memory.py").run()
+    check(at)
+    assert at.dataframe[0].value["config"][0] == "sidebar: pace-4-8"  # with its calibrated heads
 
 
 def test_head_ranking_follows_dp_and_share(params, loaded):

@@ -301,6 +301,8 @@ def test_malformed_json_text():
         config_from_json('{"schema_version": 1,\n}')
     with pytest.raises(PaceError, match="config JSON must be an object; got list"):
         config_from_json("[1, 2]")
+    with pytest.raises(PaceError, match="nested too deeply"):
+        config_from_json("[" * 100_000)
     with pytest.raises(PaceError, match="config JSON must be text"):
         config_from_json(b"{}")  # type: ignore[arg-type]
     with pytest.raises(PaceError, match="provenance=.*allowed: a JSON object"):

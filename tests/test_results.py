@@ -51,6 +51,37 @@ def test_missing_parquet_or_corrupt_json_is_none(tmp_path):
     assert R.load_result("sweep", "m", key, root=tmp_path) is None
 
 
+@pytest.mark.parametrize("damage", ["truncated parquet", "json list", "not utf-8", "no provenance"])
+def test_damaged_results_are_skipped(tmp_path, damage):
+    """A damaged stored result reads as absent and the others are still listed (the app's pages show
+    what is readable)."""
+    good, bad = R.result_key({"good": 1}), R.result_key({"bad": 1})
+    for key in (good, bad):
+        R.save_result("sweep", "m", key, {"k": key}, {"date": key}, pd.DataFrame({"x": [1.0, 2.0]}), root=tmp_path)
+    base = tmp_path / "m" / f"sweep-{bad}"
+    doc = json.loads(base.with_suffix(".json").read_text())
+    if damage == "truncated parquet":
+        base.with_suffix(".parquet").write_bytes(base.with_suffix(".parquet").read_bytes()[:40])
+    elif damage == "json list":
+        base.with_suffix(".json").write_text("[]")
+    elif damage == "not utf-8":
+        base.with_suffix(".json").write_bytes(b"\xff\xfe{")
+    else:
+        del doc["provenance"]
+        base.with_suffix(".json").write_text(json.dumps(doc))
+    assert R.load_result("sweep", "m", bad, root=tmp_path) is None
+    assert [r.key for r in R.list_results("m", root=tmp_path)] == [good]
+
+
+def test_results_are_readable_like_plainly_created_files(tmp_path):
+    key = R.result_key({"p": 1})
+    R.save_result("sweep", "m", key, {}, {}, pd.DataFrame({"x": [1.0]}), root=tmp_path)
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    for suffix in (".json", ".parquet"):
+        assert (tmp_path / "m" / f"sweep-{key}{suffix}").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+
+
 def test_keys_names_and_provenance(tmp_path, monkeypatch):
     assert R.result_key({"a": 1, "b": [1, 2]}) == R.result_key({"b": [1, 2], "a": 1})
     assert R.result_key({"a": 1}) != R.result_key({"a": 2})
