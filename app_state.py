@@ -8,6 +8,7 @@ value is named in a warning and replaced by the value of the named configuration
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,6 +31,7 @@ BENCH_DIR = Path(os.environ.get("PACE_BENCH_DIR", REPO_ROOT / "data" / "bench"))
 BENCH_COMMAND = "python3 kernels/bench.py --out data/bench"
 PROMPT_CHARS = 1500
 HEATMAP_POSITION = 256
+LOAD_RETRY_S = 60  # a model that failed to load is tried again after this long (a hub id offline takes ~30 s)
 FALLBACK_PROMPT = ("The recurrent state of a Gated DeltaNet layer is a matrix per head that every token "
                    "updates: it decays the old memory, writes the new key and value, and the next "
                    "token reads from it. Storing that matrix in four bits instead of thirty-two lets a "
@@ -356,12 +358,20 @@ def _try_load_model():
                  "`python -m pace_core.train` (see README), or pick a local folder / hub id of a "
                  "Qwen3.5, Qwen3.6 or Qwen3-Next checkpoint in the sidebar.", icon=":material/folder_open:")
         return None
+    failures = st.session_state.setdefault("_load_failures", {})
+    failed = failures.get((source, device))
+    if failed is not None and time.monotonic() - failed[1] < LOAD_RETRY_S:
+        st.error(failed[0], icon=":material/folder_open:")
+        return None
     try:
         with st.spinner(f"Loading {model_label()} on {device}…"):
             return _load_model(source, device)
     except (PaceError, OSError) as err:
-        st.error(f"Could not load model {model_label()!r}: {err}\n\nCheck the path or hub id "
-                 "(no hub is reachable offline) or switch back to the embedded model.", icon=":material/folder_open:")
+        message = (f"Could not load model {model_label()!r}: {err}\n\nCheck the path or hub id (no hub is "
+                   "reachable offline) or switch back to the embedded model. (The same source is tried again "
+                   f"after {LOAD_RETRY_S} s, not on every change.)")
+        failures[(source, device)] = (message, time.monotonic())
+        st.error(message, icon=":material/folder_open:")
         return None
 
 

@@ -56,12 +56,11 @@ def page(cfg: PaceConfig) -> None:
                            f"P {imported.prefill_period}, buffer {imported.buffer}, prompt after decoded tokens: "
                            f"{imported.prefill_after_decode}.", icon=":material/check_circle:")
                 outside = app_state.outside_controls(imported)
-                loaded = app_state.loaded_model(stop=False)
                 if imported.high_heads is not None and outside:
                     st.warning("Its 8-bit heads were chosen for settings the sidebar does not offer; loading "
                                "drops them and they are chosen again on the loaded model.", icon=":material/warning:")
                     imported = imported.replace(high_heads=None)
-                elif imported.high_heads is not None and loaded is not None:
+                elif imported.high_heads is not None and (loaded := app_state.loaded_model(stop=False)) is not None:
                     try:
                         imported.validate_for(loaded.shape)
                     except PaceError as err:

@@ -96,6 +96,23 @@ def test_url_sets_the_controls_and_controls_write_the_url(params):
     assert json.loads(at.code[0].value)["pace"]["decode_period"] == 32
 
 
+def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, monkeypatch):
+    """A path or hub id that fails (offline, a hub id takes about 30 s to fail) is shown as failed on the
+    next changes and tried again only after LOAD_RETRY_S."""
+    calls = []
+    real = app_state._load_model
+    monkeypatch.setattr(app_state, "_load_model", lambda source, device: calls.append(source) or real(source, device))
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.query_params["model"] = str(tmp_path / "nowhere")
+    at.run()
+    assert not at.exception and "Could not load model" in at.error[0].value and len(calls) == 1
+    at.sidebar.select_slider(key="w_bits").set_value(3).run()
+    assert "Could not load model" in at.error[0].value and len(calls) == 1
+    monkeypatch.setattr(app_state, "LOAD_RETRY_S", 0)
+    at.sidebar.select_slider(key="w_bits").set_value(5).run()
+    assert not at.exception and len(calls) == 2
+
+
 def test_overview_state_memory_follows_the_sequence_slider(params, loaded):
     at = start(params)
     assert metric(at, "GDN layers") == str(loaded.shape.num_gdn_layers)
