@@ -347,6 +347,19 @@ def loaded_model(*, stop: bool = True):
     return loaded
 
 
+def _folder_stamp(source: str) -> tuple[int | None, int | None]:
+    """When a local folder and its config.json last changed (None where absent, e.g. a hub id): a folder
+    fixed after a failed load is loaded again at once."""
+    folder = Path(source).expanduser()
+    stamps = []
+    for path in (folder, folder / "config.json"):
+        try:
+            stamps.append(path.stat().st_mtime_ns if source else None)
+        except OSError:
+            stamps.append(None)
+    return stamps[0], stamps[1]
+
+
 def _try_load_model():
     """Load the sidebar's model, or show what to do and return None."""
     source, device = model_source(), st.session_state["device"]
@@ -359,7 +372,8 @@ def _try_load_model():
                  "Qwen3.5, Qwen3.6 or Qwen3-Next checkpoint in the sidebar.", icon=":material/folder_open:")
         return None
     failures = st.session_state.setdefault("_load_failures", {})
-    failed = failures.get((source, device))
+    attempt = (source, device, _folder_stamp(source))
+    failed = failures.get(attempt)
     if failed is not None and time.monotonic() - failed[1] < LOAD_RETRY_S:
         st.error(failed[0], icon=":material/folder_open:")
         return None
@@ -369,8 +383,8 @@ def _try_load_model():
     except (PaceError, OSError) as err:
         message = (f"Could not load model {model_label()!r}: {err}\n\nCheck the path or hub id (no hub is "
                    "reachable offline) or switch back to the embedded model. (The same source is tried again "
-                   f"after {LOAD_RETRY_S} s, not on every change.)")
-        failures[(source, device)] = (message, time.monotonic())
+                   f"after {LOAD_RETRY_S} s or once its folder changes, not on every change of a setting.)")
+        failures[attempt] = (message, time.monotonic())
         st.error(message, icon=":material/folder_open:")
         return None
 
@@ -621,6 +635,13 @@ def sidebar() -> PaceConfig:
     return cfg
 
 
+def _out_of_memory(err: BaseException) -> bool:
+    """A device or host allocation failure (torch raises plain RuntimeErrors on the CPU)."""
+    text = str(err)
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
+
+
 def run_page(body: Callable[[PaceConfig], None]) -> None:
     """Run one page: page config, the shared sidebar, then `body(cfg)`.
 
@@ -635,11 +656,12 @@ def run_page(body: Callable[[PaceConfig], None]) -> None:
     except PaceError as err:
         st.error(f"{err}\n\nChange the named setting in the sidebar (or the input on this page) and the "
                  "page recomputes.", icon=":material/warning:")
-    except torch.OutOfMemoryError as err:
-        st.error(f"Out of memory on {st.session_state.get('device', 'the device')}: {str(err).splitlines()[0]}\n\n"
-                 "Ask for less at once on this page (fewer tokens, steps, sequences or configurations), or load "
-                 "the model on another device or with device_map; what was computed before is kept.",
-                 icon=":material/memory:")
     except Exception as err:  # a page failure must not take the app down: report it, keep going
+        if _out_of_memory(err):
+            st.error(f"Out of memory on {st.session_state.get('device', 'the device')}: "
+                     f"{str(err).partition(chr(10))[0]}\n\nAsk for less at once on this page (fewer tokens, steps, "
+                     "sequences or configurations), or pick a smaller model or another device in the sidebar; "
+                     "what was computed before is kept.", icon=":material/memory:")
+            return
         st.error(f"This page failed: {type(err).__name__}: {err}\n\nTry another configuration or model; "
                  "if it persists, please report it with the link in the address bar.", icon=":material/error:")

@@ -223,6 +223,11 @@ class PaceConfig:
             if self.damp_hadamard and shape.d_v & (shape.d_v - 1):
                 raise PaceError(f"damp_hadamard=True needs a power-of-two d_v; {shape.name} has "
                                 f"d_v={shape.d_v}; allowed: damp_hadamard=False")
+        return self.validate_heads_for(shape)
+
+    def validate_heads_for(self, shape: ModelShape) -> PaceConfig:
+        """Check that ``high_heads`` (when set) has one entry per GDN layer of ``shape`` with
+        ``num_high_heads(high_share, HV)`` valid head indices. Returns self."""
         if self.high_heads is not None:
             want = num_high_heads(self.high_share, shape.num_v_heads)
             if len(self.high_heads) != shape.num_gdn_layers:

@@ -19,7 +19,7 @@ import os
 import platform
 import re
 import sys
-import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,6 @@ DEFAULT_RESULTS_ROOT = REPO_ROOT / "data" / "results"
 RESULTS_ENV = "PACE_RESULTS_DIR"
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _KEY_RE = re.compile(r"^[0-9a-f]{16}$")
-_UMASK = os.umask(0)  # read once, at import: os.umask can only be read by setting it
-os.umask(_UMASK)
 
 
 @dataclass
@@ -164,14 +162,13 @@ def _check_kind_key(kind: str, key: str) -> None:
 
 
 def atomic_write(path: Path, write) -> None:
-    """Write through ``write(tmp_path)`` to a temp file in ``path``'s folder, then os.replace. The file
-    gets the permissions of a plainly created one (``mkstemp`` makes it private to its owner)."""
+    """Write through ``write(tmp_path)`` to a temp file in ``path``'s folder, then os.replace. The temp
+    file is created as a plain file is (mode 0o666 less the umask; ``mkstemp`` would make it private)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = str(path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp")
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
     try:
         write(Path(tmp))
-        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -217,15 +214,19 @@ def load_result(kind: str, model: str, key: str, *, root: str | os.PathLike | No
     path = base.with_suffix(".json")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        if doc.get("schema_version") != SCHEMA_VERSION or doc.get("kind") != kind or doc.get("key") != key:
-            return None
-        table = pd.read_parquet(base.with_suffix(".parquet")) if doc.get("has_table") else None
-        model_name, data, provenance = doc["model"], doc["data"], doc["provenance"]
-        if not isinstance(data, dict) or not isinstance(provenance, dict):
-            return None
-    except (OSError, ValueError, KeyError, AttributeError):  # ValueError: bad UTF-8, JSON or Parquet
+    except (OSError, ValueError, RecursionError):  # ValueError: not UTF-8 or not JSON
         return None
-    return Result(kind, model_name, key, data, provenance, table, path)
+    if (not isinstance(doc, dict) or doc.get("schema_version") != SCHEMA_VERSION or doc.get("kind") != kind
+            or doc.get("key") != key or not isinstance(doc.get("model"), str)
+            or not isinstance(doc.get("data"), dict) or not isinstance(doc.get("provenance"), dict)):
+        return None
+    table = None
+    if doc.get("has_table"):
+        try:
+            table = pd.read_parquet(base.with_suffix(".parquet"))
+        except (OSError, ValueError):  # missing, unreadable or damaged (pyarrow's ArrowInvalid is a ValueError)
+            return None
+    return Result(kind, doc["model"], key, doc["data"], doc["provenance"], table, path)
 
 
 def list_results(model: str, kind: str | None = None, *, root: str | os.PathLike | None = None) -> list[Result]:

@@ -25,7 +25,7 @@ def page(cfg: PaceConfig) -> None:
     for path in files:
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:  # ValueError: not UTF-8 or not JSON
+        except (OSError, ValueError, RecursionError) as err:  # ValueError: not UTF-8 or not JSON
             st.error(f"{path.name}: not readable as JSON ({err}); re-run the benchmark to rewrite it.",
                      icon=":material/block:")
             continue

@@ -62,7 +62,7 @@ def page(cfg: PaceConfig) -> None:
                     imported = imported.replace(high_heads=None)
                 elif imported.high_heads is not None and (loaded := app_state.loaded_model(stop=False)) is not None:
                     try:
-                        imported.validate_for(loaded.shape)
+                        imported.validate_heads_for(loaded.shape)
                     except PaceError as err:
                         st.warning(f"Its 8-bit heads do not fit the loaded model ({err}); loading drops them and "
                                    "they are chosen again on this model.", icon=":material/warning:")

@@ -108,9 +108,19 @@ def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, mo
     assert not at.exception and "Could not load model" in at.error[0].value and len(calls) == 1
     at.sidebar.select_slider(key="w_bits").set_value(3).run()
     assert "Could not load model" in at.error[0].value and len(calls) == 1
-    monkeypatch.setattr(app_state, "LOAD_RETRY_S", 0)
+    (tmp_path / "nowhere").mkdir()  # the folder changed: tried at once (still not a checkpoint)
     at.sidebar.select_slider(key="w_bits").set_value(5).run()
-    assert not at.exception and len(calls) == 2
+    assert "Could not load model" in at.error[0].value and len(calls) == 2
+    monkeypatch.setattr(app_state, "LOAD_RETRY_S", 0)
+    at.sidebar.select_slider(key="w_bits").set_value(6).run()
+    assert not at.exception and len(calls) == 3
+
+
+def test_out_of_memory_is_recognised():
+    assert app_state._out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert app_state._out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
+    assert app_state._out_of_memory(MemoryError())
+    assert not app_state._out_of_memory(RuntimeError("shape mismatch")) and not app_state._out_of_memory(ValueError())
 
 
 def test_overview_state_memory_follows_the_sequence_slider(params, loaded):
@@ -264,6 +274,10 @@ def test_imported_heads_must_fit_the_model_and_memory_takes_calibrated_heads(par
     wrong = get_config("pace-4-8").replace(name="wrong", high_heads=((0,), (999,)))
     at.text_area(key="export_paste").set_value(config_to_json(wrong)).run()
     assert not at.exception and any("do not fit the loaded model" in w.value for w in at.warning)
+    at.button(key="export_load").click().run()
+    check(at)
+    heads = config_from_dict(json.loads(at.code[0].value)).high_heads  # chosen again on this model
+    assert heads is not None and len(heads) == L and heads != wrong.high_heads
     n = num_high_heads(0.25, HV)
     fitting = get_config("pace-4-8").replace(name="fitting", high_heads=tuple(tuple(range(n)) for _ in range(L)))
     at.text_area(key="export_paste").set_value(config_to_json(fitting)).run()

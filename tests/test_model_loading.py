@@ -127,3 +127,14 @@ def test_weights_fingerprint_counts_offloaded_parameters_by_name_and_shape():
     offloaded = torch.nn.Linear(4, 3, device="meta")  # as accelerate leaves CPU/disk-offloaded weights
     assert loading.weights_fingerprint(offloaded) == loading.weights_fingerprint(torch.nn.Linear(4, 3, device="meta"))
     assert loading.weights_fingerprint(offloaded) != loading.weights_fingerprint(torch.nn.Linear(3, 4, device="meta"))
+
+
+def test_out_of_memory_while_moving_to_the_device_is_not_a_missing_device(tiny_checkpoints, monkeypatch):
+    """An OOM in model.to(device) stays an OutOfMemoryError (the app says: ask for less), instead of
+    'device not available'."""
+    def full(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(torch.nn.Module, "to", full)
+    with pytest.raises(torch.OutOfMemoryError):
+        load_model(tiny_checkpoints["qwen3_5_text"])

@@ -74,12 +74,15 @@ def test_damaged_results_are_skipped(tmp_path, damage):
 
 
 def test_results_are_readable_like_plainly_created_files(tmp_path):
-    key = R.result_key({"p": 1})
-    R.save_result("sweep", "m", key, {}, {}, pd.DataFrame({"x": [1.0]}), root=tmp_path)
-    plain = tmp_path / "plain"
-    plain.write_text("x")
+    """Files get 0o666 less the umask, as a plainly created file does (mkstemp's files were private)."""
+    old = os.umask(0o022)
+    try:
+        key = R.result_key({"p": 1})
+        R.save_result("sweep", "m", key, {}, {}, pd.DataFrame({"x": [1.0]}), root=tmp_path)
+    finally:
+        os.umask(old)
     for suffix in (".json", ".parquet"):
-        assert (tmp_path / "m" / f"sweep-{key}{suffix}").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+        assert (tmp_path / "m" / f"sweep-{key}{suffix}").stat().st_mode & 0o777 == 0o644
 
 
 def test_keys_names_and_provenance(tmp_path, monkeypatch):

@@ -215,6 +215,8 @@ def load_model(
     if target is not None:
         try:
             model = model.to(target)
+        except torch.OutOfMemoryError:
+            raise  # the device is there but too small: not a "device not available"
         except (RuntimeError, AssertionError) as err:
             raise PaceError(
                 f"device: {str(target)!r} is not available here ({err}); allowed: cpu or an available device"
