@@ -125,9 +125,9 @@ def run_bits(args: argparse.Namespace) -> int:
     shape = load_shape(args.model if args.model is not None else _default_model())
     if args.sequences < 1:
         raise PaceError(f"--sequences={args.sequences} is not allowed; allowed: an integer >= 1")
+    if args.budget_gb is not None and not 0 <= args.budget_gb < 1e9:  # also refuses nan and inf
+        raise PaceError(f"--budget-gb={args.budget_gb} is not allowed; allowed: a number in [0, 1e9)")
     budget = None if args.budget_gb is None else int(args.budget_gb * 1e9)
-    if budget is not None and budget < 0:
-        raise PaceError(f"--budget-gb={args.budget_gb} is not allowed; allowed: a number >= 0")
     if args.config is not None:
         cfg = _apply_overrides(resolve_config(args.config), args)
         row = _row(cfg, shape, args.sequences)
@@ -191,4 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except PaceError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path that cannot be written or read (a file where a folder belongs, no permission)
+        print(f"error: {e}; allowed: a path this process can write (--out, --output) and read", file=sys.stderr)
         return 2

@@ -129,6 +129,9 @@ def test_perplexity_with_stride_equal_to_window_still_decodes(env, tmp_path):
                  "--window", "32", "--stride", "32", "--max-tokens", "64", "--configs", "rtn-int2"]) == 0
     [p] = list_results(env["model"], "perplexity", root=out)
     assert p.data["decode_from"] == 1 and p.table.kl[1] > 0
+    assert main(["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"],
+                 "--window", "32", "--max-tokens", "64", "--configs", "rtn-int2"]) == 0  # stride: half the window
+    assert {r.data["decode_from"] for r in list_results(env["model"], "perplexity", root=out)} == {1, 16}
 
 
 def test_errors_exit_2(env, capsys, tmp_path):
@@ -140,9 +143,21 @@ def test_errors_exit_2(env, capsys, tmp_path):
         (("calibrate", "--text", str(TEST_TEXT)), "test split"),
         (("drift", "--configs", "nope"), "unknown"),
     ]
+    small = ("--text", env["text"], "--max-tokens", "64", "--window", "32", "--configs", "rtn-int8")
+    cases += [
+        (("calibrate", "--text", env["text"], "--tokens", "128", "--sample-every", "0"), "--sample-every: 0"),
+        (("perplexity", *small, "--decode-from", "0"), "--decode-from: 0 not allowed; allowed: 1..31"),
+        (("perplexity", *small, "--decode-from", "32"), "--decode-from: 32 not allowed"),
+        (("sweep", "--text", env["text"], "--tokens", "64", "--decode-tokens", "16", "--prefill-period", "0"),
+         "prefill_period=0 is not allowed"),
+        (("structure", "--text", env["text"], "--out", env["text"]), "allowed: a path this process can write"),
+    ]
     for argv, msg in cases:
         assert _run(env, *argv) == 2
         assert msg in capsys.readouterr().err
+    for budget in ("nan", "inf", "-1"):
+        assert main(["bits", "--config", "pace-4", "--budget-gb", budget]) == 2
+        assert "--budget-gb" in capsys.readouterr().err
     assert main(["drift", "--model", env["qwen3"], "--out", env["out"], "--quiet"]) == 2
     assert "not a hybrid" in capsys.readouterr().err
     assert main(["drift", "--model", str(tmp_path / "nowhere"), "--quiet"]) == 2

@@ -72,6 +72,8 @@ class Context:
         from pace_core.results import text_sha256
 
         path = str(text or CALIBRATION_TEXT)
+        if not 1 <= sample_every <= tokens:
+            raise PaceError(f"--sample-every: {sample_every} not allowed; allowed: 1..{tokens} (at most --tokens)")
         key, found = self.cached("calibration", {"config": config_to_dict(cfg), "text": _sha(path),
                                                  "tokens": tokens, "sample_every": sample_every})
         if key in self._calibrations:
@@ -258,17 +260,26 @@ def run_perplexity(args: argparse.Namespace) -> int:
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
     cfgs, damp_rows = ctx.prepared(args.configs)
-    decode_from = None if args.prefill_only else (args.decode_from or max(args.window - args.stride, 1))
+    stride = args.stride if args.stride is not None else max(args.window // 2, 1)
+    if args.prefill_only:
+        decode_from = None
+    elif args.decode_from is None:
+        decode_from = max(args.window - stride, 1)
+    elif not 1 <= args.decode_from < args.window:
+        raise PaceError(f"--decode-from: {args.decode_from} not allowed; allowed: 1..{args.window - 1} "
+                        "(prompt tokens per window, fewer than --window)")
+    else:
+        decode_from = args.decode_from
     params = {**ctx.config_params(cfgs, damp_rows), "text": _sha(text), "window": args.window,
-              "stride": args.stride, "max_tokens": args.max_tokens, "decode_from": decode_from}
+              "stride": stride, "max_tokens": args.max_tokens, "decode_from": decode_from}
     key, found = ctx.cached("perplexity", params)
     if _reuse(found, "perplexity"):
         return 0
     max_tokens = args.max_tokens or None
     n = tokenize(ctx.loaded.tokenizer, read_text(text), max_tokens).shape[1]
-    total = len(sliding_windows(n, args.window, args.stride)) * (1 + sum(c.name != "fp32" for c in cfgs))
+    total = len(sliding_windows(n, args.window, stride)) * (1 + sum(c.name != "fp32" for c in cfgs))
     with ctx.bar(total, "perplexity") as bar:
-        table = perplexity(ctx.loaded, cfgs, text, window=args.window, stride=args.stride, max_tokens=max_tokens,
+        table = perplexity(ctx.loaded, cfgs, text, window=args.window, stride=stride, max_tokens=max_tokens,
                            decode_from=decode_from, damp_rows=damp_rows, batch=args.batch, progress=bar.update)
     _print_table(table)
     ctx.save("perplexity", key, {"rows": table.to_dict("records"), "decode_from": decode_from}, table,
@@ -307,7 +318,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         raise PaceError(f"--decode-tokens: {args.decode_tokens} not allowed; allowed: 1..{ids.shape[1] - 1} "
                         f"(the text gives {ids.shape[1]} tokens)")
     prompt = ids.shape[1] - args.decode_tokens
-    base = get_config("pace-4").replace(buffer=args.buffer, prefill_period=args.prefill_period or prompt,
+    period = prompt if args.prefill_period is None else args.prefill_period
+    base = get_config("pace-4").replace(buffer=args.buffer, prefill_period=period,
                                         symmetric=args.symmetric)
     cfgs = grid_configs(args.bits, args.dp, args.axis, args.group_size, base)
     params = {"grid": {"bits": args.bits, "dp": args.dp, "axis": args.axis, "group_size": args.group_size},
@@ -423,7 +435,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _configs_arg(p)
     p.add_argument("--text", help="text (default wikitext2-test)")
     p.add_argument("--window", type=int, default=512, help="window tokens (default 512)")
-    p.add_argument("--stride", type=int, default=256, help="stride tokens (default 256)")
+    p.add_argument("--stride", type=int, help="stride tokens (default: half the window)")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=4096,
                    help="use the first this many tokens of the text, 0 for all of it (default 4096)")
     p.add_argument("--decode-from", dest="decode_from", type=int,
