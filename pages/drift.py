@@ -8,6 +8,9 @@ from pace_core import figures
 from pace_core.config import PaceConfig
 
 
+SUMMARY_FORMAT = {"mean_rel_error": "{:.3%}", "final_rel_error": "{:.3%}", "mean_excess_nll": "{:+.4f} nats"}
+
+
 def page(cfg: PaceConfig) -> None:
     """The page body for the sidebar's configuration `cfg`."""
     st.title("Drift")
@@ -24,7 +27,8 @@ def page(cfg: PaceConfig) -> None:
         "drift_source", live="live: the sidebar configuration at several dP and bit widths")
     if result is not None:
         st.plotly_chart(figures.drift_figure(result.table), key="drift_chart")
-        st.dataframe(pd.DataFrame(result.data["summary"]), hide_index=True, key="drift_summary")
+        st.dataframe(pd.DataFrame(result.data["summary"]).style.format(SUMMARY_FORMAT), hide_index=True,
+                     key="drift_summary")
         return
     if not cfg.quantized:
         st.info("Method 'none' does not quantise: choose a quantising method (e.g. start from pace-4) to "
@@ -49,9 +53,7 @@ def page(cfg: PaceConfig) -> None:
                              prefill, steps)
     st.caption(f"Source: {result['provenance_label']}")
     st.plotly_chart(figures.drift_figure(result["table"]), key="drift_chart")
-    st.dataframe(result["summary"].style.format({"mean_rel_error": "{:.3%}", "final_rel_error": "{:.3%}",
-                                                 "mean_excess_nll": "{:+.4f}"}),
-                 hide_index=True, key="drift_summary")
+    st.dataframe(result["summary"].style.format(SUMMARY_FORMAT), hide_index=True, key="drift_summary")
 
 
 app_state.run_page(page)

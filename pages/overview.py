@@ -51,7 +51,8 @@ def page(cfg: PaceConfig) -> None:
                        delta=f"{rows[1][n_col] / rows[0][n_col] - 1:+.1%}", delta_color="inverse",
                        help="Real resident bytes of the sidebar configuration: packed codes, scales, zero "
                             "points and the decode buffer.")
-        cols[2].metric("fp32 state share of weights + state", f"{rows[0]['share of weights + state']:.1%}",
+        cols[2].metric(f"fp32 state share of weights + state, N = {n_seq}",
+                       f"{rows[0]['share of weights + state']:.1%}",
                        help="Spec §5: at 64 sequences an fp32 state takes 10–41% of weights + state on the "
                             "large Qwen backbones.")
         st.dataframe(pd.DataFrame(rows).style.format({"state MiB / sequence": "{:.3f}", n_col: "{:,.2f}",
@@ -67,8 +68,9 @@ def page(cfg: PaceConfig) -> None:
             st.caption("No stored perplexity run for the loaded model: `python -m pace_core perplexity` measures "
                        "the named configurations on held-out text, and this section then shows them.")
         else:
-            st.caption("Perplexity and bits per byte of the text; top-1 agreement and KL divergence of the "
-                       "next-token distribution against the fp32 reference (spec §7).")
+            st.caption("Perplexity and bits per byte of the text (nll: nats per scored token); top-1 agreement "
+                       "and KL divergence (nats per token) of the next-token distribution against the fp32 "
+                       "reference (spec §7).")
             st.dataframe(result.table.style.format({"nll": "{:.4f}", "ppl": "{:.3f}", "agreement": "{:.2%}",
                                                     "kl": "{:.5f}", "bpb": "{:.4f}"}),
                          hide_index=True, key="overview_quality")
