@@ -29,8 +29,9 @@ from pace_core.model.loading import LoadedModel
 @dataclass
 class DriftResult:
     """``table``: config, step, rel_error (all GDN layers pooled), excess_nll (one row per captured
-    step); ``layer_table``: config, step, layer, rel_error; ``summary``: per config mean and final
-    relative error and mean excess NLL over all decode steps."""
+    step); ``layer_table``: config, step, layer, rel_error; ``summary``: per config the mean relative
+    error over the captured steps (every ``every`` decode steps and the last, so it depends on
+    ``every``), the final relative error, and the mean excess NLL over all decode steps."""
 
     table: pd.DataFrame
     layer_table: pd.DataFrame
