@@ -350,14 +350,14 @@ def loaded_model(*, stop: bool = True):
 def _folder_stamp(source: str) -> tuple[int | None, int | None]:
     """When a local folder and its config.json last changed (None where absent, e.g. a hub id): a folder
     fixed after a failed load is loaded again at once."""
-    folder = Path(source).expanduser()
-    stamps = []
-    for path in (folder, folder / "config.json"):
+    def stamp(path: Path) -> int | None:
         try:
-            stamps.append(path.stat().st_mtime_ns if source else None)
+            return path.stat().st_mtime_ns
         except OSError:
-            stamps.append(None)
-    return stamps[0], stamps[1]
+            return None
+
+    folder = Path(source).expanduser()
+    return (stamp(folder), stamp(folder / "config.json")) if source else (None, None)
 
 
 def _try_load_model():
