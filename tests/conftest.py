@@ -4,6 +4,7 @@ character-level tokenizer, so loading goes through ``from_pretrained`` like a re
 
 from __future__ import annotations
 
+import os
 import string
 from pathlib import Path
 
@@ -114,11 +115,15 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+THREADS_ENV = "PACE_TEST_THREADS"
+
+
 @pytest.fixture(scope="session", autouse=True)
-def single_thread():
-    """Run the tests on one torch thread: on the small, shared CPU machine two intra-op threads
-    oversubscribe the cores and tiny kernels get 10-20x slower. The previous setting is restored."""
+def torch_threads():
+    """Run the tests on one torch thread (``$PACE_TEST_THREADS`` sets another count: the numerics guard
+    of ``make test`` runs on two): on the small, shared CPU machine two intra-op threads oversubscribe
+    the cores and tiny kernels get 10-20x slower. The previous setting is restored."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
     yield
     torch.set_num_threads(previous)

@@ -9,6 +9,8 @@ from pace_core.model.capture import run_with_states
 from pace_core.model.loading import load_model
 from pace_core.quant import fake_quantize
 
+pytestmark = pytest.mark.numerics
+
 
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoints):

@@ -9,6 +9,8 @@ from pace_core.errors import PaceError
 from pace_core.model.loading import load_model
 from pace_core.model.patch import gdn_modules
 
+pytestmark = pytest.mark.numerics
+
 
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoints):

@@ -7,6 +7,8 @@ from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import load_model
 
+pytestmark = pytest.mark.numerics
+
 
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoints):

@@ -11,6 +11,8 @@ from pace_core.model.loading import load_model
 from pace_core.recurrence import gdn_recurrent, prepare_qk
 from pace_core.state_store import LayerState
 
+pytestmark = pytest.mark.numerics
+
 
 def _inputs(L=2, T=48, H=1, HV=2, K=32, V=32, decay=0.01):
     q, k = prepare_qk(torch.randn(L, T, H, K), torch.randn(L, T, H, K))

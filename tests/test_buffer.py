@@ -7,6 +7,8 @@ from pace_core.buffer import PRECISIONS, DecodeBuffer, record_bytes
 from pace_core.errors import PaceError
 from pace_core.recurrence import gdn_decode_periodic, gdn_recurrent, prepare_qk
 
+pytestmark = pytest.mark.numerics
+
 
 def filled(precision, B=2, H=2, HV=6, K=16, V=8, n=3, capacity=4, seed=0):
     gen = torch.Generator().manual_seed(seed)

@@ -8,6 +8,8 @@ from pace_core.errors import PaceError
 from pace_core.heads import allocate_high_heads, head_decay, retained_error, rounding_error
 from pace_core.quant import QuantSpec, fake_quantize
 
+pytestmark = pytest.mark.numerics
+
 
 def test_head_decay_is_the_mean_of_exp_g():
     g = -torch.rand(5, 7, 3, dtype=torch.float32) * 3

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from kernels import bench_e2e
+from numerics import assert_same_greedy, fp32_bound
 from pace_core.config import get_config
 from pace_core.model.patch import get_state_store, pace
 from pace_core.shapes import BUILTIN_SHAPES, shape_from_hf_config
@@ -53,15 +54,25 @@ def test_profile_writes_tables_and_host_counts(tmp_path):
     assert tables.count("Self CPU time total") == len(rows)
 
 
+TINY_TOL = fp32_bound(4 * (128 + 22 * 64 + 4 * 32 + 128 + 256) + 128)
+"""The harness's tiny model over 10 + 12 tokens, two code paths of one function: per layer the 128-wide
+projections, the GDN state over 22 tokens of 64-wide keys, 4 value heads of 32, the MLP (128 + 256); 4
+layers, then the 128-wide LM head (tests/numerics.py)."""
+UNROUNDED = {"bf16": get_config("fp32"),
+             "pace-4": get_config("fp32").replace(name="fp32-buffered", decode_period=8, buffer="fp32")}
+"""The variants' structure with the rounding off (per token; a dP = 8 buffer with its flush): a state
+rounding after two paths of float32 arithmetic could flip a code, which float32 bounds cannot cover."""
+
+
 @pytest.mark.parametrize("config_name", list(bench_e2e.VARIANTS.values()))
 def test_static_cache_step_matches_transformers_decode(config_name):
     """The harness's step (static cache, its decode attention, next token fed back in place: what the
-    CUDA graphs capture) decodes what transformers' own loop decodes (dynamic cache, SDPA), under
-    each variant's PACE state."""
+    CUDA graphs capture) decodes what transformers' own loop decodes (dynamic cache, SDPA), with each
+    variant's state structure: the same greedy tokens and logits to float32 rounding."""
     model = bench_e2e.build_model(True, torch.device("cpu"), torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (3, 10))
-    steps = 12  # one flush of PACE-4 (dP = 8) and records after it
-    with torch.no_grad(), pace(model, get_config(config_name)):
+    steps = 12  # one flush of dP = 8 and records after it
+    with torch.no_grad(), pace(model, UNROUNDED[config_name]):
         decoder = bench_e2e._Decoder(model, ids, bench_e2e.cache_length(10, steps))
         static = torch.stack([decoder.step()[:, -1] for _ in range(steps)])
         model.set_attn_implementation("sdpa")
@@ -74,11 +85,7 @@ def test_static_cache_step_matches_transformers_decode(config_name):
             dynamic.append(logits[:, -1])
     dynamic = torch.stack(dynamic)
     assert static.shape == (steps, 3, model.config.vocab_size)
-    assert torch.equal(static.argmax(-1), dynamic.argmax(-1))
-    # float32 rounding differs (the attention runs over the padded static length): about 1.5e-7 on this
-    # seeded model; the bound leaves room, short of the 1e-3 of one flipped code of a stored value
-    error = float((static - dynamic).norm() / dynamic.norm())
-    assert error < 1e-5
+    assert_same_greedy(static.argmax(-1).T, dynamic.argmax(-1).T, static, dynamic, TINY_TOL)
 
 
 def test_cache_length_is_aligned_and_the_same_for_every_variant():

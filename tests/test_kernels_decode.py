@@ -15,6 +15,8 @@ from pace_core.errors import PaceError
 from pace_core.recurrence import fold, gdn_recurrent, prepare_qk
 from kernels_support import DEVICE, SIZES, kernel_modules
 
+pytestmark = pytest.mark.numerics
+
 KERNELS = kernel_modules()
 ds = KERNELS["decode_step"]
 dispatch = KERNELS["dispatch"]

@@ -10,6 +10,8 @@ from pace_core import quant
 from pace_core.errors import PaceError
 from kernels_support import SIZES, kernel_modules
 
+pytestmark = pytest.mark.numerics
+
 KERNELS = kernel_modules()
 qp = KERNELS["quant_pack"]
 dispatch = KERNELS["dispatch"]

@@ -13,6 +13,8 @@ from pace_core.model.loading import load_model
 from pace_core.model.patch import apply_pace, current_config, remove_pace
 from pace_core.quant import QuantSpec, fake_quantize
 
+pytestmark = pytest.mark.numerics
+
 PACE4 = get_config("pace-4")
 PACE4_SPEC = QuantSpec(bits=4, symmetric=True, axis="key", group_size=64)
 

@@ -14,6 +14,8 @@ from pace_core.outliers import DampQuantizer, dsq_dequantize, dsq_quantize, hada
 from pace_core.quant import QuantSpec, fake_quantize, unpack_codes
 from test_quant import F16_MAX, F16_TINY, ref_quantize
 
+pytestmark = pytest.mark.numerics
+
 
 def ref_dsq(x: np.ndarray, bits: int):
     """numpy DSQ reference: (signed codes, row scales fp16, column scales fp16, dequant float64)."""

@@ -23,6 +23,8 @@ from pace_core.quant import (
     unpack_codes,
 )
 
+pytestmark = pytest.mark.numerics
+
 F16_TINY = 2.0**-14
 F16_MAX = 65504.0
 PROPERTY = settings(max_examples=60, deadline=None)

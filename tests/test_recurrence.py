@@ -24,6 +24,8 @@ from pace_core.recurrence import (
     prepare_qk,
 )
 
+pytestmark = pytest.mark.numerics
+
 
 def make_inputs(B, T, H, gamma, K, V, dtype=torch.float64, seed=0, alpha_range=(0.5, 1.0), initial=True):
     """Raw GDN inputs shaped as in Qwen3.5: q, k prepared; g = log α with α in alpha_range."""

@@ -1,0 +1,80 @@
+"""Comparisons that hold on any CPU: float32 bounds derived from the arithmetic, and greedy outputs
+compared only where a float32 difference cannot explain a change.
+
+Bit-equality (``torch.equal``) is asserted only where both sides run the same code on the same inputs:
+the same functions in the same order, the same shapes, in one process. Two paths that compute the same
+function in another way (another summation order, a batched instead of a single GEMM, a chunked instead
+of a token-by-token recurrence, MKL's kernels, which it picks by CPU model, vector width and data
+alignment, e.g. of weights memory-mapped from a safetensors file) agree only to float32 rounding, so
+they are compared with :func:`fp32_bound`:
+
+- ``U = 2^-24`` is float32's unit roundoff. A sum or dot product of ``n`` terms, in any order, is off by
+  at most ``γ_n ≈ n U`` times the sum of the terms' magnitudes (Higham, *Accuracy and Stability of
+  Numerical Algorithms*, 2nd ed., §3.1), and a chain of such operations adds their ``n``.
+- ``fp32_bound(n) = n U`` is that first-order bound for ``n`` float32 operations along the longest
+  dependent chain of the computation. Each test states its ``n``. A wiring mistake (a wrong head, a lost
+  token, a missed rounding) is off by orders of magnitude more.
+
+Where a rounding to few bits follows two such paths (a quantiser, a greedy argmax), a float32 difference
+can move a value across a rounding boundary; those results are compared by the same code on both sides,
+or with :func:`assert_same_greedy`, which lets two greedy continuations part only where the measured
+logit difference can swap the reference's top two tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+U = 2.0**-24
+"""float32 unit roundoff."""
+
+
+def fp32_bound(ops: int) -> float:
+    """First-order relative error bound ``ops · U`` of ``ops`` dependent float32 operations."""
+    return ops * U
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``‖a − b‖_F / ‖b‖_F`` in float64 (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    den = float(b.norm())
+    num = float((a - b).norm())
+    return num / den if den else num
+
+
+def assert_same_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, logits: torch.Tensor,
+                       ref_logits: torch.Tensor, tol: float) -> int:
+    """Two greedy continuations of the same prompts by two code paths: ``tokens, ref_tokens [B, N]`` and
+    the logits each path chose them from, ``logits, ref_logits [N, B, vocab]`` (step-major, as
+    ``generate(output_logits=True)`` gives them).
+
+    Row by row and step by step, until the rows' tokens first differ: the logits agree to ``tol``
+    (relative, per step and row), and a differing token is allowed only where the reference's top-1
+    margin is at most twice the largest measured logit difference (a near tie that float32 rounding can
+    swap). After that step the continuations have different prefixes and are not compared. Returns the
+    number of rows that parted."""
+    parted = 0
+    for b in range(tokens.shape[0]):
+        for t in range(tokens.shape[1]):
+            step, ref_step = logits[t][b].double(), ref_logits[t][b].double()
+            assert rel(step, ref_step) <= tol, f"row {b}, step {t}: logits differ by {rel(step, ref_step):.3g} > {tol:.3g}"
+            if tokens[b, t] != ref_tokens[b, t]:
+                top2 = ref_step.topk(2).values
+                margin = float(top2[0] - top2[1])
+                delta = float((step - ref_step).abs().max())
+                assert margin <= 2 * delta, (f"row {b}, step {t}: token {int(tokens[b, t])} != {int(ref_tokens[b, t])} "
+                                             f"although the reference's top-1 margin {margin:.3g} exceeds twice the "
+                                             f"logit difference {delta:.3g}")
+                parted += 1
+                break
+    return parted
+
+
+def assert_same_parameters(model: torch.nn.Module, reference: torch.nn.Module, rename=lambda name: name) -> None:
+    """Every parameter and buffer of ``model`` equals, bit for bit, the one of ``reference`` named
+    ``rename(name)`` (no arithmetic involved: a load keeps the saved values exactly)."""
+    ref = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, tensor in mine.items():
+        other = ref[rename(name)]
+        assert tensor.shape == other.shape and torch.equal(tensor, other), f"{name} differs from {rename(name)}"
