@@ -1,4 +1,13 @@
-"""Triton kernels for packed PACE recurrent states (issue 5): quantise/pack (quant_pack), the fused
-buffered decode step and the per-token baseline (decode_step), segmented prefill (prefill), device
-dispatch to the kernels or the pace_core reference (dispatch), the GPU test runner (gpu_check) and
-the benchmark (bench). Measurements and analysis: kernels/NOTES.md, results in data/bench/."""
+"""Triton kernels for packed PACE recurrent states, one file per algorithm (as flash-linear-attention's
+``fla/ops``), each beside its pure-PyTorch reference in pace_core:
+
+- ``quantize``: quantise + pack and unpack + dequantise (pace_core.quant's format, per-head bit widths);
+- ``packed_step`` and ``flush``: the buffered decode step of packed key-axis checkpoints and its flush;
+- ``fused_step``: the buffered decode step of dense and value-axis checkpoints, flush included;
+- ``recurrent_step``: the per-token step on a dense state;
+- ``chunk``: a prefill segment (fla's chunk kernel where installed);
+- ``primitives`` and ``records``: the shared device functions; ``plan``: launch planning;
+- ``backend``: these kernels as a pace_core backend (pace_core.backend).
+
+GPU correctness checks and benchmarks are in ``kernels/bench/`` (not part of the runtime package);
+measurements in kernels/bench/NOTES.md, results in data/bench/."""

@@ -60,15 +60,13 @@ from fractions import Fraction
 
 import torch
 
-from pace_core.buffer import record_bytes
+from pace_core.buffer import entry_bits, record_bytes
 from pace_core.config import PaceConfig, num_high_heads
 from pace_core.errors import PaceError
 from pace_core.outliers import DampQuantizer
 from pace_core.quant import QuantSpec, packed_last_dim, packed_nbytes
 from pace_core.shapes import ModelShape
 
-BUFFER_BITS: dict[str, tuple[int, int]] = {"fp32": (32, 32), "bf16": (16, 16), "int8": (8, 8), "mixed": (4, 16)}
-"""Buffer precision -> (b_k, b_v): bits per buffered key / value entry in spec §5's c."""
 LOG_DECAY_BITS = 32
 SCALE_BITS = 16
 OUTLIER_ROW_BITS = 16
@@ -118,7 +116,7 @@ def high_head_counts(cfg: PaceConfig, shape: ModelShape) -> tuple[int, ...]:
 
 def buffer_c(cfg: PaceConfig, shape: ModelShape) -> Fraction:
     """``c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v)`` for the config's buffer precision (exact)."""
-    b_k, b_v = BUFFER_BITS[cfg.buffer]
+    b_k, b_v = entry_bits(cfg.buffer)
     return (Fraction(b_k * shape.d_k, shape.gamma) + b_v * shape.d_v + LOG_DECAY_BITS) / (shape.d_k * shape.d_v)
 
 

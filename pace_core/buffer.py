@@ -48,6 +48,12 @@ def _bits(kind: torch.dtype | int) -> int:
     return kind if isinstance(kind, int) else torch.finfo(kind).bits
 
 
+def entry_bits(precision: str) -> tuple[int, int]:
+    """``(b_k, b_v)``: bits per buffered key / value entry of ``precision`` (spec §5's ``c``)."""
+    key_kind, value_kind = BUFFER_LAYOUT[precision]
+    return _bits(key_kind), _bits(value_kind)
+
+
 def record_bytes(precision: str, num_k_heads: int, num_v_heads: int, d_k: int, d_v: int) -> int:
     """Bytes of one buffered record of one sequence: keys + values + log decays + fp16 scales."""
     if precision not in BUFFER_LAYOUT:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pace_core.config import num_high_heads
+from pace_core.config import PaceConfig, num_high_heads
 from pace_core.errors import PaceError
 from pace_core.quant import QuantSpec, check_finite, fake_quantize
 
@@ -55,14 +55,18 @@ def rounding_error(states: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return err.square().sum(dim=(-2, -1)).mean(0)
 
 
-def retained_error(e: torch.Tensor, a: torch.Tensor, dP: int) -> torch.Tensor:
-    """``E_h = e_h / (1 − a_h^{2 dP})``: the error a head keeps with one rounding every dP tokens.
+MAX_DECAY = 1.0 - 2.0**-20
+"""Decays are taken as at most this in :func:`retained_error`: a head (or row) whose calibration decays
+are all 1 to float64 precision keeps its error for about 2^19 roundings instead of forever, so that such
+heads still rank by their error energy."""
 
-    e, a: same shape (e >= 0 finite, a in [0, 1]); dP >= 1. A head with a = 1 and e > 0 keeps its
-    error forever: E = inf; e = 0 gives E = 0. Returns float64.
-    """
-    if not isinstance(dP, int) or isinstance(dP, bool) or dP < 1:
-        raise PaceError(f"dP={dP!r} is not allowed; allowed: an integer >= 1")
+
+def retained_error(e: torch.Tensor, a: torch.Tensor, dP: int) -> torch.Tensor:
+    """``E = e / (1 − a^{2 dP})``: the error energy kept with one rounding every dP tokens (dP = 1:
+    per-token rounding, ``Σ_t a^{2t} e``). The one formula for heads (PACE-4/8) and DAMP's rows.
+
+    e, a: same shape (e >= 0 finite, a in [0, 1], taken as at most :data:`MAX_DECAY`); dP >= 1 (the
+    configuration's). Returns float64; e = 0 gives E = 0."""
     e = torch.as_tensor(e, dtype=torch.float64)
     a = torch.as_tensor(a, dtype=torch.float64, device=e.device)
     if e.shape != a.shape:
@@ -73,8 +77,15 @@ def retained_error(e: torch.Tensor, a: torch.Tensor, dP: int) -> torch.Tensor:
         raise PaceError("e holds negative error energies; allowed: e >= 0")
     if ((a < 0) | (a > 1)).any():
         raise PaceError("a holds decays outside [0, 1]; allowed: 0 <= a <= 1")
-    kept = 1.0 - a.pow(2 * dP)
-    return torch.where(e == 0, torch.zeros_like(e), e / kept)
+    return e / (1.0 - a.clamp(max=MAX_DECAY).pow(2 * dP))
+
+
+def high_heads_for(a: torch.Tensor, e: torch.Tensor, cfg: PaceConfig) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
+    """The allocation of PACE-4/8 (spec §4) from a calibration: ``E [L, HV]`` (:func:`retained_error` at the
+    config's dP) and the heads per layer that keep ``cfg.high_bits`` (:func:`allocate_high_heads` at its
+    share). ``a, e [L, HV]``."""
+    E = retained_error(e, a, cfg.decode_period)
+    return E, allocate_high_heads(E, cfg.high_share)
 
 
 def allocate_high_heads(E: torch.Tensor, share: float) -> tuple[tuple[int, ...], ...]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pace_core.errors import PaceError
+from pace_core.heads import retained_error
 from pace_core.quant import (
     PackedTensor,
     QuantSpec,
@@ -43,9 +44,6 @@ from pace_core.quant import (
     unpack_codes,
     work_dtype,
 )
-
-PERSISTENCE_MAX_DECAY = 1.0 - 2.0**-20  # decays are clamped here so that 1 / (1 - a^2) stays finite
-
 
 @dataclass
 class DSQTensor:
@@ -208,11 +206,11 @@ def rank_outlier_rows(states: torch.Tensor, decays: torch.Tensor, r: int, *, bit
                       hadamard: bool = True, group_size: int = 32) -> torch.LongTensor:
     """Outlier rows [HV, r] per head, highest score first, from calibration `states [N, HV, K, V]`.
 
-    score[h, k] = e[h, k] / (1 - a^2) **[ours]**: `e` is the mean over the N states of the squared
+    score[h, k] = e[h, k] / (1 - a^2) **[ours]**, the retained error of per-token rounding
+    (:func:`pace_core.heads.retained_error` at dP = 1): `e` is the mean over the N states of the squared
     error of row k under the DAMP rest-quantiser (`bits`, `group_size`, `hadamard`); `decays` is
-    either the per-head mean decay a_h [HV] or a per-row decay [HV, K], values in [0, 1] (clamped to
-    1 - 2^-20); `1 / (1 - a^2) = Σ_t a^(2t)` is the error energy a per-token rounding keeps. A
-    per-head decay scales a whole head and so leaves its order to `e`. Ties go to the lower row.
+    either the per-head mean decay a_h [HV] or a per-row decay [HV, K], values in [0, 1]. A per-head
+    decay scales a whole head and so leaves its order to `e`. Ties go to the lower row.
     """
     _check_state(states, "states", 4)
     n, hv, k, v = states.shape
@@ -227,6 +225,6 @@ def rank_outlier_rows(states: torch.Tensor, decays: torch.Tensor, r: int, *, bit
     plain = DampQuantizer(torch.empty(hv, 0, dtype=torch.long), bits, hadamard, group_size)
     x = states.to(torch.float64)
     err = (plain.dequantize(plain.quantize(x, name="states"), torch.float64) - x).square().sum(-1).mean(0)
-    a = decays.to(device=states.device, dtype=torch.float64).clamp(max=PERSISTENCE_MAX_DECAY)
-    score = err / (1 - a.square()).reshape(hv, -1)
+    a = decays.to(device=states.device, dtype=torch.float64).reshape(hv, -1).expand(hv, k)
+    score = retained_error(err, a, 1)
     return torch.sort(score, dim=1, descending=True, stable=True).indices[:, :r]

@@ -1,5 +1,5 @@
-"""Gated DeltaNet (GDN) reference math: plain recurrence, chunked form, segmented prefill and the
-buffered decode of PACE (spec §1 and §3).
+"""Gated DeltaNet (GDN) reference math: plain recurrence, chunked form, and the buffered decode token and
+fold of PACE (spec §1 and §3). When to round and flush is :mod:`pace_core.schedule`'s.
 
 Conventions (as transformers' Qwen3.5 / Qwen3-Next):
 
@@ -15,8 +15,6 @@ stay float64; bfloat16 / float16 inputs are computed in float32), and return tha
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -181,52 +179,6 @@ def gdn_chunked(
     return o, S.reshape(B, HV, K, V)
 
 
-def gdn_prefill_segmented(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    period: int,
-    round_fn: Callable[[torch.Tensor], torch.Tensor],
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill in ``period``-token segments (spec §3, P): each segment runs :func:`gdn_chunked` from
-    the (already dequantised) state; ``round_fn(S [B, HV, K, V]) -> S`` (quantise + dequantise) is
-    applied to each segment's final state, including a last, shorter segment. ``initial_state`` is
-    used as given (not rounded). Shapes as :func:`gdn_recurrent`; returns ``(o, rounded final S)``.
-    """
-    if not isinstance(period, int) or period < 1:
-        raise PaceError(f"period: {period!r} not allowed; allowed: an integer >= 1")
-    B, T, H, gamma, HV, K, V = _check_sequence(q, k, v, g, beta, initial_state)
-    dtype = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
-    S = _initial(initial_state, B, H, gamma, K, V, dtype, q.device).reshape(B, HV, K, V)
-    outputs = []
-    for start in range(0, T, period):
-        part = slice(start, start + period)
-        o, S = gdn_chunked(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], S, chunk_size)
-        outputs.append(o)
-        S = round_fn(S).to(dtype)
-    o = torch.cat(outputs, dim=1) if outputs else torch.zeros(B, 0, HV, V, dtype=dtype, device=q.device)
-    return o, S
-
-
-def _check_step(S_hat, buf, q_t, k_t, v_t, g_t, beta_t) -> None:
-    B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
-    expected = {
-        "S_hat": (S_hat, (B, HV, K, V)),
-        "q_t": (q_t, (B, H, K)),
-        "k_t": (k_t, (B, H, K)),
-        "v_t": (v_t, (B, HV, V)),
-        "g_t": (g_t, (B, HV)),
-        "beta_t": (beta_t, (B, HV)),
-    }
-    for name, (t, shape) in expected.items():
-        if tuple(t.shape) != shape:
-            raise PaceError(f"{name}: shape {tuple(t.shape)} not allowed; allowed: {shape} (from the buffer)")
-
-
 def _suffix_log_decays(gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gs [B, n, HV]`` -> (``G_n [B, HV]`` total, ``G_n - G_i [B, n, HV]``), summed directly as
     suffix sums (no difference of two cumulative sums)."""
@@ -270,9 +222,9 @@ def buffered_step(
     ``g_t, beta_t [B, HV]``. Computes ``S_{t-1}ᵀ k_t`` from the checkpoint and the buffer,
     ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)``, appends ``(k_t, u_t, g_t)`` to ``buf`` (stored in its
     precision) and returns ``o_t = S_tᵀ q_t [B, HV, V]`` computed from the buffer's stored values, so
-    that the output and a later :func:`fold` use the same record.
+    that the output and a later :func:`fold` use the same record. Shapes are the caller's to get right
+    (checked once per call at :class:`pace_core.state_store.LayerState`).
     """
-    _check_step(S_hat, buf, q_t, k_t, v_t, g_t, beta_t)
     dtype = torch.promote_types(_compute_dtype(S_hat, q_t, k_t, v_t, g_t, beta_t), buf.dtype)
     q_t, k_t, v_t, g_t, beta_t = (x.to(dtype) for x in (q_t, k_t, v_t, g_t, beta_t))
     previous = _buffer_read(S_hat, buf, k_t, dtype)  # S_{t-1}ᵀ k_t
@@ -300,38 +252,3 @@ def fold(S_hat: torch.Tensor, buf: DecodeBuffer) -> torch.Tensor:
     weights = after.exp().reshape(B, n, H, gamma)
     writes = torch.einsum("bnhg,bnhk,bnhgv->bhgkv", weights, buf.keys().to(dtype), us).reshape(B, HV, K, V)
     return total.exp()[..., None, None] * S + writes
-
-
-def gdn_decode_periodic(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    period: int,
-    round_fn: Callable[[torch.Tensor], torch.Tensor],
-    precision: str = "fp32",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode T tokens one at a time with :func:`buffered_step`, flushing every ``period`` (dP)
-    tokens: ``Ŝ <- round_fn(fold(Ŝ, buffer))``, then the buffer is cleared (spec §3).
-
-    ``initial_state [B, HV, K, V]`` is the checkpoint as given (not rounded; None = zeros); the
-    buffer holds up to ``period`` records in ``precision`` (see :mod:`pace_core.buffer`). Shapes as
-    :func:`gdn_recurrent`; returns ``o [B, T, HV, V]`` and the effective state ``fold(Ŝ, buffer)``
-    after the last token.
-    """
-    if not isinstance(period, int) or period < 1:
-        raise PaceError(f"period: {period!r} not allowed; allowed: an integer >= 1")
-    B, T, H, gamma, HV, K, V = _check_sequence(q, k, v, g, beta, initial_state)
-    dtype = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
-    buf = DecodeBuffer(B, H, HV, K, V, period, precision, q.device)
-    S_hat = _initial(initial_state, B, H, gamma, K, V, dtype, q.device).reshape(B, HV, K, V)
-    outputs = []
-    for t in range(T):
-        outputs.append(buffered_step(S_hat, buf, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]))
-        if len(buf) == period:
-            S_hat = round_fn(fold(S_hat, buf)).to(dtype)
-            buf.clear()
-    o = torch.stack(outputs, 1) if outputs else torch.zeros(B, 0, HV, V, dtype=dtype, device=q.device)
-    return o, fold(S_hat, buf)

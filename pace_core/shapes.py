@@ -139,15 +139,26 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
                            "tie_word_embeddings": False, "dtype": "bfloat16"},
 }
 
-BUILTIN_SHAPES: dict[str, ModelShape] = {
-    "qwen3.5-4b": ModelShape("qwen3.5-4b", 32, 24, 16, 32, 128, 128, 4_205_751_296, 2, _interval_layers(32)),
-    "qwen3.5-9b": ModelShape("qwen3.5-9b", 32, 24, 16, 32, 128, 128, 8_953_803_264, 2, _interval_layers(32)),
-    "qwen3.5-27b": ModelShape("qwen3.5-27b", 64, 48, 16, 48, 128, 128, 26_895_998_464, 2, _interval_layers(64)),
-    "qwen3.6-35b-a3b": ModelShape("qwen3.6-35b-a3b", 40, 30, 16, 32, 128, 128, 34_660_610_688, 2,
-                                  _interval_layers(40)),
-    "qwen3-next-80b-a3b": ModelShape("qwen3-next-80b-a3b", 48, 36, 16, 32, 128, 128, 79_674_391_296, 2,
-                                     _interval_layers(48)),
+PUBLISHED_WEIGHT_PARAMS: dict[str, int] = {
+    "qwen3.5-4b": 4_205_751_296,
+    "qwen3.5-9b": 8_953_803_264,
+    "qwen3.5-27b": 26_895_998_464,
+    "qwen3.6-35b-a3b": 34_660_610_688,
+    "qwen3-next-80b-a3b": 79_674_391_296,
 }
+"""count_weight_params of each PUBLISHED_CONFIGS entry (kept here: counting builds the model on the meta
+device, seconds each; tests/test_shapes.py recomputes every count)."""
+
+
+def _published_shape(name: str, config: dict[str, Any]) -> ModelShape:
+    layers = config["num_hidden_layers"]
+    gdn = _interval_layers(layers, config["full_attention_interval"])
+    return ModelShape(name, layers, len(gdn), config["linear_num_key_heads"], config["linear_num_value_heads"],
+                      config["linear_key_head_dim"], config["linear_value_head_dim"], PUBLISHED_WEIGHT_PARAMS[name],
+                      WEIGHT_BYTES[config["dtype"]], gdn)
+
+
+BUILTIN_SHAPES: dict[str, ModelShape] = {name: _published_shape(name, c) for name, c in PUBLISHED_CONFIGS.items()}
 """Shapes of the Qwen hybrids (from PUBLISHED_CONFIGS; no download)."""
 
 PAPER_BACKBONES: tuple[str, ...] = ("qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.6-35b-a3b")

@@ -4,7 +4,7 @@ import json
 
 import streamlit as st
 
-import app_state
+from app_state import frame, stored
 from pace_core import figures
 from pace_core.config import PaceConfig
 
@@ -15,10 +15,10 @@ def page(cfg: PaceConfig) -> None:
     st.caption("GDN decode-step time and end-to-end time per output token measured on a GPU host by the "
                "project's benchmark script; this page only reads its JSON results and plots from data/bench/.")
 
-    files = sorted(app_state.BENCH_DIR.glob("*.json"))
+    files = sorted(stored.BENCH_DIR.glob("*.json"))
     if not files:
-        st.info(f"No benchmark results yet in {app_state.BENCH_DIR}. On a CUDA host run "
-                f"`{app_state.BENCH_COMMAND}`; it writes JSON and PNG files there, and this page shows them.",
+        st.info(f"No benchmark results yet in {stored.BENCH_DIR}. On a CUDA host run "
+                f"`{stored.BENCH_COMMAND}`; it writes JSON and PNG files there, and this page shows them.",
                 icon=":material/speed:")
         st.stop()
 
@@ -53,4 +53,4 @@ def page(cfg: PaceConfig) -> None:
             st.image(str(png), caption=png.name)
 
 
-app_state.run_page(page)
+frame.run_page(page)

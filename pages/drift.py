@@ -3,7 +3,7 @@
 import pandas as pd
 import streamlit as st
 
-import app_state
+from app_state import compute, controls, frame, session, stored
 from pace_core import figures
 from pace_core.config import PaceConfig
 
@@ -20,8 +20,8 @@ def page(cfg: PaceConfig) -> None:
                "fp32 reference, pooled over all GDN layers; excess NLL is the quantised run's NLL of the next "
                "token minus the reference's (spec §7).")
 
-    loaded = app_state.loaded_model()  # load the model (or show why it cannot) before any control
-    result = app_state.choose_stored(
+    loaded = session.loaded_model()  # load the model (or show why it cannot) before any control
+    result = stored.choose_stored(
         "drift", "drift", loaded.fingerprint,
         lambda r: f"stored: {', '.join(r.table['config'].unique())} · {r.provenance.get('date', '?')}",
         "drift_source", live="live: the sidebar configuration at several dP and bit widths")
@@ -48,12 +48,12 @@ def page(cfg: PaceConfig) -> None:
 
     configs = {f"{b}-bit, dP {p}": cfg.replace(name=f"{b}-bit dP{p}", bits=b, decode_period=p)
                for b in bit_list for p in periods}
-    result = app_state.drift(app_state.model_source(), st.session_state["device"],
-                             tuple((label, app_state.config_key(c)) for label, c in configs.items()),
+    result = compute.drift(controls.model_source(), st.session_state["device"],
+                             tuple((label, controls.config_key(c)) for label, c in configs.items()),
                              prefill, steps)
     st.caption(f"Source: {result['provenance_label']}")
     st.plotly_chart(figures.drift_figure(result["table"]), key="drift_chart")
     st.dataframe(result["summary"].style.format(SUMMARY_FORMAT), hide_index=True, key="drift_summary")
 
 
-app_state.run_page(page)
+frame.run_page(page)

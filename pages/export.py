@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-import app_state
+from app_state import compute, controls, frame, session
 from pace_core import figures
 from pace_core.config import PaceConfig, config_from_json
 from pace_core.errors import PaceError
@@ -17,20 +17,20 @@ def page(cfg: PaceConfig) -> None:
                "precision and the per-layer 8-bit heads.")
 
     if cfg.high_share > 0 and cfg.high_heads is None:
-        if app_state.loaded_model(stop=False) is None:
+        if session.loaded_model(stop=False) is None:
             st.warning(f"Share of 8-bit heads is {cfg.high_share:.1%} but no model is loaded to choose them: "
                        "the export carries the share only.", icon=":material/leaderboard:")
         else:
             try:
-                cfg, _ = app_state.runnable(app_state.model_source(), st.session_state["device"], cfg)
+                cfg, _ = compute.runnable(controls.model_source(), st.session_state["device"], cfg)
             except PaceError as err:
                 st.warning(f"The 8-bit heads cannot be chosen here: {err}. The export carries the share only.",
                            icon=":material/leaderboard:")
             else:
                 st.info("The per-layer 8-bit heads below were calibrated on the loaded model for these settings "
                         "(see Head ranking).", icon=":material/leaderboard:")
-    text = figures.export_json(cfg, app_state.model_label(),
-                               make_provenance(app_state.model_label(), configs=[cfg], command="PACE Studio export"))
+    text = figures.export_json(cfg, session.model_label(),
+                               make_provenance(session.model_label(), configs=[cfg], command="PACE Studio export"))
     left, right = st.columns([3, 2])
     with left:
         st.subheader("Preview")
@@ -55,12 +55,12 @@ def page(cfg: PaceConfig) -> None:
                            f"{imported.group_axis}-axis groups of {imported.group_size}, dP {imported.decode_period}, "
                            f"P {imported.prefill_period}, buffer {imported.buffer}, prompt after decoded tokens: "
                            f"{imported.prefill_after_decode}.", icon=":material/check_circle:")
-                outside = app_state.outside_controls(imported)
+                outside = controls.outside_controls(imported)
                 if imported.high_heads is not None and outside:
                     st.warning("Its 8-bit heads were chosen for settings the sidebar does not offer; loading "
                                "drops them and they are chosen again on the loaded model.", icon=":material/warning:")
                     imported = imported.replace(high_heads=None)
-                elif imported.high_heads is not None and (loaded := app_state.loaded_model(stop=False)) is not None:
+                elif imported.high_heads is not None and (loaded := session.loaded_model(stop=False)) is not None:
                     try:
                         imported.validate_heads_for(loaded.shape)
                     except PaceError as err:
@@ -70,8 +70,8 @@ def page(cfg: PaceConfig) -> None:
                 if outside:
                     st.warning("Outside the sidebar's ranges (loading moves them to the nearest offered value): "
                                + "; ".join(outside), icon=":material/warning:")
-                st.button("Load into the sidebar", key="export_load", on_click=app_state.load_config,
+                st.button("Load into the sidebar", key="export_load", on_click=controls.load_config,
                           args=(imported,))
 
 
-app_state.run_page(page)
+frame.run_page(page)

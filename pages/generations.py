@@ -4,7 +4,7 @@ stored by `python -m pace_core generate`."""
 import pandas as pd
 import streamlit as st
 
-import app_state
+from app_state import compute, controls, frame, session, stored
 from pace_core import figures
 from pace_core.config import NAMED_CONFIGS, PaceConfig
 
@@ -18,8 +18,8 @@ def page(cfg: PaceConfig) -> None:
                "the reference would also pick as its top-1. The first token that differs from the fp32 "
                "continuation is marked red, what follows it yellow.")
 
-    loaded = app_state.loaded_model()  # load the model (or show why it cannot) before any control
-    result = app_state.choose_stored(
+    loaded = session.loaded_model()  # load the model (or show why it cannot) before any control
+    result = stored.choose_stored(
         "generation", "generate", loaded.fingerprint,
         lambda r: f"stored: “{_excerpt(r.data.get('prompt', ''))}” · {', '.join(r.table['config'].unique())} · "
                   f"{r.provenance.get('date', '?')}",
@@ -29,7 +29,7 @@ def page(cfg: PaceConfig) -> None:
         _show(result.table)
         return
 
-    prompt = st.text_area("Prompt", app_state.default_prompt(), key="gen_prompt", height=90)
+    prompt = st.text_area("Prompt", compute.default_prompt(), key="gen_prompt", height=90)
     c1, c2, c3 = st.columns([2, 1, 1])
     others = c1.multiselect("Compare with (up to 3)", [n for n in NAMED_CONFIGS if n != "fp32"],
                             default=["rtn-int4"], max_selections=3, key="gen_others",
@@ -42,8 +42,8 @@ def page(cfg: PaceConfig) -> None:
 
     configs = {f"sidebar: {cfg.name}": cfg}
     configs.update({n: NAMED_CONFIGS[n] for n in others})
-    _show(app_state.generations(app_state.model_source(), st.session_state["device"],
-                                tuple((label, app_state.config_key(c)) for label, c in configs.items()),
+    _show(compute.generations(controls.model_source(), st.session_state["device"],
+                                tuple((label, controls.config_key(c)) for label, c in configs.items()),
                                 prompt, max_new, mode))
 
 
@@ -69,4 +69,4 @@ def _show(table: pd.DataFrame) -> None:
             st.html(figures.generation_html(list(row["pieces"]), first))
 
 
-app_state.run_page(page)
+frame.run_page(page)

@@ -2,11 +2,10 @@
 
 import pandas as pd
 import streamlit as st
-import torch
 
-import app_state
+from app_state import compute, controls, frame, session
 from pace_core import figures
-from pace_core.heads import allocate_high_heads, retained_error
+from pace_core.heads import high_heads_for
 from pace_core.config import HIGH_SHARE_METHODS, PaceConfig
 
 
@@ -19,19 +18,17 @@ def page(cfg: PaceConfig) -> None:
                "over the calibration tokens; e_h = mean ‖Q(S) − S‖²_F over calibration states with the "
                "sidebar's quantiser.")
 
-    loaded = app_state.loaded_model()
+    loaded = session.loaded_model()
     if cfg.method not in HIGH_SHARE_METHODS:
         st.info(f"Head-level precision applies to the methods {', '.join(HIGH_SHARE_METHODS)}; the sidebar's "
                 f"method is '{cfg.method}'. Start from pace-4-8 to rank heads.", icon=":material/info:")
         st.stop()
 
-    calib = app_state.calibration(app_state.model_source(), st.session_state["device"],
-                                  app_state.calibration_key(cfg))
-    a = torch.as_tensor(calib["a"], dtype=torch.float64)        # [L, HV]
-    e = torch.as_tensor(calib["e"], dtype=torch.float64)        # [L, HV]
+    calib = compute.calibration(controls.model_source(), st.session_state["device"],
+                                compute.calibration_key(cfg))
+    a, e = calib["calibration"].a, calib["calibration"].e  # [L, HV] float64
     st.caption(f"Calibration: {calib['provenance_label']}")
-    E = retained_error(e, a, cfg.decode_period)
-    high = allocate_high_heads(E, cfg.high_share)
+    E, high = high_heads_for(a, e, cfg)
     labels = [f"layer {layer}" for layer in loaded.gdn_layers]
 
     c1, c2, c3 = st.columns(3)
@@ -50,7 +47,7 @@ def page(cfg: PaceConfig) -> None:
                  hide_index=True, key="heads_table")
     if cfg.high_share > 0:
         st.button("Use this allocation in the exported configuration", key="heads_use", type="primary",
-                  on_click=app_state.set_allocation, args=(cfg, high),
+                  on_click=controls.set_allocation, args=(cfg, high),
                   help="Attaches these per-layer 8-bit heads to the sidebar configuration (Export page).")
         if cfg.high_heads is not None:
             st.success("The sidebar configuration carries this allocation." if tuple(map(tuple, cfg.high_heads)) ==
@@ -58,4 +55,4 @@ def page(cfg: PaceConfig) -> None:
                        "import or an earlier calibration.", icon=":material/check_circle:")
 
 
-app_state.run_page(page)
+frame.run_page(page)

@@ -3,7 +3,7 @@
 
 import streamlit as st
 
-import app_state
+from app_state import frame, session, stored
 from pace_core import figures
 from pace_core.config import NAMED_CONFIGS, PaceConfig
 from pace_core.shapes import BUILTIN_SHAPES
@@ -17,8 +17,8 @@ def page(cfg: PaceConfig) -> None:
                "c = (b_k·d_k/γ + b_v·d_v + 32) / (d_k·d_v) is the decode buffer's cost per value and "
                "buffered token. 'exact' is what the implementation actually stores.")
 
-    loaded = app_state.loaded_model(stop=False)
-    shapes = {} if loaded is None else {f"{app_state.model_label()} (loaded)": loaded.shape}
+    loaded = session.loaded_model(stop=False)
+    shapes = {} if loaded is None else {f"{session.model_label()} (loaded)": loaded.shape}
     shapes.update(BUILTIN_SHAPES)
 
     col_shape, col_cfgs = st.columns([1, 2])
@@ -47,7 +47,7 @@ def page(cfg: PaceConfig) -> None:
     st.plotly_chart(figures.dp_curve_figure(curve_cfgs, shape), key="memory_dp_chart")
 
     st.subheader("Measured error against resident bits")
-    result = None if loaded is None else app_state.choose_stored(
+    result = None if loaded is None else stored.choose_stored(
         "sweep", "sweep", loaded.fingerprint,
         lambda r: f"{r.provenance.get('date', '?')} · {len(r.table)} configurations · {r.key}", "memory_sweep",
         title="Stored sweep")
@@ -74,4 +74,4 @@ def page(cfg: PaceConfig) -> None:
     st.dataframe(fits.style.format({"state MiB / sequence": "{:.3f}"}), hide_index=True, key="memory_fit_table")
 
 
-app_state.run_page(page)
+frame.run_page(page)

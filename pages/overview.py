@@ -4,7 +4,7 @@ what each PACE part does."""
 import pandas as pd
 import streamlit as st
 
-import app_state
+from app_state import frame, session, stored
 from pace_core.accounting import state_bytes, state_share
 from pace_core.config import PaceConfig, get_config
 from pace_core.figures import MIB
@@ -17,10 +17,10 @@ def page(cfg: PaceConfig) -> None:
                 "storing a Gated DeltaNet state in 2–8 bits does inside a real Qwen3.5-architecture model, "
                 "pick the settings in the sidebar, and export them as JSON.")
 
-    loaded = app_state.loaded_model(stop=False)
+    loaded = session.loaded_model(stop=False)
     if loaded is not None:
         shape = loaded.shape
-        st.subheader(f"Model: {app_state.model_label()}")
+        st.subheader(f"Model: {session.model_label()}")
         gamma = shape.num_v_heads // shape.num_k_heads
         cols = st.columns(6)
         cols[0].metric("Layers", shape.num_layers)
@@ -60,7 +60,7 @@ def page(cfg: PaceConfig) -> None:
                      hide_index=True, key="overview_state_table")
 
         st.subheader("Measured quality")
-        result = app_state.choose_stored(
+        result = stored.choose_stored(
             "perplexity", "perplexity", loaded.fingerprint,
             lambda r: f"{r.provenance.get('date', '?')} · {', '.join(r.table['config'])}", "overview_quality_run",
             title="Stored perplexity run")
@@ -111,4 +111,4 @@ def page(cfg: PaceConfig) -> None:
     st.dataframe(parts, hide_index=True, key="overview_parts")
 
 
-app_state.run_page(page)
+frame.run_page(page)

@@ -3,7 +3,7 @@
 import streamlit as st
 import torch
 
-import app_state
+from app_state import compute, controls, frame, session
 from pace_core import figures
 from pace_core.analysis.structure import structure_stats
 from pace_core.quant import QuantSpec, fake_quantize
@@ -18,15 +18,15 @@ def page(cfg: PaceConfig) -> None:
                "groups and once with value-axis groups. Outlier columns (column RMS > 4× the head's median) "
                "are marked ▼.")
 
-    loaded = app_state.loaded_model()
+    loaded = session.loaded_model()
     if not cfg.quantized:
         st.info("Method 'none' stores the state unquantised; the views below use the bits, group size and "
                 "zero point of the sidebar controls to show what a quantised state would look like.",
                 icon=":material/info:")
 
-    text = st.text_area("Prompt text", app_state.default_text(), key="heat_text", height=110,
+    text = st.text_area("Prompt text", compute.default_text(), key="heat_text", height=110,
                         help="The state is the model's recurrent state after reading this text up to the position.")
-    n_tokens = app_state.token_count(loaded, text)
+    n_tokens = session.token_count(loaded, text)
     if n_tokens == 0:
         st.error("The prompt text is empty: type some text to see a state.", icon=":material/edit:")
         st.stop()
@@ -38,11 +38,11 @@ def page(cfg: PaceConfig) -> None:
         "Value head", 0, loaded.shape.num_v_heads - 1, 0, key="heat_head",
         help=f"Key head = value head // γ (γ = {gamma}).")
     position = 1 if n_tokens == 1 else c3.slider(
-        "Position (tokens read)", 1, n_tokens, min(n_tokens, app_state.HEATMAP_POSITION), key="heat_pos",
+        "Position (tokens read)", 1, n_tokens, min(n_tokens, compute.HEATMAP_POSITION), key="heat_pos",
         help="The state after this many prompt tokens.")
 
     with st.spinner("Running the fp32 reference…"):
-        states = app_state.reference_states(app_state.model_source(), st.session_state["device"], text, position)
+        states = compute.reference_states(controls.model_source(), st.session_state["device"], text, position)
     S = torch.from_numpy(states[layer])              # [HV, K, V] fp32
     stats = structure_stats(S)
     outliers = [int(j) for j in torch.nonzero(stats.outlier_cols[head]).flatten()]
@@ -69,4 +69,4 @@ def page(cfg: PaceConfig) -> None:
         st.dataframe(stats.table(layer).drop(columns=["outlier_col_index"]), hide_index=True, key="heat_stats")
 
 
-app_state.run_page(page)
+frame.run_page(page)

@@ -2,7 +2,7 @@
 
 The tests use the embedded model (data/models/pace-tiny-qwen35) when it exists. Until it does they
 build a tiny random Qwen3.5 checkpoint with `save_pretrained` (and a byte-level BPE tokenizer trained
-by pace_core.tokenizer_train) and pass its folder to the app through the URL parameter `model`;
+by scripts/train/tokenizer.py) and pass its folder to the app through the URL parameter `model`;
 PACE_APP_TEST_RANDOM_MODEL=1 forces that tiny checkpoint even when the embedded model exists.
 """
 
@@ -26,7 +26,7 @@ def tiny_checkpoint(folder: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-    from pace_core.tokenizer_train import train_tokenizer
+    from scripts.train.tokenizer import train_tokenizer
 
     tok = train_tokenizer([TEXT], vocab_size=300, min_frequency=1)
     cfg = Qwen3_5TextConfig(

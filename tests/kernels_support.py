@@ -26,10 +26,15 @@ else:
     SIZES = dict(B=2, H=2, K=16, V=16, PERIOD=4, GROUP=8, T=11, P=4, CHUNK=4, QUANT_SHAPE=(2, 3, 16, 32))
 
 
+MODULES = ("primitives", "records", "plan", "quantize", "packed_step", "flush", "fused_step", "recurrent_step", "chunk",
+           "backend")
+"""The kernels' modules, each after those it imports."""
+
+
 def kernel_modules() -> dict[str, ModuleType]:
-    """``{"quant_pack", "decode_step", "prefill", "dispatch"}``: interpreted on CPU, compiled on the GPU
-    (where new tensors then default to the GPU)."""
-    names = ("quant_pack", "decode_step", "prefill", "dispatch")
+    """The kernels' modules by name (:data:`MODULES`): interpreted on CPU, compiled on the GPU (where new
+    tensors then default to the GPU)."""
+    names = MODULES
     if ON_GPU:
         torch.set_default_device(DEVICE)
         return {name: importlib.import_module(f"kernels.{name}") for name in names}

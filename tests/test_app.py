@@ -12,7 +12,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-import app_state
+from app_state import compute, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
 from pace_core.accounting import resident_bits, state_bytes
 from pace_core.analysis.text import tokenize
@@ -100,8 +100,8 @@ def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, mo
     """A path or hub id that fails (offline, a hub id takes about 30 s to fail) is shown as failed on the
     next changes and tried again only after LOAD_RETRY_S."""
     calls = []
-    real = app_state._load_model
-    monkeypatch.setattr(app_state, "_load_model", lambda source, device: calls.append(source) or real(source, device))
+    real = session._load_model
+    monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
     at = AppTest.from_file(APP, default_timeout=180)
     at.query_params["model"] = str(tmp_path / "nowhere")
     at.run()
@@ -111,16 +111,16 @@ def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, mo
     (tmp_path / "nowhere").mkdir()  # the folder changed: tried at once (still not a checkpoint)
     at.sidebar.select_slider(key="w_bits").set_value(5).run()
     assert "Could not load model" in at.error[0].value and len(calls) == 2
-    monkeypatch.setattr(app_state, "LOAD_RETRY_S", 0)
+    monkeypatch.setattr(session, "LOAD_RETRY_S", 0)
     at.sidebar.select_slider(key="w_bits").set_value(6).run()
     assert not at.exception and len(calls) == 3
 
 
 def test_out_of_memory_is_recognised():
-    assert app_state._out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
-    assert app_state._out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
-    assert app_state._out_of_memory(MemoryError())
-    assert not app_state._out_of_memory(RuntimeError("shape mismatch")) and not app_state._out_of_memory(ValueError())
+    assert frame._out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert frame._out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
+    assert frame._out_of_memory(MemoryError())
+    assert not frame._out_of_memory(RuntimeError("shape mismatch")) and not frame._out_of_memory(ValueError())
 
 
 def test_overview_state_memory_follows_the_sequence_slider(params, loaded):
@@ -217,9 +217,9 @@ def test_generations_show_a_stored_run_per_mode(params, loaded, tmp_path, monkey
 
 
 def test_benchmarks_without_results_say_what_to_run(params, tmp_path, monkeypatch):
-    monkeypatch.setattr(app_state, "BENCH_DIR", tmp_path)
+    monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
     at = start(params, page="benchmarks")
-    assert "No benchmark results yet" in at.info[0].value and app_state.BENCH_COMMAND in at.info[0].value
+    assert "No benchmark results yet" in at.info[0].value and stored.BENCH_COMMAND in at.info[0].value
 
 
 def test_benchmarks_show_tables_with_provenance(params, tmp_path, monkeypatch):
@@ -229,7 +229,7 @@ def test_benchmarks_show_tables_with_provenance(params, tmp_path, monkeypatch):
                                                       "decode_step": rows}))
     (tmp_path / "a_list.json").write_text("[1, 2]")  # sorts first: a bad file must not hide the others
     (tmp_path / "b_bytes.json").write_bytes(b"\xff\xfe")
-    monkeypatch.setattr(app_state, "BENCH_DIR", tmp_path)
+    monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
     at = AppTest.from_file(APP, default_timeout=180)
     for k, v in params.items():
         at.query_params[k] = v
@@ -330,7 +330,7 @@ def test_drift_shows_the_analysis_and_follows_the_step_slider(params, loaded):
     fig = chart(at, "drift_chart")
     assert [t["name"] for t in fig["data"]] == ["4-bit, dP 1"] * 2 + ["4-bit, dP 8"] * 2
     assert array(fig["data"][0]["x"]).max() == 16            # steps 0 (right after the prefill) .. 16
-    text = app_state.analysis_text()
+    text = compute.analysis_text()
     ids = tokenize(loaded.tokenizer, text, max_tokens=32 + 16 + 1)
     ref = drift(loaded, {"4-bit, dP 8": get_config("pace-4").replace(name="4-bit dP8")}, ids, 32).table
     np.testing.assert_allclose(array(fig["data"][2]["y"]), ref["rel_error"].to_numpy(), rtol=1e-6)
@@ -349,16 +349,16 @@ def test_drift_shows_stored_results_with_provenance(params, loaded, tmp_path, mo
     summary = [{"config": c, "mean_rel_error": float(table[table.config == c].rel_error.mean())}
                for c in ("rtn-int4", "pace-4")]
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
-    name = app_state.results_model_name(params.get("model", ""))
+    name = stored.results_model_name(params.get("model", ""))
     for n, weights in ((1, loaded.fingerprint), (2, "0" * 16)):  # the second: other weights, same model name
         prov = make_provenance("m", configs=[get_config("pace-4")], command=f"python -m pace_core drift --tokens {n}",
                                extra={"weights": weights})
         save_result("drift", name, result_key({"n": n}), {"summary": summary}, prov, table.iloc[::n])
-    app_state.stored_results.clear()          # the listing is cached for 30 s; this test just wrote two
+    stored.stored_results.clear()          # the listing is cached for 30 s; this test just wrote two
     at = start(params, page="drift", preset="pace-4")
-    stored = [o for o in at.radio(key="drift_source").options if o.startswith("stored: ")]
-    assert len(stored) == 1 and stored[0].startswith("stored: rtn-int4, pace-4")
-    at.radio(key="drift_source").set_value(stored[0]).run()
+    options = [o for o in at.radio(key="drift_source").options if o.startswith("stored: ")]
+    assert len(options) == 1 and options[0].startswith("stored: rtn-int4, pace-4")
+    at.radio(key="drift_source").set_value(options[0]).run()
     check(at)
     assert any("`python -m pace_core drift --tokens 1`" in c.value for c in at.caption)
     fig = chart(at, "drift_chart")
@@ -373,12 +373,12 @@ def _store(kind: str, params, loaded, table: pd.DataFrame, monkeypatch, tmp_path
     from pace_core.results import make_provenance, result_key, save_result
 
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
-    name = app_state.results_model_name(params.get("model", ""))
+    name = stored.results_model_name(params.get("model", ""))
     for n, weights in ((1, loaded.fingerprint), (2, "0" * 16)):
         prov = make_provenance("m", configs=[get_config("pace-4")], command=f"python -m pace_core {kind} --n {n}",
                                extra={"weights": weights})
         save_result(kind, name, result_key({"n": n}), data or {}, prov, table.iloc[::n])
-    app_state.stored_results.clear()  # the listing is cached for 30 s
+    stored.stored_results.clear()  # the listing is cached for 30 s
 
 
 def test_overview_shows_stored_perplexity_with_provenance(params, loaded, tmp_path, monkeypatch):
@@ -399,7 +399,7 @@ def test_overview_shows_stored_perplexity_with_provenance(params, loaded, tmp_pa
 
 def test_overview_without_stored_quality_says_what_to_run(params, tmp_path, monkeypatch):
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
-    app_state.stored_results.clear()
+    stored.stored_results.clear()
     at = start(params)
     assert any("python -m pace_core perplexity" in c.value for c in at.caption)
     assert not [d for d in at.dataframe if "ppl" in d.value.columns]

@@ -5,7 +5,7 @@ import torch
 
 from pace_core.config import get_config
 from pace_core.errors import PaceError
-from pace_core.heads import allocate_high_heads, head_decay, retained_error, rounding_error
+from pace_core.heads import MAX_DECAY, allocate_high_heads, head_decay, retained_error, rounding_error
 from pace_core.quant import QuantSpec, fake_quantize
 
 pytestmark = pytest.mark.numerics
@@ -71,11 +71,11 @@ def test_retained_error_formula():
         E = retained_error(e, a, dp)
         for h in range(3):
             assert E[h].item() == pytest.approx(float(e[h]) / (1 - float(a[h]) ** (2 * dp)), rel=1e-12)
-        assert E[3] == 0 and math.isinf(E[4])
+        # a head that never forgets is taken at MAX_DECAY: finite, and ranked by its error energy
+        assert E[3] == 0 and E[4].item() == pytest.approx(3.0 / (1 - MAX_DECAY ** (2 * dp)), rel=1e-12)
+        assert E[4] > E[:3].max() and math.isfinite(E[4])
     # a longer period retains less error (the decay between roundings shrinks it)
     assert (retained_error(e[:3], a[:3], 8) < retained_error(e[:3], a[:3], 1)).all()
-    with pytest.raises(PaceError, match="dP=0"):
-        retained_error(e, a, 0)
     with pytest.raises(PaceError, match="a holds decays outside \\[0, 1\\]"):
         retained_error(e, a + 0.5, 8)
     with pytest.raises(PaceError, match="e holds negative"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kernels import bench_e2e
+from kernels.bench import bench_e2e
 from numerics import assert_same_greedy, fp32_bound
 from pace_core.config import get_config
 from pace_core.model.patch import get_state_store, pace

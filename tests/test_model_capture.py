@@ -121,10 +121,10 @@ def test_decode_through_the_kernels_in_the_model(loaded, ids, monkeypatch):
     gives the reference path's logits; PACE_KERNELS=reference never routes there."""
     from kernels_support import kernel_modules
 
-    decode_step = kernel_modules()["decode_step"]
+    steps = kernel_modules()["backend"].TritonSteps
     calls = []
-    kernel_step = decode_step.buffered_decode_step
-    monkeypatch.setattr(decode_step, "buffered_decode_step", lambda *a, **kw: calls.append(1) or kernel_step(*a, **kw))
+    kernel_step = steps.step
+    monkeypatch.setattr(steps, "step", lambda *a, **kw: calls.append(1) or kernel_step(*a, **kw))
     cfg = get_config("pace-4").replace(decode_period=4)
     logits = {}
     for backend in ("triton", "reference"):

@@ -10,7 +10,6 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     torch_recurrent_gated_delta_rule,
 )
 
-from pace_core import quant
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
 from pace_core.recurrence import (
@@ -18,8 +17,6 @@ from pace_core.recurrence import (
     buffered_step,
     fold,
     gdn_chunked,
-    gdn_decode_periodic,
-    gdn_prefill_segmented,
     gdn_recurrent,
     prepare_qk,
 )
@@ -143,72 +140,6 @@ def test_chunked_strong_decay_no_overflow():
     assert rel(o, o_ref) < 1e-12 and rel(S, S_ref) < 1e-12
 
 
-@pytest.mark.parametrize("period", [1, 4, 7, 16, 100])
-def test_segmented_identity_equals_recurrent(period):
-    q, k, v, g, beta, S0 = make_inputs(2, 23, 2, 3, 8, 4, seed=period)
-    o_ref, S_ref = gdn_recurrent(q, k, v, g, beta, S0)
-    o, S = gdn_prefill_segmented(q, k, v, g, beta, S0, period, lambda s: s, chunk_size=5)
-    assert rel(o, o_ref) < 1e-12 and rel(S, S_ref) < 1e-12
-
-
-def test_segmented_rounds_each_segment_end():
-    """A non-identity round_fn is applied at every segment end (incl. the short last one) and the
-    next segment starts from its result."""
-    q, k, v, g, beta, S0 = make_inputs(1, 10, 1, 2, 4, 4, seed=21)
-    calls = []
-
-    def halve(S):
-        calls.append(S.clone())
-        return 0.5 * S
-
-    o, S = gdn_prefill_segmented(q, k, v, g, beta, S0, 4, halve, chunk_size=3)
-    state = S0
-    outs = []
-    for start in (0, 4, 8):
-        sl = slice(start, start + 4)
-        o_seg, state_end = gdn_recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state)
-        outs.append(o_seg)
-        assert rel(calls[len(outs) - 1], state_end) < 1e-12
-        state = 0.5 * state_end
-    assert len(calls) == 3
-    assert rel(o, torch.cat(outs, 1)) < 1e-12 and rel(S, state) < 1e-12
-
-
-@pytest.mark.parametrize("gamma", [1, 2, 3])
-@pytest.mark.parametrize("dP", [1, 2, 3, 8, 16])
-@pytest.mark.parametrize("dtype,precision,tol", [(torch.float32, "fp32", 1e-5), (torch.float64, "fp64", 1e-12)])
-def test_buffered_decode_equals_recurrent(gamma, dP, dtype, precision, tol):
-    q, k, v, g, beta, S0 = make_inputs(2, 19, 2, gamma, 8, 6, dtype=dtype, seed=dP * 7 + gamma)
-    o_ref, S_ref = gdn_recurrent(*(x.double() for x in (q, k, v, g, beta, S0)))
-    o, S = gdn_decode_periodic(q, k, v, g, beta, S0, dP, lambda s: s, precision)
-    assert o.dtype == dtype
-    assert rel(o, o_ref) <= tol
-    assert rel(S, S_ref) <= tol
-
-
-def test_decode_periodic_flushes_every_period():
-    """round_fn sees the exact state after tokens dP, 2dP, ...; later tokens start from its result."""
-    q, k, v, g, beta, S0 = make_inputs(1, 10, 2, 2, 4, 3, seed=31)
-    calls = []
-
-    def halve(S):
-        calls.append(S.clone())
-        return 0.5 * S
-
-    o, S = gdn_decode_periodic(q, k, v, g, beta, S0, 3, halve, "fp64")
-    state, outs = S0, []
-    for start in (0, 3, 6, 9):
-        sl = slice(start, start + 3)
-        o_seg, state_end = gdn_recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state)
-        outs.append(o_seg)
-        if start < 9:
-            assert rel(calls[len(outs) - 1], state_end) < 1e-12
-            state_end = 0.5 * state_end
-        state = state_end
-    assert len(calls) == 3
-    assert rel(o, torch.cat(outs, 1)) < 1e-12 and rel(S, state) < 1e-12
-
-
 def test_buffered_step_appends_record():
     q, k, v, g, beta, S0 = make_inputs(1, 2, 1, 2, 4, 3, seed=2)
     buf = DecodeBuffer(1, 1, 2, 4, 3, 4, "fp64")
@@ -228,34 +159,6 @@ def test_fold_empty_buffer_is_checkpoint():
     assert torch.equal(S, S0) and S.data_ptr() != S0.data_ptr()
 
 
-def fake_quantize_key_axis(S, bits=4, group=32):
-    return quant.fake_quantize(S, quant.QuantSpec(bits=bits, symmetric=True, axis="key", group_size=group))
-
-
-def test_periodic_rounding_beats_per_token_on_slow_decays():
-    """Synthetic GDN run with realistic decays (α = exp(-softplus) in ~0.9..0.999): the 4-bit
-    key-axis (g = 32) state error after N decode tokens is smaller at dP = 8 than at dP = 1."""
-    gen = torch.Generator().manual_seed(1234)
-    B, H, gamma, K, V, T0, N = 1, 4, 2, 64, 32, 48, 64
-    HV = H * gamma
-    q, k = prepare_qk(torch.randn(B, T0 + N, H, K, generator=gen, dtype=torch.float64),
-                      torch.randn(B, T0 + N, H, K, generator=gen, dtype=torch.float64))
-    v = torch.randn(B, T0 + N, HV, V, generator=gen, dtype=torch.float64)
-    # softplus(a) in ~[0.001, 0.1]: log decays g = -softplus(a) give α in ~0.905..0.999
-    a = torch.empty(B, T0 + N, HV, dtype=torch.float64).uniform_(-6.9, -2.3, generator=gen)
-    g = -F.softplus(a)
-    assert 0.9 < float(g.exp().min()) and float(g.exp().max()) < 0.9995
-    beta = torch.sigmoid(torch.randn(B, T0 + N, HV, generator=gen, dtype=torch.float64))
-    _, S_prompt = gdn_recurrent(q[:, :T0], k[:, :T0], v[:, :T0], g[:, :T0], beta[:, :T0])
-    dec = [x[:, T0:] for x in (q, k, v, g, beta)]
-    _, S_ref = gdn_recurrent(*dec, S_prompt)
-    errors = {}
-    for dP in (1, 8):
-        _, S_tilde = gdn_decode_periodic(*dec, S_prompt, dP, fake_quantize_key_axis, "fp64")
-        errors[dP] = rel(S_tilde, S_ref)
-    assert 0 < errors[8] < errors[1]
-
-
 def test_bad_inputs_raise():
     q, k, v, g, beta, S0 = make_inputs(1, 4, 2, 2, 4, 4, seed=1)
     with pytest.raises(PaceError, match="v:"):
@@ -266,12 +169,7 @@ def test_bad_inputs_raise():
         gdn_recurrent(q, k, v, g, beta, S0[:, :2])
     with pytest.raises(PaceError, match="chunk_size"):
         gdn_chunked(q, k, v, g, beta, chunk_size=0)
-    with pytest.raises(PaceError, match="period"):
-        gdn_prefill_segmented(q, k, v, g, beta, S0, 0, lambda s: s)
     with pytest.raises(PaceError, match="dtype"):
         gdn_recurrent(q, k, v, g.to(torch.int64), beta)
-    buf = DecodeBuffer(1, 2, 4, 4, 4, 2, "fp64")
-    with pytest.raises(PaceError, match="q_t"):
-        buffered_step(S0, buf, q[:, 0, :1], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
     with pytest.raises(PaceError, match="S_hat"):
-        fold(S0[:, :, :2], buf)
+        fold(S0[:, :, :2], DecodeBuffer(1, 2, 4, 4, 4, 2, "fp64"))

@@ -8,9 +8,10 @@ from pace_core import quant
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.outliers import dsq_dequantize, dsq_quantize
-from pace_core.recurrence import gdn_decode_periodic, gdn_prefill_segmented, gdn_recurrent, prepare_qk
+from pace_core.recurrence import gdn_recurrent, prepare_qk
 from pace_core.shapes import ModelShape
 from pace_core.state_store import StateStore
+from references import per_token_decode, periodic_decode, segmented_prefill
 
 pytestmark = pytest.mark.numerics
 
@@ -97,9 +98,9 @@ def test_reference_with_buffering(reference_dtype, bits):
     else:
         def cast(S):
             return S.bfloat16().to(S.dtype)
-        o_pre, S_pre = gdn_prefill_segmented(*split(tokens, 0, 19), None, 8, cast)
-        o_dec, S_ref = gdn_decode_periodic(*split(tokens, 19), S_pre, 4, cast, "fp32")
-        assert rel(o, torch.cat([o_pre, o_dec], 1)) < 1e-6
+        o_pre, S_pre = segmented_prefill(*split(tokens, 0, 19), torch.zeros(B, HV, K, V), 8, cast)
+        o_dec, S_ref, _ = periodic_decode(*split(tokens, 19), S_pre, 4, cast, "fp32")
+        assert torch.equal(o, torch.cat([o_pre, o_dec], 1))  # the same functions in the same order
         assert rel(store.effective_state(0), S_ref) < 1e-6
         assert store.layer(0).checkpoint.dtype == torch.bfloat16
     store.reset()
@@ -122,16 +123,11 @@ def test_quantised_pipeline_matches_composition(name):
     tokens = make_tokens(61, seed=3)
     o_pre = store.prefill(0, *split(tokens, 0, 40))
     o_dec = store.decode(0, *split(tokens, 40))
-    o_pre_ref, S_pre = gdn_prefill_segmented(*split(tokens, 0, 40), None, 16, round_fn)
+    o_pre_ref, S_pre = segmented_prefill(*split(tokens, 0, 40), torch.zeros(B, HV, K, V), 16, round_fn)
     if cfg.buffered:
-        o_dec_ref, S_ref = gdn_decode_periodic(*split(tokens, 40), S_pre, cfg.decode_period, round_fn, cfg.buffer)
+        o_dec_ref, S_ref, _ = periodic_decode(*split(tokens, 40), S_pre, cfg.decode_period, round_fn, cfg.buffer)
     else:  # per-token rounding: one plain recurrence step, then the rounding
-        o_dec_ref, S_ref = [], S_pre
-        for t in range(40, 61):
-            o_t, S_ref = gdn_recurrent(*split(tokens, t, t + 1), S_ref)
-            S_ref = round_fn(S_ref)
-            o_dec_ref.append(o_t)
-        o_dec_ref = torch.cat(o_dec_ref, 1)
+        o_dec_ref, S_ref = per_token_decode(*split(tokens, 40), S_pre, round_fn)
     # the same functions in the same order: bit for bit (a rounding after another summation order could
     # flip a code, and one flipped 4-bit code is far beyond float32 rounding)
     assert torch.equal(o_pre, o_pre_ref) and torch.equal(o_dec, o_dec_ref)
@@ -157,9 +153,8 @@ def test_prefill_after_decode():
         outputs[after] = o = store.prefill(0, *split(tokens, 13))
         assert len(store.buffer(0)) == 0
         start = quant.fake_quantize(folded, spec) if after == "flush" else folded
-        o_ref, S_ref = gdn_prefill_segmented(*split(tokens, 13), start, 256, lambda S: quant.fake_quantize(S, spec))
-        assert rel(o, o_ref) < 1e-6
-        assert torch.equal(store.checkpoint_dequantized(0), S_ref)
+        o_ref, S_ref = segmented_prefill(*split(tokens, 13), start, 256, lambda S: quant.fake_quantize(S, spec))
+        assert torch.equal(o, o_ref) and torch.equal(store.checkpoint_dequantized(0), S_ref)
     assert rel(outputs["carry"], outputs["flush"]) > 1e-4  # the flush's extra rounding shows
 
 
@@ -271,7 +266,7 @@ def test_byte_counts(name):
     if isinstance(checkpoint, torch.Tensor):
         assert payload == checkpoint.numel() * checkpoint.element_size()
     elif name == "damp-int4":
-        assert payload + metadata == checkpoint.nbytes() == layer.damp.nbytes((B, HV, K, V))
+        assert payload + metadata == checkpoint.nbytes() == layer.fmt.damp.nbytes((B, HV, K, V))
     else:
         assert payload + metadata == checkpoint.nbytes()
     if layer.buffer is not None:
@@ -371,10 +366,10 @@ def test_decode_on_the_kernels_follows_the_reference(name, monkeypatch):
     once per checkpoint."""
     from kernels_support import kernel_modules
 
-    decode_step = kernel_modules()["decode_step"]  # the interpreter, as for the kernels' own tests
+    backend = kernel_modules()["backend"]  # the interpreter, as for the kernels' own tests
     plans = []
-    make_plan = decode_step.plan_decode
-    monkeypatch.setattr(decode_step, "plan_decode", lambda *a: plans.append(1) or make_plan(*a))
+    make_plan = backend.plan_decode
+    monkeypatch.setattr(backend, "plan_decode", lambda *a: plans.append(1) or make_plan(*a))
     from pace_core.state_store import LayerState
 
     cfg = KERNEL_CASES[name]
@@ -404,10 +399,11 @@ def test_decode_on_the_kernels_follows_the_reference(name, monkeypatch):
 
 
 def test_kernel_backend_setting(monkeypatch):
-    from pace_core.state_store import LayerState, default_backend
+    from pace_core.backend import backend_setting
+    from pace_core.state_store import LayerState
 
     monkeypatch.setenv("PACE_KERNELS", "reference")
-    assert default_backend() == "reference"
+    assert backend_setting() == "reference"
     cfg = get_config("pace-4").replace(group_size=32)
     assert not LayerState(cfg, 1, 1, 2, 64, 32, "cpu").uses_kernels()
     monkeypatch.setenv("PACE_KERNELS", "fast")

@@ -1,4 +1,4 @@
-"""Tests of pace_core.train / pace_core.tokenizer_train on CPU with tiny models and synthetic data."""
+"""Tests of scripts/train (train.py, tokenizer.py) on CPU with tiny models and synthetic data."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from numerics import assert_same_parameters, fp32_bound, rel
 
 from pace_core.errors import PaceError
-from pace_core.tokenizer_train import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
-from pace_core.train import (
+from scripts.train.tokenizer import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
+from scripts.train.train import (
     REPO_ROOT,
     TRAIN_FILES,
     VALID_FILE,
     ModelSize,
     TrainArgs,
-    bits_per_byte,
     build_config,
     encode,
     learning_rate,
@@ -153,23 +152,6 @@ def test_tokenizer_round_trip_and_specials(tmp_path: Path, small_tokenizer) -> N
     assert tok.decode(encode(tok, text)) == text
     with pytest.raises(PaceError, match="vocab_size"):
         train_tokenizer(["abc"], vocab_size=100)
-
-
-def test_bits_per_byte_matches_per_token_reference(small_tokenizer) -> None:
-    torch.manual_seed(int(torch.randint(0, 10_000, ()).item()))
-    model = AutoModelForCausalLM.from_config(build_config(300, 0, 1, TINY)).eval()
-    text = "the lazy fox returns x + 1 over the dog.\n" * 3
-    window, stride = 16, 6
-    got = bits_per_byte(model, small_tokenizer, text, window=window, stride=stride, batch_size=3)
-    ids = [small_tokenizer.convert_tokens_to_ids(EOS_TOKEN)] + encode(small_tokenizer, text)
-    nll = 0.0
-    with torch.no_grad():
-        for t in range(1, len(ids)):  # token t is scored in the first window (begin = k*stride) that reaches it
-            begin = 0 if t < window else (t - window) // stride * stride + stride
-            logits = model(input_ids=torch.tensor([ids[begin:t]])).logits[0, -1].double()
-            nll -= torch.log_softmax(logits, -1)[ids[t]].item()
-    assert got["tokens"] == len(ids) - 1 and got["bytes"] == len(text.encode("utf-8"))
-    assert got["bits_per_byte"] == pytest.approx(nll / math.log(2) / len(text.encode("utf-8")), rel=1e-5)
 
 
 def test_prepare_writes_split_token_files(tmp_path: Path) -> None:

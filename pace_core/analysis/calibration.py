@@ -2,9 +2,9 @@
 
 The fp32 reference model reads the first ``tokens`` tokens of the calibration text in chunks of
 ``sample_every`` tokens (transformers' own cache carries the state from chunk to chunk); after each
-chunk every GDN layer's state is one calibration state. Forward hooks on the GDN modules record the
-log decays ``g [T, HV]`` (``g = −exp(A_log) · softplus(a + dt_bias)``, spec §1, from the module's own
-projections). Then per GDN layer and value head: ``a_h`` (mean ``exp(g)``), ``e_h`` (mean
+chunk every GDN layer's state is one calibration state. A tap on the GDN layers' core calls
+(:func:`pace_core.model.patch.tapped`) records the log decays ``g [T, HV]`` that transformers computes
+(``g = −exp(A_log) · softplus(a + dt_bias)``, spec §1). Then per GDN layer and value head: ``a_h`` (mean ``exp(g)``), ``e_h`` (mean
 ``‖Q(S) − S‖²_F`` with the configuration's low-bit quantiser), ``E_h = e_h / (1 − a_h^{2 dP})``, and
 the top ``high_share`` of heads by ``E_h`` keep ``high_bits`` (:mod:`pace_core.heads`).
 
@@ -19,16 +19,15 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from pace_core.analysis.text import CALIBRATION_TEXT, is_test_split, read_text, tokenize
-from pace_core.config import HIGH_SHARE_METHODS, PaceConfig, get_config
+from pace_core.config import HIGH_SHARE_METHODS, PaceConfig, config_from_dict, config_to_dict, get_config
 from pace_core.errors import PaceError
-from pace_core.heads import allocate_high_heads, head_decay, retained_error, rounding_error
+from pace_core.heads import head_decay, high_heads_for, retained_error, rounding_error
 from pace_core.model.capture import cache_states
 from pace_core.model.loading import LoadedModel
-from pace_core.model.patch import gdn_modules, pace
+from pace_core.model.patch import pace, tapped
 from pace_core.outliers import rank_outlier_rows
 
 
@@ -48,6 +47,31 @@ class Calibration:
     tokens: int
     samples: int
     damp_rows: list[torch.Tensor] | None = None
+
+    def to_data(self) -> dict:
+        """The calibration as plain JSON data (``calibrate``'s stored result; :meth:`from_data` reads it)."""
+        return {"config": config_to_dict(self.config), "layers": self.layers, "a": self.a.tolist(),
+                "e": self.e.tolist(), "E": self.E.tolist(), "tokens": self.tokens, "samples": self.samples,
+                "damp_rows": None if self.damp_rows is None else [r.tolist() for r in self.damp_rows]}
+
+    @classmethod
+    def from_data(cls, d: dict) -> Calibration:
+        """The calibration of :meth:`to_data`'s data; PaceError when fields are missing or malformed."""
+        try:
+            rows = None if d["damp_rows"] is None else [torch.tensor(r, dtype=torch.long) for r in d["damp_rows"]]
+            return cls(config_from_dict(d["config"]), list(d["layers"]), torch.tensor(d["a"], dtype=torch.float64),
+                       torch.tensor(d["e"], dtype=torch.float64), torch.tensor(d["E"], dtype=torch.float64),
+                       int(d["tokens"]), int(d["samples"]), rows)
+        except (KeyError, TypeError, ValueError) as err:
+            raise PaceError(f"stored calibration: {err!r} is missing or malformed; allowed: data written by "
+                            "python -m pace_core calibrate") from None
+
+    def allocate(self, cfg: PaceConfig) -> PaceConfig:
+        """``cfg`` with the 8-bit heads this calibration gives it (its dP and share; unchanged when it
+        has no share of high-bit heads). The quantiser of ``cfg`` must be the calibrated one."""
+        if cfg.high_share == 0:
+            return cfg
+        return cfg.replace(high_heads=high_heads_for(self.a, self.e, cfg)[1])
 
     def table(self) -> pd.DataFrame:
         """One row per GDN layer and head: layer, gdn_index, head, a, e, E, high (keeps high_bits)."""
@@ -69,21 +93,6 @@ class Calibration:
         )
 
 
-def _decay_hook(store: dict[int, list[torch.Tensor]], layer: int):
-    """Forward hook recording ``g [T, HV]`` of a GDN module from its input hidden states."""
-
-    def hook(module, args, kwargs, output):
-        h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        if hasattr(module, "in_proj_a"):
-            a = module.in_proj_a(h)
-        else:  # Qwen3-Next packs b and a into in_proj_ba
-            a = module.fix_query_key_value_ordering(module.in_proj_qkvz(h), module.in_proj_ba(h))[5]
-        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-        store[layer].append(g[0].detach().cpu())
-
-    return hook
-
-
 @torch.no_grad()
 def reference_samples(
     loaded: LoadedModel, ids: torch.Tensor, sample_every: int, progress: Callable[[int], None] | None = None
@@ -94,21 +103,20 @@ def reference_samples(
     """
     model = loaded.model
     decays: dict[int, list[torch.Tensor]] = {layer: [] for layer in loaded.gdn_layers}
-    handles = [m.register_forward_hook(_decay_hook(decays, layer), with_kwargs=True) for layer, m in gdn_modules(model)]
     states: dict[int, list[torch.Tensor]] = {layer: [] for layer in loaded.gdn_layers}
-    try:
-        with pace(model, get_config("fp32")):
-            cache = DynamicCache(config=model.config)
-            n = ids.shape[1] // sample_every * sample_every
-            for start in range(0, n, sample_every):
-                model(input_ids=ids[:, start : start + sample_every].to(loaded.device), past_key_values=cache, use_cache=True)
-                for layer, S in cache_states(cache, loaded.gdn_layers).items():
-                    states[layer].append(S[0])
-                if progress is not None:
-                    progress(1)
-    finally:
-        for h in handles:
-            h.remove()
+
+    def record_decays(module, arguments: dict, decode: bool) -> None:
+        decays[int(module.layer_idx)].append(arguments["g"][0].float().cpu())
+
+    with pace(model, get_config("fp32")), tapped(model, record_decays):
+        cache = DynamicCache(config=model.config)
+        n = ids.shape[1] // sample_every * sample_every
+        for start in range(0, n, sample_every):
+            model(input_ids=ids[:, start : start + sample_every].to(loaded.device), past_key_values=cache, use_cache=True)
+            for layer, S in cache_states(cache, loaded.gdn_layers).items():
+                states[layer].append(S[0])
+            if progress is not None:
+                progress(1)
     return (
         {layer: torch.stack(s) for layer, s in states.items()},
         {layer: torch.cat(g) for layer, g in decays.items()},
@@ -148,13 +156,15 @@ def calibrate(
     spec = cfg.quant_spec()
     e = torch.stack([rounding_error(states[layer], spec) for layer in layers])
     E = retained_error(e, a, cfg.decode_period)
-    calibrated, damp_rows = cfg, None
+    damp_rows = None
     if cfg.method == "damp":
         damp_rows = [
             rank_outlier_rows(states[layer], a[i], cfg.damp_outlier_rows, bits=cfg.bits,
                               hadamard=cfg.damp_hadamard, group_size=cfg.group_size)
             for i, layer in enumerate(layers)
         ]
-    elif cfg.high_share > 0:
-        calibrated = cfg.replace(high_heads=allocate_high_heads(E, cfg.high_share)).validate_for(loaded.shape)
-    return Calibration(calibrated, layers, a, e, E, int(ids.shape[1]), int(next(iter(states.values())).shape[0]), damp_rows)
+    calibration = Calibration(cfg, layers, a, e, E, int(ids.shape[1]), int(next(iter(states.values())).shape[0]),
+                              damp_rows)
+    if cfg.method != "damp" and cfg.high_share > 0:
+        calibration.config = calibration.allocate(cfg).validate_for(loaded.shape)
+    return calibration

@@ -12,13 +12,13 @@ state at step ``j``) minus the reference's, so steps run ``0 .. T − decode_fro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
+from pace_core.analysis.metrics import relative_errors
 from pace_core.analysis.quality import config_map, damp_rows_of
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
@@ -42,18 +42,6 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """NLL of each next token: logits [1, T, vocab], ids [1, T] -> [T − 1] float64 (position t predicts t + 1)."""
     logp = torch.log_softmax(logits[0, :-1].double(), dim=-1)
     return -logp.gather(1, ids[0, 1:].cpu()[:, None])[:, 0]
-
-
-def relative_errors(states: dict[int, torch.Tensor], ref: dict[int, torch.Tensor]) -> tuple[dict[int, float], float]:
-    """Per-layer and pooled ``‖S̃ − S‖_F / ‖S‖_F`` (float64) for ``{layer: S [B, HV, K, V]}``."""
-    num, den, per = 0.0, 0.0, {}
-    for layer, S in ref.items():
-        d = float((states[layer].double() - S.double()).square().sum())
-        n = float(S.double().square().sum())
-        per[layer] = math.sqrt(d / n) if n > 0 else (0.0 if d == 0 else math.inf)
-        num, den = num + d, den + n
-    pooled = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
-    return per, pooled
 
 
 def drift(

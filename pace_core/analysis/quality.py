@@ -129,12 +129,12 @@ def evaluate_quality(
 ) -> pd.DataFrame:
     """Perplexity, NLL, top-1 agreement and KL(reference ‖ config) per configuration.
 
-    ids [1, T] int64; ``damp_rows`` as in :func:`pace_core.analysis.drift.drift`; ``batch``: at most
+    ids [1, T] int64; ``configs`` may be empty (the reference alone); ``damp_rows`` as in :func:`pace_core.analysis.drift.drift`; ``batch``: at most
     this many windows of equal length run together. Returns one row per configuration (the reference
     first, named as given, with agreement 1 and KL 0): config, tokens, nll (mean nats per scored
     token), ppl, agreement, kl. ``progress(n)`` is called after each run with the windows it ran.
     """
-    cfgs = config_map(configs)
+    cfgs = config_map(configs) if configs else {}
     ref = reference if reference is not None else get_config("fp32")
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise PaceError(f"ids: expected shape [1, T], got {tuple(ids.shape)}")

@@ -9,11 +9,10 @@ the sweep measures the state error where it arises, in each GDN layer, with the 
    gated delta rule; q, k then go through :func:`pace_core.recurrence.prepare_qk` as in PACE).
 2. All GDN layers are stacked in the batch dimension. The reference state runs the exact chunked
    recurrence. Each grid point prefills the first ``T − N`` tokens in P-token segments with its
-   quantiser (:func:`pace_core.recurrence.gdn_prefill_segmented`, fake quantisation is
-   bit-identical to the stored format), then decodes the last ``N`` tokens: per-token rounding
-   (dP = 1) with :func:`pace_core.recurrence.gdn_recurrent`, otherwise the buffered decode in the
-   configured buffer precision with a flush every dP (:func:`pace_core.recurrence.gdn_decode_periodic`).
-   Grid points with the same dP and buffer run as one batch.
+   quantiser, then decodes the last ``N`` tokens: per-token rounding (dP = 1), otherwise the buffered
+   decode in the configured buffer precision with a flush every dP, both by the schedule of
+   :class:`pace_core.schedule.PeriodicState` on a fake-quantised checkpoint (bit-identical to the stored
+   format). Grid points with the same dP and buffer run as one batch.
 
 **[ours]** The measurement is layer-local (teacher-forced at every layer's input): it isolates each
 layer's state rounding error from the error its inputs inherit from earlier layers. Whole-model
@@ -26,10 +25,8 @@ outputs over the decoded tokens; resident bits per state value (:mod:`pace_core.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,12 +34,16 @@ import pandas as pd
 import torch
 
 from pace_core.accounting import resident_bits
+from pace_core.analysis.metrics import relative_error, squared_norms
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel
-from pace_core.model.patch import CORE_FUNCTIONS, core_inputs, gdn_modules, pace
+from pace_core.backend import REFERENCE
+from pace_core.checkpoint import RoundingFormat
+from pace_core.model.patch import core_inputs, gdn_modules, pace, tapped
 from pace_core.quant import fake_quantize
-from pace_core.recurrence import gdn_chunked, gdn_decode_periodic, gdn_prefill_segmented, gdn_recurrent
+from pace_core.recurrence import gdn_chunked
+from pace_core.schedule import PeriodicState
 
 DEFAULT_BITS = (3, 4, 5, 6, 8)
 DEFAULT_PERIODS = (1, 8, 32)
@@ -69,41 +70,20 @@ class GDNInputs:
 
 @torch.no_grad()
 def record_gdn_inputs(loaded: LoadedModel, ids: torch.Tensor) -> GDNInputs:
-    """Run the fp32 reference model on ids [1, T] and record every GDN layer's core inputs."""
+    """Run the fp32 reference model on ids [1, T] and record every GDN layer's core inputs (the arguments
+    transformers passes to its chunked gated delta rule, through :func:`pace_core.model.patch.tapped`)."""
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise PaceError(f"ids: expected shape [1, T], got {tuple(ids.shape)}")
     model = loaded.model
     modules = gdn_modules(model)
-    current: list[int] = []
-    records: dict[int, dict] = {}
-    handles = [m.register_forward_pre_hook(lambda _m, _a, layer=layer: current.append(layer)) for layer, m in modules]
-    name = CORE_FUNCTIONS[0]
-    originals: dict[str, Callable] = {}
+    records: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def recorder(original):
-        signature = inspect.signature(original)
+    def record(module, arguments: dict, decode: bool) -> None:
+        records[int(module.layer_idx)] = core_inputs(module, arguments)
 
-        def record(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            records[current[-1]] = dict(bound.arguments)
-            return original(*args, **kwargs)
-
-        return record
-
-    try:
-        with pace(model, get_config("fp32")):
-            for mod_name in {type(m).__module__ for _, m in modules}:
-                originals[mod_name] = getattr(sys.modules[mod_name], name)
-                setattr(sys.modules[mod_name], name, recorder(originals[mod_name]))
-            model(input_ids=ids.to(loaded.device))
-    finally:
-        for mod_name, fn in originals.items():
-            setattr(sys.modules[mod_name], name, fn)
-        for h in handles:
-            h.remove()
-    parts = [core_inputs(module, records[layer]) for layer, module in modules]
-    q, k, v, g, beta = (torch.cat(x) for x in zip(*parts))
+    with pace(model, get_config("fp32")), tapped(model, record):
+        model(input_ids=ids.to(loaded.device))
+    q, k, v, g, beta = (torch.cat(x) for x in zip(*(records[layer] for layer, _ in modules)))
     return GDNInputs([layer for layer, _ in modules], q, k, v, g, beta)
 
 
@@ -125,15 +105,6 @@ def grid_configs(
                      group_size=gs, high_share=0.0, high_heads=None)
         for b, dp, ax, gs in itertools.product(bits, periods, axes, group_sizes)
     ]
-
-
-def _rel(diff_sq: torch.Tensor, ref_sq: torch.Tensor) -> float:
-    return math.sqrt(float(diff_sq) / float(ref_sq)) if float(ref_sq) > 0 else (0.0 if float(diff_sq) == 0 else math.inf)
-
-
-def _pooled_sq(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Sum of squares per config: x [n·L, ...] -> [n] float64."""
-    return x.double().square().reshape(n, -1).sum(1)
 
 
 def sweep_states(
@@ -169,10 +140,12 @@ def sweep_states(
         o, S = gdn_chunked(*inputs.part(slice(s, e)), S)
         ref_states.append(S)
         ref_out.append(o)
-    ref_sq = [_pooled_sq(S, 1)[0] for S in ref_states]
-    ref_out_sq = sum(float(_pooled_sq(o, 1)[0]) for o in ref_out)
+    ref_sq = [squared_norms(S, 1)[0] for S in ref_states]
+    ref_out_sq = sum(float(squared_norms(o, 1)[0]) for o in ref_out)
     # prefill per distinct quantiser and P; with P >= the prompt the prefill is one segment, whose
     # rounded end state is the rounded reference state (no second run needed)
+    _, _, H, K = inputs.q.shape
+    HV, V = inputs.v.shape[2:]
     prefilled: dict[tuple, torch.Tensor] = {}
     for cfg in configs:
         spec = cfg.quant_spec()
@@ -182,8 +155,10 @@ def sweep_states(
         if cfg.prefill_period >= D:
             prefilled[key] = fake_quantize(ref_states[0], spec)
         else:
-            prefilled[key] = gdn_prefill_segmented(*inputs.part(slice(0, D)), None, cfg.prefill_period,
-                                                   lambda S, spec=spec: fake_quantize(S, spec))[1]
+            st = PeriodicState(RoundingFormat(lambda S, spec=spec: fake_quantize(S, spec)), REFERENCE,
+                               (L, H, HV, K, V), inputs.q.device, prefill_period=cfg.prefill_period, decode_period=1)
+            st.prefill(*inputs.part(slice(0, D)))
+            prefilled[key] = st.loaded()
     if progress is not None:
         progress(1)
     summary, steps = [], []
@@ -195,37 +170,27 @@ def sweep_states(
         specs = [c.quant_spec() for c in members]
 
         def round_fn(S: torch.Tensor, specs=specs) -> torch.Tensor:
-            """Each member's slice [L, HV, K, V] of S [n·L, HV, K, V] through its quantiser, in place."""
-            for i, sp in enumerate(specs):
-                S[i * L : (i + 1) * L] = fake_quantize(S[i * L : (i + 1) * L], sp)
-            return S
+            """Each member's slice [L, HV, K, V] of S [n·L, HV, K, V] through its quantiser."""
+            return torch.cat([fake_quantize(S[i * L:(i + 1) * L], sp) for i, sp in enumerate(specs)])
 
-        S = torch.cat([prefilled[(c.quant_spec(), min(c.prefill_period, D))] for c in members])
-        errs = [(_pooled_sq(S - ref_states[0].repeat(n, 1, 1, 1), n))]
+        st = PeriodicState(RoundingFormat(round_fn), REFERENCE, (n * L, H, HV, K, V), inputs.q.device,
+                           prefill_period=D, decode_period=dp, buffer_precision="fp32" if dp == 1 else buffer)
+        st.set_checkpoint(torch.cat([prefilled[(c.quant_spec(), min(c.prefill_period, D))] for c in members]))
+        errs = [(squared_norms(st.loaded() - ref_states[0].repeat(n, 1, 1, 1), n))]
         out_err = torch.zeros(n, dtype=torch.float64)
         for b, (s, e) in enumerate(blocks):
-            q, k, v, g, beta = inputs.part(slice(s, e), n)
-            if dp == 1:
-                outs = []
-                for t in range(e - s):
-                    o, S = gdn_recurrent(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
-                                         beta[:, t : t + 1], S)
-                    S = round_fn(S)
-                    outs.append(o)
-                o = torch.cat(outs, dim=1)
-            else:
-                o, S = gdn_decode_periodic(q, k, v, g, beta, S, dp, round_fn, precision=buffer)
-            errs.append(_pooled_sq(S - ref_states[b + 1].repeat(n, 1, 1, 1), n))
-            out_err += _pooled_sq(o - ref_out[b].repeat(n, 1, 1, 1), n)
+            o = st.decode(*inputs.part(slice(s, e), n))
+            errs.append(squared_norms(st.effective_state() - ref_states[b + 1].repeat(n, 1, 1, 1), n))
+            out_err += squared_norms(o - ref_out[b].repeat(n, 1, 1, 1), n)
             if progress is not None:
                 progress(1)
         for i, cfg in enumerate(members):
-            rel = [_rel(err[i], ref_sq[j]) for j, err in enumerate(errs)]
+            rel = [relative_error(err[i], ref_sq[j]) for j, err in enumerate(errs)]
             steps += [{"config": cfg.name, "step": (blocks[j - 1][1] - D) if j else 0, "rel_error": r}
                       for j, r in enumerate(rel)]
             summary.append({"config": cfg, "prefill_rel_error": rel[0], "final_rel_error": rel[-1],
                             "mean_rel_error": sum(rel[1:]) / len(rel[1:]),
-                            "output_rel_error": _rel(out_err[i], torch.tensor(ref_out_sq))})
+                            "output_rel_error": relative_error(out_err[i], torch.tensor(ref_out_sq))})
     order = {c.name: i for i, c in enumerate(configs)}
     summary.sort(key=lambda r: order[r["config"].name])
     return pd.DataFrame(summary), pd.DataFrame(steps)

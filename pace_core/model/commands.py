@@ -66,7 +66,7 @@ class Context:
 
     def calibration(self, cfg, text: str | None, tokens: int, sample_every: int):
         """The calibration of ``cfg`` (cached in memory and on disk as kind 'calibration')."""
-        from pace_core.analysis.calibration import calibrate
+        from pace_core.analysis.calibration import Calibration, calibrate
         from pace_core.analysis.text import CALIBRATION_TEXT
         from pace_core.config import config_to_dict
         from pace_core.results import text_sha256
@@ -79,15 +79,11 @@ class Context:
         if key in self._calibrations:
             return self._calibrations[key]
         if found is not None:
-            cal = calibration_from_result(found)
+            cal = Calibration.from_data(found.data)
         else:
             with self.bar(tokens // sample_every, f"calibrate {cfg.name}") as bar:
                 cal = calibrate(self.loaded, cfg, path, tokens=tokens, sample_every=sample_every, progress=bar.update)
-            self.save("calibration", key, {"config": config_to_dict(cal.config), "layers": cal.layers,
-                                           "a": cal.a.tolist(), "e": cal.e.tolist(), "E": cal.E.tolist(),
-                                           "tokens": cal.tokens, "samples": cal.samples,
-                                           "damp_rows": None if cal.damp_rows is None else [r.tolist() for r in cal.damp_rows],
-                                           "text_sha256": text_sha256(path)},
+            self.save("calibration", key, {**cal.to_data(), "text_sha256": text_sha256(path)},
                       cal.table(), configs=[cal.config], text=path)
         self._calibrations[key] = cal
         return cal
@@ -132,20 +128,6 @@ def _context(args: argparse.Namespace) -> Context:
     ctx = _CONTEXTS[key]
     ctx.args = args
     return ctx
-
-
-def calibration_from_result(result):
-    """The :class:`~pace_core.analysis.calibration.Calibration` stored by ``calibrate`` (a Result)."""
-    import torch
-
-    from pace_core.analysis.calibration import Calibration
-    from pace_core.config import config_from_dict
-
-    d = result.data
-    rows = None if d["damp_rows"] is None else [torch.tensor(r, dtype=torch.long) for r in d["damp_rows"]]
-    return Calibration(config_from_dict(d["config"]), list(d["layers"]), torch.tensor(d["a"], dtype=torch.float64),
-                       torch.tensor(d["e"], dtype=torch.float64), torch.tensor(d["E"], dtype=torch.float64),
-                       d["tokens"], d["samples"], rows)
 
 
 def _sha(path: str | os.PathLike) -> str:

@@ -23,6 +23,11 @@ How it hooks in (no copy of transformers' layer code):
 layers run unwrapped (the fp32 state is the cache's own tensor), so the behaviour is exactly the
 original's. Every other configuration (including the bf16 reference) goes through the store.
 
+Taps: :func:`tapped` calls a function with every core call's arguments (``q, k, v, g, beta`` as
+transformers computes them) of a model's GDN layers, PACE applied or not, and then runs the call as usual;
+the layer-local sweep and the calibration record their inputs this way. PACE and taps share the one
+wrapper and the one dispatcher; both are removed once neither is in use.
+
 Limits: the store follows a cache through ``reorder_cache`` (beam search) and ``reset``;
 ``crop`` / batch reshaping of a PACE cache (assisted decoding, contrastive search) are not
 supported and raise. With left padding the P-token segments are counted over the padded positions.
@@ -37,7 +42,7 @@ import functools
 import inspect
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -56,21 +61,27 @@ _STORE_CONFIG_ATTR = "_pace_state_config"
 _CONFIG_ATTR = "_pace_config"
 _SHAPE_ATTR = "_pace_shape"
 _DAMP_ATTR = "_pace_damp_rows"
+_TAPS_ATTR = "_pace_taps"
 _ORIGINAL_ATTR = "_pace_original_forward"
 _CACHE_ARG_NAMES = ("cache_params", "cache", "past_key_values")
+
+Tap = Callable[[nn.Module, dict, bool], None]
+"""``tap(module, arguments, decode)``: a GDN module, its core call's arguments by name (``query``, ``key``,
+``value``, ``g``, ``beta``, ...) and whether transformers called its decode (recurrent) function."""
 
 
 @dataclasses.dataclass
 class _Call:
-    """What the dispatcher needs inside one patched GDN forward."""
+    """What the dispatcher needs inside one wrapped GDN forward."""
 
     module: nn.Module
-    store: StateStore  # the cache's store, or one for this forward only (no cache)
+    store: StateStore | None  # PACE: the cache's store, or one for this forward only (no cache); None: original
+    taps: tuple[Tap, ...]
 
 
 _ACTIVE: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("pace_active_gdn_call", default=None)
 
-# modeling module name -> (original functions by name, number of patched GDN modules using it)
+# modeling module name -> (original functions by name, number of wrapped GDN modules using it)
 _DISPATCH: dict[str, tuple[dict[str, object], int]] = {}
 
 
@@ -172,26 +183,27 @@ def _wrap_forward(model: nn.Module, module: nn.Module, original) -> None:
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        cfg: PaceConfig = getattr(model, _CONFIG_ATTR)
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        hidden_states = bound["hidden_states"] if "hidden_states" in bound else args[0]
-        cache = bound.get(cache_name)
-        if cache is None:
-            call = _Call(module, _new_store(model, cfg, hidden_states, layer_idx))
-        else:
-            store = get_state_store(cache)
-            if store is None:
-                if cache.get_seq_length() > 0:
-                    raise PaceError("cache: it already holds the state of tokens run without PACE (a full-"
-                                    "precision state); allowed: a fresh cache after apply_pace")
-                store = _new_store(model, cfg, hidden_states, None)
-                _follow_cache(cache, store, cfg)
-            elif getattr(cache, _STORE_CONFIG_ATTR) != cfg:
-                raise PaceError(
-                    "cache: it holds a PACE state of another configuration; allowed: a fresh cache after apply_pace"
-                )
-            call = _Call(module, store)
-        token = _ACTIVE.set(call)
+        cfg: PaceConfig | None = model.__dict__.get(_CONFIG_ATTR)
+        taps = tuple(model.__dict__.get(_TAPS_ATTR, ()))
+        store = None
+        if cfg is not None:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            hidden_states = bound["hidden_states"] if "hidden_states" in bound else args[0]
+            cache = bound.get(cache_name)
+            if cache is None:
+                store = _new_store(model, cfg, hidden_states, layer_idx)
+            else:
+                store = get_state_store(cache)
+                if store is None:
+                    if cache.get_seq_length() > 0:
+                        raise PaceError("cache: it already holds the state of tokens run without PACE (a full-"
+                                        "precision state); allowed: a fresh cache after apply_pace")
+                    store = _new_store(model, cfg, hidden_states, None)
+                    _follow_cache(cache, store, cfg)
+                elif getattr(cache, _STORE_CONFIG_ATTR) != cfg:
+                    raise PaceError("cache: it holds a PACE state of another configuration; allowed: a fresh "
+                                    "cache after apply_pace")
+        token = _ACTIVE.set(_Call(module, store, taps))
         try:
             return original(*args, **kwargs)
         finally:
@@ -248,6 +260,10 @@ def _dispatcher(original, decode: bool):
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        for tap in call.taps:
+            tap(call.module, bound.arguments, decode)
+        if call.store is None:
+            return original(*args, **kwargs)
         return _run_pace(call, decode, bound.arguments)
 
     return core
@@ -279,8 +295,34 @@ def _release_dispatch(module_name: str) -> None:
     del _DISPATCH[module_name]
 
 
-def _patched(model: nn.Module) -> bool:
+def _wrapped(model: nn.Module) -> bool:
     return any(_ORIGINAL_ATTR in m.__dict__ for _, m in gdn_modules(model))
+
+
+def _hook(model: nn.Module) -> None:
+    """Wrap the GDN forwards and install the dispatcher (once per model)."""
+    if _wrapped(model):
+        return
+    for _, module in gdn_modules(model):
+        _install_dispatch(type(module).__module__)
+        _wrap_forward(model, module, module.forward)
+
+
+def _unhook_if_idle(model: nn.Module) -> None:
+    """Restore the original GDN layers once neither PACE nor a tap uses them."""
+    if model.__dict__.get(_CONFIG_ATTR) is not None or model.__dict__.get(_TAPS_ATTR):
+        return
+    for _, module in gdn_modules(model):
+        if _ORIGINAL_ATTR in module.__dict__:
+            _unwrap_forward(module)
+            _release_dispatch(type(module).__module__)
+
+
+def _modules_or_refuse(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    modules = gdn_modules(model)
+    if not modules:
+        raise PaceError(f"model: {type(model).__name__} has no Gated DeltaNet layers; allowed: a hybrid GDN model")
+    return modules
 
 
 def apply_pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tensor] | None = None) -> None:
@@ -291,9 +333,7 @@ def apply_pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tenso
     configuration it was filled with: caches from before a change are refused."""
     if not isinstance(cfg, PaceConfig):
         raise PaceError(f"cfg: {type(cfg).__name__} not allowed; allowed: a PaceConfig")
-    modules = gdn_modules(model)
-    if not modules:
-        raise PaceError(f"model: {type(model).__name__} has no Gated DeltaNet layers; allowed: a hybrid GDN model")
+    _modules_or_refuse(model)
     if _SHAPE_ATTR not in model.__dict__:
         model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
     cfg.validate_for(model.__dict__[_SHAPE_ATTR])
@@ -304,21 +344,31 @@ def apply_pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tenso
         raise PaceError("damp_rows: None not allowed for method 'damp'; allowed: one [HV, r] tensor per GDN layer")
     model.__dict__[_CONFIG_ATTR] = cfg
     model.__dict__[_DAMP_ATTR] = damp_rows
-    if _patched(model):
-        return
-    for _, module in modules:
-        _install_dispatch(type(module).__module__)
-        _wrap_forward(model, module, module.forward)
+    _hook(model)
 
 
 def remove_pace(model: nn.Module) -> None:
-    """Restore ``model``'s original GDN layers (no-op when PACE is not applied)."""
-    for _, module in gdn_modules(model):
-        if _ORIGINAL_ATTR in module.__dict__:
-            _unwrap_forward(module)
-            _release_dispatch(type(module).__module__)
+    """Restore ``model``'s original GDN layers (no-op when PACE is not applied; active taps stay)."""
     model.__dict__.pop(_CONFIG_ATTR, None)
     model.__dict__.pop(_DAMP_ATTR, None)
+    _unhook_if_idle(model)
+
+
+@contextlib.contextmanager
+def tapped(model: nn.Module, tap: Tap) -> Iterator[nn.Module]:
+    """Call ``tap`` (:data:`Tap`) with every core call of ``model``'s GDN layers inside the block, with
+    or without PACE; the calls then run as they would without the tap."""
+    _modules_or_refuse(model)
+    taps = model.__dict__.setdefault(_TAPS_ATTR, [])
+    taps.append(tap)
+    _hook(model)
+    try:
+        yield model
+    finally:
+        taps.remove(tap)
+        if not taps:
+            del model.__dict__[_TAPS_ATTR]
+        _unhook_if_idle(model)
 
 
 def current_config(model: nn.Module) -> PaceConfig | None:

@@ -8,7 +8,7 @@ for time). Variants, both through :func:`pace_core.model.patch.apply_pace` and
 :class:`pace_core.state_store.StateStore`:
 
 - ``bf16 per-token``: the named config ``bf16`` (dense bf16 state, read and written every token by
-  :func:`kernels.decode_step.dense_recurrent_step`);
+  :func:`kernels.recurrent_step.dense_recurrent_step`);
 - ``PACE-4 dP=8``: the named config ``pace-4`` (4-bit key-axis checkpoint, int8 buffer, the split
   step + flush kernels).
 
@@ -35,7 +35,7 @@ row: the GPU's busy time per token (the sum of the kernels' durations) and the t
 GPU time, i.e. where a graph's step spends its time, plus the store's finiteness check that eager
 steps run and graphs skip (about 0.3 ms per token at B = 128).
 
-Usage (on the GPU machine): ``python3 kernels/bench_e2e.py --out DIR``; writes ``DIR/bench_e2e.json``
+Usage (on the GPU machine): ``python3 kernels/bench/bench_e2e.py --out DIR``; writes ``DIR/bench_e2e.json``
 and ``DIR/bench_e2e.png`` and prints a table. ``--tiny --device cpu`` runs a small model on a CPU
 (a smoke run of the harness; the tests use it).
 """
@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pace_core.config import get_config  # noqa: E402
 from pace_core.model.patch import pace  # noqa: E402

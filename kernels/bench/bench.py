@@ -1,12 +1,12 @@
 """GDN decode-step benchmark on the GPU (issue 5): Qwen3.5-4B GDN shapes (24 GDN layers, 16 key heads,
 32 value heads, K = V = 128), batch 1..128, one decode token summed over the layers, for
 
-- per-token fp32 state and per-token bf16 state (:func:`kernels.decode_step.dense_recurrent_step`:
+- per-token fp32 state and per-token bf16 state (:func:`kernels.recurrent_step.dense_recurrent_step`:
   the whole state read and written every token),
 - buffered bf16 (dense bf16 checkpoint, bf16 buffer, dP = 8),
 - PACE-4 (4-bit key-axis g 64 symmetric checkpoint, int8 buffer, dP = 8),
 - PACE-4/8 (key-axis g 32 zero point, a quarter of the heads at 8 bits, mixed buffer, dP = 8)
-  (:func:`kernels.decode_step.buffered_decode_step`),
+  (each layer a :class:`pace_core.schedule.PeriodicState` on :class:`kernels.backend.TritonSteps`),
 - when flash-linear-attention is installed (carry the ``fla-core`` wheel), its
   ``fused_recurrent_gated_delta_rule`` per token, as transformers calls it for decode: its state is
   fp32 whatever the input (it allocates the final state in fp32), so it is the fla baseline for
@@ -21,14 +21,13 @@ length (512 tokens in the issue), so none is built.
 Bytes per token: see ``BYTES_MODEL``. Achieved bandwidth over the device-to-device copy bandwidth
 measured in the same run (bytes read + written) gives the fraction of HBM bandwidth.
 
-Usage (on the GPU machine): ``python3 kernels/bench.py --out DIR``; writes ``DIR/bench.json`` and
+Usage (on the GPU machine): ``python3 kernels/bench/bench.py --out DIR``; writes ``DIR/bench.json`` and
 ``DIR/bench.png`` and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import statistics
@@ -38,21 +37,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import quant_pack  # noqa: E402
-from kernels.decode_step import (  # noqa: E402
-    buffered_decode_step,
-    dense_recurrent_step,
-    launch_dots,
-    launch_flush,
-    launch_packed_step,
-    launch_records,
-    plan_decode,
-)
-from pace_core import quant  # noqa: E402
-from pace_core.buffer import DecodeBuffer, record_bytes  # noqa: E402
+from kernels.backend import TritonSteps  # noqa: E402
+from kernels.flush import launch_flush  # noqa: E402
+from kernels.packed_step import launch_dots, launch_packed_step, launch_records  # noqa: E402
+from kernels.recurrent_step import dense_recurrent_step  # noqa: E402
+from pace_core.buffer import record_bytes  # noqa: E402
+from pace_core.checkpoint import StateFormat  # noqa: E402
+from pace_core.config import get_config  # noqa: E402
 from pace_core.recurrence import prepare_qk  # noqa: E402
+from pace_core.schedule import PeriodicState  # noqa: E402
 
 LAYERS, H, HV, K, V, PERIOD = 24, 16, 32, 128, 128, 8
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -104,13 +99,24 @@ def _io_bytes(B: int) -> int:
     return 4 * B * (2 * H * K + HV * V + 2 * HV + HV * V)
 
 
-def _checkpoint(variant: str, S: torch.Tensor):
+def buffered_config(variant: str):
+    """The configuration of a buffered variant (PACE-4/8: every fourth head at 8 bits)."""
     if variant == "bf16 buffered dP=8":
-        return S.to(torch.bfloat16), "bf16"
+        return get_config("bf16").replace(name="bf16 buffered", decode_period=PERIOD, buffer="bf16")
     if variant == "PACE-4 dP=8":
-        return quant_pack.quantize(S, quant.QuantSpec(4, True, "key", 64)), "int8"
-    bits = [8 if h % 4 == 0 else 4 for h in range(HV)]
-    return quant_pack.quantize_heads(S, bits, quant.QuantSpec(4, False, "key", 32)), "mixed"
+        return get_config("pace-4")
+    return get_config("pace-4-8").replace(high_heads=(tuple(range(0, HV, 4)),))
+
+
+def _layer_state(variant: str, S: torch.Tensor) -> PeriodicState:
+    """One layer's state of a buffered variant: ``S`` stored in its format, an empty buffer of dP records."""
+    cfg = buffered_config(variant)
+    fmt = StateFormat(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
+    steps = TritonSteps()
+    st = PeriodicState(fmt, steps, (S.shape[0], H, HV, K, V), S.device, prefill_period=256, decode_period=PERIOD,
+                       buffer_precision=cfg.buffer)
+    st.set_checkpoint(steps.store(fmt, S))
+    return st
 
 
 def _ckpt_bytes(ckpt) -> int:
@@ -139,12 +145,6 @@ def configs(variant: str) -> list[dict]:
     return [{"BK": 64, "num_warps": 4}, {"BK": 64, "num_warps": 8}, {"BK": 128, "num_warps": 8}]
 
 
-def _tuned(plan, config: dict):
-    if plan.split:
-        return dataclasses.replace(plan, meta={**plan.meta, **config})
-    return dataclasses.replace(plan, meta={**plan.meta, "BK": min(config["BK"], K), "num_warps": config["num_warps"]})
-
-
 def build(variant: str, B: int, device: torch.device):
     """Each layer's state, inputs and output, and the bytes moved per token (all layers)."""
     layers = []
@@ -161,11 +161,10 @@ def build(variant: str, B: int, device: torch.device):
             layers.append(("dense", state, inputs, out))
             bytes_per_token += 2 * state.numel() * state.element_size() + _io_bytes(B)
         else:
-            ckpt, precision = _checkpoint(variant, S)
-            buf = DecodeBuffer(B, H, HV, K, V, PERIOD, precision, device)
-            layers.append(("buffered", (ckpt, buf, plan_decode(ckpt, buf)), inputs, out))
-            rec = B * record_bytes(precision, H, HV, K, V)
-            cb = _ckpt_bytes(ckpt)
+            st = _layer_state(variant, S)
+            layers.append(("buffered", st, inputs, out))
+            rec = B * record_bytes(st.buffer.precision, H, HV, K, V)
+            cb = _ckpt_bytes(st.checkpoint)
             bytes_per_token += (cb + cb / PERIOD + rec * ((PERIOD - 1) / PERIOD + (PERIOD - 1) / 2)
                                 + _io_bytes(B))
     return layers, bytes_per_token
@@ -181,10 +180,10 @@ def run_period(layers: list, config: dict) -> None:
                 o, state[0] = fla_recurrent(q, k, v, g=g, beta=beta, scale=1.0, initial_state=state[0],
                                             output_final_state=True)  # q prepared: already scaled
                 out.copy_(o[:, 0])
-            else:
-                ckpt, buf, plan = state
-                buffered_decode_step(ckpt, buf, q, k, v, g, beta, PERIOD, out=out, plan=_tuned(plan, config),
-                                     check_finite=False)
+            else:  # the schedule flushes after the period's last token
+                if state.steps.launch != config:
+                    state.steps = TritonSteps(config)
+                out.copy_(state.decode(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None])[:, 0])
 
 
 def time_graph(work, reps: int) -> list[float]:
@@ -222,30 +221,34 @@ def split_breakdown(layers: list, config: dict, reps: int) -> dict:
     dots kernel and the record kernel with dP / 2 records buffered (the token's record written into
     the free slot, not counted), and the flush kernel with dP records. The one-kernel step is None
     where the heads are too narrow for it (``plan.meta["fusable"]``)."""
+    # one launch plan per layer and setting, made before any capture (a plan reads the head map off the GPU)
+    tuned = [TritonSteps(config).plan(st) for _, st, _, _ in layers]
+    fused = [TritonSteps({**config, "fused_step": True}).plan(st) for _, st, _, _ in layers]
+
     def fill(n: int) -> None:
-        for _, (_, buf, _), (_, k, v, g, _), _ in layers:
-            buf.clear()
+        for _, st, (_, k, v, g, _), _ in layers:
+            st.buffer.clear()
             for _ in range(n):
-                buf.append(k, v * 0.1, g)
+                st.buffer.append(k, v * 0.1, g)
 
     def dots() -> None:
-        for _, (_, _, plan), (q, k, _, _, _), _ in layers:
-            launch_dots(_tuned(plan, config), q, k)
+        for plan, (_, _, (q, k, _, _, _), _) in zip(tuned, layers):
+            launch_dots(plan, q, k)
 
     def records() -> None:
-        for _, (_, buf, plan), (q, k, v, g, beta), out in layers:
-            launch_records(_tuned(plan, config), buf, q, k, v, g, beta, out)
+        for plan, (_, st, (q, k, v, g, beta), out) in zip(tuned, layers):
+            launch_records(plan, st.buffer, q, k, v, g, beta, out)
 
     def step() -> None:
-        for _, (_, buf, plan), (q, k, v, g, beta), out in layers:
-            launch_packed_step(_tuned(plan, {**config, "fused_step": True}), buf, q, k, v, g, beta, out)
+        for plan, (_, st, (q, k, v, g, beta), out) in zip(fused, layers):
+            launch_packed_step(plan, st.buffer, q, k, v, g, beta, out)
 
     def flushes() -> None:
-        for _, (_, buf, plan), _, _ in layers:
-            launch_flush(_tuned(plan, config), buf)
+        for plan, (_, st, _, _) in zip(tuned, layers):
+            launch_flush(plan, st.buffer)
 
     fill(PERIOD // 2)
-    fusable = all(plan.meta["fusable"] for _, (_, _, plan), _, _ in layers)
+    fusable = all(plan.meta["fusable"] for plan in tuned)
     out = {"step_seconds": statistics.median(time_graph(step, reps)) if fusable else None,
            "dots_seconds": statistics.median(time_graph(dots, reps)),
            "records_seconds": statistics.median(time_graph(records, reps))}

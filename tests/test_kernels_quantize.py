@@ -1,4 +1,4 @@
-"""kernels.quant_pack (Triton, run by the interpreter on CPU) against pace_core.quant: bit-identical
+"""kernels.quantize (Triton, run by the interpreter on CPU) against pace_core.quant: bit-identical
 codes, fp16 scales, zero points and dequantised values; outputs poisoned before each launch."""
 
 from __future__ import annotations
@@ -7,14 +7,17 @@ import pytest
 import torch
 
 from pace_core import quant
+from pace_core.backend import REFERENCE
+from pace_core.checkpoint import StateFormat
+from pace_core.config import get_config
 from pace_core.errors import PaceError
 from kernels_support import SIZES, kernel_modules
 
 pytestmark = pytest.mark.numerics
 
 KERNELS = kernel_modules()
-qp = KERNELS["quant_pack"]
-dispatch = KERNELS["dispatch"]
+qp = KERNELS["quantize"]
+steps = KERNELS["backend"].TritonSteps()
 
 
 def _state(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -152,13 +155,16 @@ def test_bad_inputs_raise() -> None:
         qp.quantize_heads(torch.randn(1, 3, 16, 16), [2, 4, 8], spec)
 
 
-def test_dispatch_backends_agree() -> None:
-    spec = quant.QuantSpec(4, True, "key", SIZES["GROUP"])
+@pytest.mark.parametrize("high_heads", [None, (1, 3)])
+def test_backend_stores_and_loads_like_the_reference(high_heads) -> None:
+    """The Triton backend's store and load of a layer's format (pace_core.checkpoint) are bit-identical to
+    the reference's, with one bit width and with two."""
     x = _state((2, 4, *SIZES["QUANT_SHAPE"][2:]))
-    assert dispatch.use_kernels(x.device) == (x.device.type == "cuda") and dispatch.use_kernels(x.device, "triton")
-    assert not dispatch.use_kernels(x.device, "reference")
-    _assert_packed_equal(dispatch.quantize(x, spec, "triton"), dispatch.quantize(x, spec))
-    m = dispatch.quantize_heads(x, [4, 8, 4, 8], spec, "triton")
-    assert torch.equal(dispatch.dequantize(m, backend="triton"), dispatch.dequantize(m, backend="reference"))
-    with pytest.raises(PaceError, match="backend"):
-        dispatch.use_kernels(x.device, "cuda")
+    cfg = get_config("pace-4-8" if high_heads else "pace-4").replace(group_size=SIZES["GROUP"], high_heads=(
+        high_heads,) if high_heads else None)
+    fmt = StateFormat(cfg, cfg.head_bits(0, 4))
+    got, ref = steps.store(fmt, x), REFERENCE.store(fmt, x)
+    assert type(got) is type(ref)
+    for b, part in ({cfg.bits: ref} if high_heads is None else ref.parts).items():
+        _assert_packed_equal(got if high_heads is None else got.parts[b], part)
+    assert torch.equal(steps.load(fmt, got), REFERENCE.load(fmt, ref))

@@ -1,6 +1,6 @@
 """Train, evaluate and export the embedded default model (a small Qwen3.5-architecture hybrid).
 
-Commands (``python -m pace_core.train ...``):
+Commands (``python scripts/train/train.py ...``, from the repository root):
 
 ``prepare --out DIR``
     Train the byte-level BPE tokenizer on the training text and write token ids as uint16
@@ -28,7 +28,8 @@ Commands (``python -m pace_core.train ...``):
     ``--warmup-steps``.
 
 ``bpb --model DIR --text FILE [--window W --stride S]``
-    Bits per byte of a text under a saved model in fp32 (sliding window, see ``bits_per_byte``).
+    Bits per byte of a text under a saved model in fp32: :func:`pace_core.analysis.quality.perplexity`'s
+    sliding windows, as ``python -m pace_core perplexity`` measures every configuration.
 
 ``generate --model DIR --prompt TEXT [--new-tokens N]``
     Greedy continuation of a prompt.
@@ -60,10 +61,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
-from pace_core.errors import PaceError
-from pace_core.tokenizer_train import EOS_TOKEN, save_tokenizer, train_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: pace_core
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from pace_core.errors import PaceError  # noqa: E402
+from scripts.train.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "corpus"
 TRAIN_FILES = ("tinyshakespeare.txt", "python311-docs.txt")
 VALID_FILE = "wikitext2-valid.txt"
@@ -520,57 +523,6 @@ def train(args: TrainArgs) -> dict:
 
 
 @torch.no_grad()
-def bits_per_byte(model: PreTrainedModel, tokenizer, text: str, window: int = 1024, stride: int = 512, batch_size: int = 4) -> dict:
-    """Bits per UTF-8 byte of ``text`` under ``model`` (in the model's dtype and device), sliding window.
-
-    The ids are ``<|endoftext|>`` followed by the ids of the whole text. Windows of ``window`` tokens
-    start every ``stride`` tokens; the first window scores all its predictions, every later one only
-    the predictions of the tokens not scored before (its last ``stride``), so every text token is
-    scored exactly once with at least ``window - stride`` tokens of context (fewer only at the start).
-    bpb = (sum of -ln p over the text's tokens) / ln 2 / (UTF-8 bytes of the text): the byte-level
-    BPE is lossless, so the tokens cover exactly the text's bytes.
-    """
-    if not 0 < stride <= window:
-        raise PaceError(f"stride must be in [1, window={window}], got {stride}")
-    device = next(model.parameters()).device
-    ids = torch.tensor([tokenizer.convert_tokens_to_ids(EOS_TOKEN)] + encode(tokenizer, text))
-    spans = []  # (begin, end, first scored target index)
-    scored_to = 1
-    begin = 0
-    while scored_to < ids.numel():
-        end = min(begin + window, ids.numel())
-        spans.append((begin, end, scored_to))
-        scored_to = end
-        begin += stride
-    was_training = model.training
-    model.eval()
-    nll = torch.zeros((), dtype=torch.float64)
-    for i in range(0, len(spans), batch_size):
-        group = spans[i : i + batch_size]
-        width = max(e - b for b, e, _ in group)
-        inputs = torch.full((len(group), width), int(ids[0]), dtype=torch.long)
-        for row, (b, e, _) in enumerate(group):
-            inputs[row, : e - b] = ids[b:e]
-        logp = torch.log_softmax(model(input_ids=inputs.to(device)).logits.float(), dim=-1).cpu()
-        for row, (b, e, first) in enumerate(group):
-            targets = ids[first:e]
-            pred = logp[row, first - 1 - b : e - 1 - b]
-            nll -= pred.gather(1, targets[:, None]).double().sum()
-    model.train(was_training)
-    n_bytes = len(text.encode("utf-8"))
-    n_tokens = ids.numel() - 1
-    total = nll.item()
-    return {
-        "bits_per_byte": total / math.log(2) / n_bytes,
-        "token_perplexity": math.exp(total / n_tokens),
-        "tokens": n_tokens,
-        "bytes": n_bytes,
-        "window": window,
-        "stride": stride,
-    }
-
-
-@torch.no_grad()
 def greedy_generate(model: PreTrainedModel, tokenizer, prompt: str, new_tokens: int = 48) -> str:
     """The greedy continuation (argmax decoding) of ``prompt``, without the prompt."""
     ids = torch.tensor([[tokenizer.convert_tokens_to_ids(EOS_TOKEN)] + encode(tokenizer, prompt)])
@@ -663,7 +615,7 @@ def export(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path) -> di
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pace_core.train", description="train the embedded model")
+    parser = argparse.ArgumentParser(prog="python scripts/train/train.py", description="train the embedded model")
     for field in dataclasses.fields(TrainArgs):
         flag = "--" + field.name.replace("_", "-")
         kind = {"int": int, "float": float, "str": str}[str(field.type).split(" |")[0]]
@@ -682,7 +634,7 @@ def main(argv: list[str] | None = None) -> None:
         log = train(TrainArgs(**vars(_train_parser().parse_args(rest))))
         print(json.dumps({k: log.get(k) for k in ("best", "stop_reason", "final_step", "tokens_seen", "run_seconds", "gdn_kernel")}))
         return
-    parser = argparse.ArgumentParser(prog=f"python -m pace_core.train {command}")
+    parser = argparse.ArgumentParser(prog=f"python scripts/train/train.py {command}")
     if command == "prepare":
         parser.add_argument("--out", required=True)
         parser.add_argument("--corpus", default=str(DEFAULT_CORPUS))
@@ -705,12 +657,16 @@ def main(argv: list[str] | None = None) -> None:
             parser.add_argument("--prompt", required=True)
             parser.add_argument("--new-tokens", type=int, default=48)
         a = parser.parse_args(rest)
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(a.model)
         if command == "bpb":
-            text = Path(a.text).read_text(encoding="utf-8")
-            print(json.dumps(bits_per_byte(model, tokenizer, text, a.window, a.stride)))
+            from pace_core.analysis.quality import perplexity
+            from pace_core.model.loading import load_model
+
+            row = perplexity(load_model(a.model), {}, a.text, window=a.window, stride=a.stride).iloc[0]
+            print(json.dumps({k: row[k] for k in ("bpb", "ppl", "nll", "tokens")} | {"window": a.window,
+                                                                                    "stride": a.stride}, default=float))
         else:
+            model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(a.model)
             print(greedy_generate(model, tokenizer, a.prompt, a.new_tokens))
 
 

@@ -6,7 +6,7 @@ Runs ``tests/test_kernels_quant.py`` and ``tests/test_kernels_decode.py`` with
 (γ = 2 and 3), K = V = 128, dP = 8, P = 128 (see ``tests/kernels_support.py``). The tests' conftest is
 not loaded (it builds tiny transformers checkpoints the kernels do not need).
 
-Usage (on the GPU machine, from the repository root): ``python3 kernels/gpu_check.py``; exit status
+Usage (on the GPU machine, from the repository root): ``python3 kernels/bench/gpu_check.py``; exit status
 is pytest's.
 """
 
@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = ("tests/test_kernels_quant.py", "tests/test_kernels_decode.py")
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ("tests/test_kernels_quantize.py", "tests/test_kernels_decode.py")
 
 
 def main() -> int:

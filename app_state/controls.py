@@ -1,0 +1,285 @@
+"""The sidebar's controls and their URL schema: every PACE setting is a control whose value lives in
+``st.session_state`` and is mirrored into ``st.query_params``, so a link reproduces the view. URL values are
+validated when read: a bad value is named in a warning and replaced by the value of the named configuration.
+The validated configuration of the controls is :func:`current_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import streamlit as st
+import torch
+
+from pace_core.config import NAMED_CONFIGS, PaceConfig, config_to_json, get_config
+from pace_core.errors import PaceError
+
+DEFAULT_PRESET = "pace-4"
+
+
+@dataclass(frozen=True)
+class Control:
+    """One sidebar control: URL key, PaceConfig field, the allowed values and the help text."""
+
+    key: str
+    field: str
+    label: str
+    help: str
+    options: tuple[Any, ...]
+    fmt: Callable[[Any], str] = str
+
+    def parse(self, raw: str) -> Any:
+        """URL text -> value; raises PaceError naming the URL key and the allowed values."""
+        for option in self.options:
+            if raw == url_text(option):
+                return option
+        allowed = ", ".join(url_text(o) for o in self.options)
+        raise PaceError(f"URL parameter '{self.key}' = {raw!r} is not allowed; allowed: {allowed}")
+
+
+def url_text(value: Any) -> str:
+    """The URL spelling of a control value (booleans as 1/0, floats without trailing zeros)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _share(x: float) -> str:
+    return f"{x:.0%}" if x in (0.0, 1.0) else f"{x:.1%}".replace(".0%", "%")
+
+
+METHOD_HELP = {
+    "none": "no quantisation: the checkpoint is kept in the reference dtype (fp32 or bf16)",
+    "rtn": "round-to-nearest integer state (the paper's uniform baseline)",
+    "pace": "PACE: key-axis (channel-aligned) groups, periodic rounding, decode buffer",
+    "damp": "DAMP-style: 16 outlier key rows in fp16, Hadamard on the rest [ours]",
+    "dsq": "Q-Mamba DSQ: decoupled row and column fp16 scales",
+}
+
+
+CONTROLS: tuple[Control, ...] = (
+    Control("method", "method", "Method",
+            "How the recurrent state is stored between roundings. " + "; ".join(
+                f"**{k}**: {v}" for k, v in METHOD_HELP.items()),
+            ("none", "rtn", "pace", "damp", "dsq")),
+    Control("ref", "reference_dtype", "Reference dtype (method none)",
+            "Storage dtype of the checkpoint when quantisation is off: the 'rounding' at each "
+            "period end is the cast to this dtype (identity for float32).",
+            ("float32", "bfloat16")),
+    Control("bits", "bits", "State bits (bits/value)",
+            "Bit width b of the integer codes of the low-precision heads (spec §2). Symmetric codes "
+            "lie in [−(2^(b−1)−1), 2^(b−1)−1]; zero-point codes in [0, 2^b−1]. 2–4 bits are packed "
+            "two codes per byte.", tuple(range(2, 9))),
+    Control("dp", "decode_period", "Decode period dP (tokens)",
+            "The state is rounded once every dP generated tokens (spec §3). In between, the rounded "
+            "checkpoint Ŝ stays fixed and each token's (k_t, u_t, g_t) goes into the decode buffer "
+            "[ours: u_t instead of v_t makes the buffered path exact]. dP = 1 is per-token rounding.",
+            tuple(range(1, 65))),
+    Control("pp", "prefill_period", "Prefill period P (tokens)",
+            "The prompt is split into P-token segments; each segment runs from the dequantised state "
+            "and its final state is rounded (spec §3; the paper fixes P = 256, the kernel chunk).",
+            (16, 32, 64, 128, 256, 512, 1024, 2048)),
+    Control("axis", "group_axis", "Group axis",
+            "**key** [seed]: a group is g consecutive key rows of one value column S[k0:k0+g, j], so an "
+            "outlier column widens only its own step. **value** (baseline): S[i, j0:j0+g].",
+            ("key", "value")),
+    Control("g", "group_size", "Group size g (values)",
+            "Entries sharing one fp16 scale (and zero point). Must divide the head dimension along "
+            "the group axis (128 on Qwen3.5).", (8, 16, 32, 64, 128)),
+    Control("sym", "symmetric", "Symmetric (no zero point)",
+            "On: scale = amax / qmax, no zero point. Off: scale = (max − min)/(2^b − 1) with an "
+            "integer zero point stored in b bits (PACE-4/8 uses a zero point).", (True, False)),
+    Control("buf", "buffer", "Decode buffer precision",
+            "Precision of the buffered (k_t, u_t) records between roundings: int8 (PACE-4, uniform "
+            "configs), mixed = keys 4-bit + values bf16 (PACE-4/8), bf16/fp32 as references [seed]. "
+            "Integer buffers use per-vector fp16 scales [ours].", ("fp32", "bf16", "int8", "mixed")),
+    Control("pad", "prefill_after_decode", "Prompt after decoded tokens",
+            "[ours] (the spec is silent) How a prompt that follows decoded tokens starts, e.g. a user's next "
+            "turn: **flush** folds the buffered records into the checkpoint and rounds it first (one extra "
+            "rounding, off the dP grid); **carry** runs the prompt from the exact state (checkpoint plus "
+            "buffer, not rounded), so its first rounding ends its first P-token segment. It is part of the "
+            "exported configuration; this app's views run one prompt and then decode, so they do not change "
+            "with it.", ("flush", "carry")),
+    Control("hi", "high_share", "Share of 8-bit heads",
+            "PACE-4/8 (spec §4): in each layer this share of value heads, those with the largest "
+            "retained error E_h = e_h / (1 − a_h^(2·dP)), keep high_bits (8). [ours] a_h = mean decay "
+            "on calibration text, e_h = mean rounding error energy of calibration states.",
+            (0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0), _share),
+)
+
+
+CONTROL_BY_KEY = {c.key: c for c in CONTROLS}
+
+
+QUANT_ONLY_KEYS = frozenset({"bits", "axis", "g", "sym", "hi"})
+
+
+EMBEDDED, LOCAL, HUB = "Embedded", "Local path", "Hub id"
+
+
+MODEL_KINDS = (EMBEDDED, LOCAL, HUB)
+
+
+def device_options() -> tuple[str, ...]:
+    """Devices this host offers: cpu, plus cuda when a CUDA device is visible."""
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def preset_values(name: str) -> dict[str, Any]:
+    """Control values (by URL key) of a named configuration."""
+    cfg = get_config(name)
+    return {c.key: getattr(cfg, c.field) for c in CONTROLS}
+
+
+def _closest(control: Control, value: Any) -> Any:
+    """A preset value mapped onto the control's options (e.g. dP 128 beyond the slider range)."""
+    if value in control.options:
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return min(control.options, key=lambda o: abs(o - value))
+    return control.options[0]
+
+
+def apply_preset(name: str) -> None:
+    """Set every control of the session to the values of named configuration `name`."""
+    for key, value in preset_values(name).items():
+        st.session_state[key] = _closest(CONTROL_BY_KEY[key], value)
+
+
+def bind(key: str) -> str:
+    """The widget key of setting `key`, loaded with the setting's value.
+
+    Settings live under their own keys; each widget gets a copy every run (and `sync` copies a
+    change back), so the values survive page switches, where streamlit drops widget state.
+    """
+    st.session_state[f"w_{key}"] = st.session_state[key]
+    return f"w_{key}"
+
+
+def sync(key: str) -> None:
+    """on_change callback of a bound widget: store its new value as the setting `key`."""
+    st.session_state[key] = st.session_state[f"w_{key}"]
+
+
+def on_preset_change() -> None:
+    """Callback of the 'Start from' select: load the chosen named configuration into the controls."""
+    sync("preset")
+    apply_preset(st.session_state["preset"])
+
+
+def read_url_once() -> list[str]:
+    """On a session's first run, take preset, model, device and every control from the URL.
+
+    Returns the problems found (each names the URL parameter and the allowed values); the bad
+    values fall back to the named configuration's values.
+    """
+    if st.session_state.get("_url_read"):
+        return []
+    problems: list[str] = []
+    qp = st.query_params
+    preset = qp.get("preset", DEFAULT_PRESET)
+    if preset not in NAMED_CONFIGS:
+        problems.append(f"URL parameter 'preset' = {preset!r} is not a named configuration; "
+                        f"allowed: {', '.join(NAMED_CONFIGS)}. Using {DEFAULT_PRESET}.")
+        preset = DEFAULT_PRESET
+    st.session_state["preset"] = preset
+    apply_preset(preset)
+    for control in CONTROLS:
+        raw = qp.get(control.key)
+        if raw is None:
+            continue
+        try:
+            st.session_state[control.key] = control.parse(raw)
+        except PaceError as err:
+            problems.append(f"{err}. Using {url_text(st.session_state[control.key])} from {preset}.")
+    source = qp.get("model", "").strip()
+    st.session_state["model_text"] = source
+    if not source:
+        st.session_state["model_kind"] = EMBEDDED
+    elif Path(source).expanduser().exists() or source.startswith(("/", ".", "~")):
+        st.session_state["model_kind"] = LOCAL
+    else:
+        st.session_state["model_kind"] = HUB
+    device = qp.get("device", "cpu")
+    if device not in device_options():
+        problems.append(f"URL parameter 'device' = {device!r} is not available here; allowed: "
+                        f"{', '.join(device_options())}. Using cpu.")
+        device = "cpu"
+    st.session_state["device"] = device
+    st.session_state["_url_read"] = True
+    return problems
+
+
+def current_config() -> PaceConfig:
+    """The validated PaceConfig of the sidebar controls (PaceError when the combination is invalid)."""
+    fields = {c.field: st.session_state[c.key] for c in CONTROLS}
+    if fields["method"] == "none":
+        fields["bits"] = 32 if fields["reference_dtype"] == "float32" else 16
+    base = get_config(st.session_state["preset"])
+    changed = {k: v for k, v in fields.items() if getattr(base, k) != v}
+    cfg = base.replace(name="custom", **changed) if changed else base
+    stored = st.session_state.get("allocation")
+    if stored is not None and cfg.high_share > 0 and stored[0] == allocation_key(cfg):
+        cfg = cfg.replace(high_heads=stored[1])
+    return cfg
+
+
+def allocation_key(cfg: PaceConfig) -> str:
+    """What a head allocation depends on: the model and every setting except name, the heads and what
+    happens to a prompt after decoded tokens."""
+    return model_source() + "|" + config_to_json(cfg.replace(name="custom", high_heads=None,
+                                                             prefill_after_decode="flush"))
+
+
+def set_allocation(cfg: PaceConfig, high_heads: tuple[tuple[int, ...], ...]) -> None:
+    """Attach calibrated 8-bit heads to the sidebar configuration while its settings stay as they are."""
+    st.session_state["allocation"] = (allocation_key(cfg), tuple(tuple(h) for h in high_heads))
+
+
+def outside_controls(cfg: PaceConfig) -> list[str]:
+    """The settings of `cfg` that no sidebar control offers (e.g. dP 128), as 'label = value'; loading
+    `cfg` into the sidebar moves them to the nearest offered value."""
+    return [f"{c.label} = {url_text(getattr(cfg, c.field))}" for c in CONTROLS
+            if getattr(cfg, c.field) not in c.options]
+
+
+def load_config(cfg: PaceConfig) -> None:
+    """Callback: put an imported configuration into the sidebar controls (and its 8-bit heads)."""
+    if cfg.name in NAMED_CONFIGS:
+        st.session_state["preset"] = cfg.name
+    for control in CONTROLS:
+        st.session_state[control.key] = _closest(control, getattr(cfg, control.field))
+    if cfg.high_heads is not None:
+        set_allocation(cfg, cfg.high_heads)
+
+
+def fallback_config() -> PaceConfig:
+    """The named configuration the controls started from (used while the controls are invalid)."""
+    return get_config(st.session_state["preset"])
+
+
+def model_source() -> str:
+    """The sidebar's model: '' for the embedded default, else a local folder or hub id."""
+    if st.session_state.get("model_kind", EMBEDDED) == EMBEDDED:
+        return ""
+    return st.session_state.get("model_text", "").strip()
+
+
+def write_url() -> None:
+    """Mirror preset, model, device and every control into the URL (shareable link)."""
+    params = {"preset": st.session_state["preset"]}
+    if model_source():
+        params["model"] = model_source()
+    params["device"] = st.session_state["device"]
+    params.update({c.key: url_text(st.session_state[c.key]) for c in CONTROLS})
+    if dict(st.query_params) != params:
+        st.query_params.from_dict(params)
+
+
+def config_key(cfg: PaceConfig) -> str:
+    """A stable hashable key of a configuration for st.cache_data."""
+    return config_to_json(cfg)

@@ -1,0 +1,96 @@
+"""The page frame: page configuration, the shared sidebar (model, device, named configuration and every
+setting), and the page body run so that a failure is shown as a message and the app keeps running.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import streamlit as st
+import torch
+
+from app_state.controls import (CONTROLS, MODEL_KINDS, NAMED_CONFIGS, QUANT_ONLY_KEYS, EMBEDDED, LOCAL, bind,
+                                current_config, device_options, fallback_config, on_preset_change, read_url_once,
+                                sync, write_url)
+from pace_core.config import PaceConfig
+from pace_core.errors import PaceError
+
+def sidebar() -> PaceConfig:
+    """The shared sidebar: model, device, starting configuration and every setting (mirrored into
+    the URL); returns the validated configuration (the named one while the controls are invalid)."""
+    url_problems = read_url_once()
+    for problem in url_problems:
+        st.warning(problem, icon=":material/link:")
+    with st.sidebar:
+        st.subheader("Model")
+        st.radio("Source", MODEL_KINDS, key=bind("model_kind"), horizontal=True,
+                 on_change=sync, args=("model_kind",),
+                 help="The embedded model ships in data/models (a small Qwen3.5-architecture hybrid "
+                      "trained by this project); or any Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoint by "
+                      "local folder or Hugging Face hub id.")
+        if st.session_state["model_kind"] != EMBEDDED:
+            st.text_input("Local folder" if st.session_state["model_kind"] == LOCAL else "Hub id",
+                          key=bind("model_text"), on_change=sync, args=("model_text",),
+                          placeholder="/path/to/checkpoint" if
+                          st.session_state["model_kind"] == LOCAL else "Qwen/Qwen3.5-4B")
+        st.selectbox("Device", device_options(), key=bind("device"),
+                     on_change=sync, args=("device",),
+                     help="Where the model runs for the live views (cuda when a GPU is visible).")
+        st.subheader("Configuration")
+        st.selectbox("Start from", list(NAMED_CONFIGS), key=bind("preset"),
+                     on_change=on_preset_change,
+                     help="A named configuration of spec §6. It only sets the controls below; every "
+                          "setting stays adjustable.")
+        method = st.session_state["method"]
+        quantised = method != "none"
+        for control in CONTROLS:
+            common = dict(key=bind(control.key), help=control.help, on_change=sync,
+                          args=(control.key,), disabled=(control.key == "ref") == quantised or (
+                              control.key in QUANT_ONLY_KEYS and not quantised))
+            if isinstance(control.options[0], bool):
+                st.toggle(control.label, **common)
+            elif len(control.options) <= 5:
+                st.selectbox(control.label, control.options, format_func=control.fmt, **common)
+            else:
+                st.select_slider(control.label, control.options, format_func=control.fmt, **common)
+        try:
+            cfg = current_config()
+        except PaceError as err:
+            cfg = fallback_config()
+            st.error(f"These settings do not form a valid configuration: {err}. The views use "
+                     f"'{cfg.name}' until you change them.")
+        st.caption(f"Active: **{cfg.name}** · the link in the address bar reproduces this view")
+    write_url()
+    return cfg
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """A device or host allocation failure (torch raises plain RuntimeErrors on the CPU)."""
+    text = str(err)
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
+
+
+def run_page(body: Callable[[PaceConfig], None]) -> None:
+    """Run one page: page config, the shared sidebar, then `body(cfg)`.
+
+    A PaceError or any other exception of the page is shown as st.error with what to do; the app
+    keeps running. (Each page calls this itself, so a page also works when streamlit runs its file
+    directly, as it does for a deep link on a fresh server because the folder is named pages/.)
+    """
+    st.set_page_config(page_title="PACE Studio", page_icon=":material/calculate:", layout="wide")
+    cfg = sidebar()
+    try:
+        body(cfg)
+    except PaceError as err:
+        st.error(f"{err}\n\nChange the named setting in the sidebar (or the input on this page) and the "
+                 "page recomputes.", icon=":material/warning:")
+    except Exception as err:  # a page failure must not take the app down: report it, keep going
+        if _out_of_memory(err):
+            st.error(f"Out of memory on {st.session_state.get('device', 'the device')}: "
+                     f"{str(err).partition(chr(10))[0]}\n\nAsk for less at once on this page (fewer tokens, steps, "
+                     "sequences or configurations), or pick a smaller model or another device in the sidebar; "
+                     "what was computed before is kept.", icon=":material/memory:")
+            return
+        st.error(f"This page failed: {type(err).__name__}: {err}\n\nTry another configuration or model; "
+                 "if it persists, please report it with the link in the address bar.", icon=":material/error:")

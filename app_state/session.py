@@ -1,0 +1,98 @@
+"""The session's model: loading the sidebar's checkpoint once per source and device (cached), and a failed
+load shown with what to do and tried again only after a while or once its folder changes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import streamlit as st
+
+from app_state.controls import EMBEDDED, model_source
+from pace_core.errors import PaceError
+
+LOAD_RETRY_S = 60  # a model that failed to load is tried again after this long (a hub id offline takes ~30 s)
+
+
+def model_label() -> str:
+    """Human name of the sidebar's model for captions and provenance."""
+    return model_label_of(model_source())
+
+
+def model_label_of(source: str) -> str:
+    """Human name of a model source ('' = the embedded model)."""
+    return source or f"embedded ({embedded_model_dir().name})"
+
+
+def embedded_model_dir() -> Path:
+    """Folder of the embedded default model (pace_core.model.loading.DEFAULT_MODEL_DIR)."""
+    from pace_core.model.loading import DEFAULT_MODEL_DIR
+
+    return Path(DEFAULT_MODEL_DIR)
+
+
+@st.cache_resource(show_spinner=False, max_entries=2)
+def _load_model(source: str, device: str):
+    from pace_core.model.loading import load_model
+
+    return load_model(source or None, device=device)
+
+
+def loaded_model(*, stop: bool = True):
+    """The sidebar's model (cached per source and device) as a pace_core LoadedModel.
+
+    When it cannot be loaded the page shows what to do and stops (stop=False: returns None instead,
+    for pages that have more to show).
+    """
+    loaded = _try_load_model()
+    if loaded is None and stop:
+        st.stop()
+    return loaded
+
+
+def _folder_stamp(source: str) -> tuple[int | None, int | None]:
+    """When a local folder and its config.json last changed (None where absent, e.g. a hub id): a folder
+    fixed after a failed load is loaded again at once."""
+    def stamp(path: Path) -> int | None:
+        try:
+            return path.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    folder = Path(source).expanduser()
+    return (stamp(folder), stamp(folder / "config.json")) if source else (None, None)
+
+
+def _try_load_model():
+    """Load the sidebar's model, or show what to do and return None."""
+    source, device = model_source(), st.session_state["device"]
+    if not source and st.session_state.get("model_kind") != EMBEDDED:
+        st.info("Enter a local folder or hub id in the sidebar to load a model.", icon=":material/arrow_back:")
+        return None
+    if not source and not embedded_model_dir().joinpath("config.json").exists():
+        st.error(f"The embedded model is not in {embedded_model_dir()} yet. Train it with "
+                 "`python -m pace_core.train` (see README), or pick a local folder / hub id of a "
+                 "Qwen3.5, Qwen3.6 or Qwen3-Next checkpoint in the sidebar.", icon=":material/folder_open:")
+        return None
+    failures = st.session_state.setdefault("_load_failures", {})
+    attempt = (source, device, _folder_stamp(source))
+    failed = failures.get(attempt)
+    if failed is not None and time.monotonic() - failed[1] < LOAD_RETRY_S:
+        st.error(failed[0], icon=":material/folder_open:")
+        return None
+    try:
+        with st.spinner(f"Loading {model_label()} on {device}…"):
+            return _load_model(source, device)
+    except (PaceError, OSError) as err:
+        message = (f"Could not load model {model_label()!r}: {err}\n\nCheck the path or hub id (no hub is "
+                   "reachable offline) or switch back to the embedded model. (The same source is tried again "
+                   f"after {LOAD_RETRY_S} s or once its folder changes, not on every change of a setting.)")
+        failures[attempt] = (message, time.monotonic())
+        st.error(message, icon=":material/folder_open:")
+        return None
+
+
+def token_count(loaded, text: str) -> int:
+    """Number of tokens of `text` under the loaded tokenizer (no special tokens)."""
+    return len(loaded.tokenizer(text, add_special_tokens=False)["input_ids"]) if text.strip() else 0

@@ -1,0 +1,142 @@
+"""The Triton backend of :mod:`pace_core.backend`: the steps of a :class:`~pace_core.schedule.PeriodicState`
+on the kernels of this package (CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1``).
+
+- store / load: :mod:`kernels.quantize` for rtn / pace checkpoints (bit-identical to pace_core.quant), a
+  cast for method none;
+- a prefill chunk: :mod:`kernels.chunk`;
+- a buffered token: packed key-axis checkpoints (PACE-4, PACE-4/8) run :mod:`kernels.packed_step` and, when
+  the schedule asks, :mod:`kernels.flush`, both on the checkpoint in place; dense (method none) and value-axis
+  checkpoints run :mod:`kernels.fused_step`, which flushes in the same launch;
+- dP = 1 (method none only): :mod:`kernels.recurrent_step`, the state updated in place;
+- the fold of the buffer and a flush outside a token (before a prompt) of a fused-step checkpoint: the
+  PyTorch reference.
+
+The launch plan (:func:`kernels.plan.plan_decode`) is made once per checkpoint: a prefill, reset or reorder
+stores a new checkpoint and so a new plan; the decode steps update it in place.
+
+Tolerances against the reference (float32 inputs): stores and loads are bit-identical; a token's output and
+a folded state agree to a relative Frobenius error below 1e-5 given the same stored record (another
+summation order; tensor-core products are exact, their fp32 accumulation is not IEEE round-to-nearest);
+where ``u_t`` lies within float32 rounding of a bfloat16 / int8 rounding boundary its record may be stored
+one step apart, and a requantised checkpoint entry may differ by one code where the folded value lies within
+float32 rounding of a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kernels import chunk as _chunk
+from kernels import quantize as _quantize
+from kernels.flush import launch_flush
+from kernels.fused_step import launch_fused
+from kernels.packed_step import launch_packed_step
+from kernels.plan import DecodePlan, check_kernel_shape, plan_decode
+from kernels.recurrent_step import dense_recurrent_step
+from pace_core import quant
+from pace_core.errors import PaceError
+from pace_core.recurrence import fold
+
+
+class TritonSteps:
+    """The Triton backend of one layer (module docstring). ``launch``: launch settings over the plan's
+    defaults (``DecodePlan.meta``; the benchmark tries others)."""
+
+    name = "triton"
+
+    def __init__(self, launch: dict | None = None) -> None:
+        self.launch = dict(launch or {})
+        self._plan: tuple[object, DecodePlan] | None = None
+
+    @classmethod
+    def for_layer(cls, fmt, buffer_precision: str | None, d_k: int, d_v: int) -> TritonSteps | None:
+        """A backend for a layer of format ``fmt`` with that buffer (None at dP = 1) and head dims, or None
+        where the kernels do not cover it: other methods (DSQ, DAMP, a rounding function), per-token
+        rounding of a quantised state, the float64 test buffer, heads that are not powers of two or
+        narrower than :data:`kernels.plan.DECODE_MIN_K`."""
+        cfg = getattr(fmt, "cfg", None)
+        if cfg is None or cfg.method not in ("none", "rtn", "pace") or buffer_precision == "fp64":
+            return None
+        if buffer_precision is None and cfg.method != "none":
+            return None
+        if cfg.method == "none" and fmt.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        try:
+            check_kernel_shape(d_k, d_v, fmt.spec or quant.QuantSpec(8, True, "key", 1), fmt.name, decode=True)
+        except PaceError:
+            return None
+        return cls()
+
+    def store(self, fmt, S: torch.Tensor):
+        """``S [B, HV, K, V]`` stored in ``fmt`` (a cast for method none; the kernels for rtn / pace)."""
+        if fmt.spec is None:
+            return fmt.store(S)
+        quant.check_finite(S, fmt.name)
+        if len(set(fmt.bits_per_head)) == 1:
+            return _quantize.quantize(S, fmt.cfg.quant_spec(fmt.bits_per_head[0]), name=fmt.name)
+        return _quantize.quantize_heads(S, list(fmt.bits_per_head), fmt.spec, name=fmt.name)
+
+    def load(self, fmt, c) -> torch.Tensor:
+        """The checkpoint ``c`` dequantised, float32."""
+        if isinstance(c, quant.PackedTensor):
+            return _quantize.dequantize(c)
+        if isinstance(c, quant.MixedPackedState):
+            return _quantize.dequantize_heads(c)
+        return fmt.load(c)
+
+    def chunk(self, q, k, v, g, beta, S0, chunk_size):
+        """A prefill segment (:func:`kernels.chunk.chunk`)."""
+        return _chunk.chunk(q, k, v, g, beta, S0, chunk_size)
+
+    def plan(self, st) -> DecodePlan:
+        """The launch plan of ``st``'s checkpoint and buffer, with this backend's launch settings."""
+        if self._plan is None or self._plan[0] is not st.checkpoint:
+            plan = plan_decode(st.checkpoint, st.buffer)
+            if self.launch:
+                meta = {**plan.meta, **self.launch}
+                if "BK" in meta:
+                    meta["BK"] = min(meta["BK"], plan.meta["K"])
+                plan = dataclasses.replace(plan, meta=meta)
+            self._plan = (st.checkpoint, plan)
+        return self._plan[1]
+
+    def step(self, st, q_t, k_t, v_t, g_t, beta_t, *, flush: bool) -> torch.Tensor:
+        """One buffered token ``o_t [B, HV, V]``; its record appended, then the flush when asked (in place)."""
+        plan, buf = self.plan(st), st.buffer
+        q, k, v, g, beta = (t.contiguous() for t in (q_t, k_t, v_t, g_t, beta_t))
+        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        if plan.split:
+            launch_packed_step(plan, buf, q, k, v, g, beta, o)
+            buf.mark_appended()
+            if flush:
+                launch_flush(plan, buf)
+        else:
+            launch_fused(plan, buf, q, k, v, g, beta, o, flush)
+            if not flush:
+                buf.mark_appended()
+        if flush:
+            buf.clear()
+            st.set_checkpoint(st.checkpoint)  # updated in place: the dequantised copy is stale
+        return o
+
+    def recurrent_step(self, st, q_t, k_t, v_t, g_t, beta_t) -> torch.Tensor:
+        """dP = 1 on a dense state (method none), updated in place: ``o_t [B, HV, V]``."""
+        o = dense_recurrent_step(st.checkpoint, q_t, k_t, v_t, g_t, beta_t)
+        st.set_checkpoint(st.checkpoint)
+        return o
+
+    def flush(self, st) -> None:
+        """A flush outside a token: the flush kernel on a packed key-axis checkpoint, else the reference."""
+        plan = self.plan(st)
+        if plan.split:
+            launch_flush(plan, st.buffer)
+            st.set_checkpoint(st.checkpoint)
+        else:
+            st.store(fold(st.loaded(), st.buffer))
+        st.buffer.clear()
+
+    def fold(self, st) -> torch.Tensor:
+        """Checkpoint plus folded buffer ``[B, HV, K, V]`` float32 (the reference's fold)."""
+        return fold(st.loaded(), st.buffer)

@@ -1,0 +1,33 @@
+"""The chunk step of a prefill: one P-token segment of the chunked GDN from a given state (PACE_SPEC §3).
+
+fla's ``chunk_gated_delta_rule`` (flash-linear-attention) where it is installed and the tensors are on a
+GPU, else :func:`pace_core.recurrence.gdn_chunked` (torch operations, so it runs on the GPU too). fla's
+kernel computes its dot products in tf32 / bf16 on tensor cores, so its outputs agree with the reference
+to about 1e-3, not to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pace_core.recurrence import gdn_chunked
+
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+except ImportError:  # optional
+    fla_chunk = None
+
+
+def chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          S0: torch.Tensor, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``, ``S0 [B, HV, K, V]``
+    float32 -> ``(o [B, T, HV, V], S_T [B, HV, K, V])`` float32. ``chunk_size`` is the reference's (fla
+    uses its own, 64)."""
+    if fla_chunk is None or not q.is_cuda or q.shape[1] == 0:
+        return gdn_chunked(q, k, v, g, beta, S0, chunk_size)
+    gamma = v.shape[2] // q.shape[2]
+    if gamma > 1:  # fla takes one key head per value head
+        q, k = q.repeat_interleave(gamma, dim=2), k.repeat_interleave(gamma, dim=2)
+    o, S = fla_chunk(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale=1.0,
+                     initial_state=S0.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False)
+    return o.float(), S.float()

@@ -1,0 +1,268 @@
+"""The decode step of packed key-axis checkpoints (PACE-4, PACE-4/8): two kernels per token, or one.
+
+- the dots kernel (:func:`launch_dots`), one program per (sequence, value head, column block), reads the
+  packed checkpoint once and forms ``Ŝᵀk_t`` and ``Ŝᵀq_t`` together on tensor cores (:func:`_ckpt_dots`:
+  one ``[16, G] x [G, N]`` dot per key group, ``k`` and ``q`` split into three bfloat16 terms each, the
+  codes turned into the exact integers ``c - z`` by bit operations, 4-bit codes as even / odd half tiles)
+  into the plan's workspace;
+- the record kernel (:func:`launch_records`), one small program per (sequence, value head), adds the
+  buffered records' part, forms ``u_t`` and ``o_t`` and writes the record into the buffer in its precision;
+- for a batch of at most one wave the two run as one kernel (:func:`_ckpt_step_kernel`, ``SPLIT_DEFAULTS``).
+
+The flush that follows the token that fills the buffer is :mod:`kernels.flush`. Tolerances against the
+reference: :mod:`kernels.backend`. Under the Triton interpreter (CPU tensors) the tensor-core operands stay
+fp32 holding the same bfloat16-exact values (:func:`kernels.primitives.operand`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.plan import DecodePlan, ckpt_common
+from kernels.primitives import bf16_split, centred, operand, packed_head
+from kernels.records import append_record, record_args, record_reads, token_output
+from pace_core.buffer import DecodeBuffer
+
+
+@triton.jit
+def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+               G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, PACK_Z: tl.constexpr,
+               BF16: tl.constexpr):
+    """``Ŝᵀk`` and ``Ŝᵀq`` of one head's packed key-axis checkpoint, columns ``c0 .. c0+BV``; ``k, q [K]``
+    at ``kx, qx``. Returns ``(yk_a, yq_a, yk_b, yq_b)``, each ``[NP]`` fp32: for 4-bit codes the even
+    (``_a``) and odd (``_b``) columns, ``c0 + 2j`` and ``c0 + 2j + 1``; else ``_a`` all columns
+    ``c0 + j`` and ``_b`` zeros. ``NP = max(N, 16)`` (``N`` = BV / 2 or BV): entries past N are padding.
+
+    Per key group one ``[16, G] x [G, N]`` dot on tensor cores with fp32 accumulation: rows 0-2 hold
+    ``k`` and rows 3-5 ``q``, each split into three bfloat16 terms (:func:`bf16_split`), against the
+    exact integers ``c - z`` (:func:`centred`); every product is exact and the group adds ``s T``
+    per column (``T = Σ_i x_i (c_i - z)``). 4-bit codes are taken as two half tiles, the low nibbles
+    (even columns) and the high nibbles (odd columns), so no unpacking shuffle is needed. Against
+    the reference, which rounds each ``s (c - z)`` to fp32 and sums in IEEE fp32, the differences are
+    the summation order and the tensor cores' fp32 accumulation: float32-rounding level."""
+    KB: tl.constexpr = G if G >= 16 else 16
+    HALVES: tl.constexpr = BITS <= 4
+    N: tl.constexpr = BV // 2 if HALVES else BV
+    NP: tl.constexpr = N if N >= 16 else 16  # a dot has at least 16 columns: pad with masked ones
+    rr = tl.arange(0, 16)[:, None]
+    rows = tl.arange(0, KB)
+    m = rows < G
+    j = tl.arange(0, NP)
+    cm = j < N
+    acc_a = tl.zeros((16, NP), tl.float32)  # even columns (4-bit) or all columns
+    acc_b = tl.zeros((16, NP), tl.float32)  # odd columns (4-bit)
+    for r0 in tl.static_range(0, K, G):
+        k1, k2, k3 = bf16_split(tl.load(kx + r0 + rows, mask=m, other=0.0))
+        q1, q2, q3 = bf16_split(tl.load(qx + r0 + rows, mask=m, other=0.0))
+        a = tl.where(rr == 0, k1[None, :], tl.where(rr == 1, k2[None, :], tl.where(rr == 2, k3[None, :], 0.0)))
+        a = operand(tl.where(rr == 3, q1[None, :], tl.where(rr == 4, q2[None, :], tl.where(rr == 5, q3[None, :], a))),
+                     BF16)
+        srow = scale + (r0 // G) * V
+        if HALVES:
+            p = tl.load(codes + (r0 + rows[:, None]) * (V // 2) + c0 // 2 + j[None, :], mask=m[:, None] & cm[None, :],
+                        other=0).to(tl.int32)
+            if SYM:
+                off_a = 1 << (BITS - 1)
+                off_b = 1 << (BITS - 1)
+            else:
+                tl.static_assert(PACK_Z, "4-bit key-axis zero points are packed (pace_core.quant)")
+                zp = tl.load(zero + (r0 // G) * (V // 2) + c0 // 2 + j, mask=cm, other=0).to(tl.int32)
+                off_a = (zp & 15)[None, :]
+                off_b = (zp >> 4)[None, :]
+            s_a = tl.load(srow + c0 + 2 * j, mask=cm, other=0.0).to(tl.float32)
+            s_b = tl.load(srow + c0 + 2 * j + 1, mask=cm, other=0.0).to(tl.float32)
+            acc_a += s_a[None, :] * tl.dot(a, centred(p & 15, off_a, BITS, BF16))
+            acc_b += s_b[None, :] * tl.dot(a, centred(p >> 4, off_b, BITS, BF16))
+        else:
+            p = tl.load(codes + (r0 + rows[:, None]) * V + c0 + j[None, :], mask=m[:, None] & cm[None, :],
+                        other=0).to(tl.int32)
+            if SYM:
+                off = 1 << (BITS - 1)
+            else:
+                tl.static_assert(not PACK_Z, "8-bit zero points are not packed (pace_core.quant)")
+                off = tl.load(zero + (r0 // G) * V + c0 + j, mask=cm, other=0).to(tl.int32)[None, :]
+            s_a = tl.load(srow + c0 + j, mask=cm, other=0.0).to(tl.float32)
+            acc_a += s_a[None, :] * tl.dot(a, centred(p, off, BITS, BF16))
+    yk_a, yq_a = _split_rows(acc_a)
+    yk_b, yq_b = _split_rows(acc_b)
+    return yk_a, yq_a, yk_b, yq_b
+
+
+@triton.jit
+def _split_rows(acc):
+    """The sums of the three split rows of ``k`` (rows 0-2 of ``acc [16, N]``) and of ``q`` (rows 3-5)."""
+    rr = tl.arange(0, 16)[:, None]
+    return tl.sum(tl.where(rr < 3, acc, 0.0), axis=0), tl.sum(tl.where((rr >= 3) & (rr < 6), acc, 0.0), axis=0)
+
+
+@triton.jit
+def _dots_to(yx, codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+             G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, PZ: tl.constexpr, BF16: tl.constexpr):
+    """:func:`_ckpt_dots` stored at ``yx`` (``[2, V]``: row 0 ``Ŝᵀk``, row 1 ``Ŝᵀq``)."""
+    yk_a, yq_a, yk_b, yq_b = _ckpt_dots(codes, scale, zero, kx, qx, c0, K, V, BV, G, SYM, BITS, PZ, BF16)
+    N: tl.constexpr = BV // 2 if BITS <= 4 else BV
+    j = tl.arange(0, yk_a.shape[0])
+    cm = j < N
+    cols = c0 + (2 * j if BITS <= 4 else j)
+    tl.store(yx + cols, yk_a, mask=cm)
+    tl.store(yx + V + cols, yq_a, mask=cm)
+    if BITS <= 4:
+        tl.store(yx + cols + 1, yk_b, mask=cm)
+        tl.store(yx + V + cols + 1, yq_b, mask=cm)
+
+
+@triton.jit
+def _head_dots(codes, scale, zero, kx, qx, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+               BITS: tl.constexpr, PZ: tl.constexpr, BF16: tl.constexpr):
+    """``Ŝᵀk, Ŝᵀq [V]`` of the whole head (:func:`_ckpt_dots`, the 4-bit half tiles interleaved back);
+    heads at least 32 values wide for 4-bit codes, 16 otherwise, so that nothing is padding."""
+    yk_a, yq_a, yk_b, yq_b = _ckpt_dots(codes, scale, zero, kx, qx, 0, K, V, V, G, SYM, BITS, PZ, BF16)
+    if BITS <= 4:
+        sk = tl.reshape(tl.join(yk_a, yk_b), (V,))
+        sq = tl.reshape(tl.join(yq_a, yq_b), (V,))
+    else:
+        sk = yk_a
+        sq = yq_a
+    return sk, sq
+
+
+@triton.jit
+def _ckpt_dots_kernel(
+    q_ptr, k_ptr, y_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, H, HV,
+    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
+    TWO: tl.constexpr, BF16: tl.constexpr,
+):
+    """The split path's first kernel: ``y [B*HV, 2, V]`` = ``Ŝᵀk_t, Ŝᵀq_t`` per (sequence, value head),
+    one program per column block; reads the packed checkpoint once and nothing else of the state."""
+    pid = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * BV
+    b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
+                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
+                                                              ZS1, TWO)
+    kx = k_ptr + (b * H + kh) * K
+    qx = q_ptr + (b * H + kh) * K
+    yx = y_ptr + pid * 2 * V
+    if TWO:
+        if part == 1:
+            _dots_to(yx, a1, as1, az1, kx, qx, c0, K, V, BV, G, SYM, BITS1, PZ1, BF16)
+        else:
+            _dots_to(yx, a0, as0, az0, kx, qx, c0, K, V, BV, G, SYM, BITS0, PZ0, BF16)
+    else:
+        _dots_to(yx, a0, as0, az0, kx, qx, c0, K, V, BV, G, SYM, BITS0, PZ0, BF16)
+
+
+@triton.jit
+def _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H,
+                 HV, pid, sk, sq, K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                 K_BF16: tl.constexpr, V_BF16: tl.constexpr, NB: tl.constexpr):
+    """The step of (sequence, value head) ``pid`` given the checkpoint's ``Ŝᵀk_t, Ŝᵀq_t`` (``sk, sq
+    [V]``): the buffered records' part of the two products, ``u_t``, ``o_t`` and the token's record
+    written in the buffer's precision."""
+    b = pid // HV
+    h = pid % HV
+    kh = h // (HV // H)
+    cols = tl.arange(0, V)
+    kfull = tl.load(k_ptr + (b * H + kh) * K + tl.arange(0, K))
+    qfull = tl.load(q_ptr + (b * H + kh) * K + tl.arange(0, K))
+    g_t = tl.load(g_ptr + pid)
+    run, rk, rq = record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, kfull, qfull,
+                                g_t, K, V, V, KBITS, VBITS, NB)
+    kcodes, kscale, khat, ucodes, uscale, uhat = token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq,
+                                                               rk, rq, kfull, qfull, K, V, V, KBITS, VBITS,
+                                                               K_BF16, V_BF16)
+    # the record is appended also on the token that fills the buffer: the flush kernel folds it
+    append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, g_t,
+                   kcodes, kscale, khat, ucodes, uscale, uhat, K, V, V, KBITS, VBITS)
+
+
+@triton.jit
+def _record_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, y_ptr,
+    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr,
+    V_BF16: tl.constexpr, NB: tl.constexpr,
+):
+    """The split path's second kernel, one program per (sequence, value head): the buffered records'
+    part of the two products, ``u_t``, ``o_t`` from ``y`` (:func:`_ckpt_dots_kernel`), and the token's
+    record written in the buffer's precision. Launched with few warps: its reductions are over
+    vectors, so they stay within a warp or two."""
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, V)
+    _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H,
+                 HV, pid, tl.load(y_ptr + pid * 2 * V + cols), tl.load(y_ptr + pid * 2 * V + V + cols),
+                 K, V, KBITS, VBITS, K_BF16, V_BF16, NB)
+
+
+@triton.jit
+def _ckpt_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
+    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
+    TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr,
+    V_BF16: tl.constexpr, NB: tl.constexpr,
+):
+    """The split path's step as one kernel, one program per (sequence, value head): the dots kernel's
+    ``Ŝᵀk_t, Ŝᵀq_t`` for the whole head (:func:`_head_dots`) kept in registers, then the record
+    kernel's work (:func:`_record_step`). One launch and no workspace round trip per token; its
+    reductions span all the program's warps."""
+    pid = tl.program_id(0).to(tl.int64)
+    b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
+                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
+                                                              ZS1, TWO)
+    kx = k_ptr + (b * H + kh) * K
+    qx = q_ptr + (b * H + kh) * K
+    if TWO:
+        if part == 1:
+            sk, sq = _head_dots(a1, as1, az1, kx, qx, K, V, G, SYM, BITS1, PZ1, BF16)
+        else:
+            sk, sq = _head_dots(a0, as0, az0, kx, qx, K, V, G, SYM, BITS0, PZ0, BF16)
+    else:
+        sk, sq = _head_dots(a0, as0, az0, kx, qx, K, V, G, SYM, BITS0, PZ0, BF16)
+    _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H,
+                 HV, pid, sk, sq, K, V, KBITS, VBITS, K_BF16, V_BF16, NB)
+
+
+def launch_dots(plan: DecodePlan, q, k) -> None:
+    """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]``
+    float32, contiguous)."""
+    B, H, HV, K, V = plan.shape
+    m = plan.meta
+    bv = min(m["dots_columns"], V)
+    _ckpt_dots_kernel[(B * HV, V // bv)](q, k, plan.workspace, *plan.ckpt_args[1:], H, HV, BV=bv,
+                                         num_warps=m["dots_warps"], **ckpt_common(m))
+
+
+def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+    """The split path's second kernel: ``o [B, HV, V]`` from ``plan.workspace`` and the buffer's
+    ``len(buf)`` records; writes the token's record into slot ``len(buf)`` (the caller counts it)."""
+    B, H, HV, K, V = plan.shape
+    m = plan.meta
+    st, records = record_args(buf)
+    _record_step_kernel[(B * HV,)](
+        q, k, v, g, beta, o, plan.workspace, *records, st["n"], st["cap"], H, HV, K=K, V=V, KBITS=m["KBITS"],
+        VBITS=m["VBITS"], K_BF16=m["K_BF16"], V_BF16=m["V_BF16"], NB=min(triton.next_power_of_2(plan.capacity), 16),
+        num_warps=m["record_warps"],
+    )
+
+
+def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+    """The split path's step: one :func:`_ckpt_step_kernel` launch (``meta["fused_step"]``, where the
+    heads are wide enough: ``meta["fusable"]``), else :func:`launch_dots` then :func:`launch_records`.
+    Inputs as in :func:`buffered_decode_step`, float32 and contiguous."""
+    m = plan.meta
+    if not (m["fused_step"] and m["fusable"]):
+        launch_dots(plan, q, k)
+        launch_records(plan, buf, q, k, v, g, beta, o)
+        return
+    B, H, HV, K, V = plan.shape
+    st, records = record_args(buf)
+    _ckpt_step_kernel[(B * HV,)](
+        q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, KBITS=m["KBITS"],
+        VBITS=m["VBITS"], K_BF16=m["K_BF16"], V_BF16=m["V_BF16"], NB=min(triton.next_power_of_2(plan.capacity), 16),
+        num_warps=m["step_warps"], **ckpt_common(m),
+    )

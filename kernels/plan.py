@@ -1,0 +1,231 @@
+"""Launch planning of the decode kernels: the compile-time layout of a checkpoint's parts (per-head bit
+widths), which shapes the kernels support, and :class:`DecodePlan`, everything a launch needs that does not
+change from token to token.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.records import buffer_tensors
+from pace_core import quant
+from pace_core.buffer import DecodeBuffer
+from pace_core.errors import PaceError
+
+
+Checkpoint = torch.Tensor | quant.PackedTensor | quant.MixedPackedState
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """Compile-time layout of one bit width's part of a state (shared with the decode kernel)."""
+
+    bits: int
+    pack_zero: bool
+    code_cols: int   # bytes per row of codes
+    scale_size: int  # fp16 scales per head
+    zero_size: int   # bytes of zero points per head (0 when symmetric)
+
+
+def part_layout(spec: quant.QuantSpec, K: int, V: int) -> PartLayout:
+    """Sizes per head of ``spec``'s storage for a ``[K, V]`` state (pace_core.quant's format)."""
+    sshape = quant.scale_shape((K, V), spec)
+    n_scales = sshape[0] * sshape[1]
+    pack_zero = spec.bits <= 4 and sshape[-1] % 2 == 0
+    zero_size = 0 if spec.symmetric else (n_scales // 2 if pack_zero else n_scales)
+    return PartLayout(spec.bits, pack_zero, quant.packed_last_dim(spec.bits, V), n_scales, zero_size)
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+DECODE_MIN_K = 16
+"""The decode kernels' narrowest keys (a tensor-core tile): the flush at K = 8 gave wrong PACE-4/8
+checkpoints on the H200 (kernels/NOTES.md, run 5), so narrower heads decode on the reference."""
+
+
+def check_kernel_shape(K: int, V: int, spec: quant.QuantSpec, name: str = "x", decode: bool = False) -> None:
+    """Raise PaceError unless the kernels support a ``[K, V]`` state with ``spec``'s groups (``decode``:
+    the buffered decode kernels, which also need ``K >= DECODE_MIN_K``)."""
+    quant.check_divides(spec.group_size, K if spec.axis == "key" else V, spec.axis, name)
+    for what, n in (("K", K), ("V", V), ("group_size", spec.group_size)):
+        if not is_pow2(n):
+            raise PaceError(f"{name}: {what}={n} is not supported by the Triton kernels; allowed: powers of two")
+    if V < 2:
+        raise PaceError(f"{name}: V={V} is not supported by the Triton kernels; allowed: V >= 2")
+    if decode and K < DECODE_MIN_K:
+        raise PaceError(f"{name}: K={K} is not supported by the Triton decode kernels; allowed: K >= {DECODE_MIN_K} "
+                        "(narrower heads decode on the PyTorch reference)")
+
+
+def row_block(K: int, spec: quant.QuantSpec, V: int) -> int:
+    """Rows per tile: whole key groups, about 4096 values per program."""
+    rows = max(1, min(K, 4096 // V))
+    if spec.axis == "key":
+        rows = max(rows, spec.group_size)
+    return rows
+
+
+@dataclass
+class HeadTable:
+    """Which part (0 or 1) and which slot inside it each value head uses, as int32 device tensors."""
+
+    part: torch.Tensor
+    slot: torch.Tensor
+    heads: dict[int, torch.Tensor]  # bits -> ascending LongTensor of head indices
+
+
+def head_table(bits_per_head: list[int], device: torch.device) -> tuple[list[int], HeadTable]:
+    """The distinct bit widths (ascending, at most two) and the head table for ``bits_per_head``."""
+    for b in bits_per_head:
+        quant.check_bits(b, "bits_per_head")
+    widths = sorted(set(bits_per_head))
+    if len(widths) > 2:
+        raise PaceError(f"bits_per_head: {widths} distinct widths not supported in one launch; allowed: at most 2")
+    part = [widths.index(b) for b in bits_per_head]
+    slot = [sum(1 for p in part[:h] if p == part[h]) for h in range(len(part))]
+    heads = {b: torch.tensor([h for h, x in enumerate(bits_per_head) if x == b], dtype=torch.long, device=device)
+             for b in widths}
+    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return widths, HeadTable(as_i32(part), as_i32(slot), heads)
+
+
+def layout_args(layouts: list[PartLayout]) -> dict:
+    """Kernel constexprs for one or two parts (the second repeats the first when absent)."""
+    l1 = layouts[1] if len(layouts) == 2 else layouts[0]
+    return dict(
+        BITS0=layouts[0].bits, PZ0=layouts[0].pack_zero, CC0=layouts[0].code_cols,
+        SS0=layouts[0].scale_size, ZS0=layouts[0].zero_size,
+        BITS1=l1.bits, PZ1=l1.pack_zero, CC1=l1.code_cols, SS1=l1.scale_size, ZS1=l1.zero_size,
+        TWO=len(layouts) == 2,
+    )
+
+
+def part_pointers(parts: list[quant.PackedTensor]) -> list[torch.Tensor]:
+    """codes, scale, zero of part 0 and part 1 (part 0 again when there is one part; the scale
+    stands in for an absent zero point, which symmetric kernels never touch)."""
+    p1 = parts[1] if len(parts) == 2 else parts[0]
+    out = []
+    for p in (parts[0], p1):
+        out += [p.codes, p.scale, p.scale if p.zero is None else p.zero]
+    return out
+
+
+def as_mixed(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.MixedPackedState:
+    if isinstance(ckpt, quant.MixedPackedState):
+        return ckpt
+    hv = ckpt.shape[-3]
+    heads = torch.arange(hv, device=ckpt.codes.device)
+    return quant.MixedPackedState({ckpt.spec.bits: ckpt}, {ckpt.spec.bits: heads}, ckpt.shape)
+
+
+def column_block(buf: DecodeBuffer) -> int:
+    """Columns per program: all of V when the values are stored as integers (one scale per vector),
+    else 64 (more programs at small batch)."""
+    return buf.d_v if buf.precision == "int8" else min(buf.d_v, 64)
+
+
+@dataclass
+class DecodePlan:
+    """Everything a decode launch needs that does not change from token to token: the checkpoint's
+    storage pointers and head table, the tile sizes and compile-time layout. Built once per
+    checkpoint/buffer pair (it reads the head map off the device), then reused, e.g. for every token
+    of a CUDA graph; the checkpoint is updated in place, so the plan stays valid."""
+
+    shape: tuple[int, int, int, int, int]  # B, H, HV, K, V
+    precision: str
+    capacity: int
+    ckpt_args: list
+    meta: dict = field(default_factory=dict)
+    split: bool = False  # packed key-axis checkpoint: dots + record kernels, a separate flush kernel
+    workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the two
+
+
+SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
+                  "flush_warps": 4, "flush_columns": 128}
+"""Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others, and these
+are the fastest it measured on the H200 at batch 32 to 128, data/bench/bench.json): the step as one
+kernel (``fused_step``, :func:`_ckpt_step_kernel`, with ``step_warps``) or as two (the dots kernel's
+columns per program and warps, the record kernel's warps); ``"auto"`` fuses when there are at most
+as many (sequence, value head) programs as the GPU has SMs: one wave, where the launch saved
+outweighs the fused kernel's block-wide reductions (faster at batch 1-4 on the H200, slower from
+8). Then warps of the flush kernel and columns per flush program (4-bit codes: two half tiles of
+``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles)."""
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """SMs of CUDA ``device`` (read once per device: the dense step asks on every token)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
+    """Validate ``ckpt`` against ``buf`` and prepare the launch (see :class:`DecodePlan`)."""
+    B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
+    if buf.precision == "fp64":
+        raise PaceError("buffer precision: 'fp64' not supported by the kernels; allowed: fp32, bf16, int8, mixed")
+    if isinstance(ckpt, torch.Tensor):
+        check_kernel_shape(K, V, quant.QuantSpec(8, True, "key", 1), "ckpt", decode=True)
+        if ckpt.shape != (B, HV, K, V) or ckpt.dtype not in (torch.float32, torch.bfloat16) or not ckpt.is_contiguous():
+            raise PaceError(f"ckpt: dense checkpoint {tuple(ckpt.shape)} {ckpt.dtype} not allowed; "
+                            f"allowed: contiguous float32/bfloat16 {(B, HV, K, V)}")
+        layouts = [part_layout(quant.QuantSpec(8, True, "key", 1), K, V)]
+        table = torch.zeros(1, dtype=torch.int32, device=ckpt.device)
+        ckpt_args = [ckpt, table, table, *([ckpt] * 6), 0, 0]
+        G, key_axis, sym, BK = 1, True, True, min(K, 32)
+    else:
+        m = as_mixed(ckpt)
+        widths = sorted(m.parts)
+        parts = [m.parts[w] for w in widths]
+        spec = parts[0].spec
+        if m.shape != (B, HV, K, V):
+            raise PaceError(f"ckpt: shape {m.shape} not allowed; allowed: {(B, HV, K, V)}")
+        check_kernel_shape(K, V, spec, "ckpt", decode=True)
+        bits_per_head = [0] * HV
+        for w in widths:
+            for hh in m.heads[w].tolist():
+                bits_per_head[hh] = w
+        _, table = head_table(bits_per_head, parts[0].codes.device)
+        layouts = [part_layout(p.spec, K, V) for p in parts]
+        ptrs = part_pointers(parts)
+        if not all(t.is_contiguous() for t in ptrs):
+            raise PaceError("ckpt: packed tensors must be contiguous; allowed: contiguous codes/scale/zero")
+        hv1 = len(m.heads[widths[1]]) if len(widths) == 2 else 0
+        ckpt_args = [parts[0].scale, table.part, table.slot, *ptrs, len(m.heads[widths[0]]), hv1]
+        G, key_axis, sym = spec.group_size, spec.axis == "key", spec.symmetric
+        BK = min(max(G, 32) if key_axis else 32, K)
+    BV = column_block(buf)
+    if not key_axis and BV % (2 * G if not sym and layouts[0].pack_zero else G):
+        BV = V
+    st = buffer_tensors(buf)
+    meta = dict(K=K, V=V, BK=BK, BV=BV, G=G, KEY_AXIS=key_axis, SYM=sym, **layout_args(layouts),
+                DENSE=isinstance(ckpt, torch.Tensor), KBITS=st["keys_bits"], VBITS=st["values_bits"],
+                K_BF16=st["keys"].dtype == torch.bfloat16, V_BF16=st["values"].dtype == torch.bfloat16,
+                num_warps=8 if BK * BV >= 8192 else 4)
+    split = not meta["DENSE"] and key_axis
+    workspace = None
+    if split:  # bfloat16 tensor-core operands on a GPU (fp32 holding the same values under the interpreter)
+        fusable = all((V // 2 if p.spec.bits <= 4 else V) >= 16 for p in parts)  # no padded dot columns
+        meta = {**meta, **SPLIT_DEFAULTS, "BF16": buf.device.type == "cuda", "fusable": fusable}
+        if meta["fused_step"] == "auto":
+            meta["fused_step"] = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
+        workspace = torch.empty(B * HV * 2 * V, dtype=torch.float32, device=buf.device)
+    return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace)
+
+
+def ckpt_common(m: dict) -> dict:
+    """The packed checkpoint's compile-time layout (the split kernels' common constexpr arguments)."""
+    return dict(K=m["K"], V=m["V"], G=m["G"], SYM=m["SYM"], TWO=m["TWO"], BF16=m["BF16"],
+                **{f"{x}{i}": m[f"{x}{i}"] for x in ("BITS", "PZ", "CC", "SS", "ZS") for i in (0, 1)})
+
+
+def output_tensor(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise PaceError(f"out: {tuple(out.shape)} {out.dtype} not allowed; allowed: contiguous float32 {shape}")
+    return out

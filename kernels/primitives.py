@@ -1,0 +1,295 @@
+"""Shared Triton device functions of the kernels: exact rounding and division, bfloat16 splits, tiles of
+:mod:`pace_core.quant`'s storage format (quantise + pack, unpack + dequantise), and the addressing of a
+packed checkpoint's parts (per-head bit widths).
+
+Every function here is ``@triton.jit`` and follows pace_core's arithmetic step by step (fp32, IEEE
+division, round half to even, fp16 scales clamped into ``[2^-14, 65504]``), so the kernels that use them
+are bit-identical to :mod:`pace_core.quant` wherever they quantise.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+FP16_TINY = tl.constexpr(6.103515625e-05)  # 2^-14, pace_core.quant.FP16_TINY
+
+
+FP16_MAX = tl.constexpr(65504.0)
+
+
+RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + RINT_MAGIC rounds x to an integer (|x| <= 2^22)
+
+
+@triton.jit
+def rint(x):
+    """Round half to even for ``|x| <= 2^22`` (callers clamp first): the fp32 magic-number trick,
+    which works the same in the interpreter and compiled (``libdevice.rint`` has no interpreter
+    version)."""
+    return (x + RINT_MAGIC) - RINT_MAGIC
+
+
+@triton.jit
+def rint_bits(t):
+    """The integer ``m`` (int32, ``0 <= m < 2^22``) from ``t = RINT_MAGIC + m``, an fp32 that already
+    holds an integer (a sum with ``RINT_MAGIC``, rounded half to even): its low mantissa bits, with no
+    float -> int conversion."""
+    return t.to(tl.int32, bitcast=True) & 0x3FFFFF
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even), still as fp32, so that a later
+    ``.to(tl.bfloat16)`` is exact: the interpreter's own fp32 -> bf16 cast truncates, the compiled
+    one rounds; this gives torch's ``.to(torch.bfloat16)`` in both (finite inputs)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_as(ptr, x, mask=None):
+    """Store fp32 ``x`` into ``ptr``'s element type with round-to-nearest-even (see :func:`round_bf16`)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        x = round_bf16(x)
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def groups(x, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr):
+    """``[R, C]`` -> 3-D with each group on its own axis: key ``[R/G, G, C]``, value ``[R, C/G, G]``."""
+    if KEY_AXIS:
+        out = tl.reshape(x, (R // G, G, C))
+    else:
+        out = tl.reshape(x, (R, C // G, G))
+    return out
+
+
+@triton.jit
+def expand(s, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr):
+    """Per-group values (key ``[R/G, C]``, value ``[R, C/G]``) broadcast back to ``[R, C]``."""
+    if KEY_AXIS:
+        out = tl.reshape(tl.broadcast_to(s[:, None, :], (R // G, G, C)), (R, C))
+    else:
+        out = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // G, G)), (R, C))
+    return out
+
+
+@triton.jit
+def div_rn(x, d, r):
+    """``x / d`` correctly rounded (IEEE round to nearest even, as ``tl.math.div_rn``) for a divisor
+    ``d`` that is an fp16 value (at most 11 significant bits: the groups' scales), from ``r``, the
+    correctly rounded ``1 / d``. ``y = x r`` is within about 1.5 ulp of ``x / d``; the residual
+    ``x - y d`` needs only about a dozen significant bits, so one fma gives it exactly; ``y`` plus
+    residual times ``r`` is then within about 2^-23 ulp of ``x / d``, while a quotient by an 11-bit
+    divisor is either exact or at least about 2^-12 ulp away from any rounding midpoint, so one more
+    fma rounds it as IEEE division does (with a general fp32 divisor neither step holds). The residual
+    is subnormal only for ``|x| < 2^-102``, whose code is 0 anyway (scales are at least 2^-14). Three
+    instructions an element instead of ``div_rn``'s range check and slow-path call; the reciprocal is
+    one per group."""
+    y = x * r
+    return tl.fma(tl.fma(-y, d, x), r, y)
+
+
+@triton.jit
+def fp16_scale(ratio, nonzero):
+    clamped = tl.minimum(tl.maximum(ratio, FP16_TINY), FP16_MAX)
+    return tl.where(nonzero, clamped, 0.0).to(tl.float16)
+
+
+@triton.jit
+def quant_tile(x, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
+                SYM: tl.constexpr, BITS: tl.constexpr):
+    """Quantise ``x [R, C]`` fp32 (whole groups) as pace_core.quant does.
+
+    Returns unsigned codes int32 ``[R, C]``, fp16 scales and int32 zero points (0 when symmetric),
+    both per group (key ``[R/G, C]``, value ``[R, C/G]``)."""
+    AX: tl.constexpr = 1 if KEY_AXIS else 2
+    xg = groups(x, R, C, G, KEY_AXIS)
+    if SYM:
+        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+        amax = tl.max(tl.abs(xg), axis=AX)
+        scale = fp16_scale(tl.math.div_rn(amax, QMAX * 1.0), amax > 0)
+        div = tl.where(scale == 0, 1.0, scale.to(tl.float32))
+        y = div_rn(x, expand(div, R, C, G, KEY_AXIS), expand(tl.math.div_rn(1.0, div), R, C, G, KEY_AXIS))
+        codes = rint_bits(tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0) + (RINT_MAGIC + (QMAX + 1)))  # even offset
+        zero = tl.zeros(div.shape, tl.int32)
+    else:
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        lo = tl.minimum(tl.min(xg, axis=AX), 0.0)
+        hi = tl.maximum(tl.max(xg, axis=AX), 0.0)
+        scale = fp16_scale(tl.math.div_rn(hi - lo, LEVELS * 1.0), hi > lo)
+        div = tl.where(scale == 0, 1.0, scale.to(tl.float32))
+        zf = rint(tl.minimum(tl.maximum(tl.math.div_rn(-lo, div), 0.0), LEVELS * 1.0))
+        y = div_rn(x, expand(div, R, C, G, KEY_AXIS), expand(tl.math.div_rn(1.0, div), R, C, G, KEY_AXIS))
+        q = (tl.minimum(tl.maximum(y, -LEVELS * 1.0), LEVELS * 1.0) + RINT_MAGIC) + expand(zf, R, C, G, KEY_AXIS)
+        codes = rint_bits(tl.minimum(tl.maximum(q, RINT_MAGIC), RINT_MAGIC + LEVELS))
+        zero = zf.to(tl.int32)
+    return codes, scale, zero
+
+
+@triton.jit
+def pack_pairs(c, R: tl.constexpr, C: tl.constexpr):
+    """int32 codes ``[R, C]`` -> uint8 ``[R, C/2]``: ``c[2j] | c[2j+1] << 4``."""
+    a, b = tl.split(tl.reshape(c, (R, C // 2, 2)))
+    return (a | (b << 4)).to(tl.uint8)
+
+
+@triton.jit
+def unpack_pairs(p, R: tl.constexpr, C: tl.constexpr):
+    """uint8 ``[R, C/2]`` -> int32 codes ``[R, C]``."""
+    p = p.to(tl.int32)
+    return tl.reshape(tl.join(p & 15, p >> 4), (R, C))
+
+
+@triton.jit
+def group_offsets(r0, c0, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, PACKED: tl.constexpr):
+    """Offsets into one head's scale (PACKED False) or packed zero (PACKED True) array for the
+    groups of the tile at rows ``r0``, columns ``c0`` (a ``[R, C]`` tile of whole groups)."""
+    if KEY_AXIS:
+        rows = r0 // G + tl.arange(0, R // G)
+        ncols: tl.constexpr = C
+        width: tl.constexpr = V
+        cstart = c0
+    else:
+        rows = r0 + tl.arange(0, R)
+        ncols: tl.constexpr = C // G
+        width: tl.constexpr = V // G
+        cstart = c0 // G
+    if PACKED:
+        cols = cstart // 2 + tl.arange(0, ncols // 2)
+        offs = rows[:, None] * (width // 2) + cols[None, :]
+    else:
+        cols = cstart + tl.arange(0, ncols)
+        offs = rows[:, None] * width + cols[None, :]
+    return offs
+
+
+@triton.jit
+def store_tile(x, codes_ptr, scale_ptr, zero_ptr, r0, c0, R: tl.constexpr, C: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
+                SYM: tl.constexpr, BITS: tl.constexpr, PACK_Z: tl.constexpr):
+    """Quantise the tile ``x [R, C]`` (rows ``r0``, columns ``c0`` of one head's ``[K, V]``) and store
+    its codes, scales and zero points at the head's base pointers."""
+    codes, scale, zero = quant_tile(x, R, C, G, KEY_AXIS, SYM, BITS)
+    rows = r0 + tl.arange(0, R)
+    if BITS <= 4:
+        cols = c0 // 2 + tl.arange(0, C // 2)
+        tl.store(codes_ptr + rows[:, None] * (V // 2) + cols[None, :], pack_pairs(codes, R, C))
+    else:
+        cols = c0 + tl.arange(0, C)
+        tl.store(codes_ptr + rows[:, None] * V + cols[None, :], codes.to(tl.uint8))
+    tl.store(scale_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, False), scale)
+    if not SYM:
+        if PACK_Z:
+            if KEY_AXIS:
+                zp = pack_pairs(zero, R // G, C)
+            else:
+                zp = pack_pairs(zero, R, C // G)
+            tl.store(zero_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, True), zp)
+        else:
+            tl.store(zero_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, False), zero.to(tl.uint8))
+
+
+@triton.jit
+def load_tile(codes_ptr, scale_ptr, zero_ptr, r0, c0, R: tl.constexpr, C: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
+               SYM: tl.constexpr, BITS: tl.constexpr, PACK_Z: tl.constexpr):
+    """Dequantised fp32 tile ``[R, C]`` (rows ``r0``, columns ``c0``) of one head: ``(q - z) * scale``."""
+    rows = r0 + tl.arange(0, R)
+    if BITS <= 4:
+        cols = c0 // 2 + tl.arange(0, C // 2)
+        codes = unpack_pairs(tl.load(codes_ptr + rows[:, None] * (V // 2) + cols[None, :]), R, C)
+    else:
+        cols = c0 + tl.arange(0, C)
+        codes = tl.load(codes_ptr + rows[:, None] * V + cols[None, :]).to(tl.int32)
+    scale = tl.load(scale_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, False)).to(tl.float32)
+    if SYM:
+        q = codes.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+    else:
+        if PACK_Z:
+            zp = tl.load(zero_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, True))
+            if KEY_AXIS:
+                zero = unpack_pairs(zp, R // G, C)
+            else:
+                zero = unpack_pairs(zp, R, C // G)
+        else:
+            zero = tl.load(zero_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, False)).to(tl.int32)
+        q = codes.to(tl.float32) - expand(zero.to(tl.float32), R, C, G, KEY_AXIS)
+    return q * expand(scale, R, C, G, KEY_AXIS)
+
+
+@triton.jit
+def bf16_split(x):
+    """fp32 ``x`` as three fp32 terms that bfloat16 holds exactly (each rounded to nearest even) and whose
+    sum is exactly ``x``: the operands of an exact tensor-core product. bfloat16 keeps fp32's exponent
+    range, so no scaling is needed (finite ``x``, ``|x| < 2^127``)."""
+    hi = round_bf16(x)
+    r = x - hi
+    mid = round_bf16(r)
+    return hi, mid, r - mid
+
+
+@triton.jit
+def operand(x, BF16: tl.constexpr):
+    """fp32 ``x`` holding bfloat16-exact values as a dot operand: bfloat16 on the GPU; fp32 under the
+    interpreter (``BF16`` False), whose bfloat16 ``tl.dot`` is not exact; the values are the same."""
+    if BF16:
+        out = x.to(tl.bfloat16)
+    else:
+        out = x
+    return out
+
+
+@triton.jit
+def centred(c, off, BITS: tl.constexpr, BF16: tl.constexpr):
+    """Codes ``c`` (int32, one per element, ``0 .. 2^BITS - 1``) minus ``off`` (int32, broadcast) as the
+    exact integers ``c - off``, a dot operand (see :func:`operand`). 4-bit codes on the GPU become
+    bfloat16 ``128 + c`` by or-ing them into the bits of 128.0 (no int -> float conversion); other codes
+    become fp32 ``2^23 + c`` the same way; then ``128 + off`` or ``2^23 + off`` is subtracted (exact)."""
+    if BF16 and BITS <= 4:
+        out = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (off + 128).to(tl.bfloat16)
+    else:
+        f = (c | 0x4B000000).to(tl.float32, bitcast=True) - (off + 8388608).to(tl.float32)
+        out = operand(f, BF16)
+    return out
+
+
+@triton.jit
+def head_slot(part_ptr, slot_ptr, h, TWO: tl.constexpr):
+    """Which part (0 or 1) of the checkpoint holds value head ``h``, and its slot there: read from the
+    head table for two bit widths; with one, head ``h`` is slot ``h`` of part 0 (no table read on the
+    critical path)."""
+    if TWO:
+        part = tl.load(part_ptr + h)
+        slot = tl.load(slot_ptr + h).to(tl.int64)
+    else:
+        part = 0
+        slot = h
+    return part, slot
+
+
+@triton.jit
+def ckpt_base(part, slot, b, HV0, HV1, K: tl.constexpr, c0p, s0p, z0p, c1p, s1p, z1p,
+               CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+               CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr):
+    """Base pointers (codes, scale, zero) of this head in part 0 and part 1."""
+    i0 = b * HV0 + slot
+    i1 = b * HV1 + slot
+    return (c0p + i0 * K * CC0, s0p + i0 * SS0, z0p + i0 * ZS0, c1p + i1 * K * CC1, s1p + i1 * SS1, z1p + i1 * ZS1)
+
+
+@triton.jit
+def packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K: tl.constexpr,
+                 CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr,
+                 ZS1: tl.constexpr, TWO: tl.constexpr):
+    """The (sequence, value head) of program ``pid`` of a packed-checkpoint kernel: ``b, h``, the key head
+    ``kh``, the head's part (bit width) and its base pointers in both parts (:func:`ckpt_base`)."""
+    b = pid // HV
+    h = pid % HV
+    part, slot = head_slot(part_ptr, slot_ptr, h, TWO)
+    a0, as0, az0, a1, as1, az1 = ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
+                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    return b, h, h // (HV // H), part, a0, as0, az0, a1, as1, az1

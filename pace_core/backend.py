@@ -1,0 +1,124 @@
+"""Backends: who computes the steps of a :class:`~pace_core.schedule.PeriodicState` (the schedule says
+when; a backend says how).
+
+A backend (:class:`Steps`) stores and loads checkpoints, runs a chunk of the chunked GDN (a prefill
+segment), one buffered decode token (optionally followed by the flush that the schedule asked for), one
+per-token recurrence step (dP = 1) and the fold of the buffer. Two exist:
+
+- :class:`ReferenceSteps` here, pure PyTorch on any device: :mod:`pace_core.recurrence` and the
+  checkpoint's format; the definition of correct.
+- ``kernels.backend.TritonSteps``: the Triton kernels of ``kernels/`` for CUDA tensors (on a CPU only under
+  ``TRITON_INTERPRET=1``, as the tests do), matching the reference to float32 rounding.
+
+:func:`select_steps` picks one per layer, once, from the setting (``backend`` or ``$PACE_KERNELS``):
+``auto`` (the default: the kernels for CUDA tensors where they support the configuration and shapes),
+``reference`` (never the kernels, e.g. to compare) or ``triton`` (the kernels wherever they support it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from pace_core.errors import PaceError
+from pace_core.recurrence import buffered_step, fold, gdn_chunked, gdn_recurrent
+
+if TYPE_CHECKING:
+    from pace_core.checkpoint import Checkpoint, RoundingFormat, StateFormat
+    from pace_core.schedule import PeriodicState
+
+KERNELS_ENV = "PACE_KERNELS"
+BACKEND_SETTINGS = ("auto", "reference", "triton")
+
+
+def backend_setting(setting: str | None = None) -> str:
+    """``setting``, else ``$PACE_KERNELS``, else ``auto``; PaceError for another value."""
+    value = os.environ.get(KERNELS_ENV, "auto") if setting is None else setting
+    value = value.strip().lower() or "auto"
+    if value not in BACKEND_SETTINGS:
+        source = "backend" if setting is not None else KERNELS_ENV
+        raise PaceError(f"{source}={value!r} not allowed; allowed: {', '.join(BACKEND_SETTINGS)}")
+    return value
+
+
+class Steps(Protocol):
+    """The arithmetic of a :class:`~pace_core.schedule.PeriodicState` (module docstring)."""
+
+    name: str
+
+    def store(self, fmt: StateFormat | RoundingFormat, S: torch.Tensor) -> Checkpoint: ...
+
+    def load(self, fmt: StateFormat | RoundingFormat, c: Checkpoint) -> torch.Tensor: ...
+
+    def chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              S0: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def step(self, st: PeriodicState, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor,
+             beta_t: torch.Tensor, *, flush: bool) -> torch.Tensor: ...
+
+    def recurrent_step(self, st: PeriodicState, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
+                       g_t: torch.Tensor, beta_t: torch.Tensor) -> torch.Tensor: ...
+
+    def flush(self, st: PeriodicState) -> None: ...
+
+    def fold(self, st: PeriodicState) -> torch.Tensor: ...
+
+
+class ReferenceSteps:
+    """The PyTorch reference (any device). Shapes: ``q_t, k_t [B, H, K]`` (prepared), ``v_t [B, HV, V]``,
+    ``g_t, beta_t [B, HV]``; chunks ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``,
+    ``S0 [B, HV, K, V]``; outputs float32."""
+
+    name = "reference"
+
+    def store(self, fmt, S):
+        """``S`` stored in ``fmt``."""
+        return fmt.store(S)
+
+    def load(self, fmt, c):
+        """The checkpoint ``c`` dequantised, float32."""
+        return fmt.load(c)
+
+    def chunk(self, q, k, v, g, beta, S0, chunk_size):
+        """``(o [B, T, HV, V], S_T)`` of the chunked GDN from ``S0``."""
+        return gdn_chunked(q, k, v, g, beta, S0, chunk_size)
+
+    def step(self, st, q_t, k_t, v_t, g_t, beta_t, *, flush):
+        """One buffered token: its record appended to ``st.buffer``; then the flush when asked. ``o_t``."""
+        o = buffered_step(st.loaded(), st.buffer, q_t, k_t, v_t, g_t, beta_t)
+        if flush:
+            self.flush(st)
+        return o
+
+    def recurrent_step(self, st, q_t, k_t, v_t, g_t, beta_t):
+        """dP = 1: one plain recurrence step from the checkpoint, whose result is stored. ``o_t``."""
+        o, S = gdn_recurrent(*(x[:, None] for x in (q_t, k_t, v_t, g_t, beta_t)), st.loaded())
+        st.store(S)
+        return o[:, 0]
+
+    def flush(self, st):
+        """``Ŝ ← store(fold(Ŝ, buffer))``, buffer cleared."""
+        st.store(fold(st.loaded(), st.buffer))
+        st.buffer.clear()
+
+    def fold(self, st):
+        """Checkpoint plus folded buffer ``[B, HV, K, V]`` float32."""
+        return fold(st.loaded(), st.buffer)
+
+
+REFERENCE = ReferenceSteps()
+
+
+def select_steps(fmt: StateFormat | RoundingFormat, buffer_precision: str | None, d_k: int, d_v: int,
+                 device: torch.device, setting: str | None = None) -> Steps:
+    """The backend of one layer: the Triton kernels where ``setting`` (module docstring) asks for them and
+    they support the format, the buffer (``None`` at dP = 1) and the head dims on ``device``, else the
+    reference."""
+    setting = backend_setting(setting)
+    if setting == "reference" or (setting == "auto" and torch.device(device).type != "cuda"):
+        return REFERENCE
+    from kernels.backend import TritonSteps
+
+    return TritonSteps.for_layer(fmt, buffer_precision, d_k, d_v) or REFERENCE

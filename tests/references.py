@@ -1,0 +1,48 @@
+"""Independent references of the rounding schedule, written out plainly from the tested recurrence
+functions (pace_core.recurrence) as PACE_SPEC §3 states it: what pace_core.schedule.PeriodicState must
+compute, for the tests to compare it with."""
+
+from __future__ import annotations
+
+import torch
+
+from pace_core.buffer import DecodeBuffer
+from pace_core.recurrence import buffered_step, fold, gdn_chunked, gdn_recurrent
+
+
+def segmented_prefill(q, k, v, g, beta, S0, period, round_fn, chunk_size=64):
+    """Prompt ``[B, T, ...]`` in ``period``-token segments, each chunked from the rounded state, each
+    segment's end rounded by ``round_fn``: ``(o [B, T, HV, V], last rounded state)``."""
+    S, outputs = S0, []
+    for start in range(0, q.shape[1], period):
+        part = slice(start, start + period)
+        o, S = gdn_chunked(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], S, chunk_size)
+        outputs.append(o)
+        S = round_fn(S)
+    return torch.cat(outputs, 1), S
+
+
+def per_token_decode(q, k, v, g, beta, S0, round_fn):
+    """dP = 1: one plain recurrence step per token, then ``round_fn``: ``(o, S)``."""
+    S, outputs = S0, []
+    for t in range(q.shape[1]):
+        o, S = gdn_recurrent(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], S)
+        S = round_fn(S)
+        outputs.append(o)
+    return torch.cat(outputs, 1), S
+
+
+def periodic_decode(q, k, v, g, beta, S0, period, round_fn, precision):
+    """Buffered decode: each token through :func:`buffered_step` into a buffer of ``period`` records in
+    ``precision``; when full, ``Ŝ ← round_fn(fold(Ŝ, buffer))`` and the buffer is cleared. Returns
+    ``(o, fold of the last checkpoint and buffer, the buffer)``."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2:]
+    buf = DecodeBuffer(B, H, HV, K, V, period, precision, q.device)
+    S_hat, outputs = S0, []
+    for t in range(T):
+        outputs.append(buffered_step(S_hat, buf, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]))
+        if len(buf) == period:
+            S_hat = round_fn(fold(S_hat, buf))
+            buf.clear()
+    return torch.stack(outputs, 1), fold(S_hat, buf), buf
