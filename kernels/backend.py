@@ -33,9 +33,10 @@ from kernels import quantize as _quantize
 from kernels.flush import launch_flush
 from kernels.fused_step import launch_fused
 from kernels.packed_step import launch_packed_step
-from kernels.plan import DecodePlan, check_kernel_shape, plan_decode
+from kernels.plan import DecodePlan, check_kernel_shape, is_pow2, plan_decode
 from kernels.recurrent_step import dense_recurrent_step
 from pace_core import quant
+from pace_core.buffer import BufferFormat
 from pace_core.errors import PaceError
 from pace_core.recurrence import fold
 
@@ -51,15 +52,19 @@ class TritonSteps:
         self._plan: tuple[object, DecodePlan] | None = None
 
     @classmethod
-    def for_layer(cls, fmt, buffer_precision: str | None, d_k: int, d_v: int) -> TritonSteps | None:
-        """A backend for a layer of format ``fmt`` with that buffer (None at dP = 1) and head dims, or None
-        where the kernels do not cover it: other methods (DSQ, DAMP, a rounding function), per-token
-        rounding of a quantised state, the float64 test buffer, heads that are not powers of two or
-        narrower than :data:`kernels.plan.DECODE_MIN_K`."""
+    def for_layer(cls, fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> TritonSteps | None:
+        """A backend for a layer of format ``fmt`` with that buffer format (None at dP = 1) and head dims, or
+        None where the kernels do not cover it: other methods (DSQ, DAMP, a rounding function), per-token
+        rounding of a quantised state, the float64 test buffer, integer buffer groups that are not powers of
+        two, heads that are not powers of two or narrower than :data:`kernels.plan.DECODE_MIN_K`."""
         cfg = getattr(fmt, "cfg", None)
-        if cfg is None or cfg.method not in ("none", "rtn", "pace") or buffer_precision == "fp64":
+        if cfg is None or cfg.method not in ("none", "rtn", "pace"):
             return None
-        if buffer_precision is None and cfg.method != "none":
+        if buffer is None and cfg.method != "none":
+            return None
+        if buffer is not None and (buffer.precision == "fp64" or any(
+                spec is not None and not is_pow2(spec.group_size)
+                for spec in (buffer.spec("key", d_k), buffer.spec("value", d_v)))):
             return None
         if cfg.method == "none" and fmt.dtype not in (torch.float32, torch.bfloat16):
             return None
@@ -70,13 +75,14 @@ class TritonSteps:
         return cls()
 
     def store(self, fmt, S: torch.Tensor):
-        """``S [B, HV, K, V]`` stored in ``fmt`` (a cast for method none; the kernels for rtn / pace)."""
+        """``S [B, HV, K, V]`` stored in ``fmt`` (a cast for method none; the kernels for rtn / pace), and None
+        for its dequantised copy (made when needed)."""
         if fmt.spec is None:
-            return fmt.store(S)
+            return fmt.store(S), None
         quant.check_finite(S, fmt.name)
         if len(set(fmt.bits_per_head)) == 1:
-            return _quantize.quantize(S, fmt.cfg.quant_spec(fmt.bits_per_head[0]), name=fmt.name)
-        return _quantize.quantize_heads(S, list(fmt.bits_per_head), fmt.spec, name=fmt.name)
+            return _quantize.quantize(S, fmt.cfg.quant_spec(fmt.bits_per_head[0]), name=fmt.name), None
+        return _quantize.quantize_heads(S, list(fmt.bits_per_head), fmt.spec, name=fmt.name), None
 
     def load(self, fmt, c) -> torch.Tensor:
         """The checkpoint ``c`` dequantised, float32."""
@@ -93,7 +99,7 @@ class TritonSteps:
     def plan(self, st) -> DecodePlan:
         """The launch plan of ``st``'s checkpoint and buffer, with this backend's launch settings."""
         if self._plan is None or self._plan[0] is not st.checkpoint:
-            plan = plan_decode(st.checkpoint, st.buffer)
+            plan = plan_decode(st.checkpoint, st.buffer, st.exact_current)
             if self.launch:
                 meta = {**plan.meta, **self.launch}
                 if "BK" in meta:

@@ -1,7 +1,8 @@
 """The chunk step of a prefill: one P-token segment of the chunked GDN from a given state (PACE_SPEC §3).
 
-fla's ``chunk_gated_delta_rule`` (flash-linear-attention) where it is installed and the tensors are on a
-GPU, else :func:`pace_core.recurrence.gdn_chunked` (torch operations, so it runs on the GPU too). fla's
+fla's ``chunk_gated_delta_rule`` (flash-linear-attention) where it is installed, the tensors are on a GPU and
+the segment has at least :data:`pace_core.recurrence.RECURRENT_BELOW` tokens, else the reference's
+:func:`pace_core.recurrence.gdn_segment` (torch operations, so it runs on the GPU too). fla's
 kernel computes its dot products in tf32 / bf16 on tensor cores, so its outputs agree with the reference
 to about 1e-3, not to float32 rounding.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pace_core.recurrence import gdn_chunked
+from pace_core.recurrence import RECURRENT_BELOW, gdn_segment
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -23,8 +24,8 @@ def chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, be
     """``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``, ``S0 [B, HV, K, V]``
     float32 -> ``(o [B, T, HV, V], S_T [B, HV, K, V])`` float32. ``chunk_size`` is the reference's (fla
     uses its own, 64)."""
-    if fla_chunk is None or not q.is_cuda or q.shape[1] == 0:
-        return gdn_chunked(q, k, v, g, beta, S0, chunk_size)
+    if fla_chunk is None or not q.is_cuda or q.shape[1] < RECURRENT_BELOW:
+        return gdn_segment(q, k, v, g, beta, S0, chunk_size)
     gamma = v.shape[2] // q.shape[2]
     if gamma > 1:  # fla takes one key head per value head
         q, k = q.repeat_interleave(gamma, dim=2), k.repeat_interleave(gamma, dim=2)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kernels.plan import DecodePlan, ckpt_common
 from kernels.primitives import bf16_split, expand, operand, packed_head, quant_tile
-from kernels.records import load_vecs, record_args, vec_parts
+from kernels.records import load_vecs, record_args, record_layout, vec_parts
 from pace_core.buffer import DecodeBuffer
 
 
@@ -45,33 +45,47 @@ def _dequant_rows(c, z, s, G: tl.constexpr):
 
 
 @triton.jit
-def _fold_records(acc_a, acc_b, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, r0,
-                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, T: tl.constexpr, KBITS: tl.constexpr,
-                  VBITS: tl.constexpr, K_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr,
-                  HALVES: tl.constexpr):
+def _fold_records(acc_a, acc_b, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H,
+                  HV, c0, r0, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, T: tl.constexpr,
+                  KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr,
+                  VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
+                  K_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr, HALVES: tl.constexpr):
     """``acc + Σ_i e^{G - G_i} u_i k_iᵀ`` over the ``n`` buffered records for key rows ``r0 .. r0+T``
     and value columns ``c0 .. c0+BV`` of one head, transposed: ``acc_a, acc_b [N, T]`` (the even and
     odd columns with ``HALVES``, else ``acc_a`` all ``N = BV`` columns and ``acc_b`` returned as is),
-    NB records per ``[N, NB] x [NB, T]`` dot (:func:`_fold`), newest block first."""
+    NB records per ``[N, NB] x [NB, T]`` dot (:func:`_fold`), newest block first. Integer keys enter as
+    their exact integers (codes minus zero point); where the ``T`` rows span several key groups, one dot
+    per group, each with the other groups' rows zeroed and its own scale in the weights."""
     EXACT: tl.constexpr = KBITS > 0 or K_BF16
     N: tl.constexpr = acc_a.shape[0]
+    KGR: tl.constexpr = KG if KG < T else T  # key rows of one group inside the tile
+    NKG: tl.constexpr = T // KGR
     ridx = tl.arange(0, NB)
     later = ridx[None, :] > ridx[:, None]
+    in_group = (tl.arange(0, T) // KGR)[None, :]  # the key group (within the tile) of each row
     run = tl.sum(tl.zeros((NB,), tl.float32))  # Σ of the log decays of the newer blocks
     for blk in range(0, tl.cdiv(n, NB)):
         i = n - (blk + 1) * NB + ridx
         valid = i >= 0
         gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
-        kc, ks = vec_parts(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, r0, T, K, KBITS)
-        ub = load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
-        w = (tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)) * ks)[None, :]
-        kx = operand(kc, BF16) if EXACT else kc
-        if HALVES:
-            u_a, u_b = tl.split(tl.reshape(ub, (NB, N, 2)))
-            acc_a = _fold(w * tl.trans(u_a), kx, acc_a, EXACT, BF16)
-            acc_b = _fold(w * tl.trans(u_b), kx, acc_b, EXACT, BF16)
-        else:
-            acc_a = _fold(w * tl.trans(ub), kx, acc_a, EXACT, BF16)
+        kc, ks = vec_parts(bk_ptr, bks_ptr, bkz_ptr, (b * cap + i) * H + kh, valid, r0, T, K, KBITS, KG, KSYM, KPZ)
+        ub = load_vecs(bv_ptr, bvs_ptr, bvz_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS, VG, VSYM, VPZ)
+        decay = tl.exp(run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1))
+        for j in tl.static_range(NKG):
+            if NKG == 1:
+                kj = kc
+                sj = tl.reshape(ks, (NB,))
+            else:
+                kj = tl.where(in_group == j, kc, 0.0)
+                sj = tl.sum(tl.where(tl.arange(0, NKG)[None, :] == j, ks, 0.0), axis=1)
+            w = (decay * sj)[None, :]
+            kx = operand(kj, BF16) if EXACT else kj
+            if HALVES:
+                u_a, u_b = tl.split(tl.reshape(ub, (NB, N, 2)))
+                acc_a = _fold(w * tl.trans(u_a), kx, acc_a, EXACT, BF16)
+                acc_b = _fold(w * tl.trans(u_b), kx, acc_b, EXACT, BF16)
+            else:
+                acc_a = _fold(w * tl.trans(ub), kx, acc_a, EXACT, BF16)
         run += tl.sum(gb)
     return acc_a, acc_b
 
@@ -89,9 +103,10 @@ def _requant_rows(x, scale_at, G: tl.constexpr, SYM: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, cb,
-                K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
-                BITS: tl.constexpr, PZ: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh,
+                H, HV, cb, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+                BITS: tl.constexpr, PZ: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
+                KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
                 K_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr):
     """The flush of one head's columns ``c0 .. c0+BV``, ``c0 = cb BV`` (see :func:`_flush_kernel`),
     ``T = max(G, 16)`` key rows (whole groups) at a time and transposed: a tile is
@@ -129,8 +144,9 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n,
                 z_b = zp >> 4
             x_a = _dequant_rows(p & 15, z_a, decay * tl.load(s_at).to(tl.float32), G)
             x_b = _dequant_rows(p >> 4, z_b, decay * tl.load(s_at + 1).to(tl.float32), G)
-            x_a, x_b = _fold_records(x_a, x_b, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
-                                     c0, r0, K, V, BV, T, KBITS, VBITS, K_BF16, NB, BF16, True)
+            x_a, x_b = _fold_records(x_a, x_b, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b,
+                                     h, kh, H, HV, c0, r0, K, V, BV, T, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ,
+                                     K_BF16, NB, BF16, True)
             c_a, zq_a = _requant_rows(x_a, s_at, G, SYM, BITS)
             c_b, zq_b = _requant_rows(x_b, s_at + 1, G, SYM, BITS)
             tl.store(at, (c_a | (c_b << 4)).to(tl.uint8))
@@ -142,8 +158,9 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n,
             else:
                 z = tl.load(zero + grp * V + cols[:, None]).to(tl.int32)
             x = _dequant_rows(p, z, decay * tl.load(s_at).to(tl.float32), G)
-            x, _ = _fold_records(x, x, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
-                                 c0, r0, K, V, BV, T, KBITS, VBITS, K_BF16, NB, BF16, False)
+            x, _ = _fold_records(x, x, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh,
+                                 H, HV, c0, r0, K, V, BV, T, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16, NB,
+                                 BF16, False)
             c, zq = _requant_rows(x, s_at, G, SYM, BITS)
             tl.store(at, c.to(tl.uint8))
             if not SYM:
@@ -153,12 +170,13 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n,
 @triton.jit
 def _flush_kernel(
     part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
-    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr, NB: tl.constexpr,
-    BF16: tl.constexpr,
+    TWO: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr,
+    VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr, K_BF16: tl.constexpr,
+    V_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr,
 ):
     """Fold the ``n`` buffered records into the packed checkpoint and requantise it in place:
     ``S = e^{G} Ŝ + Σ_i e^{G - G_i} k_i u_iᵀ`` for the columns ``c0 .. c0+BV`` of one head.
@@ -174,14 +192,17 @@ def _flush_kernel(
                                                               ZS1, TWO)
     if TWO:
         if part == 1:
-            _flush_head(a1, as1, az1, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, cb,
-                        K, V, BV, G, SYM, BITS1, PZ1, KBITS, VBITS, K_BF16, NB, BF16)
+            _flush_head(a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh,
+                        H, HV, cb, K, V, BV, G, SYM, BITS1, PZ1, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16,
+                        NB, BF16)
         else:
-            _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, cb,
-                        K, V, BV, G, SYM, BITS0, PZ0, KBITS, VBITS, K_BF16, NB, BF16)
+            _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh,
+                        H, HV, cb, K, V, BV, G, SYM, BITS0, PZ0, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16,
+                        NB, BF16)
     else:
-        _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, cb,
-                    K, V, BV, G, SYM, BITS0, PZ0, KBITS, VBITS, K_BF16, NB, BF16)
+        _flush_head(a0, as0, az0, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh,
+                    H, HV, cb, K, V, BV, G, SYM, BITS0, PZ0, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16,
+                    NB, BF16)
 
 
 def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
@@ -192,5 +213,5 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     st, records = record_args(buf)
     bv = min(m["flush_columns"], V)
     _flush_kernel[(B * HV, V // bv)](*plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, BV=bv, NB=16,
-                                     KBITS=m["KBITS"], VBITS=m["VBITS"], K_BF16=m["K_BF16"],
-                                     num_warps=m["flush_warps"], num_stages=1, **ckpt_common(m))
+                                     **record_layout(st), num_warps=m["flush_warps"], num_stages=1,
+                                     **ckpt_common(m))

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.plan import DecodePlan
-from kernels.primitives import ckpt_base, head_slot, load_tile, rint, round_bf16, store_as, store_tile
+from kernels.primitives import ckpt_base, head_slot, load_tile, store_as, store_tile
 from kernels.records import append_record, load_vecs, record_args, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
 
@@ -60,13 +60,14 @@ def _ckpt_store(x, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK: tl.
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     dense_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
-    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     G: tl.constexpr, KEY_AXIS: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, DENSE: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    K_BF16: tl.constexpr, V_BF16: tl.constexpr, FLUSH: tl.constexpr, NB: tl.constexpr,
+    TWO: tl.constexpr, DENSE: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
+    KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
+    K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, FLUSH: tl.constexpr, NB: tl.constexpr,
     NB2: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -99,46 +100,42 @@ def _decode_kernel(
         sq += tl.sum(S * qc[:, None], axis=0)
 
     g_t = tl.load(g_ptr + pid)
-    run, rk, rq = record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, kfull, qfull,
-                                g_t, K, V, BV, KBITS, VBITS, NB)
-    kcodes, kscale, khat, ucodes, uscale, uhat = token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq,
-                                                               rk, rq, kfull, qfull, K, V, BV, KBITS, VBITS,
-                                                               K_BF16, V_BF16)
+    run, rk, rq = record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
+                                c0, kfull, qfull, g_t, K, V, BV, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, NB)
+    kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat = token_output(
+        beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq, rk, rq, kfull, qfull, K, V, BV, KBITS, KG, KSYM,
+        VBITS, VG, VSYM, K_BF16, V_BF16, EXACT)
     run_o = run + g_t
 
     if FLUSH:
         # fold every record (the new one included) into Ŝ and requantise this column block in place
-        kdiv = tl.where(kscale == 0, 1.0, kscale.to(tl.float32))
-        QK: tl.constexpr = (1 << KBITS) // 2 - 1  # the key codes' qmax (unused for float keys)
         ridx2 = tl.arange(0, NB2)  # 16 records per block: the fold is a [BK, 16] x [16, BV] product
         later2 = ridx2[None, :] > ridx2[:, None]
+        kidx = tl.arange(0, K)
         for r0 in tl.static_range(0, K, BK):
             rows = r0 + tl.arange(0, BK)
             S = _ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM,
                            BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
-            kc = tl.load(k_ptr + (b * H + kh) * K + rows)
-            if KBITS == 0:
-                if K_BF16:
-                    kc = round_bf16(kc)
-            else:
-                kq = rint(tl.minimum(tl.maximum(tl.math.div_rn(kc[None, :], kdiv), -QK * 1.0), QK * 1.0))
-                kc = tl.reshape(kq * kscale.to(tl.float32), (BK,))
+            kc = tl.sum(tl.where(rows[:, None] == kidx[None, :], khat[None, :], 0.0), axis=1)  # the stored key's rows
             acc = tl.exp(run_o) * S + kc[:, None] * uhat[None, :]
             run = g_t * 0.0
             for blk in range(0, tl.cdiv(n, NB2)):
                 i = n - (blk + 1) * NB2 + ridx2
                 valid = i >= 0
                 gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
-                kb = load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, r0, BK, K, KBITS)
-                ub = load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
+                kb = load_vecs(bk_ptr, bks_ptr, bkz_ptr, (b * cap + i) * H + kh, valid, r0, BK, K, KBITS, KG, KSYM,
+                               KPZ)
+                ub = load_vecs(bv_ptr, bvs_ptr, bvz_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS, VG, VSYM,
+                               VPZ)
                 w = tl.exp(run + tl.sum(tl.where(later2, gb[None, :], 0.0), axis=1) + g_t)
                 acc += tl.dot(tl.trans(kb), w[:, None] * ub, input_precision="ieee")
                 run += tl.sum(gb)
             _ckpt_store(acc, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS,
                         SYM, BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
     else:
-        append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
-                       kcodes, kscale, khat, ucodes, uscale, uhat, K, V, BV, KBITS, VBITS)
+        append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
+                       kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat, K, V, BV, KBITS, KG, KSYM, KPZ,
+                       VBITS, VG, VSYM, VPZ)
 
 
 def launch_fused(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o, flush: bool) -> None:

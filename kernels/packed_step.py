@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels.plan import DecodePlan, ckpt_common
 from kernels.primitives import bf16_split, centred, operand, packed_head
-from kernels.records import append_record, record_args, record_reads, token_output
+from kernels.records import append_record, record_args, record_layout, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
 
 
@@ -155,9 +155,11 @@ def _ckpt_dots_kernel(
 
 
 @triton.jit
-def _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H,
-                 HV, pid, sk, sq, K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                 K_BF16: tl.constexpr, V_BF16: tl.constexpr, NB: tl.constexpr):
+def _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr,
+                 bg_ptr, n, cap, H, HV, pid, sk, sq, K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr,
+                 KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
+                 VSYM: tl.constexpr, VPZ: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr,
+                 EXACT: tl.constexpr, NB: tl.constexpr):
     """The step of (sequence, value head) ``pid`` given the checkpoint's ``Ŝᵀk_t, Ŝᵀq_t`` (``sk, sq
     [V]``): the buffered records' part of the two products, ``u_t``, ``o_t`` and the token's record
     written in the buffer's precision."""
@@ -168,22 +170,24 @@ def _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, b
     kfull = tl.load(k_ptr + (b * H + kh) * K + tl.arange(0, K))
     qfull = tl.load(q_ptr + (b * H + kh) * K + tl.arange(0, K))
     g_t = tl.load(g_ptr + pid)
-    run, rk, rq = record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, kfull, qfull,
-                                g_t, K, V, V, KBITS, VBITS, NB)
-    kcodes, kscale, khat, ucodes, uscale, uhat = token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq,
-                                                               rk, rq, kfull, qfull, K, V, V, KBITS, VBITS,
-                                                               K_BF16, V_BF16)
+    run, rk, rq = record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
+                                0, kfull, qfull, g_t, K, V, V, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, NB)
+    kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat = token_output(
+        beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq, rk, rq, kfull, qfull, K, V, V, KBITS, KG, KSYM,
+        VBITS, VG, VSYM, K_BF16, V_BF16, EXACT)
     # the record is appended also on the token that fills the buffer: the flush kernel folds it
-    append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, g_t,
-                   kcodes, kscale, khat, ucodes, uscale, uhat, K, V, V, KBITS, VBITS)
+    append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, g_t,
+                   kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat, K, V, V, KBITS, KG, KSYM, KPZ,
+                   VBITS, VG, VSYM, VPZ)
 
 
 @triton.jit
 def _record_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, y_ptr,
-    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
-    K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr,
-    V_BF16: tl.constexpr, NB: tl.constexpr,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
+    K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr,
+    VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr, K_BF16: tl.constexpr,
+    V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
 ):
     """The split path's second kernel, one program per (sequence, value head): the buffered records'
     part of the two products, ``u_t``, ``o_t`` from ``y`` (:func:`_ckpt_dots_kernel`), and the token's
@@ -191,20 +195,22 @@ def _record_step_kernel(
     vectors, so they stay within a warp or two."""
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, V)
-    _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H,
-                 HV, pid, tl.load(y_ptr + pid * 2 * V + cols), tl.load(y_ptr + pid * 2 * V + V + cols),
-                 K, V, KBITS, VBITS, K_BF16, V_BF16, NB)
+    _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr,
+                 bg_ptr, n, cap, H, HV, pid, tl.load(y_ptr + pid * 2 * V + cols),
+                 tl.load(y_ptr + pid * 2 * V + V + cols), K, V, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16,
+                 V_BF16, EXACT, NB)
 
 
 @triton.jit
 def _ckpt_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
-    bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H, HV,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, K_BF16: tl.constexpr,
-    V_BF16: tl.constexpr, NB: tl.constexpr,
+    TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
+    KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
+    K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
 ):
     """The split path's step as one kernel, one program per (sequence, value head): the dots kernel's
     ``Ŝᵀk_t, Ŝᵀq_t`` for the whole head (:func:`_head_dots`) kept in registers, then the record
@@ -223,8 +229,9 @@ def _ckpt_step_kernel(
             sk, sq = _head_dots(a0, as0, az0, kx, qx, K, V, G, SYM, BITS0, PZ0, BF16)
     else:
         sk, sq = _head_dots(a0, as0, az0, kx, qx, K, V, G, SYM, BITS0, PZ0, BF16)
-    _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, H,
-                 HV, pid, sk, sq, K, V, KBITS, VBITS, K_BF16, V_BF16, NB)
+    _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr,
+                 bg_ptr, n, cap, H, HV, pid, sk, sq, K, V, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16, V_BF16,
+                 EXACT, NB)
 
 
 def launch_dots(plan: DecodePlan, q, k) -> None:
@@ -244,8 +251,9 @@ def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> 
     m = plan.meta
     st, records = record_args(buf)
     _record_step_kernel[(B * HV,)](
-        q, k, v, g, beta, o, plan.workspace, *records, st["n"], st["cap"], H, HV, K=K, V=V, KBITS=m["KBITS"],
-        VBITS=m["VBITS"], K_BF16=m["K_BF16"], V_BF16=m["V_BF16"], NB=min(triton.next_power_of_2(plan.capacity), 16),
+        q, k, v, g, beta, o, plan.workspace, *records, st["n"], st["cap"], H, HV, K=K, V=V, EXACT=m["EXACT"],
+        **record_layout(st),
+        NB=min(triton.next_power_of_2(plan.capacity), 16),
         num_warps=m["record_warps"],
     )
 
@@ -262,7 +270,8 @@ def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o)
     B, H, HV, K, V = plan.shape
     st, records = record_args(buf)
     _ckpt_step_kernel[(B * HV,)](
-        q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, KBITS=m["KBITS"],
-        VBITS=m["VBITS"], K_BF16=m["K_BF16"], V_BF16=m["V_BF16"], NB=min(triton.next_power_of_2(plan.capacity), 16),
+        q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, EXACT=m["EXACT"],
+        **record_layout(st),
+        NB=min(triton.next_power_of_2(plan.capacity), 16),
         num_warps=m["step_warps"], **ckpt_common(m),
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.records import buffer_tensors
+from kernels.records import buffer_tensors, record_layout
 from pace_core import quant
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
@@ -34,7 +34,7 @@ def part_layout(spec: quant.QuantSpec, K: int, V: int) -> PartLayout:
     """Sizes per head of ``spec``'s storage for a ``[K, V]`` state (pace_core.quant's format)."""
     sshape = quant.scale_shape((K, V), spec)
     n_scales = sshape[0] * sshape[1]
-    pack_zero = spec.bits <= 4 and sshape[-1] % 2 == 0
+    pack_zero = quant.zero_packed(spec.bits, sshape[-1])
     zero_size = 0 if spec.symmetric else (n_scales // 2 if pack_zero else n_scales)
     return PartLayout(spec.bits, pack_zero, quant.packed_last_dim(spec.bits, V), n_scales, zero_size)
 
@@ -76,7 +76,7 @@ class HeadTable:
 
     part: torch.Tensor
     slot: torch.Tensor
-    heads: dict[int, torch.Tensor]  # bits -> ascending LongTensor of head indices
+    heads: dict[int, torch.Tensor]  # bits -> ascending int16 head indices (pace_core.quant.MixedPackedState's map)
 
 
 def head_table(bits_per_head: list[int], device: torch.device) -> tuple[list[int], HeadTable]:
@@ -88,7 +88,7 @@ def head_table(bits_per_head: list[int], device: torch.device) -> tuple[list[int
         raise PaceError(f"bits_per_head: {widths} distinct widths not supported in one launch; allowed: at most 2")
     part = [widths.index(b) for b in bits_per_head]
     slot = [sum(1 for p in part[:h] if p == part[h]) for h in range(len(part))]
-    heads = {b: torch.tensor([h for h, x in enumerate(bits_per_head) if x == b], dtype=torch.long, device=device)
+    heads = {b: torch.tensor([h for h, x in enumerate(bits_per_head) if x == b], dtype=torch.int16, device=device)
              for b in widths}
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
     return widths, HeadTable(as_i32(part), as_i32(slot), heads)
@@ -119,7 +119,7 @@ def as_mixed(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.MixedPa
     if isinstance(ckpt, quant.MixedPackedState):
         return ckpt
     hv = ckpt.shape[-3]
-    heads = torch.arange(hv, device=ckpt.codes.device)
+    heads = torch.arange(hv, dtype=torch.int16, device=ckpt.codes.device)
     return quant.MixedPackedState({ckpt.spec.bits: ckpt}, {ckpt.spec.bits: heads}, ckpt.shape)
 
 
@@ -163,8 +163,9 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
-    """Validate ``ckpt`` against ``buf`` and prepare the launch (see :class:`DecodePlan`)."""
+def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True) -> DecodePlan:
+    """Validate ``ckpt`` against ``buf`` and prepare the launch (see :class:`DecodePlan`); ``exact_current``:
+    the current token's output from its exact record (pace_core.recurrence.buffered_step)."""
     B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
     if buf.precision == "fp64":
         raise PaceError("buffer precision: 'fp64' not supported by the kernels; allowed: fp32, bf16, int8, mixed")
@@ -203,8 +204,7 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer) -> DecodePlan:
         BV = V
     st = buffer_tensors(buf)
     meta = dict(K=K, V=V, BK=BK, BV=BV, G=G, KEY_AXIS=key_axis, SYM=sym, **layout_args(layouts),
-                DENSE=isinstance(ckpt, torch.Tensor), KBITS=st["keys_bits"], VBITS=st["values_bits"],
-                K_BF16=st["keys"].dtype == torch.bfloat16, V_BF16=st["values"].dtype == torch.bfloat16,
+                DENSE=isinstance(ckpt, torch.Tensor), **record_layout(st), EXACT=exact_current,
                 num_warps=8 if BK * BV >= 8192 else 4)
     split = not meta["DENSE"] and key_axis
     workspace = None

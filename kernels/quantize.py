@@ -80,6 +80,17 @@ def _check_state(S: torch.Tensor, name: str) -> None:
         raise PaceError(f"{name}: dtype {S.dtype} not supported by the kernels; allowed: float32, bfloat16, float16")
 
 
+def _check_scale_range(S: torch.Tensor, spec: quant.QuantSpec, bits_per_head: list[int], name: str) -> None:
+    """PaceError like pace_core.quant's where a group's fp16 scale would overflow (the kernels would
+    saturate it): one reduction decides; only a state that may overflow is quantised by the reference to
+    name the group."""
+    widths = sorted(set(bits_per_head))
+    qmax = min((1 << (b - 1)) - 1 if spec.symmetric else (1 << b) - 1 for b in widths)
+    reach = float(S.abs().amax()) * (1 if spec.symmetric else 2)  # a group's max |x|, or at most its range
+    if reach / qmax > quant.FP16_MAX:
+        quant.quantize_heads(S, bits_per_head, spec, name=name)
+
+
 def _empty_part(lead: tuple[int, ...], hv: int, K: int, V: int, spec: quant.QuantSpec,
                 device: torch.device) -> quant.PackedTensor:
     """Uninitialised storage of one part (filled by a kernel)."""
@@ -117,6 +128,7 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
         raise PaceError(f"bits_per_head has {len(bits_per_head)} entries; allowed: one per value head ({HV})")
     check_kernel_shape(K, V, spec, name)
     quant.check_finite(S, name)
+    _check_scale_range(S, spec, bits_per_head, name)
     widths, table = head_table(bits_per_head, S.device)
     specs = [quant.QuantSpec(b, spec.symmetric, spec.axis, spec.group_size) for b in widths]
     parts = [_empty_part(tuple(lead), len(table.heads[b]), K, V, s, S.device) for b, s in zip(widths, specs)]

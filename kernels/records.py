@@ -5,82 +5,125 @@ from the checkpoint's and the records' parts, and writing the token's record in 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from kernels.primitives import quant_tile, round_bf16, store_as
+from kernels.primitives import expand, quant_tile, round_bf16, store_as
+from pace_core import quant
 from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
 
 
 def buffer_tensors(buf: DecodeBuffer) -> dict:
     """The live storage of ``buf`` (:meth:`DecodeBuffer.storage`) and its record layout: for keys and
-    values the tensor, its per-vector scale (the tensor itself for float storage, never read) and its
-    bits (0 for float storage)."""
+    values the tensor, its fp16 group scales and zero points (the tensor itself where there are none,
+    never read), its bits (0 for float storage), entries per group (the vector's length for one scale per
+    vector), whether it is symmetric and whether its zero points are packed two per byte."""
     live = buf.storage()
     key_kind, value_kind = BUFFER_LAYOUT[buf.precision]
     out = {"n": len(buf), "cap": buf.capacity, "log_decays": live["log_decays"]}
-    for name, single, kind in (("keys", "key", key_kind), ("values", "value", value_kind)):
+    for name, single, kind, length in (("keys", "key", key_kind, buf.d_k), ("values", "value", value_kind, buf.d_v)):
+        spec = buf.format.spec(single, length)
         bits = kind if isinstance(kind, int) else 0
-        out[name], out[name + "_scale"], out[name + "_bits"] = live[name], live.get(single + "_scale", live[name]), bits
+        group = spec.group_size if spec is not None else length
+        sym = spec is None or spec.symmetric
+        out[name], out[name + "_bits"], out[name + "_group"], out[name + "_sym"] = live[name], bits, group, sym
+        out[name + "_scale"] = live.get(single + "_scale", live[name])
+        out[name + "_zero"] = live.get(single + "_zero", out[name + "_scale"])
+        out[name + "_pz"] = not sym and quant.zero_packed(bits, length // group)
     return out
 
 
 def record_args(buf: DecodeBuffer) -> tuple[dict, tuple]:
+    """(:func:`buffer_tensors`, the record pointers every decode kernel takes: keys, their scales and zero
+    points, values, theirs, log decays)."""
     st = buffer_tensors(buf)
-    return st, (st["keys"], st["keys_scale"], st["values"], st["values_scale"], st["log_decays"])
+    return st, (st["keys"], st["keys_scale"], st["keys_zero"], st["values"], st["values_scale"], st["values_zero"],
+                st["log_decays"])
+
+
+def record_layout(st: dict) -> dict:
+    """The records' compile-time layout (every decode kernel's constexprs) from :func:`buffer_tensors`."""
+    return dict(KBITS=st["keys_bits"], KG=st["keys_group"], KSYM=st["keys_sym"], KPZ=st["keys_pz"],
+                VBITS=st["values_bits"], VG=st["values_group"], VSYM=st["values_sym"], VPZ=st["values_pz"],
+                K_BF16=st["keys"].dtype == torch.bfloat16, V_BF16=st["values"].dtype == torch.bfloat16)
 
 
 @triton.jit
-def vec_parts(ptr, scale_ptr, recs, valid, r0, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
-    """Elements ``r0 .. r0+R`` of the buffered vectors ``recs [NB]`` (flat record indices) as
-    ``(x [NB, R], s [NB])`` fp32 with ``x * s`` the stored values: the codes minus ``2^(BITS-1)``
-    (exact integers) and each vector's scale for integer storage, the values and 1 for float
-    storage; rows where ``valid`` is False read as 0."""
+def vec_parts(ptr, scale_ptr, zero_ptr, recs, valid, r0, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr,
+              G: tl.constexpr, SYM: tl.constexpr, PZ: tl.constexpr):
+    """Elements ``r0 .. r0+R`` of the buffered vectors ``recs [NB]`` (flat record indices) as ``(x [NB, R],
+    s [NB, NG])`` fp32, ``NG = R / min(G, R)`` the groups of ``G`` entries the range covers (``r0`` a
+    multiple of ``min(G, R)``): for integer storage ``x`` the codes minus their group's zero point (or
+    ``2^(BITS-1)`` when symmetric), exact integers, and ``s`` the groups' scales, so ``x`` times its group's
+    scale is the stored value; for float storage the values and 1. Rows where ``valid`` is False read as 0."""
+    GR: tl.constexpr = G if G < R else R
+    NG: tl.constexpr = R // GR
+    NGL: tl.constexpr = L // G  # groups (scales) per vector
     m = valid[:, None]
+    gidx = r0 // G + tl.arange(0, NG)[None, :]  # the covered groups
     if BITS == 0:
         x = tl.load(ptr + recs[:, None] * L + r0 + tl.arange(0, R)[None, :], mask=m, other=0.0).to(tl.float32)
-        s = tl.where(valid, 1.0, 0.0)
+        s = tl.where(m, 1.0, 0.0) + tl.zeros((1, NG), tl.float32)
     else:
-        s = tl.load(scale_ptr + recs, mask=valid, other=0.0).to(tl.float32)
+        s = tl.load(scale_ptr + recs[:, None] * NGL + gidx, mask=m, other=0.0).to(tl.float32)
         if BITS <= 4:
             p = tl.load(ptr + recs[:, None] * (L // 2) + r0 // 2 + tl.arange(0, R // 2)[None, :], mask=m, other=0)
             p = p.to(tl.int32)
             c = tl.reshape(tl.join(p & 15, p >> 4), (recs.shape[0], R))
         else:
             c = tl.load(ptr + recs[:, None] * L + r0 + tl.arange(0, R)[None, :], mask=m, other=0).to(tl.int32)
-        x = c.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+        if SYM:
+            x = c.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+        else:
+            if PZ:
+                zb = tl.load(zero_ptr + recs[:, None] * (NGL // 2) + gidx // 2, mask=m, other=0).to(tl.int32)
+                z = (zb >> ((gidx % 2) * 4)) & 15
+            else:
+                z = tl.load(zero_ptr + recs[:, None] * NGL + gidx, mask=m, other=0).to(tl.int32)
+            x = (c - expand(z, recs.shape[0], R, GR, False)).to(tl.float32)
     return x, s
 
 
 @triton.jit
-def load_vecs(ptr, scale_ptr, recs, valid, r0, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
+def load_vecs(ptr, scale_ptr, zero_ptr, recs, valid, r0, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr,
+              G: tl.constexpr, SYM: tl.constexpr, PZ: tl.constexpr):
     """Elements ``r0 .. r0+R`` of the buffered vectors ``recs [NB]``, dequantised to fp32 ``[NB, R]``
     (see :func:`vec_parts`)."""
-    x, s = vec_parts(ptr, scale_ptr, recs, valid, r0, R, L, BITS)
-    return x * s[:, None]
+    x, s = vec_parts(ptr, scale_ptr, zero_ptr, recs, valid, r0, R, L, BITS, G, SYM, PZ)
+    GR: tl.constexpr = G if G < R else R
+    return x * expand(s, recs.shape[0], R, GR, False)
 
 
 @triton.jit
-def stored_vec(x, L: tl.constexpr, BITS: tl.constexpr, DT_BF16: tl.constexpr):
-    """What the buffer stores for the fp32 vector ``x [L]``: codes int32 ``[1, L]``, fp16 scale ``[1, 1]``
-    and the stored value dequantised ``[L]`` (for float storage the codes/scale are unused)."""
+def stored_vec(x, L: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, DT_BF16: tl.constexpr):
+    """What the buffer stores for the fp32 vector ``x [L]``: codes int32 ``[1, L]``, fp16 scales and int32 zero
+    points ``[1, L/G]`` (groups of ``G`` entries, pace_core.quant's value-axis groups), and the stored value
+    dequantised ``[L]`` (for float storage the codes, scales and zero points are unused)."""
     if BITS == 0:
         codes = tl.zeros((1, L), tl.int32)
-        scale = tl.zeros((1, 1), tl.float16)
+        scale = tl.zeros((1, L // G), tl.float16)
+        zero = tl.zeros((1, L // G), tl.int32)
         if DT_BF16:
             xs = round_bf16(x)
         else:
             xs = x
     else:
-        codes, scale, _z = quant_tile(tl.reshape(x, (1, L)), 1, L, L, False, True, BITS)
-        xs = tl.reshape((codes.to(tl.float32) - (1 << (BITS - 1)) * 1.0) * scale.to(tl.float32), (L,))
-    return codes, scale, xs
+        codes, scale, zero = quant_tile(tl.reshape(x, (1, L)), 1, L, G, False, SYM, BITS)
+        if SYM:
+            q = codes.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+        else:
+            q = (codes - expand(zero, 1, L, G, False)).to(tl.float32)
+        xs = tl.reshape(q * expand(scale.to(tl.float32), 1, L, G, False), (L,))
+    return codes, scale, zero, xs
 
 
 @triton.jit
-def store_vec(ptr, scale_ptr, rec, c0, codes, scale, x, R: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
-    """Store elements ``c0 .. c0+R`` of buffered vector ``rec`` of length ``L`` (codes + scale: the
-    whole vector, R == L; or ``x`` in the storage's float dtype)."""
+def store_vec(ptr, scale_ptr, zero_ptr, rec, c0, codes, scale, zero, x, R: tl.constexpr, L: tl.constexpr,
+              BITS: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, PZ: tl.constexpr):
+    """Store elements ``c0 .. c0+R`` of buffered vector ``rec`` of length ``L`` (codes, scales and zero points:
+    the whole vector, R == L; or ``x`` in the storage's float dtype)."""
+    NGL: tl.constexpr = L // G
     if BITS == 0:
         store_as(ptr + rec * L + c0 + tl.arange(0, R), x)
     else:
@@ -89,13 +132,20 @@ def store_vec(ptr, scale_ptr, rec, c0, codes, scale, x, R: tl.constexpr, L: tl.c
             tl.store(ptr + rec * (L // 2) + tl.arange(0, L // 2), (a | (b << 4)).to(tl.uint8))
         else:
             tl.store(ptr + rec * L + tl.arange(0, L), tl.reshape(codes, (L,)).to(tl.uint8))
-        tl.store(scale_ptr + rec + tl.arange(0, 1), tl.reshape(scale, (1,)))
+        tl.store(scale_ptr + rec * NGL + tl.arange(0, NGL), tl.reshape(scale, (NGL,)))
+        if not SYM:
+            if PZ:
+                za, zb = tl.split(tl.reshape(zero, (NGL // 2, 2)))
+                tl.store(zero_ptr + rec * (NGL // 2) + tl.arange(0, NGL // 2), (za | (zb << 4)).to(tl.uint8))
+            else:
+                tl.store(zero_ptr + rec * NGL + tl.arange(0, NGL), tl.reshape(zero, (NGL,)).to(tl.uint8))
 
 
 @triton.jit
-def record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, kfull, qfull, g_t,
-                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                  NB: tl.constexpr):
+def record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, kfull,
+                  qfull, g_t, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr,
+                  KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
+                  VSYM: tl.constexpr, VPZ: tl.constexpr, NB: tl.constexpr):
     """The buffered records' part of ``S_{t-1}ᵀk_t`` and ``S_tᵀq_t`` (columns ``c0 .. c0+BV``), read NB
     records at a time (one load round trip for n <= NB), newest block first. Returns ``run`` (Σ of
     the held records' log decays), ``rk``, ``rq`` ``[BV]``."""
@@ -108,8 +158,8 @@ def record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, 
         i = n - (blk + 1) * NB + ridx
         valid = i >= 0
         gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
-        kb = load_vecs(bk_ptr, bks_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS)
-        ub = load_vecs(bv_ptr, bvs_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS)
+        kb = load_vecs(bk_ptr, bks_ptr, bkz_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS, KG, KSYM, KPZ)
+        ub = load_vecs(bv_ptr, bvs_ptr, bvz_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS, VG, VSYM, VPZ)
         after = run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)  # Σ_{j>i} g_j over the held records
         wk = tl.exp(after) * tl.sum(kb * kfull[None, :], axis=1)
         wq = tl.exp(after + g_t) * tl.sum(kb * qfull[None, :], axis=1)
@@ -121,28 +171,38 @@ def record_reads(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, 
 
 @triton.jit
 def token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq, rk, rq, kfull, qfull,
-                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                  K_BF16: tl.constexpr, V_BF16: tl.constexpr):
-    """``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀk_t)`` and ``o_t`` (stored) from the checkpoint's ``sk, sq`` and
-    the records' ``run, rk, rq``, with the stored (buffer-precision) ``k_t, u_t``. Returns the stored
-    key and value: codes, scale and value of each (see :func:`stored_vec`)."""
+                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr,
+                  KSYM: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr,
+                  K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr):
+    """``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀk_t)`` and ``o_t`` from the checkpoint's ``sk, sq`` and the
+    records' ``run, rk, rq``: the current token's part of ``o_t`` from its exact ``k_t, u_t`` (``EXACT``,
+    pace_core.recurrence.buffered_step's ``exact_current``) or from its stored record. Returns the stored
+    key's and value's codes, scales, zero points and values (see :func:`stored_vec`), key first."""
     beta = tl.load(beta_ptr + pid)
     v = tl.load(v_ptr + pid * V + cols)
     u = beta * (v - tl.exp(g_t) * (tl.exp(run) * sk + rk))
-    kcodes, kscale, khat = stored_vec(kfull, K, KBITS, K_BF16)
-    ucodes, uscale, uhat = stored_vec(u, BV, VBITS, V_BF16)
-    tl.store(o_ptr + pid * V + cols, tl.exp(run + g_t) * sq + rq + tl.sum(khat * qfull) * uhat)
-    return kcodes, kscale, khat, ucodes, uscale, uhat
+    kcodes, kscale, kzero, khat = stored_vec(kfull, K, KBITS, KG, KSYM, K_BF16)
+    ucodes, uscale, uzero, uhat = stored_vec(u, BV, VBITS, VG if VG < BV else BV, VSYM, V_BF16)
+    if EXACT:
+        current = tl.sum(kfull * qfull) * u
+    else:
+        current = tl.sum(khat * qfull) * uhat
+    tl.store(o_ptr + pid * V + cols, tl.exp(run + g_t) * sq + rq + current)
+    return kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat
 
 
 @triton.jit
-def append_record(bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
-                   kcodes, kscale, khat, ucodes, uscale, uhat, K: tl.constexpr, V: tl.constexpr,
-                   BV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr):
-    """Write the token's record into slot ``n``: its log decay and key once per key head (by the
-    first value head of the group, column block 0), its value columns by every program."""
+def append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
+                   kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr,
+                   KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
+                   VSYM: tl.constexpr, VPZ: tl.constexpr):
+    """Write the token's record (:func:`token_output`'s key and value) into slot ``n``: its log decay
+    and key once per key head (by the first value head of the group, column block 0), its value columns
+    by every program."""
     if c0 == 0:
         tl.store(bg_ptr + (b * cap + n) * HV + h, g_t)
         if h % (HV // H) == 0:
-            store_vec(bk_ptr, bks_ptr, (b * cap + n) * H + kh, 0, kcodes, kscale, khat, K, K, KBITS)
-    store_vec(bv_ptr, bvs_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uhat, BV, V, VBITS)
+            store_vec(bk_ptr, bks_ptr, bkz_ptr, (b * cap + n) * H + kh, 0, kcodes, kscale, kzero, khat, K, K,
+                      KBITS, KG, KSYM, KPZ)
+    store_vec(bv_ptr, bvs_ptr, bvz_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uzero, uhat, BV, V,
+              VBITS, VG, VSYM, VPZ)

@@ -12,14 +12,17 @@
   (zero points stored in b bits; high heads ``b_high/g``); damp ``16/g`` on the ``d_k − r``
   quantised rows; dsq ``16 (d_k + d_v) / (d_k d_v)`` (row scales r_k and column scales c_v, fp16);
   references 0. PACE-4/8: ``0.75·(4 + 16/32 + 4/32) + 0.25·(8 + 16/32 + 8/32) = 5.65625``.
-- ``c · dP``: the decode buffer, ``c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v)`` **[seed]** with
-  ``(b_k, b_v)`` = fp32 (32, 32), bf16 (16, 16), int8 (8, 8), mixed (4, 16) by buffer precision;
-  keys are shared by the γ value heads of a key head, 32 = the fp32 log decay. There is no buffer
-  at dP = 1 (per-token rounding): the term is 0 there (``c`` is still reported).
-- ``metadata`` **[ours]**: what the implementation stores beyond payload and ``c · dP``: the
-  per-vector fp16 scales of integer buffers, DAMP's outlier-row indices, and the padding of 2- and
-  3-bit codes (stored two per byte). So ``resident`` equals the exact stored bits (``exact_bits``),
-  and ``payload + c · dP`` alone is the paper's formula (``formula_bits``).
+- ``c · dP``: the decode buffer, ``c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v)`` **[seed]**; keys are
+  shared by the γ value heads of a key head, 32 = the fp32 log decay. ``(b_k, b_v)`` are the bits stored
+  per buffered entry (:func:`pace_core.buffer.entry_bits`): fp32 (32, 32), bf16 (16, 16); an integer part
+  (int8 keys and values, mixed: 4-bit keys, bf16 values) adds its share of each group's fp16 scale and
+  zero point **[ours]**: int8 per vector ``8 + 16/128``, PACE-4/8's 4-bit keys in groups of 16 with zero
+  points ``4 + 16/16 + 4/16 = 5.25``. So ``c`` follows the buffer settings; the paper's ``c`` counts the
+  codes alone (:func:`paper_c`). There is no buffer at dP = 1 (per-token rounding): the term is 0 there
+  (``c`` is still reported).
+- ``metadata`` **[ours]**: what the implementation stores beyond payload and ``c · dP``: DAMP's outlier-row
+  indices and PACE-4/8's head map (int16 per value head, once per layer), and the padding of 2- and 3-bit
+  codes (stored two per byte). So ``resident`` equals the exact stored bits (``exact_bits``).
 
 **Exact bits** (``exact_bits``, :func:`state_bytes`): the bytes the implementation stores, from the
 storage code itself: :func:`pace_core.quant.packed_nbytes` (2..4-bit codes two per byte, so a 3-bit
@@ -34,12 +37,15 @@ divided by the state values of one sequence.
 
 Readings of the seeds' numbers (reported, and checked in tests/test_accounting.py):
 
-- PACE-4 "5.03 bits on Qwen3.5-27B": the formula gives 4.93229 on 27B (γ = 3) and 5.01563 on the
-  γ = 2 backbones; the exact bits are 4.94271 on 27B and **5.02734 → 5.03** on 4B / 9B / 35B-A3B.
-  **[ours]**: 5.03 is reproduced by the stored bits (per-vector fp16 buffer scales) at γ = 2.
-- PACE-4/8 "6.82 on Qwen3.5-27B": formula 6.75521 (27B), 6.79688 (γ = 2); exact 6.75781 (27B),
-  6.80078 (γ = 2). Not reproduced under any reading we consider sensible; 6.82 would need, at
-  γ = 2, 4-bit buffer keys with 32-wide fp16 scale + 4-bit zero-point groups (6.8164).
+- PACE-4 "5.03 bits on Qwen3.5-27B": the paper's formula (:func:`paper_c`) gives 4.93229 on 27B (γ = 3)
+  and 5.01563 on the γ = 2 backbones; the stored bits (one fp16 scale per buffered int8 vector) are
+  4.94271 on 27B and **5.02734 -> 5.03** on 4B / 9B / 35B-A3B. **[ours]**: 5.03 is reproduced by the
+  stored bits at γ = 2.
+- PACE-4/8 "6.82 on Qwen3.5-27B": the paper's formula gives 6.75521 (27B), 6.79688 (γ = 2). With the
+  buffer keys this project measured best (4-bit groups of 16 with zero points, pace_core.config) the
+  stored bits are **6.78223** on 27B and 6.83691 at γ = 2: the paper's figure lies between them (0.6%
+  above 27B's). Per-vector 4-bit keys would give 6.75781 (27B); 6.82 itself would need, at γ = 2,
+  groups of 32 with zero points (6.8164), which measured worse (pace_core.config).
 - DAMP INT8 "9.90 on Qwen3.5-27B": our §6 reading (16 fp16 rows of 128, INT8 value-axis groups of
   32) gives 9.4375 (exact 9.453125), and DAMP INT4 5.9375 instead of the seeds' 5.66. Not
   reproduced; no clean reading of fp16 rows, group scales, zero points and a buffer yields 9.90
@@ -60,7 +66,7 @@ from fractions import Fraction
 
 import torch
 
-from pace_core.buffer import entry_bits, record_bytes
+from pace_core.buffer import BUFFER_LAYOUT, entry_bits, record_bytes
 from pace_core.config import PaceConfig, num_high_heads
 from pace_core.errors import PaceError
 from pace_core.outliers import DampQuantizer
@@ -78,7 +84,8 @@ class ResidentBits:
 
     payload_bits + metadata_bits + buffer_bits = resident_bits = exact_bits (the bits actually
     stored); payload_bits = code_bits + scale_bits; ``c`` is the buffer cost per state value per
-    buffered token; formula_bits = payload_bits + buffer_bits is the paper's formula alone.
+    buffered token (with the stored scale shares); formula_bits = payload_bits + paper_c · dP is the
+    paper's formula alone (:func:`paper_c`).
     """
 
     code_bits: float
@@ -89,11 +96,8 @@ class ResidentBits:
     resident_bits: float
     c: float
     exact_bits: float
-
-    @property
-    def formula_bits(self) -> float:
-        """payload + c · dP: the paper's formula without the implementation's metadata."""
-        return self.payload_bits + self.buffer_bits
+    paper_c: float
+    formula_bits: float
 
 
 def _check(cfg: PaceConfig, shape: ModelShape) -> None:
@@ -114,10 +118,28 @@ def high_head_counts(cfg: PaceConfig, shape: ModelShape) -> tuple[int, ...]:
     return (num_high_heads(cfg.high_share, shape.num_v_heads),) * shape.num_gdn_layers
 
 
+def _c(b_k: Fraction, b_v: Fraction, shape: ModelShape) -> Fraction:
+    """``c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v)`` (spec §5)."""
+    return (b_k * shape.d_k / shape.gamma + b_v * shape.d_v + LOG_DECAY_BITS) / (shape.d_k * shape.d_v)
+
+
 def buffer_c(cfg: PaceConfig, shape: ModelShape) -> Fraction:
-    """``c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v)`` for the config's buffer precision (exact)."""
-    b_k, b_v = entry_bits(cfg.buffer)
-    return (Fraction(b_k * shape.d_k, shape.gamma) + b_v * shape.d_v + LOG_DECAY_BITS) / (shape.d_k * shape.d_v)
+    """``c`` with the config's buffer entries' stored bits, their group scales and zero points included
+    (:func:`pace_core.buffer.entry_bits`; exact)."""
+    return _c(*entry_bits(cfg.buffer_format, shape.d_k, shape.d_v), shape)
+
+
+def paper_c(cfg: PaceConfig, shape: ModelShape) -> Fraction:
+    """The paper's ``c``: the buffer's code bits alone, ``(b_k, b_v)`` = fp32 (32, 32), bf16 (16, 16),
+    int8 (8, 8), mixed (4, 16), no scales (for the readings of the seeds' figures)."""
+    bits = [Fraction(k if isinstance(k, int) else torch.finfo(k).bits) for k in BUFFER_LAYOUT[cfg.buffer]]
+    return _c(*bits, shape)
+
+
+def head_map_bytes(cfg: PaceConfig, shape: ModelShape, high: int) -> int:
+    """Bytes of one GDN layer's head map (PACE-4/8: one int16 per value head, kept once, not per sequence)
+    when the layer mixes two bit widths, else 0."""
+    return 2 * shape.num_v_heads if cfg.quantized and 0 < high < shape.num_v_heads else 0
 
 
 def _formula_terms(cfg: PaceConfig, shape: ModelShape) -> tuple[Fraction, Fraction]:
@@ -161,15 +183,16 @@ def _check_n(n_seq: int, field: str = "n_seq") -> None:
 
 def state_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> int:
     """Bytes the implementation keeps resident for `n_seq` sequences: every GDN layer's stored state
-    plus, when buffered (dP > 1), its decode buffer of dP records; the once-per-layer DAMP
-    row indices are included (0 sequences -> 0 bytes)."""
+    plus, when buffered (dP > 1), its decode buffer of dP records; the once-per-layer DAMP row indices
+    and PACE-4/8 head maps are included (0 sequences -> 0 bytes)."""
     _check(cfg, shape)
     _check_n(n_seq)
     if n_seq == 0:
         return 0
-    total = sum(_layer_state_bytes(cfg, shape, n_seq, high) for high in high_head_counts(cfg, shape))
+    total = sum(_layer_state_bytes(cfg, shape, n_seq, high) + head_map_bytes(cfg, shape, high)
+                for high in high_head_counts(cfg, shape))
     if cfg.buffered:
-        record = record_bytes(cfg.buffer, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v)
+        record = record_bytes(cfg.buffer_format, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v)
         total += shape.num_gdn_layers * n_seq * cfg.decode_period * record
     return total
 
@@ -183,9 +206,11 @@ def resident_bits(cfg: PaceConfig, shape: ModelShape) -> ResidentBits:
     buffer = c * cfg.decode_period if cfg.buffered else Fraction(0)
     exact = Fraction(8 * state_bytes(cfg, shape, 1), shape.state_values)
     metadata = exact - codes - scales - buffer
+    paper = paper_c(cfg, shape)
+    formula = codes + scales + (paper * cfg.decode_period if cfg.buffered else 0)
     return ResidentBits(code_bits=float(codes), scale_bits=float(scales), payload_bits=float(codes + scales),
                         metadata_bits=float(metadata), buffer_bits=float(buffer), resident_bits=float(exact),
-                        c=float(c), exact_bits=float(exact))
+                        c=float(c), exact_bits=float(exact), paper_c=float(paper), formula_bits=float(formula))
 
 
 def state_share(cfg: PaceConfig, shape: ModelShape, n_seq: int, *, weight_bytes_per_param: int | None = None) -> float:

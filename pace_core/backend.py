@@ -1,7 +1,8 @@
 """Backends: who computes the steps of a :class:`~pace_core.schedule.PeriodicState` (the schedule says
 when; a backend says how).
 
-A backend (:class:`Steps`) stores and loads checkpoints, runs a chunk of the chunked GDN (a prefill
+A backend (:class:`Steps`) stores (returning the checkpoint and, where it comes for free, its dequantised
+copy) and loads checkpoints, runs a chunk of the chunked GDN (a prefill
 segment), one buffered decode token (optionally followed by the flush that the schedule asked for), one
 per-token recurrence step (dP = 1) and the fold of the buffer. Two exist:
 
@@ -23,9 +24,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pace_core.errors import PaceError
-from pace_core.recurrence import buffered_step, fold, gdn_chunked, gdn_recurrent
+from pace_core.recurrence import buffered_step, fold, gdn_recurrent, gdn_segment
 
 if TYPE_CHECKING:
+    from pace_core.buffer import BufferFormat
     from pace_core.checkpoint import Checkpoint, RoundingFormat, StateFormat
     from pace_core.schedule import PeriodicState
 
@@ -48,7 +50,7 @@ class Steps(Protocol):
 
     name: str
 
-    def store(self, fmt: StateFormat | RoundingFormat, S: torch.Tensor) -> Checkpoint: ...
+    def store(self, fmt: StateFormat | RoundingFormat, S: torch.Tensor) -> tuple[Checkpoint, torch.Tensor | None]: ...
 
     def load(self, fmt: StateFormat | RoundingFormat, c: Checkpoint) -> torch.Tensor: ...
 
@@ -74,20 +76,20 @@ class ReferenceSteps:
     name = "reference"
 
     def store(self, fmt, S):
-        """``S`` stored in ``fmt``."""
-        return fmt.store(S)
+        """``S`` stored in ``fmt``, and its dequantised copy where it comes for free (else None)."""
+        return fmt.store_loaded(S)
 
     def load(self, fmt, c):
         """The checkpoint ``c`` dequantised, float32."""
         return fmt.load(c)
 
     def chunk(self, q, k, v, g, beta, S0, chunk_size):
-        """``(o [B, T, HV, V], S_T)`` of the chunked GDN from ``S0``."""
-        return gdn_chunked(q, k, v, g, beta, S0, chunk_size)
+        """``(o [B, T, HV, V], S_T)`` of the GDN from ``S0`` (:func:`pace_core.recurrence.gdn_segment`)."""
+        return gdn_segment(q, k, v, g, beta, S0, chunk_size)
 
     def step(self, st, q_t, k_t, v_t, g_t, beta_t, *, flush):
         """One buffered token: its record appended to ``st.buffer``; then the flush when asked. ``o_t``."""
-        o = buffered_step(st.loaded(), st.buffer, q_t, k_t, v_t, g_t, beta_t)
+        o = buffered_step(st.loaded(), st.buffer, q_t, k_t, v_t, g_t, beta_t, st.exact_current)
         if flush:
             self.flush(st)
         return o
@@ -111,14 +113,14 @@ class ReferenceSteps:
 REFERENCE = ReferenceSteps()
 
 
-def select_steps(fmt: StateFormat | RoundingFormat, buffer_precision: str | None, d_k: int, d_v: int,
+def select_steps(fmt: StateFormat | RoundingFormat, buffer: BufferFormat | None, d_k: int, d_v: int,
                  device: torch.device, setting: str | None = None) -> Steps:
     """The backend of one layer: the Triton kernels where ``setting`` (module docstring) asks for them and
-    they support the format, the buffer (``None`` at dP = 1) and the head dims on ``device``, else the
-    reference."""
+    they support the format, the buffer's format (``None`` at dP = 1) and the head dims on ``device``,
+    else the reference."""
     setting = backend_setting(setting)
     if setting == "reference" or (setting == "auto" and torch.device(device).type != "cuda"):
         return REFERENCE
     from kernels.backend import TritonSteps
 
-    return TritonSteps.for_layer(fmt, buffer_precision, d_k, d_v) or REFERENCE
+    return TritonSteps.for_layer(fmt, buffer, d_k, d_v) or REFERENCE

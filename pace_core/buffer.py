@@ -2,28 +2,31 @@
 ``k_t [B, H, K]`` (per key head), the delta value ``u_t [B, HV, V]`` (per value head) and the log
 decay ``g_t [B, HV]``.
 
-Precisions (``precision``):
+Precisions (:class:`BufferFormat`'s ``precision``):
 
 - ``fp32`` / ``bf16``: keys and values as float32 / bfloat16;
-- ``int8``: keys and values 8-bit symmetric, one fp16 scale per vector (per key head for keys,
-  per value head for values) **[ours]**;
-- ``mixed``: keys 4-bit symmetric with one fp16 scale per key vector, values bfloat16;
+- ``int8``: keys and values 8-bit;
+- ``mixed``: keys 4-bit, values bfloat16;
 - ``fp64``: keys, values and log decays as float64 — a test/analysis reference only (not a
   :class:`~pace_core.config.PaceConfig` choice).
 
-Log decays are float32 (float64 for ``fp64``). Integer vectors go through :mod:`pace_core.quant`
-(a vector ``[..., n]`` is quantised as a ``[..., 1, n]`` matrix with one value-axis group of size n),
-so the codes are that module's packed storage (two 4-bit codes per byte).
+Integer vectors are stored as :mod:`pace_core.quant` stores them: a vector ``[..., n]`` is a ``[..., 1, n]``
+matrix with value-axis groups of ``key_group`` / ``value_group`` entries (0: one group, the whole
+vector) **[ours]**, each with an fp16 scale and, unless ``key_symmetric`` / ``value_symmetric``, an
+integer zero point in b bits **[ours]**; so the codes are that module's packed storage (two 4-bit codes
+per byte). Log decays are float32 (float64 for ``fp64``).
 
-Bytes: storage for ``capacity`` records is allocated up front. :meth:`DecodeBuffer.nbytes` is the
-real bytes of the records held, :meth:`DecodeBuffer.nbytes_allocated` the bytes allocated. Per
-record and sequence that is ``H·K·b_k/8 + HV·V·b_v/8 + 4·HV`` bytes, i.e. ``HV · c · K · V / 8`` with
-spec §5's ``c = (b_k K / γ + b_v V + 32) / (K V)``, plus 2 bytes per fp16 scale (``H`` key scales for
-int8 / mixed, ``HV`` value scales for int8); see :func:`record_bytes`.
+Bytes: storage for ``capacity`` records is allocated up front. :meth:`DecodeBuffer.nbytes` is the real
+bytes of the records held, :meth:`DecodeBuffer.nbytes_allocated` the bytes allocated; one record of one
+sequence is :func:`record_bytes`, ``H·K·b_k/8 + HV·V·b_v/8 + 4·HV`` where ``b_k, b_v`` are the entries'
+bits with their share of the group scales and zero points (:func:`entry_bits`), i.e. ``HV · c · K · V / 8``
+with spec §5's ``c = (b_k K / γ + b_v V + 32) / (K V)``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 import torch
@@ -44,83 +47,154 @@ BUFFER_LAYOUT: dict[str, tuple[torch.dtype | int, torch.dtype | int]] = {
 }
 
 
-def _bits(kind: torch.dtype | int) -> int:
-    return kind if isinstance(kind, int) else torch.finfo(kind).bits
+@dataclass(frozen=True)
+class BufferFormat:
+    """How a record is stored: ``precision`` (module docstring) and, for the integer parts, the group size
+    along each key / value vector (0: the whole vector) and whether its groups are symmetric (else each
+    carries a zero point). The integer parts' settings must divide the vectors (checked by the buffer)."""
+
+    precision: str = "fp32"
+    key_group: int = 0
+    value_group: int = 0
+    key_symmetric: bool = True
+    value_symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in BUFFER_LAYOUT:
+            raise PaceError(f"precision: {self.precision!r} not allowed; allowed: {', '.join(PRECISIONS)}")
+
+    def spec(self, part: str, length: int) -> quant.QuantSpec | None:
+        """The quantiser of the ``key`` or ``value`` vectors of ``length`` entries, None when they are
+        stored as floats."""
+        kind = BUFFER_LAYOUT[self.precision][0 if part == "key" else 1]
+        if not isinstance(kind, int):
+            return None
+        group = self.key_group if part == "key" else self.value_group
+        symmetric = self.key_symmetric if part == "key" else self.value_symmetric
+        group = group or length
+        quant.check_divides(group, length, "vector", f"buffer {part}s")
+        return quant.QuantSpec(bits=kind, symmetric=symmetric, axis="value", group_size=group)
 
 
-def entry_bits(precision: str) -> tuple[int, int]:
-    """``(b_k, b_v)``: bits per buffered key / value entry of ``precision`` (spec §5's ``c``)."""
-    key_kind, value_kind = BUFFER_LAYOUT[precision]
-    return _bits(key_kind), _bits(value_kind)
+def as_format(fmt: BufferFormat | str) -> BufferFormat:
+    """A :class:`BufferFormat`; a precision name means its per-vector symmetric format."""
+    return fmt if isinstance(fmt, BufferFormat) else BufferFormat(fmt)
 
 
-def record_bytes(precision: str, num_k_heads: int, num_v_heads: int, d_k: int, d_v: int) -> int:
-    """Bytes of one buffered record of one sequence: keys + values + log decays + fp16 scales."""
-    if precision not in BUFFER_LAYOUT:
-        raise PaceError(f"precision: {precision!r} not allowed; allowed: {', '.join(PRECISIONS)}")
-    key_kind, value_kind = BUFFER_LAYOUT[precision]
-    decay_bytes = 8 if precision == "fp64" else 4
-    key_bits = num_k_heads * d_k * _bits(key_kind)
-    value_bits = num_v_heads * d_v * _bits(value_kind)
-    scale_bytes = 2 * (num_k_heads * isinstance(key_kind, int) + num_v_heads * isinstance(value_kind, int))
-    return (key_bits + value_bits) // 8 + decay_bytes * num_v_heads + scale_bytes
+def _vector_bytes(fmt: BufferFormat, part: str, heads: int, length: int) -> int:
+    """Bytes of one record's ``heads`` vectors of ``length`` entries (codes, scales, zero points)."""
+    spec = fmt.spec(part, length)
+    if spec is None:
+        kind = BUFFER_LAYOUT[fmt.precision][0 if part == "key" else 1]
+        return heads * length * torch.finfo(kind).bits // 8
+    return quant.packed_nbytes((heads, 1, length), spec)
+
+
+def entry_bits(fmt: BufferFormat | str, d_k: int, d_v: int) -> tuple[Fraction, Fraction]:
+    """``(b_k, b_v)``: stored bits per buffered key / value entry (exact), each entry's share of its group's
+    fp16 scale and zero point included (spec §5's ``c`` with this buffer's grouping; per-vector int8 keys
+    of ``d_k = 128``: ``8 + 16/128``)."""
+    fmt = as_format(fmt)
+    return Fraction(8 * _vector_bytes(fmt, "key", 1, d_k), d_k), Fraction(8 * _vector_bytes(fmt, "value", 1, d_v), d_v)
+
+
+def record_bytes(fmt: BufferFormat | str, num_k_heads: int, num_v_heads: int, d_k: int, d_v: int) -> int:
+    """Bytes of one buffered record of one sequence: keys + values (with their scales and zero points)
+    + log decays."""
+    fmt = as_format(fmt)
+    decay_bytes = 8 if fmt.precision == "fp64" else 4
+    return (_vector_bytes(fmt, "key", num_k_heads, d_k) + _vector_bytes(fmt, "value", num_v_heads, d_v)
+            + decay_bytes * num_v_heads)
+
+
+def _rows(p: quant.PackedTensor, heads: slice) -> quant.PackedTensor:
+    """The heads ``heads`` of a packed record ``[B, heads, 1, n]``."""
+    return quant.PackedTensor(p.codes[:, heads], p.scale[:, heads], None if p.zero is None else p.zero[:, heads],
+                              p.spec, (p.shape[0], len(range(*heads.indices(p.shape[1])))) + tuple(p.shape[2:]))
 
 
 class _VectorStore:
     """Capacity-sized storage for vectors ``[B, heads, n]`` in a float dtype or as packed integers.
 
-    Float: ``data [B, capacity, heads, n]``. Integer: ``codes [B, capacity, heads, m]`` uint8 (m =
-    ceil(n/2) for 4-bit, n for 8-bit; :mod:`pace_core.quant`'s packing) and ``scale [B, capacity,
-    heads]`` float16.
+    Float: ``data [B, capacity, heads, n]``. Integer (``spec``): ``codes [B, capacity, heads, m]`` uint8 (m =
+    ceil(n/2) for 4-bit, n for 8-bit; :mod:`pace_core.quant`'s packing), ``scale [B, capacity, heads, n/g]``
+    float16 and, with zero points, ``zero [B, capacity, heads, z]`` uint8 (packed like the codes when 4-bit
+    and n/g is even).
     """
 
-    def __init__(self, batch: int, capacity: int, heads: int, length: int, kind, device) -> None:
-        self.kind = kind
-        self.length = length
-        if isinstance(kind, int):
-            self.spec = quant.QuantSpec(bits=kind, symmetric=True, axis="value", group_size=length)
-            width = quant.packed_last_dim(kind, length)
-            self.codes = torch.zeros(batch, capacity, heads, width, dtype=torch.uint8, device=device)
-            self.scale = torch.zeros(batch, capacity, heads, dtype=torch.float16, device=device)
-            self.tensors = [self.codes, self.scale]
+    def __init__(self, batch: int, capacity: int, heads: int, length: int, kind, spec: quant.QuantSpec | None,
+                 device) -> None:
+        self.kind, self.spec, self.length = kind, spec, length
+        if spec is not None:
+            packed = quant.quantize(torch.zeros(1, 1, length, device=device), spec)
+            self.codes = torch.zeros(batch, capacity, heads, packed.codes.shape[-1], dtype=torch.uint8, device=device)
+            self.scale = torch.zeros(batch, capacity, heads, packed.scale.shape[-1], dtype=torch.float16, device=device)
+            self.zero = None if packed.zero is None else torch.zeros(batch, capacity, heads, packed.zero.shape[-1],
+                                                                     dtype=torch.uint8, device=device)
+            self.tensors = [t for t in (self.codes, self.scale, self.zero) if t is not None]
+            # the dequantised copy of the records written here (not of those a kernel writes in place): reads
+            # of the first `cached` records take it instead of unpacking the codes again
+            self.values = torch.zeros(batch, capacity, heads, length, device=device)
+            self.cached = 0
         else:
             self.data = torch.zeros(batch, capacity, heads, length, dtype=kind, device=device)
             self.tensors = [self.data]
 
     def write(self, slot: int, x: torch.Tensor) -> None:
-        """Store ``x [B, heads, n]`` at record ``slot``."""
-        if isinstance(self.kind, int):
-            packed = quant.quantize(x.unsqueeze(-2), self.spec, name="decode buffer vector")
-            self.codes[:, slot] = packed.codes.squeeze(-2)
-            self.scale[:, slot] = packed.scale.reshape(self.scale[:, slot].shape)
-        else:
+        """Store ``x [B, heads, n]`` (finite: :meth:`DecodeBuffer.append` checks it) at record ``slot``."""
+        if self.spec is None:
             self.data[:, slot] = x.to(self.kind)
+            return
+        packed, values = quant.quantize_with_values(x.unsqueeze(-2), self.spec, name="decode buffer vector",
+                                                    checked=True)
+        self.put(slot, packed, values.squeeze(-2))
 
-    def read(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """The first ``n`` records, dequantised: ``[B, n, heads, length]``."""
-        if isinstance(self.kind, int):
+    def put(self, slot: int, packed: quant.PackedTensor, values: torch.Tensor) -> None:
+        """Store at record ``slot`` the integer record ``packed`` (of shape ``[B, heads, 1, n]``, this store's
+        spec) and its dequantised ``values [B, heads, n]``."""
+        self.codes[:, slot] = packed.codes.squeeze(-2)
+        self.scale[:, slot] = packed.scale.squeeze(-2)
+        if self.zero is not None:
+            self.zero[:, slot] = packed.zero.squeeze(-2)
+        if slot == self.cached:
+            self.values[:, slot] = values
+            self.cached += 1
+
+    def clear(self) -> None:
+        if self.spec is not None:
+            self.cached = 0
+
+    def read(self, n: int, dtype: torch.dtype, copy: bool = True) -> torch.Tensor:
+        """The first ``n`` records, dequantised: ``[B, n, heads, length]`` (``copy=False``: a view of the
+        storage where it holds them as they are, valid until the next write)."""
+        if self.spec is not None and n <= self.cached:
+            return self.values[:, :n].to(dtype, copy=copy)
+        if self.spec is not None:
             B, _, heads, _ = self.codes.shape
             packed = quant.PackedTensor(
                 codes=self.codes[:, :n].unsqueeze(-2),
-                scale=self.scale[:, :n, :, None, None],
-                zero=None,
+                scale=self.scale[:, :n].unsqueeze(-2),
+                zero=None if self.zero is None else self.zero[:, :n].unsqueeze(-2),
                 spec=self.spec,
                 shape=(B, n, heads, 1, self.length),
             )
             return quant.dequantize(packed, dtype).squeeze(-2)
-        return self.data[:, :n].to(dtype)
+        return self.data[:, :n].to(dtype, copy=copy)
 
     def reorder(self, index: torch.Tensor) -> None:
-        for t in self.tensors:
+        for t in self.tensors + ([self.values] if self.spec is not None else []):
             t.copy_(t.index_select(0, index))
 
     def nbytes(self, n: int | None) -> int:
         return sum((t if n is None else t[:, :n]).numel() * t.element_size() for t in self.tensors)
 
-    def storage(self, name: str, scale_name: str) -> dict[str, torch.Tensor]:
-        if isinstance(self.kind, int):
-            return {name: self.codes, scale_name: self.scale}
-        return {name: self.data}
+    def storage(self, name: str, scale_name: str, zero_name: str) -> dict[str, torch.Tensor]:
+        if self.spec is None:
+            return {name: self.data}
+        out = {name: self.codes, scale_name: self.scale}
+        if self.zero is not None:
+            out[zero_name] = self.zero
+        return out
 
 
 class DecodeBuffer:
@@ -138,11 +212,11 @@ class DecodeBuffer:
         d_k: int,
         d_v: int,
         capacity: int,
-        precision: str,
+        fmt: BufferFormat | str,
         device: torch.device | str = "cpu",
     ) -> None:
-        if precision not in BUFFER_LAYOUT:
-            raise PaceError(f"precision: {precision!r} not allowed; allowed: {', '.join(PRECISIONS)}")
+        fmt = as_format(fmt)
+        precision = fmt.precision
         for name, value in (("batch", batch), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
                             ("d_k", d_k), ("d_v", d_v), ("capacity", capacity)):
             if not isinstance(value, int) or value < 1:
@@ -152,12 +226,12 @@ class DecodeBuffer:
                 f"num_v_heads: {num_v_heads} not allowed; allowed: a multiple of num_k_heads={num_k_heads}"
             )
         self.batch, self.num_k_heads, self.num_v_heads = batch, num_k_heads, num_v_heads
-        self.d_k, self.d_v, self.capacity, self.precision = d_k, d_v, capacity, precision
+        self.d_k, self.d_v, self.capacity, self.precision, self.format = d_k, d_v, capacity, precision, fmt
         self.dtype = torch.float64 if precision == "fp64" else torch.float32
         """dtype of the dequantised keys / values / log decays."""
         key_kind, value_kind = BUFFER_LAYOUT[precision]
-        self._keys = _VectorStore(batch, capacity, num_k_heads, d_k, key_kind, device)
-        self._values = _VectorStore(batch, capacity, num_v_heads, d_v, value_kind, device)
+        self._keys = _VectorStore(batch, capacity, num_k_heads, d_k, key_kind, fmt.spec("key", d_k), device)
+        self._values = _VectorStore(batch, capacity, num_v_heads, d_v, value_kind, fmt.spec("value", d_v), device)
         self._decays = torch.zeros(batch, capacity, num_v_heads, dtype=self.dtype, device=device)
         self._len = 0
 
@@ -177,11 +251,21 @@ class DecodeBuffer:
                 raise PaceError(f"{name}: shape {tuple(t.shape)} not allowed; allowed: {shape}")
         if self._len == self.capacity:
             raise PaceError(f"buffer: full at capacity={self.capacity}; allowed: fold and clear it first")
-        for name, t in (("k", k), ("u", u), ("g", g)):
-            if not torch.isfinite(t).all():
-                raise PaceError(f"{name}: non-finite values not allowed in the decode buffer; allowed: finite values")
-        self._keys.write(self._len, k)
-        self._values.write(self._len, u)
+        if not bool(torch.isfinite(k.sum(dtype=torch.float64) + u.sum(dtype=torch.float64) + g.sum(dtype=torch.float64))):
+            bad = [name for name, t in (("k", k), ("u", u), ("g", g)) if not torch.isfinite(t).all()]
+            raise PaceError(f"{', '.join(bad)}: non-finite values not allowed in the decode buffer; allowed: finite "
+                            "values")
+        keys, values = self._keys, self._values
+        if keys.spec is not None and keys.spec == values.spec and self.d_k == self.d_v:
+            # one quantisation for both vectors of the record: the same per-vector quantiser
+            packed, deq = quant.quantize_with_values(torch.cat([k, u], 1).unsqueeze(-2), keys.spec,
+                                                     name="decode buffer vector", checked=True)
+            H = self.num_k_heads
+            keys.put(self._len, _rows(packed, slice(0, H)), deq[:, :H, 0])
+            values.put(self._len, _rows(packed, slice(H, None)), deq[:, H:, 0])
+        else:
+            keys.write(self._len, k)
+            values.write(self._len, u)
         self._decays[:, self._len] = g.to(self.dtype)
         self._len += 1
 
@@ -197,15 +281,23 @@ class DecodeBuffer:
         """Stored log decays ``g``: ``[B, n, HV]`` in :attr:`dtype`."""
         return self._decays[:, : self._len].clone()
 
+    def records(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys [B, n, H, K], values [B, n, HV, V], log decays [B, n, HV])`` in :attr:`dtype`, read-only
+        views where the storage holds them so (valid until the next append or clear): the reference's
+        per-token reads."""
+        n = self._len
+        return (self._keys.read(n, self.dtype, copy=False), self._values.read(n, self.dtype, copy=False),
+                self._decays[:, :n])
+
     def storage(self) -> dict[str, torch.Tensor]:
         """The live storage tensors (not copies), for kernels that write records in place:
-        ``keys`` (``[B, capacity, H, K]`` float, or ``[B, capacity, H, m]`` uint8 codes),
-        ``key_scale`` (``[B, capacity, H]`` fp16, integer keys only), ``values`` / ``value_scale``
-        likewise with HV and V, ``log_decays [B, capacity, HV]``. Codes are :mod:`pace_core.quant`'s
-        packed symmetric codes of one value-axis group per vector."""
+        ``keys`` (``[B, capacity, H, K]`` float, or ``[B, capacity, H, m]`` uint8 codes), ``key_scale``
+        (``[B, capacity, H, K/g]`` fp16) and ``key_zero`` (uint8, with zero points) for integer keys,
+        ``values`` / ``value_scale`` / ``value_zero`` likewise with HV and V, ``log_decays [B, capacity,
+        HV]``. Codes are :mod:`pace_core.quant`'s packed codes of value-axis groups along each vector."""
         return {
-            **self._keys.storage("keys", "key_scale"),
-            **self._values.storage("values", "value_scale"),
+            **self._keys.storage("keys", "key_scale", "key_zero"),
+            **self._values.storage("values", "value_scale", "value_zero"),
             "log_decays": self._decays,
         }
 
@@ -220,6 +312,8 @@ class DecodeBuffer:
     def clear(self) -> None:
         """Forget all records (storage stays allocated)."""
         self._len = 0
+        self._keys.clear()
+        self._values.clear()
 
     def reorder(self, index: torch.Tensor) -> None:
         """Reorder the batch rows: row ``b`` becomes old row ``index[b]`` (beam search)."""

@@ -14,7 +14,7 @@ place that quantises, dequantises, counts and reorders a checkpoint.
 
 Bytes (:meth:`StateFormat.nbytes`), counted from the stored tensors: ``payload`` = the tensors that hold
 state values (codes; DAMP's fp16 outlier rows; the plain tensor of ``none``), ``metadata`` = scales, zero
-points, DSQ row/column scales, DAMP row indices. These are :class:`pace_core.accounting.ResidentBits`'s
+points, PACE-4/8's head map, DSQ row/column scales, DAMP row indices. These are :class:`pace_core.accounting.ResidentBits`'s
 ``code_bits`` and ``scale_bits`` (plus DAMP's row indices), whose ``payload_bits`` is their sum, the
 seeds' "payload".
 
@@ -49,7 +49,7 @@ def checkpoint_bytes(c: Checkpoint) -> tuple[int, int]:
         return _nb(c.codes), _nb(c.scale) + _nb(c.zero)
     if isinstance(c, quant.MixedPackedState):
         parts = [checkpoint_bytes(p) for p in c.parts.values()]
-        return sum(p for p, _ in parts), sum(m for _, m in parts)
+        return sum(p for p, _ in parts), sum(m for _, m in parts) + c.map_nbytes()
     if isinstance(c, DSQTensor):
         return _nb(c.codes), _nb(c.row_scale) + _nb(c.col_scale)
     if isinstance(c, DampTensor):
@@ -98,8 +98,8 @@ class StateFormat:
 
     @property
     def exact(self) -> bool:
-        """True when storing changes nothing (method none, float32): the state is the reference's."""
-        return self.dtype == torch.float32
+        """True when storing changes nothing (:attr:`PaceConfig.exact`): the state is the reference's."""
+        return self.cfg.exact
 
     @property
     def spec(self) -> quant.QuantSpec | None:
@@ -115,17 +115,23 @@ class StateFormat:
 
     def store(self, S: torch.Tensor) -> Checkpoint:
         """``S [B, HV, K, V]`` in this format (non-finite values raise PaceError naming the state)."""
+        return self.store_loaded(S)[0]
+
+    def store_loaded(self, S: torch.Tensor) -> tuple[Checkpoint, torch.Tensor | None]:
+        """:meth:`store` and, where it comes for free, the dequantised checkpoint (float32, bit-identical to
+        :meth:`load` of it), else None."""
         quant.check_finite(S, self.name)
         method = self.cfg.method
         if method == "none":
-            return S.to(self.dtype)
+            c = S.to(self.dtype)
+            return c, c.float()
         if method == "dsq":
-            return dsq_quantize(S, self.cfg.bits, name=self.name)
+            return dsq_quantize(S, self.cfg.bits, name=self.name), None
         if method == "damp":
-            return self.damp.quantize(S, name=self.name)
+            return self.damp.quantize(S, name=self.name), None
         if len(set(self.bits_per_head)) == 1:
-            return quant.quantize(S, self.cfg.quant_spec(self.bits_per_head[0]), name=self.name)
-        return quant.quantize_heads(S, self.bits_per_head, self.cfg.quant_spec(), name=self.name)
+            return quant.quantize_with_values(S, self.cfg.quant_spec(self.bits_per_head[0]), name=self.name)
+        return quant.quantize_heads(S, self.bits_per_head, self.cfg.quant_spec(), name=self.name), None
 
     def load(self, c: Checkpoint) -> torch.Tensor:
         """The dequantised checkpoint ``Ŝ [B, HV, K, V]`` float32."""
@@ -163,6 +169,10 @@ class RoundingFormat:
     def store(self, S: torch.Tensor) -> torch.Tensor:
         quant.check_finite(S, self.name)
         return self.round_fn(S)
+
+    def store_loaded(self, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.store(S)
+        return c, c
 
     def load(self, c: torch.Tensor) -> torch.Tensor:
         return c

@@ -10,12 +10,12 @@ Q-Mamba DSQ (decoupled scale quantisation) **[ours: the exact definition]**, for
 Arithmetic in the working dtype of `quant` (float64 for float64 input, else float32); amax / qmax
 in float32; both scales are clamped into fp16's normal range `[2^-14, 65504]` (0 for an all-zero
 row or column, whose values dequantise to 0). `r_k c_v` is exact in float32, so the bound is
-`|x - x̂| <= r_k c_v / 2`, up to a float32 rounding of the dequantised value; values beyond
-`qmax * 65504^2` saturate.
+`|x - x̂| <= r_k c_v / 2`, up to a float32 rounding of the dequantised value; a row whose max |x| exceeds
+65504 is refused (PaceError), never saturated.
 
 DAMP **[ours: 16 of 128 rows ranked on calibration by error × persistence, Hadamard on the
 rest]**: per value head, `r` outlier key rows of the state `S [..., HV, K, V]` are kept in fp16
-(clamped to ±65504); the other `K - r` rows are (optionally) rotated by the orthonormal Sylvester
+(a value beyond ±65504 is refused); the other `K - r` rows are (optionally) rotated by the orthonormal Sylvester
 Hadamard matrix along the value axis, `Y = X H`, quantised with `quant` (INT-b, value-axis groups
 of `group_size` = 32, symmetric) and rotated back after dequantisation, `X̂ = Ŷ H` (H = Hᵀ = H⁻¹).
 """
@@ -30,6 +30,7 @@ import torch
 from pace_core.errors import PaceError
 from pace_core.heads import retained_error
 from pace_core.quant import (
+    FP16_MAX,
     PackedTensor,
     QuantSpec,
     check_bits,
@@ -69,6 +70,17 @@ def _check_state(x: torch.Tensor, name: str, min_dim: int) -> None:
     check_finite(x, name)
 
 
+def _check_fp16(amax: torch.Tensor, name: str, what: str) -> None:
+    """PaceError naming the first entry of ``amax [..., n]`` (a row's max |x|, stored in fp16) beyond fp16's
+    largest value 65504 (never saturated)."""
+    over = amax > FP16_MAX
+    if bool(over.any()):
+        at = [int(i) for i in torch.nonzero(over)[0]]
+        raise PaceError(f"{name}: a {what} scale overflows fp16 (index {tuple(at)}): |x| up to "
+                        f"{float(amax[tuple(at)]):.4g} > 65504; allowed: values within fp16's range (another "
+                        "quantiser, or inputs that keep the state in range)")
+
+
 def dsq_quantize(x: torch.Tensor, bits: int = 4, *, name: str = "state") -> DSQTensor:
     """Q-Mamba DSQ of `x [..., K, V]` (any float dtype) with row and column fp16 scales."""
     check_bits(bits)
@@ -77,6 +89,7 @@ def dsq_quantize(x: torch.Tensor, bits: int = 4, *, name: str = "state") -> DSQT
     w = work_dtype(x.dtype)
     xw = x.to(w)
     row_amax = xw.abs().amax(-1)
+    _check_fp16(row_amax, name, "row")
     r = fp16_scale(row_amax.float(), row_amax > 0)
     col_amax = (xw / safe_divisor(r, w).unsqueeze(-1)).abs().amax(-2)
     c = fp16_scale(div_by_int(col_amax.float(), qmax), col_amax > 0)
@@ -174,7 +187,8 @@ class DampQuantizer:
         rows = self.rows.to(S.device)
         heads = torch.arange(rows.shape[0], device=S.device).unsqueeze(1)
         rest_rows = _rest_rows(rows, S.shape[-2])
-        outliers = S[..., heads, rows, :].clamp(-torch.finfo(torch.float16).max, torch.finfo(torch.float16).max)
+        outliers = S[..., heads, rows, :]
+        _check_fp16(outliers.abs().amax(-1), name, "fp16 outlier row")
         rest = S[..., heads, rest_rows, :]
         if self.hadamard:
             rest = rest.to(torch.float64) @ hadamard(S.shape[-1], device=S.device)

@@ -26,12 +26,12 @@ Arithmetic (exact, reproducible on CPU and CUDA and by an fp32 kernel):
   true IEEE division (`div_by_int`), also on CUDA.
 - dequantised values `(q - z) * scale` are exact in float32 (an 8-bit integer times an fp16).
 - all-zero group: scale 0, codes 0 (+ offset), dequantises to 0.
-- fp16 range **[ours]**: a non-zero group's scale is clamped into fp16's normal range
-  `[2^-14, 65504]` before rounding. Resulting bounds per element: symmetric `|x - x̂| <= scale/2`;
-  zero point `|x - x̂| <= scale * (1/2 + (2^b - 1) * 2^-11)` (the last term from rounding the
-  scale to fp16). Tiny groups therefore have an absolute resolution floor of `2^-15`, and values
-  beyond `qmax * 65504` (symmetric) or a range beyond `(2^b - 1) * 65504` (zero point) saturate
-  at the largest code: never NaN or inf.
+- fp16 range **[ours]**: a non-zero group's scale is raised to fp16's smallest normal `2^-14` before
+  rounding, so tiny groups have an absolute resolution floor of `2^-15`. A group whose scale would
+  exceed 65504 (values beyond `qmax * 65504`, symmetric, or a range beyond `(2^b - 1) * 65504`, zero
+  point) is an error naming the group (:class:`~pace_core.errors.PaceError`; nothing is stored), not a
+  saturated code. Resulting bounds per element: symmetric `|x - x̂| <= scale/2`; zero point
+  `|x - x̂| <= scale * (1/2 + (2^b - 1) * 2^-11)` (the last term from rounding the scale to fp16).
 - non-finite input raises PaceError naming the tensor.
 """
 
@@ -59,8 +59,12 @@ def check_bits(bits: int, field: str = "bits") -> None:
 
 
 def check_finite(x: torch.Tensor, name: str) -> None:
-    """Raise PaceError if the tensor `name` holds NaN or inf."""
-    bad = int((~torch.isfinite(x)).sum())
+    """Raise PaceError if the tensor `name` holds NaN or inf (one reduction: a NaN or an inf makes the
+    float64 sum non-finite; the count is made only then)."""
+    if x.numel() and not bool(torch.isfinite(x.sum(dtype=torch.float64))):
+        bad = int((~torch.isfinite(x)).sum())
+    else:
+        return
     if bad:
         raise PaceError(
             f"{name} has {bad} non-finite value(s) (NaN or inf) of {x.numel()}; allowed: finite values"
@@ -73,7 +77,8 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def fp16_scale(ratio: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
-    """Stored fp16 scale: `ratio` (float32) clamped into [2^-14, 65504] where `nonzero`, else 0."""
+    """Stored fp16 scale: `ratio` (float32, at most 65504: callers check) raised to at least 2^-14 where
+    `nonzero`, else 0."""
     return torch.where(nonzero, ratio.clamp(FP16_TINY, FP16_MAX), 0.0).to(torch.float16)
 
 
@@ -176,25 +181,64 @@ def check_divides(group_size: int, length: int, axis: str, name: str) -> None:
         )
 
 
-def _quantize_codes(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Unpacked codes uint8 [..., K, V], fp16 scale and uint8 zero points (or None) of checked `x`."""
+def _check_scale_range(ratio: torch.Tensor, span: torch.Tensor, shape: Sequence[int], spec: QuantSpec,
+                       name: str) -> None:
+    """PaceError naming the first group whose scale ``ratio`` (float32, one per group, grouped shape with
+    the group's dim kept) exceeds fp16's largest value; ``span`` is the group's max |x| or range."""
+    over = ratio > FP16_MAX
+    if not bool(over.any()):
+        return
+    at = [int(i) for i in torch.nonzero(over)[0]]
+    *lead, k, v = shape
+    g = spec.group_size
+    if spec.axis == "key":
+        rows, cols = f"key rows {at[-3] * g}..{at[-3] * g + g - 1}", f"value column {at[-1]}"
+    else:
+        rows, cols = f"key row {at[-3]}", f"value columns {at[-2] * g}..{at[-2] * g + g - 1}"
+    where = f"index {tuple(at[:len(lead)])}" if lead else "the matrix"
+    if len(lead) == 2:
+        where = f"sequence {at[0]}, value head {at[1]}"
+    limit = (spec.qmax if spec.symmetric else spec.levels) * FP16_MAX
+    kind = "|x| up to" if spec.symmetric else "a range of"
+    raise PaceError(f"{name}: a group's fp16 scale overflows ({where}, {rows}, {cols}): {kind} "
+                    f"{float(span.flatten()[torch.nonzero(over.flatten())[0]]):.4g} needs a scale of "
+                    f"{float(ratio[over][0]):.4g} > 65504; allowed: {kind} at most {limit:.4g} in "
+                    f"{spec.bits}-bit {'symmetric' if spec.symmetric else 'zero-point'} groups (more bits, "
+                    "another quantiser, or inputs that keep the state in range)")
+
+
+def _quantize_codes(x: torch.Tensor, spec: QuantSpec, name: str = "x", values: torch.dtype | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Unpacked codes uint8 [..., K, V], fp16 scale and uint8 zero points (or None) of checked `x`, and
+    with `values` the dequantised values in that dtype (from the signed codes: no second pass over the
+    uint8 codes), else None."""
     w = work_dtype(x.dtype)
     grouped, dim = _group_dims(x.shape, spec)
     xg = x.to(w).reshape(grouped)
     if spec.symmetric:
         amax = xg.abs().amax(dim, keepdim=True)
-        scale = fp16_scale(div_by_int(amax.float(), spec.qmax), amax > 0)
-        q = torch.round(xg / safe_divisor(scale, w)).clamp_(-spec.qmax, spec.qmax) + (spec.qmax + 1)
+        ratio = div_by_int(amax.float(), spec.qmax)
+        _check_scale_range(ratio, amax, x.shape, spec, name)
+        scale = fp16_scale(ratio, amax > 0)
+        step = scale.to(w)
+        q = torch.round(xg / torch.where(step == 0, 1.0, step)).clamp_(-spec.qmax, spec.qmax)
+        deq = None if values is None else (q * step).reshape(x.shape).to(values)
+        codes = (q + (spec.qmax + 1)).to(torch.uint8)
         zero = None
     else:
         lo = xg.amin(dim, keepdim=True).clamp(max=0)
         hi = xg.amax(dim, keepdim=True).clamp(min=0)
-        scale = fp16_scale(div_by_int(hi.float() - lo.float(), spec.levels), hi > lo)
-        div = safe_divisor(scale, w)
+        ratio = div_by_int(hi.float() - lo.float(), spec.levels)
+        _check_scale_range(ratio, hi - lo, x.shape, spec, name)
+        scale = fp16_scale(ratio, hi > lo)
+        step = scale.to(w)
+        div = torch.where(step == 0, 1.0, step)
         z = torch.round(-lo / div).clamp_(0, spec.levels)
         q = (torch.round(xg / div) + z).clamp_(0, spec.levels)
+        deq = None if values is None else ((q - z) * step).reshape(x.shape).to(values)
+        codes = q.to(torch.uint8)
         zero = z.squeeze(dim).to(torch.uint8)
-    return q.to(torch.uint8).reshape(x.shape), scale.squeeze(dim), zero
+    return codes.reshape(x.shape), scale.squeeze(dim), zero, deq
 
 
 def _dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
@@ -222,7 +266,9 @@ def _unpack(packed: torch.Tensor, bits: int, last_dim: int) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)[..., :last_dim]
 
 
-def _zero_packed(bits: int, last_dim: int) -> bool:
+def zero_packed(bits: int, last_dim: int) -> bool:
+    """Whether zero points of ``last_dim`` groups along the last dim are packed two per byte, as the codes
+    are (2..4 bits and an even count), else one byte each."""
     return bits <= 4 and last_dim % 2 == 0
 
 
@@ -258,17 +304,31 @@ def unpack_codes(packed: torch.Tensor, bits: int, last_dim: int) -> torch.Tensor
 def quantize(x: torch.Tensor, spec: QuantSpec, *, name: str = "x") -> PackedTensor:
     """Quantise and pack `x [..., K, V]` (any float dtype, any device). `name` is used in errors."""
     _check_input(x, spec, name)
-    codes, scale, zero = _quantize_codes(x, spec)
-    if zero is not None and _zero_packed(spec.bits, zero.shape[-1]):
+    codes, scale, zero, _ = _quantize_codes(x, spec, name)
+    if zero is not None and zero_packed(spec.bits, zero.shape[-1]):
         zero = _pack(zero, spec.bits)
     return PackedTensor(_pack(codes, spec.bits), scale, zero, spec, tuple(x.shape))
+
+
+def quantize_with_values(x: torch.Tensor, spec: QuantSpec, *, name: str = "x",
+                         dtype: torch.dtype = torch.float32, checked: bool = False) -> tuple[PackedTensor, torch.Tensor]:
+    """:func:`quantize` and the dequantised values in `dtype` at once (bit-identical to
+    ``dequantize(quantize(x, spec), dtype)``, without unpacking the codes again). ``checked``: the caller
+    has validated `x` already (a float tensor, finite, `spec`'s groups divide it), e.g. once for a
+    decode buffer's record; the scale range is checked in any case."""
+    if not checked:
+        _check_input(x, spec, name)
+    codes, scale, zero, values = _quantize_codes(x, spec, name, dtype)
+    if zero is not None and zero_packed(spec.bits, zero.shape[-1]):
+        zero = _pack(zero, spec.bits)
+    return PackedTensor(_pack(codes, spec.bits), scale, zero, spec, tuple(x.shape)), values
 
 
 def dequantize(p: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantised values [..., K, V] of a PackedTensor, in `dtype` (exact for float32/float64)."""
     bits, v = p.spec.bits, p.shape[-1]
     zero = p.zero
-    if zero is not None and _zero_packed(bits, p.scale.shape[-1]):
+    if zero is not None and zero_packed(bits, p.scale.shape[-1]):
         zero = _unpack(zero, bits, p.scale.shape[-1])
     return _dequantize_codes(_unpack(p.codes, bits, v), p.scale, zero, p.spec, dtype)
 
@@ -278,8 +338,7 @@ def fake_quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = 
     """Quantise-dequantise `x [..., K, V]` without packing; bit-identical to
     `dequantize(quantize(x, spec), dtype)`. `dtype` defaults to `x.dtype`."""
     _check_input(x, spec, name)
-    codes, scale, zero = _quantize_codes(x, spec)
-    return _dequantize_codes(codes, scale, zero, spec, x.dtype if dtype is None else dtype)
+    return _quantize_codes(x, spec, name, x.dtype if dtype is None else dtype)[3]
 
 
 def packed_nbytes(shape: Sequence[int], spec: QuantSpec) -> int:
@@ -291,7 +350,7 @@ def packed_nbytes(shape: Sequence[int], spec: QuantSpec) -> int:
     code_bytes = math.prod(lead) * k * packed_last_dim(spec.bits, v)
     zero_bytes = 0
     if not spec.symmetric:
-        zero_bytes = n_scales // 2 if _zero_packed(spec.bits, sshape[-1]) else n_scales
+        zero_bytes = n_scales // 2 if zero_packed(spec.bits, sshape[-1]) else n_scales
     return code_bytes + 2 * n_scales + zero_bytes
 
 
@@ -299,9 +358,9 @@ def packed_nbytes(shape: Sequence[int], spec: QuantSpec) -> int:
 class MixedPackedState:
     """A state `[..., HV, K, V]` whose heads have different bit widths (PACE-4/8).
 
-    parts[b] is the PackedTensor of the heads `heads[b]` (LongTensor, ascending) at b bits. The
-    head map is part of the configuration (shared by every sequence), so nbytes() counts only the
-    stored parts.
+    parts[b] is the PackedTensor of the heads `heads[b]` (int16, ascending) at b bits. The head map is
+    stored once, shared by every sequence of the batch: :meth:`nbytes` counts it with the parts
+    (:meth:`map_nbytes`).
     """
 
     parts: dict[int, PackedTensor]
@@ -313,12 +372,16 @@ class MixedPackedState:
         first = next(iter(self.parts.values()))
         out = torch.empty(self.shape, dtype=dtype, device=first.codes.device)
         for b, part in self.parts.items():
-            out.index_copy_(len(self.shape) - 3, self.heads[b], dequantize(part, dtype))
+            out.index_copy_(len(self.shape) - 3, self.heads[b].long(), dequantize(part, dtype))
         return out
 
+    def map_nbytes(self) -> int:
+        """Real bytes of the head map (one int16 per value head)."""
+        return sum(h.numel() * h.element_size() for h in self.heads.values())
+
     def nbytes(self) -> int:
-        """Real bytes of all parts."""
-        return sum(p.nbytes() for p in self.parts.values())
+        """Real bytes of all parts and the head map."""
+        return sum(p.nbytes() for p in self.parts.values()) + self.map_nbytes()
 
 
 def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor, spec: QuantSpec, *,
@@ -335,7 +398,7 @@ def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor,
         check_bits(b, "bits_per_head")
     parts, heads = {}, {}
     for b in sorted(set(bits)):
-        idx = torch.tensor([h for h in range(hv) if bits[h] == b], dtype=torch.long, device=S.device)
+        idx = torch.tensor([h for h in range(hv) if bits[h] == b], dtype=torch.int16, device=S.device)
         heads[b] = idx
-        parts[b] = quantize(S.index_select(S.dim() - 3, idx), replace(spec, bits=b), name=name)
+        parts[b] = quantize(S.index_select(S.dim() - 3, idx.long()), replace(spec, bits=b), name=name)
     return MixedPackedState(parts, heads, tuple(S.shape))

@@ -94,12 +94,12 @@ def gdn_recurrent(
     beta = beta.reshape(B, T, H, gamma)
     S = _initial(initial_state, B, H, gamma, K, V, dtype, q.device)
     outputs = []
-    for t in range(T):
+    for t in range(T):  # matmuls over [B, H, γ] (the key head broadcast over its γ value heads)
         S = S * alpha[:, t, :, :, None, None]
-        read = torch.einsum("bhk,bhgkv->bhgv", k[:, t], S)
+        read = (k[:, t, :, None, None, :] @ S)[..., 0, :]  # S_{t-1}ᵀ k_t, decayed
         u = beta[:, t, :, :, None] * (v[:, t] - read)
-        S = S + torch.einsum("bhk,bhgv->bhgkv", k[:, t], u)
-        outputs.append(torch.einsum("bhk,bhgkv->bhgv", q[:, t], S))
+        S = torch.addcmul(S, k[:, t, :, None, :, None], u[..., None, :])  # + k_t u_tᵀ
+        outputs.append((q[:, t, :, None, None, :] @ S)[..., 0, :])
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, gamma, V)
     return o.reshape(B, T, HV, V), S.reshape(B, HV, K, V)
 
@@ -179,6 +179,21 @@ def gdn_chunked(
     return o, S.reshape(B, HV, K, V)
 
 
+RECURRENT_BELOW = 16
+"""Below this many tokens a segment runs as the plain recurrence (:func:`gdn_segment`)."""
+
+
+def gdn_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                initial_state: torch.Tensor | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run of tokens from ``initial_state`` (shapes as :func:`gdn_recurrent`): chunked
+    (:func:`gdn_chunked`), or for fewer than :data:`RECURRENT_BELOW` tokens the plain recurrence (the same
+    function; a chunk's triangular solves cost more than a few recurrent steps, e.g. one decode token of
+    the fp32 reference)."""
+    if q.shape[1] < RECURRENT_BELOW:
+        return gdn_recurrent(q, k, v, g, beta, initial_state)
+    return gdn_chunked(q, k, v, g, beta, initial_state, chunk_size)
+
+
 def _suffix_log_decays(gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gs [B, n, HV]`` -> (``G_n [B, HV]`` total, ``G_n - G_i [B, n, HV]``), summed directly as
     suffix sums (no difference of two cumulative sums)."""
@@ -187,24 +202,22 @@ def _suffix_log_decays(gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return inclusive[:, 0], exclusive
 
 
-def _buffer_read(
-    S_hat: torch.Tensor, buf: DecodeBuffer, x: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """``(e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ)ᵀ x`` for ``x [B, H, K]`` without forming the state;
-    returns ``[B, HV, V]`` with ``G`` the buffer's total log decay."""
+def _buffer_read(S_hat: torch.Tensor, buf: DecodeBuffer, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ)ᵀ x`` for queries ``x [B, H, m, K]`` (m per key head) without
+    forming the state; returns ``[B, H, γ, m, V]`` with ``G`` the buffer's total log decay."""
     B, HV, K, V = S_hat.shape
     H = buf.num_k_heads
     gamma = HV // H
-    S_hat = S_hat.to(dtype).reshape(B, H, gamma, K, V)
-    read = torch.einsum("bhk,bhgkv->bhgv", x, S_hat)
-    if len(buf) == 0:
-        return read.reshape(B, HV, V)
-    keys = buf.keys().to(dtype)  # [B, n, H, K]
-    us = buf.values().to(dtype).reshape(B, len(buf), H, gamma, V)
-    total, after = _suffix_log_decays(buf.log_decays().to(dtype))
-    weights = after.exp().reshape(B, len(buf), H, gamma) * torch.einsum("bnhk,bhk->bnh", keys, x)[..., None]
-    read = total.exp().reshape(B, H, gamma, 1) * read + torch.einsum("bnhg,bnhgv->bhgv", weights, us)
-    return read.reshape(B, HV, V)
+    read = x[:, :, None] @ S_hat.to(dtype).view(B, H, gamma, K, V)  # [B, H, γ, m, V]
+    n = len(buf)
+    if n == 0:
+        return read
+    keys, us, gs = buf.records()
+    total, after = _suffix_log_decays(gs.to(dtype))  # [B, HV], [B, n, HV]
+    dots = keys.to(dtype).transpose(1, 2) @ x.transpose(-1, -2)  # k_iᵀ x: [B, H, n, m]
+    weights = after.exp().view(B, n, H, gamma).permute(0, 2, 3, 1)[..., None] * dots[:, :, None]  # [B, H, γ, n, m]
+    records = weights.transpose(-1, -2) @ us.to(dtype).view(B, n, H, gamma, V).permute(0, 2, 3, 1, 4)
+    return total.exp().view(B, H, gamma, 1, 1) * read + records
 
 
 def buffered_step(
@@ -215,22 +228,36 @@ def buffered_step(
     v_t: torch.Tensor,
     g_t: torch.Tensor,
     beta_t: torch.Tensor,
+    exact_current: bool = True,
 ) -> torch.Tensor:
     """One decode token against the fixed checkpoint ``Ŝ`` and the buffer (spec §3).
 
     ``S_hat [B, HV, K, V]`` (dequantised checkpoint), ``q_t, k_t [B, H, K]``, ``v_t [B, HV, V]``,
-    ``g_t, beta_t [B, HV]``. Computes ``S_{t-1}ᵀ k_t`` from the checkpoint and the buffer,
-    ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)``, appends ``(k_t, u_t, g_t)`` to ``buf`` (stored in its
-    precision) and returns ``o_t = S_tᵀ q_t [B, HV, V]`` computed from the buffer's stored values, so
-    that the output and a later :func:`fold` use the same record. Shapes are the caller's to get right
-    (checked once per call at :class:`pace_core.state_store.LayerState`).
+    ``g_t, beta_t [B, HV]``. Computes ``S_{t-1}ᵀ k_t`` and ``S_{t-1}ᵀ q_t`` from the checkpoint and the
+    buffer's stored records, ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)``, appends ``(k_t, u_t, g_t)`` to
+    ``buf`` (stored in its precision, for the later tokens and the fold) and returns ``o_t = S_tᵀ q_t
+    [B, HV, V]``: with ``exact_current`` **[ours]** ``e^{g_t} S_{t-1}ᵀ q_t + u_t (k_tᵀ q_t)``, the current
+    token exact as it is at hand; without, read back from the buffer, the current token's stored record
+    included. Shapes are the caller's to get right (checked once per call at
+    :class:`pace_core.state_store.LayerState`).
     """
     dtype = torch.promote_types(_compute_dtype(S_hat, q_t, k_t, v_t, g_t, beta_t), buf.dtype)
     q_t, k_t, v_t, g_t, beta_t = (x.to(dtype) for x in (q_t, k_t, v_t, g_t, beta_t))
-    previous = _buffer_read(S_hat, buf, k_t, dtype)  # S_{t-1}ᵀ k_t
-    u_t = beta_t[..., None] * (v_t - g_t.exp()[..., None] * previous)
-    buf.append(k_t, u_t, g_t)
-    return _buffer_read(S_hat, buf, q_t, dtype)
+    B, HV = g_t.shape
+    H = buf.num_k_heads
+    gamma, V = HV // H, v_t.shape[-1]
+    alpha = g_t.exp().view(B, H, gamma, 1)
+    if exact_current:
+        previous = _buffer_read(S_hat, buf, torch.stack([k_t, q_t], 2), dtype)  # S_{t-1}ᵀ [k_t, q_t]
+        previous_k, previous_q = previous[:, :, :, 0], previous[:, :, :, 1]
+    else:
+        previous_k = _buffer_read(S_hat, buf, k_t[:, :, None], dtype)[:, :, :, 0]
+    u_t = beta_t.view(B, H, gamma, 1) * (v_t.view(B, H, gamma, V) - alpha * previous_k)  # [B, H, γ, V]
+    buf.append(k_t, u_t.view(B, HV, V), g_t)
+    if not exact_current:
+        return _buffer_read(S_hat, buf, q_t[:, :, None], dtype)[:, :, :, 0].reshape(B, HV, V)
+    kq = (k_t * q_t).sum(-1).view(B, H, 1, 1)  # k_tᵀ q_t
+    return (alpha * previous_q + kq * u_t).reshape(B, HV, V)
 
 
 def fold(S_hat: torch.Tensor, buf: DecodeBuffer) -> torch.Tensor:

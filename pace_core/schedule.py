@@ -23,35 +23,51 @@ finiteness are checked once per call at :class:`pace_core.state_store.LayerState
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pace_core.buffer import DecodeBuffer
+from pace_core.buffer import BufferFormat, DecodeBuffer
+from pace_core.errors import PaceError
 
 if TYPE_CHECKING:
     from pace_core.backend import Steps
     from pace_core.checkpoint import Checkpoint, RoundingFormat, StateFormat
 
 
+CHUNKS_PER_CAPTURE = 16
+"""Below this many tokens per capture, the exact reference decodes token by token instead of in chunks."""
+
+
+@dataclass(frozen=True)
+class Capture:
+    """States wanted during a prefill or decode call: after each token count in ``at`` (of that call),
+    ``on_state(count, S [B, HV, K, V])`` is called with the effective state (float32, on the device)."""
+
+    at: frozenset[int]
+    on_state: Callable[[int, torch.Tensor], None]
+
+
 class PeriodicState:
     """One GDN layer's state for ``batch`` sequences under periodic rounding (module docstring).
 
     ``fmt``: how the checkpoint is stored; ``steps``: the backend; ``shape = (B, H, HV, K, V)``;
-    ``prefill_period`` P >= 1; ``decode_period`` dP >= 1 (the buffer's capacity); ``buffer_precision``
-    (:mod:`pace_core.buffer`); ``after_decode`` ``flush`` or ``carry``; ``chunk_size``: the chunked
-    GDN's chunk length.
+    ``prefill_period`` P >= 1; ``decode_period`` dP >= 1 (the buffer's capacity); ``buffer``: how records
+    are stored (:class:`pace_core.buffer.BufferFormat`, or a precision name); ``after_decode`` ``flush`` or
+    ``carry``; ``exact_current``: the current token's output from its exact record
+    (:func:`pace_core.recurrence.buffered_step`); ``chunk_size``: the chunked GDN's chunk length.
     """
 
     def __init__(self, fmt: StateFormat | RoundingFormat, steps: Steps, shape: tuple[int, int, int, int, int],
-                 device: torch.device, *, prefill_period: int, decode_period: int, buffer_precision: str = "fp32",
-                 after_decode: str = "flush", chunk_size: int = 64) -> None:
+                 device: torch.device, *, prefill_period: int, decode_period: int,
+                 buffer: BufferFormat | str = "fp32", after_decode: str = "flush", exact_current: bool = True,
+                 chunk_size: int = 64) -> None:
         self.fmt, self.steps, self.shape, self.device = fmt, steps, shape, device
         self.prefill_period, self.decode_period, self.after_decode = prefill_period, decode_period, after_decode
-        self.chunk_size = chunk_size
+        self.exact_current, self.chunk_size = exact_current, chunk_size
         B, H, HV, K, V = shape
-        self.buffer = None if decode_period == 1 else DecodeBuffer(B, H, HV, K, V, decode_period, buffer_precision,
-                                                                   device)
+        self.buffer = None if decode_period == 1 else DecodeBuffer(B, H, HV, K, V, decode_period, buffer, device)
         self.reset()
 
     def reset(self) -> None:
@@ -61,14 +77,15 @@ class PeriodicState:
         if self.buffer is not None:
             self.buffer.clear()
 
-    def set_checkpoint(self, checkpoint: Checkpoint) -> None:
-        """Replace the stored checkpoint (the dequantised copy is made again when next needed)."""
+    def set_checkpoint(self, checkpoint: Checkpoint, loaded: torch.Tensor | None = None) -> None:
+        """Replace the stored checkpoint; ``loaded``: its dequantised copy when at hand (else it is made when
+        next needed)."""
         self.checkpoint = checkpoint
-        self._loaded = None
+        self._loaded = loaded
 
     def store(self, S: torch.Tensor) -> None:
         """Round and store ``S [B, HV, K, V]`` as the checkpoint."""
-        self.set_checkpoint(self.steps.store(self.fmt, S))
+        self.set_checkpoint(*self.steps.store(self.fmt, S))
 
     def loaded(self) -> torch.Tensor:
         """The dequantised checkpoint ``Ŝ [B, HV, K, V]`` float32 (kept until the checkpoint changes)."""
@@ -85,46 +102,75 @@ class PeriodicState:
         if self.buffer is not None and len(self.buffer):
             self.steps.flush(self)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                capture: Capture | None = None) -> torch.Tensor:
         """Prompt tokens ``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` in
-        P-token segments; returns ``o [B, T, HV, V]`` float32."""
+        P-token segments; returns ``o [B, T, HV, V]`` float32. ``capture``: states after the given token
+        counts of this call: its end for any format, any count for an exact one (whose segments may be split
+        anywhere: it rounds nothing)."""
         T = q.shape[1]
+        if capture is not None and not self.fmt.exact and any(c < T for c in capture.at):
+            raise PaceError("capture inside a prompt: only for the exact fp32 reference; allowed: capture while "
+                            "decoding, or at the prompt's end")
         carry = self.after_decode == "carry" and self.buffer is not None and len(self.buffer) > 0
         if carry and T == 0:
-            return torch.zeros(self.shape[0], 0, self.shape[2], self.shape[4], device=self.device)
+            return self._empty()
         if carry:
             S = self.effective_state()
         else:
             self.flush()
             S = self.loaded()
+        bounds = set(range(0, T, self.prefill_period)) | set(capture.at if capture is not None else ())
+        cuts = sorted(b for b in bounds if b < T) + [T]
         outputs = []
-        for start in range(0, T, self.prefill_period):
-            part = slice(start, start + self.prefill_period)
-            o, S = self.steps.chunk(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], S, self.chunk_size)
+        for start, end in zip(cuts, cuts[1:]):
+            o, S = self.steps.chunk(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
+                                    beta[:, start:end], S, self.chunk_size)
             outputs.append(o)
             self.store(S)
             if self.buffer is not None:  # carry: the checkpoint now holds the buffered tokens too
                 self.buffer.clear()
             S = self.loaded()
-        if not outputs:
-            return torch.zeros(self.shape[0], 0, self.shape[2], self.shape[4], device=self.device)
-        return torch.cat(outputs, dim=1)
+            if capture is not None and end in capture.at:
+                capture.on_state(end, S)
+        return torch.cat(outputs, dim=1) if outputs else self._empty()
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               capture: Capture | None = None) -> torch.Tensor:
         """Decode tokens one by one (shapes as :meth:`prefill`), flushing after the token that fills the
-        buffer; returns ``o [B, T, HV, V]`` float32."""
+        buffer; returns ``o [B, T, HV, V]`` float32. ``capture``: the effective state after the given token
+        counts of this call. An exact format at dP = 1 (the fp32 reference) has no rounding between tokens:
+        its tokens run as chunks between capture points, the same function in fewer operations, unless the
+        captures are so dense (more than one per :data:`CHUNKS_PER_CAPTURE` tokens) that single steps cost
+        less than tiny chunks."""
+        T = q.shape[1]
+        at = set(capture.at) if capture is not None else set()
+        if self.fmt.exact and self.buffer is None and len(at) * CHUNKS_PER_CAPTURE <= T:
+            cuts = sorted(j for j in at if 0 < j < T) + [T]
+            outputs, S, start = [], self.loaded(), 0
+            for end in cuts:
+                o, S = self.steps.chunk(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
+                                        beta[:, start:end], S, self.chunk_size)
+                outputs.append(o)
+                self.store(S)
+                S = self.loaded()
+                if end in at:
+                    capture.on_state(end, S)
+                start = end
+            return torch.cat(outputs, dim=1) if T else self._empty()
         outputs = []
-        for t in range(q.shape[1]):
+        for t in range(T):
             x = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
             if self.buffer is None:
                 outputs.append(self.steps.recurrent_step(self, *x))
             else:
                 outputs.append(self.steps.step(self, *x, flush=len(self.buffer) + 1 == self.decode_period))
-        if not outputs:
-            return torch.zeros(self.shape[0], 0, self.shape[2], self.shape[4], device=self.device)
-        return torch.stack(outputs, dim=1)
+            if t + 1 in at:
+                capture.on_state(t + 1, self.effective_state())
+        return torch.stack(outputs, dim=1) if outputs else self._empty()
+
+    def _empty(self) -> torch.Tensor:
+        return torch.zeros(self.shape[0], 0, self.shape[2], self.shape[4], device=self.device)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Batch row ``b`` becomes old row ``index[b]``."""

@@ -22,14 +22,14 @@ All batch rows step together (as in HF ``generate``). Computation is float32.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from pace_core.backend import backend_setting, select_steps
 from pace_core.checkpoint import StateFormat
 from pace_core.errors import PaceError
-from pace_core.schedule import PeriodicState
+from pace_core.schedule import Capture, PeriodicState
 from pace_core.shapes import ModelShape
 
 if TYPE_CHECKING:
@@ -63,11 +63,12 @@ class LayerState:
         B, H, HV, K, V = self.shape
         self.device = device
         self.fmt.to(device)
-        buffer = cfg.buffer if cfg.buffered else None
-        steps = select_steps(self.fmt, buffer, K, V, device, self.setting)
+        buffer = cfg.buffer_format
+        steps = select_steps(self.fmt, buffer if cfg.buffered else None, K, V, device, self.setting)
         self.state = PeriodicState(self.fmt, steps, self.shape, device, prefill_period=cfg.prefill_period,
-                                   decode_period=cfg.decode_period, buffer_precision=cfg.buffer,
-                                   after_decode=cfg.prefill_after_decode, chunk_size=self.chunk_size)
+                                   decode_period=cfg.decode_period, buffer=buffer,
+                                   after_decode=cfg.prefill_after_decode, exact_current=cfg.exact_current_token,
+                                   chunk_size=self.chunk_size)
         self.used = False
 
     @property
@@ -109,21 +110,22 @@ class LayerState:
         self.used = self.used or T > 0
         return T
 
-    def prefill(self, q, k, v, g, beta) -> torch.Tensor:
+    def prefill(self, q, k, v, g, beta, capture: Capture | None = None) -> torch.Tensor:
         """Prompt tokens ``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` in
-        P-token segments (:meth:`PeriodicState.prefill`); returns ``o [B, T, HV, V]`` float32. A state that
-        turns non-finite is refused before it is stored."""
+        P-token segments (:meth:`PeriodicState.prefill`, with its ``capture``); returns ``o [B, T, HV, V]``
+        float32. A state that turns non-finite is refused before it is stored."""
         self._check(q, k, v, g, beta, finite=False)
         with self._on_device():
-            return self.state.prefill(q.float(), k.float(), v.float(), g.float(), beta.float())
+            return self.state.prefill(q.float(), k.float(), v.float(), g.float(), beta.float(), capture)
 
-    def decode(self, q, k, v, g, beta) -> torch.Tensor:
-        """Decode tokens one by one (shapes as :meth:`prefill`), flushing every dP tokens. Non-finite
-        ``k, v, g`` are refused before any token runs (one check, skipped while a CUDA graph is being
-        captured: its replays do not check their inputs)."""
+    def decode(self, q, k, v, g, beta, capture: Capture | None = None) -> torch.Tensor:
+        """Decode tokens one by one (shapes as :meth:`prefill`), flushing every dP tokens
+        (:meth:`PeriodicState.decode`, with its ``capture``). Non-finite ``k, v, g`` are refused before any
+        token runs (one check, skipped while a CUDA graph is being captured: its replays do not check
+        their inputs)."""
         self._check(q, k, v, g, beta, finite=True)
         with self._on_device():
-            return self.state.decode(q.float(), k.float(), v.float(), g.float(), beta.float())
+            return self.state.decode(q.float(), k.float(), v.float(), g.float(), beta.float(), capture)
 
     def _on_device(self):
         """Launches go to the layer's own GPU (under ``device_map``)."""
@@ -189,6 +191,11 @@ class StateStore:
             raise PaceError(f"damp_rows: {len(damp_rows)} layers not allowed; allowed: one [HV, r] tensor per "
                             f"GDN layer ({len(layers)})")
         self.cfg, self.batch, self.layers, self.device = cfg, batch, layers, torch.device(device)
+        self.teacher_forcing = False
+        """While True, every core call's tokens are decode tokens (a teacher-forced forward over many tokens
+        runs them as ``generate`` would, one at a time: pace_core.model.teacher)."""
+        self.capture: Callable[[int], Capture | None] | None = None
+        """``capture(layer)``: the states wanted from that layer's next core call (or None)."""
         self._states = {
             layer: LayerState(cfg, batch, num_k_heads, num_v_heads, d_k, d_v, device, gdn_index=i,
                               damp_rows=None if damp_rows is None else damp_rows[i],
@@ -201,6 +208,14 @@ class StateStore:
         if layer not in self._states:
             raise PaceError(f"layer: {layer!r} not allowed; allowed: the GDN layers {self.layers}")
         return self._states[layer]
+
+    def run(self, layer: int, q, k, v, g, beta, decode: bool) -> torch.Tensor:
+        """One core call of a GDN layer (the model's forward): decode tokens (``decode``, or every token
+        while :attr:`teacher_forcing`) or a prompt, with the states :attr:`capture` asks for."""
+        capture = None if self.capture is None else self.capture(layer)
+        if decode or self.teacher_forcing:
+            return self.layer(layer).decode(q, k, v, g, beta, capture)
+        return self.layer(layer).prefill(q, k, v, g, beta, capture)
 
     def prefill(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
         """Prompt tokens of one layer (:meth:`LayerState.prefill`): ``o [B, T, HV, V]``."""
@@ -252,3 +267,49 @@ class StateStore:
         for s in self._states.values():
             s.reset()
 
+
+
+class StoreStack:
+    """Several configurations in one batch: rows ``[i·rows, (i+1)·rows)`` of every forward belong to
+    ``stores[i]`` (a :class:`StateStore` of its own configuration, ``rows`` sequences). It serves the model
+    like one store (:meth:`run`), so configurations share a forward; each keeps its own state, scales and
+    buffer. ``capture(member, layer)``: the states wanted from that member's layer in the next core call."""
+
+    def __init__(self, stores: Sequence[StateStore], rows: int) -> None:
+        self.stores, self.rows = list(stores), rows
+        self.batch = rows * len(self.stores)
+        self.layers = self.stores[0].layers
+        self.teacher_forcing = False
+        self.capture: Callable[[int, int], Capture | None] | None = None
+        self.progress: Callable[[int], None] | None = None
+        """Called with 1 after each member's part of a core call (a progress bar's unit)."""
+
+    def run(self, layer: int, q, k, v, g, beta, decode: bool) -> torch.Tensor:
+        """One core call of a GDN layer, each member on its rows (:meth:`StateStore.run`): ``o [B, T, HV, V]``."""
+        outputs = []
+        for i, store in enumerate(self.stores):
+            rows = slice(i * self.rows, (i + 1) * self.rows)
+            store.teacher_forcing = self.teacher_forcing
+            store.capture = None if self.capture is None else (lambda lay, i=i: self.capture(i, lay))
+            outputs.append(store.run(layer, q[rows], k[rows], v[rows], g[rows], beta[rows], decode))
+            if self.progress is not None:
+                self.progress(1)
+        return torch.cat(outputs)
+
+    def effective_state(self, layer: int) -> torch.Tensor:
+        """Every member's checkpoint + folded buffer, stacked like the rows: ``S [B, HV, K, V]`` float32."""
+        return torch.cat([s.effective_state(layer) for s in self.stores])
+
+    def layer_nbytes(self, layer: int) -> dict[str, int]:
+        """``{"payload", "metadata", "buffer"}`` real bytes of one layer over all members."""
+        sizes = [s.layer_nbytes(layer) for s in self.stores]
+        return {k: sum(x[k] for x in sizes) for k in sizes[0]}
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Not supported: a stack's rows belong to its members."""
+        raise PaceError("reorder: not supported for several configurations in one batch; allowed: one configuration")
+
+    def reset(self) -> None:
+        """Zero state and empty buffers in every member."""
+        for s in self.stores:
+            s.reset()

@@ -7,16 +7,17 @@ from __future__ import annotations
 import torch
 
 from pace_core.buffer import DecodeBuffer
-from pace_core.recurrence import buffered_step, fold, gdn_chunked, gdn_recurrent
+from pace_core.recurrence import buffered_step, fold, gdn_recurrent, gdn_segment
 
 
 def segmented_prefill(q, k, v, g, beta, S0, period, round_fn, chunk_size=64):
-    """Prompt ``[B, T, ...]`` in ``period``-token segments, each chunked from the rounded state, each
-    segment's end rounded by ``round_fn``: ``(o [B, T, HV, V], last rounded state)``."""
+    """Prompt ``[B, T, ...]`` in ``period``-token segments, each run from the rounded state (chunked, or as the
+    plain recurrence when short: :func:`pace_core.recurrence.gdn_segment`), each segment's end rounded by
+    ``round_fn``: ``(o [B, T, HV, V], last rounded state)``."""
     S, outputs = S0, []
     for start in range(0, q.shape[1], period):
         part = slice(start, start + period)
-        o, S = gdn_chunked(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], S, chunk_size)
+        o, S = gdn_segment(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], S, chunk_size)
         outputs.append(o)
         S = round_fn(S)
     return torch.cat(outputs, 1), S

@@ -27,17 +27,21 @@ def test_pace_4_8_payload_is_5_65625(name):
     assert rb.payload_bits == 0.75 * (4 + 16 / 32 + 4 / 32) + 0.25 * (8 + 16 / 32 + 8 / 32) == 5.65625
     assert (rb.code_bits, rb.scale_bits) == (5.0, 0.65625)
     assert rb.resident_bits == rb.payload_bits + rb.metadata_bits + rb.buffer_bits == rb.exact_bits
-    assert rb.formula_bits == rb.payload_bits + rb.buffer_bits and rb.metadata_bits > 0
+    # metadata: the int16 head map of every GDN layer (once per layer: one sequence carries all of it)
+    assert rb.metadata_bits == BUILTIN_SHAPES[name].num_v_heads * 16 / (BUILTIN_SHAPES[name].num_v_heads * 128**2)
+    assert rb.formula_bits == rb.payload_bits + 8 * rb.paper_c
 
 
 def test_c_equals_the_formula_by_hand():
-    # c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v); 4B: γ = 2, 27B: γ = 3, d_k = d_v = 128
-    cases = {("qwen3.5-4b", "int8"): (8 * 128 / 2 + 8 * 128 + 32) / 128**2,
-             ("qwen3.5-4b", "mixed"): (4 * 128 / 2 + 16 * 128 + 32) / 128**2,
+    # c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v) with the stored bits per buffered entry: an integer part's
+    # codes plus its share of the group's fp16 scale (per vector by default: 16/128); 4B: γ = 2, 27B: γ = 3
+    int8, key4 = 8 + 16 / 128, 4 + 16 / 128
+    cases = {("qwen3.5-4b", "int8"): (int8 * 128 / 2 + int8 * 128 + 32) / 128**2,
+             ("qwen3.5-4b", "mixed"): (key4 * 128 / 2 + 16 * 128 + 32) / 128**2,
              ("qwen3.5-4b", "bf16"): (16 * 128 / 2 + 16 * 128 + 32) / 128**2,
              ("qwen3.5-4b", "fp32"): (32 * 128 / 2 + 32 * 128 + 32) / 128**2,
-             ("qwen3.5-27b", "int8"): (8 * 128 / 3 + 8 * 128 + 32) / 128**2,
-             ("qwen3.5-27b", "mixed"): (4 * 128 / 3 + 16 * 128 + 32) / 128**2,
+             ("qwen3.5-27b", "int8"): (int8 * 128 / 3 + int8 * 128 + 32) / 128**2,
+             ("qwen3.5-27b", "mixed"): (key4 * 128 / 3 + 16 * 128 + 32) / 128**2,
              ("qwen3.5-27b", "bf16"): (16 * 128 / 3 + 16 * 128 + 32) / 128**2,
              ("qwen3.5-27b", "fp32"): (32 * 128 / 3 + 32 * 128 + 32) / 128**2}
     for (model, buffer), c in cases.items():
@@ -45,8 +49,22 @@ def test_c_equals_the_formula_by_hand():
         rb = resident_bits(cfg, BUILTIN_SHAPES[model])
         assert rb.c == pytest.approx(c, rel=1e-15) and float(buffer_c(cfg, BUILTIN_SHAPES[model])) == rb.c
         assert rb.buffer_bits == pytest.approx(8 * c, rel=1e-15)
-        assert rb.formula_bits == pytest.approx(4 + 16 / 64 + 8 * c, rel=1e-15)
-    assert resident_bits(get_config("pace-4-8"), S27).c == pytest.approx(2250.6666666666665 / 16384, rel=1e-15)
+        assert rb.resident_bits == pytest.approx(4 + 16 / 64 + 8 * c, rel=1e-15)
+    # PACE-4/8's buffer keys: 4-bit codes with an fp16 scale and a 4-bit zero point per 16 entries
+    assert resident_bits(get_config("pace-4-8"), S27).c == pytest.approx(
+        ((4 + 16 / 16 + 4 / 16) * 128 / 3 + 16 * 128 + 32) / 16384, rel=1e-15)
+    # grouped int8 values with zero points: 8 + 16/32 + 8/32 per entry
+    grouped = get_config("pace-4").replace(buffer_value_group=32, buffer_value_symmetric=False)
+    assert resident_bits(grouped, S4).c == pytest.approx(((8 + 1 / 8) * 64 + 8.75 * 128 + 32) / 16384, rel=1e-15)
+
+
+def test_paper_c_counts_the_codes_alone():
+    # the paper's c: (b_k, b_v) = fp32 (32, 32), bf16 (16, 16), int8 (8, 8), mixed (4, 16), no scales
+    for buffer, (bk, bv) in {"fp32": (32, 32), "bf16": (16, 16), "int8": (8, 8), "mixed": (4, 16)}.items():
+        for shape in (S4, S27):
+            rb = resident_bits(get_config("pace-4").replace(buffer=buffer), shape)
+            assert rb.paper_c == pytest.approx((bk * 128 / shape.gamma + bv * 128 + 32) / 128**2, rel=1e-15)
+            assert rb.formula_bits == pytest.approx(4.25 + 8 * rb.paper_c, rel=1e-15)
 
 
 def test_buffer_term_is_linear_in_dp_and_absent_at_dp_1():
@@ -55,9 +73,7 @@ def test_buffer_term_is_linear_in_dp_and_absent_at_dp_1():
         for dp in (2, 3, 8, 33, 4096):
             rb = resident_bits(get_config("pace-4").replace(decode_period=dp), shape)
             assert rb.buffer_bits == pytest.approx(base.c * dp, rel=1e-14)
-            # metadata here is the per-vector fp16 scales of the int8 buffer: also linear in dP
-            assert rb.payload_bits == base.payload_bits
-            assert rb.metadata_bits == pytest.approx(base.metadata_bits * dp / 8, rel=1e-14)
+            assert rb.payload_bits == base.payload_bits and rb.metadata_bits == 0
         one = resident_bits(get_config("pace-4").replace(decode_period=1), shape)
         assert one.buffer_bits == 0.0 and one.resident_bits == 4.25 and one.exact_bits == 4.25
         for name in ("fp32", "bf16", "rtn-int4", "damp-int8", "qmamba-dsq"):
@@ -89,9 +105,11 @@ def test_formula_terms_of_the_baselines():
 
 def _record_bits(buffer: str, h: int, hv: int) -> int:
     """One buffered record of one sequence and layer, in bits, by hand (per-vector fp16 scales for integer
-    buffers; fp32 log decay per value head)."""
+    buffers, or PACE-4/8's grouped keys: ``mixed-g16``; fp32 log decay per value head)."""
     k_bits, v_bits, k_scales, v_scales = {"int8": (8, 8, h, hv), "mixed": (4, 16, h, 0),
-                                          "bf16": (16, 16, 0, 0), "fp32": (32, 32, 0, 0)}[buffer]
+                                          "bf16": (16, 16, 0, 0), "fp32": (32, 32, 0, 0)}[buffer.split("-")[0]]
+    if buffer == "mixed-g16":  # 4-bit keys in groups of 16, an fp16 scale and a 4-bit zero point each
+        return h * 128 * 4 + h * 8 * (16 + 4) + hv * 128 * 16 + 32 * hv
     return h * 128 * k_bits + hv * 128 * v_bits + 32 * hv + 16 * (k_scales + v_scales)
 
 
@@ -104,12 +122,17 @@ def test_seed_numbers():
     p4_27 = resident_bits(get_config("pace-4"), S27)
     assert p4_27.formula_bits == pytest.approx(4.25 + 8 * (1024 / 3 + 1024 + 32) / 16384, rel=1e-15)
     assert p4_27.exact_bits == 4.25 + 8 * _record_bits("int8", 16, 48) / (48 * 128**2)
-    # PACE-4/8 "6.82" and DAMP INT8 "9.90" on 27B are not reproduced (accounting module docstring)
+    # PACE-4/8 "6.82" on 27B: between the stored bits on 27B (6.78223) and at γ = 2 (6.83691)
     p48_27 = resident_bits(get_config("pace-4-8"), S27)
     assert p48_27.formula_bits == pytest.approx(5.65625 + 8 * (512 / 3 + 2048 + 32) / 16384, rel=1e-15)
-    assert p48_27.exact_bits == 5.65625 + 8 * _record_bits("mixed", 16, 48) / (48 * 128**2)
-    assert resident_bits(get_config("pace-4-8"), S4).exact_bits == 5.65625 + 8 * _record_bits("mixed", 16, 32) / (
-        32 * 128**2)
+    head_map = 16 / 128**2
+    assert p48_27.exact_bits == pytest.approx(5.65625 + 8 * _record_bits("mixed-g16", 16, 48) / (48 * 128**2)
+                                              + head_map, rel=1e-15)
+    p48_4 = resident_bits(get_config("pace-4-8"), S4)
+    assert p48_4.exact_bits == pytest.approx(5.65625 + 8 * _record_bits("mixed-g16", 16, 32) / (32 * 128**2)
+                                             + head_map, rel=1e-15)
+    assert (round(p48_27.exact_bits, 5), round(p48_4.exact_bits, 5)) == (6.78223, 6.83691)
+    assert p48_27.exact_bits < 6.82 < p48_4.exact_bits
     assert resident_bits(get_config("damp-int8"), S27).formula_bits == 9.4375
     # "about 2/3 of DAMP INT8's resident memory"
     assert 0.6 < p48_27.resident_bits / resident_bits(get_config("damp-int8"), S27).resident_bits < 0.75
@@ -179,7 +202,7 @@ def _real_layer_bytes(cfg: PaceConfig, S: torch.Tensor, layer: int) -> int:
         total = quantize(S, cfg.quant_spec()).nbytes()
     if cfg.buffered:
         total += DecodeBuffer(n, SMALL.num_k_heads, hv, SMALL.d_k, SMALL.d_v, cfg.decode_period,
-                              cfg.buffer).nbytes_allocated()
+                              cfg.buffer_format).nbytes_allocated()
     return total
 
 
@@ -187,6 +210,7 @@ def _real_layer_bytes(cfg: PaceConfig, S: torch.Tensor, layer: int) -> int:
     *NAMED_CONFIGS.values(),
     get_config("pace-4-8").replace(high_heads=((1,), (3,))),
     get_config("pace-4-8").replace(high_share=0.5, high_heads=((0, 2), (1, 3)), buffer="bf16", decode_period=3),
+    get_config("pace-4").replace(buffer_key_group=16, buffer_value_group=32, buffer_value_symmetric=False),
     get_config("rtn-int3").replace(symmetric=False, group_axis="key", group_size=16, decode_period=16),
     get_config("rtn-int4").replace(symmetric=False, group_size=64, decode_period=2, buffer="fp32"),
     get_config("rtn-int6").replace(symmetric=False, high_share=0.25, high_heads=((2,), (0,))),
@@ -197,11 +221,9 @@ def test_accounting_matches_real_packed_bytes(cfg):
     if cfg.high_share > 0 and cfg.high_heads is None:
         cfg = cfg.replace(high_heads=((3,), (0,)))
     g = torch.Generator().manual_seed(7)
-    n = 3
-    real = sum(_real_layer_bytes(cfg, torch.randn(n, 4, 64, 64, generator=g), layer) for layer in range(2))
-    assert state_bytes(cfg, SMALL, n) == real
-    if cfg.method != "damp":  # DAMP's row indices are stored once per layer, not per sequence
-        assert state_bytes(cfg, SMALL, 2 * n) == 2 * real
+    for n in (3, 6):  # what is stored once per layer (DAMP's row indices, a head map) does not scale with n
+        real = sum(_real_layer_bytes(cfg, torch.randn(n, 4, 64, 64, generator=g), layer) for layer in range(2))
+        assert state_bytes(cfg, SMALL, n) == real
     assert resident_bits(cfg, SMALL).exact_bits == 8 * state_bytes(cfg, SMALL, 1) / SMALL.state_values
 
 

@@ -181,7 +181,7 @@ def test_quant_spec_and_head_bits():
 def test_json_document_is_shaped_like_a_kv_cache_scheme():
     cfg = get_config("pace-4-8").replace(high_heads=((2, 9), (0, 1)))
     d = config_to_dict(cfg, model="qwen3.5-27b", provenance={"calibration": "wikitext2-valid.txt"})
-    assert d["schema_version"] == SCHEMA_VERSION == 2
+    assert d["schema_version"] == SCHEMA_VERSION == 3
     assert d["producer"] == {"name": "pace-studio", "version": __version__}
     assert d["model"] == "qwen3.5-27b"
     assert d["state_cache_scheme"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
@@ -189,7 +189,9 @@ def test_json_document_is_shaped_like_a_kv_cache_scheme():
     assert d["pace"] == {"name": "pace-4-8", "method": "pace", "group_axis": "key", "decode_period": 8,
                          "prefill_period": 256, "buffer_precision": "mixed", "high_bits": 8, "high_share": 0.25,
                          "high_heads": {"0": [2, 9], "1": [0, 1]}, "reference_dtype": "float32",
-                         "damp_outlier_rows": 16, "damp_hadamard": True, "prefill_after_decode": "flush"}
+                         "damp_outlier_rows": 16, "damp_hadamard": True, "prefill_after_decode": "flush",
+                         "exact_current_token": True, "buffer_key_group": 16, "buffer_value_group": 0,
+                         "buffer_key_symmetric": False, "buffer_value_symmetric": True}
     assert d["provenance"] == {"calibration": "wikitext2-valid.txt"}
     assert json.loads(json.dumps(d)) == d
     assert config_to_dict(get_config("pace-4"))["state_cache_scheme"]["zp_dtype"] is None
@@ -252,8 +254,8 @@ def _doc(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"schema_version": 3}, "schema_version=3 is newer than this PACE Studio understands; allowed: 1..2"),
-    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..2"),
+    ({"schema_version": 4}, "schema_version=4 is newer than this PACE Studio understands; allowed: 1..3"),
+    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..3"),
     ({"schema_version": "1"}, "schema_version='1' is not allowed"),
     ({"schema_version": KeyError}, "schema_version is missing"),
     ({"pace": KeyError}, "field pace is missing"),
@@ -274,26 +276,37 @@ def _doc(**changes) -> dict:
     ({"pace__high_heads": []}, "pace.high_heads=\\[\\] is not allowed"),
     ({"pace__prefill_after_decode": "round"}, "prefill_after_decode='round' is not allowed; allowed: 'flush', 'carry'"),
     ({"pace__prefill_after_decode": KeyError}, "pace.prefill_after_decode is missing"),
-    ({"schema_version": 1}, "pace.prefill_after_decode is unknown"),
+    ({"schema_version": 1}, "pace.prefill_after_decode, pace.exact_current_token, .*buffer_value_symmetric are unknown"),
+    ({"schema_version": 2}, "pace.exact_current_token, pace.buffer_key_group, .* are unknown"),
+    ({"pace__buffer_key_group": 3}, "buffer_key_group=3"),
+    ({"pace__exact_current_token": KeyError}, "pace.exact_current_token is missing"),
 ])
 def test_malformed_documents_name_the_field(changes, message):
     with pytest.raises(PaceError, match=message):
         config_from_dict(_doc(**changes))
 
 
-def test_schema_1_documents_read_as_flush():
-    """Documents of PACE Studio before ``prefill_after_decode`` (schema 1) load with the behaviour they
-    were made with."""
-    d = _doc(schema_version=1, pace__prefill_after_decode=KeyError)
+def test_older_documents_read_with_the_behaviour_they_were_made_with():
+    """Documents of PACE Studio before ``prefill_after_decode`` (schema 1) read as flush; before the exact
+    current token and buffer groups (schemas 1 and 2) as a token reading its own stored record from
+    per-vector symmetric buffer scales."""
+    before = dict(exact_current_token=False, buffer_key_group=0, buffer_key_symmetric=True)
+    d = _doc(schema_version=1, pace__prefill_after_decode=KeyError, pace__exact_current_token=KeyError,
+             pace__buffer_key_group=KeyError, pace__buffer_value_group=KeyError, pace__buffer_key_symmetric=KeyError,
+             pace__buffer_value_symmetric=KeyError)
     cfg = config_from_dict(d)
-    assert cfg == get_config("pace-4-8") and cfg.prefill_after_decode == "flush"
+    assert cfg == get_config("pace-4-8").replace(**before) and cfg.prefill_after_decode == "flush"
+    d2 = _doc(schema_version=2, pace__exact_current_token=KeyError, pace__buffer_key_group=KeyError,
+              pace__buffer_value_group=KeyError, pace__buffer_key_symmetric=KeyError,
+              pace__buffer_value_symmetric=KeyError)
+    assert config_from_dict(d2) == get_config("pace-4-8").replace(**before)
     with pytest.raises(PaceError, match="prefill_after_decode='later' is not allowed"):
         get_config("pace-4").replace(prefill_after_decode="later")
     shipped = Path(__file__).resolve().parents[1] / "data/models/pace-tiny-qwen35/eval/calibration_pace-4-8.json"
     stored = json.loads(shipped.read_text())["data"]["config"]
     assert stored["schema_version"] == 1 and "prefill_after_decode" not in stored["pace"]
     loaded = config_from_dict(stored)
-    assert loaded.replace(high_heads=None) == get_config("pace-4-8").replace(name=stored["pace"]["name"])
+    assert loaded.replace(high_heads=None) == get_config("pace-4-8").replace(name=stored["pace"]["name"], **before)
 
 
 def test_malformed_json_text():

@@ -12,7 +12,10 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
+from numerics import fp32_bound, rel
 from pace_core.recurrence import (
+    RECURRENT_BELOW,
+    gdn_segment,
     L2NORM_EPS,
     buffered_step,
     fold,
@@ -57,10 +60,6 @@ def loop_reference(q, k, v, g, beta, S0):
                 o[b, t, h] = S.T @ qt
             S_all[b, h] = S
     return o, S_all
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 3])
@@ -173,3 +172,16 @@ def test_bad_inputs_raise():
         gdn_recurrent(q, k, v, g.to(torch.int64), beta)
     with pytest.raises(PaceError, match="S_hat"):
         fold(S0[:, :, :2], DecodeBuffer(1, 2, 4, 4, 4, 2, "fp64"))
+
+
+@pytest.mark.parametrize("T", [1, RECURRENT_BELOW - 1, RECURRENT_BELOW, 40])
+def test_segment_is_the_recurrence_on_either_side_of_the_switch(T):
+    """gdn_segment: the plain recurrence below RECURRENT_BELOW tokens, chunked from there; either way the
+    float64 recurrence to float32 rounding (dots of length K through T tokens)."""
+    B, H, gamma, K, V = 2, 2, 2, 16, 8
+    q, k = prepare_qk(torch.randn(B, T, H, K), torch.randn(B, T, H, K))
+    v, g, beta = torch.randn(B, T, H * gamma, V), -torch.rand(B, T, H * gamma), torch.rand(B, T, H * gamma)
+    S0 = torch.randn(B, H * gamma, K, V)
+    o, S = gdn_segment(q, k, v, g, beta, S0, chunk_size=8)
+    o64, S64 = gdn_recurrent(*(x.double() for x in (q, k, v, g, beta)), initial_state=S0.double())
+    assert rel(o, o64) <= fp32_bound(4 * T * K) and rel(S, S64) <= fp32_bound(4 * T * K)

@@ -26,7 +26,7 @@ def state(S0, H, round_fn=lambda s: s, *, period=1, decode_period=1, precision="
     backend."""
     B, HV, K, V = S0.shape
     st = PeriodicState(RoundingFormat(round_fn), REFERENCE, (B, H, HV, K, V), S0.device, prefill_period=period,
-                       decode_period=decode_period, buffer_precision=precision, chunk_size=chunk_size)
+                       decode_period=decode_period, buffer=precision, chunk_size=chunk_size)
     st.set_checkpoint(S0)
     return st
 
@@ -135,7 +135,7 @@ def test_periodic_rounding_beats_per_token_on_slow_decays():
     errors = {}
     for dP in (1, 8):
         st = PeriodicState(RoundingFormat(lambda S: quant.fake_quantize(S, spec)), REFERENCE, (B, H, HV, K, V),
-                           S_prompt.device, prefill_period=256, decode_period=dP, buffer_precision="fp64")
+                           S_prompt.device, prefill_period=256, decode_period=dP, buffer="fp64")
         st.set_checkpoint(S_prompt)
         st.decode(*dec)
         errors[dP] = rel(st.effective_state(), S_ref)

@@ -238,11 +238,13 @@ def expected_bytes(name):
     if name == "pace-4":  # key axis g 64; int8 buffer of 8 records: keys, values, fp32 decays, fp16 scales
         record = H * K + HV * V + 4 * HV + 2 * (H + HV)
         return n // 2, 2 * n // 64, 8 * B * record
-    if name == "pace-4-8":  # heads 1 (layer 0) at 8 bits; g 32 key axis with fp16 scale + zero point
-        low, high = 3 * n // 4, n // 4
+    if name == "pace-4-8":  # heads 1 (layer 0) at 8 bits; g 32 key axis with fp16 scale + zero point; the
+        low, high = 3 * n // 4, n // 4  # head map: one int16 per head, once for the batch
         groups_low, groups_high = low // 32, high // 32
-        record = H * K // 2 + HV * V * 2 + 4 * HV + 2 * H  # mixed: 4-bit keys + bf16 values
-        return low // 2 + high, 2 * (groups_low + groups_high) + groups_low // 2 + groups_high, 8 * B * record
+        # mixed: 4-bit keys in groups of 16, each with an fp16 scale and a 4-bit zero point (packed), bf16 values
+        record = H * (K // 2 + 2 * K // 16 + K // 32) + HV * V * 2 + 4 * HV
+        return (low // 2 + high, 2 * (groups_low + groups_high) + groups_low // 2 + groups_high + 2 * HV,
+                8 * B * record)
     if name == "qmamba-dsq":  # codes + row scales [B, HV, K] + column scales [B, HV, V]
         return n // 2, 2 * B * HV * (K + V), 0
     if name == "damp-int4":  # 16 fp16 rows + 48 4-bit rows with fp16 scales (value axis g 32) + int16 rows

@@ -5,7 +5,8 @@
   the whole state read and written every token),
 - buffered bf16 (dense bf16 checkpoint, bf16 buffer, dP = 8),
 - PACE-4 (4-bit key-axis g 64 symmetric checkpoint, int8 buffer, dP = 8),
-- PACE-4/8 (key-axis g 32 zero point, a quarter of the heads at 8 bits, mixed buffer, dP = 8)
+- PACE-4/8 (key-axis g 32 zero point, a quarter of the heads at 8 bits, mixed buffer with its 4-bit keys in
+  groups of 16 with zero points, dP = 8)
   (each layer a :class:`pace_core.schedule.PeriodicState` on :class:`kernels.backend.TritonSteps`),
 - when flash-linear-attention is installed (carry the ``fla-core`` wheel), its
   ``fused_recurrent_gated_delta_rule`` per token, as transformers calls it for decode: its state is
@@ -114,8 +115,8 @@ def _layer_state(variant: str, S: torch.Tensor) -> PeriodicState:
     fmt = StateFormat(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
     steps = TritonSteps()
     st = PeriodicState(fmt, steps, (S.shape[0], H, HV, K, V), S.device, prefill_period=256, decode_period=PERIOD,
-                       buffer_precision=cfg.buffer)
-    st.set_checkpoint(steps.store(fmt, S))
+                       buffer=cfg.buffer_format, exact_current=cfg.exact_current_token)
+    st.set_checkpoint(steps.store(fmt, S)[0])
     return st
 
 
@@ -163,7 +164,7 @@ def build(variant: str, B: int, device: torch.device):
         else:
             st = _layer_state(variant, S)
             layers.append(("buffered", st, inputs, out))
-            rec = B * record_bytes(st.buffer.precision, H, HV, K, V)
+            rec = B * record_bytes(st.buffer.format, H, HV, K, V)
             cb = _ckpt_bytes(st.checkpoint)
             bytes_per_token += (cb + cb / PERIOD + rec * ((PERIOD - 1) / PERIOD + (PERIOD - 1) / 2)
                                 + _io_bytes(B))

@@ -1,0 +1,233 @@
+"""The seed articles' claims about PACE, measured on one model (issue 15): one report, each claim with
+the figures it rests on and its margin, and the paper's main table in shape.
+
+Claims (the configurations are built here from the named ones, so the report follows their defaults):
+
+- **(a) periodic rounding**: RTN, value-axis groups of 32, rounded every dP = 8 tokens (with PACE-4's
+  decode buffer) against every token (dP = 1), at 3-6 bits: KL to fp32, top-1 agreement and the
+  relative state error. Holds at a width when dP = 8 has the lower KL.
+- **(b) key-axis groups**: 4-bit symmetric groups of 32 along the key axis against the value axis
+  (per-token rounding, so only the grouping differs). Holds when key-axis has the lower KL.
+- **(c) head allocation**: PACE-4/8 with the calibrated E_h allocation against the same share of 8-bit heads
+  chosen at random (``seeds`` allocations) and against the uniform width of equal payload (5-bit groups
+  of PACE-4/8's quantiser: ``5 + 16/32 + 5/32 = 5.65625`` bits, PACE-4/8's payload). Holds when E_h has
+  the lowest KL.
+- **(d) drift against dP**: the relative state error of the 4-bit quantisers (PACE-4's and RTN-INT4's)
+  at dP = 1, 2, 4, 8, 16, compared at the steps where every dP has just rounded (multiples of 16).
+  Holds for a quantiser when the error falls as dP grows.
+
+The main table: PACE-4, PACE-4/8 with each buffer, DAMP INT4 / INT8, Q-Mamba DSQ, RTN-INT4 / INT8, each
+with its resident bits (loaded model and Qwen3.5-27B), bpb, KL and agreement.
+
+KL, agreement and bpb come from one :func:`pace_core.analysis.quality.perplexity` run of all
+configurations on the text (the fp32 reference shared; each window's scored tokens decoded, as the
+``perplexity`` command does by default); state errors from one
+:func:`pace_core.analysis.drift.drift` run on its first ``drift_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from pace_core.accounting import resident_bits
+from pace_core.analysis.drift import drift, drift_progress_total
+from pace_core.analysis.quality import perplexity, quality_progress_total
+from pace_core.analysis.text import read_text, tokenize
+from pace_core.config import PaceConfig, config_to_json, get_config
+from pace_core.errors import PaceError
+from pace_core.model.loading import LoadedModel
+from pace_core.shapes import BUILTIN_SHAPES
+
+CLAIM_BITS = (3, 4, 5, 6)
+DRIFT_PERIODS = (1, 2, 4, 8, 16)
+MAIN_BUFFERS = ("mixed", "int8", "bf16", "fp32")
+REPORT_SHAPE = "qwen3.5-27b"
+
+
+@dataclass(frozen=True)
+class ClaimConfigs:
+    """The configurations of each claim (``{label: config}``); ``random_allocations`` are filled in by
+    :func:`random_allocations` once the calibrated configuration is known."""
+
+    periodic: dict[str, PaceConfig]
+    axis: dict[str, PaceConfig]
+    allocation: dict[str, PaceConfig]
+    drift: dict[str, PaceConfig]
+    main: dict[str, PaceConfig]
+
+    def quality(self) -> dict[str, PaceConfig]:
+        """Every configuration scored on the text, once each."""
+        return {**self.periodic, **self.axis, **self.allocation, **self.main}
+
+
+def _with_buffer_of(cfg: PaceConfig, other: PaceConfig) -> PaceConfig:
+    """``cfg`` with the decode buffer of ``other`` (precision, groups, zero points)."""
+    return cfg.replace(buffer=other.buffer, buffer_key_group=other.buffer_key_group,
+                       buffer_value_group=other.buffer_value_group, buffer_key_symmetric=other.buffer_key_symmetric,
+                       buffer_value_symmetric=other.buffer_value_symmetric)
+
+
+def claim_configs(calibrated_pace48: PaceConfig, random_heads: list[tuple[tuple[int, ...], ...]]) -> ClaimConfigs:
+    """The configurations of the report. ``calibrated_pace48``: PACE-4/8 with its calibrated E_h heads;
+    ``random_heads``: the random allocations of claim (c) (:func:`random_allocations`)."""
+    pace4 = get_config("pace-4")
+    rtn = _with_buffer_of(get_config("rtn-int4").replace(group_axis="value", group_size=32), pace4)
+    periodic = {}
+    for b in CLAIM_BITS:
+        periodic[f"rtn{b} value g32 dP1"] = rtn.replace(name=f"rtn{b}-v32-dp1", bits=b, decode_period=1)
+        periodic[f"rtn{b} value g32 dP8"] = rtn.replace(name=f"rtn{b}-v32-dp8", bits=b, decode_period=8)
+    axis = {f"4-bit {a}-axis g32": rtn.replace(name=f"rtn4-{a}32", group_axis=a) for a in ("key", "value")}
+    allocation = {"pace-4-8 E_h": calibrated_pace48.replace(name="pace-4-8-Eh")}
+    for i, heads in enumerate(random_heads):
+        allocation[f"pace-4-8 random {i}"] = calibrated_pace48.replace(name=f"pace-4-8-random{i}", high_heads=heads)
+    allocation["uniform 5-bit (equal payload)"] = calibrated_pace48.replace(
+        name="pace-5-uniform", bits=5, high_share=0.0, high_heads=None)
+    drift_cfgs = {}
+    for name, base in (("pace-4", pace4), ("rtn-int4", _with_buffer_of(get_config("rtn-int4"), pace4))):
+        for p in DRIFT_PERIODS:
+            drift_cfgs[f"{name} dP{p}"] = base.replace(name=f"{name}-dp{p}", decode_period=p)
+    main = {"pace-4": pace4}
+    for buf in MAIN_BUFFERS:
+        main[f"pace-4-8 ({buf} buffer)"] = calibrated_pace48.replace(name=f"pace-4-8-{buf}", buffer=buf)
+    for name in ("damp-int4", "damp-int8", "qmamba-dsq", "rtn-int4", "rtn-int8"):
+        main[name] = get_config(name)
+    return ClaimConfigs(periodic, axis, allocation, drift_cfgs, main)
+
+
+def random_allocations(cfg: PaceConfig, layers: int, heads: int, seeds: int) -> list[tuple[tuple[int, ...], ...]]:
+    """``seeds`` allocations of ``cfg``'s share of high-bit heads, chosen uniformly at random per layer
+    (seed i draws with ``torch.Generator().manual_seed(i)``), none equal to ``cfg.high_heads``."""
+    per_layer = len(cfg.high_heads[0]) if cfg.high_heads else 0
+    out: list[tuple[tuple[int, ...], ...]] = []
+    seed = 0
+    while len(out) < seeds:
+        gen = torch.Generator().manual_seed(seed)
+        seed += 1
+        alloc = tuple(tuple(sorted(torch.randperm(heads, generator=gen)[:per_layer].tolist())) for _ in range(layers))
+        if alloc != cfg.high_heads and alloc not in out:
+            out.append(alloc)
+        if seed > 1000 * seeds:
+            raise PaceError("random allocations: the model has too few heads for distinct random allocations")
+    return out
+
+
+def _unique(configs: Mapping[str, PaceConfig]) -> tuple[dict[str, PaceConfig], dict[str, str]]:
+    """Configurations to run once each (by their JSON) and the run name of every label."""
+    by_json: dict[str, str] = {}
+    run: dict[str, PaceConfig] = {}
+    alias: dict[str, str] = {}
+    for label, cfg in configs.items():
+        key = config_to_json(cfg.replace(name="x"))
+        if key not in by_json:
+            by_json[key] = label
+            run[label] = cfg
+        alias[label] = by_json[key]
+    return run, alias
+
+
+def _configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int) -> ClaimConfigs:
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise PaceError(f"seeds: {seeds!r} not allowed; allowed: an integer >= 1")
+    shape = loaded.shape
+    return claim_configs(calibrated_pace48, random_allocations(calibrated_pace48, shape.num_gdn_layers,
+                                                               shape.num_v_heads, seeds))
+
+
+def claims_progress_total(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int, n_tokens: int,
+                          window: int, stride: int, batch: int, drift_tokens: int) -> int:
+    """The progress units of :func:`measure_claims` on ``n_tokens`` tokens of its text."""
+    cfgs = _configs(loaded, calibrated_pace48, seeds)
+    run, _ = _unique(cfgs.quality())
+    T = min(drift_tokens, n_tokens)
+    states = len({**cfgs.drift, **cfgs.periodic, **cfgs.axis})
+    return (quality_progress_total(loaded, len(run), n_tokens, window, stride, max(window - stride, 1), batch)
+            + drift_progress_total(loaded, states, T, T // 2))
+
+
+def _margin(better: float, other: float) -> float:
+    """Relative margin of ``better`` over ``other`` (KL or error: lower is better): 1 - better/other."""
+    return 1.0 - better / other if other > 0 else 0.0
+
+
+def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace48: PaceConfig, *,
+                   max_tokens: int | None = None, window: int = 512, stride: int = 256, batch: int = 8,
+                   seeds: int = 5, drift_tokens: int = 512, damp_rows: Mapping[str, list[torch.Tensor]] | None = None,
+                   progress: Callable[[int], None] | None = None) -> dict:
+    """The report (module docstring) as plain data: ``{"claims": [...], "main": [...], "quality": [...],
+    "drift": [...]}``. ``damp_rows``: the calibrated outlier rows of ``damp-int4`` and ``damp-int8``."""
+    shape = loaded.shape
+    cfgs = _configs(loaded, calibrated_pace48, seeds)
+    run, alias = _unique(cfgs.quality())
+    rows = {"damp-int4", "damp-int8"}
+    quality = perplexity(loaded, run, text, window=window, stride=stride, max_tokens=max_tokens, batch=batch,
+                         decode_from=max(window - stride, 1),
+                         damp_rows={n: damp_rows[n] for n in rows if n in run} if damp_rows else None,
+                         progress=progress).set_index("config")
+    q = {label: quality.loc[alias[label]] for label in cfgs.quality()}
+
+    ids = tokenize(loaded.tokenizer, read_text(text), drift_tokens)
+    decode_from = ids.shape[1] // 2
+    state_cfgs = {**cfgs.drift, **cfgs.periodic, **cfgs.axis}
+    dres = drift(loaded, state_cfgs, ids, decode_from, every=1, progress=progress)
+    common = [j for j in dres.table.step.unique() if j > 0 and j % max(DRIFT_PERIODS) == 0]
+    err = {label: float(dres.table[(dres.table.config == label) & dres.table.step.isin(common)].rel_error.mean())
+           for label in state_cfgs}
+
+    claims = []
+    for b in CLAIM_BITS:
+        one, eight = f"rtn{b} value g32 dP1", f"rtn{b} value g32 dP8"
+        claims.append({"claim": "a", "what": f"{b}-bit RTN (value g32): dP 8 vs dP 1", "labels": [eight, one],
+                       "holds": bool(q[eight].kl < q[one].kl), "margin": _margin(q[eight].kl, q[one].kl),
+                       "kl": [float(q[eight].kl), float(q[one].kl)],
+                       "agreement": [float(q[eight].agreement), float(q[one].agreement)],
+                       "state_error": [err[eight], err[one]]})
+    key, value = "4-bit key-axis g32", "4-bit value-axis g32"
+    claims.append({"claim": "b", "what": "4-bit groups of 32: key axis vs value axis", "labels": [key, value],
+                   "holds": bool(q[key].kl < q[value].kl), "margin": _margin(q[key].kl, q[value].kl),
+                   "kl": [float(q[key].kl), float(q[value].kl)],
+                   "agreement": [float(q[key].agreement), float(q[value].agreement)],
+                   "state_error": [err[key], err[value]]})
+    randoms = [label for label in cfgs.allocation if "random" in label]
+    best_random = min(randoms, key=lambda label: q[label].kl)
+    uniform = "uniform 5-bit (equal payload)"
+    eh = "pace-4-8 E_h"
+    claims.append({"claim": "c", "what": f"E_h allocation vs the best of {len(randoms)} random allocations and the "
+                                         "uniform 5-bit width of equal payload", "labels": [eh, best_random, uniform],
+                   "holds": bool(q[eh].kl < min(q[best_random].kl, q[uniform].kl)),
+                   "margin": _margin(q[eh].kl, min(q[best_random].kl, q[uniform].kl)),
+                   "kl": [float(q[eh].kl), float(q[best_random].kl), float(q[uniform].kl)],
+                   "random_kl": [float(q[label].kl) for label in randoms],
+                   "agreement": [float(q[eh].agreement), float(q[best_random].agreement), float(q[uniform].agreement)]})
+    for name in ("pace-4", "rtn-int4"):
+        errors = [err[f"{name} dP{p}"] for p in DRIFT_PERIODS]
+        falls = all(later < earlier for earlier, later in zip(errors, errors[1:]))
+        claims.append({"claim": "d", "what": f"{name}: state error at common flush points vs dP {list(DRIFT_PERIODS)}",
+                       "labels": [f"{name} dP{p}" for p in DRIFT_PERIODS],
+                       "holds": falls, "margin": _margin(errors[-1], errors[0]), "state_error": errors})
+
+    main = []
+    for label, cfg in cfgs.main.items():
+        row = q[label]
+        main.append({"config": label, "resident_bits": resident_bits(cfg, shape).resident_bits,
+                     "resident_bits_27b": resident_bits(cfg.replace(high_heads=None),  # 27B: the share, not the heads
+                                                        BUILTIN_SHAPES[REPORT_SHAPE]).resident_bits,
+                     "bpb": float(row.bpb), "kl": float(row.kl), "agreement": float(row.agreement)})
+    quality_rows = [{"label": label, "config": config_to_json(cfg), **{k: float(q[label][k]) for k in
+                                                                        ("nll", "ppl", "agreement", "kl", "bpb")}}
+                    for label, cfg in cfgs.quality().items()]
+    return {"claims": claims, "main": main, "quality": quality_rows,
+            "drift": [{"label": label, "mean_rel_error_common_flush": err[label]} for label in state_cfgs],
+            "tokens": int(quality.iloc[0].tokens), "drift_tokens": int(ids.shape[1]),
+            "common_flush_steps": [int(j) for j in common]}
+
+
+def claims_table(report: dict) -> pd.DataFrame:
+    """One row per claim: claim, what, holds, margin (relative KL or error reduction). In every claim the
+    figure lists (``kl``, ``agreement``, ``state_error``) follow ``labels``: the claimed better one first,
+    then what it is compared with (claim (d): the dPs in ascending order)."""
+    return pd.DataFrame([{k: c[k] for k in ("claim", "what", "holds", "margin")} for c in report["claims"]])
