@@ -1,16 +1,18 @@
-"""The pages' computations on the loaded model, cached per their inputs (``st.cache_data``), with a progress
-bar for those that take long; each calls one pace_core analysis.
+"""The pages' computations on the loaded model, each one pace_core analysis: results kept per
+configuration and the shared fp32 reference runs kept apart (:mod:`app_state.work`), a progress bar with
+the time left and a Stop button for those that take long.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 import streamlit as st
 import torch
 
+from app_state import work
 from app_state.session import _load_model, model_label_of
 from app_state.stored import provenance_label, stored_results
 from pace_core.analysis.calibration import Calibration, calibrate
@@ -25,9 +27,6 @@ FALLBACK_PROMPT = ("The recurrent state of a Gated DeltaNet layer is a matrix pe
                    "updates: it decays the old memory, writes the new key and value, and the next "
                    "token reads from it. Storing that matrix in four bits instead of thirty-two lets a "
                    "server keep eight times as many conversations in the same memory.")
-
-
-HEATMAP_POSITION = 256
 
 
 def default_text() -> str:
@@ -52,69 +51,119 @@ def analysis_text() -> str:
     return read_text(CALIBRATION_TEXT, "calibration text") if CALIBRATION_TEXT.is_file() else FALLBACK_PROMPT
 
 
-def progress_bar(total: int, text: str) -> Callable[[int], None]:
-    """A st.progress bar of `total` units; returns the callback `advance(n)` (the bar goes away when
-    full). Created inside a cached function, so a cache hit replays it as already gone."""
-    bar = st.progress(0.0, text=text)
-    done = [0]
-
-    def advance(n: int) -> None:
-        done[0] += n
-        if done[0] >= total:
-            bar.empty()
-        else:
-            bar.progress(done[0] / total, text=f"{text} ({done[0]}/{total})")
-
-    return advance
+HEATMAP_POSITIONS = 32
+"""Positions of the heatmap slider: the states of a text are captured at this many evenly spaced token
+counts in one reference run, so moving the slider reads a kept state."""
 
 
-@st.cache_data(show_spinner=False, max_entries=32)
-def reference_states(source: str, device: str, text: str, position: int) -> dict[int, Any]:
-    """fp32 reference state of every GDN layer after the first `position` tokens of `text`:
-    {gdn_layer: S [HV, K, V] float32 numpy} (cached per model, device, text and position)."""
+def heatmap_positions(n_tokens: int) -> list[int]:
+    """The token counts the heatmap slider offers for a text of ``n_tokens`` tokens (the last one included)."""
+    step = -(-n_tokens // HEATMAP_POSITIONS)
+    return sorted(set(range(step, n_tokens + 1, step)) | {n_tokens})
+
+
+def reference_states(source: str, device: str, text: str) -> dict[int, dict[int, torch.Tensor]]:
+    """fp32 reference states of every GDN layer of ``text`` at each of :func:`heatmap_positions`:
+    ``{position: {gdn_layer: S [HV, K, V] float32}}`` on the CPU, from one run (kept per model, device and
+    text)."""
     from pace_core.model.capture import run_with_states
 
-    loaded = _load_model(source, device)
-    ids = tokenize(loaded.tokenizer, text, max_tokens=position, min_tokens=1)
-    result = run_with_states(loaded, get_config("fp32"), ids, capture_steps=[ids.shape[1]])
-    return {layer: S[0].numpy() for layer, S in result.states[ids.shape[1]].items()}
+    key = (source, device, text)
+    found = work.kept("heatmap_states", 4).get(key)
+    if found is None:
+        loaded = _load_model(source, device)
+        ids = tokenize(loaded.tokenizer, text, min_tokens=1)
+        with st.spinner(f"Reading {ids.shape[1]} tokens with the fp32 reference…"):
+            run = run_with_states(loaded, get_config("fp32"), ids, capture_steps=heatmap_positions(ids.shape[1]))
+        found = {pos: {layer: S[0] for layer, S in layers.items()} for pos, layers in run.states.items()}
+        work.kept("heatmap_states", 4).put(key, found)
+    return found
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
+def _ready(source: str, device: str, configs: dict[str, str]) -> dict[str, tuple[PaceConfig, Any]]:
+    """{label: (configuration ready to run, its DAMP outlier rows or None)} of {label: config JSON}."""
+    return {label: runnable(source, device, config_from_json(text)) for label, text in configs.items()}
+
+
+GENERATION_SEED = 0
+
+
 def generations(source: str, device: str, configs: tuple[tuple[str, str], ...], prompt: str,
-                max_new_tokens: int, mode: str):
-    """pace_core.analysis.generation.generate_side_by_side for (label, config JSON) pairs, fp32 first
-    (cached per model, device, configurations, prompt, length and mode)."""
-    from pace_core.analysis.generation import generate_side_by_side
+                max_new_tokens: int, mode: str) -> pd.DataFrame:
+    """pace_core.analysis.generation.generate_side_by_side rows of (label, config JSON) pairs, the fp32
+    reference first. The reference's continuation and each configuration's are kept apart (per model,
+    device, prompt, length and mode): a new configuration generates only itself; without a kept reference,
+    the reference is generated in the same batch."""
+    from pace_core.analysis.generation import generate_side_by_side, generation_progress_total
 
     loaded = _load_model(source, device)
-    ready = {label: runnable(source, device, config_from_json(text)) for label, text in configs}
-    return generate_side_by_side(loaded, {label: cfg for label, (cfg, _) in ready.items()}, prompt,
-                                 max_new_tokens=max_new_tokens, modes=(mode,),
-                                 damp_rows={label: rows for label, (_, rows) in ready.items() if rows is not None})
+    setting = (source, device, prompt, max_new_tokens, mode)
+    reference = work.kept("generation_reference", 16)
+    ref = reference.get(setting)
+
+    def compute(missing: dict[str, str]) -> dict:
+        ready = _ready(source, device, missing)
+        names = ", ".join(missing if ref is not None else ["fp32", *missing])
+        with work.progress(generation_progress_total((mode,), max_new_tokens),
+                           f"Generating {max_new_tokens} tokens with {names}",
+                           ("generation", setting, tuple(missing.values()))) as advance:
+            table = generate_side_by_side(loaded, {label: cfg for label, (cfg, _) in ready.items()}, prompt,
+                                          max_new_tokens=max_new_tokens, modes=(mode,), seed=GENERATION_SEED,
+                                          damp_rows={label: rows for label, (_, rows) in ready.items()
+                                                     if rows is not None},
+                                          reference_rows=ref, progress=advance)
+        if ref is None:
+            reference.put(setting, table[table.config == "fp32"])
+        return {label: table[table.config == label] for label in missing}
+
+    rows = work.per_config("generation", setting, configs, compute)
+    if ref is None and reference.get(setting) is None:  # every configuration was kept: the reference alone
+        compute({})
+    return pd.concat([reference.get(setting)] + [rows[label].assign(config=label) for label, _ in configs],
+                     ignore_index=True)
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
+DRIFT_CAPTURES = 32
+"""States are compared at about this many decode steps of a Drift view (every ⌈steps/32⌉-th step and the
+last): the kept reference holds this many fp32 states of the model."""
+
+
 def drift(source: str, device: str, configs: tuple[tuple[str, str], ...], prefill: int,
           steps: int) -> dict[str, Any]:
     """pace_core.analysis.drift.drift of (label, config JSON) pairs on the first prefill + steps + 1
-    tokens of the analysis text: {"table", "summary", "provenance_label"} (cached per arguments)."""
-    from pace_core.analysis.drift import drift as run_drift
+    tokens of the analysis text: {"table", "summary", "every", "provenance_label"}. The fp32 reference run
+    is kept per (model, device, length) and every configuration's result apart: changing one configuration
+    teacher-forces only that one; without a kept reference, the reference runs in the same batch."""
+    from pace_core.analysis.drift import drift as run_drift, drift_progress_total
 
     loaded = _load_model(source, device)
     ids = tokenize(loaded.tokenizer, analysis_text(), max_tokens=prefill + steps + 1, min_tokens=prefill + 3)
-    ready = {label: runnable(source, device, config_from_json(text)) for label, text in configs}
-    groups = [({label: cfg for label, (cfg, rows) in ready.items() if rows is None}, None)]
-    groups += [({label: cfg}, rows) for label, (cfg, rows) in ready.items() if rows is not None]
-    groups = [(cfgs, rows) for cfgs, rows in groups if cfgs]
-    advance = progress_bar(len(ready) + len(groups), f"Teacher-forcing {len(ready)} configurations and the "
-                                                     f"fp32 reference over {steps} decode steps")
-    results = [run_drift(loaded, cfgs, ids, decode_from=prefill, damp_rows=rows, progress=advance)
-               for cfgs, rows in groups]
-    return {"table": pd.concat([r.table for r in results], ignore_index=True),
-            "summary": pd.concat([r.summary for r in results], ignore_index=True),
-            "provenance_label": f"computed live on {model_label_of(source)} ({device}), {ids.shape[1]} tokens "
-                                f"of {CALIBRATION_TEXT.name if CALIBRATION_TEXT.is_file() else 'the fixed prompt'}, "
+    every = -(-steps // DRIFT_CAPTURES)
+    setting = (source, device, prefill, steps)
+    T = int(ids.shape[1])
+    reference = work.kept("drift_reference", 2)
+
+    def compute(missing: dict[str, str]) -> dict:
+        ready = _ready(source, device, missing)
+        kept = reference.get(setting)
+        names = ", ".join(missing if kept is not None else ["the fp32 reference", *missing])
+        with work.progress(drift_progress_total(loaded, len(missing), T, prefill, with_reference=kept is None),
+                           f"Teacher-forcing {names} over {T - prefill - 1} decode steps",
+                           ("drift", setting, tuple(missing.values()))) as advance:
+            res = run_drift(loaded, {label: cfg for label, (cfg, _) in ready.items()}, ids, prefill, every=every,
+                            reference=kept, keep_reference=kept is None, progress=advance,
+                            damp_rows={label: rows for label, (_, rows) in ready.items() if rows is not None})
+        reference.put(setting, res.reference)
+        return {label: (res.table[res.table.config == label], res.summary[res.summary.config == label])
+                for label in missing}
+
+    found = work.per_config("drift", setting, configs, compute)
+    return {"table": pd.concat([found[label][0].assign(config=label) for label, _ in configs], ignore_index=True),
+            "summary": pd.concat([found[label][1].assign(config=label) for label, _ in configs], ignore_index=True),
+            "every": every,
+            "provenance_label": f"computed live on {model_label_of(source)} ({device}), {T} tokens of "
+                                f"{CALIBRATION_TEXT.name if CALIBRATION_TEXT.is_file() else 'the fixed prompt'} "
+                                f"(states compared every {every} decode steps), "
                                 f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"}
 
 
@@ -145,28 +194,41 @@ def _stored_calibration(source: str, weights: str, key: str) -> tuple[Calibratio
     return None
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
 def calibration(source: str, device: str, key: str) -> dict[str, Any]:
     """The calibration of the quantiser of config JSON `key` (see calibration_key): one stored by the
     CLI under data/results/ when there is one, else pace_core.analysis.calibration.calibrate live on
-    the calibration text. {"calibration": Calibration, "provenance_label"} (cached per model, device and
-    quantiser)."""
+    reference samples of the calibration text, which are taken once per model and device and serve every
+    quantiser. {"calibration": Calibration, "provenance_label"} (kept per model, device and quantiser)."""
+    from pace_core.analysis.calibration import calibration_progress_total, calibration_samples
+
+    found = work.kept("calibration", 64).get((source, device, key))
+    if found is not None:
+        return found
     loaded = _load_model(source, device)
     stored = _stored_calibration(source, loaded.fingerprint, key)
     if stored is not None:
-        return {"calibration": stored[0], "provenance_label": stored[1]}
+        found = {"calibration": stored[0], "provenance_label": stored[1]}
+        work.kept("calibration", 64).put((source, device, key), found)
+        return found
     if not CALIBRATION_TEXT.is_file():
         raise PaceError(f"calibration text {CALIBRATION_TEXT} is not on this machine (the shared corpus), and no "
                         "calibration of this quantiser is stored for the loaded weights; allowed: put the corpus "
                         "there, or store one with `python -m pace_core calibrate --text FILE` and these settings, "
                         "or set the share of 8-bit heads to 0 (DAMP always needs one)")
-    chunks = CALIBRATION_TOKENS // CALIBRATION_EVERY
-    advance = progress_bar(chunks, f"Calibrating on {CALIBRATION_TOKENS} tokens of {CALIBRATION_TEXT.name}")
-    cal = calibrate(loaded, config_from_json(key), tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
-                    progress=advance)
-    return {"calibration": cal,
-            "provenance_label": f"{cal.tokens} tokens of {CALIBRATION_TEXT.name}, {cal.samples} states "
-                                f"(one every {CALIBRATION_EVERY} tokens), computed live on {model_label_of(source)}"}
+    samples = work.kept("calibration_samples", 2).get((source, device))
+    if samples is None:
+        with work.progress(calibration_progress_total(loaded),
+                           f"Reading {CALIBRATION_TOKENS} calibration tokens of {CALIBRATION_TEXT.name}",
+                           ("calibration", source, device)) as advance:
+            samples = calibration_samples(loaded, tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
+                                          progress=advance)
+        work.kept("calibration_samples", 2).put((source, device), samples)
+    cal = calibrate(loaded, config_from_json(key), samples=samples)
+    found = {"calibration": cal,
+             "provenance_label": f"{cal.tokens} tokens of {CALIBRATION_TEXT.name}, {cal.samples} states "
+                                 f"(one every {CALIBRATION_EVERY} tokens), computed live on {model_label_of(source)}"}
+    work.kept("calibration", 64).put((source, device, key), found)
+    return found
 
 
 def runnable(source: str, device: str, cfg: PaceConfig) -> tuple[PaceConfig, list[torch.Tensor] | None]:

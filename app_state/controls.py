@@ -96,7 +96,26 @@ CONTROLS: tuple[Control, ...] = (
     Control("buf", "buffer", "Decode buffer precision",
             "Precision of the buffered (k_t, u_t) records between roundings: int8 (PACE-4, uniform "
             "configs), mixed = keys 4-bit + values bf16 (PACE-4/8), bf16/fp32 as references [seed]. "
-            "Integer buffers use per-vector fp16 scales [ours].", ("fp32", "bf16", "int8", "mixed")),
+            "Integer parts have fp16 scales per group of each vector (the buffer group settings below) [ours].",
+            ("fp32", "bf16", "int8", "mixed")),
+    Control("bkg", "buffer_key_group", "Buffer key group (entries per scale)",
+            "[ours] Integer buffer keys (int8; mixed: 4-bit): entries of one buffered key vector that share one "
+            "fp16 scale (and zero point). 'per vector' = one scale per key vector. Smaller groups cost "
+            "16/g bits per entry in the buffer term c · dP and follow outlier channels closer.",
+            (0, 16, 32, 64, 128), lambda g: "per vector" if g == 0 else str(g)),
+    Control("bks", "buffer_key_symmetric", "Buffer keys symmetric",
+            "[ours] Off: each buffered key group gets an integer zero point (its bits per group count in c).",
+            (True, False)),
+    Control("bvg", "buffer_value_group", "Buffer value group (entries per scale)",
+            "[ours] Integer buffer values u_t (int8 only; mixed and float buffers keep values in bf16/fp32): "
+            "entries per fp16 scale along each buffered value vector. 'per vector' = one scale per vector.",
+            (0, 16, 32, 64, 128), lambda g: "per vector" if g == 0 else str(g)),
+    Control("bvs", "buffer_value_symmetric", "Buffer values symmetric",
+            "[ours] Off: each buffered value group gets an integer zero point.", (True, False)),
+    Control("cur", "exact_current_token", "Exact current token",
+            "[ours] On: a token's own output and its delta value use its exact k_t, u_t, which are at hand when "
+            "it is processed; only the record stored for the later tokens is rounded (no memory cost). Off: the "
+            "token reads back its own rounded record.", (True, False)),
     Control("pad", "prefill_after_decode", "Prompt after decoded tokens",
             "[ours] (the spec is silent) How a prompt that follows decoded tokens starts, e.g. a user's next "
             "turn: **flush** folds the buffered records into the checkpoint and rounds it first (one extra "

@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = Path(os.environ.get("PACE_BENCH_DIR", REPO_ROOT / "data" / "bench"))
 
 
-BENCH_COMMAND = "python3 kernels/bench.py --out data/bench"
+BENCH_COMMAND = "python3 kernels/bench/bench.py --out data/bench"
 
 
 def results_model_name(source: str) -> str:
@@ -37,13 +37,23 @@ def stored_results(source: str, kind: str, weights: str) -> list[Any]:
     return [r for r in list_results(results_model_name(source), kind) if r.provenance.get("weights") == weights]
 
 
+@st.cache_data(show_spinner=False, ttl=30)
+def stored_sets(source: str, kind: str, weights: str) -> list[Any]:
+    """The per-configuration results of `kind` (drift, perplexity, generation) stored for the weights
+    `weights`, one pace_core.results.ResultSet per setting, newest first (re-read at most every 30 s)."""
+    from pace_core.results import result_sets
+
+    return result_sets(results_model_name(source), kind, weights=weights)
+
+
 def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], str], key: str, *,
-                  live: str | None = None, title: str = "Source") -> Any | None:
+                  live: str | None = None, title: str = "Source", per_config: bool = False) -> Any | None:
     """One result of `python -m pace_core <command>` stored as `kind` for the weights `weights`
-    (:func:`stored_results`), labelled by `label`: with `live`, a radio whose first option is `live`
-    (returns None for it); else a selectbox titled `title` (None, and nothing shown, when none is
-    stored). The chosen result's provenance is captioned."""
-    stored = stored_results(model_source(), kind, weights)
+    (:func:`stored_results`; with `per_config`, one set of per-configuration results, :func:`stored_sets`),
+    labelled by `label`: with `live`, a radio whose first option is `live` (returns None for it); else a
+    selectbox titled `title` (None, and nothing shown, when none is stored). The chosen result's
+    provenance is captioned."""
+    stored = (stored_sets if per_config else stored_results)(model_source(), kind, weights)
     if not stored and live is None:
         return None
     options = ([live] if live else []) + [label(r) for r in stored]

@@ -78,6 +78,7 @@ def _row(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> dict[str, Any]:
         "decode_period": cfg.decode_period,
         "exact_bits": rb.exact_bits,
         "formula_bits": rb.formula_bits,
+        "paper_c": rb.paper_c,
         "sequences": n_seq,
         "state_bytes": state_bytes(cfg, shape, n_seq),
         "state_share": state_share(cfg, shape, n_seq),
@@ -94,10 +95,11 @@ def _print_one(row: dict[str, Any], shape: ModelShape, budget: int | None, fits:
     print(f"{row['config']} on {_shape_line(shape)}")
     print(f"  payload   {row['payload_bits']:9.5f} bits per state value "
           f"(codes {row['code_bits']:.5f} + scales/zero points {row['scale_bits']:.5f})")
-    print(f"  metadata  {row['metadata_bits']:9.5f}  (stored beyond the formula: buffer scales, row indices, padding)")
-    print(f"  buffer    {row['buffer_bits']:9.5f}  (c = {row['c']:.6f} x dP {row['decode_period']})")
+    print(f"  metadata  {row['metadata_bits']:9.5f}  (stored beyond payload and buffer: row indices, head map, padding)")
+    print(f"  buffer    {row['buffer_bits']:9.5f}  (c = {row['c']:.6f} x dP {row['decode_period']}, buffer scales included)")
     print(f"  resident  {row['resident_bits']:9.5f}  (= the bits stored per state value, one sequence)")
-    print(f"  formula   {row['formula_bits']:9.5f}  (the paper's payload + c·dP)")
+    print(f"  formula   {row['formula_bits']:9.5f}  (the paper's payload + c·dP, c = {row['paper_c']:.6f} from the "
+          "buffer's code bits alone)")
     print(f"  state of {row['sequences']} sequences: {row['state_bytes'] / GIB:.3f} GiB, "
           f"{100 * row['state_share']:.1f}% of weights + state")
     if budget is not None:

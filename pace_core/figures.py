@@ -147,8 +147,9 @@ def head_ranking_figure(E: Any, a: Any, e: Any, high_heads: Sequence[Sequence[in
     return fig
 
 
-def drift_figure(table: pd.DataFrame) -> go.Figure:
-    """Relative state error and excess NLL over decode steps, one line per configuration.
+def drift_figure(table: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """Relative state error and excess NLL over decode steps, one line per configuration (``title``: above
+    both panels, e.g. naming the configurations).
 
     table: long form with columns config, step, rel_error, excess_nll.
     """
@@ -168,7 +169,8 @@ def drift_figure(table: pd.DataFrame) -> go.Figure:
     fig.update_yaxes(type="log", title_text="relative error", row=1, col=1)
     fig.update_yaxes(title_text="Δ NLL (nats)", row=1, col=2)
     fig.update_xaxes(title_text="decode step")
-    fig.update_layout(height=420, margin=dict(t=50, l=60, r=20, b=40))
+    fig.update_layout(height=440 if title else 420, margin=dict(t=80 if title else 50, l=60, r=20, b=40),
+                      title=dict(text=title) if title else None)
     return fig
 
 

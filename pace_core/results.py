@@ -244,3 +244,58 @@ def list_results(model: str, kind: str | None = None, *, root: str | os.PathLike
                 out.append(r)
     out.sort(key=lambda r: r.provenance.get("date", ""), reverse=True)
     return out
+
+
+@dataclass
+class ResultSet:
+    """Results stored one per configuration for one setting (the same ``params_key``): what a command run
+    on several configurations leaves, possibly over several runs. ``results`` are in the order of the named
+    configurations (fp32 first), then the others by name, whatever order the runs stored them in."""
+
+    kind: str
+    params_key: str
+    results: list[Result]
+
+    @property
+    def configs(self) -> list[str]:
+        """The configurations' names."""
+        return [r.data.get("config", "?") for r in self.results]
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """The newest result's provenance."""
+        return max(self.results, key=lambda r: r.provenance.get("date", "")).provenance
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """The results' tables one after the other, or, where a result has none, its ``data["row"]``."""
+        parts = [r.table if r.table is not None else pd.DataFrame([r.data["row"]]) for r in self.results]
+        return pd.concat(parts, ignore_index=True)
+
+    def rows(self, field: str) -> list[Any]:
+        """``data[field]`` of every result."""
+        return [r.data[field] for r in self.results]
+
+
+def _config_order(result: Result) -> tuple[int, str]:
+    from pace_core.config import NAMED_CONFIGS
+
+    names = list(NAMED_CONFIGS)
+    name = result.data.get("config", "")
+    return (names.index(name) if name in names else len(names), name)
+
+
+def result_sets(model: str, kind: str, *, root: str | os.PathLike | None = None,
+                weights: str | None = None) -> list[ResultSet]:
+    """The stored per-configuration results of ``kind`` (those written with a ``params_key``; of the weights
+    ``weights`` when given) grouped into one :class:`ResultSet` per setting, newest set first."""
+    sets: dict[str, list[Result]] = {}
+    for r in list_results(model, kind, root=root):
+        if "params_key" in r.data and (weights is None or r.provenance.get("weights") == weights):
+            sets.setdefault(r.data["params_key"], []).append(r)
+    out = []
+    for key, results in sets.items():
+        results.sort(key=_config_order)
+        out.append(ResultSet(kind, key, results))
+    out.sort(key=lambda s: s.provenance.get("date", ""), reverse=True)
+    return out

@@ -8,6 +8,11 @@ from pace_core import figures
 from pace_core.config import PaceConfig
 
 
+DEFAULT_PREFILL, DEFAULT_STEPS = 256, 256
+"""512 tokens: long enough that per-token rounding (dP 1) visibly drifts away from dP 8 and 16 on the embedded
+model (the default curves: dP 1, the sidebar's dP and twice it), and short enough for a live run of a few
+seconds on two CPU cores."""
+
 SUMMARY_FORMAT = {"mean_rel_error": "{:.3%}", "final_rel_error": "{:.3%}", "mean_excess_nll": "{:+.4f} nats"}
 
 
@@ -23,11 +28,12 @@ def page(cfg: PaceConfig) -> None:
     loaded = session.loaded_model()  # load the model (or show why it cannot) before any control
     result = stored.choose_stored(
         "drift", "drift", loaded.fingerprint,
-        lambda r: f"stored: {', '.join(r.table['config'].unique())} · {r.provenance.get('date', '?')}",
-        "drift_source", live="live: the sidebar configuration at several dP and bit widths")
+        lambda r: f"stored: {', '.join(r.configs)} · {r.provenance.get('date', '?')}",
+        "drift_source", live="live: the sidebar configuration at several dP and bit widths", per_config=True)
     if result is not None:
-        st.plotly_chart(figures.drift_figure(result.table), key="drift_chart")
-        st.dataframe(pd.DataFrame(result.data["summary"]).style.format(SUMMARY_FORMAT), hide_index=True,
+        st.plotly_chart(figures.drift_figure(result.table, title=f"Drift of {', '.join(result.configs)}"),
+                        key="drift_chart")
+        st.dataframe(pd.DataFrame(result.rows("summary")).style.format(SUMMARY_FORMAT), hide_index=True,
                      key="drift_summary")
         return
     if not cfg.quantized:
@@ -35,24 +41,27 @@ def page(cfg: PaceConfig) -> None:
                 "see the drift of its bits and dP.", icon=":material/info:")
         return
     c1, c2, c3, c4 = st.columns(4)
-    choices = sorted({1, 2, 4, 8, 16, 32, 64, cfg.decode_period})
-    periods = c1.multiselect("Decode periods dP", choices, default=sorted({1, cfg.decode_period}),
-                             key="drift_periods", help="One curve per dP × bit width (each is a full "
-                             "teacher-forced run: more curves take longer).")
-    bit_list = c2.multiselect("Bit widths", list(range(2, 9)), default=[cfg.bits], key="drift_bits")
-    prefill = c3.slider("Prompt tokens (prefill)", 8, 512, 32, step=8, key="drift_prefill")
-    steps = c4.slider("Decode steps", 8, 256, 32, step=8, key="drift_steps")
+    # the pickers start from the sidebar's bits and dP, and start over when those change
+    choices = sorted({1, 2, 4, 8, 16, 32, 64, cfg.decode_period, 2 * cfg.decode_period})
+    periods = c1.multiselect("Decode periods dP", choices, default=sorted({1, cfg.decode_period, 2 * cfg.decode_period}),
+                             key=f"drift_periods_{cfg.decode_period}", help="One curve per dP × bit width; each "
+                             "new curve is one more teacher-forced run (the others are kept).")
+    bit_list = c2.multiselect("Bit widths", list(range(2, 9)), default=[cfg.bits], key=f"drift_bits_{cfg.bits}")
+    prefill = c3.slider("Prompt tokens (prefill)", 8, 1024, DEFAULT_PREFILL, step=8, key="drift_prefill")
+    steps = c4.slider("Decode steps", 8, 1024, DEFAULT_STEPS, step=8, key="drift_steps",
+                      help="Tokens teacher-forced through the decode path after the prompt.")
     if not periods or not bit_list:
         st.warning("Choose at least one dP and one bit width.", icon=":material/touch_app:")
         return
 
-    configs = {f"{b}-bit, dP {p}": cfg.replace(name=f"{b}-bit dP{p}", bits=b, decode_period=p)
+    configs = {f"{cfg.name}, {b}-bit, dP {p}": cfg.replace(name=f"{b}-bit dP{p}", bits=b, decode_period=p)
                for b in bit_list for p in periods}
     result = compute.drift(controls.model_source(), st.session_state["device"],
-                             tuple((label, controls.config_key(c)) for label, c in configs.items()),
-                             prefill, steps)
+                           tuple((label, controls.config_key(c)) for label, c in configs.items()),
+                           prefill, steps)
     st.caption(f"Source: {result['provenance_label']}")
-    st.plotly_chart(figures.drift_figure(result["table"]), key="drift_chart")
+    st.plotly_chart(figures.drift_figure(result["table"], title=f"Drift of {', '.join(configs)}"),
+                    key="drift_chart")
     st.dataframe(result["summary"].style.format(SUMMARY_FORMAT), hide_index=True, key="drift_summary")
 
 

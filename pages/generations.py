@@ -21,11 +21,11 @@ def page(cfg: PaceConfig) -> None:
     loaded = session.loaded_model()  # load the model (or show why it cannot) before any control
     result = stored.choose_stored(
         "generation", "generate", loaded.fingerprint,
-        lambda r: f"stored: “{_excerpt(r.data.get('prompt', ''))}” · {', '.join(r.table['config'].unique())} · "
+        lambda r: f"stored: “{_excerpt(r.results[0].data.get('prompt', ''))}” · {', '.join(r.configs)} · "
                   f"{r.provenance.get('date', '?')}",
-        "gen_source", live="live: the prompt and configurations below")
+        "gen_source", live="live: the prompt and configurations below", per_config=True)
     if result is not None:
-        st.markdown(f"**Prompt:** {result.data.get('prompt', '?')}")
+        st.markdown(f"**Prompt:** {result.results[0].data.get('prompt', '?')}")
         _show(result.table)
         return
 

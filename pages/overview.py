@@ -62,8 +62,8 @@ def page(cfg: PaceConfig) -> None:
         st.subheader("Measured quality")
         result = stored.choose_stored(
             "perplexity", "perplexity", loaded.fingerprint,
-            lambda r: f"{r.provenance.get('date', '?')} · {', '.join(r.table['config'])}", "overview_quality_run",
-            title="Stored perplexity run")
+            lambda r: f"{r.provenance.get('date', '?')} · {', '.join(r.configs)}", "overview_quality_run",
+            title="Stored perplexity run", per_config=True)
         if result is None:
             st.caption("No stored perplexity run for the loaded model: `python -m pace_core perplexity` measures "
                        "the named configurations on held-out text, and this section then shows them.")
@@ -74,6 +74,18 @@ def page(cfg: PaceConfig) -> None:
             st.dataframe(result.table.style.format({"nll": "{:.4f}", "ppl": "{:.3f}", "agreement": "{:.2%}",
                                                     "kl": "{:.5f}", "bpb": "{:.4f}"}),
                          hide_index=True, key="overview_quality")
+
+        st.subheader("The seed's claims, measured")
+        claims = stored.choose_stored(
+            "claims", "claims", loaded.fingerprint,
+            lambda r: f"{r.provenance.get('date', '?')} · {r.data.get('tokens', '?')} tokens", "overview_claims_run",
+            title="Stored claims report")
+        if claims is None:
+            st.caption("No stored claims report for the loaded model: `python -m pace_core claims` measures the seed "
+                       "articles' claims (periodic rounding, key-axis groups, head allocation, drift against dP) and "
+                       "the paper's main table on held-out text, and this section then shows them.")
+        else:
+            _claims(claims.data)
 
     st.subheader("The parts of PACE")
     st.caption("[seed] = stated by the seed articles about the paper; [ours] = our reading where they are "
@@ -91,6 +103,15 @@ def page(cfg: PaceConfig) -> None:
          "now": cfg.buffer,
          "what it does": "Holds the tokens since the last rounding so outputs use the exact state "
                          "e^G·Ŝ + Σ e^(G−G_i) k_i u_iᵀ without re-rounding."},
+        {"part": "Exact current token", "source": "[ours]", "setting": "Exact current token",
+         "now": "on" if cfg.exact_current_token else "off",
+         "what it does": "A token's own output and delta value use its exact k_t, u_t (at hand when it is "
+                         "processed); only the record kept for later tokens is rounded. No memory cost."},
+        {"part": "Buffer scale groups", "source": "[ours]", "setting": "Buffer key / value group, symmetric",
+         "now": f"keys {cfg.buffer_key_group or 'per vector'}{'' if cfg.buffer_key_symmetric else ' + zero point'}, "
+                f"values {cfg.buffer_value_group or 'per vector'}{'' if cfg.buffer_value_symmetric else ' + zero point'}",
+         "what it does": "Entries of a buffered integer vector sharing one fp16 scale (and zero point): finer groups "
+                         "follow outlier channels of u_t and k_t for 16/g bits per entry in c · dP."},
         {"part": "Prefill in P-token segments", "source": "[seed]", "setting": "Prefill period P",
          "now": f"P = {cfg.prefill_period}",
          "what it does": "The prompt runs chunked from the dequantised state; the state is rounded once per "
@@ -109,6 +130,26 @@ def page(cfg: PaceConfig) -> None:
                          "groups stay zero."},
     ])
     st.dataframe(parts, hide_index=True, key="overview_parts")
+
+
+def _claims(report: dict) -> None:
+    """The claims report of ``python -m pace_core claims`` (pace_core.analysis.claims): a verdict and margin per
+    claim, then the main table."""
+    rows = [{"claim": c["claim"], "what": c["what"], "holds": "yes" if c["holds"] else "no",
+             "margin": c["margin"],
+             "figures": ", ".join(f"{label}: KL {kl:.2e}" for label, kl in zip(c["labels"], c["kl"])) if "kl" in c
+             else ", ".join(f"{label}: {e:.2%}" for label, e in zip(c["labels"], c["state_error"]))}
+            for c in report["claims"]]
+    st.caption(f"{report['tokens']} held-out tokens scored (KL to fp32, nats per token); state errors on "
+               f"{report['drift_tokens']} tokens at the steps where every dP has just rounded. Margin: the relative "
+               "KL (or error) reduction of the claimed better configuration over the best it is compared with; "
+               "negative where the claim does not hold.")
+    st.dataframe(pd.DataFrame(rows).style.format({"margin": "{:+.1%}"}), hide_index=True, key="overview_claims")
+    st.caption("The paper's main table in shape: resident bits on the loaded model and on Qwen3.5-27B (the share "
+               "of 8-bit heads, not this model's heads), bits per byte, KL and top-1 agreement against fp32.")
+    st.dataframe(pd.DataFrame(report["main"]).style.format({"resident_bits": "{:.3f}", "resident_bits_27b": "{:.3f}",
+                                                            "bpb": "{:.4f}", "kl": "{:.2e}", "agreement": "{:.2%}"}),
+                 hide_index=True, key="overview_main_table")
 
 
 frame.run_page(page)

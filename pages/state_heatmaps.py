@@ -37,13 +37,15 @@ def page(cfg: PaceConfig) -> None:
     head = 0 if loaded.shape.num_v_heads == 1 else c2.slider(
         "Value head", 0, loaded.shape.num_v_heads - 1, 0, key="heat_head",
         help=f"Key head = value head // γ (γ = {gamma}).")
-    position = 1 if n_tokens == 1 else c3.slider(
-        "Position (tokens read)", 1, n_tokens, min(n_tokens, compute.HEATMAP_POSITION), key="heat_pos",
-        help="The state after this many prompt tokens.")
-
-    with st.spinner("Running the fp32 reference…"):
-        states = compute.reference_states(controls.model_source(), st.session_state["device"], text, position)
-    S = torch.from_numpy(states[layer])              # [HV, K, V] fp32
+    states = compute.reference_states(controls.model_source(), st.session_state["device"], text)
+    positions = sorted(states)
+    if st.session_state.get("heat_pos") not in positions:  # a new text: start at its end
+        st.session_state["heat_pos"] = positions[-1]
+    position = positions[0] if len(positions) == 1 else c3.select_slider(
+        "Position (tokens read)", positions, key="heat_pos",
+        help=f"The state after this many prompt tokens: {len(positions)} positions of the text, all read in one "
+             "reference run, so moving the slider is instant.")
+    S = states[position][layer]                      # [HV, K, V] fp32
     stats = structure_stats(S)
     outliers = [int(j) for j in torch.nonzero(stats.outlier_cols[head]).flatten()]
     views = {}

@@ -1,11 +1,26 @@
-"""Measure the dashboard's responsiveness in a real browser (Debian's Chromium through Playwright).
+"""How fast the dashboard answers: the figures of issue 16, medians of ``--repeats`` runs.
 
-    python scripts/measure_app.py [--model PATH] [--repeats 3] [--omp-threads N]
+    python scripts/measure_app.py [--model PATH] [--device cpu|cuda] [--repeats 3] [--out data/bench]
 
-Prints JSON with, per repeat: the time from starting `streamlit run app.py` to the first rendered
-page, a control change on cached data (Head ranking: dP changes E_h and the 8-bit heads from the
-cached calibration), and a live heatmap recompute (State heatmaps: a new position runs the fp32
-reference on the model), plus the machine's load average. Not a test: the numbers depend on the host.
+Each scenario drives the app as a user would, through streamlit's AppTest (the page scripts, the
+caches and the computations exactly as ``streamlit run`` runs them, without a browser), timing one
+interaction from the click to the finished page:
+
+- ``first_page_s``: a fresh server's first page (Overview) including the model load;
+- ``cached_control_change_s``: Head ranking, dP 8 -> 9 (E_h and the 8-bit heads from the kept calibration);
+- ``drift_first_s``: Drift's first view (the fp32 reference and 3 configurations x 512 tokens);
+- ``drift_recompute_s``: Drift after the sidebar's bits change (3 new configurations, the reference kept);
+- ``generations_first_s``: Generations with 4 configurations x 64 new tokens (and the fp32 reference);
+- ``generations_recompute_s``: the same after the sidebar's bits change (1 new configuration);
+- ``head_ranking_recalibration_s``: Head ranking after the bits change and after the group axis
+  changes (a new quantiser on the kept reference samples), the slower of the two;
+- ``heatmap_position_s`` / ``heatmap_new_text_s``: State heatmaps, another position / another text;
+- on cuda, ``page_<name>_s``: every page's first visit once the model is loaded.
+
+Before each repeat the computed results are dropped (not the loaded model, except for ``first_page_s``,
+which starts a new process). With Debian's Chromium and Playwright installed, ``browser_first_page_s`` is
+the time from ``streamlit run app.py`` to the first rendered page in a real browser. The table is printed
+and saved as JSON with provenance (``<out>/app_<device>.json``). Not a test: the numbers are the host's.
 """
 
 from __future__ import annotations
@@ -13,18 +28,122 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import urllib.parse
 from pathlib import Path
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+TARGETS_S = {"cpu": {"first_page_s": 10, "browser_first_page_s": 10, "cached_control_change_s": 1,
+                     "drift_first_s": 5, "drift_recompute_s": 5, "generations_first_s": 5,
+                     "generations_recompute_s": 5, "head_ranking_recalibration_s": 5, "heatmap_position_s": 5,
+                     "heatmap_new_text_s": 5},
+             "cuda": {name: 5 for name in ("cached_control_change_s", "drift_first_s", "drift_recompute_s",
+                                           "generations_first_s", "generations_recompute_s",
+                                           "head_ranking_recalibration_s", "heatmap_position_s",
+                                           "heatmap_new_text_s")}}
+"""Issue 16's targets (seconds). On the GPU every page must answer in 5 s once the model is loaded."""
+TARGETS_S["cuda"].update({f"page_{p.stem}_s": 5 for p in (REPO_ROOT / "pages").glob("*.py")})
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 IDLE = '[data-testid="stApp"][data-test-script-state="notRunning"]'
+
+
+def _app(query: dict[str, str]):
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(REPO_ROOT / "app.py"), default_timeout=900)
+    for k, v in query.items():
+        at.query_params[k] = v
+    return at
+
+
+def _checked(at):
+    problems = [e.value for e in at.exception] + [e.value for e in at.error]
+    if problems:
+        raise RuntimeError(f"the page failed: {problems}")
+    return at
+
+
+def _timed(action: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    _checked(action())
+    return time.perf_counter() - start
+
+
+def _forget() -> None:
+    """Drop every computed result (the loaded model stays)."""
+    import streamlit as st
+
+    from app_state import work
+
+    work._all_kept().clear()
+    st.cache_data.clear()
+
+
+def scenarios(query: dict[str, str]) -> dict[str, float]:
+    """One repeat of every AppTest scenario (seconds)."""
+    out: dict[str, float] = {}
+    at = _app(query)
+    out["first_page_s"] = _timed(at.run)
+    _forget()
+
+    at = _app({**query, "preset": "pace-4-8"})
+    _checked(at.run())
+    _checked(at.switch_page("pages/head_ranking.py").run())
+    out["cached_control_change_s"] = _timed(lambda: at.sidebar.select_slider(key="w_dp").set_value(9).run())
+    recal = [_timed(lambda: at.sidebar.select_slider(key="w_bits").set_value(3).run()),
+             _timed(lambda: at.sidebar.selectbox(key="w_axis").set_value("value").run())]
+    out["head_ranking_recalibration_s"] = max(recal)
+
+    at = _app({**query, "preset": "pace-4"})
+    _checked(at.run())
+    out["drift_first_s"] = _timed(lambda: at.switch_page("pages/drift.py").run())
+    if len(at.get("plotly_chart")) != 1:
+        raise RuntimeError("Drift showed no chart")
+    out["drift_recompute_s"] = _timed(lambda: at.sidebar.select_slider(key="w_bits").set_value(3).run())
+
+    at = _app({**query, "preset": "pace-4"})
+    _checked(at.run())
+    _checked(at.switch_page("pages/generations.py").run())
+    _forget()
+    at.slider(key="gen_tokens").set_value(64)
+    out["generations_first_s"] = _timed(
+        lambda: at.multiselect(key="gen_others").set_value(["rtn-int4", "rtn-int8", "pace-4-8"]).run())
+    out["generations_recompute_s"] = _timed(lambda: at.sidebar.select_slider(key="w_bits").set_value(3).run())
+
+    at = _app({**query, "preset": "pace-4"})
+    _checked(at.run())
+    _checked(at.switch_page("pages/state_heatmaps.py").run())
+    positions = at.select_slider(key="heat_pos").options
+    out["heatmap_position_s"] = _timed(
+        lambda: at.select_slider(key="heat_pos").set_value(int(positions[len(positions) // 2])).run())
+    text = at.text_area(key="heat_text").value
+    out["heatmap_new_text_s"] = _timed(lambda: at.text_area(key="heat_text").set_value(text[:len(text) // 2]).run())
+    _forget()
+    if query["device"] == "cuda":
+        out.update(every_page(query))
+    return out
+
+
+def every_page(query: dict[str, str]) -> dict[str, float]:
+    """``page_<name>_s``: each page's first visit after the model is loaded (nothing computed kept)."""
+    out: dict[str, float] = {}
+    at = _app({**query, "preset": "pace-4-8"})
+    _checked(at.run())
+    _forget()
+    for page in sorted((REPO_ROOT / "pages").glob("*.py")):
+        out[f"page_{page.stem}_s"] = _timed(lambda: at.switch_page(f"pages/{page.name}").run())
+    return out
 
 
 def _free_port() -> int:
@@ -33,83 +152,125 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_text(page, text: str, timeout_ms: int = 300_000) -> None:
-    """Wait until `text` is shown in the main area and the script run has finished."""
-    page.wait_for_function("t => document.querySelector('[data-testid=\"stMain\"]').innerText.includes(t)",
-                           arg=text, timeout=timeout_ms)
-    page.wait_for_selector(IDLE, timeout=timeout_ms)
-
-
-def measure_once(model: str | None, omp_threads: int | None) -> dict[str, float]:
-    """One fresh server: start-to-first-page, cached control change, live heatmap recompute (seconds)."""
-    from playwright.sync_api import sync_playwright
-
+def browser_first_page(query: dict[str, str]) -> float | None:
+    """Seconds from ``streamlit run app.py`` to the first rendered page in Chromium (None without one)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    if not Path(CHROMIUM).exists():
+        return None
     port = _free_port()
-    query = urllib.parse.urlencode({"model": model} if model else {})
-    base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ) if omp_threads is None else dict(os.environ, OMP_NUM_THREADS=str(omp_threads))
+    base = f"http://127.0.0.1:{port}/?{urllib.parse.urlencode(query)}"
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
                              "--server.port", str(port), "--server.address", "127.0.0.1",
-                             "--browser.gatherUsageStats", "false"], cwd=REPO_ROOT, env=env,
+                             "--browser.gatherUsageStats", "false"], cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out: dict[str, float] = {}
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1440, "height": 1600})
             while True:
                 try:
-                    page.goto(f"{base}/?{query}", timeout=5_000)
+                    page.goto(base, timeout=5_000)
                     break
                 except Exception:  # the server is not listening yet
                     if proc.poll() is not None:
-                        raise RuntimeError("streamlit exited")
+                        raise RuntimeError("streamlit exited") from None
                     time.sleep(0.2)
-            _wait_text(page, "Recurrent state memory")
-            out["start_to_first_page_s"] = time.perf_counter() - started
-
-            page.goto(f"{base}/head_ranking?{query}")
-            _wait_text(page, "share of total E_h")
-            slider = page.get_by_role("slider", name="Decode period dP (tokens)")
-            slider.focus()
-            t0 = time.perf_counter()
-            slider.press("ArrowRight")                    # dP 8 -> 9: E_h and allocation from the cached a_h, e_h
-            page.wait_for_function("() => location.search.includes('dp=9')", timeout=60_000)
-            page.wait_for_function("() => document.querySelector('[data-testid=\"stMetricValue\"]')"
-                                   ".innerText.trim() === '9'", timeout=60_000)
-            page.wait_for_selector(IDLE, timeout=60_000)
-            out["cached_control_change_s"] = time.perf_counter() - t0
-
-            page.goto(f"{base}/state_heatmaps?{query}")
-            _wait_text(page, "after 256 tokens")
-            pos = page.get_by_role("slider", name="Position (tokens read)")
-            pos.focus()
-            t0 = time.perf_counter()
-            pos.press("ArrowLeft")                        # 256 -> 255 tokens: a new fp32 reference run
-            _wait_text(page, "after 255 tokens")
-            out["live_heatmap_recompute_s"] = time.perf_counter() - t0
+            page.wait_for_function("t => document.querySelector('[data-testid=\"stMain\"]').innerText.includes(t)",
+                                   arg="Recurrent state memory", timeout=300_000)
+            page.wait_for_selector(IDLE, timeout=300_000)
+            seconds = time.perf_counter() - started
             browser.close()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    out["load_average_1min"] = os.getloadavg()[0]
-    return out
+    return seconds
+
+
+def _one_process(args: argparse.Namespace) -> dict[str, float]:
+    """One repeat in a fresh Python process (a fresh server: the model is loaded again)."""
+    cmd = [sys.executable, __file__, "--repeat-once", "--device", args.device]
+    if args.model:
+        cmd += ["--model", args.model]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"a repeat failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def provenance(args: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"command": " ".join([sys.executable, *sys.argv]), "commit": commit,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(), "device": args.device,
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            "model": args.model or "embedded", "repeats": args.repeats}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local folder or hub id (default: the embedded model)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--omp-threads", type=int, default=None,
-                        help="OMP_NUM_THREADS of the server (torch intra-op threads); default: torch's own")
+    parser.add_argument("--out", default=str(REPO_ROOT / "data" / "bench"))
+    parser.add_argument("--repeat-once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    runs = [measure_once(args.model, args.omp_threads) for _ in range(args.repeats)]
-    keys = ["start_to_first_page_s", "cached_control_change_s", "live_heatmap_recompute_s"]
-    summary = {k: {"median": sorted(r[k] for r in runs)[len(runs) // 2], "min": min(r[k] for r in runs)}
-               for k in keys}
-    print(json.dumps({"runs": runs, "summary": summary, "cpu_count": os.cpu_count(),
-                      "omp_threads": args.omp_threads}, indent=2))
+    query = {"device": args.device, **({"model": args.model} if args.model else {})}
+    if args.repeat_once:
+        print(json.dumps(scenarios(query)))
+        return
+    runs: list[dict[str, float]] = []
+    for _ in range(args.repeats):  # the table is saved after every repeat: a stopped run keeps what it measured
+        run = _one_process(args)
+        seconds = browser_first_page(query) if args.device == "cpu" else None
+        if seconds is not None:
+            run["browser_first_page_s"] = seconds
+        runs.append(run)
+        print(json.dumps(run), flush=True)
+        path = _save(args, _rows(runs, TARGETS_S[args.device]))
+    rows = _rows(runs, TARGETS_S[args.device])
+    print(f"{'figure':32} {'median s':>9} {'target s':>9}  met   runs")
+    for r in rows:
+        print(f"{r['figure']:32} {r['median_s']:9.2f} {str(r['target_s'] or '-'):>9}  "
+              f"{'-' if r['met'] is None else ('yes' if r['met'] else 'NO'):4}  {r['runs_s']}")
+    print(f"saved {path}")
+
+
+def _rows(runs: list[dict[str, float]], targets: dict[str, float]) -> list[dict]:
+    """One row per figure: the median over ``runs``, every run, the target and whether it is met."""
+    rows = []
+    for name in runs[0]:
+        values = [r[name] for r in runs if name in r]
+        median = statistics.median(values)
+        target = targets.get(name)
+        rows.append({"figure": name, "median_s": round(median, 3), "runs_s": [round(v, 3) for v in values],
+                     "target_s": target, "met": None if target is None else median <= target})
+    return rows
+
+
+def _save(args: argparse.Namespace, rows: list[dict]) -> Path:
+    """Write ``<out>/app_<device>.json`` atomically; returns its path."""
+    from pace_core.results import atomic_write
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"app_{args.device}.json"
+    doc = json.dumps({"kind": "app_responsiveness", "provenance": {**provenance(args), "repeats_done": len(rows[0]["runs_s"])},
+                      "figures": rows}, indent=2)
+    atomic_write(path, lambda p: Path(p).write_text(doc + "\n"))
+    return path
 
 
 if __name__ == "__main__":

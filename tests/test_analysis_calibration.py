@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pace_core.analysis.calibration import calibrate, reference_samples
+from pace_core.analysis.calibration import calibrate, calibration_samples, reference_samples
 from pace_core.analysis.text import CALIBRATION_TEXT, TEST_TEXT, read_text, tokenize
 from pace_core.config import get_config
 from pace_core.errors import PaceError
@@ -54,6 +54,18 @@ def test_calibrate_pace_4_8(loaded):
     assert cal.config.replace(high_heads=None, high_share=0.25) == cfg
     tab = cal.table()
     assert len(tab) == 4 * len(loaded.gdn_layers) and tab.high.sum() == len(loaded.gdn_layers)
+
+
+def test_calibrate_on_kept_samples(loaded):
+    """Samples taken once serve every quantiser: the same calibration as reading the text again (the same
+    code on the same inputs, so bit for bit)."""
+    samples = calibration_samples(loaded, tokens=96, sample_every=32)
+    assert samples.tokens == 96 and set(samples.states) == set(loaded.gdn_layers)
+    for cfg in (get_config("pace-4-8").replace(bits=3), get_config("rtn-int4").replace(high_share=0.5,
+                                                                                      group_axis="value")):
+        kept, fresh = calibrate(loaded, cfg, samples=samples), calibrate(loaded, cfg, tokens=96, sample_every=32)
+        assert torch.equal(kept.e, fresh.e) and torch.equal(kept.a, fresh.a)
+        assert kept.config.high_heads == fresh.config.high_heads
 
 
 def test_calibrate_refuses_test_split_and_bad_input(loaded, tmp_path):

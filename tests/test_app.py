@@ -14,6 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from app_state import compute, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
+from numerics import fp32_bound, rel
 from pace_core.accounting import resident_bits, state_bytes
 from pace_core.analysis.text import tokenize
 from pace_core.config import config_from_dict, config_to_json, get_config, num_high_heads
@@ -151,22 +152,27 @@ def test_memory_table_follows_the_bits_control(params, loaded):
 def test_state_heatmap_shows_the_quantisation_error_of_the_reference_state(params, loaded):
     at = start(params, page="state_heatmaps", preset="pace-4")
     text = at.text_area(key="heat_text").value
-    at.slider(key="heat_pos").set_value(12).run()
+    positions = at.select_slider(key="heat_pos").options
+    position = int(positions[len(positions) // 3])
+    at.select_slider(key="heat_pos").set_value(position).run()
     at.slider(key="heat_head").set_value(1).run()
     check(at)
-    ids = tokenize(loaded.tokenizer, text, max_tokens=12, min_tokens=1)
+    # the page's state is the reference's after `position` tokens, read in one prefill with the other
+    # positions: against a prefill of that prefix alone, float32 rounding of the chunked recurrence
+    ids = tokenize(loaded.tokenizer, text, max_tokens=position, min_tokens=1)
     layer = loaded.gdn_layers[0]
-    S = run_with_states(loaded, get_config("fp32"), ids, capture_steps=[12]).states[12][layer][0, 1]
+    S_ref = run_with_states(loaded, get_config("fp32"), ids, capture_steps=[position]).states[position][layer][0, 1]
+    fig = chart(at, "heat_chart")
+    assert f"after {position} tokens" in fig["layout"]["title"]["text"]
+    S = torch.tensor(array(fig["data"][0]["z"]), dtype=torch.float32)
+    assert rel(S, S_ref) <= fp32_bound(position * loaded.shape.d_k * 8)
 
-    def shown_error(bits: int, axis: str) -> str:
+    def shown_error(bits: int, axis: str) -> str:  # the error of the state shown, with the sidebar's quantiser
         q = fake_quantize(S, QuantSpec(bits=bits, symmetric=True, axis=axis, group_size=64))
         return f"{float(torch.linalg.norm(q - S) / torch.linalg.norm(S)):.3%}"
 
     assert metric(at, "relative error, key-axis g=64") == shown_error(4, "key")
     assert metric(at, "relative error, value-axis g=64") == shown_error(4, "value")
-    fig = chart(at, "heat_chart")
-    assert "after 12 tokens" in fig["layout"]["title"]["text"]
-    np.testing.assert_allclose(array(fig["data"][0]["z"]), S.double().numpy(), rtol=1e-6)
     at.sidebar.select_slider(key="w_bits").set_value(8).run()
     check(at)
     assert metric(at, "relative error, key-axis g=64") == shown_error(8, "key")
@@ -328,16 +334,31 @@ def test_drift_shows_the_analysis_and_follows_the_step_slider(params, loaded):
     at.slider(key="drift_steps").set_value(16).run()
     check(at)
     fig = chart(at, "drift_chart")
-    assert [t["name"] for t in fig["data"]] == ["4-bit, dP 1"] * 2 + ["4-bit, dP 8"] * 2
+    names = ["pace-4, 4-bit, dP 1", "pace-4, 4-bit, dP 8", "pace-4, 4-bit, dP 16"]
+    assert [t["name"] for t in fig["data"]] == [n for n in names for _ in range(2)]
+    assert ", ".join(names) in fig["layout"]["title"]["text"]
     assert array(fig["data"][0]["x"]).max() == 16            # steps 0 (right after the prefill) .. 16
-    text = compute.analysis_text()
-    ids = tokenize(loaded.tokenizer, text, max_tokens=32 + 16 + 1)
-    ref = drift(loaded, {"4-bit, dP 8": get_config("pace-4").replace(name="4-bit dP8")}, ids, 32).table
-    np.testing.assert_allclose(array(fig["data"][2]["y"]), ref["rel_error"].to_numpy(), rtol=1e-6)
-    np.testing.assert_allclose(array(fig["data"][3]["y"]), ref["excess_nll"].to_numpy(), rtol=1e-6, atol=1e-9)
-    at.multiselect(key="drift_periods").set_value([8]).run()
+    prefill = at.slider(key="drift_prefill").value
+    ids = tokenize(loaded.tokenizer, compute.analysis_text(), max_tokens=prefill + 16 + 1)
+    ref = drift(loaded, {"dP 8": get_config("pace-4").replace(name="4-bit dP8")}, ids, prefill).table
+    # the page may run the reference apart from a configuration (a batch of another size): float32
+    # rounding, which can move a 4-bit rounding boundary of a state entry, so agreement to a small share
+    np.testing.assert_allclose(array(fig["data"][2]["y"]), ref["rel_error"].to_numpy(), rtol=1e-2)
+    np.testing.assert_allclose(array(fig["data"][3]["y"]), ref["excess_nll"].to_numpy(), rtol=1e-2, atol=1e-4)
+    at.multiselect(key="drift_periods_8").set_value([8]).run()
     check(at)
-    assert [t["name"] for t in chart(at, "drift_chart")["data"]] == ["4-bit, dP 8"] * 2
+    assert [t["name"] for t in chart(at, "drift_chart")["data"]] == ["pace-4, 4-bit, dP 8"] * 2
+
+
+def test_drift_pickers_follow_the_sidebar(params):
+    """The page's own bits and dP start from the sidebar's, also after the sidebar changes."""
+    at = start(params, page="drift", preset="pace-4")
+    at.slider(key="drift_steps").set_value(8).run()
+    at.sidebar.select_slider(key="w_bits").set_value(3).run()
+    at.sidebar.select_slider(key="w_dp").set_value(9).run()
+    check(at)
+    names = [t["name"] for t in chart(at, "drift_chart")["data"]]
+    assert names == [f"custom, 3-bit, dP {p}" for p in (1, 9, 18) for _ in range(2)]
 
 
 def test_drift_shows_stored_results_with_provenance(params, loaded, tmp_path, monkeypatch):
@@ -346,15 +367,17 @@ def test_drift_shows_stored_results_with_provenance(params, loaded, tmp_path, mo
     rng = np.random.default_rng()
     table = pd.DataFrame({"config": ["rtn-int4"] * 5 + ["pace-4"] * 5, "step": list(range(5)) * 2,
                           "rel_error": rng.random(10), "excess_nll": rng.standard_normal(10)})
-    summary = [{"config": c, "mean_rel_error": float(table[table.config == c].rel_error.mean())}
-               for c in ("rtn-int4", "pace-4")]
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
     name = stored.results_model_name(params.get("model", ""))
     for n, weights in ((1, loaded.fingerprint), (2, "0" * 16)):  # the second: other weights, same model name
         prov = make_provenance("m", configs=[get_config("pace-4")], command=f"python -m pace_core drift --tokens {n}",
                                extra={"weights": weights})
-        save_result("drift", name, result_key({"n": n}), {"summary": summary}, prov, table.iloc[::n])
-    stored.stored_results.clear()          # the listing is cached for 30 s; this test just wrote two
+        for config in ("pace-4", "rtn-int4"):  # stored in another order than the named configurations'
+            part = table[table.config == config].reset_index(drop=True)
+            summary = {"config": config, "mean_rel_error": float(part.rel_error.mean())}
+            save_result("drift", name, result_key({"n": n, "config": config}),
+                        {"summary": summary, "params_key": f"set {n}", "config": config}, prov, part)
+    stored.stored_sets.clear()          # the listing is cached for 30 s; this test just wrote two sets
     at = start(params, page="drift", preset="pace-4")
     options = [o for o in at.radio(key="drift_source").options if o.startswith("stored: ")]
     assert len(options) == 1 and options[0].startswith("stored: rtn-int4, pace-4")
@@ -364,12 +387,17 @@ def test_drift_shows_stored_results_with_provenance(params, loaded, tmp_path, mo
     fig = chart(at, "drift_chart")
     assert [t["name"] for t in fig["data"]] == ["rtn-int4", "rtn-int4", "pace-4", "pace-4"]
     np.testing.assert_allclose(array(fig["data"][2]["y"]), table.rel_error[5:].to_numpy())
-    assert list(at.dataframe[0].value["mean_rel_error"]) == [s["mean_rel_error"] for s in summary]
+    assert list(at.dataframe[0].value["mean_rel_error"]) == [float(table.rel_error[:5].mean()),
+                                                            float(table.rel_error[5:].mean())]
+
+
+PER_CONFIG_KINDS = ("drift", "perplexity", "generation")
 
 
 def _store(kind: str, params, loaded, table: pd.DataFrame, monkeypatch, tmp_path, data: dict | None = None) -> None:
     """Save ``table`` (and ``data``) as a ``kind`` result of the loaded weights, and another of other
-    weights under the same model name (which the app must leave out)."""
+    weights under the same model name (which the app must leave out). Drift, perplexity and generation
+    results are stored as the CLI stores them: one result per configuration of the table, one set."""
     from pace_core.results import make_provenance, result_key, save_result
 
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
@@ -377,20 +405,28 @@ def _store(kind: str, params, loaded, table: pd.DataFrame, monkeypatch, tmp_path
     for n, weights in ((1, loaded.fingerprint), (2, "0" * 16)):
         prov = make_provenance("m", configs=[get_config("pace-4")], command=f"python -m pace_core {kind} --n {n}",
                                extra={"weights": weights})
-        save_result(kind, name, result_key({"n": n}), data or {}, prov, table.iloc[::n])
-    stored.stored_results.clear()  # the listing is cached for 30 s
+        part = table.iloc[::n]
+        if kind not in PER_CONFIG_KINDS:
+            save_result(kind, name, result_key({"n": n}), data or {}, prov, part)
+            continue
+        for config in part["config"].unique():
+            save_result(kind, name, result_key({"n": n, "config": config}),
+                        {**(data or {}), "params_key": f"set {n}", "config": config}, prov,
+                        part[part["config"] == config].reset_index(drop=True))
+    stored.stored_results.clear()  # the listings are cached for 30 s
+    stored.stored_sets.clear()
 
 
 def test_overview_shows_stored_perplexity_with_provenance(params, loaded, tmp_path, monkeypatch):
     rng = np.random.default_rng()
-    table = pd.DataFrame({"config": ["fp32", "pace-4", "rtn-int4"], "tokens": [99] * 3, "nll": rng.random(3) + 3,
+    table = pd.DataFrame({"config": ["fp32", "rtn-int4", "pace-4"], "tokens": [99] * 3, "nll": rng.random(3) + 3,
                           "ppl": rng.random(3) * 50, "agreement": rng.random(3), "kl": rng.random(3) / 100,
                           "bpb": rng.random(3) + 1})
     _store("perplexity", params, loaded, table, monkeypatch, tmp_path)
     at = start(params)
     assert at.selectbox(key="overview_quality_run").options == [
         at.selectbox(key="overview_quality_run").value]  # only the loaded weights' run
-    assert at.selectbox(key="overview_quality_run").value.endswith("fp32, pace-4, rtn-int4")
+    assert at.selectbox(key="overview_quality_run").value.endswith("fp32, rtn-int4, pace-4")
     assert any("`python -m pace_core perplexity --n 1`" in c.value for c in at.caption)
     shown = [d.value for d in at.dataframe if "ppl" in d.value.columns]  # AppTest keeps no dataframe keys
     assert len(shown) == 1
@@ -400,6 +436,7 @@ def test_overview_shows_stored_perplexity_with_provenance(params, loaded, tmp_pa
 def test_overview_without_stored_quality_says_what_to_run(params, tmp_path, monkeypatch):
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
     stored.stored_results.clear()
+    stored.stored_sets.clear()
     at = start(params)
     assert any("python -m pace_core perplexity" in c.value for c in at.caption)
     assert not [d for d in at.dataframe if "ppl" in d.value.columns]
@@ -433,3 +470,42 @@ def test_generations_run_damp_with_its_calibrated_outlier_rows(params):
     summary = at.dataframe[0].value
     assert list(summary["configuration"]) == ["fp32", "sidebar: damp-int4"]
     assert 0.0 <= summary["top-1 agreement"][1] <= 1.0
+
+
+def test_a_stopped_computation_waits_until_run_again(params):
+    """Stop (app_state.work.progress) leaves the page showing what was stopped; 'Run it' computes it."""
+    from app_state import controls
+
+    at = start(params, page="drift", preset="pace-4")
+    prefill = at.slider(key="drift_prefill").value
+    source, device = params.get("model", ""), at.session_state["device"]
+    configs = tuple(controls.config_key(get_config("pace-4").replace(name=f"4-bit dP{p}", decode_period=p))
+                    for p in (1, 8, 16))
+    at.session_state["_work_stopped"] = ("drift", (source, device, prefill, 24), configs)  # as Stop leaves it
+    at.slider(key="drift_steps").set_value(24).run()
+    check(at)
+    assert any(i.value.startswith("Stopped: Teacher-forcing the fp32 reference") for i in at.info)
+    assert not at.get("plotly_chart")
+    [resume] = [b for b in at.button if b.label == "Run it"]
+    resume.click().run()
+    check(at)
+    assert array(chart(at, "drift_chart")["data"][0]["x"]).max() == 24
+
+
+def test_kept_results_are_bounded_and_computed_once():
+    from app_state import work
+
+    calls = []
+
+    def compute(missing: dict) -> dict:
+        calls.append(sorted(missing))
+        return {label: f"result of {text}" for label, text in missing.items()}
+
+    setting = ("test", np.random.default_rng().integers(1 << 30))
+    first = work.per_config("test_kind", setting, (("a", "A"), ("b", "B")), compute, max_entries=3)
+    again = work.per_config("test_kind", setting, (("b", "B"), ("c", "C"), ("renamed a", "A")), compute)
+    assert first == {"a": "result of A", "b": "result of B"} and calls == [["a", "b"], ["c"]]
+    assert again == {"b": "result of B", "c": "result of C", "renamed a": "result of A"}
+    work.per_config("test_kind", setting, (("d", "D"),), compute)  # a fourth: the least recently used goes
+    work.per_config("test_kind", setting, (("b", "B"),), compute)
+    assert calls[-1] == ["b"]

@@ -12,7 +12,7 @@ from pace_core.config import NAMED_CONFIGS, config_to_json, get_config
 from pace_core.shapes import BUILTIN_SHAPES, load_shape
 
 KEYS = {"model", "config", "code_bits", "scale_bits", "formula_bits", "payload_bits", "metadata_bits", "buffer_bits", "resident_bits", "c", "exact_bits",
-        "decode_period", "sequences", "state_bytes", "state_share"}
+        "paper_c", "decode_period", "sequences", "state_bytes", "state_share"}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -44,7 +44,7 @@ def test_bits_text_for_one_config_with_overrides_and_budget(capsys):
     shape = BUILTIN_SHAPES["qwen3.5-4b"]
     rb = resident_bits(cfg, shape)
     assert out.startswith("pace-4 on qwen3.5-4b: 24 GDN layers of 32, 16 key / 32 value heads (γ = 2)")
-    assert f"buffer    {rb.buffer_bits:9.5f}  (c = {rb.c:.6f} x dP 32)" in out
+    assert f"buffer    {rb.buffer_bits:9.5f}  (c = {rb.c:.6f} x dP 32, buffer scales included)" in out
     assert f"resident  {rb.resident_bits:9.5f}" in out
     assert f"state of 8 sequences: {state_bytes(cfg, shape, 8) / 2**30:.3f} GiB, " \
            f"{100 * state_share(cfg, shape, 8):.1f}% of weights + state" in out

@@ -6,7 +6,7 @@ from pace_core.analysis.text import TEST_TEXT
 from pace_core.cli import main
 from pace_core.model import commands
 from pace_core.config import config_from_dict, config_from_json
-from pace_core.results import list_results
+from pace_core.results import list_results, result_sets
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +42,26 @@ def test_calibrate_export_and_reuse(env, capsys):
 
 
 def test_drift_perplexity_generate_sweep(env, capsys):
-    assert _run(env, "drift", "--text", env["text"], "--tokens", "40", "--decode-from", "24",
-                "--configs", "rtn-int4", "--every", "4") == 0
+    drift = ("drift", "--text", env["text"], "--tokens", "40", "--decode-from", "24", "--every", "4")
+    assert _run(env, *drift, "--configs", "rtn-int4") == 0
     [r] = list_results(env["model"], "drift", root=env["out"])
     assert set(r.table.columns) >= {"config", "step", "rel_error", "excess_nll"}
     assert set(r.table.config) == {"rtn-int4"} and r.provenance["text"]["sha256"]
-    assert _run(env, "drift", "--text", env["text"], "--tokens", "40", "--decode-from", "24",
-                "--configs", "rtn-int4", "--every", "4") == 0
-    assert "reusing stored drift" in capsys.readouterr().out
+    capsys.readouterr()
+    # a second configuration is computed alone: the stored one is reused, one result per configuration
+    assert _run(env, *drift, "--configs", "rtn-int4", "rtn-int8") == 0
+    out = capsys.readouterr().out
+    assert "reusing stored drift of rtn-int4" in out and out.count("saved") == 1
+    [drift_set] = result_sets(env["model"], "drift", root=env["out"])
+    assert drift_set.configs == ["rtn-int4", "rtn-int8"] and set(drift_set.table.config) == {"rtn-int4", "rtn-int8"}
     assert _run(env, "perplexity", "--text", env["text"], "--window", "64", "--stride", "32", "--max-tokens", "96",
                 "--configs", "rtn-int8") == 0
-    [p] = list_results(env["model"], "perplexity", root=env["out"])
+    [p] = result_sets(env["model"], "perplexity", root=env["out"])
     assert list(p.table.config) == ["fp32", "rtn-int8"] and (p.table.ppl > 1).all()
-    assert p.data["decode_from"] == 32 and p.table.kl[1] > 0  # scored tokens decoded by default
+    assert p.rows("decode_from") == [32, 32] and p.table.kl[1] > 0  # scored tokens decoded by default
     assert _run(env, "generate", "--prompt", "Hello", "--max-new-tokens", "4", "--configs", "rtn-int4",
                 "--modes", "greedy") == 0
-    [gr] = list_results(env["model"], "generation", root=env["out"])
+    [gr] = result_sets(env["model"], "generation", root=env["out"])
     assert list(gr.table.config) == ["fp32", "rtn-int4"]
     assert _run(env, "sweep", "--text", env["text"], "--tokens", "64", "--decode-tokens", "16", "--bits", "4", "8",
                 "--dp", "1", "8", "--axis", "key") == 0
@@ -71,10 +75,10 @@ def test_perplexity_whole_text_in_batches(env, tmp_path):
     common = ["perplexity", "--model", env["model"], "--quiet", "--text", env["text"], "--window", "64",
               "--stride", "32", "--configs", "rtn-int4"]
     assert main([*common, "--out", out, "--max-tokens", "0", "--batch", "4"]) == 0
-    [p] = list_results(env["model"], "perplexity", root=out)
+    [p] = result_sets(env["model"], "perplexity", root=out)
     assert list(p.table.tokens) == [399, 399]  # 400 one-character tokens, all but the first scored
     assert main([*common, "--out", str(tmp_path / "one"), "--max-tokens", "400"]) == 0
-    [q] = list_results(env["model"], "perplexity", root=str(tmp_path / "one"))
+    [q] = result_sets(env["model"], "perplexity", root=str(tmp_path / "one"))
     # same scores up to summation order (batched matmuls): tight for the unquantised reference; for the
     # quantised rows that order can move a rounding boundary (see test_analysis_quality)
     assert p.table.nll[0] == pytest.approx(q.table.nll[0], rel=1e-6)
@@ -100,7 +104,7 @@ def test_stored_results_belong_to_the_weights(env, capsys, tmp_path):
     assert main(argv) == 0
     assert "reusing" not in capsys.readouterr().out
     results = list_results(str(folder), "perplexity", root=str(tmp_path / "results"))
-    assert len({r.provenance["weights"] for r in results}) == 2
+    assert len(results) == 4 and len({r.provenance["weights"] for r in results}) == 2  # fp32 + rtn-int8, twice
 
 
 def test_damp_results_follow_their_calibration(env, capsys, tmp_path):
@@ -115,10 +119,12 @@ def test_damp_results_follow_their_calibration(env, capsys, tmp_path):
     assert main([*argv, "--calibration-text", env["text"]]) == 0
     assert "reusing stored perplexity" in capsys.readouterr().out
     assert main([*argv, "--calibration-text", str(other)]) == 0
-    assert "reusing" not in capsys.readouterr().out
+    printed = capsys.readouterr().out  # the fp32 reference does not depend on calibration; damp-int4 does
+    assert "reusing stored perplexity of fp32 " in printed and "damp-int4 (" not in printed
     rows = [r.data["damp_rows"] for r in list_results(env["model"], "calibration", root=out)]
     assert len(rows) == 2 and rows[0] != rows[1]  # two calibrations with different rows
-    assert len(list_results(env["model"], "perplexity", root=out)) == 2
+    configs = [r.data["config"] for r in list_results(env["model"], "perplexity", root=out)]
+    assert sorted(configs) == ["damp-int4", "damp-int4", "fp32"]  # the reference once, damp per calibration
 
 
 def test_perplexity_with_stride_equal_to_window_still_decodes(env, tmp_path):
@@ -127,8 +133,8 @@ def test_perplexity_with_stride_equal_to_window_still_decodes(env, tmp_path):
     out = str(tmp_path / "results")
     assert main(["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"],
                  "--window", "32", "--stride", "32", "--max-tokens", "64", "--configs", "rtn-int2"]) == 0
-    [p] = list_results(env["model"], "perplexity", root=out)
-    assert p.data["decode_from"] == 1 and p.table.kl[1] > 0
+    [p] = result_sets(env["model"], "perplexity", root=out)
+    assert p.rows("decode_from") == [1, 1] and p.table.kl[1] > 0
     assert main(["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"],
                  "--window", "32", "--max-tokens", "64", "--configs", "rtn-int2"]) == 0  # stride: half the window
     assert {r.data["decode_from"] for r in list_results(env["model"], "perplexity", root=out)} == {1, 16}
@@ -172,9 +178,11 @@ def test_all_small(env, tmp_path, capsys):
             "--ppl-tokens", "64", "--ppl-window", "32", "--max-new-tokens", "3"]
     assert main(argv) == 0
     kinds = sorted({r.kind for r in list_results(env["model"], root=out)})
-    assert kinds == ["calibration", "drift", "generation", "perplexity", "sweep"]
+    assert kinds == ["calibration", "claims", "drift", "generation", "perplexity", "structure", "sweep"]
+    [claims] = list_results(env["model"], "claims", root=out)
+    assert {c["claim"] for c in claims.data["claims"]} == set("abcd")
     for kind in ("drift", "perplexity", "generation"):  # damp runs with its calibrated outlier rows everywhere
-        [r] = list_results(env["model"], kind, root=out)
+        [r] = result_sets(env["model"], kind, root=out)
         assert "damp-int4" in set(r.table.config)
     exported = list((tmp_path / "all").glob("*/config-pace-4-8.json"))
     assert len(exported) == 1 and config_from_json(exported[0].read_text()).high_heads is not None

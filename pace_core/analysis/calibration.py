@@ -1,8 +1,7 @@
 """Head calibration for PACE-4/8 (spec §4) and DAMP outlier rows, on a calibration text.
 
-The fp32 reference model reads the first ``tokens`` tokens of the calibration text in chunks of
-``sample_every`` tokens (transformers' own cache carries the state from chunk to chunk); after each
-chunk every GDN layer's state is one calibration state. A tap on the GDN layers' core calls
+The fp32 reference model reads the first ``tokens`` tokens of the calibration text in one forward; after
+every ``sample_every`` tokens every GDN layer's state is one calibration state. A tap on the GDN layers' core calls
 (:func:`pace_core.model.patch.tapped`) records the log decays ``g [T, HV]`` that transformers computes
 (``g = −exp(A_log) · softplus(a + dt_bias)``, spec §1). Then per GDN layer and value head: ``a_h`` (mean ``exp(g)``), ``e_h`` (mean
 ``‖Q(S) − S‖²_F`` with the configuration's low-bit quantiser), ``E_h = e_h / (1 − a_h^{2 dP})``, and
@@ -19,15 +18,14 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from transformers import DynamicCache
 
 from pace_core.analysis.text import CALIBRATION_TEXT, is_test_split, read_text, tokenize
 from pace_core.config import HIGH_SHARE_METHODS, PaceConfig, config_from_dict, config_to_dict, get_config
 from pace_core.errors import PaceError
 from pace_core.heads import head_decay, high_heads_for, retained_error, rounding_error
-from pace_core.model.capture import cache_states
 from pace_core.model.loading import LoadedModel
-from pace_core.model.patch import pace, tapped
+from pace_core.model.patch import tapped
+from pace_core.model.teacher import Member, teacher_forced
 from pace_core.outliers import rank_outlier_rows
 
 
@@ -97,30 +95,67 @@ class Calibration:
 def reference_samples(
     loaded: LoadedModel, ids: torch.Tensor, sample_every: int, progress: Callable[[int], None] | None = None
 ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """fp32 reference states after every ``sample_every`` tokens and the log decays of all tokens.
+    """fp32 reference states after every ``sample_every`` tokens and the log decays of all tokens, in one
+    forward (:func:`pace_core.model.teacher.teacher_forced`, the reference's prompt cut at the samples).
 
-    ids [1, T] -> (``{layer: S [N, HV, K, V]}`` with N = T // sample_every, ``{layer: g [T, HV]}``).
+    ids [1, T] -> (``{layer: S [N, HV, K, V]}`` with N = T // sample_every, ``{layer: g [T', HV]}``, T' the
+    N · sample_every tokens sampled), on the CPU.
     """
     model = loaded.model
-    decays: dict[int, list[torch.Tensor]] = {layer: [] for layer in loaded.gdn_layers}
+    n = ids.shape[1] // sample_every * sample_every
+    decays: dict[int, torch.Tensor] = {}
     states: dict[int, list[torch.Tensor]] = {layer: [] for layer in loaded.gdn_layers}
 
     def record_decays(module, arguments: dict, decode: bool) -> None:
-        decays[int(module.layer_idx)].append(arguments["g"][0].float().cpu())
+        decays[int(module.layer_idx)] = arguments["g"][0].float().cpu()
 
-    with pace(model, get_config("fp32")), tapped(model, record_decays):
-        cache = DynamicCache(config=model.config)
-        n = ids.shape[1] // sample_every * sample_every
-        for start in range(0, n, sample_every):
-            model(input_ids=ids[:, start : start + sample_every].to(loaded.device), past_key_values=cache, use_cache=True)
-            for layer, S in cache_states(cache, loaded.gdn_layers).items():
-                states[layer].append(S[0])
-            if progress is not None:
-                progress(1)
-    return (
-        {layer: torch.stack(s) for layer, s in states.items()},
-        {layer: torch.cat(g) for layer, g in decays.items()},
-    )
+    def keep(member: int, layer: int, step: int, S: torch.Tensor) -> None:
+        states[layer].append(S[0].cpu())
+
+    with tapped(model, record_decays):
+        teacher_forced(loaded, [Member("fp32", get_config("fp32"))], ids[:, :n], n,
+                       capture_steps=range(sample_every, n + 1, sample_every), on_state=keep, logits_from=n - 1,
+                       progress=progress)
+    return {layer: torch.stack(s) for layer, s in states.items()}, decays
+
+
+@dataclass
+class CalibrationSamples:
+    """What every calibration of one model on one text shares: the fp32 reference states and log decays
+    of :func:`reference_samples` (``states {layer: S [N, HV, K, V]}``, ``decays {layer: g [T', HV]}``, on
+    the CPU) and the settings they were taken with. Calibrating another quantiser on them costs no forward."""
+
+    text: str
+    tokens: int
+    sample_every: int
+    states: dict[int, torch.Tensor]
+    decays: dict[int, torch.Tensor]
+
+
+def calibration_samples(loaded: LoadedModel, text_path: str | os.PathLike | None = None, *, tokens: int = 2048,
+                        sample_every: int = 64,
+                        progress: Callable[[int], None] | None = None) -> CalibrationSamples:
+    """The reference samples of the first ``tokens`` tokens of the text at ``text_path`` (default: WikiText-2
+    valid; the test split is refused), one every ``sample_every`` tokens. ``progress(n)``: units of
+    :func:`calibration_progress_total`."""
+    path = CALIBRATION_TEXT if text_path is None else text_path
+    if is_test_split(path):
+        raise PaceError(
+            f"text: {str(path)!r} is the WikiText-2 test split; allowed: any other text "
+            f"(default {CALIBRATION_TEXT.name}); the test split is for held-out perplexity only"
+        )
+    if sample_every < 1:
+        raise PaceError(f"sample_every: must be >= 1, got {sample_every}")
+    if tokens < sample_every:
+        raise PaceError(f"tokens: must be >= sample_every={sample_every}, got {tokens}")
+    ids = tokenize(loaded.tokenizer, read_text(path), tokens, min_tokens=sample_every)
+    states, decays = reference_samples(loaded, ids, sample_every, progress)
+    return CalibrationSamples(str(path), int(ids.shape[1]), sample_every, states, decays)
+
+
+def calibration_progress_total(loaded: LoadedModel) -> int:
+    """The progress units of :func:`calibration_samples` (and of :func:`calibrate` without samples)."""
+    return len(loaded.gdn_layers)
 
 
 def calibrate(
@@ -130,27 +165,20 @@ def calibrate(
     *,
     tokens: int = 2048,
     sample_every: int = 64,
+    samples: CalibrationSamples | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Calibration:
-    """Calibrate ``cfg`` on ``loaded`` with the text at ``text_path`` (default: WikiText-2 valid).
+    """Calibrate ``cfg`` on ``loaded`` with the text at ``text_path`` (default: WikiText-2 valid), or on the
+    ``samples`` of an earlier :func:`calibration_samples` (then the text and its settings are theirs).
 
     Every method gets ``a, e, E`` (``e`` with the config's group quantiser, for damp without its
     outlier rows); rtn/pace with ``high_share > 0`` get ``high_heads``; damp gets its outlier rows (``damp_outlier_rows`` per head, :func:`pace_core.outliers.rank_outlier_rows`).
     """
-    path = CALIBRATION_TEXT if text_path is None else text_path
-    if is_test_split(path):
-        raise PaceError(
-            f"text: {str(path)!r} is the WikiText-2 test split; allowed: any other text "
-            f"(default {CALIBRATION_TEXT.name}); the test split is for held-out perplexity only"
-        )
     if cfg.method not in (*HIGH_SHARE_METHODS, "damp"):
         raise PaceError(f"config method {cfg.method!r} has nothing to calibrate; allowed: rtn, pace, damp")
-    if sample_every < 1:
-        raise PaceError(f"sample_every: must be >= 1, got {sample_every}")
-    if tokens < sample_every:
-        raise PaceError(f"tokens: must be >= sample_every={sample_every}, got {tokens}")
-    ids = tokenize(loaded.tokenizer, read_text(path), tokens, min_tokens=sample_every)
-    states, decays = reference_samples(loaded, ids, sample_every, progress)
+    if samples is None:
+        samples = calibration_samples(loaded, text_path, tokens=tokens, sample_every=sample_every, progress=progress)
+    states, decays = samples.states, samples.decays
     layers = list(loaded.gdn_layers)
     a = torch.stack([head_decay(decays[layer]) for layer in layers])
     spec = cfg.quant_spec()
@@ -163,7 +191,7 @@ def calibrate(
                               hadamard=cfg.damp_hadamard, group_size=cfg.group_size)
             for i, layer in enumerate(layers)
         ]
-    calibration = Calibration(cfg, layers, a, e, E, int(ids.shape[1]), int(next(iter(states.values())).shape[0]),
+    calibration = Calibration(cfg, layers, a, e, E, samples.tokens, int(next(iter(states.values())).shape[0]),
                               damp_rows)
     if cfg.method != "damp" and cfg.high_share > 0:
         calibration.config = calibration.allocate(cfg).validate_for(loaded.shape)

@@ -1,11 +1,15 @@
 """Side-by-side generations of several configurations (spec §7).
 
-Each configuration generates from the same prompt, greedily and/or by seeded sampling (the same seed
-for every configuration, so sampled texts differ only where the state does). Every continuation is
-then scored by the fp32 reference model, teacher-forced on prompt + continuation: the mean NLL of the
-generated tokens under the reference and the share of them that the reference would also pick as its
-top-1 token. The first divergent token is counted against the reference configuration's
-continuation of the same mode.
+Every configuration continues the same prompt, all of them (and the fp32 reference) as rows of one
+``generate`` batch, each row with its own PACE state (:func:`pace_core.model.patch.stacked`): greedily,
+and/or by sampling with common random numbers **[ours]**: at step t every row draws its token as the argmax
+of its temperature-scaled, top-p-filtered logits plus the same Gumbel noise vector (seeded by ``seed``
+and t), which is an exact sample of each row's own distribution, so sampled texts differ only where the
+states do. Every continuation is then scored by the fp32 reference model, teacher-forced on prompt +
+continuation (one batch): the mean NLL of the generated tokens under the reference and the share of them
+that the reference would also pick as its top-1 token. The first divergent token is counted against the
+reference's continuation of the same mode. A continuation ends at the end-of-text token (kept) or after
+``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import pandas as pd
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from pace_core.analysis.quality import config_map, damp_rows_of
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel
-from pace_core.model.patch import pace
+from pace_core.model.patch import pace, stacked
+from pace_core.model.teacher import Member
 
 MODES = ("greedy", "sampled")
 
@@ -33,34 +39,83 @@ def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | No
     return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
-def _generate(loaded: LoadedModel, cfg: PaceConfig, ids: torch.Tensor, mode: str, max_new_tokens: int,
-              seed: int, temperature: float, top_p: float, pace_kwargs: dict) -> list[int]:
-    """New token ids of one generation: ids [1, T] -> list of <= max_new_tokens ids (``pace_kwargs``:
-    the DAMP outlier rows of a damp configuration, else empty)."""
-    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=loaded.tokenizer.pad_token_id)
+class _CommonGumbel(LogitsProcessor):
+    """Adds to every row the same Gumbel(0, 1) noise vector of step t (from ``seed`` and t): the argmax of
+    the processed logits is then a sample of each row's distribution with common random numbers; calls
+    ``progress(1)`` per step."""
+
+    def __init__(self, seed: int, progress: Callable[[int], None] | None) -> None:
+        self.seed, self.step, self.progress = seed, 0, progress
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + self.step)
+        u = torch.rand(scores.shape[-1], generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
+        self.step += 1
+        if self.progress is not None:
+            self.progress(1)
+        return scores + (-torch.log(-torch.log(u))).to(scores.device, scores.dtype)
+
+
+class _Progress(LogitsProcessor):
+    """Calls ``progress(1)`` per generated step (greedy)."""
+
+    def __init__(self, progress: Callable[[int], None] | None) -> None:
+        self.progress = progress
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.progress is not None:
+            self.progress(1)
+        return scores
+
+
+def _continuations(loaded: LoadedModel, members: list[Member], ids: torch.Tensor, mode: str, max_new_tokens: int,
+                   seed: int, temperature: float, top_p: float,
+                   progress: Callable[[int], None] | None) -> list[list[int]]:
+    """Each member's new token ids for prompt ids [1, T]: one generate call, one row per member."""
+    model, tok = loaded.model, loaded.tokenizer
+    rows = ids.repeat(len(members), 1)
     if mode == "greedy":
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        processors = [_Progress(progress)]
     else:
-        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
-    devices = [loaded.device] if loaded.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), pace(loaded.model, cfg, **pace_kwargs), torch.no_grad():
-        torch.manual_seed(seed)
-        out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
-    return out[0, ids.shape[1]:].tolist()
+        processors = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p), _CommonGumbel(seed, progress)]
+    with stacked(model, [m.cfg for m in members], 1, damp_rows=[m.damp_rows for m in members],
+                 device=loaded.device) as (cache, _), torch.no_grad():
+        out = model.generate(input_ids=rows, attention_mask=torch.ones_like(rows), past_key_values=cache,
+                             max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+                             logits_processor=LogitsProcessorList(processors), pad_token_id=tok.pad_token_id)
+    eos = model.generation_config.eos_token_id
+    ends = {eos} if isinstance(eos, int) else set(eos or ())
+    new = []
+    for row in out[:, ids.shape[1]:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in ends), len(row))
+        new.append(row[:cut])
+    return new
 
 
-def _score(loaded: LoadedModel, reference: PaceConfig, ids: torch.Tensor, new: list[int]) -> tuple[float, float]:
-    """(mean NLL, top-1 agreement) of the tokens ``new`` after prompt ids [1, T] under ``reference``."""
-    if not new:
-        return float("nan"), float("nan")
-    full = torch.cat([ids, torch.tensor([new], dtype=ids.dtype, device=ids.device)], dim=1)
+def _scores(loaded: LoadedModel, reference: PaceConfig, ids: torch.Tensor, news: list[list[int]]
+            ) -> list[tuple[float, float]]:
+    """(mean NLL, top-1 agreement) of each continuation after prompt ids [1, T] under ``reference``, one
+    forward for all (right-padded; the padding is never scored)."""
+    T = ids.shape[1]
+    width = max((len(n) for n in news), default=0)
+    if width == 0:
+        return [(float("nan"), float("nan"))] * len(news)
+    pad = loaded.tokenizer.pad_token_id
+    batch = torch.full((len(news), T + width), pad, dtype=ids.dtype, device=ids.device)
+    batch[:, :T] = ids
+    for i, n in enumerate(news):
+        batch[i, T:T + len(n)] = torch.tensor(n, dtype=ids.dtype)
     with pace(loaded.model, reference), torch.no_grad():
-        logits = loaded.model(input_ids=full).logits[0, ids.shape[1] - 1 : -1].double()
-    logp = torch.log_softmax(logits, dim=-1)
-    target = torch.tensor(new, device=logp.device)
-    nll = float(-logp.gather(1, target[:, None]).mean())
-    agreement = float((logp.argmax(-1) == target).double().mean())
-    return nll, agreement
+        logits = loaded.model(input_ids=batch).logits[:, T - 1:-1]
+    out = []
+    for i, n in enumerate(news):
+        if not n:
+            out.append((float("nan"), float("nan")))
+            continue
+        logp = torch.log_softmax(logits[i, :len(n)].double(), dim=-1)
+        target = batch[i, T:T + len(n)]
+        out.append((float(-logp.gather(1, target[:, None]).mean()), float((logp.argmax(-1) == target).double().mean())))
+    return out
 
 
 def generate_side_by_side(
@@ -75,14 +130,18 @@ def generate_side_by_side(
     top_p: float = 0.95,
     reference: PaceConfig | None = None,
     damp_rows: Mapping[str, list[torch.Tensor]] | list[torch.Tensor] | None = None,
+    reference_rows: pd.DataFrame | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
     """One row per (mode, configuration), the reference first in each mode: mode, config, tokens
     (new ids), pieces (their texts), text, first_divergence (Int64, <NA> when identical to the reference's continuation),
     ref_nll (mean nats per generated token under the reference), ref_agreement. ``damp_rows``: the
     calibrated outlier rows [HV, r] per GDN layer of the damp configurations (one list for all, or
-    a mapping by configuration name), as in :func:`pace_core.analysis.drift.drift`."""
-    cfgs = config_map(configs)
+    a mapping by configuration name), as in :func:`pace_core.analysis.drift.drift`.
+
+    ``reference_rows``: the reference's rows of an earlier call with the same prompt, modes and settings;
+    the reference is then not generated again and the table holds only the configurations' rows."""
+    cfgs = config_map(configs) if configs else {}
     ref = reference if reference is not None else get_config("fp32")
     if not prompt:
         raise PaceError("prompt: must be non-empty text")
@@ -96,30 +155,30 @@ def generate_side_by_side(
     ids = loaded.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(loaded.device)
     if ids.shape[1] == 0:
         raise PaceError("prompt: gives no tokens")
-    run = {ref.name: ref, **{n: c for n, c in cfgs.items() if n != ref.name}}
+    kept = {}
+    if reference_rows is not None:
+        kept = {row["mode"]: list(row["tokens"]) for _, row in reference_rows.iterrows() if row["config"] == ref.name}
+        if sorted(kept) != sorted(modes):
+            raise PaceError(f"reference_rows: hold the modes {sorted(kept)}, this call asks for {sorted(modes)}; "
+                            "allowed: the reference rows of a call with the same prompt, modes and settings")
+    run = {**({} if kept else {ref.name: ref}), **{n: c for n, c in cfgs.items() if n != ref.name}}
+    members = [Member(n, c, damp_rows_of(damp_rows, n) if c.method == "damp" else None) for n, c in run.items()]
     rows = []
     for mode in modes:
-        ref_tokens: list[int] | None = None
-        for name, cfg in run.items():
-            pace_kwargs = {"damp_rows": damp_rows_of(damp_rows, name)} if cfg.method == "damp" else {}
-            new = _generate(loaded, cfg, ids, mode, max_new_tokens, seed, temperature, top_p, pace_kwargs)
-            if ref_tokens is None:
-                ref_tokens = new
-            nll, agreement = _score(loaded, ref, ids, new)
-            rows.append(
-                {
-                    "mode": mode,
-                    "config": name,
-                    "tokens": new,
-                    "pieces": [loaded.tokenizer.decode([t]) for t in new],
-                    "text": loaded.tokenizer.decode(new),
-                    "first_divergence": first_divergence(ref_tokens, new),
-                    "ref_nll": nll,
-                    "ref_agreement": agreement,
-                }
-            )
-            if progress is not None:
-                progress(1)
-    table = pd.DataFrame(rows)
+        news = _continuations(loaded, members, ids, mode, max_new_tokens, seed, temperature, top_p,
+                              progress) if members else []
+        ref_new = kept[mode] if kept else news[0]
+        for (name, new), (nll, agreement) in zip(zip(run, news), _scores(loaded, ref, ids, news)):
+            rows.append({"mode": mode, "config": name, "tokens": new,
+                         "pieces": [loaded.tokenizer.decode([t]) for t in new], "text": loaded.tokenizer.decode(new),
+                         "first_divergence": first_divergence(ref_new, new), "ref_nll": nll,
+                         "ref_agreement": agreement})
+    table = pd.DataFrame(rows, columns=["mode", "config", "tokens", "pieces", "text", "first_divergence", "ref_nll",
+                                        "ref_agreement"])
     table["first_divergence"] = table["first_divergence"].astype("Int64")
     return table
+
+
+def generation_progress_total(modes: Sequence[str], max_new_tokens: int) -> int:
+    """The progress units of :func:`generate_side_by_side`: one per generated step and mode."""
+    return len(modes) * max_new_tokens

@@ -13,9 +13,10 @@ the logits of the segment's tokens are computed, so with P >= window a prefill-o
 cannot see the state quantisation at all: ``decode_from = window - stride``, at least 1 (the CLI
 default), decodes every scored token after the first window.
 
-Windows of equal length can run together as one batch (``batch``): every sequence of a batch has
-its own state, scales and buffer, so a batched run scores the same as window-by-window runs up to
-floating-point summation order (tested); it only saves time, above all on a GPU.
+Windows of equal length can run together as one batch (``batch``), and the reference and every
+configuration run each group of windows together: every sequence of a batch has its own state, scales and
+buffer, so a batched run scores the same as window-by-window runs up to floating-point summation order
+(tested); it only saves time, above all on a GPU.
 
 Bits per byte = total NLL in bits / UTF-8 bytes of the scored tokens' text.
 """
@@ -33,8 +34,8 @@ import torch
 from pace_core.analysis.text import read_text, tokenize
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
-from pace_core.model.capture import run_with_states
 from pace_core.model.loading import LoadedModel
+from pace_core.model.teacher import Member, progress_total, teacher_forced
 
 
 @dataclass(frozen=True)
@@ -106,14 +107,6 @@ def batched_windows(windows: list[Window], batch: int) -> list[list[Window]]:
     return groups
 
 
-def window_logits(loaded: LoadedModel, cfg: PaceConfig, ids: torch.Tensor, decode_from: int | None,
-                  damp_rows: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Logits of windows run from an empty state each: ids [B, W] -> [B, W, vocab] fp32 cpu
-    (``damp_rows``: the outlier rows [HV, r] per GDN layer of a damp configuration)."""
-    d = decode_from if decode_from is not None and decode_from < ids.shape[1] else None
-    return run_with_states(loaded, cfg, ids, decode_from=d, damp_rows=damp_rows).logits.float()
-
-
 def evaluate_quality(
     loaded: LoadedModel,
     configs: Mapping[str, PaceConfig] | list[PaceConfig],
@@ -129,10 +122,13 @@ def evaluate_quality(
 ) -> pd.DataFrame:
     """Perplexity, NLL, top-1 agreement and KL(reference ‖ config) per configuration.
 
-    ids [1, T] int64; ``configs`` may be empty (the reference alone); ``damp_rows`` as in :func:`pace_core.analysis.drift.drift`; ``batch``: at most
-    this many windows of equal length run together. Returns one row per configuration (the reference
-    first, named as given, with agreement 1 and KL 0): config, tokens, nll (mean nats per scored
-    token), ppl, agreement, kl. ``progress(n)`` is called after each run with the windows it ran.
+    ids [1, T] int64; ``configs`` may be empty (the reference alone); ``damp_rows`` as in
+    :func:`pace_core.analysis.drift.drift`; ``batch``: at most this many windows of equal length run
+    together. The reference and every configuration run each group of windows in one teacher-forced batch
+    (:func:`pace_core.model.teacher.teacher_forced`), their log-probabilities compared on the model's device.
+    Returns one row per configuration (the reference first, named as given, with agreement 1 and KL 0):
+    config, tokens, nll (mean nats per scored token), ppl, agreement, kl. ``progress(n)``: units of
+    :func:`quality_progress_total`.
     """
     cfgs = config_map(configs) if configs else {}
     ref = reference if reference is not None else get_config("fp32")
@@ -144,44 +140,51 @@ def evaluate_quality(
     if ref.name in cfgs and cfgs[ref.name] != ref:
         raise PaceError(f"configs: {ref.name!r} names the reference; allowed: another name for a different config")
     names = [ref.name] + [n for n in cfgs if n != ref.name]
-    run = {ref.name: ref, **{n: c for n, c in cfgs.items() if n != ref.name}}
-    rows_of = {n: damp_rows_of(damp_rows, n) if c.method == "damp" else None for n, c in run.items()}
-    nll = dict.fromkeys(names, 0.0)
-    agree = dict.fromkeys(names, 0)
-    kl = dict.fromkeys(names, 0.0)
+    members = [Member(ref.name, ref)] + [Member(n, c, damp_rows_of(damp_rows, n) if c.method == "damp" else None)
+                                         for n, c in cfgs.items() if n != ref.name]
+    device = loaded.device
+    totals = torch.zeros(len(members), 3, dtype=torch.float64, device=device)  # nll, agreement, kl
     count = 0
     for group in batched_windows(windows, batch):
-        chunk = torch.cat([ids[:, w.begin : w.end] for w in group])
-        ref_logp: list[torch.Tensor] = []
-        for name in names:
-            logits = window_logits(loaded, run[name], chunk, decode_from, rows_of[name])
-            for i, w in enumerate(group):
-                rows = slice(w.first_target - w.begin - 1, w.end - w.begin - 1)  # logits predicting targets
-                targets = ids[0, w.first_target : w.end]
-                logp = torch.log_softmax(logits[i, rows].to(ids.device, torch.float64), dim=-1)
-                nll[name] += float(-logp.gather(1, targets[:, None]).sum())
-                if len(ref_logp) <= i:
-                    ref_logp.append(logp)
-                agree[name] += int((logp.argmax(-1) == ref_logp[i].argmax(-1)).sum())
-                kl[name] += float((ref_logp[i].exp() * (ref_logp[i] - logp)).sum())
-                if name == names[0]:
-                    count += targets.numel()
-            del logits
-            if progress is not None:
-                progress(len(group))
-    return pd.DataFrame(
-        [
-            {
-                "config": n,
-                "tokens": count,
-                "nll": nll[n] / count,
-                "ppl": math.exp(nll[n] / count),
-                "agreement": agree[n] / count,
-                "kl": max(kl[n] / count, 0.0),
-            }
-            for n in names
-        ]
-    )
+        chunk = torch.cat([ids[:, w.begin : w.end] for w in group]).to(device)
+        n, W = chunk.shape
+        d = decode_from if decode_from is not None and decode_from < W else W
+        first_scored = [w.first_target - w.begin for w in group]  # window positions of the first target
+        count += sum(W - f for f in first_scored)
+
+        def on_logits(logits: torch.Tensor, first: int, chunk=chunk, n=n, first_scored=first_scored) -> None:
+            for i, f in enumerate(first_scored):
+                lo, hi = max(f - 1, first), min(W - 1, first + logits.shape[1])  # positions predicting targets
+                if lo >= hi:
+                    continue
+                targets = chunk[i, lo + 1:hi + 1]
+                ref_logp = None
+                for m in range(len(members)):
+                    logp = torch.log_softmax(logits[m * n + i, lo - first:hi - first].double(), dim=-1)
+                    if ref_logp is None:
+                        ref_logp = logp
+                    totals[m, 0] -= logp.gather(1, targets[:, None]).sum()
+                    totals[m, 1] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum()
+                    totals[m, 2] += (ref_logp.exp() * (ref_logp - logp)).sum()
+
+        teacher_forced(loaded, members, chunk, d, on_logits=on_logits, logits_from=min(first_scored) - 1,
+                       progress=progress)
+    totals = totals.cpu()
+    return pd.DataFrame([{"config": name, "tokens": count, "nll": float(totals[m, 0]) / count,
+                          "ppl": math.exp(float(totals[m, 0]) / count), "agreement": float(totals[m, 1]) / count,
+                          "kl": max(float(totals[m, 2]) / count, 0.0)} for m, name in enumerate(names)])
+
+
+def quality_progress_total(loaded: LoadedModel, configs: int, n_tokens: int, window: int, stride: int,
+                           decode_from: int | None, batch: int) -> int:
+    """The progress units of :func:`evaluate_quality` (and :func:`perplexity`) with ``configs``
+    configurations besides the reference on ``n_tokens`` tokens."""
+    total = 0
+    for group in batched_windows(sliding_windows(n_tokens, window, stride), batch):
+        W = group[0].end - group[0].begin
+        d = decode_from if decode_from is not None and decode_from < W else W
+        total += progress_total(configs + 1, len(loaded.gdn_layers), W, d)
+    return total
 
 
 def scored_bytes(tokenizer, ids: torch.Tensor, windows: list[Window]) -> int:

@@ -107,6 +107,13 @@ def grid_configs(
     ]
 
 
+def _decode_group(cfg: PaceConfig) -> tuple:
+    """Grid points that decode as one batch: the same dP and, when buffered, the same buffer format and
+    reading of the current token."""
+    buffered = cfg.decode_period > 1
+    return cfg.decode_period, cfg.buffer_format if buffered else None, cfg.exact_current_token and buffered
+
+
 def sweep_states(
     inputs: GDNInputs,
     configs: Sequence[PaceConfig],
@@ -164,8 +171,8 @@ def sweep_states(
     summary, steps = [], []
     groups: dict[tuple, list[PaceConfig]] = {}
     for cfg in configs:
-        groups.setdefault((cfg.decode_period, cfg.buffer if cfg.decode_period > 1 else "none"), []).append(cfg)
-    for (dp, buffer), members in groups.items():
+        groups.setdefault(_decode_group(cfg), []).append(cfg)
+    for (dp, buffer, exact), members in groups.items():
         n = len(members)
         specs = [c.quant_spec() for c in members]
 
@@ -174,10 +181,10 @@ def sweep_states(
             return torch.cat([fake_quantize(S[i * L:(i + 1) * L], sp) for i, sp in enumerate(specs)])
 
         st = PeriodicState(RoundingFormat(round_fn), REFERENCE, (n * L, H, HV, K, V), inputs.q.device,
-                           prefill_period=D, decode_period=dp, buffer_precision="fp32" if dp == 1 else buffer)
+                           prefill_period=D, decode_period=dp, buffer=buffer or "fp32", exact_current=exact)
         st.set_checkpoint(torch.cat([prefilled[(c.quant_spec(), min(c.prefill_period, D))] for c in members]))
         errs = [(squared_norms(st.loaded() - ref_states[0].repeat(n, 1, 1, 1), n))]
-        out_err = torch.zeros(n, dtype=torch.float64)
+        out_err = torch.zeros(n, dtype=torch.float64, device=inputs.q.device)
         for b, (s, e) in enumerate(blocks):
             o = st.decode(*inputs.part(slice(s, e), n))
             errs.append(squared_norms(st.effective_state() - ref_states[b + 1].repeat(n, 1, 1, 1), n))
@@ -190,7 +197,7 @@ def sweep_states(
                       for j, r in enumerate(rel)]
             summary.append({"config": cfg, "prefill_rel_error": rel[0], "final_rel_error": rel[-1],
                             "mean_rel_error": sum(rel[1:]) / len(rel[1:]),
-                            "output_rel_error": relative_error(out_err[i], torch.tensor(ref_out_sq))})
+                            "output_rel_error": relative_error(out_err[i], ref_out_sq)})
     order = {c.name: i for i, c in enumerate(configs)}
     summary.sort(key=lambda r: order[r["config"].name])
     return pd.DataFrame(summary), pd.DataFrame(steps)
@@ -234,5 +241,5 @@ def sweep_progress_total(configs: Sequence[PaceConfig], T: int, decode_tokens: i
     periods = sorted({c.decode_period for c in configs})
     every = record_every if record_every is not None else min(math.lcm(*periods), decode_tokens)
     n_blocks = math.ceil(decode_tokens / every)
-    n_groups = len({(c.decode_period, c.buffer if c.decode_period > 1 else "none") for c in configs})
+    n_groups = len({_decode_group(c) for c in configs})
     return 2 + n_groups * n_blocks

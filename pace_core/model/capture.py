@@ -1,14 +1,13 @@
 """Teacher-forced runs that capture the recurrent state of every GDN layer (spec §7: drift).
 
-A run prefills ``input_ids[:, :decode_from]`` in one forward (PACE: P-token segments), then feeds
-the remaining tokens one at a time through the decode path (PACE: the decode buffer, a flush every
-dP), exactly as ``generate`` would, but with the given tokens instead of sampled ones.
+A run prefills ``input_ids[:, :decode_from]`` (PACE: P-token segments), then feeds the remaining tokens
+through the decode path (PACE: the decode buffer, a flush every dP) as ``generate`` would, but with the
+given tokens instead of sampled ones (:func:`pace_core.model.teacher.teacher_forced`).
 
-A *step* is the number of tokens consumed: step ``decode_from`` is the state right after the
-prefill, step ``decode_from + j`` the state after ``j`` decoded tokens, step ``T`` the final state.
-The state captured for a PACE run is its effective state (the dequantised checkpoint with the
-decode buffer folded in), for the fp32 reference transformers' own fp32 cache tensor. The reference
-states of a run are those of a second call with the fp32 configuration.
+A *step* is the number of tokens consumed: step ``decode_from`` is the state right after the prefill,
+step ``decode_from + j`` the state after ``j`` decoded tokens, step ``T`` the final state. The state
+captured is the effective state (the dequantised checkpoint with the decode buffer folded in; for the fp32
+reference its exact state).
 """
 
 from __future__ import annotations
@@ -17,12 +16,12 @@ import dataclasses
 from collections.abc import Iterable
 
 import torch
-from transformers import DynamicCache
 
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel
-from pace_core.model.patch import get_state_store, pace
+from pace_core.model.patch import get_state_store
+from pace_core.model.teacher import Member, teacher_forced
 
 
 @dataclasses.dataclass
@@ -41,7 +40,7 @@ class RunResult:
     state_nbytes: dict[int, dict[str, int]]
 
 
-def _check_inputs(input_ids, decode_from, capture_steps: Iterable[int]) -> tuple[int, list[int]]:
+def _check_inputs(input_ids, decode_from, capture_steps: Iterable[int], exact: bool) -> tuple[int, list[int]]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise PaceError(f"input_ids: {got} not allowed; allowed: a LongTensor [B, T] with B, T >= 1")
@@ -52,9 +51,11 @@ def _check_inputs(input_ids, decode_from, capture_steps: Iterable[int]) -> tuple
     if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start <= T:
         raise PaceError(f"decode_from: {decode_from!r} not allowed; allowed: None or an integer in 1..{T}")
     steps = sorted(set(capture_steps))
-    bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, int) or not start <= s <= T]
+    first = 1 if exact else start  # the exact reference can be captured inside its prompt
+    bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, int) or not first <= s <= T]
     if bad:
-        raise PaceError(f"capture_steps: {bad} not allowed; allowed: integers in decode_from..T = {start}..{T}")
+        allowed = f"1..T = 1..{T}" if exact else f"decode_from..T = {start}..{T} (inside the prompt only for fp32)"
+        raise PaceError(f"capture_steps: {bad} not allowed; allowed: integers in {allowed}")
     return start, steps
 
 
@@ -68,18 +69,6 @@ def cache_states(cache, gdn_layers: list[int]) -> dict[int, torch.Tensor]:
     return {layer: cache.layers[layer].recurrent_states[0].float().cpu().clone() for layer in gdn_layers}
 
 
-def _layer_nbytes(cache, gdn_layers: list[int]) -> dict[int, dict[str, int]]:
-    store = get_state_store(cache)
-    if store is not None:
-        return {layer: store.layer_nbytes(layer) for layer in gdn_layers}
-    out = {}
-    for layer in gdn_layers:
-        state = cache.layers[layer].recurrent_states[0]
-        out[layer] = {"payload": state.numel() * state.element_size(), "metadata": 0, "buffer": 0}
-    return out
-
-
-@torch.no_grad()
 def run_with_states(
     loaded: LoadedModel,
     cfg: PaceConfig,
@@ -91,31 +80,19 @@ def run_with_states(
 ) -> RunResult:
     """Teacher-force ``input_ids [B, T]`` through ``loaded.model`` under ``cfg``.
 
-    Prefill ``input_ids[:, :decode_from]`` (all of it when None), then decode the rest token by
-    token; capture every GDN layer's state at each step of ``capture_steps`` (token counts in
-    ``decode_from..T``; see the module docstring). The model's PACE configuration is restored
-    afterwards. ``damp_rows``: the calibrated outlier rows for method ``damp`` (see
-    :func:`pace_core.model.patch.apply_pace`).
+    Prefill ``input_ids[:, :decode_from]`` (all of it when None), then decode the rest; capture every GDN
+    layer's state at each step of ``capture_steps`` (token counts in ``decode_from..T``; see the module
+    docstring; the fp32 reference also inside its prompt, ``1..T``). ``damp_rows``: the calibrated outlier rows for method ``damp`` (see
+    :func:`pace_core.model.patch.apply_pace`). The model's PACE configuration is restored afterwards.
     """
-    start, steps = _check_inputs(input_ids, decode_from, capture_steps)
-    model = loaded.model
-    ids = input_ids.to(loaded.device)
-    wanted = set(steps)
-    states: dict[int, dict[int, torch.Tensor]] = {}
-    with pace(model, cfg, damp_rows=damp_rows):
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids[:, :start], past_key_values=cache, use_cache=True)
-        logits = [out.logits.float().cpu()]
-        if start in wanted:
-            states[start] = cache_states(cache, loaded.gdn_layers)
-        for t in range(start, ids.shape[1]):
-            out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            logits.append(out.logits.float().cpu())
-            if t + 1 in wanted:
-                states[t + 1] = cache_states(cache, loaded.gdn_layers)
-        nbytes = _layer_nbytes(cache, loaded.gdn_layers)
-    return RunResult(
-        config=cfg, logits=torch.cat(logits, dim=1), states=states, decode_from=start, state_nbytes=nbytes
-    )
+    start, steps = _check_inputs(input_ids, decode_from, capture_steps, cfg.exact)
+    states: dict[int, dict[int, torch.Tensor]] = {s: {} for s in steps}
+    logits: list[torch.Tensor] = []
 
+    def keep(member: int, layer: int, step: int, S: torch.Tensor) -> None:
+        states[step][layer] = S.float().cpu()
 
+    nbytes = teacher_forced(loaded, [Member(cfg.name, cfg, damp_rows)], input_ids, start, capture_steps=steps,
+                            on_state=keep, on_logits=lambda x, first: logits.append(x.cpu()))[0]
+    return RunResult(config=cfg, logits=torch.cat(logits, dim=1), states=states, decode_from=start,
+                     state_nbytes=nbytes)

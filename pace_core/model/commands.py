@@ -64,6 +64,35 @@ class Context:
         print(f"saved {result.path}")
         return result
 
+    def per_config(self, kind: str, cfgs: list, damp_rows: dict[str, list], params: dict[str, Any],
+                   compute: Callable[[list, dict], dict[str, tuple[dict, Any]]], *, text: str | None = None) -> dict:
+        """Results of ``kind``, one per configuration, each stored under its own key (the configuration's
+        JSON and, for DAMP, its outlier rows, with ``params``): a stored one is reused, the missing ones are
+        computed together by ``compute(missing configs, {name: stored Result}) -> {name: (data, table)}`` and
+        stored one by one.
+        Every result's data carries ``params_key`` (the same for all results of one setting, so a listing
+        can put them side by side). Returns ``{name: Result}`` in the order of ``cfgs``."""
+        from pace_core.config import config_to_dict
+        from pace_core.results import result_key
+
+        params_key = result_key(params)
+        keys, found = {}, {}
+        for cfg in cfgs:
+            rows = damp_rows.get(cfg.name)
+            keys[cfg.name], found[cfg.name] = self.cached(kind, {**params, "config": config_to_dict(cfg), "damp_rows": (
+                None if rows is None else [r.tolist() for r in rows])})
+        missing = [c for c in cfgs if found[c.name] is None]
+        reused = [c.name for c in cfgs if found[c.name] is not None]
+        if reused:
+            print(f"reusing stored {kind} of {', '.join(reused)} (--force recomputes)")
+        if missing:
+            stored = {name: result for name, result in found.items() if result is not None}
+            for name, (data, table) in compute(missing, stored).items():
+                cfg = next(c for c in missing if c.name == name)
+                found[name] = self.save(kind, keys[name], {**data, "params_key": params_key, "config": name}, table,
+                                        configs=[cfg], text=text)
+        return {c.name: found[c.name] for c in cfgs}
+
     def calibration(self, cfg, text: str | None, tokens: int, sample_every: int):
         """The calibration of ``cfg`` (cached in memory and on disk as kind 'calibration')."""
         from pace_core.analysis.calibration import Calibration, calibrate
@@ -81,7 +110,7 @@ class Context:
         if found is not None:
             cal = Calibration.from_data(found.data)
         else:
-            with self.bar(tokens // sample_every, f"calibrate {cfg.name}") as bar:
+            with self.bar(len(self.loaded.gdn_layers), f"calibrate {cfg.name}") as bar:
                 cal = calibrate(self.loaded, cfg, path, tokens=tokens, sample_every=sample_every, progress=bar.update)
             self.save("calibration", key, {**cal.to_data(), "text_sha256": text_sha256(path)},
                       cal.table(), configs=[cal.config], text=path)
@@ -101,16 +130,6 @@ class Context:
                 cfg = cal.config
             cfgs.append(cfg.validate_for(self.loaded.shape))
         return cfgs, damp_rows
-
-    @staticmethod
-    def config_params(cfgs, damp_rows: dict[str, list]) -> dict[str, Any]:
-        """What a result of ``cfgs`` depends on beyond its own settings: each config's JSON and, for
-        DAMP configs, the calibrated outlier rows (they are not part of the config, and another
-        calibration text or length gives other rows)."""
-        from pace_core.config import config_to_dict
-
-        return {"configs": [config_to_dict(c) for c in cfgs],
-                "damp_rows": {name: [r.tolist() for r in rows] for name, rows in damp_rows.items()}}
 
 
 def _command() -> str:
@@ -186,25 +205,29 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_drift(args: argparse.Namespace) -> int:
-    from pace_core.analysis.drift import drift
+    import pandas as pd
+
+    from pace_core.analysis.drift import drift, drift_progress_total
     from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
 
     ctx = _context(args)
     text = args.text or str(CALIBRATION_TEXT)
     cfgs, damp_rows = ctx.prepared(args.configs)
-    params = {**ctx.config_params(cfgs, damp_rows), "text": _sha(text), "tokens": args.tokens,
-              "decode_from": args.decode_from, "every": args.every}
-    key, found = ctx.cached("drift", params)
-    if _reuse(found, "drift"):
-        return 0
     ids = tokenize(ctx.loaded.tokenizer, read_text(text), args.tokens)
     decode_from = args.decode_from if args.decode_from is not None else ids.shape[1] // 2
-    with ctx.bar(len(cfgs) + 1, "drift") as bar:
-        res = drift(ctx.loaded, cfgs, ids, decode_from, every=args.every, damp_rows=damp_rows, progress=bar.update)
-    _print_table(res.summary)
-    ctx.save("drift", key, {"summary": res.summary.to_dict("records"), "decode_from": decode_from,
-                            "tokens": int(ids.shape[1]), "layer_table": res.layer_table.to_dict("list")},
-             res.table, configs=cfgs, text=text)
+    params = {"text": _sha(text), "tokens": args.tokens, "decode_from": args.decode_from, "every": args.every}
+
+    def compute(missing: list, stored: dict) -> dict:
+        with ctx.bar(drift_progress_total(ctx.loaded, len(missing), ids.shape[1], decode_from), "drift") as bar:
+            res = drift(ctx.loaded, missing, ids, decode_from, every=args.every, damp_rows=damp_rows,
+                        progress=bar.update)
+        return {c.name: ({"summary": res.summary[res.summary.config == c.name].to_dict("records")[0],
+                          "decode_from": decode_from, "tokens": int(ids.shape[1]),
+                          "layer_table": res.layer_table[res.layer_table.config == c.name].to_dict("list")},
+                         res.table[res.table.config == c.name].reset_index(drop=True)) for c in missing}
+
+    results = ctx.per_config("drift", cfgs, damp_rows, params, compute, text=text)
+    _print_table(pd.DataFrame([r.data["summary"] for r in results.values()]))
     return 0
 
 
@@ -236,8 +259,11 @@ def run_structure(args: argparse.Namespace) -> int:
 
 
 def run_perplexity(args: argparse.Namespace) -> int:
-    from pace_core.analysis.quality import perplexity, sliding_windows
+    import pandas as pd
+
+    from pace_core.analysis.quality import perplexity, quality_progress_total
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
+    from pace_core.config import get_config
 
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
@@ -252,39 +278,54 @@ def run_perplexity(args: argparse.Namespace) -> int:
                         "(prompt tokens per window, fewer than --window)")
     else:
         decode_from = args.decode_from
-    params = {**ctx.config_params(cfgs, damp_rows), "text": _sha(text), "window": args.window,
-              "stride": stride, "max_tokens": args.max_tokens, "decode_from": decode_from}
-    key, found = ctx.cached("perplexity", params)
-    if _reuse(found, "perplexity"):
-        return 0
+    params = {"text": _sha(text), "window": args.window, "stride": stride, "max_tokens": args.max_tokens,
+              "decode_from": decode_from}
     max_tokens = args.max_tokens or None
     n = tokenize(ctx.loaded.tokenizer, read_text(text), max_tokens).shape[1]
-    total = len(sliding_windows(n, args.window, stride)) * (1 + sum(c.name != "fp32" for c in cfgs))
-    with ctx.bar(total, "perplexity") as bar:
-        table = perplexity(ctx.loaded, cfgs, text, window=args.window, stride=stride, max_tokens=max_tokens,
-                           decode_from=decode_from, damp_rows=damp_rows, batch=args.batch, progress=bar.update)
-    _print_table(table)
-    ctx.save("perplexity", key, {"rows": table.to_dict("records"), "decode_from": decode_from}, table,
-             configs=cfgs, text=text)
+    reference = get_config("fp32")
+    members = [reference] + [c for c in cfgs if c.name != reference.name]
+
+    def compute(missing: list, stored: dict) -> dict:
+        others = [c for c in missing if c.name != reference.name]
+        total = quality_progress_total(ctx.loaded, len(others), n, args.window, stride, decode_from, args.batch)
+        with ctx.bar(total, "perplexity") as bar:
+            table = perplexity(ctx.loaded, others, text, window=args.window, stride=stride, max_tokens=max_tokens,
+                               decode_from=decode_from, damp_rows=damp_rows, batch=args.batch, progress=bar.update)
+        return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
+                if row["config"] in {c.name for c in missing}}
+
+    results = ctx.per_config("perplexity", members, damp_rows, params, compute, text=text)
+    _print_table(pd.DataFrame([r.data["row"] for r in results.values()]))
     return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from pace_core.analysis.generation import generate_side_by_side
+    import pandas as pd
+
+    from pace_core.analysis.generation import generate_side_by_side, generation_progress_total
+    from pace_core.config import get_config
 
     ctx = _context(args)
     cfgs, damp_rows = ctx.prepared(args.configs)
-    params = {**ctx.config_params(cfgs, damp_rows), "prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
-              "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "modes": args.modes}
-    key, found = ctx.cached("generation", params)
-    if _reuse(found, "generations"):
-        return 0
-    with ctx.bar(len(args.modes) * (1 + sum(c.name != "fp32" for c in cfgs)), "generate") as bar:
-        table = generate_side_by_side(ctx.loaded, cfgs, args.prompt, max_new_tokens=args.max_new_tokens,
-                                      modes=args.modes, seed=args.seed, temperature=args.temperature,
-                                      top_p=args.top_p, damp_rows=damp_rows, progress=bar.update)
+    params = {"prompt": args.prompt, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+              "temperature": args.temperature, "top_p": args.top_p, "modes": args.modes}
+    reference = get_config("fp32")
+    members = [reference] + [c for c in cfgs if c.name != reference.name]
+
+    def compute(missing: list, stored: dict) -> dict:
+        others = [c for c in missing if c.name != reference.name]
+        kept = stored[reference.name].table if reference.name in stored else None
+        with ctx.bar(generation_progress_total(args.modes, args.max_new_tokens), "generate") as bar:
+            table = generate_side_by_side(ctx.loaded, others, args.prompt, max_new_tokens=args.max_new_tokens,
+                                          modes=args.modes, seed=args.seed, temperature=args.temperature,
+                                          top_p=args.top_p, damp_rows=damp_rows, reference_rows=kept,
+                                          progress=bar.update)
+        return {c.name: ({"prompt": args.prompt}, table[table.config == c.name].reset_index(drop=True))
+                for c in missing}
+
+    results = ctx.per_config("generation", members, damp_rows, params, compute)
+    table = pd.concat([r.table for r in results.values()], ignore_index=True)
     _print_table(table, ["mode", "config", "first_divergence", "ref_nll", "ref_agreement", "text"])
-    ctx.save("generation", key, {"prompt": args.prompt}, table, configs=cfgs)
     return 0
 
 
@@ -320,13 +361,43 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_claims(args: argparse.Namespace) -> int:
+    """The seed's claims measured (pace_core.analysis.claims), stored as kind 'claims'."""
+    import pandas as pd
+
+    from pace_core.analysis.claims import claims_progress_total, claims_table, measure_claims
+    from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
+    from pace_core.config import config_to_dict
+
+    ctx = _context(args)
+    text = args.text or str(TEST_TEXT)
+    params = {"text": _sha(text), "max_tokens": args.max_tokens, "window": args.window, "seeds": args.seeds, "drift_tokens": args.drift_tokens, "calibration_tokens": args.calibration_tokens}
+    (pace48, *_), damp_rows = ctx.prepared(["pace-4-8", "damp-int4", "damp-int8"])
+    key, found = ctx.cached("claims", {**params, "pace-4-8": config_to_dict(pace48)})
+    if _reuse(found, "claims"):
+        return 0
+    n = tokenize(ctx.loaded.tokenizer, read_text(text), args.max_tokens or None).shape[1]
+    with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, args.window // 2, args.batch,
+                                       args.drift_tokens), "claims") as bar:
+        report = measure_claims(ctx.loaded, text, pace48, max_tokens=args.max_tokens or None, window=args.window,
+                                stride=args.window // 2, batch=args.batch, seeds=args.seeds,
+                                drift_tokens=args.drift_tokens, damp_rows=damp_rows, progress=bar.update)
+    table = claims_table(report)
+    _print_table(table)
+    _print_table(pd.DataFrame(report["main"]))
+    ctx.save("claims", key, report, table, configs=[pace48], text=text)
+    return 0
+
+
 def run_all(args: argparse.Namespace) -> int:
-    """calibrate (pace-4-8), export, sweep, drift, perplexity, generate with the given settings."""
+    """calibrate (pace-4-8), export, structure, sweep, drift, perplexity, generate and claims with the given
+    settings (the claims on the perplexity text and tokens)."""
     steps: list[tuple[str, Callable[[argparse.Namespace], int], dict[str, Any]]] = [
         ("calibrate", run_calibrate, {"config": "pace-4-8", "text": args.calibration_text,
                                       "tokens": args.calibration_tokens, "sample_every": 64}),
         ("export", run_export, {"config": "pace-4-8", "text": args.calibration_text,
                                 "tokens": args.calibration_tokens, "sample_every": 64, "output": None}),
+        ("structure", run_structure, {"text": None, "tokens": 1024, "threshold": 4.0}),
         ("sweep", run_sweep, {**_SWEEP_DEFAULTS, "text": None, "tokens": args.sweep_tokens,
                               "decode_tokens": args.sweep_decode_tokens}),
         ("drift", run_drift, {"configs": list(args.configs), "text": None, "tokens": args.drift_tokens,
@@ -336,6 +407,8 @@ def run_all(args: argparse.Namespace) -> int:
                                         "decode_from": None, "prefill_only": False, "batch": args.ppl_batch}),
         ("generate", run_generate, {"configs": list(args.configs), "prompt": DEFAULT_PROMPT, "max_new_tokens": args.max_new_tokens,
                                     "seed": 0, "temperature": 0.8, "top_p": 0.95, "modes": ["greedy", "sampled"]}),
+        ("claims", run_claims, {"text": args.ppl_text, "max_tokens": args.ppl_tokens, "window": 512,
+                                "batch": args.ppl_batch, "seeds": 5, "drift_tokens": 512}),
     ]
     for name, run, extra in steps:
         print(f"== {name}")
@@ -375,7 +448,7 @@ def _configs_arg(p: argparse.ArgumentParser, default=DEFAULT_CONFIGS) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add calibrate, export, drift, structure, perplexity, generate, sweep and all."""
+    """Add calibrate, export, drift, structure, perplexity, generate, sweep, claims and all."""
     p = subparsers.add_parser("calibrate", help="head calibration (a_h, e_h, E_h, 8-bit heads) on a text")
     _common(p)
     p.add_argument("--config", default="pace-4-8", help="configuration to calibrate (default pace-4-8)")
@@ -463,7 +536,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the last this many tokens are decoded, the rest prefilled (default 128)")
     p.set_defaults(func=run_sweep)
 
-    p = subparsers.add_parser("all", help="the full result set: calibrate, export, sweep, drift, perplexity, generate")
+    p = subparsers.add_parser("claims", help="the seed's claims measured, each with its margin, and the main table")
+    _common(p)
+    p.add_argument("--text", help="held-out text (default wikitext2-test)")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=0,
+                   help="score the first this many tokens, 0 for the whole text (default 0)")
+    p.add_argument("--window", type=int, default=512, help="perplexity window, stride half of it (default 512)")
+    p.add_argument("--batch", type=int, default=8, help="windows per batch (default 8; larger is faster on a GPU)")
+    p.add_argument("--seeds", type=int, default=5, help="random allocations for claim (c) (default 5)")
+    p.add_argument("--drift-tokens", dest="drift_tokens", type=int, default=512,
+                   help="tokens of the drift sequence for the state errors, the second half decoded (default 512)")
+    p.set_defaults(func=run_claims)
+
+    p = subparsers.add_parser("all", help="the full result set: calibrate, export, structure, sweep, drift, perplexity, "
+                                          "generate, claims")
     _common(p)
     _configs_arg(p, ALL_CONFIGS)
     p.add_argument("--sweep-tokens", dest="sweep_tokens", type=int, default=2048, help="sweep tokens (default 2048)")

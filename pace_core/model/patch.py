@@ -51,7 +51,7 @@ from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.recurrence import prepare_qk
 from pace_core.shapes import ModelShape, shape_from_hf_config
-from pace_core.state_store import StateStore
+from pace_core.state_store import StateStore, StoreStack
 
 CORE_FUNCTIONS: tuple[str, str] = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 """Names of the GDN core functions in transformers' modeling modules: (prefill, decode step)."""
@@ -241,8 +241,7 @@ def core_inputs(module: nn.Module, arguments: dict) -> tuple[torch.Tensor, ...]:
 def _run_pace(call: _Call, decode: bool, bound: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The PACE replacement of one core call; returns ``(o [B, T, HV, V], empty state or None)``."""
     q, k, v, g, beta = core_inputs(call.module, bound)
-    layer = int(call.module.layer_idx)
-    o = (call.store.decode if decode else call.store.prefill)(layer, q, k, v, g, beta)
+    o = call.store.run(int(call.module.layer_idx), q, k, v, g, beta, decode)
     final = None
     if bound.get("output_final_state", False):
         B, _, HV, V = v.shape
@@ -352,6 +351,51 @@ def remove_pace(model: nn.Module) -> None:
     model.__dict__.pop(_CONFIG_ATTR, None)
     model.__dict__.pop(_DAMP_ATTR, None)
     _unhook_if_idle(model)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackKey:
+    """The configuration of a model running a :class:`~pace_core.state_store.StoreStack` (its members'
+    configurations): what a cache filled by it is checked against."""
+
+    configs: tuple[PaceConfig, ...]
+
+
+@contextlib.contextmanager
+def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *,
+            damp_rows: list[list[torch.Tensor] | None] | None = None, device: torch.device | None = None
+            ) -> Iterator[tuple[object, StoreStack]]:
+    """Run several configurations in one batch inside the block: yields ``(cache, stack)``, a fresh
+    transformers cache whose forwards give rows ``[i·rows, (i+1)·rows)`` to ``configs[i]`` (a
+    :class:`~pace_core.state_store.StoreStack`; ``damp_rows[i]``: member i's DAMP outlier rows). Feed the
+    cache to the model's forwards; the model's previous PACE configuration comes back afterwards."""
+    from transformers import DynamicCache
+
+    modules = _modules_or_refuse(model)
+    if _SHAPE_ATTR not in model.__dict__:
+        model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
+    shape: ModelShape = model.__dict__[_SHAPE_ATTR]
+    device = device if device is not None else next(model.parameters()).device
+    layers = [i for i, _ in modules]
+    stores = [StateStore(cfg, shape, rows, device, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v,
+                         layers, damp_rows=None if damp_rows is None else damp_rows[i])
+              for i, cfg in enumerate(configs)]
+    stack = StoreStack(stores, rows)
+    key = StackKey(tuple(configs))
+    cache = DynamicCache(config=model.config)
+    setattr(cache, _STORE_ATTR, stack)
+    setattr(cache, _STORE_CONFIG_ATTR, key)
+    previous, previous_rows = model.__dict__.get(_CONFIG_ATTR), model.__dict__.get(_DAMP_ATTR)
+    model.__dict__[_CONFIG_ATTR] = key
+    _hook(model)
+    try:
+        yield cache, stack
+    finally:
+        model.__dict__.pop(_CONFIG_ATTR, None)
+        if previous is None:
+            remove_pace(model)
+        else:
+            apply_pace(model, previous, damp_rows=previous_rows)
 
 
 @contextlib.contextmanager
