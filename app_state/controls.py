@@ -233,14 +233,24 @@ def read_url_once() -> list[str]:
     return problems
 
 
-def current_config() -> PaceConfig:
-    """The validated PaceConfig of the sidebar controls (PaceError when the combination is invalid)."""
+def _control_fields() -> dict:
+    """The settings the sidebar controls hold, as PaceConfig fields."""
     fields = {c.field: st.session_state[c.key] for c in CONTROLS}
     if fields["method"] == "none":
         fields["bits"] = 32 if fields["reference_dtype"] == "float32" else 16
+    return fields
+
+
+def current_config() -> PaceConfig:
+    """The validated PaceConfig of the sidebar controls (PaceError when the combination is invalid). It
+    is named after its preset, or after an imported configuration while the controls hold its settings,
+    else 'custom'."""
+    fields = _control_fields()
     base = get_config(st.session_state["preset"])
     changed = {k: v for k, v in fields.items() if getattr(base, k) != v}
-    cfg = base.replace(name="custom", **changed) if changed else base
+    imported = st.session_state.get("imported_name")
+    name = imported[1] if imported is not None and imported[0] == fields else "custom"
+    cfg = base.replace(name=name, **changed) if changed else base
     stored = st.session_state.get("allocation")
     if stored is not None and cfg.high_share > 0 and stored[0] == allocation_key(cfg):
         cfg = cfg.replace(high_heads=stored[1])
@@ -272,6 +282,7 @@ def load_config(cfg: PaceConfig) -> None:
         st.session_state["preset"] = cfg.name
     for control in CONTROLS:
         st.session_state[control.key] = _closest(control, getattr(cfg, control.field))
+    st.session_state["imported_name"] = (_control_fields(), cfg.name)
     if cfg.high_heads is not None:
         set_allocation(cfg, cfg.high_heads)
 

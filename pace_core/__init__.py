@@ -4,3 +4,15 @@ Never imports streamlit; the dashboard (app.py, pages/) only calls into this pac
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__", "apply"]
+
+
+def __getattr__(name: str):
+    """``pace_core.apply`` (:func:`pace_core.model.deploy.apply`), imported on first use: importing the
+    package stays free of transformers."""
+    if name == "apply":
+        from pace_core.model.deploy import apply
+
+        return apply
+    raise AttributeError(f"module 'pace_core' has no attribute {name!r}")

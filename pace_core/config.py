@@ -6,12 +6,16 @@ A :class:`PaceConfig` is valid from construction on (``__post_init__`` validates
 model (a group size dividing the real axis, the per-layer 8-bit heads) is checked by
 :meth:`PaceConfig.validate_for`.
 
-JSON (``schema_version`` 2) is shaped like compressed-tensors' ``kv_cache_scheme``
+Two JSON forms. The complete record (:func:`config_to_dict`, ``schema_version`` 3, every field) is what
+result caches key on and results store. The deployable export (``schema_version`` 4,
+:mod:`pace_core.export`) adds the model, the state layout and the resident bits and keeps only the
+settings the method reads; :func:`document_from_json` reads both. The record is shaped like
+compressed-tensors' ``kv_cache_scheme``
 (``QuantizationArgs``: ``num_bits``, ``type``, ``symmetric``, ``strategy``, ``group_size``,
 ``scale_dtype``, ``zp_dtype``) under the key ``state_cache_scheme``, with the PACE settings under
 ``pace``::
 
-    {"schema_version": 2,
+    {"schema_version": 3,
      "producer": {"name": "pace-studio", "version": "0.1.0"},
      "model": "qwen3.5-27b" | null,
      "state_cache_scheme": {"num_bits": 4, "type": "int", "symmetric": false, "strategy": "group",
@@ -71,6 +75,9 @@ HIGH_SHARE_METHODS: tuple[str, ...] = ("rtn", "pace")
 """Methods whose heads may be split into low- and high-bit heads."""
 
 SCHEMA_VERSION = 3
+"""The schema of the complete record (:func:`config_to_dict`), which result caches key on."""
+READ_SCHEMA_VERSION = 4
+"""The newest schema read: the deployable export of :mod:`pace_core.export`."""
 PRODUCER_NAME = "pace-studio"
 
 
@@ -458,22 +465,32 @@ def _high_heads_from_json(value: Any) -> tuple[tuple[int, ...], ...] | None:
 
 
 def config_from_dict(d: dict) -> PaceConfig:
-    """The PaceConfig of a JSON document made by :func:`config_to_dict` (schema version 1 or 2).
+    """The PaceConfig of a configuration document (:func:`document_from_dict`)."""
+    return document_from_dict(d).config
+
+
+def document_from_dict(d: dict) -> ConfigDocument:
+    """A configuration document: a complete record made by :func:`config_to_dict` (schema 1..3) or a
+    deployable export (schema 4, :mod:`pace_core.export`).
 
     Malformed documents raise PaceError naming the field and what is allowed; a document of a newer
     schema version is rejected (written by a newer PACE Studio)."""
+    newest = READ_SCHEMA_VERSION
     if not isinstance(d, dict):
         raise PaceError(f"config JSON must be an object; got {type(d).__name__}")
-    missing = [k for k in _TOP_KEYS if k not in d]
-    if "schema_version" in missing:
-        raise PaceError(f"config JSON field schema_version is missing; allowed: 1..{SCHEMA_VERSION}")
+    if "schema_version" not in d:
+        raise PaceError(f"config JSON field schema_version is missing; allowed: 1..{newest}")
     version = d["schema_version"]
     if not _is_int(version) or version < 1:
-        raise PaceError(f"config JSON field schema_version={version!r} is not allowed; "
-                        f"allowed: 1..{SCHEMA_VERSION}")
-    if version > SCHEMA_VERSION:
+        raise PaceError(f"config JSON field schema_version={version!r} is not allowed; allowed: 1..{newest}")
+    if version > newest:
         raise PaceError(f"config JSON field schema_version={version} is newer than this PACE Studio "
-                        f"understands; allowed: 1..{SCHEMA_VERSION} (update pace-studio)")
+                        f"understands; allowed: 1..{newest} (update pace-studio)")
+    if version == newest:
+        from pace_core.export import document_from_export
+
+        return document_from_export(d)
+    missing = [k for k in _TOP_KEYS if k not in d]
     if missing:
         raise PaceError(f"config JSON field {missing[0]} is missing; required: {', '.join(_TOP_KEYS)}")
     for key in ("producer", "provenance"):
@@ -483,11 +500,24 @@ def config_from_dict(d: dict) -> PaceConfig:
         raise PaceError(f"config JSON field model={d['model']!r} is not allowed; allowed: a string or null")
     scheme = _section(d, "state_cache_scheme", _SCHEME_KEYS)
     pace = {**_OLDER_SCHEMA_VALUES, **_section(d, "pace", _PACE_KEYS_BY_SCHEMA[version])}
+    cfg = config_from_sections(scheme, pace, high_heads=_high_heads_from_json(pace["high_heads"]))
+    return ConfigDocument(cfg, d["model"], d["producer"], d["provenance"])
+
+
+def config_from_sections(scheme: Any, pace: dict, *, high_heads: tuple[tuple[int, ...], ...] | None) -> PaceConfig:
+    """The PaceConfig of a ``state_cache_scheme`` object and a complete ``pace`` object (every key of
+    the current schema; ``high_heads`` already decoded), checked against each other."""
+    if not isinstance(scheme, dict):
+        raise PaceError(f"config JSON field 'state_cache_scheme' must be an object; got {type(scheme).__name__}")
+    missing = [k for k in _SCHEME_KEYS if k not in scheme]
+    unknown = [k for k in scheme if k not in _SCHEME_KEYS]
+    if missing or unknown:
+        raise PaceError(f"config JSON field state_cache_scheme.{(missing or unknown)[0]} is "
+                        f"{'missing' if missing else 'unknown'}; allowed: {', '.join(_SCHEME_KEYS)}")
     _check_choice("config JSON field state_cache_scheme.type", scheme["type"], ("int", "float"))
     if (scheme["type"] == "float") != (pace["method"] == "none"):
         raise PaceError(f"config JSON field state_cache_scheme.type={scheme['type']!r} does not match "
                         f"pace.method={pace['method']!r}; allowed: 'float' for method none, 'int' otherwise")
-    high_heads = _high_heads_from_json(pace["high_heads"])
     try:
         cfg = PaceConfig(
             name=pace["name"], method=pace["method"], bits=scheme["num_bits"], high_bits=pace["high_bits"],
@@ -518,37 +548,38 @@ def config_to_json(cfg: PaceConfig, *, model: str | None = None, provenance: dic
 
 def config_from_json(s: str) -> PaceConfig:
     """The PaceConfig of JSON text; malformed JSON raises PaceError with the line and column."""
-    return config_from_dict(_parse_json(s))
+    return document_from_json(s).config
 
 
 @dataclass(frozen=True)
 class ConfigDocument:
-    """A parsed config JSON document: the config plus its model, producer and provenance."""
+    """A parsed config JSON document: the config plus its model (a path or hub id; ``model_info``: the
+    export's whole model object, with the fingerprint and shape, or None), producer and provenance."""
 
     config: PaceConfig
     model: str | None
     producer: dict
     provenance: dict
+    model_info: dict | None = None
 
 
 def document_from_json(s: str) -> ConfigDocument:
-    """Parse config JSON text and keep the model, producer and provenance next to the config."""
-    d = _parse_json(s)
-    cfg = config_from_dict(d)
-    return ConfigDocument(cfg, d["model"], d["producer"], d["provenance"])
+    """Parse config JSON text (any schema :func:`document_from_dict` reads)."""
+    return document_from_dict(parse_json(s))
 
 
-def _parse_json(s: str) -> Any:
+def parse_json(s: str) -> Any:
+    """JSON text -> Python objects; PaceError in the user's words when it is not JSON."""
     if not isinstance(s, str):
         raise PaceError(f"config JSON must be text; got {type(s).__name__}")
     try:
         return json.loads(s)
     except json.JSONDecodeError as e:
-        raise PaceError(f"config JSON is malformed at line {e.lineno} column {e.colno}: {e.msg}; "
-                        "allowed: a JSON object as written by config_to_json") from None
+        raise PaceError(f"this is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); expected a "
+                        "PACE configuration as the Export page or `python -m pace_core export` writes it") from None
     except RecursionError:
-        raise PaceError("config JSON is nested too deeply to read; allowed: a JSON object as written by "
-                        "config_to_json") from None
+        raise PaceError("this JSON is nested too deeply to read; expected a PACE configuration as the Export "
+                        "page or `python -m pace_core export` writes it") from None
 
 
 def resolve_config(spec: str) -> PaceConfig:

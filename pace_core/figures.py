@@ -7,7 +7,6 @@ a pandas DataFrame or an HTML string, so each can be unit-tested without a brows
 from __future__ import annotations
 
 import html
-import json
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -16,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes
-from pace_core.config import PaceConfig, config_to_dict
+from pace_core.config import PaceConfig
 from pace_core.shapes import ModelShape
 
 MIB = 2**20
@@ -303,11 +302,6 @@ def bench_figure(rows: pd.DataFrame, *, x: str, y: str, series: str, title: str,
         ticks = sorted(rows[x].unique())
         fig.update_xaxes(type="log", tickvals=ticks, ticktext=[str(t) for t in ticks])
     return fig
-
-
-def export_json(cfg: PaceConfig, model: str, provenance: Mapping[str, Any]) -> str:
-    """The downloadable configuration document: config_to_dict with model and provenance, indented."""
-    return json.dumps(config_to_dict(cfg, model=model, provenance=dict(provenance)), indent=2)
 
 
 def split_bench_document(doc: Mapping[str, Any]) -> tuple[dict[str, list[dict]], dict[str, Any]]:

@@ -3,18 +3,20 @@
 import streamlit as st
 
 from app_state import compute, controls, frame, session
-from pace_core import figures
-from pace_core.config import PaceConfig, config_from_json
+from pace_core.config import PaceConfig, document_from_json
 from pace_core.errors import PaceError
+from pace_core.export import export_filename, export_json
 from pace_core.results import make_provenance
 
 
 def page(cfg: PaceConfig) -> None:
     """The page body for the sidebar's configuration `cfg`."""
     st.title("Export")
-    st.caption("A compressed-tensors-style `kv_cache_scheme` (num_bits, type, symmetric, strategy, group_size, "
-               "scale_dtype, zp_dtype) plus the PACE fields: group axis, decode and prefill period, buffer "
-               "precision and the per-layer 8-bit heads.")
+    st.caption("One JSON file an engine applies: the model it was made for (path or hub id, weights "
+               "fingerprint, layer and head shape), the state layout (`S [HV, K, V]`, which axis the scale "
+               "groups run along), a compressed-tensors-style `state_cache_scheme`, the settings this method "
+               "reads (8-bit heads keyed by decoder layer, the GDN ordinal beside it) and the resident bits "
+               "with each accounting term.")
 
     if cfg.high_share > 0 and cfg.high_heads is None:
         if session.loaded_model(stop=False) is None:
@@ -29,28 +31,49 @@ def page(cfg: PaceConfig) -> None:
             else:
                 st.info("The per-layer 8-bit heads below were calibrated on the loaded model for these settings "
                         "(see Head ranking).", icon=":material/leaderboard:")
-    text = figures.export_json(cfg, session.model_label(),
-                               make_provenance(session.model_label(), configs=[cfg], command="PACE Studio export"))
+    loaded = session.loaded_model(stop=False)
+    provenance = make_provenance(session.model_label(), configs=[cfg], command="PACE Studio export")
+    try:
+        if loaded is None:
+            text = export_json(cfg.replace(high_heads=None) if cfg.high_heads else cfg, provenance=provenance)
+        else:
+            text = export_json(cfg, shape=loaded.shape, source=loaded.source, weights_fingerprint=loaded.fingerprint,
+                               provenance=provenance)
+    except PaceError as err:
+        st.error(f"This configuration cannot be exported for the loaded model: {err}", icon=":material/block:")
+        return
     left, right = st.columns([3, 2])
     with left:
         st.subheader("Preview")
         st.code(text, language="json")
     with right:
         st.subheader("Download")
-        st.download_button("Download configuration JSON", text, file_name=f"pace-{cfg.name}.json",
+        filename = export_filename(cfg)
+        st.download_button(f"Download {filename}", text, file_name=filename,
                            mime="application/json", key="export_download", type="primary")
+        st.caption("Apply it to a transformers model: `pace_core.apply(model, \"" + filename + "\")`.")
         st.subheader("Import")
         upload = st.file_uploader("A PACE configuration JSON", type=["json"], key="export_upload")
         pasted = st.text_area("…or paste JSON here", key="export_paste", height=140)
+        if upload is not None and pasted.strip():
+            st.warning("A file is uploaded and JSON is pasted: clear one of them to say which to import.",
+                       icon=":material/warning:")
+            return
         raw = upload.getvalue().decode("utf-8", errors="replace") if upload is not None else pasted
         if raw.strip():
             try:
-                imported = config_from_json(raw)
+                doc = document_from_json(raw)
             except PaceError as err:
-                st.error(f"Not a valid PACE configuration: {err}", icon=":material/block:")
-            except ValueError as err:
-                st.error(f"Not valid JSON: {err}", icon=":material/block:")
+                st.error(f"Not a PACE configuration: {err}", icon=":material/block:")
             else:
+                imported = doc.config
+                if doc.model_info is not None and loaded is not None:
+                    try:
+                        from pace_core.export import check_model
+
+                        check_model(doc, loaded.shape, loaded.fingerprint)
+                    except PaceError as err:
+                        st.warning(f"Made for another model: {err}", icon=":material/warning:")
                 st.success(f"Valid configuration '{imported.name}': method {imported.method}, {imported.bits} bits, "
                            f"{imported.group_axis}-axis groups of {imported.group_size}, dP {imported.decode_period}, "
                            f"P {imported.prefill_period}, buffer {imported.buffer}, prompt after decoded tokens: "
@@ -60,7 +83,7 @@ def page(cfg: PaceConfig) -> None:
                     st.warning("Its 8-bit heads were chosen for settings the sidebar does not offer; loading "
                                "drops them and they are chosen again on the loaded model.", icon=":material/warning:")
                     imported = imported.replace(high_heads=None)
-                elif imported.high_heads is not None and (loaded := session.loaded_model(stop=False)) is not None:
+                elif imported.high_heads is not None and loaded is not None:
                     try:
                         imported.validate_heads_for(loaded.shape)
                     except PaceError as err:

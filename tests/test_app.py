@@ -17,7 +17,8 @@ from app_support import REPO_ROOT, app_model_param
 from numerics import fp32_bound, rel
 from pace_core.accounting import resident_bits, state_bytes
 from pace_core.analysis.text import tokenize
-from pace_core.config import config_from_dict, config_to_json, get_config, num_high_heads
+from pace_core.config import config_to_json, document_from_json, get_config, num_high_heads
+from pace_core.export import used_settings
 from pace_core.figures import MIB
 from pace_core.model.capture import run_with_states
 from pace_core.model.loading import load_model
@@ -254,7 +255,9 @@ def test_benchmarks_show_tables_with_provenance(params, tmp_path, monkeypatch):
 
 def test_export_preview_import_and_load(params):
     at = start(params, page="export", preset="pace-4")
-    assert config_from_dict(json.loads(at.code[0].value)) == get_config("pace-4")
+    exported = document_from_json(at.code[0].value)
+    assert exported.config == used_settings(get_config("pace-4")) and exported.model_info["gdn_layers"]
+    assert at.get("download_button")[0].proto.label == "Download pace-4.json"
     at.text_area(key="export_paste").set_value('{"schema_version": 99}').run()
     assert at.error and "schema_version" in at.error[0].value
     assert not at.exception
@@ -269,7 +272,9 @@ def test_export_preview_import_and_load(params):
     check(at)
     assert at.sidebar.select_slider(key="w_bits").value == 5
     assert at.sidebar.selectbox(key="w_axis").value == "value"
-    assert config_from_dict(json.loads(at.code[0].value)) == imported.replace(name="custom")
+    assert document_from_json(at.code[0].value).config == used_settings(imported)  # its name kept
+    at.sidebar.select_slider(key="w_bits").set_value(4).run()
+    assert document_from_json(at.code[0].value).config.name == "custom"  # changed: no longer the import
 
 
 def test_imported_heads_must_fit_the_model_and_memory_takes_calibrated_heads(params, loaded):
@@ -282,7 +287,7 @@ def test_imported_heads_must_fit_the_model_and_memory_takes_calibrated_heads(par
     assert not at.exception and any("do not fit the loaded model" in w.value for w in at.warning)
     at.button(key="export_load").click().run()
     check(at)
-    heads = config_from_dict(json.loads(at.code[0].value)).high_heads  # chosen again on this model
+    heads = document_from_json(at.code[0].value).config.high_heads  # chosen again on this model
     assert heads is not None and len(heads) == L and heads != wrong.high_heads
     n = num_high_heads(0.25, HV)
     fitting = get_config("pace-4-8").replace(name="fitting", high_heads=tuple(tuple(range(n)) for _ in range(L)))
@@ -290,7 +295,7 @@ def test_imported_heads_must_fit_the_model_and_memory_takes_calibrated_heads(par
     check(at)
     at.button(key="export_load").click().run()
     check(at)
-    assert config_from_dict(json.loads(at.code[0].value)).high_heads == fitting.high_heads
+    assert document_from_json(at.code[0].value).config.high_heads == fitting.high_heads
     at.switch_page("pages/memory.py").run()
     check(at)
     assert at.dataframe[0].value["config"][0] == "sidebar: pace-4-8"  # with its calibrated heads

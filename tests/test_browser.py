@@ -127,8 +127,9 @@ def test_slider_moves_and_json_download_validates(server, page):
                                      .some(e => e.innerText.includes('"num_bits": 3'))""", timeout=PAGE_TIMEOUT_MS)
     _settle(page)
     with page.expect_download() as info:
-        page.get_by_role("button", name="Download configuration JSON").click()
+        page.get_by_role("button", name="Download custom.json").click()
     download = info.value
+    assert download.suggested_filename == "custom.json"
     cfg = config_from_json(Path(download.path()).read_text(encoding="utf-8"))
     assert cfg.bits == 3 and cfg.group_axis == "key" and cfg.decode_period == 8
     _assert_no_error(page, "export")

@@ -254,8 +254,9 @@ def _doc(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"schema_version": 4}, "schema_version=4 is newer than this PACE Studio understands; allowed: 1..3"),
-    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..3"),
+    ({"schema_version": 5}, "schema_version=5 is newer than this PACE Studio understands; allowed: 1..4"),
+    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..4"),
+    ({"schema_version": 4}, "the document lacks kind"),  # a complete record labelled as an export
     ({"schema_version": "1"}, "schema_version='1' is not allowed"),
     ({"schema_version": KeyError}, "schema_version is missing"),
     ({"pace": KeyError}, "field pace is missing"),
@@ -310,7 +311,7 @@ def test_older_documents_read_with_the_behaviour_they_were_made_with():
 
 
 def test_malformed_json_text():
-    with pytest.raises(PaceError, match="config JSON is malformed at line 2 column 1"):
+    with pytest.raises(PaceError, match="not valid JSON \\(line 2, column 1"):
         config_from_json('{"schema_version": 1,\n}')
     with pytest.raises(PaceError, match="config JSON must be an object; got list"):
         config_from_json("[1, 2]")

@@ -1,6 +1,5 @@
 """Figure, table and export builders of the dashboard (pace_core.figures) on fresh random inputs."""
 
-import json
 
 import numpy as np
 import pandas as pd
@@ -9,7 +8,7 @@ import torch
 
 from pace_core import figures
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes
-from pace_core.config import config_from_json, config_to_dict, get_config
+from pace_core.config import get_config
 from pace_core.shapes import BUILTIN_SHAPES
 
 
@@ -164,16 +163,6 @@ def test_bench_figure_groups_series_and_checks_columns(rng):
     np.testing.assert_array_equal(np.asarray(fig.data[1].y), rows["us"].to_numpy()[3:])
     with pytest.raises(ValueError, match="missing columns"):
         figures.bench_figure(rows, x="batch", y="ms", series="variant", title="t", y_title="ms")
-
-
-@pytest.mark.parametrize("name", ["pace-4", "pace-4-8", "rtn-int3"])
-def test_export_json_round_trips_with_model_and_provenance(name):
-    cfg = get_config(name).replace(decode_period=int(np.random.default_rng().integers(1, 65)))
-    text = figures.export_json(cfg, "my/model", {"producer": "test", "date": "2026-11-30"})
-    doc = json.loads(text)
-    assert config_from_json(text) == cfg
-    assert doc == config_to_dict(cfg, model="my/model", provenance={"producer": "test", "date": "2026-11-30"})
-    assert "my/model" in text and '"producer": "test"' in text
 
 
 def test_split_bench_document_and_plot_columns(rng):

@@ -187,7 +187,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from pace_core.analysis.text import CALIBRATION_TEXT
-    from pace_core.config import config_to_json
+    from pace_core.export import export_filename, export_json
     from pace_core.results import atomic_write, make_provenance, results_dir
 
     ctx = _context(args)
@@ -197,8 +197,9 @@ def run_export(args: argparse.Namespace) -> int:
     cfg.validate_for(ctx.loaded.shape)
     prov = make_provenance(ctx.model_name, configs=[cfg], text_path=args.text or CALIBRATION_TEXT,
                            command=_command(), extra={"calibration_tokens": args.tokens})
-    text = config_to_json(cfg, model=ctx.model_name, provenance=prov)
-    out = Path(args.output) if args.output else results_dir(ctx.model_name, args.out) / f"config-{cfg.name}.json"
+    text = export_json(cfg, shape=ctx.loaded.shape, source=ctx.loaded.source, weights_fingerprint=ctx.loaded.fingerprint,
+                       provenance=prov)
+    out = Path(args.output) if args.output else results_dir(ctx.model_name, args.out) / f"config-{export_filename(cfg)}"
     atomic_write(out, lambda p: p.write_text(text, encoding="utf-8"))
     print(f"wrote {out}")
     return 0

@@ -1,0 +1,67 @@
+"""pace_core.apply: one call applies an exported configuration to a transformers model, or refuses."""
+
+import json
+
+import pytest
+import torch
+
+import pace_core
+from pace_core.config import get_config
+from pace_core.errors import PaceError
+from pace_core.export import export_json
+from pace_core.model.loading import load_model
+from pace_core.model.patch import current_config, pace, remove_pace
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints):
+    return load_model(tiny_checkpoints["qwen3_5_text"])
+
+
+def _export(loaded, cfg, tmp_path, **changes):
+    doc = json.loads(export_json(cfg, shape=loaded.shape, source=loaded.source, weights_fingerprint=loaded.fingerprint))
+    doc["model"].update(changes)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _greedy(model, ids):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+
+
+def test_apply_runs_the_exported_configuration(loaded, tmp_path):
+    cfg = get_config("pace-4").replace(prefill_period=4)
+    path = _export(loaded, cfg, tmp_path)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with pace(loaded.model, cfg):
+        expected = _greedy(loaded.model, ids)
+    try:
+        assert pace_core.apply(loaded.model, path) == cfg
+        assert current_config(loaded.model) == cfg
+        assert torch.equal(_greedy(loaded.model, ids), expected)  # the same code on the same inputs
+        assert pace_core.apply(loaded.model, "rtn-int4").name == "rtn-int4"  # a name works too
+    finally:
+        remove_pace(loaded.model)
+
+
+@pytest.mark.parametrize("changes, message", [({"num_v_heads": 8}, "num_v_heads 8 in the file"),
+                                              ({"gdn_layers": [0, 1]}, "gdn_layers"),
+                                              ({"weights_fingerprint": "0" * 16}, "other weights")])
+def test_a_file_for_another_model_is_refused(loaded, tmp_path, changes, message):
+    with pytest.raises(PaceError, match=message):
+        pace_core.apply(loaded.model, _export(loaded, get_config("pace-4"), tmp_path, **changes))
+    assert current_config(loaded.model) is None
+
+
+def test_what_needs_calibration_or_cannot_be_read_is_refused(loaded, tmp_path):
+    with pytest.raises(PaceError, match="does not say which"):
+        pace_core.apply(loaded.model, "pace-4-8")
+    with pytest.raises(PaceError, match="outlier rows"):
+        pace_core.apply(loaded.model, "damp-int4")
+    with pytest.raises(PaceError, match="cannot be read"):
+        pace_core.apply(loaded.model, tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(PaceError, match="not valid JSON"):
+        pace_core.apply(loaded.model, tmp_path / "bad.json")
