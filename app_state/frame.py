@@ -4,6 +4,7 @@ setting), and the page body run so that a failure is shown as a message and the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import streamlit as st
@@ -14,6 +15,9 @@ from app_state.controls import (CONTROLS, MODEL_KINDS, NAMED_CONFIGS, QUANT_ONLY
                                 sync, write_url)
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+
+ICON = Path(__file__).resolve().parents[1] / "data" / "icon.png"
+"""The favicon, a local file: an emoji or material icon would be fetched from an outside host."""
 
 def sidebar() -> PaceConfig:
     """The shared sidebar: model, device, starting configuration and every setting (mirrored into
@@ -78,7 +82,7 @@ def run_page(body: Callable[[PaceConfig], None]) -> None:
     keeps running. (Each page calls this itself, so a page also works when streamlit runs its file
     directly, as it does for a deep link on a fresh server because the folder is named pages/.)
     """
-    st.set_page_config(page_title="PACE Studio", page_icon=":material/calculate:", layout="wide")
+    st.set_page_config(page_title="PACE Studio", page_icon=str(ICON), layout="wide")
     cfg = sidebar()
     try:
         body(cfg)

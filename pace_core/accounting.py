@@ -225,11 +225,42 @@ def state_share(cfg: PaceConfig, shape: ModelShape, n_seq: int, *, weight_bytes_
     return state / total if total else 0.0
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """How many sequences fit in a memory budget beside the weights (:func:`capacity`)."""
+
+    sequences: int
+    weight_bytes: int
+    fixed_bytes: int  # stored once however many sequences: head maps, DAMP's row indices
+    state_bytes_per_sequence: int
+    kv_bytes_per_sequence: int
+    state_bytes: int
+    state_share: float
+
+
+def capacity(cfg: PaceConfig, shape: ModelShape, budget_bytes: int, *, weight_bits: int | None = None,
+             context: int = 0) -> Capacity:
+    """The most concurrent sequences whose recurrent states (exact bytes, :func:`state_bytes`) and, at
+    ``context`` tokens each, the full-attention layers' bf16 KV cache (``shape.kv_bytes_per_token``) fit
+    in ``budget_bytes`` after the weights (``weight_params · weight_bits / 8``; default the shape's own
+    bytes per parameter). ``state_share``: the states' share of the budget at that count."""
+    _check_n(budget_bytes, "budget_bytes")
+    _check_n(context, "context")
+    bits = 8 * shape.weight_bytes_per_param if weight_bits is None else weight_bits
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
+        raise PaceError(f"weight_bits={bits!r} is not allowed; allowed: an integer >= 1 (16 bf16, 8 fp8, 4 int4)")
+    weights = -(-shape.weight_params * bits // 8)
+    one, two = state_bytes(cfg, shape, 1), state_bytes(cfg, shape, 2)
+    per_state, fixed = two - one, 2 * one - two
+    kv = shape.kv_bytes_per_token * context
+    n = max((budget_bytes - weights - fixed) // (per_state + kv), 0)
+    state = state_bytes(cfg, shape, n) if n else 0
+    return Capacity(sequences=n, weight_bytes=weights, fixed_bytes=fixed, state_bytes_per_sequence=per_state,
+                    kv_bytes_per_sequence=kv,
+                    state_bytes=state, state_share=state / budget_bytes if budget_bytes else 0.0)
+
+
 def sequences_that_fit(cfg: PaceConfig, shape: ModelShape, budget_bytes: int) -> int:
     """The most sequences whose resident state fits in `budget_bytes` after the weights
-    (``shape.weight_bytes``); 0 when the weights alone do not fit."""
-    _check_n(budget_bytes, "budget_bytes")
-    one, two = state_bytes(cfg, shape, 1), state_bytes(cfg, shape, 2)
-    per_seq, fixed = two - one, 2 * one - two
-    free = budget_bytes - shape.weight_bytes - fixed
-    return max(free // per_seq, 0)
+    (``shape.weight_bytes``); 0 when the weights alone do not fit (:func:`capacity` without KV)."""
+    return capacity(cfg, shape, budget_bytes).sequences

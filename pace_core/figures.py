@@ -231,8 +231,11 @@ def resident_bits_figure(table: pd.DataFrame) -> go.Figure:
     fig.add_trace(go.Scatter(x=table["config"], y=table["resident"], mode="text",
                              text=[f"{v:.2f}" for v in table["resident"]], textposition="top center",
                              showlegend=False, hoverinfo="skip"))
-    fig.update_layout(barmode="stack", height=420, yaxis_title="resident bits per state value",
+    fig.update_layout(barmode="stack", height=420, yaxis_title="resident bits per state value (log scale)",
                       margin=dict(t=30, l=60, r=20, b=80), legend=dict(orientation="h", y=1.08))
+    # log scale: the 16- and 32-bit references stay on the chart without squashing the 4-8-bit bars
+    fig.update_yaxes(type="log", tickvals=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32],
+                     range=[0, np.log10(max(float(table["resident"].max()), 8.0) * 1.3)])
     return fig
 
 
@@ -267,6 +270,27 @@ def fit_table(configs: Mapping[str, PaceConfig], shapes: Mapping[str, ModelShape
                 row[f"sequences in {budget}"] = sequences_that_fit(cfg, shape, int(gb * GB))
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def capacity_figure(curves: Mapping[str, tuple[int, int]], weight_bytes: int, budget_bytes: int,
+                    max_sequences: int) -> go.Figure:
+    """Memory used (GB) against concurrent sequences N: weights + N · (state + KV) for each configuration
+    ``{label: (bytes per sequence, bytes stored once)}``, the budget as a line, each maximum marked."""
+    fig = go.Figure()
+    xs = np.unique(np.linspace(0, max(max_sequences, 1), 200).astype(np.int64))
+    for label, (per_seq, fixed) in curves.items():
+        ys = (weight_bytes + fixed + xs * per_seq) / GB
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=label,
+                                 hovertemplate=f"{label}<br>N = %{{x}}: %{{y:.1f}} GB<extra></extra>"))
+        n = max((budget_bytes - weight_bytes - fixed) // per_seq, 0)
+        fig.add_trace(go.Scatter(x=[n], y=[(weight_bytes + fixed + n * per_seq) / GB], mode="markers+text",
+                                 text=[f"{n:,}"], textposition="top left", marker=dict(size=9), showlegend=False,
+                                 hovertemplate=f"{label}: at most {n:,} sequences<extra></extra>"))
+    fig.add_hline(y=budget_bytes / GB, line_dash="dash", annotation_text="GPU memory", annotation_position="top left")
+    fig.add_hline(y=weight_bytes / GB, line_dash="dot", annotation_text="weights", annotation_position="bottom right")
+    fig.update_layout(height=400, xaxis_title="concurrent sequences N", yaxis_title="memory used (GB, 10⁹ bytes)",
+                      margin=dict(t=30, l=60, r=20, b=50), legend=dict(orientation="h", y=1.1))
+    return fig
 
 
 def generation_html(pieces: Sequence[str], divergence: int | None) -> str:

@@ -30,6 +30,8 @@ class ModelShape:
     """State geometry and weight size of one hybrid model.
 
     ``gdn_layers``: decoder-layer indices of the GDN layers (ascending), or None when unknown.
+    ``attention_kv_heads``, ``attention_head_dim``: the full-attention layers' key / value heads and head
+    size (0 when unknown), for their KV cache in capacity planning.
     """
 
     name: str
@@ -42,6 +44,8 @@ class ModelShape:
     weight_params: int
     weight_bytes_per_param: int = 2
     gdn_layers: tuple[int, ...] | None = None
+    attention_kv_heads: int = 0
+    attention_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_gdn_layers", "num_k_heads", "num_v_heads", "d_k", "d_v",
@@ -77,6 +81,11 @@ class ModelShape:
     def state_values(self) -> int:
         """State values of one sequence over all GDN layers."""
         return self.num_gdn_layers * self.state_values_per_layer
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of the full-attention layers' bf16 KV cache per token of one sequence (0 when unknown)."""
+        return 2 * 2 * self.attention_kv_heads * self.attention_head_dim * (self.num_layers - self.num_gdn_layers)
 
     @property
     def weight_bytes(self) -> int:
@@ -155,7 +164,7 @@ def _published_shape(name: str, config: dict[str, Any]) -> ModelShape:
     gdn = _interval_layers(layers, config["full_attention_interval"])
     return ModelShape(name, layers, len(gdn), config["linear_num_key_heads"], config["linear_num_value_heads"],
                       config["linear_key_head_dim"], config["linear_value_head_dim"], PUBLISHED_WEIGHT_PARAMS[name],
-                      WEIGHT_BYTES[config["dtype"]], gdn)
+                      WEIGHT_BYTES[config["dtype"]], gdn, config["num_key_value_heads"], config["head_dim"])
 
 
 BUILTIN_SHAPES: dict[str, ModelShape] = {name: _published_shape(name, c) for name, c in PUBLISHED_CONFIGS.items()}
@@ -232,7 +241,8 @@ def shape_from_hf_config(config: Any, *, name: str | None = None) -> ModelShape:
             num_k_heads=text.linear_num_key_heads, num_v_heads=text.linear_num_value_heads,
             d_k=text.linear_key_head_dim, d_v=text.linear_value_head_dim,
             weight_params=count_weight_params(hf), weight_bytes_per_param=WEIGHT_BYTES.get(dtype_name, 2),
-            gdn_layers=gdn)
+            gdn_layers=gdn, attention_kv_heads=getattr(text, "num_key_value_heads", 0) or 0,
+            attention_head_dim=getattr(text, "head_dim", 0) or 0)
     except PaceError as e:
         raise PaceError(f"config of {label}: {e}") from None
 

@@ -5,6 +5,7 @@ import streamlit as st
 
 from app_state import frame, session, stored
 from pace_core import figures
+from pace_core.accounting import capacity
 from pace_core.config import NAMED_CONFIGS, PaceConfig
 from pace_core.shapes import BUILTIN_SHAPES
 
@@ -61,6 +62,8 @@ def page(cfg: PaceConfig) -> None:
         st.plotly_chart(figures.sweep_figure(result.table, error), key="memory_sweep_chart")
         st.dataframe(result.table, hide_index=True, key="memory_sweep_table")
 
+    _planner(cfg, shapes, shape_name)
+
     st.subheader("Sequences that fit beside the weights")
     custom_gb = st.number_input("Custom budget (GB, 10⁹ bytes)", min_value=1.0, max_value=10000.0, value=48.0,
                                 step=1.0, key="memory_budget",
@@ -72,6 +75,53 @@ def page(cfg: PaceConfig) -> None:
     fit_models.update({k: v for k, v in shapes.items() if k != shape_name})
     fits = figures.fit_table(configs, fit_models, budgets)
     st.dataframe(fits.style.format({"state MiB / sequence": "{:.3f}"}), hide_index=True, key="memory_fit_table")
+
+
+WEIGHT_PRECISIONS = {"bf16 (16 bits)": 16, "fp8 (8 bits)": 8, "int4 (4 bits)": 4}
+
+
+def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> None:
+    """Capacity planner: the most concurrent sequences in a GPU's memory with fp32, bf16 and the chosen
+    state (pace_core.accounting.capacity), the state's share of the memory, the gain, and a chart over N."""
+    st.subheader("Capacity planner")
+    st.caption("How many sequences a GPU serves at once: weights + per sequence its recurrent states (exact "
+               "stored bytes) and the full-attention layers' bf16 KV cache at the context length. Activations "
+               "and the engine's own buffers are not counted.")
+    c1, c2, c3, c4 = st.columns(4)
+    gpus = {**figures.GPU_BUDGETS_GB, "custom": None}
+    gpu = c1.selectbox("GPU memory", list(gpus), index=1, key="plan_gpu")
+    gb = gpus[gpu] if gpus[gpu] is not None else c1.number_input(
+        "GPU memory (GB, 10⁹ bytes)", min_value=1.0, max_value=100000.0, value=96.0, step=1.0, key="plan_gb")
+    name = c2.selectbox("Model", list(shapes), index=list(shapes).index(default_shape), key="plan_model")
+    weights = c3.selectbox("Weights", list(WEIGHT_PRECISIONS), key="plan_weights")
+    context = c4.number_input("Context length (tokens)", min_value=0, max_value=1 << 20, value=8192, step=1024,
+                              key="plan_context")
+    shape, budget = shapes[name], int(gb * figures.GB)
+    if not shape.kv_bytes_per_token:
+        st.caption(f"{name}: the attention layers' head shape is unknown, so their KV cache is not counted.")
+    configs = {"fp32": NAMED_CONFIGS["fp32"], "bf16": NAMED_CONFIGS["bf16"], f"chosen: {cfg.name}": cfg}
+    caps = {label: capacity(c, shape, budget, weight_bits=WEIGHT_PRECISIONS[weights], context=int(context))
+            for label, c in configs.items()}
+    chosen = caps[f"chosen: {cfg.name}"]
+    if chosen.sequences == 0:
+        st.warning(f"The weights of {name} in {weights} ({chosen.weight_bytes / figures.GB:.1f} GB) leave no room "
+                   f"for a sequence in {gb:g} GB: choose more memory or lower-precision weights.",
+                   icon=":material/memory:")
+        return
+    cols = st.columns(len(caps) + 1)
+    for col, (label, cap) in zip(cols, caps.items()):
+        col.metric(f"max sequences, {label}", f"{cap.sequences:,}",
+                   help=f"state {cap.state_bytes_per_sequence / figures.MIB:.2f} MiB + KV "
+                        f"{cap.kv_bytes_per_sequence / figures.MIB:.1f} MiB per sequence")
+    gain = chosen.sequences / max(caps["bf16"].sequences, 1)
+    cols[-1].metric("gain over bf16 states", f"{gain:.2f}×",
+                    help=f"over fp32 states: {chosen.sequences / max(caps['fp32'].sequences, 1):.2f}×")
+    st.caption(f"At its maximum the chosen state takes {chosen.state_share:.1%} of the {gb:g} GB "
+               f"(fp32 states: {caps['fp32'].state_share:.1%}).")
+    curves = {label: (cap.state_bytes_per_sequence + cap.kv_bytes_per_sequence, cap.fixed_bytes)
+              for label, cap in caps.items()}
+    st.plotly_chart(figures.capacity_figure(curves, chosen.weight_bytes, budget, int(chosen.sequences * 1.15)),
+                    key="plan_chart")
 
 
 frame.run_page(page)

@@ -3,6 +3,7 @@ import torch
 
 from pace_core.accounting import (
     buffer_c,
+    capacity,
     high_head_counts,
     resident_bits,
     sequences_that_fit,
@@ -14,7 +15,7 @@ from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.outliers import DampQuantizer, dsq_quantize
 from pace_core.quant import quantize, quantize_heads
-from pace_core.shapes import BUILTIN_SHAPES, PAPER_BACKBONES, ModelShape
+from pace_core.shapes import BUILTIN_SHAPES, PAPER_BACKBONES, ModelShape, get_shape
 
 S4, S27 = BUILTIN_SHAPES["qwen3.5-4b"], BUILTIN_SHAPES["qwen3.5-27b"]
 GAMMA2 = ("qwen3.5-4b", "qwen3.5-9b", "qwen3.6-35b-a3b")
@@ -235,3 +236,33 @@ def test_high_head_counts():
     assert high_head_counts(cal, SMALL) == (1, 1)
     with pytest.raises(PaceError, match="high_heads has 2 layers; allowed: one per GDN layer of qwen3.5-4b"):
         resident_bits(cal, S4)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "pace-4", "pace-4-8", "damp-int4"])
+@pytest.mark.parametrize("shape_name, weight_bits, context", [("qwen3.5-4b", 16, 0), ("qwen3.5-27b", 8, 8192),
+                                                             ("qwen3.6-35b-a3b", 4, 32768)])
+def test_capacity_is_the_largest_count_that_fits(name, shape_name, weight_bits, context):
+    """N sequences fit and N + 1 do not: weights + exact state bytes of N + N · context · KV bytes per token."""
+    cfg, shape = get_config(name), get_shape(shape_name)
+    budget = int(141e9)
+    cap = capacity(cfg, shape, budget, weight_bits=weight_bits, context=context)
+    weights = shape.weight_params * weight_bits // 8
+    kv = shape.kv_bytes_per_token * context
+
+    def used(n):
+        return weights + state_bytes(cfg, shape, n) + n * kv
+
+    assert cap.sequences > 0 and used(cap.sequences) <= budget < used(cap.sequences + 1)
+    assert cap.state_share == state_bytes(cfg, shape, cap.sequences) / budget
+    # the KV cache: K and V, bf16, per full-attention layer (Qwen3.5-27B: 16 of 64 layers, 4 KV heads of 256)
+    if shape_name == "qwen3.5-27b":
+        assert shape.kv_bytes_per_token == 2 * 2 * 4 * 256 * 16
+    assert sequences_that_fit(cfg, shape, budget) == capacity(cfg, shape, budget).sequences
+
+
+def test_capacity_refuses_bad_input():
+    with pytest.raises(PaceError, match="weight_bits=0"):
+        capacity(get_config("pace-4"), get_shape("qwen3.5-4b"), 10**9, weight_bits=0)
+    with pytest.raises(PaceError, match="context=-1"):
+        capacity(get_config("pace-4"), get_shape("qwen3.5-4b"), 10**9, context=-1)
+    assert capacity(get_config("pace-4"), get_shape("qwen3.5-27b"), 10**9).sequences == 0  # weights do not fit

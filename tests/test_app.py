@@ -15,7 +15,7 @@ from streamlit.testing.v1 import AppTest
 from app_state import compute, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
 from numerics import fp32_bound, rel
-from pace_core.accounting import resident_bits, state_bytes
+from pace_core.accounting import capacity, resident_bits, state_bytes
 from pace_core.analysis.text import tokenize
 from pace_core.config import config_to_json, document_from_json, get_config, num_high_heads
 from pace_core.export import used_settings
@@ -23,6 +23,7 @@ from pace_core.figures import MIB
 from pace_core.model.capture import run_with_states
 from pace_core.model.loading import load_model
 from pace_core.quant import QuantSpec, fake_quantize
+from pace_core.shapes import BUILTIN_SHAPES
 
 APP = str(REPO_ROOT / "app.py")
 
@@ -148,6 +149,26 @@ def test_memory_table_follows_the_bits_control(params, loaded):
     expected = resident_bits(get_config("pace-4").replace(bits=6), loaded.shape)
     assert table.loc["sidebar: custom", "payload"] == pytest.approx(expected.payload_bits)
     assert table.loc["sidebar: custom", "resident"] == pytest.approx(expected.resident_bits)
+
+
+def test_capacity_planner_numbers_are_the_accounting(params):
+    at = start(params, page="memory", preset="pace-4")
+    at.selectbox(key="plan_model").set_value("qwen3.5-27b").run()
+    at.selectbox(key="plan_weights").set_value("fp8 (8 bits)").run()
+    at.number_input(key="plan_context").set_value(4096).run()
+    check(at)
+    shape = BUILTIN_SHAPES["qwen3.5-27b"]
+    caps = {n: capacity(get_config(n), shape, int(141e9), weight_bits=8, context=4096) for n in ("fp32", "bf16", "pace-4")}
+    assert metric(at, "max sequences, fp32") == f"{caps['fp32'].sequences:,}"
+    assert metric(at, "max sequences, bf16") == f"{caps['bf16'].sequences:,}"
+    assert metric(at, "max sequences, chosen: pace-4") == f"{caps['pace-4'].sequences:,}"
+    assert metric(at, "gain over bf16 states") == f"{caps['pace-4'].sequences / caps['bf16'].sequences:.2f}×"
+    assert caps["pace-4"].sequences > caps["bf16"].sequences > caps["fp32"].sequences
+    fig = chart(at, "plan_chart")
+    assert fig["layout"]["xaxis"]["title"]["text"] == "concurrent sequences N"
+    at.selectbox(key="plan_gpu").set_value("custom").run()
+    at.number_input(key="plan_gb").set_value(20.0).run()  # the 27B weights in fp8 alone take ~27 GB
+    assert not at.exception and "leave no room" in at.warning[0].value
 
 
 def test_state_heatmap_shows_the_quantisation_error_of_the_reference_state(params, loaded):

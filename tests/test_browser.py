@@ -77,7 +77,11 @@ def page(server):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         context = browser.new_context(viewport={"width": 1440, "height": 2000}, accept_downloads=True)
-        yield context.new_page()
+        page = context.new_page()
+        page.outside_requests = []  # every request to another host than the app's (must stay empty)
+        page.on("request", lambda r: None if urllib.parse.urlsplit(r.url).scheme in ("data", "blob")
+                or urllib.parse.urlsplit(r.url).hostname == "127.0.0.1" else page.outside_requests.append(r.url))
+        yield page
         context.close()
         browser.close()
 
@@ -111,6 +115,8 @@ def test_every_page_renders_without_error(server, page):
         print(f"{path or 'overview'}: {time.monotonic() - started:.1f} s")
         _assert_no_error(page, path or "overview")
         page.screenshot(path=str(SHOTS / f"{path or 'overview'}.png"), full_page=True)
+    assert page.outside_requests == []  # offline: no font, icon or statistics request leaves the host
+    assert page.locator('[data-testid="stAppDeployButton"]').count() == 0  # toolbar minimal
 
 
 def test_slider_moves_and_json_download_validates(server, page):
