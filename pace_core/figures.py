@@ -23,6 +23,8 @@ GB = 10**9
 GPU_BUDGETS_GB: dict[str, float] = {"H100 80 GB": 80.0, "H200 141 GB": 141.0}
 _TERM_COLOURS = {"payload": "#2f6fdf", "metadata": "#f2a93b", "buffer c·dP": "#3aa675"}
 _STATE_SCALE = "RdBu_r"
+COLOUR_PERCENTILE = 99.0
+"""Heatmap colour ranges span this percentile of the absolute values (larger entries saturate)."""
 
 
 def _np(x: Any) -> np.ndarray:
@@ -43,7 +45,9 @@ def state_heatmaps(
 
     reference [K, V] fp32 state; quantised {label: S_hat [K, V]} (e.g. key-axis and value-axis groups).
     Row r shows: reference | quantised[label_r] | quantised − reference. The state panels share one
-    symmetric colour range, the error panels another. Outlier columns get a marker above each panel.
+    symmetric colour range and colour bar, the error panels another (bars under their columns); each
+    range is the 99th percentile of the absolute values (:data:`COLOUR_PERCENTILE`), so a few outliers
+    saturate instead of washing out the rest. Outlier columns get a marker above each panel.
     """
     ref = _np(reference)
     if ref.ndim != 2:
@@ -54,8 +58,9 @@ def state_heatmaps(
         if q.shape != ref.shape:
             raise ValueError(f"quantised[{lab!r}]: shape {q.shape} differs from reference {ref.shape}")
     errors = [q - ref for q in quants]
-    vmax = max([np.abs(ref).max()] + [np.abs(q).max() for q in quants]) or 1.0
-    emax = max([np.abs(e).max() for e in errors] + [0.0]) or 1.0
+    vmax = float(np.percentile(np.abs(np.stack([ref, *quants])), COLOUR_PERCENTILE)) or 1.0
+    emax = float(np.percentile(np.abs(np.stack(errors)), COLOUR_PERCENTILE)) if errors else 0.0
+    emax = emax or 1.0
     titles = []
     for lab, err in zip(labels, errors):
         rel = np.linalg.norm(err) / (np.linalg.norm(ref) or 1.0)
@@ -75,12 +80,14 @@ def state_heatmaps(
             fig.update_yaxes(autorange="reversed", row=r, col=c, title_text="key row i" if c == 1 else None)
             fig.update_xaxes(title_text="value column j", row=r, col=c)
     fig.update_layout(
-        title=title, height=380 * len(labels) + 80, margin=dict(t=90, l=50, r=40, b=40),
+        title=title, height=380 * len(labels) + 140, margin=dict(t=90, l=50, r=20, b=110),
         legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1.0),
-        coloraxis=dict(colorscale=_STATE_SCALE, cmin=-vmax, cmax=vmax,
-                       colorbar=dict(title="state", x=1.01, y=1.0, yanchor="top", len=0.48)),
-        coloraxis2=dict(colorscale=_STATE_SCALE, cmin=-emax, cmax=emax,
-                        colorbar=dict(title="error", x=1.01, y=0.0, yanchor="bottom", len=0.48)))
+        coloraxis=dict(colorscale=_STATE_SCALE, cmin=-vmax, cmax=vmax, colorbar=dict(
+            title=dict(text="state value (fp32 and quantised)", side="top"), orientation="h", x=0.33, xanchor="center",
+            y=-0.06, yanchor="top", len=0.6, thickness=12)),
+        coloraxis2=dict(colorscale=_STATE_SCALE, cmin=-emax, cmax=emax, colorbar=dict(
+            title=dict(text="error (quantised − fp32)", side="top"), orientation="h", x=0.84, xanchor="center",
+            y=-0.06, yanchor="top", len=0.3, thickness=12)))
     return fig
 
 

@@ -5,7 +5,7 @@ import torch
 
 from app_state import compute, controls, frame, session
 from pace_core import figures
-from pace_core.analysis.structure import structure_stats
+from pace_core.analysis.structure import strongest_outlier_head, structure_stats
 from pace_core.quant import QuantSpec, fake_quantize
 from pace_core.config import PaceConfig
 
@@ -16,7 +16,7 @@ def page(cfg: PaceConfig) -> None:
     st.caption("The fp32 reference state S [d_k × d_v] of one value head after a prompt prefix, rounded once "
                "with the sidebar's bits, group size and zero point, once with key-axis (channel-aligned) "
                "groups and once with value-axis groups. Outlier columns (column RMS > 4× the head's median) "
-               "are marked ▼.")
+               "are marked ▼. Colours span the 99th percentile of the absolute values; larger entries saturate.")
 
     loaded = session.loaded_model()
     if not cfg.quantized:
@@ -30,15 +30,18 @@ def page(cfg: PaceConfig) -> None:
     if n_tokens == 0:
         st.error("The prompt text is empty: type some text to see a state.", icon=":material/edit:")
         st.stop()
+    states = compute.reference_states(controls.model_source(), st.session_state["device"], text)
+    positions = sorted(states)
+    if "heat_layer" not in st.session_state:  # first visit: open on the head with the strongest outlier columns
+        st.session_state["heat_layer"], st.session_state["heat_head"] = strongest_outlier_head(states[positions[-1]])
     c1, c2, c3 = st.columns(3)
     layer = c1.selectbox("GDN layer", loaded.gdn_layers, key="heat_layer",
                          help="Decoder layer index (only Gated DeltaNet layers have a recurrent state).")
     gamma = loaded.shape.num_v_heads // loaded.shape.num_k_heads
     head = 0 if loaded.shape.num_v_heads == 1 else c2.slider(
-        "Value head", 0, loaded.shape.num_v_heads - 1, 0, key="heat_head",
-        help=f"Key head = value head // γ (γ = {gamma}).")
-    states = compute.reference_states(controls.model_source(), st.session_state["device"], text)
-    positions = sorted(states)
+        "Value head", 0, loaded.shape.num_v_heads - 1, key="heat_head",
+        help=f"Key head = value head // γ (γ = {gamma}). The page opens on the head whose columns differ most "
+             "(column RMS max/median) at the end of the text.")
     if st.session_state.get("heat_pos") not in positions:  # a new text: start at its end
         st.session_state["heat_pos"] = positions[-1]
     position = positions[0] if len(positions) == 1 else c3.select_slider(
@@ -61,6 +64,17 @@ def page(cfg: PaceConfig) -> None:
         m[i].metric(f"relative error, {label}", f"{err:.3%}")
     m[2].metric("column RMS max/median", f"{float(stats.col_ratio[head]):.2f}")
     m[3].metric("row RMS max/median", f"{float(stats.row_ratio[head]):.2f}")
+    key_err, value_err = errors.values()
+    col_ratio, row_ratio = float(stats.col_ratio[head]), float(stats.row_ratio[head])
+    if key_err <= value_err:
+        st.caption(f"Key-axis groups win here ({key_err:.1%} vs {value_err:.1%}): a key-axis group lies inside one "
+                   f"value column, so {'the ▼ outlier columns set' if outliers else 'each column sets'} only their "
+                   f"own scales (columns differ {col_ratio:.1f}× here, rows {row_ratio:.1f}×).")
+    else:
+        st.caption(f"Value-axis groups win here ({value_err:.1%} vs {key_err:.1%}): this head's rows differ more "
+                   f"({row_ratio:.1f}×) than its columns ({col_ratio:.1f}×{', no outlier column' if not outliers else ''}), "
+                   "and a value-axis group lies inside one key row, so a large row sets only its own scales. "
+                   "PACE's key-axis groups pay off on heads with outlier columns, which the page opens on.")
     st.plotly_chart(figures.state_heatmaps(S[head], views, outlier_columns=outliers,
                                            title=f"layer {layer}, value head {head}, after {position} tokens"),
                     key="heat_chart")

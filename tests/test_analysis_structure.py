@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from pace_core.analysis.structure import column_rms, row_rms, structure_stats, structure_table
+from pace_core.analysis.structure import column_rms, row_rms, strongest_outlier_head, structure_stats, structure_table
 from pace_core.errors import PaceError
 
 
@@ -63,3 +63,12 @@ def test_bad_input():
         structure_stats(torch.full((1, 2, 2), float("nan")))
     with pytest.raises(PaceError, match="states"):
         structure_table({})
+
+
+def test_strongest_outlier_head_is_the_largest_column_ratio():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    states = {layer: torch.randn(4, 16, 16, generator=g) for layer in (0, 1, 2, 4)}
+    states[2][3, :, 5] *= 40.0  # one outlier column in layer 2, head 3
+    states[4][1] = 0.0          # an all-zero head (undefined ratio) is skipped
+    assert strongest_outlier_head(states) == (2, 3)
+    assert strongest_outlier_head({7: torch.zeros(2, 4, 4)}) == (7, 0)

@@ -16,6 +16,7 @@ from app_state import compute, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
 from numerics import fp32_bound, rel
 from pace_core.accounting import capacity, resident_bits, state_bytes
+from pace_core.analysis.structure import structure_stats
 from pace_core.analysis.text import tokenize
 from pace_core.config import config_to_json, document_from_json, get_config, num_high_heads
 from pace_core.export import used_settings
@@ -171,12 +172,27 @@ def test_capacity_planner_numbers_are_the_accounting(params):
     assert not at.exception and "leave no room" in at.warning[0].value
 
 
+def test_state_heatmap_opens_on_the_strongest_outlier_head_and_says_which_axis_wins(params, loaded):
+    at = start(params, page="state_heatmaps", preset="pace-4")
+    text = at.text_area(key="heat_text").value
+    end = int(at.select_slider(key="heat_pos").value)
+    ids = tokenize(loaded.tokenizer, text, max_tokens=end, min_tokens=1)
+    states = run_with_states(loaded, get_config("fp32"), ids, capture_steps=[end]).states[end]
+    ratios = {(layer, h): float(r) for layer, S in states.items()
+              for h, r in enumerate(structure_stats(S[0]).col_ratio)}
+    best = max(ratios.values())
+    layer, head = at.selectbox(key="heat_layer").value, at.slider(key="heat_head").value
+    assert ratios[(layer, head)] == pytest.approx(best, rel=1e-3)  # one prefill vs another: fp32 rounding
+    assert any(w in c.value for c in at.caption for w in ("Key-axis groups win here", "Value-axis groups win here"))
+
+
 def test_state_heatmap_shows_the_quantisation_error_of_the_reference_state(params, loaded):
     at = start(params, page="state_heatmaps", preset="pace-4")
     text = at.text_area(key="heat_text").value
     positions = at.select_slider(key="heat_pos").options
     position = int(positions[len(positions) // 3])
     at.select_slider(key="heat_pos").set_value(position).run()
+    at.selectbox(key="heat_layer").set_value(loaded.gdn_layers[0]).run()
     at.slider(key="heat_head").set_value(1).run()
     check(at)
     # the page's state is the reference's after `position` tokens, read in one prefill with the other

@@ -108,6 +108,18 @@ def structure_stats(S: torch.Tensor, threshold: float = DEFAULT_OUTLIER_THRESHOL
     return StructureStats(c, r, _ratio(c), _ratio(r), outliers, float(threshold))
 
 
+def strongest_outlier_head(states: dict[int, torch.Tensor]) -> tuple[int, int]:
+    """(layer, value head) whose column RMS max/median is the largest over ``{layer: S [HV, K, V]}``
+    (heads whose ratio is undefined, an all-zero head, are skipped; the first head when none is)."""
+    best, where = -1.0, None
+    for layer, S in sorted(states.items()):
+        ratio = torch.nan_to_num(structure_stats(S).col_ratio, nan=-1.0, posinf=-1.0)
+        head = int(torch.argmax(ratio))
+        if float(ratio[head]) > best:
+            best, where = float(ratio[head]), (layer, head)
+    return where if where is not None else (min(states), 0)
+
+
 def structure_table(states: dict[int, torch.Tensor], threshold: float = DEFAULT_OUTLIER_THRESHOLD) -> pd.DataFrame:
     """Per layer and head structure table for ``{gdn_layer: S [1, HV, K, V]}``."""
     if not states:
