@@ -38,11 +38,18 @@ def default_text() -> str:
     return FALLBACK_PROMPT
 
 
-def default_prompt(chars: int = 400) -> str:
-    """The default text cut after its last full sentence within `chars` characters."""
-    text = default_text()[:chars]
-    end = text.rfind(". ")
-    return text[:end + 1] if end > 0 else text
+def default_prompt(chars: int = 400, words: int = 6) -> str:
+    """The default text up to its last full sentence within `chars` characters and the first `words` words
+    of the next: a prompt that stops mid-sentence, so the configurations have something to continue (after
+    a full stop a small model often starts a heading, the same for every state)."""
+    text = default_text()
+    end = text[:chars].rfind(". ")
+    if end <= 0:
+        return text[:chars]
+    following = text[end + 2:].split()[:words]
+    while following and following[-1].endswith((".", "!", "?")):
+        following.pop()
+    return " ".join([text[:end + 1], *following])
 
 
 def analysis_text() -> str:

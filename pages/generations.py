@@ -53,8 +53,11 @@ def _excerpt(text: str, width: int = 40) -> str:
 
 def _show(table: pd.DataFrame) -> None:
     """Per decoding mode of ``table`` (pace_core.analysis.generation.generate_side_by_side's rows): the
-    summary table, then each configuration's continuation with its first divergence marked."""
+    summary table, then the continuations side by side, each with its first divergence marked."""
     modes = list(table["mode"].unique())
+    st.caption("A low NLL is not a good text: the reference scores each token given the text before it, so a "
+               "degenerate continuation that repeats itself (a 2-bit state often does) is easy to predict and "
+               "can score below fp32's own. Read the NLL beside the text and its first divergence.")
     for mode, part in table.groupby("mode", sort=False):
         if len(modes) > 1:
             st.subheader(str(mode))
@@ -64,9 +67,20 @@ def _show(table: pd.DataFrame) -> None:
                                 "first divergence": ["none" if d is None else f"token {d}" for d in divergence]})
         st.dataframe(summary.style.format({"NLL (nats/token)": "{:.3f}", "top-1 agreement": "{:.1%}"}),
                      hide_index=True, key=f"gen_summary_{mode}")
-        for (_, row), first in zip(part.iterrows(), divergence):
-            st.markdown(f"**{row['config']}**" + (" · reference" if row["config"] == "fp32" else ""))
-            st.html(figures.generation_html(list(row["pieces"]), first))
+        for start in range(0, len(part), COLUMNS):
+            columns = st.columns(COLUMNS, border=True)
+            rows = list(part.iterrows())[start:start + COLUMNS]
+            for col, (_, row), first in zip(columns, rows, divergence[start:start + COLUMNS]):
+                with col:
+                    reference = row["config"] == "fp32"
+                    st.markdown(f"**{row['config']}**" + (" · reference" if reference else ""))
+                    st.caption("the reference" if reference else
+                               "identical to fp32" if first is None else f"differs from token {first} on")
+                    st.html(figures.generation_html(list(row["pieces"]), first))
+
+
+COLUMNS = 3
+"""Continuations per row of side-by-side columns."""
 
 
 frame.run_page(page)

@@ -233,6 +233,8 @@ def test_generations_reference_agrees_with_itself_and_length_follows_slider(para
     assert summary["top-1 agreement"][0] == 1.0              # the fp32 row scores its own greedy tokens
     assert summary["first divergence"][0] == "none"
     html_before = [h.proto.body for h in at.get("html")]
+    prompt = at.text_area(key="gen_prompt").value
+    assert not prompt.rstrip().endswith(".")  # stops mid-sentence
     at.slider(key="gen_tokens").set_value(12).run()
     check(at)
     assert [h.proto.body for h in at.get("html")] != html_before
@@ -257,6 +259,9 @@ def test_generations_show_a_stored_run_per_mode(params, loaded, tmp_path, monkey
     assert list(sampled["first divergence"]) == ["none", "none"]
     bodies = [h.proto.body for h in at.get("html")]
     assert len(bodies) == 4 and "dog" in bodies[1] and "dog" not in bodies[0]
+    assert len(at.columns) >= 2 and "dog" in at.columns[1].get("html")[0].proto.body  # side by side
+    assert "differs from token 1 on" in [c.value for c in at.columns[1].caption]
+    assert any("degenerate continuation" in c.value for c in at.caption)
     assert any("`python -m pace_core generation --n 1`" in c.value for c in at.caption)
 
 
