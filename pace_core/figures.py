@@ -357,6 +357,56 @@ def bench_scalar_table(rows: list[dict]) -> pd.DataFrame:
     return frame.drop(columns=nested)
 
 
+BENCH_METRICS: dict[str, tuple[str, str, float]] = {
+    "seconds_per_token": ("time per token", "µs", 1e6),
+    "tpot_mean_s": ("time per output token", "ms", 1e3),
+    "tpot_median_s": ("time per output token, median", "ms", 1e3),
+    "hbm_fraction": ("share of the copy bandwidth", "%", 100.0),
+    "speedup_vs_bf16_per_token": ("speed-up over bf16 per-token", "×", 1.0),
+    "bytes_per_token": ("bytes moved per token", "MB", 1e-6),
+    "bytes_per_second": ("bandwidth", "GB/s", 1e-9),
+}
+"""Benchmark JSON keys -> (what it is, unit, factor from the stored SI value)."""
+BENCH_BASELINE = "bf16 per-token"
+
+
+def bench_metric_title(key: str) -> str:
+    """``time per token (µs)`` for a known key, else the key itself."""
+    return f"{BENCH_METRICS[key][0]} ({BENCH_METRICS[key][1]})" if key in BENCH_METRICS else key
+
+
+def bench_readable(rows: pd.DataFrame) -> pd.DataFrame:
+    """A benchmark table with the known metrics in their units and titled (:data:`BENCH_METRICS`)."""
+    out = rows.copy()
+    for key, (_, _, factor) in BENCH_METRICS.items():
+        if key in out.columns:
+            out[key] = out[key] * factor
+    return out.rename(columns={k: bench_metric_title(k) for k in BENCH_METRICS if k in out.columns})
+
+
+def bench_headline(rows: pd.DataFrame) -> pd.DataFrame | None:
+    """One row per variant, one column per batch: time per token, the speed-up over bf16 per-token at the
+    same batch and (for the decode step) the share of the copy bandwidth. None without variant, batch and
+    a time column."""
+    time_key = next((k for k in ("seconds_per_token", "tpot_median_s", "tpot_mean_s") if k in rows.columns), None)
+    if time_key is None or not {"variant", "batch"} <= set(rows.columns):
+        return None
+    _, unit, factor = BENCH_METRICS[time_key]
+    base = rows[rows["variant"] == BENCH_BASELINE].set_index("batch")[time_key]
+    table = {}
+    for variant, part in rows.groupby("variant", sort=False):
+        cells = {}
+        for _, r in part.sort_values("batch").iterrows():
+            text = f"{r[time_key] * factor:,.1f} {unit}"
+            if r["batch"] in base.index and variant != BENCH_BASELINE:
+                text += f" · {base[r['batch']] / r[time_key]:.2f}×"
+            if "hbm_fraction" in r and pd.notna(r["hbm_fraction"]):
+                text += f" · {r['hbm_fraction']:.0%} HBM"
+            cells[f"B = {int(r['batch'])}"] = text
+        table[variant] = cells
+    return pd.DataFrame.from_dict(table, orient="index").rename_axis("variant").reset_index()
+
+
 def bench_plot_columns(rows: pd.DataFrame) -> tuple[str, list[str], str] | None:
     """(x, [y...], series) to plot a benchmark table: x = batch, ys = the numeric columns named like
     timings, bandwidth fractions or speed-ups (in table order), series = the first label column; None

@@ -33,24 +33,37 @@ def page(cfg: PaceConfig) -> None:
             st.error(f"{path.name}: a JSON {type(doc).__name__}, not a benchmark result object; re-run the "
                      "benchmark to rewrite it, or remove the file.", icon=":material/block:")
             continue
-        st.subheader(path.stem)
+        st.subheader(TITLES.get(path.stem, path.stem))
         tables, provenance = figures.split_bench_document(doc)
         st.caption("Measured on " + ", ".join(f"{k} {provenance[k]}" for k in ("device", "date", "torch", "triton")
                                               if k in provenance) + f" · file {path.name}")
-        with st.expander("Provenance", expanded=False):
-            st.json(provenance)
         for name, rows in tables.items():
             frame = figures.bench_scalar_table(rows)
+            headline = figures.bench_headline(frame)
+            if headline is not None:
+                st.caption("Each cell: time per token · speed-up over bf16 per-token at the same batch B · share "
+                           "of the copy bandwidth measured in the same run (decode step only).")
+                st.dataframe(headline, hide_index=True, key=f"bench_headline_{path.stem}_{name}")
             plot = figures.bench_plot_columns(frame)
             if plot is not None:
                 x, ys, series = plot
-                for col, y in zip(st.columns(min(len(ys), 3)) * len(ys), ys):
-                    col.plotly_chart(figures.bench_figure(frame, x=x, y=y, series=series, title=y,
-                                                          y_title=y), key=f"bench_{path.stem}_{name}_{y}")
-            st.dataframe(frame, hide_index=True, key=f"bench_table_{path.stem}_{name}")
-        png = path.with_suffix(".png")
-        if png.exists():
-            st.image(str(png), caption=png.name)
+                shown = [y for y in ys if y in figures.BENCH_METRICS][:2] or ys[:2]
+                readable = figures.bench_readable(frame)
+                for col, y in zip(st.columns(len(shown)), shown):
+                    title = figures.bench_metric_title(y)
+                    col.plotly_chart(figures.bench_figure(readable, x=x, y=title, series=series, title=title,
+                                                          y_title=title), key=f"bench_{path.stem}_{name}_{y}")
+            with st.expander("All measurements", expanded=headline is None):
+                st.dataframe(figures.bench_readable(frame), hide_index=True, key=f"bench_table_{path.stem}_{name}")
+        with st.expander("Provenance", expanded=False):
+            st.json(provenance)
+
+
+TITLES = {"bench": "Decode step of 24 GDN layers (Qwen3.5-4B shapes), per batch",
+          "bench_e2e": "End to end: time per output token of a Qwen3.5-4B-sized model under CUDA graphs",
+          "app_cpu": "Dashboard responsiveness on the CPU (scripts/measure_app.py)",
+          "app_cuda": "Dashboard responsiveness on the GPU (scripts/measure_app.py)"}
+"""Headings of the benchmark files this project writes (others show their file name)."""
 
 
 frame.run_page(page)

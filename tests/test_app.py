@@ -271,11 +271,10 @@ def test_benchmarks_without_results_say_what_to_run(params, tmp_path, monkeypatc
     assert "No benchmark results yet" in at.info[0].value and stored.BENCH_COMMAND in at.info[0].value
 
 
-def test_benchmarks_show_tables_with_provenance(params, tmp_path, monkeypatch):
-    rows = [{"batch": b, "variant": v, "step_time_us": float(t)} for v, t0 in (("bf16", 50), ("pace-4", 20))
-            for b, t in ((1, t0), (8, 2 * t0))]
-    (tmp_path / "decode.json").write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-11-30",
-                                                      "decode_step": rows}))
+def test_benchmarks_lead_with_a_headline_table_in_units(params, tmp_path, monkeypatch):
+    rows = [{"batch": b, "variant": v, "seconds_per_token": t0 * b * 1e-6, "hbm_fraction": f}
+            for v, t0, f in (("bf16 per-token", 50, 0.5), ("PACE-4 dP=8", 20, 0.25)) for b in (1, 8)]
+    (tmp_path / "bench.json").write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-11-30", "rows": rows}))
     (tmp_path / "a_list.json").write_text("[1, 2]")  # sorts first: a bad file must not hide the others
     (tmp_path / "b_bytes.json").write_bytes(b"\xff\xfe")
     monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
@@ -286,13 +285,17 @@ def test_benchmarks_show_tables_with_provenance(params, tmp_path, monkeypatch):
     at.switch_page("pages/benchmarks.py").run()
     assert not at.exception
     assert [e.value.split(":")[0] for e in at.error] == ["a_list.json", "b_bytes.json"]
-    assert at.subheader[0].value == "decode"
+    assert at.subheader[0].value.startswith("Decode step of 24 GDN layers")
     assert at.json[0].value == json.dumps({"device": "NVIDIA H200", "date": "2026-11-30"})
     assert any(c.value.startswith("Measured on device NVIDIA H200, date 2026-11-30") for c in at.caption)
-    table = at.dataframe[0].value
-    assert list(table["step_time_us"]) == [50.0, 100.0, 20.0, 40.0]
-    fig = chart(at, "bench_decode_decode_step_step_time_us")
-    assert [t["name"] for t in fig["data"]] == ["bf16", "pace-4"]
+    headline = at.dataframe[0].value.set_index("variant")
+    assert headline.loc["bf16 per-token", "B = 8"] == "400.0 µs · 50% HBM"
+    assert headline.loc["PACE-4 dP=8", "B = 8"] == "160.0 µs · 2.50× · 25% HBM"  # 400 / 160
+    table = at.dataframe[1].value
+    assert list(table["time per token (µs)"]) == pytest.approx([50.0, 400.0, 20.0, 160.0])
+    fig = chart(at, "bench_bench_rows_seconds_per_token")
+    assert [t["name"] for t in fig["data"]] == ["bf16 per-token", "PACE-4 dP=8"]
+    assert fig["layout"]["yaxis"]["title"]["text"] == "time per token (µs)"
 
 
 def test_export_preview_import_and_load(params):
