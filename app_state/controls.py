@@ -56,7 +56,7 @@ METHOD_HELP = {
     "none": "no quantisation: the checkpoint is kept in the reference dtype (fp32 or bf16)",
     "rtn": "round-to-nearest integer state (the paper's uniform baseline)",
     "pace": "PACE: key-axis (channel-aligned) groups, periodic rounding, decode buffer",
-    "damp": "DAMP-style: 16 outlier key rows in fp16, Hadamard on the rest [ours]",
+    "damp": "DAMP-style: 16 outlier key rows in fp16, Hadamard on the rest (our choice)",
     "dsq": "Q-Mamba DSQ: decoupled row and column fp16 scales",
 }
 
@@ -84,7 +84,7 @@ CONTROLS: tuple[Control, ...] = (
             "and its final state is rounded (spec §3; the paper fixes P = 256, the kernel chunk).",
             (16, 32, 64, 128, 256, 512, 1024, 2048)),
     Control("axis", "group_axis", "Group axis",
-            "**key** [seed]: a group is g consecutive key rows of one value column S[k0:k0+g, j], so an "
+            "**key** (from the paper): a group is g consecutive key rows of one value column S[k0:k0+g, j], so an "
             "outlier column widens only its own step. **value** (baseline): S[i, j0:j0+g].",
             ("key", "value")),
     Control("g", "group_size", "Group size g (values)",
@@ -95,29 +95,29 @@ CONTROLS: tuple[Control, ...] = (
             "integer zero point stored in b bits (PACE-4/8 uses a zero point).", (True, False)),
     Control("buf", "buffer", "Decode buffer precision",
             "Precision of the buffered (k_t, u_t) records between roundings: int8 (PACE-4, uniform "
-            "configs), mixed = keys 4-bit + values bf16 (PACE-4/8), bf16/fp32 as references [seed]. "
-            "Integer parts have fp16 scales per group of each vector (the buffer group settings below) [ours].",
+            "configs), mixed = keys 4-bit + values bf16 (PACE-4/8), bf16/fp32 as references (from the paper). "
+            "Integer parts have fp16 scales per group of each vector (the buffer group settings below; our choice).",
             ("fp32", "bf16", "int8", "mixed")),
     Control("bkg", "buffer_key_group", "Buffer key group (entries per scale)",
-            "[ours] Integer buffer keys (int8; mixed: 4-bit): entries of one buffered key vector that share one "
+            "Our choice. Integer buffer keys (int8; mixed: 4-bit): entries of one buffered key vector that share one "
             "fp16 scale (and zero point). 'per vector' = one scale per key vector. Smaller groups cost "
             "16/g bits per entry in the buffer term c · dP and follow outlier channels closer.",
             (0, 16, 32, 64, 128), lambda g: "per vector" if g == 0 else str(g)),
     Control("bks", "buffer_key_symmetric", "Buffer keys symmetric",
-            "[ours] Off: each buffered key group gets an integer zero point (its bits per group count in c).",
+            "Off (our choice): each buffered key group gets an integer zero point (its bits per group count in c).",
             (True, False)),
     Control("bvg", "buffer_value_group", "Buffer value group (entries per scale)",
-            "[ours] Integer buffer values u_t (int8 only; mixed and float buffers keep values in bf16/fp32): "
+            "Our choice. Integer buffer values u_t (int8 only; mixed and float buffers keep values in bf16/fp32): "
             "entries per fp16 scale along each buffered value vector. 'per vector' = one scale per vector.",
             (0, 16, 32, 64, 128), lambda g: "per vector" if g == 0 else str(g)),
     Control("bvs", "buffer_value_symmetric", "Buffer values symmetric",
-            "[ours] Off: each buffered value group gets an integer zero point.", (True, False)),
+            "Off (our choice): each buffered value group gets an integer zero point.", (True, False)),
     Control("cur", "exact_current_token", "Exact current token",
-            "[ours] On: a token's own output and its delta value use its exact k_t, u_t, which are at hand when "
+            "On (our choice): a token's own output and its delta value use its exact k_t, u_t, which are at hand when "
             "it is processed; only the record stored for the later tokens is rounded (no memory cost). Off: the "
             "token reads back its own rounded record.", (True, False)),
     Control("pad", "prefill_after_decode", "Prompt after decoded tokens",
-            "[ours] (the spec is silent) How a prompt that follows decoded tokens starts, e.g. a user's next "
+            "Our choice (the spec is silent): How a prompt that follows decoded tokens starts, e.g. a user's next "
             "turn: **flush** folds the buffered records into the checkpoint and rounds it first (one extra "
             "rounding, off the dP grid); **carry** runs the prompt from the exact state (checkpoint plus "
             "buffer, not rounded), so its first rounding ends its first P-token segment. It is part of the "
@@ -125,7 +125,7 @@ CONTROLS: tuple[Control, ...] = (
             "with it.", ("flush", "carry")),
     Control("hi", "high_share", "Share of 8-bit heads",
             "PACE-4/8 (spec §4): in each layer this share of value heads, those with the largest "
-            "retained error E_h = e_h / (1 − a_h^(2·dP)), keep high_bits (8). [ours] a_h = mean decay "
+            "retained error E_h = e_h / (1 − a_h^(2·dP)), keep high_bits (8). Our choice: a_h = mean decay "
             "on calibration text, e_h = mean rounding error energy of calibration states.",
             (0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0), _share),
 )

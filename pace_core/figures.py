@@ -129,14 +129,17 @@ def head_ranking_figure(E: Any, a: Any, e: Any, high_heads: Sequence[Sequence[in
     L, HV = E.shape
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.04, shared_yaxes=True, subplot_titles=(
         "retained error E_h = e_h / (1 − a_h^(2·dP))", "mean decay a_h", "rounding error e_h"))
-    panels = ((np.log10(np.maximum(E, 1e-30)), "Viridis", "log10 E_h", ".3g"), (a, "Blues", "a_h", ".4f"),
-              (np.log10(np.maximum(e, 1e-30)), "Oranges", "log10 e_h", ".3g"))
-    for c, (z, scale, name, fmt) in enumerate(panels, start=1):
-        fig.add_trace(go.Heatmap(z=z, x=list(range(HV)), y=list(layer_labels), colorscale=scale,
-                                 colorbar=dict(title=dict(text=name, side="top"), orientation="h",
-                                               x=(c - 0.5) / 3, xanchor="center", y=-0.3, yanchor="top",
-                                               len=0.28, thickness=12),
-                                 hovertemplate=f"%{{y}}, head %{{x}}<br>{name} %{{z:{fmt}}}<extra></extra>"),
+    panels = ((np.log10(np.maximum(E, 1e-30)), "Viridis", "E_h (log scale)", True), (a, "Blues", "a_h", False),
+              (np.log10(np.maximum(e, 1e-30)), "Oranges", "e_h (log scale)", True))
+    for c, (z, scale, name, log) in enumerate(panels, start=1):
+        bar = dict(title=dict(text=name, side="top"), orientation="h", x=(c - 0.5) / 3, xanchor="center", y=-0.3,
+                   yanchor="top", len=0.28, thickness=12)
+        if log:  # ticks at powers of ten, written as values
+            exps = list(range(int(np.floor(z.min())), int(np.ceil(z.max())) + 1))
+            bar.update(tickvals=exps, ticktext=[f"1e{k}" for k in exps])
+        value = "10^%{z:.2f}" if log else "%{z:.4f}"
+        fig.add_trace(go.Heatmap(z=z, x=list(range(HV)), y=list(layer_labels), colorscale=scale, colorbar=bar,
+                                 hovertemplate=f"%{{y}}, head %{{x}}<br>{name.split()[0]} = {value}<extra></extra>"),
                       row=1, col=c)
         fig.update_xaxes(title_text="value head", row=1, col=c)
     xs, ys = [], []
@@ -144,7 +147,7 @@ def head_ranking_figure(E: Any, a: Any, e: Any, high_heads: Sequence[Sequence[in
         for h in heads:
             xs.append(h)
             ys.append(layer_labels[li])
-    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name="8-bit head",
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name="8-bit head", showlegend=True,
                              marker=dict(symbol="square-open", size=16, color="#ff1744", line=dict(width=2)),
                              hovertemplate="8-bit: %{y}, head %{x}<extra></extra>"), row=1, col=1)
     fig.update_yaxes(autorange="reversed")

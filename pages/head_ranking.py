@@ -14,7 +14,7 @@ def page(cfg: PaceConfig) -> None:
     st.title("Head ranking")
     st.caption("PACE-4/8 (spec §4): a rounding leaves error energy e_h in head h, which the head keeps with "
                "decay a_h per token; rounding every dP tokens it retains E_h = e_h / (1 − a_h^(2·dP)). In each "
-               "layer the share of heads with the largest E_h keep 8 bits. [ours] a_h = mean of α_t = e^(g_t) "
+               "layer the share of heads with the largest E_h keep 8 bits. Our choice: a_h = mean of α_t = e^(g_t) "
                "over the calibration tokens; e_h = mean ‖Q(S) − S‖²_F over calibration states with the "
                "sidebar's quantiser.")
 

@@ -88,14 +88,14 @@ def page(cfg: PaceConfig) -> None:
             _claims(claims.data)
 
     st.subheader("The parts of PACE")
-    st.caption("[seed] = stated by the seed articles about the paper; [ours] = our reading where they are "
-               "silent (each is a setting you can change).")
+    st.caption("“From the paper”: stated by the seed articles about the paper; “our choice”: our reading where "
+               "they are silent (each is a setting you can change).")
     parts = pd.DataFrame([
-        {"part": "Key-axis (channel-aligned) groups", "source": "[seed]", "setting": "Group axis, group size",
+        {"part": "Key-axis (channel-aligned) groups", "source": "from the paper", "setting": "Group axis, group size",
          "now": f"{cfg.group_axis}, g = {cfg.group_size}",
          "what it does": "One fp16 scale per g consecutive key rows of one value column: an outlier value "
                          "column widens only its own quantisation step."},
-        {"part": "Periodic decode rounding", "source": "[seed]", "setting": "Decode period dP",
+        {"part": "Periodic decode rounding", "source": "from the paper", "setting": "Decode period dP",
          "now": f"dP = {cfg.decode_period}",
          "what it does": "Round the state once every dP tokens instead of every token; fewer roundings, less "
                          "accumulated error in slowly decaying heads."},
@@ -103,28 +103,28 @@ def page(cfg: PaceConfig) -> None:
          "now": cfg.buffer,
          "what it does": "Holds the tokens since the last rounding so outputs use the exact state "
                          "e^G·Ŝ + Σ e^(G−G_i) k_i u_iᵀ without re-rounding."},
-        {"part": "Exact current token", "source": "[ours]", "setting": "Exact current token",
+        {"part": "Exact current token", "source": "our choice", "setting": "Exact current token",
          "now": "on" if cfg.exact_current_token else "off",
          "what it does": "A token's own output and delta value use its exact k_t, u_t (at hand when it is "
                          "processed); only the record kept for later tokens is rounded. No memory cost."},
-        {"part": "Buffer scale groups", "source": "[ours]", "setting": "Buffer key / value group, symmetric",
+        {"part": "Buffer scale groups", "source": "our choice", "setting": "Buffer key / value group, symmetric",
          "now": f"keys {cfg.buffer_key_group or 'per vector'}{'' if cfg.buffer_key_symmetric else ' + zero point'}, "
                 f"values {cfg.buffer_value_group or 'per vector'}{'' if cfg.buffer_value_symmetric else ' + zero point'}",
          "what it does": "Entries of a buffered integer vector sharing one fp16 scale (and zero point): finer groups "
                          "follow outlier channels of u_t and k_t for 16/g bits per entry in c · dP."},
-        {"part": "Prefill in P-token segments", "source": "[seed]", "setting": "Prefill period P",
+        {"part": "Prefill in P-token segments", "source": "from the paper", "setting": "Prefill period P",
          "now": f"P = {cfg.prefill_period}",
          "what it does": "The prompt runs chunked from the dequantised state; the state is rounded once per "
                          "segment."},
-        {"part": "Prompt after decoded tokens", "source": "[ours]", "setting": "Prompt after decoded tokens",
+        {"part": "Prompt after decoded tokens", "source": "our choice", "setting": "Prompt after decoded tokens",
          "now": cfg.prefill_after_decode,
          "what it does": "flush: round the checkpoint plus buffer before the prompt; carry: run the prompt from "
                          "that exact state, one rounding fewer (serving multi-turn chats; no view here has a "
                          "second prompt)."},
-        {"part": "Head-level precision (PACE-4/8)", "source": "[seed]; a_h, e_h estimates [ours]",
+        {"part": "Head-level precision (PACE-4/8)", "source": "from the paper; a_h, e_h estimates our choice",
          "setting": "Share of 8-bit heads", "now": f"{cfg.high_share:.1%}",
          "what it does": "Heads with the largest retained error E_h = e_h / (1 − a_h^(2·dP)) keep 8 bits."},
-        {"part": "fp16 scales, integer zero point", "source": "fp16 scale [ours]", "setting": "Symmetric",
+        {"part": "fp16 scales, integer zero point", "source": "fp16 scale our choice", "setting": "Symmetric",
          "now": "symmetric" if cfg.symmetric else "zero point",
          "what it does": "Codes are computed from the stored fp16 scale so dequantisation is exact; all-zero "
                          "groups stay zero."},
