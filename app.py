@@ -2,19 +2,21 @@
 
 The entry point lists the pages of pages/; each page builds the shared sidebar (model, device,
 named configuration and every PACE setting, mirrored into the URL) through app_state.run_page.
+The pages carry no icons: streamlit makes a page's material icon the favicon and fetches it from an
+outside host; the favicon is the local data/icon.png (app_state.frame).
 """
 
 import streamlit as st
 
 PAGES = [
-    st.Page("pages/overview.py", title="Overview", icon=":material/home:", default=True),
-    st.Page("pages/state_heatmaps.py", title="State heatmaps", icon=":material/grid_on:"),
-    st.Page("pages/head_ranking.py", title="Head ranking", icon=":material/leaderboard:"),
-    st.Page("pages/drift.py", title="Drift", icon=":material/show_chart:"),
-    st.Page("pages/memory.py", title="Memory", icon=":material/memory:"),
-    st.Page("pages/generations.py", title="Generations", icon=":material/chat:"),
-    st.Page("pages/benchmarks.py", title="Benchmarks", icon=":material/speed:"),
-    st.Page("pages/export.py", title="Export", icon=":material/download:"),
+    st.Page("pages/overview.py", title="Overview", default=True),
+    st.Page("pages/state_heatmaps.py", title="State heatmaps"),
+    st.Page("pages/head_ranking.py", title="Head ranking"),
+    st.Page("pages/drift.py", title="Drift"),
+    st.Page("pages/memory.py", title="Memory"),
+    st.Page("pages/generations.py", title="Generations"),
+    st.Page("pages/benchmarks.py", title="Benchmarks"),
+    st.Page("pages/export.py", title="Export"),
 ]
 
 st.navigation(PAGES).run()

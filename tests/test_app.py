@@ -374,7 +374,8 @@ def test_head_ranking_follows_dp_and_share(params, loaded):
     check(at)
     heads = json.loads(at.code[0].value)["pace"]["high_heads"]
     expected = [sorted(table[(table.layer == layer) & table["8-bit"]]["head"]) for layer in loaded.gdn_layers]
-    assert [heads[str(i)] for i in range(len(loaded.gdn_layers))] == expected
+    assert [heads[str(layer)] for layer in loaded.gdn_layers] == [  # keyed by decoder layer, GDN ordinal beside
+        {"gdn_layer": i, "heads": h} for i, h in enumerate(expected)]
 
 
 def test_drift_shows_the_analysis_and_follows_the_step_slider(params, loaded):

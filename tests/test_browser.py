@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from app_support import REPO_ROOT, app_model_param
-from pace_core.config import config_from_json
+from app_support import EMBEDDED_DIR, REPO_ROOT, app_model_param
+from pace_core.accounting import capacity
+from pace_core.config import config_from_json, get_config
+from pace_core.shapes import load_shape
 
 CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = REPO_ROOT / "artifacts" / "screenshots"
@@ -140,3 +142,44 @@ def test_slider_moves_and_json_download_validates(server, page):
     assert cfg.bits == 3 and cfg.group_axis == "key" and cfg.decode_period == 8
     _assert_no_error(page, "export")
     page.screenshot(path=str(SHOTS / "export_after_slider.png"), full_page=True)
+
+
+def _main_text(page) -> str:
+    return page.locator('[data-testid="stMain"]').inner_text()
+
+
+def test_shipped_results_and_the_new_parts(server, page):
+    """A fresh clone's shipped results fill the measured sections; the planner's numbers are
+    pace_core.accounting's; Generations shows stored continuations side by side; Benchmarks leads with
+    its headline."""
+    base, params = server
+    page.goto(_url(base, "", dict(params, preset="pace-4")))
+    _settle(page)
+    text = _main_text(page)
+    if not params:  # the embedded model: its results are shipped in data/results/pace-tiny-qwen35
+        assert "No stored perplexity run" not in text and "No stored claims report" not in text
+        assert "pace_core all --device cuda" in text  # the stored run's provenance is shown
+
+    page.goto(_url(base, "memory", dict(params, preset="pace-4")))
+    _settle(page)
+    shape = load_shape(params.get("model") or str(EMBEDDED_DIR))
+    cap = capacity(get_config("pace-4"), shape, int(141e9), weight_bits=16, context=8192)
+    metric = page.locator('[data-testid="stMetric"]').filter(has_text="max sequences, chosen: pace-4")
+    assert metric.locator('[data-testid="stMetricValue"]').inner_text() == f"{cap.sequences:,}"
+    _assert_no_error(page, "memory")
+
+    if not params:
+        page.goto(_url(base, "generations", params))
+        _settle(page)
+        page.get_by_text("stored:", exact=False).first.click()
+        _settle(page)
+        columns = page.locator('[data-testid="stColumn"]').filter(has=page.locator('[data-testid="stHtml"]'))
+        assert columns.count() >= 2
+        assert "degenerate continuation" in _main_text(page)
+        _assert_no_error(page, "generations")
+
+    page.goto(_url(base, "benchmarks", params))
+    _settle(page)
+    text = _main_text(page)
+    assert "Decode step of 24 GDN layers" in text and "Each cell: time per token" in text
+    page.screenshot(path=str(SHOTS / "benchmarks_headline.png"), full_page=True)
