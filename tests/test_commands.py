@@ -178,9 +178,25 @@ def test_all_small(env, tmp_path, capsys):
             "--ppl-tokens", "64", "--ppl-window", "32", "--max-new-tokens", "3"]
     assert main(argv) == 0
     kinds = sorted({r.kind for r in list_results(env["model"], root=out)})
-    assert kinds == ["calibration", "claims", "drift", "generation", "perplexity", "structure", "sweep"]
+    assert kinds == ["calibration", "claims", "claims_quality", "drift", "generation", "perplexity", "structure",
+                     "sweep"]
     [claims] = list_results(env["model"], "claims", root=out)
     assert {c["claim"] for c in claims.data["claims"]} == set("abcd")
+    # the claims' perplexity is stored per configuration: a stopped run resumes, computing only what is missing
+    quality = list_results(env["model"], "claims_quality", root=out)
+    reported = {row["label"]: row for row in claims.data["quality"]}
+    assert len(quality) > 10 and {r.data["config"] for r in quality} <= set(reported)
+    assert all(r.data["row"]["kl"] == reported[r.data["config"]]["kl"] for r in quality)  # the report's numbers
+    claims.path.unlink()
+    quality[0].path.unlink()
+    capsys.readouterr()
+    assert main(["claims", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--max-tokens", "64",
+                 "--window", "512", "--calibration-text", env["text"], "--calibration-tokens", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert "reusing stored claims_quality" in printed
+    assert printed.count("saved") == 2  # the one configuration removed, then the report
+    [again] = list_results(env["model"], "claims", root=out)
+    assert again.data["claims"] == claims.data["claims"]
     for kind in ("drift", "perplexity", "generation"):  # damp runs with its calibrated outlier rows everywhere
         [r] = result_sets(env["model"], kind, root=out)
         assert "damp-int4" in set(r.table.config)

@@ -138,6 +138,13 @@ def _configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int) -> 
                                                                shape.num_v_heads, seeds))
 
 
+def quality_configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int) -> dict[str, PaceConfig]:
+    """The configurations the report scores on its text, once each, each named by its label (so their
+    perplexity results can be stored and reused one by one; :func:`measure_claims`' ``quality``)."""
+    run, _ = _unique(_configs(loaded, calibrated_pace48, seeds).quality())
+    return {label: cfg.replace(name=label) for label, cfg in run.items()}
+
+
 def claims_progress_total(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int, n_tokens: int,
                           window: int, stride: int, batch: int, drift_tokens: int) -> int:
     """The progress units of :func:`measure_claims` on ``n_tokens`` tokens of its text."""
@@ -157,17 +164,24 @@ def _margin(better: float, other: float) -> float:
 def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace48: PaceConfig, *,
                    max_tokens: int | None = None, window: int = 512, stride: int = 256, batch: int = 8,
                    seeds: int = 5, drift_tokens: int = 512, damp_rows: Mapping[str, list[torch.Tensor]] | None = None,
-                   progress: Callable[[int], None] | None = None) -> dict:
+                   quality: pd.DataFrame | None = None, progress: Callable[[int], None] | None = None) -> dict:
     """The report (module docstring) as plain data: ``{"claims": [...], "main": [...], "quality": [...],
-    "drift": [...]}``. ``damp_rows``: the calibrated outlier rows of ``damp-int4`` and ``damp-int8``."""
+    "drift": [...]}``. ``damp_rows``: the calibrated outlier rows of ``damp-int4`` and ``damp-int8``.
+    ``quality``: the perplexity rows (:func:`pace_core.analysis.quality.perplexity`, same text and window)
+    of every :func:`quality_configs` label, already measured; without it they are measured here."""
     shape = loaded.shape
     cfgs = _configs(loaded, calibrated_pace48, seeds)
     run, alias = _unique(cfgs.quality())
     rows = {"damp-int4", "damp-int8"}
-    quality = perplexity(loaded, run, text, window=window, stride=stride, max_tokens=max_tokens, batch=batch,
-                         decode_from=max(window - stride, 1),
-                         damp_rows={n: damp_rows[n] for n in rows if n in run} if damp_rows else None,
-                         progress=progress).set_index("config")
+    if quality is None:
+        quality = perplexity(loaded, run, text, window=window, stride=stride, max_tokens=max_tokens, batch=batch,
+                             decode_from=max(window - stride, 1),
+                             damp_rows={n: damp_rows[n] for n in rows if n in run} if damp_rows else None,
+                             progress=progress)
+    quality = quality.set_index("config")
+    absent = [label for label in run if label not in quality.index]
+    if absent:
+        raise PaceError(f"quality: no perplexity row for {', '.join(absent)}; allowed: a row per quality_configs label")
     q = {label: quality.loc[alias[label]] for label in cfgs.quality()}
 
     ids = tokenize(loaded.tokenizer, read_text(text), drift_tokens)

@@ -363,10 +363,13 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def run_claims(args: argparse.Namespace) -> int:
-    """The seed's claims measured (pace_core.analysis.claims), stored as kind 'claims'."""
+    """The seed's claims measured (pace_core.analysis.claims), stored as kind 'claims'. The perplexity of
+    each of its configurations is stored as it is measured (kind 'claims_quality', CLAIMS_GROUP
+    configurations at a time), so a stopped run resumes where it stopped."""
     import pandas as pd
 
-    from pace_core.analysis.claims import claims_progress_total, claims_table, measure_claims
+    from pace_core.analysis.claims import claims_progress_total, claims_table, measure_claims, quality_configs
+    from pace_core.analysis.quality import perplexity
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
     from pace_core.config import config_to_dict
 
@@ -378,16 +381,38 @@ def run_claims(args: argparse.Namespace) -> int:
     if _reuse(found, "claims"):
         return 0
     n = tokenize(ctx.loaded.tokenizer, read_text(text), args.max_tokens or None).shape[1]
-    with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, args.window // 2, args.batch,
+    stride = max(args.window // 2, 1)
+    decode_from = max(args.window - stride, 1)
+    ppl_params = {"text": _sha(text), "window": args.window, "stride": stride, "max_tokens": args.max_tokens,
+                  "decode_from": decode_from}
+    cfgs = list(quality_configs(ctx.loaded, pace48, args.seeds).values())
+    with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, stride, args.batch,
                                        args.drift_tokens), "claims") as bar:
+        def compute(missing: list, stored: dict) -> dict:
+            table = perplexity(ctx.loaded, missing, text, window=args.window, stride=stride,
+                               max_tokens=args.max_tokens or None, decode_from=decode_from, damp_rows=damp_rows,
+                               batch=args.batch, progress=bar.update)
+            names = {c.name for c in missing}
+            return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
+                    if row["config"] in names}
+
+        rows = []
+        for start in range(0, len(cfgs), CLAIMS_GROUP):
+            results = ctx.per_config("claims_quality", cfgs[start:start + CLAIMS_GROUP], damp_rows, ppl_params,
+                                     compute, text=text)
+            rows += [r.data["row"] for r in results.values()]
         report = measure_claims(ctx.loaded, text, pace48, max_tokens=args.max_tokens or None, window=args.window,
-                                stride=args.window // 2, batch=args.batch, seeds=args.seeds,
-                                drift_tokens=args.drift_tokens, damp_rows=damp_rows, progress=bar.update)
+                                stride=stride, batch=args.batch, seeds=args.seeds, drift_tokens=args.drift_tokens,
+                                damp_rows=damp_rows, quality=pd.DataFrame(rows), progress=bar.update)
     table = claims_table(report)
     _print_table(table)
     _print_table(pd.DataFrame(report["main"]))
     ctx.save("claims", key, report, table, configs=[pace48], text=text)
     return 0
+
+
+CLAIMS_GROUP = 4
+"""Configurations of the claims report measured (and stored) together: a stopped run loses at most these."""
 
 
 def run_all(args: argparse.Namespace) -> int:
