@@ -5,7 +5,7 @@ import streamlit as st
 from app_state import compute, controls, frame, session
 from pace_core.config import PaceConfig, document_from_json
 from pace_core.errors import PaceError
-from pace_core.export import export_filename, export_json
+from pace_core.export import check_model, export_filename, export_json
 from pace_core.results import make_provenance
 
 
@@ -18,8 +18,9 @@ def page(cfg: PaceConfig) -> None:
                "reads (8-bit heads keyed by decoder layer, the GDN ordinal beside it) and the resident bits "
                "with each accounting term.")
 
+    loaded = session.loaded_model(stop=False)
     if cfg.high_share > 0 and cfg.high_heads is None:
-        if session.loaded_model(stop=False) is None:
+        if loaded is None:
             st.warning(f"Share of 8-bit heads is {cfg.high_share:.1%} but no model is loaded to choose them: "
                        "the export carries the share only.", icon=":material/leaderboard:")
         else:
@@ -31,7 +32,6 @@ def page(cfg: PaceConfig) -> None:
             else:
                 st.info("The per-layer 8-bit heads below were calibrated on the loaded model for these settings "
                         "(see Head ranking).", icon=":material/leaderboard:")
-    loaded = session.loaded_model(stop=False)
     provenance = make_provenance(session.model_label(), configs=[cfg], command="PACE Studio export")
     try:
         if loaded is None:
@@ -69,8 +69,6 @@ def page(cfg: PaceConfig) -> None:
                 imported = doc.config
                 if doc.model_info is not None and loaded is not None:
                     try:
-                        from pace_core.export import check_model
-
                         check_model(doc, loaded.shape, loaded.fingerprint)
                     except PaceError as err:
                         st.warning(f"Made for another model: {err}", icon=":material/warning:")
