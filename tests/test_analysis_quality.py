@@ -8,6 +8,7 @@ from pace_core.analysis.text import tokenize
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import load_model
+from numerics import fp32_bound
 
 pytestmark = pytest.mark.numerics
 
@@ -77,9 +78,13 @@ def test_quantised_configs_move_away_from_reference(loaded):
     assert list(table.index) == ["fp32", "rtn-int8", "rtn-int2"]
     assert table.loc["rtn-int2", "kl"] > table.loc["rtn-int8", "kl"] > 0
     assert table.loc["rtn-int2", "agreement"] <= table.loc["rtn-int8", "agreement"] <= 1
-    # the reference row is unaffected by what else is evaluated
+    # the reference row is unaffected by what else is evaluated: alone it runs as a batch of one, not of
+    # three, so its GEMMs may sum in another order. Per layer of the tiny model (4 layers) the 64-wide
+    # projections, the GDN state over a 64-token window of 64-wide keys, 4 value heads of 32, the MLP (64 +
+    # 96); then the LM head (64) and the log-softmax over 128 tokens (tests/numerics.py)
     alone = evaluate_quality(loaded, [get_config("fp32")], ids, window=64, stride=32, decode_from=40)
-    assert alone.iloc[0].nll == pytest.approx(table.loc["fp32", "nll"], rel=1e-12)
+    bound = fp32_bound(4 * (64 + 64 * 64 + 4 * 32 + 64 + 96) + 64 + 128)
+    assert alone.iloc[0].nll == pytest.approx(table.loc["fp32", "nll"], rel=bound)
 
 
 def test_batched_windows_group_equal_lengths_in_order():

@@ -12,6 +12,7 @@ from pace_core.recurrence import gdn_recurrent, prepare_qk
 from pace_core.shapes import ModelShape
 from pace_core.state_store import StateStore
 from references import per_token_decode, periodic_decode, segmented_prefill
+from numerics import fp32_bound
 
 pytestmark = pytest.mark.numerics
 
@@ -360,6 +361,15 @@ KERNEL_CASES = {
 }
 
 
+def _kernel_tolerance(rounding: float, tokens: int, K: int) -> float:
+    """How far the kernels may be from the reference: float32 rounding of the recurrence (dots of length
+    K through ``tokens`` tokens), or, where the state is rounded to few bits, a fifth of that rounding's
+    own error against the exact recurrence: the two float paths put a few values on the other side of a
+    rounding boundary (one code step each, smaller than the rounding error of that entry), while a wiring
+    slip is off by the whole rounding error or more."""
+    return max(fp32_bound(4 * tokens * K), 0.2 * rounding)
+
+
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_decode_on_the_kernels_follows_the_reference(name, monkeypatch):
     """Buffered decode routed to the Triton kernels (interpreted here) against the reference path,
@@ -387,12 +397,14 @@ def test_decode_on_the_kernels_follows_the_reference(name, monkeypatch):
         layer.prefill(q[:, pre], k[:, pre], v[:, pre], g[:, pre], beta[:, pre])
         outs[b] = layer.decode(q[:, dec], k[:, dec], v[:, dec], g[:, dec], beta[:, dec])
     assert outs["triton"].shape == (B, T, Hv, V)
-    rel = lambda a, r: float((a - r).norm() / r.norm())  # noqa: E731
-    assert rel(outs["triton"], outs["reference"]) < 1e-3
+    o64, S64 = gdn_recurrent(*(x.double() for x in (q, k, v, g, beta)))  # the exact recurrence, no rounding
+    S_tri, S_ref = layers["triton"].effective_state(), layers["reference"].effective_state()
+    assert rel(outs["triton"], outs["reference"]) < _kernel_tolerance(rel(outs["reference"], o64[:, dec]), T0 + T, K)
     if cfg.decode_period > 1:
         assert len(layers["triton"].buffer) == len(layers["reference"].buffer) == 1
     assert type(layers["triton"].checkpoint) is type(layers["reference"].checkpoint)
-    assert rel(layers["triton"].effective_state(), layers["reference"].effective_state()) < 1e-3
+    assert rel(S_tri, S_ref) < _kernel_tolerance(rel(S_ref, S64), T0 + T, K)
+
     assert len(plans) == (1 if cfg.decode_period > 1 else 0)
     bad = v[:, dec].clone()
     bad[0, 1, 2, 3] = float("nan")
