@@ -498,22 +498,15 @@ def document_from_dict(d: dict) -> ConfigDocument:
             raise PaceError(f"config JSON field {key} must be an object; got {type(d[key]).__name__}")
     if d["model"] is not None and not isinstance(d["model"], str):
         raise PaceError(f"config JSON field model={d['model']!r} is not allowed; allowed: a string or null")
-    scheme = _section(d, "state_cache_scheme", _SCHEME_KEYS)
     pace = {**_OLDER_SCHEMA_VALUES, **_section(d, "pace", _PACE_KEYS_BY_SCHEMA[version])}
-    cfg = config_from_sections(scheme, pace, high_heads=_high_heads_from_json(pace["high_heads"]))
+    cfg = config_from_sections(d["state_cache_scheme"], pace, high_heads=_high_heads_from_json(pace["high_heads"]))
     return ConfigDocument(cfg, d["model"], d["producer"], d["provenance"])
 
 
 def config_from_sections(scheme: Any, pace: dict, *, high_heads: tuple[tuple[int, ...], ...] | None) -> PaceConfig:
-    """The PaceConfig of a ``state_cache_scheme`` object and a complete ``pace`` object (every key of
-    the current schema; ``high_heads`` already decoded), checked against each other."""
-    if not isinstance(scheme, dict):
-        raise PaceError(f"config JSON field 'state_cache_scheme' must be an object; got {type(scheme).__name__}")
-    missing = [k for k in _SCHEME_KEYS if k not in scheme]
-    unknown = [k for k in scheme if k not in _SCHEME_KEYS]
-    if missing or unknown:
-        raise PaceError(f"config JSON field state_cache_scheme.{(missing or unknown)[0]} is "
-                        f"{'missing' if missing else 'unknown'}; allowed: {', '.join(_SCHEME_KEYS)}")
+    """The PaceConfig of a ``state_cache_scheme`` object (its keys checked here) and a complete ``pace``
+    object (every key of the current schema; ``high_heads`` already decoded), checked against each other."""
+    scheme = _section({"state_cache_scheme": scheme}, "state_cache_scheme", _SCHEME_KEYS)
     _check_choice("config JSON field state_cache_scheme.type", scheme["type"], ("int", "float"))
     if (scheme["type"] == "float") != (pace["method"] == "none"):
         raise PaceError(f"config JSON field state_cache_scheme.type={scheme['type']!r} does not match "

@@ -282,22 +282,25 @@ def fit_table(configs: Mapping[str, PaceConfig], shapes: Mapping[str, ModelShape
     return pd.DataFrame(rows)
 
 
-def capacity_figure(curves: Mapping[str, tuple[int, int]], weight_bytes: int, budget_bytes: int,
-                    max_sequences: int) -> go.Figure:
-    """Memory used (GB) against concurrent sequences N: weights + N · (state + KV) for each configuration
-    ``{label: (bytes per sequence, bytes stored once)}``, the budget as a line, each maximum marked."""
+def capacity_figure(capacities: Mapping[str, Any], budget_bytes: int) -> go.Figure:
+    """Memory used (GB) against concurrent sequences N: weights + stored-once bytes + N · (state + KV) for
+    each configuration's :class:`pace_core.accounting.Capacity` (the weights are the same for all), the
+    budget as a line, each maximum marked; N runs a little past the largest maximum."""
     fig = go.Figure()
-    xs = np.unique(np.linspace(0, max(max_sequences, 1), 200).astype(np.int64))
-    for label, (per_seq, fixed) in curves.items():
-        ys = (weight_bytes + fixed + xs * per_seq) / GB
+    weights = next(iter(capacities.values())).weight_bytes
+    top = max(max(c.sequences for c in capacities.values()) * 1.15, 1)
+    xs = np.unique(np.linspace(0, top, 200).astype(np.int64))
+    for label, cap in capacities.items():
+        per_seq = cap.state_bytes_per_sequence + cap.kv_bytes_per_sequence
+        ys = (weights + cap.fixed_bytes + xs * per_seq) / GB
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=label,
                                  hovertemplate=f"{label}<br>N = %{{x}}: %{{y:.1f}} GB<extra></extra>"))
-        n = max((budget_bytes - weight_bytes - fixed) // per_seq, 0)
-        fig.add_trace(go.Scatter(x=[n], y=[(weight_bytes + fixed + n * per_seq) / GB], mode="markers+text",
+        n = cap.sequences
+        fig.add_trace(go.Scatter(x=[n], y=[(weights + cap.fixed_bytes + n * per_seq) / GB], mode="markers+text",
                                  text=[f"{n:,}"], textposition="top left", marker=dict(size=9), showlegend=False,
                                  hovertemplate=f"{label}: at most {n:,} sequences<extra></extra>"))
     fig.add_hline(y=budget_bytes / GB, line_dash="dash", annotation_text="GPU memory", annotation_position="top left")
-    fig.add_hline(y=weight_bytes / GB, line_dash="dot", annotation_text="weights", annotation_position="bottom right")
+    fig.add_hline(y=weights / GB, line_dash="dot", annotation_text="weights", annotation_position="bottom right")
     fig.update_layout(height=400, xaxis_title="concurrent sequences N", yaxis_title="memory used (GB, 10⁹ bytes)",
                       margin=dict(t=30, l=60, r=20, b=50), legend=dict(orientation="h", y=1.1))
     return fig

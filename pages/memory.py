@@ -118,10 +118,7 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> None:
                     help=f"over fp32 states: {chosen.sequences / max(caps['fp32'].sequences, 1):.2f}×")
     st.caption(f"At its maximum the chosen state takes {chosen.state_share:.1%} of the {gb:g} GB "
                f"(fp32 states: {caps['fp32'].state_share:.1%}).")
-    curves = {label: (cap.state_bytes_per_sequence + cap.kv_bytes_per_sequence, cap.fixed_bytes)
-              for label, cap in caps.items()}
-    st.plotly_chart(figures.capacity_figure(curves, chosen.weight_bytes, budget, int(chosen.sequences * 1.15)),
-                    key="plan_chart")
+    st.plotly_chart(figures.capacity_figure(caps, budget), key="plan_chart")
 
 
 frame.run_page(page)
