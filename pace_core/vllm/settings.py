@@ -1,0 +1,96 @@
+"""Which PACE configuration a vLLM engine serves, checked once against the engine's model and settings.
+
+The configuration comes from ``additional_config={"pace_config": ...}`` (``vllm serve ...
+--additional-config '{"pace_config": "my-config.json"}'``) or, when that is absent, the environment
+variable ``PACE_CONFIG``: the path of an exported JSON file, its text, or a configuration name
+(:func:`pace_core.model.deploy.load_document`). Without either, the plugin changes nothing.
+
+Refused at start-up with a :class:`~pace_core.errors.PaceError` saying what to change: a file made for
+another model (:func:`pace_core.export.check_model`: layer count, GDN layers, head shape), a method a
+pool row cannot hold (:data:`pace_core.vllm.slots.SLOT_METHODS`), PACE-4/8 without chosen heads, and
+engine settings the state pool does not follow yet (prefix caching, speculative decoding, tensor
+parallelism).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+from pace_core.config import ConfigDocument, PaceConfig
+from pace_core.errors import PaceError
+from pace_core.export import check_model
+from pace_core.model.deploy import load_document, require_heads
+from pace_core.shapes import ModelShape, shape_from_hf_config
+from pace_core.vllm.slots import SlotLayout
+
+CONFIG_ENV = "PACE_CONFIG"
+CONFIG_KEY = "pace_config"
+
+
+@dataclass(frozen=True)
+class Served:
+    """The configuration an engine serves: ``cfg`` for the model of ``shape``, one :class:`SlotLayout` per
+    GDN layer (model layer index -> layout) and the bytes of a pool row (the largest layout)."""
+
+    cfg: PaceConfig
+    shape: ModelShape
+    layouts: dict[int, SlotLayout]
+
+    @property
+    def row_bytes(self) -> int:
+        return max(layout.nbytes for layout in self.layouts.values())
+
+
+def serve_command(model: str, config_file: str) -> str:
+    """The ``vllm serve`` command line that serves ``model`` with the exported ``config_file``."""
+    extra = json.dumps({CONFIG_KEY: config_file})
+    return f"vllm serve {shlex.quote(model)} --no-enable-prefix-caching --additional-config {shlex.quote(extra)}"
+
+
+def config_source(additional_config: Any) -> str | None:
+    """The configuration named by vLLM's ``additional_config`` or ``$PACE_CONFIG`` (None: not asked for)."""
+    if isinstance(additional_config, dict) and additional_config.get(CONFIG_KEY):
+        return str(additional_config[CONFIG_KEY])
+    return os.environ.get(CONFIG_ENV) or None
+
+
+def _refuse_settings(vllm_config: Any) -> None:
+    cache, parallel = vllm_config.cache_config, vllm_config.parallel_config
+    if cache.enable_prefix_caching or cache.mamba_cache_mode != "none":
+        raise PaceError("PACE states are not prefix-cached: start vLLM with --no-enable-prefix-caching "
+                        "(LLM(..., enable_prefix_caching=False))")
+    if vllm_config.speculative_config is not None:
+        raise PaceError("PACE states do not follow speculative decoding yet: start vLLM without "
+                        "--speculative-config")
+    if parallel.tensor_parallel_size != 1:
+        raise PaceError(f"PACE states are served at tensor parallel size 1 (this engine: "
+                        f"{parallel.tensor_parallel_size}); use --tensor-parallel-size 1 with "
+                        "--pipeline-parallel-size or data parallelism to spread a model")
+
+
+@functools.lru_cache(maxsize=8)
+def _served(source: str, hf_config_json: str) -> Served:
+    doc: ConfigDocument = load_document(source)
+    shape = shape_from_hf_config(json.loads(hf_config_json))
+    check_model(doc, shape)
+    cfg = doc.config
+    require_heads(cfg)
+    layouts = {layer: SlotLayout(cfg, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v, i)
+               for i, layer in enumerate(shape.gdn_layers)}
+    return Served(cfg, shape, layouts)
+
+
+def served(vllm_config: Any) -> Served | None:
+    """The configuration ``vllm_config``'s engine serves (None when none is asked for), checked against
+    its model and settings (module docstring); the same object for the same engine."""
+    source = config_source(vllm_config.additional_config)
+    if source is None:
+        return None
+    _refuse_settings(vllm_config)
+    hf = vllm_config.model_config.hf_config
+    return _served(source, hf.to_json_string(use_diff=False))

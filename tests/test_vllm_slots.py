@@ -1,0 +1,136 @@
+"""pace_core.vllm.slots: pool rows hold exactly what the accounting counts, and the schedule on pool rows
+keeps each sequence's checkpoint, buffer and flush points its own (no vLLM needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from pace_core import accounting
+from pace_core.config import NAMED_CONFIGS
+from pace_core.errors import PaceError
+from pace_core.recurrence import prepare_qk
+from pace_core.shapes import ModelShape
+from pace_core.state_store import LayerState
+from pace_core.vllm.slots import SlotLayout, SlotPool
+from kernels_support import kernel_modules
+from numerics import fp32_bound, rel
+
+SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8")
+
+
+def _config(name: str, num_v_heads: int, layers: int = 1):
+    cfg = NAMED_CONFIGS[name]
+    if cfg.high_share > 0:
+        high = max(1, round(cfg.high_share * num_v_heads))
+        cfg = dataclasses.replace(cfg, high_heads=tuple(tuple(sorted(random.sample(range(num_v_heads), high)))
+                                                        for _ in range(layers)))
+    return cfg
+
+
+@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("heads", [(2, 4), (16, 32), (16, 48)])
+def test_row_bytes_are_the_accounting_per_sequence(name, heads):
+    H, HV = heads
+    cfg = _config(name, HV)
+    layout = SlotLayout(cfg, H, HV, 128, 128)
+    shape = ModelShape("one GDN layer", 1, 1, H, HV, 128, 128, 0)
+    per_sequence = accounting.state_bytes(cfg, shape, 2) - accounting.state_bytes(cfg, shape, 1)
+    assert layout.nbytes == per_sequence
+    for f in layout.fields:  # every field starts aligned to its dtype
+        assert f.offset % torch.empty((), dtype=f.dtype).element_size() == 0
+
+
+def test_methods_a_row_cannot_hold_are_refused():
+    with pytest.raises(PaceError, match="cannot be served from a state pool"):
+        SlotLayout(NAMED_CONFIGS["damp-int4"], 2, 4, 128, 128)
+
+
+def _inputs(B: int, T: int, H: int, HV: int, K: int, V: int):
+    q, k = prepare_qk(torch.randn(B, T, H, K), torch.randn(B, T, H, K))
+    return q, k, torch.randn(B, T, HV, V), -0.2 * torch.rand(B, T, HV), torch.rand(B, T, HV)
+
+
+def _staggered(cfg, H: int, HV: int, K: int, V: int, backend: str | None = None):
+    """Three sequences join a pool at different steps (so their buffers fill and flush at different steps)
+    and decode in shared batches. Returns, per sequence, (pool output, alone output, pool state, alone
+    state, pool count, alone buffered count); the alone runs are one-sequence LayerStates on the reference."""
+    P, T = 5, 19
+    layout = SlotLayout(cfg, H, HV, K, V)
+    pool = SlotPool(layout, torch.zeros(7, layout.nbytes, dtype=torch.uint8), backend=backend)
+    slots, joins = [5, 0, 3], [0, 3, 6]
+    x = _inputs(3, P + T, H, HV, K, V)
+    outs: list[list[torch.Tensor]] = [[] for _ in slots]
+    for step in range(max(joins) + T + 1):
+        active = [i for i in range(3) if joins[i] < step <= joins[i] + T]
+        if active:
+            t = [P + step - joins[i] - 1 for i in active]
+            rows = torch.tensor([slots[i] for i in active])
+            o = pool.decode(rows, *(torch.stack([a[i, ti] for i, ti in zip(active, t)]) for a in x))
+            for j, i in enumerate(active):
+                outs[i].append(o[j])
+        for i in range(3):
+            if joins[i] == step:
+                outs[i].append(pool.prefill(slots[i], *(a[i, :P] for a in x), initial=False))
+    result = []
+    for i in range(3):
+        alone = LayerState(cfg, 1, H, HV, K, V, "cpu", backend="reference")
+        o_alone = torch.cat([alone.prefill(*(a[i:i + 1, :P] for a in x)), alone.decode(*(a[i:i + 1, P:] for a in x))],
+                            1)[0]
+        count = int(pool.counts[slots[i]])
+        result.append((torch.cat([outs[i][0], torch.stack(outs[i][1:])]), o_alone,
+                       pool._state(torch.tensor([slots[i]]), count).effective_state(), alone.effective_state(),
+                       count, 0 if alone.buffer is None else len(alone.buffer)))
+    return result
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", SERVED)
+def test_staggered_sequences_keep_their_own_state(name):
+    """Each of the staggered sequences (:func:`_staggered`) must end where it ends decoded alone. Rows are
+    gathered into batches of other sizes than the alone runs, so the float32 arithmetic may differ by its
+    rounding: for the unrounded fp32 state the outputs agree to fp32_bound of the chain (T steps of
+    K-term dot products); a quantised state may move a few codes by one step where such a difference
+    crosses a rounding boundary (|ΔS| / |S| well under 1e-2), while a sequence given another's state or
+    flush point is off by several 1e-2 (measured: 0.05-0.08 with every row's count taken as the largest)."""
+    cfg = _config(name, 4)
+    limit = fp32_bound(24 * 4 * 64) if cfg.exact else 1e-2
+    for o_pool, o_alone, s_pool, s_alone, count, buffered in _staggered(cfg, 2, 4, 64, 64):
+        assert rel(o_pool, o_alone) <= limit
+        assert rel(s_pool, s_alone) <= limit
+        assert count == buffered
+
+
+@pytest.mark.numerics
+def test_staggered_sequences_on_the_kernels():
+    """The same on the Triton kernels (the CUDA path's backend; here under the interpreter): against the
+    reference, the kernels' float32 rounding may move a few codes as above."""
+    kernel_modules()
+    cfg = NAMED_CONFIGS["pace-4"]
+    layout = SlotLayout(cfg, 2, 4, 64, 64)
+    probe = SlotPool(layout, torch.zeros(1, layout.nbytes, dtype=torch.uint8), backend="triton")
+    assert probe._state(torch.tensor([0]), None).uses_kernels()
+    for o_pool, o_alone, s_pool, s_alone, count, buffered in _staggered(cfg, 2, 4, 64, 64,
+                                                                        backend="triton"):
+        assert rel(o_pool, o_alone) <= 1e-2
+        assert rel(s_pool, s_alone) <= 1e-2
+        assert count == buffered
+
+
+@pytest.mark.numerics
+def test_a_continued_prompt_starts_from_the_stored_state():
+    """A prompt in two parts (vLLM's chunked prefill) continues from the stored state and buffer: the same
+    as the same two prefill calls of one LayerState (same code, same shapes: bit for bit)."""
+    H, HV, K, V = 2, 4, 64, 64
+    cfg = NAMED_CONFIGS["pace-4"]
+    layout = SlotLayout(cfg, H, HV, K, V)
+    pool = SlotPool(layout, torch.zeros(2, layout.nbytes, dtype=torch.uint8))
+    x = _inputs(1, 30, H, HV, K, V)
+    ref = LayerState(cfg, 1, H, HV, K, V, "cpu")
+    for lo, hi, initial in ((0, 12, False), (12, 30, True)):
+        o = pool.prefill(1, *(a[0, lo:hi] for a in x), initial=initial)
+        assert torch.equal(o, ref.prefill(*(a[:, lo:hi] for a in x))[0])
+    assert torch.equal(pool._state(torch.tensor([1]), 0).effective_state(), ref.effective_state())
