@@ -303,7 +303,7 @@ def test_export_preview_import_and_load(params):
     exported = document_from_json(at.code[0].value)
     assert exported.config == used_settings(get_config("pace-4")) and exported.model_info["gdn_layers"]
     serve = at.code[1].value  # the vllm serve line for the same file and model
-    assert serve.startswith(f"vllm serve {exported.model_info['source']} --no-enable-prefix-caching")
+    assert serve.startswith(f"vllm serve {exported.model_info['source']} --enforce-eager --no-enable-prefix-caching")
     assert json.loads(serve.split("--additional-config ")[1].strip("'")) == {"pace_config": "pace-4.json"}
     assert at.get("download_button")[0].proto.label == "Download pace-4.json"
     at.text_area(key="export_paste").set_value('{"schema_version": 99}').run()

@@ -8,8 +8,8 @@ variable ``PACE_CONFIG``: the path of an exported JSON file, its text, or a conf
 Refused at start-up with a :class:`~pace_core.errors.PaceError` saying what to change: a file made for
 another model (:func:`pace_core.export.check_model`: layer count, GDN layers, head shape), a method a
 pool row cannot hold (:data:`pace_core.vllm.slots.SLOT_METHODS`), PACE-4/8 without chosen heads, and
-engine settings the state pool does not follow yet (prefix caching, speculative decoding, tensor
-parallelism).
+engine settings the state pool does not follow yet (compiled or graph-captured forwards, prefix caching,
+speculative decoding, tensor parallelism).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Served:
 def serve_command(model: str, config_file: str) -> str:
     """The ``vllm serve`` command line that serves ``model`` with the exported ``config_file``."""
     extra = json.dumps({CONFIG_KEY: config_file})
-    return f"vllm serve {shlex.quote(model)} --no-enable-prefix-caching --additional-config {shlex.quote(extra)}"
+    return (f"vllm serve {shlex.quote(model)} --enforce-eager --no-enable-prefix-caching "
+            f"--additional-config {shlex.quote(extra)}")
 
 
 def config_source(additional_config: Any) -> str | None:
@@ -64,6 +65,10 @@ def _refuse_settings(vllm_config: Any) -> None:
     if cache.enable_prefix_caching or cache.mamba_cache_mode != "none":
         raise PaceError("PACE states are not prefix-cached: start vLLM with --no-enable-prefix-caching "
                         "(LLM(..., enable_prefix_caching=False))")
+    if not vllm_config.model_config.enforce_eager:
+        raise PaceError("PACE states are served eagerly (the state step is Python around the kernels, which "
+                        "neither torch.compile nor CUDA graphs may capture): start vLLM with --enforce-eager "
+                        "(LLM(..., enforce_eager=True))")
     if vllm_config.speculative_config is not None:
         raise PaceError("PACE states do not follow speculative decoding yet: start vLLM without "
                         "--speculative-config")

@@ -122,10 +122,12 @@ def test_a_file_for_another_model_is_refused_at_start_up(tmp_path: Path):
         _engine(str(wrong))
 
 
-def test_prefix_caching_is_refused_with_what_to_do():
+@pytest.mark.parametrize("setting, advice", [({"enforce_eager": True}, "--no-enable-prefix-caching"),
+                                             ({"enable_prefix_caching": False}, "--enforce-eager")])
+def test_engine_settings_the_pool_does_not_follow_are_refused(setting, advice):
     from vllm import LLM
 
     gc.collect()
-    with pytest.raises(Exception, match="--no-enable-prefix-caching"):
-        LLM(model=str(check.EMBEDDED), dtype="bfloat16", max_model_len=check.MAX_MODEL_LEN, enforce_eager=True,
-            additional_config={"pace_config": "pace-4"})
+    with pytest.raises(Exception, match=advice):
+        LLM(model=str(check.EMBEDDED), dtype="bfloat16", max_model_len=check.MAX_MODEL_LEN,
+            additional_config={"pace_config": "pace-4"}, **setting)
