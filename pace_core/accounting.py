@@ -197,6 +197,11 @@ def state_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> int:
     return total
 
 
+def state_bytes_per_sequence(cfg: PaceConfig, shape: ModelShape) -> int:
+    """The bytes each further sequence adds (:func:`state_bytes` without what is kept once per layer)."""
+    return state_bytes(cfg, shape, 2) - state_bytes(cfg, shape, 1)
+
+
 def resident_bits(cfg: PaceConfig, shape: ModelShape) -> ResidentBits:
     """The resident bits per state value of `cfg` on `shape`: each term of the paper's accounting and
     the exact stored bits (one sequence)."""
@@ -250,8 +255,8 @@ def capacity(cfg: PaceConfig, shape: ModelShape, budget_bytes: int, *, weight_bi
     if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
         raise PaceError(f"weight_bits={bits!r} is not allowed; allowed: an integer >= 1 (16 bf16, 8 fp8, 4 int4)")
     weights = -(-shape.weight_params * bits // 8)
-    one, two = state_bytes(cfg, shape, 1), state_bytes(cfg, shape, 2)
-    per_state, fixed = two - one, 2 * one - two
+    per_state = state_bytes_per_sequence(cfg, shape)
+    fixed = state_bytes(cfg, shape, 1) - per_state
     kv = shape.kv_bytes_per_token * context
     n = max((budget_bytes - weights - fixed) // (per_state + kv), 0)
     state = state_bytes(cfg, shape, n) if n else 0

@@ -38,7 +38,7 @@ def test_row_bytes_are_the_accounting_per_sequence(name, heads):
     cfg = _config(name, HV)
     layout = SlotLayout(cfg, H, HV, 128, 128)
     shape = ModelShape("one GDN layer", 1, 1, H, HV, 128, 128, 0)
-    per_sequence = accounting.state_bytes(cfg, shape, 2) - accounting.state_bytes(cfg, shape, 1)
+    per_sequence = accounting.state_bytes_per_sequence(cfg, shape)
     assert layout.nbytes == per_sequence
     for f in layout.fields:  # every field starts aligned to its dtype
         assert f.offset % torch.empty((), dtype=f.dtype).element_size() == 0

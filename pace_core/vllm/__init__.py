@@ -23,13 +23,14 @@ ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForCondi
 
 
 def register() -> None:
-    """vLLM's plugin entry point (may run several times per process)."""
+    """vLLM's plugin entry point (vLLM may call it several times per process; it registers once)."""
     from vllm import ModelRegistry
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 
-    if "QwenGatedDeltaNetAttention" not in op_registry_oot:
-        from pace_core.vllm.layer import PaceGatedDeltaNetAttention
+    if "QwenGatedDeltaNetAttention" in op_registry_oot:
+        return
+    from pace_core.vllm.layer import PaceGatedDeltaNetAttention
 
-        PluggableLayer.register_oot(PaceGatedDeltaNetAttention, name="QwenGatedDeltaNetAttention")
+    PluggableLayer.register_oot(PaceGatedDeltaNetAttention, name="QwenGatedDeltaNetAttention")
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"pace_core.vllm.models:Pace{arch}")

@@ -1,13 +1,14 @@
 """Does vLLM with the plugin serve what the transformers path computes? The figures of the vLLM issue.
 
-    python -m pace_core.vllm.check [--model data/models/pace-tiny-qwen35] [--configs fp32 bf16 pace-4 FILE ...]
+    python -m pace_core.vllm.check [--model data/models/pace-tiny-qwen35] [--configs vllm-own fp32 pace-4 FILE ...]
                                    [--prompts 10] [--tokens 64] [--out data/bench]
 
 (in the vLLM environment: ``make vllm-env``). For each configuration, the same prompts (the first lines
 of ``wikitext2-valid`` long enough, cut to ``PROMPT_TOKENS`` tokens) are decoded greedily ``--tokens``
 steps by vLLM (bf16, all prompts submitted together: continuous batching) and by the project's
 transformers path (the same checkpoint in bf16, ``pace_core.apply`` of the same configuration, one prompt
-at a time). Reported per configuration:
+at a time). ``vllm-own`` is vLLM without the plugin's state against the fp32 reference. Reported per
+configuration:
 
 - ``free_running``: the share of the ``prompts x tokens`` positions where both chose the same token
   (after a first difference the two continue from different texts, so this counts that position's
@@ -42,6 +43,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = REPO_ROOT / "data" / "models" / "pace-tiny-qwen35"
 PROMPT_TOKENS = 24
+VLLM_OWN = "vllm-own"
+"""The configuration name that runs vLLM without the plugin's state (its own fp32 state), compared with the
+transformers path's fp32 reference: how far two bf16 engines part without PACE."""
 MAX_MODEL_LEN = 512
 
 
@@ -168,13 +172,14 @@ def measure(model: str | os.PathLike, configs: Sequence[str], n_prompts: int, to
     ids = prompts(loaded.tokenizer, n_prompts)
     results = []
     for config in configs:
-        llm = vllm_engine(model, config)
+        llm = vllm_engine(model, None if config == VLLM_OWN else config)
         served = vllm_greedy(llm, ids, tokens)
         joined = vllm_staggered(llm, ids, tokens, join_every) if config in staggered else None
         del llm
-        reference = transformers_greedy(loaded, config, ids, tokens)
-        results.append(Agreement(config, share_equal(served, reference), agreement(loaded, config, ids, served),
-                                 None if joined is None else agreement(loaded, config, ids, joined)))
+        pace = "fp32" if config == VLLM_OWN else config
+        reference = transformers_greedy(loaded, pace, ids, tokens)
+        results.append(Agreement(config, share_equal(served, reference), agreement(loaded, pace, ids, served),
+                                 None if joined is None else agreement(loaded, pace, ids, joined)))
     return results
 
 
@@ -188,7 +193,7 @@ def _label(config: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(EMBEDDED))
-    parser.add_argument("--configs", nargs="+", default=["fp32", "bf16", "pace-4", str(
+    parser.add_argument("--configs", nargs="+", default=[VLLM_OWN, "fp32", "bf16", "pace-4", str(
         REPO_ROOT / "data" / "results" / "pace-tiny-qwen35" / "config-pace-4-8.json")])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=64)

@@ -9,8 +9,8 @@ the same q, k, v, g, beta and the same schedule and arithmetic as the transforme
 (:mod:`pace_core.model.patch`): the PyTorch reference on a CPU, the project's Triton kernels for CUDA
 tensors (:mod:`pace_core.backend`).
 
-The step runs in its own custom op (``torch.ops.pace.gdn_attention_core``) that mutates the output,
-as vLLM's own core does, so a compiled model keeps it outside its graph.
+The forward runs eagerly (settings refuse compiled or graph-captured engines), so the state step is a
+plain call that reads vLLM's forward context for the batch's metadata.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.platforms import current_platform
-from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 from pace_core import accounting
+from pace_core.errors import PaceError
+from pace_core.vllm import ARCHITECTURES
 from pace_core.recurrence import prepare_qk
 from pace_core.vllm.settings import served
 from pace_core.vllm.slots import SlotPool
@@ -40,8 +42,6 @@ else:
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which has the handlers
 
-_LIBRARY = torch.library.Library("pace", "FRAGMENT")
-
 
 class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     """``QwenGatedDeltaNetAttention`` whose state is stored as the served PACE configuration says."""
@@ -51,15 +51,22 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         self.served = served(vllm_config)
         self.pool: SlotPool | None = None
         if self.served is not None:
+            architecture = vllm_config.model_config.architecture
+            if architecture not in ARCHITECTURES:
+                raise PaceError(f"PACE states are served for {', '.join(ARCHITECTURES)}; this model is "
+                                f"{architecture}: serve it without a PACE configuration")
             self.layout = self.served.layouts[self.layer_idx]
+            self.chunked_prefill = bool(vllm_config.scheduler_config.enable_chunked_prefill)
             self._forward_method = self._forward_pace
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        """vLLM's conv state shape and, when serving PACE, a row of ``row_bytes`` (else vLLM's state)."""
         shapes = super().get_state_shape()
         s = getattr(self, "served", None)
         return shapes if s is None else (shapes[0], (s.row_bytes,))
 
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        """vLLM's conv state dtype and, when serving PACE, uint8 (else vLLM's state dtype)."""
         dtypes = super().get_state_dtype()
         return dtypes if getattr(self, "served", None) is None else (dtypes[0], torch.uint8)
 
@@ -73,19 +80,23 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def _log_pool(self, kv_cache: torch.Tensor) -> None:
         """Say at start-up what a page holds and how many more sequences' states the memory holds."""
-        cfg, shape = self.served.cfg, self.served.shape
+        cfg, shape, row = self.served.cfg, self.served.shape, self.served.row_bytes
         base_shapes, base_dtypes = super().get_state_shape(), super().get_state_dtype()
         conv = self.kv_cache[0][0].numel() * self.kv_cache[0].element_size()
         base = base_shapes[1][0] * base_shapes[1][1] * base_shapes[1][2] * base_dtypes[1].itemsize
         page = kv_cache[0].numel() * kv_cache.element_size()
-        per_seq = accounting.state_bytes(cfg, shape, 2) - accounting.state_bytes(cfg, shape, 1)
         logger.info(
-            "PACE %s: %d state slots per GDN layer in pages of %d bytes (conv state %d + PACE state %d; "
-            "accounting: %d bytes per sequence over %d GDN layers). vLLM's %s state needs %d bytes (conv %d + "
-            "state %d): %.2fx as many sequences in the same memory before vLLM rounds pages up to whole "
-            "attention blocks (%.2fx counting the recurrent state alone)", cfg.name, kv_cache.shape[0], page,
-            conv, self.layout.nbytes, per_seq, shape.num_gdn_layers, base_dtypes[1], conv + base, conv, base,
-            (conv + base) / (conv + self.layout.nbytes), base / self.layout.nbytes)
+            "PACE %s: %d state slots per GDN layer in pages of %d bytes (conv state %d + a PACE row of %d bytes, "
+            "the largest GDN layer's; pace_core.accounting: %d bytes per sequence over the %d GDN layers). "
+            "vLLM's %s state needs %d bytes (conv %d + state %d): %.2fx as many sequences in the same memory "
+            "before vLLM rounds pages up to whole attention blocks (%.2fx counting the recurrent state alone)",
+            cfg.name, kv_cache.shape[0], page, conv, row, accounting.state_bytes_per_sequence(cfg, shape),
+            shape.num_gdn_layers, base_dtypes[1], conv + base, conv, base, (conv + base) / (conv + row), base / row)
+        if self.chunked_prefill:
+            logger.warning(
+                "PACE: chunked prefill is on: a prompt that vLLM splits into parts is rounded at the end of "
+                "each part, and a part of one token goes through the decode path, as when the transformers "
+                "path gets a prompt in several calls; --no-enable-chunked-prefill keeps prompts whole")
 
     def _forward_pace(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """vLLM's projections and output, the PACE core between them: ``hidden_states [T, D]``."""
@@ -95,7 +106,11 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         mixed_qkv, z, b, a = self.prepare_gdn_attention_core_inputs(mixed_qkvz, mixed_ba, n)
         out = torch.zeros(n, self.num_v_heads // self.tp_size, self.head_v_dim, dtype=hidden_states.dtype,
                           device=hidden_states.device)
-        torch.ops.pace.gdn_attention_core(mixed_qkv, b, a, out, self.prefix)
+        context = get_forward_context()
+        if context.attn_metadata is not None:  # None in vLLM's profiling runs: nothing to store
+            meta = context.attn_metadata[self.prefix]
+            if meta.num_actual_tokens:
+                self.state_step(meta, mixed_qkv, b, a, out)
         return self._output_projection(out, z)
 
     def _conv_weight(self) -> torch.Tensor:
@@ -115,7 +130,7 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v[0].float(), g, b.sigmoid().float()
 
-    def pace_core(self, meta: Any, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+    def state_step(self, meta: GDNAttentionMetadata, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                   out: torch.Tensor) -> None:
         """Conv and state step of one forward (decode tokens first, then the prompts, as vLLM orders them);
         writes ``out [T, HV, V]``."""
@@ -139,24 +154,3 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 o = self.pool.prefill(int(rows[i]), q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], bool(initial[i]))
                 out[ndt + s:ndt + e] = o.to(out.dtype)
 
-
-def gdn_attention_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core_attn_out: torch.Tensor,
-                       layer_name: str) -> None:
-    """The PACE core of layer ``layer_name`` in the current forward: ``mixed_qkv [T, conv_dim]``,
-    ``b, a [T, HV]``; writes ``core_attn_out [T, HV, V]``. Nothing to do in vLLM's profiling runs."""
-    context = get_forward_context()
-    layer = context.no_compile_layers[layer_name]
-    if context.attn_metadata is None:
-        return
-    meta = context.attn_metadata[layer.prefix]
-    if meta.num_actual_tokens:
-        layer.pace_core(meta, mixed_qkv, b, a, core_attn_out)
-
-
-def _gdn_attention_core_fake(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                             core_attn_out: torch.Tensor, layer_name: str) -> None:
-    return None
-
-
-direct_register_custom_op("gdn_attention_core", gdn_attention_core, mutates_args=["core_attn_out"],
-                          fake_impl=_gdn_attention_core_fake, target_lib=_LIBRARY)

@@ -28,12 +28,14 @@ class PaceStatePages:
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> tuple[tuple[int, ...], ...]:
+        """vLLM's conv state shape and, when serving PACE, the pool row (else vLLM's state shape)."""
         shapes = super().get_mamba_state_shape_from_config(vllm_config)
         s = served(vllm_config)
         return shapes if s is None else (shapes[0], (s.row_bytes,))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> tuple[torch.dtype, ...]:
+        """vLLM's conv state dtype and, when serving PACE, uint8 (else vLLM's state dtype)."""
         dtypes = super().get_mamba_state_dtype_from_config(vllm_config)
         return dtypes if served(vllm_config) is None else (dtypes[0], torch.uint8)
 

@@ -9,7 +9,8 @@ Refused at start-up with a :class:`~pace_core.errors.PaceError` saying what to c
 another model (:func:`pace_core.export.check_model`: layer count, GDN layers, head shape), a method a
 pool row cannot hold (:data:`pace_core.vllm.slots.SLOT_METHODS`), PACE-4/8 without chosen heads, and
 engine settings the state pool does not follow yet (compiled or graph-captured forwards, prefix caching,
-speculative decoding, tensor parallelism).
+speculative decoding, KV transfer, tensor parallelism). A chunked prefill is served, with a rounding at
+the end of each part of a prompt (logged at start-up).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def _refuse_settings(vllm_config: Any) -> None:
     if vllm_config.speculative_config is not None:
         raise PaceError("PACE states do not follow speculative decoding yet: start vLLM without "
                         "--speculative-config")
+    if vllm_config.kv_transfer_config is not None:
+        raise PaceError("PACE states do not travel through vLLM's KV connectors (their state layout is vLLM's, "
+                        "and each row's buffered-record count stays beside the pool): start vLLM without "
+                        "--kv-transfer-config")
     if parallel.tensor_parallel_size != 1:
         raise PaceError(f"PACE states are served at tensor parallel size 1 (this engine: "
                         f"{parallel.tensor_parallel_size}); use --tensor-parallel-size 1 with "

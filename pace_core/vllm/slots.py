@@ -28,8 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pace_core import quant
-from pace_core.buffer import DecodeBuffer
-from pace_core.checkpoint import Checkpoint, StateFormat
+from pace_core.checkpoint import Checkpoint
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.state_store import LayerState
@@ -81,6 +80,13 @@ def _with_tensors(template: Checkpoint, tensors: dict[str, torch.Tensor]) -> Che
     return replace(template, parts=parts, shape=(n, *template.shape[1:]))
 
 
+def _on_device(c: Checkpoint, device: torch.device) -> Checkpoint:
+    """``c`` with PACE-4/8's head map on ``device`` (the rows' tensors come from the pool)."""
+    if isinstance(c, quant.MixedPackedState):
+        return replace(c, heads={b: h.to(device) for b, h in c.heads.items()})
+    return c
+
+
 class SlotLayout:
     """Where one sequence's state of one GDN layer lies in a row of bytes (module docstring).
 
@@ -96,13 +102,13 @@ class SlotLayout:
                             f"{', '.join(SLOT_METHODS)}")
         self.cfg, self.gdn_index = cfg, gdn_index
         self.dims = (num_k_heads, num_v_heads, d_k, d_v)
-        bits = cfg.head_bits(gdn_index, num_v_heads) if cfg.quantized else (cfg.bits,) * num_v_heads
-        self.template = StateFormat(cfg, bits).zeros((1, num_v_heads, d_k, d_v), torch.device("cpu"))
+        one = self.state(1, torch.device("cpu")).state
+        self.template = one.checkpoint
+        """A one-sequence checkpoint of this layer: the structure (and PACE-4/8's head map) rows fill in."""
         tensors = dict(_checkpoint_tensors(self.template))
         self.checkpoint_names = tuple(tensors)
-        if cfg.buffered:
-            buffer = DecodeBuffer(1, num_k_heads, num_v_heads, d_k, d_v, cfg.decode_period, cfg.buffer_format)
-            tensors.update(buffer.storage())
+        if one.buffer is not None:
+            tensors.update(one.buffer.storage())
         order = sorted(tensors, key=lambda name: -tensors[name].element_size())
         fields, offset = [], 0
         for name in order:
@@ -112,8 +118,11 @@ class SlotLayout:
         self.fields = tuple(fields)
         self.nbytes = offset
         """Bytes of one sequence's state of this layer (checkpoint and buffer)."""
-        self.head_map = dict(self.template.heads) if isinstance(self.template, quant.MixedPackedState) else {}
-        """PACE-4/8's head map (value heads of each width), kept once per layer, not per row."""
+
+    def state(self, batch: int, device: torch.device, name: str = "state", backend: str | None = None) -> LayerState:
+        """A zero :class:`~pace_core.state_store.LayerState` of this layer for ``batch`` sequences."""
+        H, HV, K, V = self.dims
+        return LayerState(self.cfg, batch, H, HV, K, V, device, gdn_index=self.gdn_index, name=name, backend=backend)
 
     def views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views ``[N, *shape]`` of every field into ``rows [N, >= nbytes]`` uint8 (a pool's pages)."""
@@ -134,21 +143,20 @@ class SlotPool:
     def __init__(self, layout: SlotLayout, rows: torch.Tensor, name: str = "state", backend: str | None = None) -> None:
         self.layout, self.name, self.backend = layout, name, backend
         self.views = layout.views(rows)
+        self.device = rows.device
+        self.template = _on_device(layout.template, rows.device)
         self.counts = torch.zeros(rows.shape[0], dtype=torch.int32)
 
     def _state(self, rows: torch.Tensor, count: int | None) -> LayerState:
         """A LayerState of ``rows`` (long [n]): their stored state with ``count`` buffered records each, or the
         zero state (``count`` None)."""
-        H, HV, K, V = self.layout.dims
-        device = self.views[self.layout.fields[0].name].device
-        state = LayerState(self.layout.cfg, rows.numel(), H, HV, K, V, device, gdn_index=self.layout.gdn_index,
-                           name=self.name, backend=self.backend)
-        state.used = count is not None
+        state = self.layout.state(rows.numel(), self.device, self.name, self.backend)
         if count is None:
             return state
+        state.used = True
         ps = state.state
-        ps.set_checkpoint(_with_tensors(self.layout.template, {n: self.views[n].index_select(0, rows)
-                                                               for n in self.layout.checkpoint_names}))
+        ps.set_checkpoint(_with_tensors(self.template, {n: self.views[n].index_select(0, rows)
+                                                        for n in self.layout.checkpoint_names}))
         if ps.buffer is not None:
             for n, t in ps.buffer.storage().items():
                 t.copy_(self.views[n].index_select(0, rows))
@@ -157,6 +165,7 @@ class SlotPool:
         return state
 
     def _write(self, rows: torch.Tensor, state: LayerState) -> None:
+        """Store ``state`` (one row per entry of ``rows``) into the pool rows and their record counts."""
         ps = state.state
         tensors = _checkpoint_tensors(ps.checkpoint)
         if ps.buffer is not None:
