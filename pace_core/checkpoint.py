@@ -1,5 +1,5 @@
 """How one GDN layer's checkpoint ``Ŝ [B, HV, K, V]`` is stored, per method (PACE_SPEC §2, §6): the one
-place that quantises, dequantises, counts and reorders a checkpoint.
+place that quantises, dequantises, counts, reorders and lists the tensors of a checkpoint.
 
 - ``none``: the plain tensor in ``cfg.reference_dtype`` (float32 or bfloat16); its "rounding" is that
   cast (none at all for float32), applied where a quantised method rounds;
@@ -72,6 +72,34 @@ def reorder(c: Checkpoint, index: torch.Tensor) -> Checkpoint:
         return replace(c, codes=c.codes.index_select(0, index), row_scale=c.row_scale.index_select(0, index),
                        col_scale=c.col_scale.index_select(0, index))
     return replace(c, outliers=c.outliers.index_select(0, index), rest=reorder(c.rest, index))
+
+
+def checkpoint_tensors(c: Checkpoint) -> dict[str, torch.Tensor]:
+    """The per-sequence tensors of a stored checkpoint by name, batch axis first (a serving engine's pool
+    rows hold these: :mod:`pace_core.vllm.slots`)."""
+    if isinstance(c, torch.Tensor):
+        return {"state": c}
+    if isinstance(c, quant.PackedTensor):
+        return {name: t for name, t in (("codes", c.codes), ("scale", c.scale), ("zero", c.zero)) if t is not None}
+    if isinstance(c, quant.MixedPackedState):
+        return {f"{name}@{bits}": t for bits, part in c.parts.items() for name, t in checkpoint_tensors(part).items()}
+    raise PaceError(f"checkpoint: {type(c).__name__} has no per-sequence tensor list; allowed: Tensor, "
+                    "PackedTensor, MixedPackedState (methods none, rtn, pace)")
+
+
+def with_tensors(template: Checkpoint, tensors: dict[str, torch.Tensor]) -> Checkpoint:
+    """``template`` (a checkpoint of this structure) holding ``tensors`` instead (n sequences, named as
+    :func:`checkpoint_tensors` names them)."""
+    if isinstance(template, torch.Tensor):
+        return tensors["state"]
+    n = next(iter(tensors.values())).shape[0]
+    if isinstance(template, quant.PackedTensor):
+        return replace(template, codes=tensors["codes"], scale=tensors["scale"], zero=tensors.get("zero"),
+                       shape=(n, *template.shape[1:]))
+    parts = {bits: with_tensors(part, {name.split("@")[0]: t for name, t in tensors.items()
+                                        if name.endswith(f"@{bits}")})
+             for bits, part in template.parts.items()}
+    return replace(template, parts=parts, shape=(n, *template.shape[1:]))
 
 
 class StateFormat:

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -40,6 +38,9 @@ from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from bench_provenance import host_provenance  # noqa: E402
 
 TARGETS_S = {"cpu": {"first_page_s": 10, "browser_first_page_s": 10, "cached_control_change_s": 1,
                      "drift_first_s": 5, "drift_recompute_s": 5, "generations_first_s": 5,
@@ -203,18 +204,8 @@ def _one_process(args: argparse.Namespace) -> dict[str, float]:
 
 def provenance(args: argparse.Namespace) -> dict:
     import torch
-    import transformers
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"command": " ".join([sys.executable, *sys.argv]), "commit": commit,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "torch_threads": torch.get_num_threads(), "device": args.device,
+    return {**host_provenance(), "torch_threads": torch.get_num_threads(), "device": args.device,
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
             "model": args.model or "embedded", "repeats": args.repeats}
 

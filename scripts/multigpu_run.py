@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,10 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
+from bench_provenance import host_provenance  # noqa: E402
 from pace_core.shapes import PUBLISHED_CONFIGS  # noqa: E402
-
-STEPS = ("calibrate", "export", "structure", "sweep", "drift", "perplexity", "generate", "claims")
-"""The steps of ``all``, in its order (each is ``pace_core.model.commands.run_<step>``)."""
 
 MODEST: dict[str, int] = {"calibration-tokens": 256, "sweep-tokens": 256, "sweep-decode-tokens": 16,
                           "drift-tokens": 64, "drift-every": 8, "ppl-tokens": 512, "ppl-window": 256,
@@ -83,19 +79,6 @@ def placement(loaded: Any) -> dict[str, Any]:
             "hf_device_map": {k: str(v) for k, v in device_map.items()} if device_map else None}
 
 
-def provenance(argv: list[str]) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True)
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    return {"command": " ".join([sys.executable, *argv]), "commit": git.stdout.strip() or None,
-            "worktree_dirty": bool(dirty.stdout.strip()), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "transformers": transformers.__version__, "gpus": gpus}
-
-
 def all_argv(args: argparse.Namespace) -> list[str]:
     """The ``python -m pace_core all`` arguments this run uses."""
     argv = ["all", "--model", str(args.model), "--device-map", args.device_map, "--dtype", args.dtype,
@@ -109,23 +92,23 @@ def all_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     """Make the checkpoint if needed, run ``all`` step by step and write ``args.json`` after each step."""
     import torch
 
     from pace_core.cli import build_parser
     from pace_core.model import commands
+    from pace_core.results import atomic_write
 
     doc: dict[str, Any] = {"kind": "multigpu_run", "status": "running", "label": args.label, "shape": args.shape,
                            "model": str(args.model), "dtype": args.dtype, "device_map": args.device_map,
                            "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                           "provenance": provenance(argv), "steps": []}
+                           "provenance": host_provenance(), "steps": []}
     args.json.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        tmp.replace(args.json)
+        text = json.dumps(doc, indent=2) + "\n"
+        atomic_write(args.json, lambda p: p.write_text(text))
         print(f"[multigpu_run] wrote {args.json}", flush=True)
 
     def step(name: str, action: Callable[[], int]) -> int:
@@ -176,14 +159,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         return 0
 
     step("load", load)
-    originals = {name: getattr(commands, f"run_{name}") for name in STEPS}
-    for name, original in originals.items():  # run_all looks each step up by name when it runs
-        setattr(commands, f"run_{name}", lambda a, _n=name, _f=original: step(_n, lambda: _f(a)))
-    try:
-        code = commands.run_all(pace_args)
-    finally:
-        for name, original in originals.items():
-            setattr(commands, f"run_{name}", original)
+    code = 0
+    for name, action in commands.all_steps(pace_args):
+        code = step(name, action)
+        if code:
+            break
     doc["status"] = "done" if code == 0 else f"exit code {code}"
     save()
     return doc
@@ -226,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    doc = run(args, [__file__, *argv])
+    doc = run(args)
     print(json.dumps({"status": doc["status"], "total_s": doc.get("total_s"),
                       "steps": {s["step"]: s["seconds"] for s in doc["steps"]}}))
     return 0 if doc["status"] == "done" else 1

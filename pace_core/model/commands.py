@@ -15,6 +15,7 @@ Heavy imports (torch models, transformers) happen inside the commands, so ``bits
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -415,9 +416,10 @@ CLAIMS_GROUP = 4
 """Configurations of the claims report measured (and stored) together: a stopped run loses at most these."""
 
 
-def run_all(args: argparse.Namespace) -> int:
-    """calibrate (pace-4-8), export, structure, sweep, drift, perplexity, generate and claims with the given
-    settings (the claims on the perplexity text and tokens)."""
+def all_steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]:
+    """The steps of ``all`` in order, each ``(name, run)`` with its arguments bound: calibrate (pace-4-8),
+    export, structure, sweep, drift, perplexity, generate and claims with the given settings (the claims on
+    the perplexity text and tokens)."""
     steps: list[tuple[str, Callable[[argparse.Namespace], int], dict[str, Any]]] = [
         ("calibrate", run_calibrate, {"config": "pace-4-8", "text": args.calibration_text,
                                       "tokens": args.calibration_tokens, "sample_every": 64}),
@@ -436,13 +438,17 @@ def run_all(args: argparse.Namespace) -> int:
         ("claims", run_claims, {"text": args.ppl_text, "max_tokens": args.ppl_tokens, "window": 512,
                                 "batch": args.ppl_batch, "seeds": 5, "drift_tokens": 512}),
     ]
-    for name, run, extra in steps:
+    return [(name, functools.partial(run, argparse.Namespace(**{**vars(args), **extra}))) for name, run, extra in steps]
+
+
+def run_all(args: argparse.Namespace) -> int:
+    """Every step of :func:`all_steps`, stopping at the first that fails."""
+    for name, run in all_steps(args):
         print(f"== {name}")
-        code = run(argparse.Namespace(**{**vars(args), **extra}))
+        code = run()
         if code:
             return code
     return 0
-
 
 _SWEEP_DEFAULTS: dict[str, Any] = {"bits": [3, 4, 5, 6, 8], "dp": [1, 8, 32], "axis": ["key", "value"],
                                    "group_size": [32], "buffer": "int8", "prefill_period": None, "symmetric": True,

@@ -15,6 +15,7 @@ plain call that reads vLLM's forward context for the batch's metadata.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -83,7 +84,7 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         cfg, shape, row = self.served.cfg, self.served.shape, self.served.row_bytes
         base_shapes, base_dtypes = super().get_state_shape(), super().get_state_dtype()
         conv = self.kv_cache[0][0].numel() * self.kv_cache[0].element_size()
-        base = base_shapes[1][0] * base_shapes[1][1] * base_shapes[1][2] * base_dtypes[1].itemsize
+        base = math.prod(base_shapes[1]) * base_dtypes[1].itemsize
         page = kv_cache[0].numel() * kv_cache.element_size()
         logger.info(
             "PACE %s: %d state slots per GDN layer in pages of %d bytes (conv state %d + a PACE row of %d bytes, "

@@ -23,12 +23,13 @@ calibration the engines do not carry).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from pace_core import quant
-from pace_core.checkpoint import Checkpoint
+from pace_core.checkpoint import Checkpoint, checkpoint_tensors, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.state_store import LayerState
@@ -48,36 +49,7 @@ class Field:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
-
-
-def _checkpoint_tensors(c: Checkpoint) -> dict[str, torch.Tensor]:
-    """The per-sequence tensors of a stored checkpoint, by name (batch axis first)."""
-    if isinstance(c, torch.Tensor):
-        return {"state": c}
-    if isinstance(c, quant.PackedTensor):
-        return {name: t for name, t in (("codes", c.codes), ("scale", c.scale), ("zero", c.zero)) if t is not None}
-    if isinstance(c, quant.MixedPackedState):
-        return {f"{name}@{bits}": t for bits, part in c.parts.items() for name, t in _checkpoint_tensors(part).items()}
-    raise PaceError(f"checkpoint: {type(c).__name__} cannot be laid out in a pool row; allowed: methods "
-                    f"{', '.join(SLOT_METHODS)}")
-
-
-def _with_tensors(template: Checkpoint, tensors: dict[str, torch.Tensor]) -> Checkpoint:
-    """``template`` (a one-sequence checkpoint) with its tensors replaced by ``tensors`` (n sequences)."""
-    if isinstance(template, torch.Tensor):
-        return tensors["state"]
-    n = next(iter(tensors.values())).shape[0]
-    if isinstance(template, quant.PackedTensor):
-        return replace(template, codes=tensors["codes"], scale=tensors["scale"], zero=tensors.get("zero"),
-                       shape=(n, *template.shape[1:]))
-    parts = {bits: _with_tensors(part, {name.split("@")[0]: t for name, t in tensors.items()
-                                        if name.endswith(f"@{bits}")})
-             for bits, part in template.parts.items()}
-    return replace(template, parts=parts, shape=(n, *template.shape[1:]))
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _on_device(c: Checkpoint, device: torch.device) -> Checkpoint:
@@ -105,7 +77,7 @@ class SlotLayout:
         one = self.state(1, torch.device("cpu")).state
         self.template = one.checkpoint
         """A one-sequence checkpoint of this layer: the structure (and PACE-4/8's head map) rows fill in."""
-        tensors = dict(_checkpoint_tensors(self.template))
+        tensors = checkpoint_tensors(self.template)
         self.checkpoint_names = tuple(tensors)
         if one.buffer is not None:
             tensors.update(one.buffer.storage())
@@ -155,7 +127,7 @@ class SlotPool:
             return state
         state.used = True
         ps = state.state
-        ps.set_checkpoint(_with_tensors(self.template, {n: self.views[n].index_select(0, rows)
+        ps.set_checkpoint(with_tensors(self.template, {n: self.views[n].index_select(0, rows)
                                                         for n in self.layout.checkpoint_names}))
         if ps.buffer is not None:
             for n, t in ps.buffer.storage().items():
@@ -167,7 +139,7 @@ class SlotPool:
     def _write(self, rows: torch.Tensor, state: LayerState) -> None:
         """Store ``state`` (one row per entry of ``rows``) into the pool rows and their record counts."""
         ps = state.state
-        tensors = _checkpoint_tensors(ps.checkpoint)
+        tensors = checkpoint_tensors(ps.checkpoint)
         if ps.buffer is not None:
             tensors.update(ps.buffer.storage())
         for n, t in tensors.items():
