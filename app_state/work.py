@@ -70,6 +70,11 @@ def _eta(seconds: float) -> str:
     return f"about {seconds:.0f} s left" if seconds < 90 else f"about {seconds / 60:.0f} min left"
 
 
+PROGRESS_EVERY_S = 0.25
+"""The bar is redrawn at most this often (and at the end): each redraw is a message to the browser, and a
+generation advances once per configuration, layer and token."""
+
+
 @contextmanager
 def progress(total: int, text: str, work: Hashable) -> Iterator[Callable[[int], None]]:
     """A progress bar of ``total`` units with the time left and a Stop button; yields ``advance(n)``.
@@ -87,12 +92,16 @@ def progress(total: int, text: str, work: Hashable) -> Iterator[Callable[[int], 
         bar = st.progress(0.0, text=text)
         st.button("Stop", key=f"work_stop_{name}", on_click=st.session_state.__setitem__, args=(_STOPPED, work),
                   help="Stops this computation at its next step; the page then waits until you run it again.")
-    done, start = [0], time.monotonic()
+    done, start, shown = [0], time.monotonic(), [0.0]
 
     def advance(n: int) -> None:
         done[0] += n
+        now = time.monotonic()
+        if now - shown[0] < PROGRESS_EVERY_S and done[0] < total:
+            return
+        shown[0] = now
         share = min(done[0] / total, 1.0) if total else 1.0
-        left = (time.monotonic() - start) * (1 - share) / share if share else 0.0
+        left = (now - start) * (1 - share) / share if share else 0.0
         bar.progress(share, text=f"{text} ({done[0]}/{total}, {_eta(left)})")
 
     try:

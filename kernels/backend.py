@@ -36,6 +36,7 @@ from kernels.packed_step import launch_packed_step
 from kernels.plan import DecodePlan, check_kernel_shape, is_pow2, plan_decode
 from kernels.recurrent_step import dense_recurrent_step
 from pace_core import quant
+from pace_core.backend import token_by_token
 from pace_core.buffer import BufferFormat
 from pace_core.errors import PaceError
 from pace_core.recurrence import fold
@@ -126,6 +127,10 @@ class TritonSteps:
             buf.clear()
             st.set_checkpoint(st.checkpoint)  # updated in place: the dequantised copy is stale
         return o
+
+    def window(self, st, q, k, v, g, beta, *, flush: bool) -> torch.Tensor:
+        """Buffered tokens ``[B, n, ...]``: the step kernels token by token (they take one token)."""
+        return token_by_token(self, st, q, k, v, g, beta, flush=flush)
 
     def recurrent_step(self, st, q_t, k_t, v_t, g_t, beta_t) -> torch.Tensor:
         """dP = 1 on a dense state (method none), updated in place: ``o_t [B, HV, V]``."""

@@ -3,8 +3,8 @@ when; a backend says how).
 
 A backend (:class:`Steps`) stores (returning the checkpoint and, where it comes for free, its dequantised
 copy) and loads checkpoints, runs a chunk of the chunked GDN (a prefill
-segment), one buffered decode token (optionally followed by the flush that the schedule asked for), one
-per-token recurrence step (dP = 1) and the fold of the buffer. Two exist:
+segment), one buffered decode token or a window of them that fits in the buffer (optionally followed by the
+flush that the schedule asked for), one per-token recurrence step (dP = 1) and the fold of the buffer. Two exist:
 
 - :class:`ReferenceSteps` here, pure PyTorch on any device: :mod:`pace_core.recurrence` and the
   checkpoint's format; the definition of correct.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pace_core.errors import PaceError
-from pace_core.recurrence import buffered_step, fold, gdn_recurrent, gdn_segment
+from pace_core.recurrence import buffered_step, buffered_window, fold, gdn_recurrent, gdn_segment
 
 if TYPE_CHECKING:
     from pace_core.buffer import BufferFormat
@@ -60,12 +60,24 @@ class Steps(Protocol):
     def step(self, st: PeriodicState, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor,
              beta_t: torch.Tensor, *, flush: bool) -> torch.Tensor: ...
 
+    def window(self, st: PeriodicState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, *, flush: bool) -> torch.Tensor: ...
+
     def recurrent_step(self, st: PeriodicState, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
                        g_t: torch.Tensor, beta_t: torch.Tensor) -> torch.Tensor: ...
 
     def flush(self, st: PeriodicState) -> None: ...
 
     def fold(self, st: PeriodicState) -> torch.Tensor: ...
+
+
+def token_by_token(steps: Steps, st: PeriodicState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor, *, flush: bool) -> torch.Tensor:
+    """A window of buffered tokens (shapes as :meth:`ReferenceSteps.window`) through ``steps.step``, one token
+    at a time, the flush after the last when asked: ``o [B, n, HV, V]``."""
+    n = q.shape[1]
+    return torch.stack([steps.step(st, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], flush=flush and t == n - 1)
+                        for t in range(n)], 1)
 
 
 class ReferenceSteps:
@@ -90,6 +102,17 @@ class ReferenceSteps:
     def step(self, st, q_t, k_t, v_t, g_t, beta_t, *, flush):
         """One buffered token: its record appended to ``st.buffer``; then the flush when asked. ``o_t``."""
         o = buffered_step(st.loaded(), st.buffer, q_t, k_t, v_t, g_t, beta_t, st.exact_current)
+        if flush:
+            self.flush(st)
+        return o
+
+    def window(self, st, q, k, v, g, beta, *, flush):
+        """Buffered tokens ``q, k [B, n, H, K]``, ``v [B, n, HV, V]``, ``g, beta [B, n, HV]`` that fit in
+        ``st.buffer``: :func:`pace_core.recurrence.buffered_window` (one token: :meth:`step`, fewer operations);
+        then the flush when asked. ``o [B, n, HV, V]``."""
+        if q.shape[1] == 1:
+            return token_by_token(self, st, q, k, v, g, beta, flush=flush)
+        o = buffered_window(st.loaded(), st.buffer, q, k, v, g, beta, st.exact_current)
         if flush:
             self.flush(st)
         return o

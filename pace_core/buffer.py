@@ -107,10 +107,11 @@ def record_bytes(fmt: BufferFormat | str, num_k_heads: int, num_v_heads: int, d_
             + decay_bytes * num_v_heads)
 
 
-def _rows(p: quant.PackedTensor, heads: slice) -> quant.PackedTensor:
-    """The heads ``heads`` of a packed record ``[B, heads, 1, n]``."""
-    return quant.PackedTensor(p.codes[:, heads], p.scale[:, heads], None if p.zero is None else p.zero[:, heads],
-                              p.spec, (p.shape[0], len(range(*heads.indices(p.shape[1])))) + tuple(p.shape[2:]))
+def _heads(p: quant.PackedTensor, heads: slice) -> quant.PackedTensor:
+    """The heads ``heads`` of packed records ``[B, n, heads, 1, length]``."""
+    pick = (slice(None), slice(None), heads)
+    return quant.PackedTensor(p.codes[pick], p.scale[pick], None if p.zero is None else p.zero[pick], p.spec,
+                              (*p.shape[:2], len(range(*heads.indices(p.shape[2]))), *p.shape[3:]))
 
 
 class _VectorStore:
@@ -140,25 +141,32 @@ class _VectorStore:
             self.data = torch.zeros(batch, capacity, heads, length, dtype=kind, device=device)
             self.tensors = [self.data]
 
-    def write(self, slot: int, x: torch.Tensor) -> None:
-        """Store ``x [B, heads, n]`` (finite: :meth:`DecodeBuffer.append` checks it) at record ``slot``."""
+    def rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x [..., heads, n]`` as this store would read it back after writing it, in ``dtype`` (no write)."""
         if self.spec is None:
-            self.data[:, slot] = x.to(self.kind)
-            return
-        packed, values = quant.quantize_with_values(x.unsqueeze(-2), self.spec, name="decode buffer vector",
-                                                    checked=True)
-        self.put(slot, packed, values.squeeze(-2))
+            return x.to(self.kind).to(dtype)
+        return quant.fake_quantize(x.unsqueeze(-2), self.spec, dtype, name="decode buffer vector",
+                                   checked=True).squeeze(-2)
 
-    def put(self, slot: int, packed: quant.PackedTensor, values: torch.Tensor) -> None:
-        """Store at record ``slot`` the integer record ``packed`` (of shape ``[B, heads, 1, n]``, this store's
-        spec) and its dequantised ``values [B, heads, n]``."""
-        self.codes[:, slot] = packed.codes.squeeze(-2)
-        self.scale[:, slot] = packed.scale.squeeze(-2)
+    def write(self, slot: int, x: torch.Tensor, quantised: tuple[quant.PackedTensor, torch.Tensor] | None = None
+              ) -> None:
+        """Store ``x [B, n, heads, length]`` (finite: :meth:`DecodeBuffer.extend` checks it) at records
+        ``slot .. slot + n - 1``; each vector is quantised on its own, so writing records together or one
+        by one stores the same codes. ``quantised``: ``x``'s packed form (of shape ``[B, n, heads, 1,
+        length]``) and dequantised values, when the caller made them."""
+        end = slot + x.shape[1]
+        if self.spec is None:
+            self.data[:, slot:end] = x.to(self.kind)
+            return
+        packed, values = quantised or quant.quantize_with_values(x.unsqueeze(-2), self.spec, checked=True,
+                                                                 name="decode buffer vector")
+        self.codes[:, slot:end] = packed.codes.squeeze(-2)
+        self.scale[:, slot:end] = packed.scale.squeeze(-2)
         if self.zero is not None:
-            self.zero[:, slot] = packed.zero.squeeze(-2)
+            self.zero[:, slot:end] = packed.zero.squeeze(-2)
         if slot == self.cached:
-            self.values[:, slot] = values
-            self.cached += 1
+            self.values[:, slot:end] = values.squeeze(-2)
+            self.cached = end
 
     def clear(self) -> None:
         if self.spec is not None:
@@ -245,29 +253,51 @@ class DecodeBuffer:
 
     def append(self, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> None:
         """Append one record: ``k [B, H, K]``, ``u [B, HV, V]``, ``g [B, HV]``."""
+        self._check(k, u, g, None)
+        self.extend(k[:, None], u[:, None], g[:, None], checked=True)
+
+    def extend(self, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor, *, checked: bool = False) -> None:
+        """Append ``n`` records at once: ``k [B, n, H, K]``, ``u [B, n, HV, V]``, ``g [B, n, HV]`` (the same
+        records as ``n`` calls of :meth:`append`). ``checked``: shapes, room and finiteness already checked."""
+        n = k.shape[1] if k.dim() == 4 else 0
+        if not checked:
+            self._check(k, u, g, n)
+        keys, values = self._keys, self._values
+        if keys.spec is not None and keys.spec == values.spec and self.d_k == self.d_v:
+            # one quantisation for both vectors of the records: the same per-vector quantiser
+            packed, deq = quant.quantize_with_values(torch.cat([k, u], 2).unsqueeze(-2), keys.spec, checked=True,
+                                                     name="decode buffer vector")
+            H = self.num_k_heads
+            keys.write(self._len, k, (_heads(packed, slice(0, H)), deq[:, :, :H]))
+            values.write(self._len, u, (_heads(packed, slice(H, None)), deq[:, :, H:]))
+        else:
+            keys.write(self._len, k)
+            values.write(self._len, u)
+        self._decays[:, self._len:self._len + n] = g.to(self.dtype)
+        self._len += n
+
+    def _check(self, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor, n: int | None) -> None:
+        """PaceError unless ``k, u, g`` are records of this buffer (``n`` None: one record's shapes, else ``n``
+        records'), there is room for them and they are finite."""
         B, H, HV = self.batch, self.num_k_heads, self.num_v_heads
-        for name, t, shape in (("k", k, (B, H, self.d_k)), ("u", u, (B, HV, self.d_v)), ("g", g, (B, HV))):
+        records = () if n is None else (n,)
+        for name, t, shape in (("k", k, (B, *records, H, self.d_k)), ("u", u, (B, *records, HV, self.d_v)),
+                               ("g", g, (B, *records, HV))):
             if tuple(t.shape) != shape:
                 raise PaceError(f"{name}: shape {tuple(t.shape)} not allowed; allowed: {shape}")
-        if self._len == self.capacity:
-            raise PaceError(f"buffer: full at capacity={self.capacity}; allowed: fold and clear it first")
+        n = 1 if n is None else n
+        if self._len + n > self.capacity:
+            raise PaceError(f"buffer: full at capacity={self.capacity} ({self._len} held, {n} more); allowed: "
+                            "fold and clear it first")
         if not bool(torch.isfinite(k.sum(dtype=torch.float64) + u.sum(dtype=torch.float64) + g.sum(dtype=torch.float64))):
             bad = [name for name, t in (("k", k), ("u", u), ("g", g)) if not torch.isfinite(t).all()]
             raise PaceError(f"{', '.join(bad)}: non-finite values not allowed in the decode buffer; allowed: finite "
                             "values")
-        keys, values = self._keys, self._values
-        if keys.spec is not None and keys.spec == values.spec and self.d_k == self.d_v:
-            # one quantisation for both vectors of the record: the same per-vector quantiser
-            packed, deq = quant.quantize_with_values(torch.cat([k, u], 1).unsqueeze(-2), keys.spec,
-                                                     name="decode buffer vector", checked=True)
-            H = self.num_k_heads
-            keys.put(self._len, _rows(packed, slice(0, H)), deq[:, :H, 0])
-            values.put(self._len, _rows(packed, slice(H, None)), deq[:, H:, 0])
-        else:
-            keys.write(self._len, k)
-            values.write(self._len, u)
-        self._decays[:, self._len] = g.to(self.dtype)
-        self._len += 1
+
+    def rounded(self, part: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (keys ``[..., H, K]`` for ``part`` ``key``, delta values ``[..., HV, V]`` for ``value``) as the
+        buffer stores and reads them back, in :attr:`dtype`, without storing them."""
+        return (self._keys if part == "key" else self._values).rounded(x, self.dtype)
 
     def keys(self) -> torch.Tensor:
         """Stored keys, dequantised: ``[B, n, H, K]`` in :attr:`dtype`."""

@@ -148,8 +148,10 @@ class StateFormat:
     def store_loaded(self, S: torch.Tensor) -> tuple[Checkpoint, torch.Tensor | None]:
         """:meth:`store` and, where it comes for free, the dequantised checkpoint (float32, bit-identical to
         :meth:`load` of it), else None."""
-        quant.check_finite(S, self.name)
         method = self.cfg.method
+        if method in ("rtn", "pace") and len(set(self.bits_per_head)) == 1:  # it checks S itself
+            return quant.quantize_with_values(S, self.cfg.quant_spec(self.bits_per_head[0]), name=self.name)
+        quant.check_finite(S, self.name)
         if method == "none":
             c = S.to(self.dtype)
             return c, c.float()
@@ -157,8 +159,6 @@ class StateFormat:
             return dsq_quantize(S, self.cfg.bits, name=self.name), None
         if method == "damp":
             return self.damp.quantize(S, name=self.name), None
-        if len(set(self.bits_per_head)) == 1:
-            return quant.quantize_with_values(S, self.cfg.quant_spec(self.bits_per_head[0]), name=self.name)
         return quant.quantize_heads(S, self.bits_per_head, self.cfg.quant_spec(), name=self.name), None
 
     def load(self, c: Checkpoint) -> torch.Tensor:

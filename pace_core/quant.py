@@ -334,10 +334,12 @@ def dequantize(p: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Ten
 
 
 def fake_quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None, *,
-                  name: str = "x") -> torch.Tensor:
+                  name: str = "x", checked: bool = False) -> torch.Tensor:
     """Quantise-dequantise `x [..., K, V]` without packing; bit-identical to
-    `dequantize(quantize(x, spec), dtype)`. `dtype` defaults to `x.dtype`."""
-    _check_input(x, spec, name)
+    `dequantize(quantize(x, spec), dtype)`. `dtype` defaults to `x.dtype`; ``checked`` as
+    :func:`quantize_with_values`."""
+    if not checked:
+        _check_input(x, spec, name)
     return _quantize_codes(x, spec, name, x.dtype if dtype is None else dtype)[3]
 
 

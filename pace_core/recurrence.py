@@ -260,6 +260,74 @@ def buffered_step(
     return (alpha * previous_q + kq * u_t).reshape(B, HV, V)
 
 
+def buffered_window(
+    S_hat: torch.Tensor,
+    buf: DecodeBuffer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    exact_current: bool = True,
+) -> torch.Tensor:
+    """``n`` decode tokens against the fixed checkpoint ``Ŝ`` and the buffer: the function of ``n`` calls of
+    :func:`buffered_step`, with the work that does not wait for the previous token done for all of them.
+
+    ``S_hat [B, HV, K, V]``, ``q, k [B, n, H, K]``, ``v [B, n, HV, V]``, ``g, beta [B, n, HV]``, with room
+    for ``n`` more records in ``buf``. Every token reads the state after the buffer's records and the earlier
+    tokens' stored records (spec §3). The reads of ``Ŝ``, the stored keys and the record weights of all ``n``
+    tokens are batched; only ``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)`` and its stored form run token by
+    token, as each needs the stored ``u`` of the tokens before it. A record's decay in a later token's state,
+    ``Σ_{i<j<=t-1} g_j``, is a masked sum of the log decays (no difference of cumulative sums). Appends the
+    ``n`` records and returns ``o [B, n, HV, V]`` (``exact_current`` as :func:`buffered_step`); agrees with
+    the token-by-token steps to float rounding (a record that rounds to another code then differs by that
+    code's step).
+    """
+    dtype = torch.promote_types(_compute_dtype(S_hat, q, k, v, g, beta), buf.dtype)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    B, n, H, K = k.shape
+    HV, V = v.shape[2:]
+    gamma, m = HV // H, len(buf)
+    keys_old, us_old, gs_old = buf.records()
+    keys = torch.cat([keys_old.to(dtype), buf.rounded("key", k).to(dtype)], 1)  # [B, L, H, K], L = m + n
+    gs = torch.cat([gs_old.to(dtype), g], 1)  # [B, L, HV]
+    L = m + n
+    i = torch.arange(L, device=k.device)
+    last = torch.arange(n, device=k.device) + m - 1  # the last record in the state token t reads
+    seen = i[None, :] <= last[:, None]  # [n, L]
+    between = (i[None, None, :] > i[None, :, None]) & seen[:, None, :]  # [n, L, L]: records j after i, seen by t
+    after = torch.einsum("tij,bjh->bhti", between.to(dtype), gs)  # Σ_{i<j<=t-1} g_j: [B, HV, n, L]
+    total = torch.einsum("tj,bjh->bht", seen.to(dtype), gs)  # Σ_{j<=t-1} g_j: [B, HV, n]
+    weights = torch.where(seen, after.exp(), 0.0).view(B, H, gamma, n, L)
+    x = torch.cat([k, q], 1).transpose(1, 2)  # [B, H, 2n, K]
+    read = x[:, :, None] @ S_hat.to(dtype).view(B, H, gamma, K, V)  # Ŝᵀ x: [B, H, γ, 2n, V]
+    dots = (x @ keys.permute(0, 2, 3, 1))[:, :, None]  # k_iᵀ x: [B, H, 1, 2n, L]
+    on_k, on_q = weights * dots[..., :n, :], weights * dots[..., n:, :]  # [B, H, γ, n, L]
+    decay = total.exp().view(B, H, gamma, n, 1)
+    us = torch.empty(B, H, gamma, L, V, dtype=dtype, device=k.device)  # stored u: the buffer's, then the tokens'
+    us[..., :m, :] = us_old.to(dtype).view(B, m, H, gamma, V).permute(0, 2, 3, 1, 4)
+    previous_k = decay * read[..., :n, :] + on_k[..., :m] @ us[..., :m, :]  # the buffer's part of S_{t-1}ᵀ k_t
+    alpha = g.exp().view(B, n, H, gamma).permute(0, 2, 3, 1)[..., None]  # [B, H, γ, n, 1]
+    weighted = beta.view(B, n, H, gamma).permute(0, 2, 3, 1)[..., None]
+    vs = v.view(B, n, H, gamma, V).permute(0, 2, 3, 1, 4)
+    u = torch.empty(B, H, gamma, n, V, dtype=dtype, device=k.device)
+    for t in range(n):
+        earlier = previous_k[..., t, :]
+        if t:
+            earlier = earlier + (on_k[..., t:t + 1, m:m + t] @ us[..., m:m + t, :])[..., 0, :]
+        u[..., t, :] = weighted[..., t, :] * (vs[..., t, :] - alpha[..., t, :] * earlier)
+        us[..., m + t, :] = buf.rounded("value", u[..., t, :].reshape(B, HV, V)).view(B, H, gamma, V)
+    previous_q = decay * read[..., n:, :] + on_q @ us  # S_{t-1}ᵀ q_t: [B, H, γ, n, V]
+    if exact_current:
+        current, written = k, u
+    else:
+        current, written = keys[:, m:], us[..., m:, :]
+    kq = (current * q).sum(-1).transpose(1, 2)[:, :, None, :, None]  # k_tᵀ q_t: [B, H, 1, n, 1]
+    o = alpha * previous_q + kq * written
+    buf.extend(k, u.permute(0, 3, 1, 2, 4).reshape(B, n, HV, V), g)
+    return o.permute(0, 3, 1, 2, 4).reshape(B, n, HV, V)
+
+
 def fold(S_hat: torch.Tensor, buf: DecodeBuffer) -> torch.Tensor:
     """The state after the buffered tokens: ``S = e^{G} Ŝ + Σ_i e^{G - G_i} k_i u_iᵀ``.
 

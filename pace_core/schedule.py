@@ -8,8 +8,9 @@ schedule:
   from the dequantised state and its final state is stored (rounded), including a last, shorter one.
   The segments count from the start of each prefill call.
 - **decode**: token by token; at dP = 1 each token is a plain recurrence step whose state is stored
-  (per-token rounding); at dP >= 2 each token's record ``(k_t, u_t, g_t)`` goes into the buffer and the
-  token that fills it is followed by a flush (``S = e^G Ŝ + Σ e^{G-G_i} k_i u_iᵀ``, stored, buffer
+  (per-token rounding); at dP >= 2 each token's record ``(k_t, u_t, g_t)`` goes into the buffer (the tokens
+  of a call up to the next flush or capture as one window, whose independent work the backend may batch)
+  and the token that fills it is followed by a flush (``S = e^G Ŝ + Σ e^{G-G_i} k_i u_iᵀ``, stored, buffer
   cleared). The buffer's capacity is dP.
 - a prompt after decoded tokens (``after_decode`` **[ours]**): ``flush`` flushes the partial buffer
   first (one extra rounding, at a point that need not be a multiple of dP); ``carry`` runs the prompt
@@ -158,16 +159,19 @@ class PeriodicState:
                     capture.on_state(end, S)
                 start = end
             return torch.cat(outputs, dim=1) if T else self._empty()
-        outputs = []
-        for t in range(T):
-            x = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        outputs, t = [], 0
+        while t < T:
             if self.buffer is None:
-                outputs.append(self.steps.recurrent_step(self, *x))
-            else:
-                outputs.append(self.steps.step(self, *x, flush=len(self.buffer) + 1 == self.decode_period))
-            if t + 1 in at:
-                capture.on_state(t + 1, self.effective_state())
-        return torch.stack(outputs, dim=1) if outputs else self._empty()
+                end = t + 1
+                outputs.append(self.steps.recurrent_step(self, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])[:, None])
+            else:  # the tokens up to the next flush or capture, together
+                end = min([T, t + self.decode_period - len(self.buffer)] + [c for c in at if c > t])
+                outputs.append(self.steps.window(self, q[:, t:end], k[:, t:end], v[:, t:end], g[:, t:end],
+                                                 beta[:, t:end], flush=len(self.buffer) + end - t == self.decode_period))
+            if end in at:
+                capture.on_state(end, self.effective_state())
+            t = end
+        return torch.cat(outputs, dim=1) if outputs else self._empty()
 
     def _empty(self) -> torch.Tensor:
         return torch.zeros(self.shape[0], 0, self.shape[2], self.shape[4], device=self.device)

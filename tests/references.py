@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from pace_core.buffer import DecodeBuffer
-from pace_core.recurrence import buffered_step, fold, gdn_recurrent, gdn_segment
+from pace_core.recurrence import buffered_step, buffered_window, fold, gdn_recurrent, gdn_segment
 
 
 def segmented_prefill(q, k, v, g, beta, S0, period, round_fn, chunk_size=64):
@@ -33,17 +33,25 @@ def per_token_decode(q, k, v, g, beta, S0, round_fn):
     return torch.cat(outputs, 1), S
 
 
-def periodic_decode(q, k, v, g, beta, S0, period, round_fn, precision):
-    """Buffered decode: each token through :func:`buffered_step` into a buffer of ``period`` records in
-    ``precision``; when full, ``Ŝ ← round_fn(fold(Ŝ, buffer))`` and the buffer is cleared. Returns
-    ``(o, fold of the last checkpoint and buffer, the buffer)``."""
+def periodic_decode(q, k, v, g, beta, S0, period, round_fn, precision, windows=True):
+    """Buffered decode into a buffer of ``period`` records in ``precision``; when full, ``Ŝ ← round_fn(fold(Ŝ,
+    buffer))`` and the buffer is cleared. ``windows``: the tokens up to each flush through
+    :func:`buffered_window` (a single token through :func:`buffered_step`), as a call of many tokens runs;
+    else every token through :func:`buffered_step`, as one token per call runs. Returns ``(o, fold of the
+    last checkpoint and buffer, the buffer)``."""
     B, T, H, K = k.shape
     HV, V = v.shape[2:]
     buf = DecodeBuffer(B, H, HV, K, V, period, precision, q.device)
-    S_hat, outputs = S0, []
-    for t in range(T):
-        outputs.append(buffered_step(S_hat, buf, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]))
+    S_hat, outputs, t = S0, [], 0
+    while t < T:
+        end = min(T, t + period - len(buf)) if windows else t + 1
+        x = [y[:, t:end] for y in (q, k, v, g, beta)]
+        if end - t == 1:
+            outputs.append(buffered_step(S_hat, buf, *(y[:, 0] for y in x))[:, None])
+        else:
+            outputs.append(buffered_window(S_hat, buf, *x))
         if len(buf) == period:
             S_hat = round_fn(fold(S_hat, buf))
             buf.clear()
-    return torch.stack(outputs, 1), fold(S_hat, buf), buf
+        t = end
+    return torch.cat(outputs, 1), fold(S_hat, buf), buf

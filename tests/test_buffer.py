@@ -128,6 +128,26 @@ def test_reorder_rows():
         buf.reorder(torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_extend_and_rounded_are_appends(precision):
+    """extend(n records) stores what n appends store (every vector is quantised on its own), and rounded()
+    gives the values a record reads back, without storing it."""
+    one, ks, us, gs = filled(precision, n=3)
+    many = DecodeBuffer(2, 2, 6, 16, 8, 4, precision)
+    many.extend(ks[:, :2], us[:, :2], gs[:, :2])
+    many.extend(ks[:, 2:], us[:, 2:], gs[:, 2:])
+    assert len(many) == 3
+    for a, b in zip(one.storage().values(), many.storage().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(many.keys(), one.keys()) and torch.equal(many.values(), one.values())
+    assert torch.equal(many.rounded("key", ks), one.keys()) and torch.equal(many.rounded("value", us), one.values())
+    assert len(many) == 3
+    with pytest.raises(PaceError, match="capacity=4 .3 held, 2 more"):
+        many.extend(ks[:, :2], us[:, :2], gs[:, :2])
+    with pytest.raises(PaceError, match="k: shape"):
+        many.extend(ks[:, 0], us[:, :1], gs[:, :1])
+
+
 def test_bad_input_raises():
     with pytest.raises(PaceError, match="precision.*fp32, bf16, int8, mixed"):
         DecodeBuffer(1, 1, 1, 4, 4, 2, "int4")

@@ -10,7 +10,7 @@ from pace_core import quant
 from pace_core.backend import REFERENCE
 from pace_core.checkpoint import RoundingFormat
 from pace_core.recurrence import gdn_recurrent, prepare_qk
-from pace_core.schedule import PeriodicState
+from pace_core.schedule import Capture, PeriodicState
 from references import periodic_decode
 from test_recurrence import make_inputs
 
@@ -102,8 +102,9 @@ def test_decode_flushes_after_every_period():
 
 
 def test_decode_is_the_plain_schedule():
-    """The buffered decode of a rounding schedule against the schedule written out plainly: the same
-    functions in the same order, bit for bit (fp32, int8 buffer, 4-bit rounding)."""
+    """Token by token (one token per call, as ``generate`` decodes), the buffered decode of a rounding
+    schedule against the schedule written out plainly: the same functions in the same order, bit for bit
+    (fp32, int8 buffer, 4-bit rounding)."""
     q, k, v, g, beta, S0 = make_inputs(2, 21, 2, 2, 16, 8, dtype=torch.float32, seed=5)
     spec = quant.QuantSpec(4, True, "key", 8)
 
@@ -111,9 +112,43 @@ def test_decode_is_the_plain_schedule():
         return quant.fake_quantize(S, spec)
 
     st = state(S0, 2, round_fn, decode_period=4, precision="int8")
-    o = st.decode(q, k, v, g, beta)
-    o_ref, S_ref, buf = periodic_decode(q, k, v, g, beta, S0, 4, round_fn, "int8")
+    o = torch.cat([st.decode(*(x[:, t:t + 1] for x in (q, k, v, g, beta))) for t in range(21)], 1)
+    o_ref, S_ref, buf = periodic_decode(q, k, v, g, beta, S0, 4, round_fn, "int8", windows=False)
     assert torch.equal(o, o_ref) and torch.equal(st.effective_state(), S_ref) and len(st.buffer) == len(buf) == 1
+
+
+@pytest.mark.parametrize("exact_current", [True, False])
+@pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16", "int8", "mixed"])
+def test_decode_windows_are_the_token_by_token_decode(precision, exact_current):
+    """A call of many tokens runs the tokens up to each flush or capture as one window
+    (pace_core.recurrence.buffered_window); one token per call runs buffered_step. Same schedule, same
+    function: fp64 agrees to F64_TOL; fp32 to the rounding of 23 tokens' reads (two dots of 16 and up to 5
+    buffered terms each); bf16 / int8 / mixed records (int8 / mixed with 4-bit checkpoints) are rounded to a
+    grid, where a value that lands on another side of a rounding boundary in the other order moves by one grid
+    step (at most 2^-8, 1/127, 1/7 relative to its vector), so those agree to a few such steps (measured: to
+    1e-7, no value crossed). Captures split the
+    windows and see the same states."""
+    dtype = torch.float64 if precision == "fp64" else torch.float32
+    q, k, v, g, beta, S0 = make_inputs(2, 23, 2, 2, 16, 8, dtype=dtype, seed=11)
+    spec = quant.QuantSpec(4, True, "key", 8)
+
+    def round_fn(S):  # 4-bit checkpoints where the records' grid is as coarse; else none (no grid to cross)
+        return quant.fake_quantize(S, spec) if precision in ("int8", "mixed") else S
+
+    runs = []
+    for per_call in (23, 1):
+        st = state(S0, 2, round_fn, decode_period=6, precision=precision)
+        st.exact_current = exact_current
+        seen = {}
+        capture = Capture(frozenset({2, 9, 17}), lambda c, S: seen.__setitem__(c, S.clone()))
+        o = torch.cat([st.decode(*(x[:, t:t + per_call] for x in (q, k, v, g, beta)),
+                                 capture=capture if per_call > 1 else None) for t in range(0, 23, per_call)], 1)
+        runs.append((o, st.effective_state(), seen, len(st.buffer)))
+    (o_w, S_w, seen, n_w), (o_t, S_t, _, n_t) = runs
+    tol = {"fp64": F64_TOL, "fp32": fp32_bound(23 * (2 * 16 + 5)), "bf16": 3 * 2 ** -8, "int8": 3 / 127,
+           "mixed": 3 / 7}[precision]
+    assert n_w == n_t == 23 % 6 and sorted(seen) == [2, 9, 17]
+    assert rel(o_w, o_t) <= tol and rel(S_w, S_t) <= tol
 
 
 def test_periodic_rounding_beats_per_token_on_slow_decays():
