@@ -37,10 +37,6 @@ if TYPE_CHECKING:
     from pace_core.checkpoint import Checkpoint, RoundingFormat, StateFormat
 
 
-CHUNKS_PER_CAPTURE = 16
-"""Below this many tokens per capture, the exact reference decodes token by token instead of in chunks."""
-
-
 @dataclass(frozen=True)
 class Capture:
     """States wanted during a prefill or decode call: after each token count in ``at`` (of that call),
@@ -141,12 +137,12 @@ class PeriodicState:
         """Decode tokens one by one (shapes as :meth:`prefill`), flushing after the token that fills the
         buffer; returns ``o [B, T, HV, V]`` float32. ``capture``: the effective state after the given token
         counts of this call. An exact format at dP = 1 (the fp32 reference) has no rounding between tokens:
-        its tokens run as chunks between capture points, the same function in fewer operations, unless the
-        captures are so dense (more than one per :data:`CHUNKS_PER_CAPTURE` tokens) that single steps cost
-        less than tiny chunks."""
+        its tokens run as segments between capture points (:func:`pace_core.recurrence.gdn_segment`: chunks,
+        or the plain recurrence over a short one), the same function in fewer operations.
+        """
         T = q.shape[1]
         at = set(capture.at) if capture is not None else set()
-        if self.fmt.exact and self.buffer is None and len(at) * CHUNKS_PER_CAPTURE <= T:
+        if self.fmt.exact and self.buffer is None:
             cuts = sorted(j for j in at if 0 < j < T) + [T]
             outputs, S, start = [], self.loaded(), 0
             for end in cuts:
