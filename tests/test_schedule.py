@@ -126,8 +126,7 @@ def test_decode_windows_are_the_token_by_token_decode(precision, exact_current):
     buffered terms each); bf16 / int8 / mixed records (int8 / mixed with 4-bit checkpoints) are rounded to a
     grid, where a value that lands on another side of a rounding boundary in the other order moves by one grid
     step (at most 2^-8, 1/127, 1/7 relative to its vector), so those agree to a few such steps (measured: to
-    1e-7, no value crossed). Captures split the
-    windows and see the same states."""
+    1e-7, no value crossed). Captures split the windows and each is served."""
     dtype = torch.float64 if precision == "fp64" else torch.float32
     q, k, v, g, beta, S0 = make_inputs(2, 23, 2, 2, 16, 8, dtype=dtype, seed=11)
     spec = quant.QuantSpec(4, True, "key", 8)

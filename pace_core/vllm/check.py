@@ -63,10 +63,20 @@ class Agreement:
     staggered: float | None
 
 
-def shipped(path: Path = SHIPPED) -> list[Agreement] | None:
-    """The measured :class:`Agreement` rows of a ``vllm_cpu.json`` (None when it is missing or unreadable)."""
+@dataclass(frozen=True)
+class Measured:
+    """A ``vllm_cpu.json``: its :class:`Agreement` rows and how many prompts and greedy steps they count."""
+
+    rows: list[Agreement]
+    prompts: int
+    tokens: int
+
+
+def shipped(path: Path = SHIPPED) -> Measured | None:
+    """The measured figures of a ``vllm_cpu.json`` (None when it is missing or unreadable)."""
     try:
-        return [Agreement(**row) for row in json.loads(path.read_text(encoding="utf-8"))["rows"]]
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        return Measured([Agreement(**row) for row in doc["rows"]], int(doc["prompts"]), int(doc["tokens"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
