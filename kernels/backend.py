@@ -4,10 +4,12 @@ on the kernels of this package (CUDA tensors; CPU tensors only under ``TRITON_IN
 - store / load: :mod:`kernels.quantize` for rtn / pace checkpoints (bit-identical to pace_core.quant), a
   cast for method none;
 - a prefill chunk: :mod:`kernels.chunk`;
-- a buffered token: packed key-axis checkpoints (PACE-4, PACE-4/8) run :mod:`kernels.packed_step` and, when
-  the schedule asks, :mod:`kernels.flush`, both on the checkpoint in place; dense (method none) and value-axis
-  checkpoints run :mod:`kernels.fused_step`, which flushes in the same launch;
-- dP = 1 (method none only): :mod:`kernels.recurrent_step`, the state updated in place;
+- a buffered token: packed key-axis checkpoints (PACE-4, PACE-4/8) run :mod:`kernels.packed_step` (a window
+  of tokens in one launch) and, when the schedule asks, :mod:`kernels.flush`, both on the checkpoint in place;
+  dense (method none) and value-axis checkpoints run :mod:`kernels.fused_step`, which flushes in the same
+  launch;
+- dP = 1: :mod:`kernels.recurrent_step`, a dense state updated in place, a quantised one between a load and a
+  store;
 - the fold of the buffer and a flush outside a token (before a prompt) of a fused-step checkpoint: the
   PyTorch reference.
 
@@ -32,7 +34,7 @@ from kernels import chunk as _chunk
 from kernels import quantize as _quantize
 from kernels.flush import launch_flush
 from kernels.fused_step import launch_fused
-from kernels.packed_step import launch_packed_step
+from kernels.packed_step import launch_packed_step, launch_window
 from kernels.plan import DecodePlan, check_kernel_shape, is_pow2, plan_decode
 from kernels.recurrent_step import dense_recurrent_step
 from pace_core import quant
@@ -55,13 +57,11 @@ class TritonSteps:
     @classmethod
     def for_layer(cls, fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> TritonSteps | None:
         """A backend for a layer of format ``fmt`` with that buffer format (None at dP = 1) and head dims, or
-        None where the kernels do not cover it: other methods (DSQ, DAMP, a rounding function), per-token
-        rounding of a quantised state, the float64 test buffer, integer buffer groups that are not powers of
-        two, heads that are not powers of two or narrower than :data:`kernels.plan.DECODE_MIN_K`."""
+        None where the kernels do not cover it: other methods (DSQ, DAMP, a rounding function), the float64
+        test buffer, integer buffer groups that are not powers of two, heads that are not powers of two or
+        narrower than :data:`kernels.plan.DECODE_MIN_K`."""
         cfg = getattr(fmt, "cfg", None)
         if cfg is None or cfg.method not in ("none", "rtn", "pace"):
-            return None
-        if buffer is None and cfg.method != "none":
             return None
         if buffer is not None and (buffer.precision == "fp64" or any(
                 spec is not None and not is_pow2(spec.group_size)
@@ -129,13 +129,33 @@ class TritonSteps:
         return o
 
     def window(self, st, q, k, v, g, beta, *, flush: bool) -> torch.Tensor:
-        """Buffered tokens ``[B, n, ...]``: the step kernels token by token (they take one token)."""
-        return token_by_token(self, st, q, k, v, g, beta, flush=flush)
+        """Buffered tokens ``q, k [B, n, H, K]``, ``v [B, n, HV, V]``, ``g, beta [B, n, HV]`` that fit in
+        ``st.buffer``: ``o [B, n, HV, V]``. Packed key-axis checkpoints with heads wide enough for the one-kernel
+        step run all ``n`` in one launch (:func:`kernels.packed_step.launch_window`, each token exactly as
+        :meth:`step` would with the one-kernel step), then the flush when asked; others token by token."""
+        plan, buf, n = self.plan(st), st.buffer, q.shape[1]
+        if n == 1 or not (plan.split and plan.meta["fusable"]):
+            return token_by_token(self, st, q, k, v, g, beta, flush=flush)
+        q, k, v, g, beta = (t.transpose(0, 1).contiguous() for t in (q, k, v, g, beta))
+        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        launch_window(plan, buf, q, k, v, g, beta, o)
+        buf.mark_appended(n)
+        if flush:
+            launch_flush(plan, buf)
+            buf.clear()
+            st.set_checkpoint(st.checkpoint)  # updated in place: the dequantised copy is stale
+        return o.transpose(0, 1)
 
     def recurrent_step(self, st, q_t, k_t, v_t, g_t, beta_t) -> torch.Tensor:
-        """dP = 1 on a dense state (method none), updated in place: ``o_t [B, HV, V]``."""
-        o = dense_recurrent_step(st.checkpoint, q_t, k_t, v_t, g_t, beta_t)
-        st.set_checkpoint(st.checkpoint)
+        """dP = 1, ``o_t [B, HV, V]``: a dense state (method none) updated in place; a quantised one
+        dequantised, stepped and stored again (three launches instead of the reference's torch operations)."""
+        if st.fmt.spec is None:
+            o = dense_recurrent_step(st.checkpoint, q_t, k_t, v_t, g_t, beta_t)
+            st.set_checkpoint(st.checkpoint)
+            return o
+        S = self.load(st.fmt, st.checkpoint)
+        o = dense_recurrent_step(S, q_t, k_t, v_t, g_t, beta_t)
+        st.store(S)
         return o
 
     def flush(self, st) -> None:

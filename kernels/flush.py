@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kernels.plan import DecodePlan, ckpt_common
 from kernels.primitives import bf16_split, expand, operand, packed_head, quant_tile
-from kernels.records import load_vecs, record_args, record_layout, vec_parts
+from kernels.records import RECORD_COUNT, load_vecs, record_args, record_layout, vec_parts
 from pace_core.buffer import DecodeBuffer
 
 
@@ -167,7 +167,7 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
                 tl.store(zero + grp * V + cols[:, None], zq.to(tl.uint8))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RECORD_COUNT)
 def _flush_kernel(
     part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
     bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kernels.plan import DecodePlan
 from kernels.primitives import ckpt_base, head_slot, load_tile, store_as, store_tile
-from kernels.records import append_record, load_vecs, record_args, record_reads, token_output
+from kernels.records import RECORD_COUNT, append_record, load_vecs, record_args, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
 
 
@@ -56,7 +56,7 @@ def _ckpt_store(x, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK: tl.
             store_tile(x, a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RECORD_COUNT)
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     dense_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,

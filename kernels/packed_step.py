@@ -7,7 +7,9 @@
   into the plan's workspace;
 - the record kernel (:func:`launch_records`), one small program per (sequence, value head), adds the
   buffered records' part, forms ``u_t`` and ``o_t`` and writes the record into the buffer in its precision;
-- for a batch of at most one wave the two run as one kernel (:func:`_ckpt_step_kernel`, ``SPLIT_DEFAULTS``).
+- for a batch of at most one wave the two run as one kernel (:func:`_ckpt_step_kernel`, ``SPLIT_DEFAULTS``);
+- a window of tokens known at once (teacher forcing) runs that one-kernel step over its tokens in one launch
+  (:func:`launch_window`).
 
 The flush that follows the token that fills the buffer is :mod:`kernels.flush`. Tolerances against the
 reference: :mod:`kernels.backend`. Under the Triton interpreter (CPU tensors) the tensor-core operands stay
@@ -21,7 +23,7 @@ import triton.language as tl
 
 from kernels.plan import DecodePlan, ckpt_common
 from kernels.primitives import bf16_split, centred, operand, packed_head
-from kernels.records import append_record, record_args, record_layout, record_reads, token_output
+from kernels.records import RECORD_COUNT, append_record, record_args, record_layout, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
 
 
@@ -159,10 +161,10 @@ def _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, b
                  bg_ptr, n, cap, H, HV, pid, sk, sq, K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr,
                  KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
                  VSYM: tl.constexpr, VPZ: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr,
-                 EXACT: tl.constexpr, NB: tl.constexpr):
+                 EXACT: tl.constexpr, NB: tl.constexpr, KEY_BY_ALL: tl.constexpr = False):
     """The step of (sequence, value head) ``pid`` given the checkpoint's ``Ŝᵀk_t, Ŝᵀq_t`` (``sk, sq
     [V]``): the buffered records' part of the two products, ``u_t``, ``o_t`` and the token's record
-    written in the buffer's precision."""
+    written in the buffer's precision (``KEY_BY_ALL``: :func:`kernels.records.append_record`)."""
     b = pid // HV
     h = pid % HV
     kh = h // (HV // H)
@@ -178,10 +180,10 @@ def _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, b
     # the record is appended also on the token that fills the buffer: the flush kernel folds it
     append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, g_t,
                    kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat, K, V, V, KBITS, KG, KSYM, KPZ,
-                   VBITS, VG, VSYM, VPZ)
+                   VBITS, VG, VSYM, VPZ, KEY_BY_ALL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RECORD_COUNT)
 def _record_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, y_ptr,
     bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
@@ -202,24 +204,17 @@ def _record_step_kernel(
 
 
 @triton.jit
-def _ckpt_step_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
-    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
-    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
-    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
-    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
-    KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
-    K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
-):
-    """The split path's step as one kernel, one program per (sequence, value head): the dots kernel's
-    ``Ŝᵀk_t, Ŝᵀq_t`` for the whole head (:func:`_head_dots`) kept in registers, then the record
-    kernel's work (:func:`_record_step`). One launch and no workspace round trip per token; its
-    reductions span all the program's warps."""
-    pid = tl.program_id(0).to(tl.int64)
-    b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
-                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
-                                                              ZS1, TWO)
+def _head_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr,
+               bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, kh, H, HV, pid,
+               K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+               BITS0: tl.constexpr, PZ0: tl.constexpr, BITS1: tl.constexpr, PZ1: tl.constexpr,
+               TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
+               KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
+               K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
+               KEY_BY_ALL: tl.constexpr):
+    """One token of (sequence, value head) ``pid`` whose head is ``packed_head``'s: ``Ŝᵀk_t, Ŝᵀq_t`` of the
+    whole head (:func:`_head_dots`) kept in registers, then the record kernel's work (:func:`_record_step`)
+    with the ``n`` records before it."""
     kx = k_ptr + (b * H + kh) * K
     qx = q_ptr + (b * H + kh) * K
     if TWO:
@@ -231,7 +226,62 @@ def _ckpt_step_kernel(
         sk, sq = _head_dots(a0, as0, az0, kx, qx, K, V, G, SYM, BITS0, PZ0, BF16)
     _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr,
                  bg_ptr, n, cap, H, HV, pid, sk, sq, K, V, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16, V_BF16,
-                 EXACT, NB)
+                 EXACT, NB, KEY_BY_ALL)
+
+
+@triton.jit(do_not_specialize=RECORD_COUNT)
+def _ckpt_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
+    TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
+    KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
+    K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
+):
+    """The split path's step as one kernel, one program per (sequence, value head) (:func:`_head_step`).
+    One launch and no workspace round trip per token; its reductions span all the program's warps."""
+    pid = tl.program_id(0).to(tl.int64)
+    b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
+                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
+                                                              ZS1, TWO)
+    _head_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr,
+               bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, kh, H, HV, pid, K, V, G, SYM, BITS0, PZ0,
+               BITS1, PZ1, TWO, BF16, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16, V_BF16, EXACT, NB, False)
+
+
+@triton.jit(do_not_specialize=RECORD_COUNT)
+def _ckpt_window_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV, T,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
+    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
+    TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
+    KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
+    K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
+):
+    """``T`` buffered tokens known at once (a teacher-forced window) in one launch, one program per
+    (sequence, value head): token ``t`` is :func:`_ckpt_step_kernel`'s step with the ``n + t`` records
+    before it, the ones the program wrote for the earlier tokens included: every program writes its
+    key head's record itself (the same bytes as its group's other value heads), so it reads only its own
+    writes, which a barrier after each token makes visible to all its threads. Inputs and output token-major: ``q, k [T, B, H, K]``,
+    ``v, o [T, B, HV, V]``, ``g, beta [T, B, HV]``."""
+    pid = tl.program_id(0).to(tl.int64)
+    B = tl.num_programs(0) // HV
+    b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
+                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
+                                                              ZS1, TWO)
+    for t in range(T):
+        qk_at = t * B * H * K
+        v_at = t * B * HV * V
+        g_at = t * B * HV
+        _head_step(q_ptr + qk_at, k_ptr + qk_at, v_ptr + v_at, g_ptr + g_at, beta_ptr + g_at, o_ptr + v_at, part,
+                   a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n + t, cap,
+                   b, kh, H, HV, pid, K, V, G, SYM, BITS0, PZ0, BITS1, PZ1, TWO, BF16, KBITS, KG, KSYM, KPZ, VBITS,
+                   VG, VSYM, VPZ, K_BF16, V_BF16, EXACT, NB, True)
+        tl.debug_barrier()
 
 
 def launch_dots(plan: DecodePlan, q, k) -> None:
@@ -272,6 +322,22 @@ def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o)
     _ckpt_step_kernel[(B * HV,)](
         q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, EXACT=m["EXACT"],
         **record_layout(st),
+        NB=min(triton.next_power_of_2(plan.capacity), 16),
+        num_warps=m["step_warps"], **ckpt_common(m),
+    )
+
+
+def launch_window(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+    """``T`` buffered tokens in one :func:`_ckpt_window_kernel` launch (heads wide enough for the one-kernel
+    step: ``meta["fusable"]``): ``q, k [T, B, H, K]``, ``v [T, B, HV, V]``, ``g, beta [T, B, HV]`` float32
+    contiguous, token-major; writes ``o [T, B, HV, V]`` and the records into slots ``len(buf) ..
+    len(buf) + T - 1`` (the caller counts them)."""
+    B, H, HV, K, V = plan.shape
+    m = plan.meta
+    st, records = record_args(buf)
+    _ckpt_window_kernel[(B * HV,)](
+        q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, q.shape[0],
+        EXACT=m["EXACT"], **record_layout(st),
         NB=min(triton.next_power_of_2(plan.capacity), 16),
         num_warps=m["step_warps"], **ckpt_common(m),
     )

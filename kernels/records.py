@@ -13,6 +13,10 @@ from kernels.primitives import expand, quant_tile, round_bf16, store_as
 from pace_core import quant
 from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
 
+RECORD_COUNT = ["n"]
+"""``do_not_specialize`` of the kernels that take the buffered record count ``n``: it changes every token, and
+Triton would compile a kernel apart for ``n == 1`` and for ``n % 16 == 0`` (0 included)."""
+
 
 def buffer_tensors(buf: DecodeBuffer) -> dict:
     """The live storage of ``buf`` (:meth:`DecodeBuffer.storage`) and its record layout: for keys and
@@ -195,13 +199,14 @@ def token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq, rk, rq, kf
 def append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
                    kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr,
                    KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
-                   VSYM: tl.constexpr, VPZ: tl.constexpr):
+                   VSYM: tl.constexpr, VPZ: tl.constexpr, KEY_BY_ALL: tl.constexpr = False):
     """Write the token's record (:func:`token_output`'s key and value) into slot ``n``: its log decay
-    and key once per key head (by the first value head of the group, column block 0), its value columns
-    by every program."""
+    and key once per key head (by the first value head of the group, column block 0; ``KEY_BY_ALL``: by
+    every value head of the group, the same bytes, so that a program that reads the key next in the same
+    launch reads its own write), its value columns by every program."""
     if c0 == 0:
         tl.store(bg_ptr + (b * cap + n) * HV + h, g_t)
-        if h % (HV // H) == 0:
+        if KEY_BY_ALL or h % (HV // H) == 0:
             store_vec(bk_ptr, bks_ptr, bkz_ptr, (b * cap + n) * H + kh, 0, kcodes, kscale, kzero, khat, K, K,
                       KBITS, KG, KSYM, KPZ)
     store_vec(bv_ptr, bvs_ptr, bvz_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uzero, uhat, BV, V,

@@ -168,9 +168,9 @@ def gdn_chunked(
         u = w[:, :, :, n] - kr[:, :, :, n] @ S  # [B, H, gamma, C, V]
         read = cum[:, :, :, n, :, None].exp() * (qc[:, :, None, n] @ S)
         outputs.append(read + attn[:, :, :, n] @ u)
-        S = chunk_decay[:, :, :, n, None, None] * S + torch.einsum(
-            "bhgc,bhck,bhgcv->bhgkv", write_weight[:, :, :, n], kc[:, :, n], u
-        )
+        # Σ_c w_c k_c u_cᵀ as one matmul (a three-operand einsum searches its contraction path on every call)
+        S = chunk_decay[:, :, :, n, None, None] * S + kc[:, :, None, n].transpose(-1, -2) @ (
+            write_weight[:, :, :, n, :, None] * u)
     if outputs:
         o = torch.stack(outputs, dim=3)  # [B, H, gamma, N, C, V]
     else:
@@ -345,5 +345,7 @@ def fold(S_hat: torch.Tensor, buf: DecodeBuffer) -> torch.Tensor:
     total, after = _suffix_log_decays(buf.log_decays().to(dtype))
     us = buf.values().to(dtype).reshape(B, n, H, gamma, V)
     weights = after.exp().reshape(B, n, H, gamma)
-    writes = torch.einsum("bnhg,bnhk,bnhgv->bhgkv", weights, buf.keys().to(dtype), us).reshape(B, HV, K, V)
+    wu = (weights[..., None] * us).permute(0, 2, 1, 3, 4).reshape(B, H, n, gamma * V)  # e^{G - G_i} u_i
+    keys = buf.keys().to(dtype).permute(0, 2, 3, 1)  # [B, H, K, n]
+    writes = (keys @ wu).view(B, H, K, gamma, V).transpose(2, 3).reshape(B, HV, K, V)  # Σ_i k_i (w_i u_i)ᵀ
     return total.exp()[..., None, None] * S + writes

@@ -119,7 +119,7 @@ def _step_size(p: quant.PackedTensor) -> torch.Tensor:
                                                p.spec, p.shape)).abs()  # q - z = 1 everywhere
 
 
-def _assert_within_one_step(got, ref) -> None:
+def _assert_within_one_step(got, ref, exact_rounding: bool = True) -> None:
     """Requantised checkpoints: equal except near a rounding boundary. Each side's entry is within
     half a step ``s / 2`` of the (nearly equal) folded value; with a zero point, a value at its
     group's range end may be ``s (1/2 + L 2^-11)`` away (the range's top ``(L - z) s`` misses it by
@@ -127,7 +127,10 @@ def _assert_within_one_step(got, ref) -> None:
     where the two sides' scales differ by an fp16 ulp an 8-bit entry may differ by a little more
     than one step. (Symmetric groups: ``q_max s`` misses the maximum by at most ``q_max s 2^-11``,
     less than half a step.) Dense checkpoints: float32 rounding of the fold (one term per record and
-    the decayed checkpoint), then the bfloat16 cast's half ulp."""
+    the decayed checkpoint), then the bfloat16 cast's half ulp. ``exact_rounding``: the folded values
+    agree to float32 rounding, so nearly every entry is equal; False where they agree less closely (fla's
+    tensor-core prefill, about 1e-3: a group's range and so its fp16 scale moves, and all its entries
+    with it, each still within the bound)."""
     if isinstance(ref, torch.Tensor):
         bound = fp32_bound(2 * PERIOD + 2) if ref.dtype == torch.float32 else 2.0**-8
         assert rel(got, ref) <= bound
@@ -144,7 +147,8 @@ def _assert_within_one_step(got, ref) -> None:
         assert (d <= bound).all(), (f"{b}-bit entry {worst}: |got - ref| {d.flatten()[worst]:.4g} > bound "
                                     f"{bound.flatten()[worst]:.4g}; steps {_step_size(g).flatten()[worst]:.4g} / "
                                     f"{_step_size(r).flatten()[worst]:.4g}")
-        assert (d == 0).float().mean() > 0.98
+        if exact_rounding:  # folded values within float32 rounding: nearly all codes and scales equal
+            assert (d == 0).float().mean() > 0.98
 
 
 def _storage_step(precision: str, u: torch.Tensor) -> torch.Tensor:
@@ -283,7 +287,7 @@ def test_prefill_matches_reference(name: str, gamma: int) -> None:
         if isinstance(states[1].checkpoint, torch.Tensor):
             assert rel(states[0].loaded(), states[1].loaded()) <= 2e-3
         else:
-            _assert_within_one_step(states[0].checkpoint, states[1].checkpoint)
+            _assert_within_one_step(states[0].checkpoint, states[1].checkpoint, exact_rounding=False)
         return
     assert torch.equal(o_k, o_r)
     assert torch.equal(states[0].loaded(), states[1].loaded())
@@ -294,15 +298,15 @@ def test_prefill_matches_reference(name: str, gamma: int) -> None:
 
 
 def test_kernels_cover_what_they_support() -> None:
-    """The Triton backend serves rtn / pace with a buffer and method none; not DSQ, DAMP, per-token
-    rounding of a quantised state, the float64 test buffer, or keys narrower than a tensor-core tile."""
+    """The Triton backend serves rtn / pace (with a buffer or rounding every token) and method none; not
+    DSQ, DAMP, the float64 test buffer, or keys narrower than a tensor-core tile."""
     def covered(cfg, buffer, k_dim=K):
         bits = cfg.head_bits(0, 2 * H) if cfg.quantized else (cfg.bits,) * (2 * H)
         rows = torch.zeros(2 * H, cfg.damp_outlier_rows, dtype=torch.long) if cfg.method == "damp" else None
         return backend.TritonSteps.for_layer(StateFormat(cfg, bits, rows), buffer and BufferFormat(buffer), k_dim,
                                              V) is not None
     assert covered(CONFIGS["pace-4"], "int8") and covered(CONFIGS["fp32"], "fp32") and covered(get_config("bf16"), None)
-    assert not covered(get_config("qmamba-dsq"), None) and not covered(get_config("rtn-int4"), None)
+    assert covered(get_config("rtn-int4").replace(group_size=GROUP), None) and not covered(get_config("qmamba-dsq"), None)
     assert not covered(CONFIGS["pace-4"], "fp64") and not covered(CONFIGS["pace-4"].replace(group_size=8), "int8", 8)
 
 
@@ -382,3 +386,70 @@ def test_per_token_decode_backends_agree(dtype: torch.dtype) -> None:
     S_k, S_r = (st.checkpoint for st in states)
     assert S_k.dtype == S_r.dtype == dtype and not torch.equal(S_k, S.to(dtype))
     assert rel(S_k, S_r) <= (fp32_bound(3 * K) if dtype == torch.float32 else 2.0**-8)
+
+
+@pytest.mark.parametrize("name", ["rtn-int4", "pace-4"])
+def test_per_token_rounding_backends_agree(name: str) -> None:
+    """dP = 1 of a quantised state: the kernels' load, in-place step and store against the reference's
+    recurrence step and store, three tokens through the schedule, each from the kernels' own checkpoint
+    (a code one step apart would otherwise carry on): outputs to float32 rounding of the dots (length K),
+    the stored checkpoints within one code step (a state within float32 rounding of a rounding boundary)."""
+    HV = 2 * H
+    cfg = get_config(name).replace(decode_period=1, group_size=GROUP)
+    fmt = StateFormat(cfg, cfg.head_bits(0, HV))
+    st_k = PeriodicState(fmt, backend.TritonSteps(), (B, H, HV, K, V), DEVICE, prefill_period=8, decode_period=1)
+    st_k.set_checkpoint(REFERENCE.store(fmt, torch.randn(B, HV, K, V) * 0.3)[0])
+    for _ in range(3):
+        ref = copy.deepcopy(st_k)
+        ref.steps = REFERENCE
+        token = _tokens(HV, 1)
+        o_k, o_r = (st.decode(*token) for st in (st_k, ref))
+        assert rel(o_k, o_r) <= fp32_bound(3 * K)
+        _assert_within_one_step(st_k.checkpoint, ref.checkpoint)
+        assert type(st_k.checkpoint) is type(ref.checkpoint)
+
+
+def _same_run(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """The same kernel code on the same inputs: bit for bit in the interpreter. Compiled, the window kernel
+    and the one-token kernel are two compilations of that code (the H200 check found a quarter of the
+    outputs one ulp or so apart: other tensor-core layouts, another accumulation order): float32 rounding,
+    and then a buffered value may be stored one storage step apart (int8: 1/127 of its vector's range)
+    and move what follows by its share, as :func:`_token_without_flush` allows the records."""
+    if not got.is_cuda:
+        assert torch.equal(got, ref)
+    else:
+        assert rel(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3), ("pace-4 stored current", 2),
+                                        ("pace-4 grouped buffer", 2)])
+def test_window_kernel_is_the_one_kernel_step(name: str, gamma: int, monkeypatch) -> None:
+    """Tokens known at once (teacher forcing) in one window launch against the same tokens through the
+    one-kernel step one at a time: each token is that step's code with the records before it, the
+    window's own included. Windows of 1, 2 and the rest of a period (its flush after the last), on heads
+    wide enough for the one-kernel step: outputs, every record and the flushed checkpoint."""
+    monkeypatch.setitem(plan_mod.SPLIT_DEFAULTS, "fused_step", True)
+    HV, v_dim = H * gamma, max(V, 32)
+    st_w, _ = _states(name, HV, v_dim)
+    assert st_w.steps.plan(st_w).meta["fusable"]
+    st_t = copy.deepcopy(st_w)
+    st_t.steps = backend.TritonSteps()  # its own launch plan, on its own tensors
+    tokens = _tokens(HV, PERIOD, v_dim)
+    for lo, hi in ((0, 1), (1, 3), (3, PERIOD)):
+        part = [x[:, lo:hi] for x in tokens]
+        flush = hi == PERIOD
+        _poison_slot(st_w.buffer)
+        o_w = st_w.steps.window(st_w, *part, flush=flush)
+        o_t = torch.stack([st_t.steps.step(st_t, *(x[:, t] for x in part), flush=flush and t == hi - lo - 1)
+                           for t in range(hi - lo)], 1)
+        assert o_w.shape == (B, hi - lo, HV, v_dim) and torch.isfinite(o_w).all()
+        _same_run(o_w, o_t)
+        assert len(st_w.buffer) == len(st_t.buffer) == (0 if flush else hi)
+        if not flush:
+            _same_run(st_w.buffer.values(), st_t.buffer.values())
+            assert torch.equal(st_w.buffer.keys(), st_t.buffer.keys())
+            assert torch.equal(st_w.buffer.log_decays(), st_t.buffer.log_decays())
+    if st_w.loaded().is_cuda:
+        _assert_within_one_step(st_w.checkpoint, st_t.checkpoint, exact_rounding=False)
+    else:
+        assert torch.equal(st_w.loaded(), st_t.loaded())

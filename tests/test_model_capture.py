@@ -131,17 +131,18 @@ def test_decode_through_the_kernels_in_the_model(loaded, ids, monkeypatch):
     from kernels_support import kernel_modules
 
     steps = kernel_modules()["backend"].TritonSteps
-    calls = []
-    kernel_step = steps.step
-    monkeypatch.setattr(steps, "step", lambda *a, **kw: calls.append(1) or kernel_step(*a, **kw))
+    calls = []  # tokens per window call
+    kernel_window = steps.window
+    monkeypatch.setattr(steps, "window", lambda self, st, q, *a, **kw: calls.append(q.shape[1])
+                        or kernel_window(self, st, q, *a, **kw))
     cfg = get_config("pace-4").replace(decode_period=4)
     logits = {}
     for backend in ("triton", "reference"):
         monkeypatch.setenv("PACE_KERNELS", backend)
         calls.clear()
         logits[backend] = run_with_states(loaded, cfg, ids, decode_from=14).logits
-        # one kernel step per decoded token and GDN layer, and none on the reference path
-        assert len(calls) == (8 * len(loaded.gdn_layers) if backend == "triton" else 0)
+        # every decoded token of every GDN layer through the kernels' windows, none on the reference path
+        assert sum(calls) == (8 * len(loaded.gdn_layers) if backend == "triton" else 0)
     assert _relative(logits["triton"], logits["reference"]) < 1e-3
     assert _relative(logits["triton"][:, 14:], logits["reference"][:, 14:]) < 1e-3
 
