@@ -25,6 +25,7 @@ from kernels.plan import DecodePlan, ckpt_common
 from kernels.primitives import bf16_split, centred, operand, packed_head
 from kernels.records import RECORD_COUNT, append_record, record_args, record_layout, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
+from pace_core.errors import PaceError
 
 
 @triton.jit
@@ -266,8 +267,8 @@ def _ckpt_window_kernel(
     (sequence, value head): token ``t`` is :func:`_ckpt_step_kernel`'s step with the ``n + t`` records
     before it, the ones the program wrote for the earlier tokens included: every program writes its
     key head's record itself (the same bytes as its group's other value heads), so it reads only its own
-    writes, which a barrier after each token makes visible to all its threads. Inputs and output token-major: ``q, k [T, B, H, K]``,
-    ``v, o [T, B, HV, V]``, ``g, beta [T, B, HV]``."""
+    writes, which a barrier after each token makes visible to all its threads. Inputs and output
+    token-major: ``q, k [T, B, H, K]``, ``v, o [T, B, HV, V]``, ``g, beta [T, B, HV]``."""
     pid = tl.program_id(0).to(tl.int64)
     B = tl.num_programs(0) // HV
     b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
@@ -282,6 +283,11 @@ def _ckpt_window_kernel(
                    b, kh, H, HV, pid, K, V, G, SYM, BITS0, PZ0, BITS1, PZ1, TWO, BF16, KBITS, KG, KSYM, KPZ, VBITS,
                    VG, VSYM, VPZ, K_BF16, V_BF16, EXACT, NB, True)
         tl.debug_barrier()
+
+
+def _record_block(plan: DecodePlan) -> int:
+    """Records read per block by :func:`kernels.records.record_reads`: the buffer's capacity, at most 16."""
+    return min(triton.next_power_of_2(plan.capacity), 16)
 
 
 def launch_dots(plan: DecodePlan, q, k) -> None:
@@ -303,7 +309,7 @@ def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> 
     _record_step_kernel[(B * HV,)](
         q, k, v, g, beta, o, plan.workspace, *records, st["n"], st["cap"], H, HV, K=K, V=V, EXACT=m["EXACT"],
         **record_layout(st),
-        NB=min(triton.next_power_of_2(plan.capacity), 16),
+        NB=_record_block(plan),
         num_warps=m["record_warps"],
     )
 
@@ -322,7 +328,7 @@ def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o)
     _ckpt_step_kernel[(B * HV,)](
         q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, EXACT=m["EXACT"],
         **record_layout(st),
-        NB=min(triton.next_power_of_2(plan.capacity), 16),
+        NB=_record_block(plan),
         num_warps=m["step_warps"], **ckpt_common(m),
     )
 
@@ -333,11 +339,14 @@ def launch_window(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> N
     contiguous, token-major; writes ``o [T, B, HV, V]`` and the records into slots ``len(buf) ..
     len(buf) + T - 1`` (the caller counts them)."""
     B, H, HV, K, V = plan.shape
+    if len(buf) + q.shape[0] > buf.capacity:
+        raise PaceError(f"window: {q.shape[0]} tokens do not fit in the buffer's {buf.capacity - len(buf)} free "
+                        "slots; allowed: at most the free slots (the schedule flushes before)")
     m = plan.meta
     st, records = record_args(buf)
     _ckpt_window_kernel[(B * HV,)](
         q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, q.shape[0],
         EXACT=m["EXACT"], **record_layout(st),
-        NB=min(triton.next_power_of_2(plan.capacity), 16),
+        NB=_record_block(plan),
         num_warps=m["step_warps"], **ckpt_common(m),
     )

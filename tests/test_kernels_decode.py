@@ -453,3 +453,7 @@ def test_window_kernel_is_the_one_kernel_step(name: str, gamma: int, monkeypatch
         _assert_within_one_step(st_w.checkpoint, st_t.checkpoint, exact_rounding=False)
     else:
         assert torch.equal(st_w.loaded(), st_t.loaded())
+    too_many = [x.transpose(0, 1).contiguous() for x in _tokens(HV, PERIOD + 1, v_dim)]
+    with pytest.raises(PaceError, match="do not fit in the buffer"):
+        KERNELS["packed_step"].launch_window(st_w.steps.plan(st_w), st_w.buffer, *too_many,
+                                              torch.empty_like(too_many[2]))
