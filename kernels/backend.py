@@ -141,9 +141,7 @@ class TritonSteps:
         launch_window(plan, buf, q, k, v, g, beta, o)
         buf.mark_appended(n)
         if flush:
-            launch_flush(plan, buf)
-            buf.clear()
-            st.set_checkpoint(st.checkpoint)  # updated in place: the dequantised copy is stale
+            self.flush(st)
         return o.transpose(0, 1)
 
     def recurrent_step(self, st, q_t, k_t, v_t, g_t, beta_t) -> torch.Tensor:

@@ -217,6 +217,14 @@ def time_config(layers: list, config: dict, reps: int) -> list[float]:
     return [t / PERIOD for t in time_graph(lambda: run_period(layers, config), reps)]
 
 
+def fill_buffers(layers: list, n: int) -> None:
+    """Each buffered layer's buffer holds ``n`` records (of its own inputs), the ones before dropped."""
+    for _, st, (_, k, v, g, _), _ in layers:
+        st.buffer.clear()
+        for _ in range(n):
+            st.buffer.append(k, v * 0.1, g)
+
+
 def split_breakdown(layers: list, config: dict, reps: int) -> dict:
     """The split path's kernels timed alone over all layers (median seconds): the one-kernel step, the
     dots kernel and the record kernel with dP / 2 records buffered (the token's record written into
@@ -225,12 +233,6 @@ def split_breakdown(layers: list, config: dict, reps: int) -> dict:
     # one launch plan per layer and setting, made before any capture (a plan reads the head map off the GPU)
     tuned = [TritonSteps(config).plan(st) for _, st, _, _ in layers]
     fused = [TritonSteps({**config, "fused_step": True}).plan(st) for _, st, _, _ in layers]
-
-    def fill(n: int) -> None:
-        for _, st, (_, k, v, g, _), _ in layers:
-            st.buffer.clear()
-            for _ in range(n):
-                st.buffer.append(k, v * 0.1, g)
 
     def dots() -> None:
         for plan, (_, _, (q, k, _, _, _), _) in zip(tuned, layers):
@@ -248,14 +250,14 @@ def split_breakdown(layers: list, config: dict, reps: int) -> dict:
         for plan, (_, st, _, _) in zip(tuned, layers):
             launch_flush(plan, st.buffer)
 
-    fill(PERIOD // 2)
+    fill_buffers(layers, PERIOD // 2)
     fusable = all(plan.meta["fusable"] for plan in tuned)
     out = {"step_seconds": statistics.median(time_graph(step, reps)) if fusable else None,
            "dots_seconds": statistics.median(time_graph(dots, reps)),
            "records_seconds": statistics.median(time_graph(records, reps))}
-    fill(PERIOD)
+    fill_buffers(layers, PERIOD)
     out["flush_seconds"] = statistics.median(time_graph(flushes, reps))
-    fill(0)
+    fill_buffers(layers, 0)
     return {**out, "records_at_step": PERIOD // 2}
 
 
