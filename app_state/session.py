@@ -1,5 +1,6 @@
-"""The session's model: loading the sidebar's checkpoint once per source and device (cached), and a failed
-load shown with what to do and tried again only after a while or once its folder changes.
+"""The session's model: loading the sidebar's checkpoint once per source and device (cached), a failed
+load shown with what to do and tried again only after a while or once its folder changes, and the
+checkpoint's card (pace_core.model.card) for the pages that need no model, stored after every load.
 """
 
 from __future__ import annotations
@@ -26,17 +27,39 @@ def model_label_of(source: str) -> str:
 
 
 def embedded_model_dir() -> Path:
-    """Folder of the embedded default model (pace_core.model.loading.DEFAULT_MODEL_DIR)."""
-    from pace_core.model.loading import DEFAULT_MODEL_DIR
+    """Folder of the embedded default model (pace_core.model.DEFAULT_MODEL_DIR)."""
+    from pace_core.model import DEFAULT_MODEL_DIR
 
     return Path(DEFAULT_MODEL_DIR)
 
 
 @st.cache_resource(show_spinner=False, max_entries=2)
 def _load_model(source: str, device: str):
+    from pace_core.model.card import card_of, save_card
     from pace_core.model.loading import load_model
 
-    return load_model(source or None, device=device)
+    loaded = load_model(source or None, device=device)
+    save_card(card_of(loaded), results_model_name(source))
+    return loaded
+
+
+def results_model_name(source: str) -> str:
+    """The model name the CLI stores results under (its --model, or the embedded model's folder)."""
+    return source or str(embedded_model_dir())
+
+
+def model_card(*, stop: bool = True):
+    """The sidebar's model as a pace_core.model.card.ModelCard: the stored card of its folder as it is
+    now, else the card of the loaded model (loading it, or showing why it cannot: see loaded_model)."""
+    from pace_core.model.card import card_of, load_card
+
+    source = model_source()
+    card = load_card(source or embedded_model_dir(), results_model_name(source)) if (
+        source or st.session_state.get("model_kind") == EMBEDDED) else None
+    if card is not None:
+        return card
+    loaded = loaded_model(stop=stop)
+    return None if loaded is None else card_of(loaded)
 
 
 def loaded_model(*, stop: bool = True):

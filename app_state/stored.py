@@ -11,7 +11,7 @@ from typing import Any, Callable
 import streamlit as st
 
 from app_state.controls import model_source
-from app_state.session import embedded_model_dir
+from app_state.session import results_model_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,11 +19,6 @@ BENCH_DIR = Path(os.environ.get("PACE_BENCH_DIR", REPO_ROOT / "data" / "bench"))
 
 
 BENCH_COMMAND = "python3 kernels/bench/bench.py --out data/bench"
-
-
-def results_model_name(source: str) -> str:
-    """The model name the CLI stores results under (its --model, or the embedded model's folder)."""
-    return source or str(embedded_model_dir())
 
 
 @st.cache_data(show_spinner=False, ttl=30)

@@ -50,7 +50,7 @@ _OVERRIDES: tuple[tuple[str, str, dict[str, Any]], ...] = (
 
 
 def _default_model() -> str:
-    from pace_core.model.loading import DEFAULT_MODEL_DIR
+    from pace_core.model import DEFAULT_MODEL_DIR
 
     if not DEFAULT_MODEL_DIR.joinpath("config.json").is_file():
         raise PaceError(f"no --model given and the embedded model {DEFAULT_MODEL_DIR} is missing; allowed "

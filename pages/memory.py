@@ -18,8 +18,8 @@ def page(cfg: PaceConfig) -> None:
                "c = (b_k·d_k/γ + b_v·d_v + 32) / (d_k·d_v) is the decode buffer's cost per value and "
                "buffered token. 'exact' is what the implementation actually stores.")
 
-    loaded = session.loaded_model(stop=False)
-    shapes = {} if loaded is None else {f"{session.model_label()} (loaded)": loaded.shape}
+    card = session.model_card(stop=False)  # the stored card: no model load for this page
+    shapes = {} if card is None else {f"{session.model_label()} (loaded)": card.shape}
     shapes.update(BUILTIN_SHAPES)
 
     col_shape, col_cfgs = st.columns([1, 2])
@@ -48,8 +48,8 @@ def page(cfg: PaceConfig) -> None:
     st.plotly_chart(figures.dp_curve_figure(curve_cfgs, shape), key="memory_dp_chart")
 
     st.subheader("Measured error against resident bits")
-    result = None if loaded is None else stored.choose_stored(
-        "sweep", "sweep", loaded.fingerprint,
+    result = None if card is None else stored.choose_stored(
+        "sweep", "sweep", card.fingerprint,
         lambda r: f"{r.provenance.get('date', '?')} · {len(r.table)} configurations · {r.key}", "memory_sweep",
         title="Stored sweep")
     if result is None:

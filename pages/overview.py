@@ -17,9 +17,9 @@ def page(cfg: PaceConfig) -> None:
                 "storing a Gated DeltaNet state in 2–8 bits does inside a real Qwen3.5-architecture model, "
                 "pick the settings in the sidebar, and export them as JSON.")
 
-    loaded = session.loaded_model(stop=False)
-    if loaded is not None:
-        shape = loaded.shape
+    card = session.model_card(stop=False)  # the stored card: no model load for this page
+    if card is not None:
+        shape = card.shape
         st.subheader(f"Model: {session.model_label()}")
         gamma = shape.num_v_heads // shape.num_k_heads
         cols = st.columns(6)
@@ -31,8 +31,8 @@ def page(cfg: PaceConfig) -> None:
         cols[3].metric("γ", gamma)
         cols[4].metric("Head dims d_k × d_v", f"{shape.d_k} × {shape.d_v}")
         cols[5].metric("Parameters", f"{shape.weight_params / 1e6:.1f} M")
-        with st.expander("Full architecture summary (from the loaded config)"):
-            st.dataframe(pd.DataFrame({"value": {k: str(v) for k, v in loaded.summary().items()}}),
+        with st.expander("Full architecture summary (from the checkpoint's config and weights)"):
+            st.dataframe(pd.DataFrame({"value": {k: str(v) for k, v in card.summary.items()}}),
                          key="overview_summary")
 
         st.subheader("Recurrent state memory")
@@ -61,7 +61,7 @@ def page(cfg: PaceConfig) -> None:
 
         st.subheader("Measured quality")
         result = stored.choose_stored(
-            "perplexity", "perplexity", loaded.fingerprint,
+            "perplexity", "perplexity", card.fingerprint,
             lambda r: f"{r.provenance.get('date', '?')} · {', '.join(r.configs)}", "overview_quality_run",
             title="Stored perplexity run", per_config=True)
         if result is None:
@@ -77,7 +77,7 @@ def page(cfg: PaceConfig) -> None:
 
         st.subheader("The seed's claims, measured")
         claims = stored.choose_stored(
-            "claims", "claims", loaded.fingerprint,
+            "claims", "claims", card.fingerprint,
             lambda r: f"{r.provenance.get('date', '?')} · {r.data.get('tokens', '?')} tokens", "overview_claims_run",
             title="Stored claims report")
         if claims is None:

@@ -139,6 +139,29 @@ def test_overview_state_memory_follows_the_sequence_slider(params, loaded):
     assert metric(at, "pace-4 state, N = 128") == f"{pace4:,.2f} MiB"
 
 
+def test_overview_and_memory_read_the_card_instead_of_loading_the_model(params, loaded, tmp_path, monkeypatch):
+    """A folder without a card is loaded once, which stores its card; from then on the Overview and the
+    Memory page (a new session, a restarted server) show the card and load nothing."""
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))  # no card here yet
+    calls = []
+    session._load_model.clear()  # a load earlier in this process would not store a card here
+    real = session._load_model
+    monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
+    at = start(params)
+    assert len(calls) == 1 and len(list(tmp_path.rglob("model_card-*.json"))) == 1
+    real.clear()
+    for page in (None, "memory"):
+        at = start(params, page=page)
+        assert len(calls) == 1, f"{page or 'overview'} loaded the model"
+    assert at.selectbox(key="memory_shape").value.endswith("(loaded)")
+    at = start(params)
+    assert metric(at, "GDN layers") == str(loaded.shape.num_gdn_layers)
+    assert metric(at, "Parameters") == f"{loaded.shape.weight_params / 1e6:.1f} M"
+    summary = at.dataframe[0].value["value"]  # the architecture summary, the page's first table
+    assert summary["params"] == str(loaded.summary()["params"]) and "dtype" not in summary.index
+    assert len(calls) == 1
+
+
 def test_memory_table_follows_the_bits_control(params, loaded):
     at = start(params, page="memory", preset="pace-4")
     table = at.dataframe[0].value.set_index("config")

@@ -23,6 +23,16 @@ def _run(env, *argv):
     return main([argv[0], "--model", env["model"], "--out", env["out"], "--quiet", *argv[1:]])
 
 
+def test_card_prints_and_stores_the_checkpoint_card(env, capsys):
+    from pace_core.model.card import load_card
+
+    assert _run(env, "card") == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines() if line.strip())
+    card = load_card(env["model"], env["model"], root=env["out"])
+    assert lines["weights_fingerprint"] == card.fingerprint and lines["gdn_layers"] == "3"
+    assert lines["params"] == str(card.summary["params"]) and "dtype" not in lines
+
+
 def test_calibrate_export_and_reuse(env, capsys):
     assert _run(env, "calibrate", "--text", env["text"], "--tokens", "128", "--sample-every", "32") == 0
     out = capsys.readouterr().out

@@ -5,9 +5,12 @@ The names below are imported on first use (PEP 562), so importing ``pace_core.mo
 """
 
 import importlib
+from pathlib import Path
+
+DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parents[2] / "data" / "models" / "pace-tiny-qwen35"
+"""The embedded model, used when no source is given (here, so naming it imports no model code)."""
 
 _EXPORTS: dict[str, str] = {
-    "DEFAULT_MODEL_DIR": "loading",
     "LoadedModel": "loading",
     "load_config": "loading",
     "load_model": "loading",
@@ -21,7 +24,7 @@ _EXPORTS: dict[str, str] = {
     "run_with_states": "capture",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "DEFAULT_MODEL_DIR"])
 
 
 def __getattr__(name: str):

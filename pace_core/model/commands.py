@@ -1,4 +1,4 @@
-"""Model commands of ``python -m pace_core``: calibrate, drift, perplexity, generate, sweep, export, all.
+"""Model commands of ``python -m pace_core``: card, calibrate, drift, perplexity, generate, sweep, export, all.
 
 Each command loads a checkpoint (``--model``: a local folder or a hub id; default: the embedded
 model), runs one analysis of :mod:`pace_core.analysis`, prints a short table and stores the result
@@ -33,11 +33,13 @@ class Context:
     """What every command needs: the loaded model, its result folder name, provenance, progress."""
 
     def __init__(self, args: argparse.Namespace):
+        from pace_core.model.card import card_of, save_card
         from pace_core.model.loading import load_model
 
         self.args = args
         self.loaded = load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map)
         self.model_name = args.model if args.model is not None else self.loaded.source
+        save_card(card_of(self.loaded), self.model_name, root=args.out)  # the app's Overview shows it unloaded
         self._calibrations: dict[str, Any] = {}
 
     def bar(self, total: int, desc: str):
@@ -175,6 +177,18 @@ def _reuse(found, what: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- commands
+
+
+def run_card(args: argparse.Namespace) -> int:
+    """Load the model, store its card (:mod:`pace_core.model.card`) and print it."""
+    from pace_core.model.card import card_of, save_card
+
+    ctx = _context(args)
+    card = card_of(ctx.loaded)
+    save_card(card, ctx.model_name, root=args.out)
+    for name, value in {**card.summary, "weights_fingerprint": card.fingerprint}.items():
+        print(f"{name:32} {value}")
+    return 0
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -480,7 +494,12 @@ def _configs_arg(p: argparse.ArgumentParser, default=DEFAULT_CONFIGS) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add calibrate, export, drift, structure, perplexity, generate, sweep, claims and all."""
+    """Add card, calibrate, export, drift, structure, perplexity, generate, sweep, claims and all."""
+    p = subparsers.add_parser("card", help="the checkpoint's architecture and weights fingerprint, stored for "
+                                           "the app's Overview (no model load there)")
+    _common(p)
+    p.set_defaults(func=run_card)
+
     p = subparsers.add_parser("calibrate", help="head calibration (a_h, e_h, E_h, 8-bit heads) on a text")
     _common(p)
     p.add_argument("--config", default="pace-4-8", help="configuration to calibrate (default pace-4-8)")

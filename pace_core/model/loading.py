@@ -20,10 +20,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from pace_core.accounting import state_bytes
 from pace_core.config import get_config
 from pace_core.errors import PaceError
+from pace_core.model import DEFAULT_MODEL_DIR
 from pace_core.shapes import GDN_LAYER_TYPE, SUPPORTED_MODEL_TYPES, ModelShape, shape_from_hf_config
 
-DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parents[2] / "data" / "models" / "pace-tiny-qwen35"
-"""The embedded model, used when no source is given."""
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
