@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.plan import DecodePlan, ckpt_common
+from kernels.plan import DecodePlan, ckpt_launches
 from kernels.primitives import bf16_split, expand, operand, packed_head, quant_tile
 from kernels.records import RECORD_COUNT, load_vecs, record_args, record_layout, vec_parts
 from pace_core.buffer import DecodeBuffer
@@ -174,9 +174,9 @@ def _flush_kernel(
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr,
-    VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr, K_BF16: tl.constexpr,
-    V_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr,
+    TWO: tl.constexpr, MAPPED: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
+    KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
+    K_BF16: tl.constexpr, V_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr,
 ):
     """Fold the ``n`` buffered records into the packed checkpoint and requantise it in place:
     ``S = e^{G} Ŝ + Σ_i e^{G - G_i} k_i u_iᵀ`` for the columns ``c0 .. c0+BV`` of one head.
@@ -187,9 +187,9 @@ def _flush_kernel(
     are), so every product is exact; float32 keys take an IEEE fp32 dot (:func:`_fold`)."""
     pid = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
-    b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
-                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
-                                                              ZS1, TWO)
+    b, h, kh, part, a0, as0, az0, a1, as1, az1, _ = packed_head(
+        pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1, ZS1, TWO,
+        MAPPED)
     if TWO:
         if part == 1:
             _flush_head(a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh,
@@ -212,6 +212,6 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     m = plan.meta
     st, records = record_args(buf)
     bv = min(m["flush_columns"], V)
-    _flush_kernel[(B * HV, V // bv)](*plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, BV=bv, NB=16,
-                                     **record_layout(st), num_warps=m["flush_warps"], num_stages=1,
-                                     **ckpt_common(m))
+    for args, common, heads in ckpt_launches(plan):
+        _flush_kernel[(B * heads, V // bv)](*args, *records, st["n"], st["cap"], H, HV, BV=bv, NB=16,
+                                            **record_layout(st), num_warps=m["flush_warps"], num_stages=1, **common)

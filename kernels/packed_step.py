@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.plan import DecodePlan, ckpt_common
+from kernels.plan import DecodePlan, ckpt_common, ckpt_launches
 from kernels.primitives import bf16_split, centred, operand, packed_head
 from kernels.records import RECORD_COUNT, append_record, record_args, record_layout, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
@@ -136,18 +136,18 @@ def _ckpt_dots_kernel(
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, BF16: tl.constexpr,
+    TWO: tl.constexpr, MAPPED: tl.constexpr, BF16: tl.constexpr,
 ):
     """The split path's first kernel: ``y [B*HV, 2, V]`` = ``Ŝᵀk_t, Ŝᵀq_t`` per (sequence, value head),
     one program per column block; reads the packed checkpoint once and nothing else of the state."""
     pid = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * BV
-    b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
-                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
-                                                              ZS1, TWO)
+    b, h, kh, part, a0, as0, az0, a1, as1, az1, row = packed_head(
+        pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1, ZS1, TWO,
+        MAPPED)
     kx = k_ptr + (b * H + kh) * K
     qx = q_ptr + (b * H + kh) * K
-    yx = y_ptr + pid * 2 * V
+    yx = y_ptr + row * 2 * V
     if TWO:
         if part == 1:
             _dots_to(yx, a1, as1, az1, kx, qx, c0, K, V, BV, G, SYM, BITS1, PZ1, BF16)
@@ -159,24 +159,24 @@ def _ckpt_dots_kernel(
 
 @triton.jit
 def _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr,
-                 bg_ptr, n, cap, H, HV, pid, sk, sq, K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr,
+                 bg_ptr, n, cap, H, HV, row, sk, sq, K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr,
                  KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
                  VSYM: tl.constexpr, VPZ: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr,
                  EXACT: tl.constexpr, NB: tl.constexpr, KEY_BY_ALL: tl.constexpr = False):
-    """The step of (sequence, value head) ``pid`` given the checkpoint's ``Ŝᵀk_t, Ŝᵀq_t`` (``sk, sq
+    """The step of (sequence, value head) row ``row = b HV + h`` given the checkpoint's ``Ŝᵀk_t, Ŝᵀq_t`` (``sk, sq
     [V]``): the buffered records' part of the two products, ``u_t``, ``o_t`` and the token's record
     written in the buffer's precision (``KEY_BY_ALL``: :func:`kernels.records.append_record`)."""
-    b = pid // HV
-    h = pid % HV
+    b = row // HV
+    h = row % HV
     kh = h // (HV // H)
     cols = tl.arange(0, V)
     kfull = tl.load(k_ptr + (b * H + kh) * K + tl.arange(0, K))
     qfull = tl.load(q_ptr + (b * H + kh) * K + tl.arange(0, K))
-    g_t = tl.load(g_ptr + pid)
+    g_t = tl.load(g_ptr + row)
     run, rk, rq = record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
                                 0, kfull, qfull, g_t, K, V, V, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, NB)
     kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat = token_output(
-        beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq, rk, rq, kfull, qfull, K, V, V, KBITS, KG, KSYM,
+        beta_ptr, v_ptr, o_ptr, row, cols, g_t, run, sk, sq, rk, rq, kfull, qfull, K, V, V, KBITS, KG, KSYM,
         VBITS, VG, VSYM, K_BF16, V_BF16, EXACT)
     # the record is appended also on the token that fills the buffer: the flush kernel folds it
     append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, g_t,
@@ -206,14 +206,14 @@ def _record_step_kernel(
 
 @triton.jit
 def _head_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr,
-               bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, kh, H, HV, pid,
+               bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, kh, H, HV, row,
                K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
                BITS0: tl.constexpr, PZ0: tl.constexpr, BITS1: tl.constexpr, PZ1: tl.constexpr,
                TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
                KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
                K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
                KEY_BY_ALL: tl.constexpr):
-    """One token of (sequence, value head) ``pid`` whose head is ``packed_head``'s: ``Ŝᵀk_t, Ŝᵀq_t`` of the
+    """One token of (sequence, value head) row ``row`` whose head is ``packed_head``'s: ``Ŝᵀk_t, Ŝᵀq_t`` of the
     whole head (:func:`_head_dots`) kept in registers, then the record kernel's work (:func:`_record_step`)
     with the ``n`` records before it."""
     kx = k_ptr + (b * H + kh) * K
@@ -226,7 +226,7 @@ def _head_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part, a0, as0, az0, 
     else:
         sk, sq = _head_dots(a0, as0, az0, kx, qx, K, V, G, SYM, BITS0, PZ0, BF16)
     _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr,
-                 bg_ptr, n, cap, H, HV, pid, sk, sq, K, V, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16, V_BF16,
+                 bg_ptr, n, cap, H, HV, row, sk, sq, K, V, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16, V_BF16,
                  EXACT, NB, KEY_BY_ALL)
 
 
@@ -237,18 +237,18 @@ def _ckpt_step_kernel(
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
-    KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
-    K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
+    TWO: tl.constexpr, MAPPED: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr,
+    KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr,
+    VPZ: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
 ):
     """The split path's step as one kernel, one program per (sequence, value head) (:func:`_head_step`).
     One launch and no workspace round trip per token; its reductions span all the program's warps."""
     pid = tl.program_id(0).to(tl.int64)
-    b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
-                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
-                                                              ZS1, TWO)
+    b, h, kh, part, a0, as0, az0, a1, as1, az1, row = packed_head(
+        pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1, ZS1, TWO,
+        MAPPED)
     _head_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr,
-               bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, kh, H, HV, pid, K, V, G, SYM, BITS0, PZ0,
+               bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, kh, H, HV, row, K, V, G, SYM, BITS0, PZ0,
                BITS1, PZ1, TWO, BF16, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16, V_BF16, EXACT, NB, False)
 
 
@@ -259,9 +259,9 @@ def _ckpt_window_kernel(
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
-    TWO: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
-    KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
-    K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
+    TWO: tl.constexpr, MAPPED: tl.constexpr, BF16: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr,
+    KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr,
+    VPZ: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
 ):
     """``T`` buffered tokens known at once (a teacher-forced window) in one launch, one program per
     (sequence, value head): token ``t`` is :func:`_ckpt_step_kernel`'s step with the ``n + t`` records
@@ -270,17 +270,17 @@ def _ckpt_window_kernel(
     writes, which a barrier after each token makes visible to all its threads. Inputs and output
     token-major: ``q, k [T, B, H, K]``, ``v, o [T, B, HV, V]``, ``g, beta [T, B, HV]``."""
     pid = tl.program_id(0).to(tl.int64)
-    B = tl.num_programs(0) // HV
-    b, h, kh, part, a0, as0, az0, a1, as1, az1 = packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p,
-                                                              s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1,
-                                                              ZS1, TWO)
+    B = tl.num_programs(0) // (HV0 if MAPPED else HV)
+    b, h, kh, part, a0, as0, az0, a1, as1, az1, row = packed_head(
+        pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1, ZS1, TWO,
+        MAPPED)
     for t in range(T):
         qk_at = t * B * H * K
         v_at = t * B * HV * V
         g_at = t * B * HV
         _head_step(q_ptr + qk_at, k_ptr + qk_at, v_ptr + v_at, g_ptr + g_at, beta_ptr + g_at, o_ptr + v_at, part,
                    a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n + t, cap,
-                   b, kh, H, HV, pid, K, V, G, SYM, BITS0, PZ0, BITS1, PZ1, TWO, BF16, KBITS, KG, KSYM, KPZ, VBITS,
+                   b, kh, H, HV, row, K, V, G, SYM, BITS0, PZ0, BITS1, PZ1, TWO, BF16, KBITS, KG, KSYM, KPZ, VBITS,
                    VG, VSYM, VPZ, K_BF16, V_BF16, EXACT, NB, True)
         tl.debug_barrier()
 
@@ -296,8 +296,9 @@ def launch_dots(plan: DecodePlan, q, k) -> None:
     B, H, HV, K, V = plan.shape
     m = plan.meta
     bv = min(m["dots_columns"], V)
-    _ckpt_dots_kernel[(B * HV, V // bv)](q, k, plan.workspace, *plan.ckpt_args[1:], H, HV, BV=bv,
-                                         num_warps=m["dots_warps"], **ckpt_common(m))
+    for args, common, heads in ckpt_launches(plan):
+        _ckpt_dots_kernel[(B * heads, V // bv)](q, k, plan.workspace, *args, H, HV, BV=bv, num_warps=m["dots_warps"],
+                                                **common)
 
 
 def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
@@ -344,9 +345,10 @@ def launch_window(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> N
                         "slots; allowed: at most the free slots (the schedule flushes before)")
     m = plan.meta
     st, records = record_args(buf)
-    _ckpt_window_kernel[(B * HV,)](
-        q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, q.shape[0],
-        EXACT=m["EXACT"], **record_layout(st),
-        NB=_record_block(plan),
-        num_warps=m["step_warps"], **ckpt_common(m),
-    )
+    for args, common, heads in ckpt_launches(plan):  # each program reads only its own records: parts in turn
+        _ckpt_window_kernel[(B * heads,)](
+            q, k, v, g, beta, o, *args, *records, st["n"], st["cap"], H, HV, q.shape[0],
+            EXACT=m["EXACT"], **record_layout(st),
+            NB=_record_block(plan),
+            num_warps=m["step_warps"], **common,
+        )

@@ -143,6 +143,7 @@ class DecodePlan:
     meta: dict = field(default_factory=dict)
     split: bool = False  # packed key-axis checkpoint: dots + record kernels, a separate flush kernel
     workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the two
+    part_launches: list = field(default_factory=list)  # split, two bit widths: see ckpt_launches
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
@@ -214,13 +215,33 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True)
         if meta["fused_step"] == "auto":
             meta["fused_step"] = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
         workspace = torch.empty(B * HV * 2 * V, dtype=torch.float32, device=buf.device)
-    return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace)
+    part_launches = []
+    if split and len(layouts) == 2:
+        for w, part, layout in zip(widths, parts, layouts):
+            heads = table.heads[w]
+            part_launches.append(([heads, heads, *part_pointers([part]), len(heads), len(heads)],
+                                  {**ckpt_common(meta), **layout_args([layout]), "MAPPED": True}, len(heads)))
+    return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace, part_launches)
 
 
 def ckpt_common(m: dict) -> dict:
     """The packed checkpoint's compile-time layout (the split kernels' common constexpr arguments)."""
-    return dict(K=m["K"], V=m["V"], G=m["G"], SYM=m["SYM"], TWO=m["TWO"], BF16=m["BF16"],
+    return dict(K=m["K"], V=m["V"], G=m["G"], SYM=m["SYM"], TWO=m["TWO"], BF16=m["BF16"], MAPPED=False,
                 **{f"{x}{i}": m[f"{x}{i}"] for x in ("BITS", "PZ", "CC", "SS", "ZS") for i in (0, 1)})
+
+
+def ckpt_launches(plan: DecodePlan, per_part: bool = True) -> list[tuple[list, dict, int]]:
+    """``(checkpoint arguments, constexprs, value heads per sequence)`` of each launch of a split kernel.
+
+    A checkpoint of two bit widths (PACE-4/8) is launched once per width (``per_part``) over that width's
+    heads only (``MAPPED``: slot ``i`` of the part is value head ``heads[i]``), so each launch is compiled
+    for one width: compiled for both, a kernel branches on the head's width and pays the larger register
+    count and code size in every program (the PACE-4/8 flush at B = 128 took 3.1x PACE-4's time, its
+    warps stalled mostly on instruction fetch, ``data/bench/ncu``). Otherwise one launch over all heads
+    (``plan.ckpt_args[1:]``, the head table read where there are two widths)."""
+    if per_part and plan.part_launches:
+        return plan.part_launches
+    return [(plan.ckpt_args[1:], ckpt_common(plan.meta), plan.shape[2])]
 
 
 def output_tensor(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -284,12 +284,21 @@ def ckpt_base(part, slot, b, HV0, HV1, K: tl.constexpr, c0p, s0p, z0p, c1p, s1p,
 @triton.jit
 def packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K: tl.constexpr,
                  CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr,
-                 ZS1: tl.constexpr, TWO: tl.constexpr):
+                 ZS1: tl.constexpr, TWO: tl.constexpr, MAPPED: tl.constexpr):
     """The (sequence, value head) of program ``pid`` of a packed-checkpoint kernel: ``b, h``, the key head
-    ``kh``, the head's part (bit width) and its base pointers in both parts (:func:`ckpt_base`)."""
-    b = pid // HV
-    h = pid % HV
-    part, slot = head_slot(part_ptr, slot_ptr, h, TWO)
+    ``kh``, the head's part (bit width), its base pointers in both parts (:func:`ckpt_base`) and its row
+    ``b HV + h`` of the per-head tensors. ``MAPPED``: a launch over one part's heads only
+    (:func:`kernels.plan.ckpt_launches`), program ``pid`` is slot ``pid % HV0`` of sequence ``pid // HV0``
+    and ``part_ptr`` maps slots to value heads."""
+    if MAPPED:
+        b = pid // HV0
+        slot = pid % HV0
+        h = tl.load(part_ptr + slot).to(tl.int64)
+        part = 0
+    else:
+        b = pid // HV
+        h = pid % HV
+        part, slot = head_slot(part_ptr, slot_ptr, h, TWO)
     a0, as0, az0, a1, as1, az1 = ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
                                             CC0, SS0, ZS0, CC1, SS1, ZS1)
-    return b, h, h // (HV // H), part, a0, as0, az0, a1, as1, az1
+    return b, h, h // (HV // H), part, a0, as0, az0, a1, as1, az1, b * HV + h
