@@ -76,8 +76,9 @@ def token_by_token(steps: Steps, st: PeriodicState, q: torch.Tensor, k: torch.Te
     """A window of buffered tokens (shapes as :meth:`ReferenceSteps.window`) through ``steps.step``, one token
     at a time, the flush after the last when asked: ``o [B, n, HV, V]``."""
     n = q.shape[1]
-    return torch.stack([steps.step(st, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], flush=flush and t == n - 1)
-                        for t in range(n)], 1)
+    outs = [steps.step(st, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], flush=flush and t == n - 1)
+            for t in range(n)]
+    return outs[0][:, None] if n == 1 else torch.stack(outs, 1)  # one token: a view, not a copy kernel per layer
 
 
 class ReferenceSteps:

@@ -154,7 +154,7 @@ class PeriodicState:
                 if end in at:
                     capture.on_state(end, S)
                 start = end
-            return torch.cat(outputs, dim=1) if T else self._empty()
+            return _joined(outputs) if T else self._empty()
         outputs, t = [], 0
         while t < T:
             if self.buffer is None:
@@ -167,7 +167,7 @@ class PeriodicState:
             if end in at:
                 capture.on_state(end, self.effective_state())
             t = end
-        return torch.cat(outputs, dim=1) if outputs else self._empty()
+        return _joined(outputs) if outputs else self._empty()
 
     def _empty(self) -> torch.Tensor:
         return torch.zeros(self.shape[0], 0, self.shape[2], self.shape[4], device=self.device)
@@ -177,3 +177,9 @@ class PeriodicState:
         self.set_checkpoint(self.fmt.reorder(self.checkpoint, index))
         if self.buffer is not None:
             self.buffer.reorder(index)
+
+
+def _joined(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """``o [B, T, HV, V]`` of consecutive pieces along T: a single contiguous piece as it is (decoding one
+    token per call, as a server does, would otherwise copy every layer's output once more)."""
+    return outputs[0] if len(outputs) == 1 and outputs[0].is_contiguous() else torch.cat(outputs, dim=1)
