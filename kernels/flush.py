@@ -212,6 +212,6 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     m = plan.meta
     st, records = record_args(buf)
     bv = min(m["flush_columns"], V)
-    for args, common, heads in ckpt_launches(plan):
+    for args, common, heads in ckpt_launches(plan, m["per_part"]):
         _flush_kernel[(B * heads, V // bv)](*args, *records, st["n"], st["cap"], H, HV, BV=bv, NB=16,
                                             **record_layout(st), num_warps=m["flush_warps"], num_stages=1, **common)

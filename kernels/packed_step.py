@@ -296,7 +296,7 @@ def launch_dots(plan: DecodePlan, q, k) -> None:
     B, H, HV, K, V = plan.shape
     m = plan.meta
     bv = min(m["dots_columns"], V)
-    for args, common, heads in ckpt_launches(plan):
+    for args, common, heads in ckpt_launches(plan, m["dots_per_part"]):
         _ckpt_dots_kernel[(B * heads, V // bv)](q, k, plan.workspace, *args, H, HV, BV=bv, num_warps=m["dots_warps"],
                                                 **common)
 
@@ -345,7 +345,7 @@ def launch_window(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> N
                         "slots; allowed: at most the free slots (the schedule flushes before)")
     m = plan.meta
     st, records = record_args(buf)
-    for args, common, heads in ckpt_launches(plan):  # each program reads only its own records: parts in turn
+    for args, common, heads in ckpt_launches(plan, m["per_part"]):  # a program reads only its own records
         _ckpt_window_kernel[(B * heads,)](
             q, k, v, g, beta, o, *args, *records, st["n"], st["cap"], H, HV, q.shape[0],
             EXACT=m["EXACT"], **record_layout(st),

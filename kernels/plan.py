@@ -147,7 +147,7 @@ class DecodePlan:
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
-                  "flush_warps": 4, "flush_columns": 128}
+                  "flush_warps": 4, "flush_columns": 128, "dots_per_part": False, "per_part": "auto"}
 """Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others, and these
 are the fastest it measured on the H200 at batch 32 to 128, data/bench/bench.json): the step as one
 kernel (``fused_step``, :func:`_ckpt_step_kernel`, with ``step_warps``) or as two (the dots kernel's
@@ -155,7 +155,10 @@ columns per program and warps, the record kernel's warps); ``"auto"`` fuses when
 as many (sequence, value head) programs as the GPU has SMs: one wave, where the launch saved
 outweighs the fused kernel's block-wide reductions (faster at batch 1-4 on the H200, slower from
 8). Then warps of the flush kernel and columns per flush program (4-bit codes: two half tiles of
-``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles)."""
+``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles). For two bit widths
+(:func:`ckpt_launches`): the dots kernel launched once per width (``dots_per_part``), and the flush and
+window kernels (``per_part``; ``"auto"``: from two waves of programs, where one launch per width fills
+the GPU on its own; under the interpreter always, so that the tests run it)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,8 +215,11 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True)
     if split:  # bfloat16 tensor-core operands on a GPU (fp32 holding the same values under the interpreter)
         fusable = all((V // 2 if p.spec.bits <= 4 else V) >= 16 for p in parts)  # no padded dot columns
         meta = {**meta, **SPLIT_DEFAULTS, "BF16": buf.device.type == "cuda", "fusable": fusable}
+        one_wave = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
         if meta["fused_step"] == "auto":
-            meta["fused_step"] = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
+            meta["fused_step"] = one_wave
+        if meta["per_part"] == "auto":
+            meta["per_part"] = not one_wave
         workspace = torch.empty(B * HV * 2 * V, dtype=torch.float32, device=buf.device)
     part_launches = []
     if split and len(layouts) == 2:
@@ -230,15 +236,16 @@ def ckpt_common(m: dict) -> dict:
                 **{f"{x}{i}": m[f"{x}{i}"] for x in ("BITS", "PZ", "CC", "SS", "ZS") for i in (0, 1)})
 
 
-def ckpt_launches(plan: DecodePlan, per_part: bool = True) -> list[tuple[list, dict, int]]:
+def ckpt_launches(plan: DecodePlan, per_part: bool) -> list[tuple[list, dict, int]]:
     """``(checkpoint arguments, constexprs, value heads per sequence)`` of each launch of a split kernel.
 
     A checkpoint of two bit widths (PACE-4/8) is launched once per width (``per_part``) over that width's
     heads only (``MAPPED``: slot ``i`` of the part is value head ``heads[i]``), so each launch is compiled
     for one width: compiled for both, a kernel branches on the head's width and pays the larger register
-    count and code size in every program (the PACE-4/8 flush at B = 128 took 3.1x PACE-4's time, its
-    warps stalled mostly on instruction fetch, ``data/bench/ncu``). Otherwise one launch over all heads
-    (``plan.ckpt_args[1:]``, the head table read where there are two widths)."""
+    count and code size in every program (at B = 128 the per-width flush took 288 us against 377, the
+    window 406 against 460, the dots 55 against 57, ``data/bench/ncu``); in one wave two launches take
+    longer than one. Otherwise one launch over all heads (``plan.ckpt_args[1:]``, the head table read where
+    there are two widths)."""
     if per_part and plan.part_launches:
         return plan.part_launches
     return [(plan.ckpt_args[1:], ckpt_common(plan.meta), plan.shape[2])]

@@ -457,3 +457,31 @@ def test_window_kernel_is_the_one_kernel_step(name: str, gamma: int, monkeypatch
     with pytest.raises(PaceError, match="do not fit in the buffer"):
         KERNELS["packed_step"].launch_window(st_w.steps.plan(st_w), st_w.buffer, *too_many,
                                               torch.empty_like(too_many[2]))
+
+
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_launches_per_bit_width_are_the_one_launch(gamma: int) -> None:
+    """PACE-4/8's dots, window and flush kernels launched once per bit width over that width's heads
+    (:func:`kernels.plan.ckpt_launches`) against one launch over all heads through the head table: the same
+    code per head on the same inputs (:func:`_same_run`). A window of tokens, then the rest of a period one
+    token at a time through the dots and record kernels, its flush after the last; the next period's first
+    token reads the flushed checkpoint."""
+    HV, v_dim = H * gamma, max(V, 32)
+    st_p, _ = _states("pace-4-8", HV, v_dim)
+    st_o = copy.deepcopy(st_p)
+    st_p.steps = backend.TritonSteps({"fused_step": False, "per_part": True, "dots_per_part": True})
+    st_o.steps = backend.TritonSteps({"fused_step": False, "per_part": False, "dots_per_part": False})
+    assert len(st_p.steps.plan(st_p).part_launches) == 2 and st_p.steps.plan(st_p).meta["fusable"]
+    tokens = _tokens(HV, PERIOD + 1, v_dim)
+    outputs = {}
+    for st in (st_p, st_o):
+        outs = [st.steps.window(st, *(x[:, :3] for x in tokens), flush=False)]
+        outs += [st.steps.step(st, *(x[:, t] for x in tokens), flush=t == PERIOD - 1)[:, None]
+                 for t in range(3, PERIOD + 1)]
+        outputs[st is st_p] = torch.cat(outs, 1)
+    _same_run(outputs[True], outputs[False])
+    assert len(st_p.buffer) == len(st_o.buffer) == 1
+    if st_p.loaded().is_cuda:
+        _assert_within_one_step(st_p.checkpoint, st_o.checkpoint, exact_rounding=False)
+    else:
+        assert torch.equal(st_p.loaded(), st_o.loaded())
