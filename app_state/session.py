@@ -33,13 +33,18 @@ def embedded_model_dir() -> Path:
     return Path(DEFAULT_MODEL_DIR)
 
 
+APP_DTYPE = "float32"
+"""The dtype the app loads weights in (and whose stored cards it reads)."""
+
+
 @st.cache_resource(show_spinner=False, max_entries=2)
 def _load_model(source: str, device: str):
-    from pace_core.model.card import card_of, save_card
+    from pace_core.model.card import checkpoint_stamp, save_card
     from pace_core.model.loading import load_model
 
-    loaded = load_model(source or None, device=device)
-    save_card(card_of(loaded), results_model_name(source))
+    before = checkpoint_stamp(source or embedded_model_dir())
+    loaded = load_model(source or None, dtype=APP_DTYPE, device=device)
+    save_card(loaded, results_model_name(source), before)
     return loaded
 
 
@@ -48,14 +53,25 @@ def results_model_name(source: str) -> str:
     return source or str(embedded_model_dir())
 
 
+@st.cache_data(show_spinner=False, ttl=30, max_entries=8)
+def _stored_card(folder: str, name: str, stamp: tuple[int | None, int | None], root: str):
+    """The card of `folder` stored under the results root `root` (re-read at most every 30 s, and at once when
+    the folder or its config.json changes: ``stamp``, _folder_stamp)."""
+    from pace_core.model.card import load_card
+
+    return load_card(folder, name, APP_DTYPE, root=root)
+
+
 def model_card(*, stop: bool = True):
     """The sidebar's model as a pace_core.model.card.ModelCard: the stored card of its folder as it is
     now, else the card of the loaded model (loading it, or showing why it cannot: see loaded_model)."""
-    from pace_core.model.card import card_of, load_card
+    from pace_core.model.card import card_of
+    from pace_core.results import results_root
 
     source = model_source()
-    card = load_card(source or embedded_model_dir(), results_model_name(source)) if (
-        source or st.session_state.get("model_kind") == EMBEDDED) else None
+
+    card = _stored_card(source or str(embedded_model_dir()), results_model_name(source), _folder_stamp(source),
+                        str(results_root())) if (source or st.session_state.get("model_kind") == EMBEDDED) else None
     if card is not None:
         return card
     loaded = loaded_model(stop=stop)

@@ -156,9 +156,10 @@ as many (sequence, value head) programs as the GPU has SMs: one wave, where the 
 outweighs the fused kernel's block-wide reductions (faster at batch 1-4 on the H200, slower from
 8). Then warps of the flush kernel and columns per flush program (4-bit codes: two half tiles of
 ``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles). For two bit widths
-(:func:`ckpt_launches`): the dots kernel launched once per width (``dots_per_part``), and the flush and
-window kernels (``per_part``; ``"auto"``: from two waves of programs, where one launch per width fills
-the GPU on its own; under the interpreter always, so that the tests run it)."""
+(:func:`ckpt_launches`): the dots kernel launched once per width (``dots_per_part``: off, slower in the
+H200 benchmark at small batch and 3 % faster at B = 128), and the flush and window kernels (``per_part``;
+``"auto"``: when the (sequence, value head) programs are more than the SMs, so that the two launches do
+not leave most SMs idle in turn; under the interpreter always, so that the tests run it)."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,12 +19,12 @@ def page(cfg: PaceConfig) -> None:
                "buffered token. 'exact' is what the implementation actually stores.")
 
     card = session.model_card(stop=False)  # the stored card: no model load for this page
-    shapes = {} if card is None else {f"{session.model_label()} (loaded)": card.shape}
+    shapes = {} if card is None else {f"{session.model_label()} (sidebar model)": card.shape}
     shapes.update(BUILTIN_SHAPES)
 
     col_shape, col_cfgs = st.columns([1, 2])
     shape_name = col_shape.selectbox("Model shape", list(shapes), key="memory_shape",
-                                     help="The loaded model's shape, or a built-in Qwen shape (no download).")
+                                     help="The sidebar model's shape, or a built-in Qwen shape (no download).")
     shape = shapes[shape_name]
     default_named = ["fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8", "damp-int8", "damp-int4",
                      "qmamba-dsq"]

@@ -5,6 +5,7 @@ character-level tokenizer, so loading goes through ``from_pretrained`` like a re
 from __future__ import annotations
 
 import os
+import shutil
 import string
 from pathlib import Path
 
@@ -127,3 +128,17 @@ def torch_threads():
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def results_copy(tmp_path_factory):
+    """The tests read the shipped results (``data/results``) from a copy ($PACE_RESULTS_DIR), so that what
+    they store (the card every model load writes, results of the commands) never lands in the repository."""
+    from pace_core.results import DEFAULT_RESULTS_ROOT, RESULTS_ENV
+
+    root = tmp_path_factory.mktemp("results") / "results"
+    shutil.copytree(DEFAULT_RESULTS_ROOT, root)
+    patch = pytest.MonkeyPatch()
+    patch.setenv(RESULTS_ENV, str(root))
+    yield root
+    patch.undo()

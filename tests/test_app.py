@@ -145,15 +145,17 @@ def test_overview_and_memory_read_the_card_instead_of_loading_the_model(params, 
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))  # no card here yet
     calls = []
     session._load_model.clear()  # a load earlier in this process would not store a card here
+    session._stored_card.clear()
     real = session._load_model
     monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
     at = start(params)
     assert len(calls) == 1 and len(list(tmp_path.rglob("model_card-*.json"))) == 1
-    real.clear()
+    real.clear()  # a restarted server: no model loaded, no card read yet
+    session._stored_card.clear()
     for page in (None, "memory"):
         at = start(params, page=page)
         assert len(calls) == 1, f"{page or 'overview'} loaded the model"
-    assert at.selectbox(key="memory_shape").value.endswith("(loaded)")
+    assert at.selectbox(key="memory_shape").value.endswith("(sidebar model)")
     at = start(params)
     assert metric(at, "GDN layers") == str(loaded.shape.num_gdn_layers)
     assert metric(at, "Parameters") == f"{loaded.shape.weight_params / 1e6:.1f} M"

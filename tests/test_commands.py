@@ -23,12 +23,15 @@ def _run(env, *argv):
     return main([argv[0], "--model", env["model"], "--out", env["out"], "--quiet", *argv[1:]])
 
 
-def test_card_prints_and_stores_the_checkpoint_card(env, capsys):
+def test_card_prints_and_stores_the_checkpoint_card(env, capsys, monkeypatch):
     from pace_core.model.card import load_card
 
+    monkeypatch.setattr(commands, "_CONTEXTS", {})  # a model loaded by an earlier test stored its card elsewhere
     assert _run(env, "card") == 0
-    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines() if line.strip())
-    card = load_card(env["model"], env["model"], root=env["out"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "card stored"
+    lines = dict(line.split(None, 1) for line in out[:-1] if line.strip())
+    card = load_card(env["model"], env["model"], "float32", root=env["out"])
     assert lines["weights_fingerprint"] == card.fingerprint and lines["gdn_layers"] == "3"
     assert lines["params"] == str(card.summary["params"]) and "dtype" not in lines
 

@@ -4,19 +4,24 @@ architecture summary and its weights fingerprint) without loading it.
 Loading a model means importing transformers' model code and reading every weight (seconds on a CPU,
 minutes for a large checkpoint), yet these pages need only numbers a load has measured once. So every
 load through ``python -m pace_core`` or the app stores a card in the results cache (kind ``model_card``,
-:mod:`pace_core.results`), keyed by the checkpoint's content stamp: the bytes of its ``config.json`` and,
-for every weights file, its name, size and its first and last :data:`STAMP_EDGE_BYTES` bytes. Any change
-of the config or of a weights file's size, header, first or last values gives another stamp, so a
-stale card is never shown; the values in between do not count, as for
-:func:`pace_core.model.loading.weights_fingerprint`. Reading a card imports neither torch nor
-transformers. A hub id has no local folder to stamp and gets no card: it is loaded.
+:mod:`pace_core.results`), keyed by the load's dtype (the fingerprint reads the loaded values) and the
+checkpoint's content stamp: the bytes of its ``config.json`` and, for every safetensors file, its header
+(each tensor's name, dtype, shape and place) and each tensor's first and last
+:data:`STAMP_EDGE_VALUES` values. That is the resolution of
+:func:`pace_core.model.loading.weights_fingerprint` (each parameter's first and last values), at the
+tensors as stored: an edit that moves none of them is not seen by either. A folder with weights in
+another format (``.bin``, ``.pt``), or a hub id, has no stamp and gets no card: it is loaded. Reading a
+card imports neither torch nor transformers. A change of :class:`ModelCard`'s fields or of
+``LoadedModel.summary()`` needs a new :data:`CARD_VERSION` (the shipped card's test fails until then).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +29,11 @@ from pace_core.errors import PaceError
 from pace_core.shapes import ModelShape
 
 CARD_KIND = "model_card"
-CARD_VERSION = 1  # part of the key: a card of another layout is never read
-STAMP_EDGE_BYTES = 1 << 20
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+CARD_VERSION = 2  # part of the key: a card of another layout is never read
+STAMP_EDGE_VALUES = 64  # as pace_core.model.loading.FINGERPRINT_VALUES
+OTHER_WEIGHTS = (".bin", ".pt", ".pth")
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 LOAD_ONLY_FIELDS = ("dtype", "device")
 """Fields of ``LoadedModel.summary()`` that belong to one load, not to the checkpoint: not in a card."""
 
@@ -42,24 +49,40 @@ class ModelCard:
     fingerprint: str
 
 
+def _stamp_safetensors(path: Path, h) -> None:
+    """Add a safetensors file's header and each tensor's first and last values to the hash ``h``."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = f.read(size)
+        h.update(header)
+        for name, info in sorted(json.loads(header).items()):
+            if name == "__metadata__":
+                continue
+            begin, stop = info["data_offsets"]
+            edge = STAMP_EDGE_VALUES * SAFETENSORS_BYTES.get(info["dtype"], 8)
+            for at in sorted({begin, max(begin, stop - edge)}):
+                f.seek(8 + size + at)
+                h.update(f.read(min(edge, stop - at)))
+
+
 def checkpoint_stamp(source: str | os.PathLike) -> str | None:
-    """16 hex digits over ``config.json`` and every weights file's name, size and edges, or None where
-    ``source`` is not a local checkpoint folder (a hub id) or cannot be read."""
+    """16 hex digits over ``config.json`` and every safetensors file's header and tensor edges, or None
+    where ``source`` is not a local checkpoint folder of safetensors files (a hub id, ``.bin`` weights)
+    or cannot be read."""
     folder = Path(source).expanduser()
     h = hashlib.sha256()
     try:
         h.update((folder / "config.json").read_bytes())
-        weights = sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file())
+        files = sorted(p for p in folder.iterdir() if p.is_file())
+        if any(p.name.endswith(OTHER_WEIGHTS) for p in files):
+            return None
+        weights = [p for p in files if p.name.endswith(".safetensors")]
         for path in weights:
-            size = path.stat().st_size
-            h.update(f"{path.name}:{size};".encode())
-            with open(path, "rb") as f:
-                h.update(f.read(STAMP_EDGE_BYTES))
-                f.seek(max(size - STAMP_EDGE_BYTES, 0))
-                h.update(f.read(STAMP_EDGE_BYTES))
-    except OSError:
+            h.update(f"{path.name};".encode())
+            _stamp_safetensors(path, h)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):  # unreadable, or not a safetensors file
         return None
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:16] if weights else None
 
 
 def card_of(loaded: Any) -> ModelCard:
@@ -68,40 +91,49 @@ def card_of(loaded: Any) -> ModelCard:
     return ModelCard(loaded.source, loaded.shape, summary, loaded.fingerprint)
 
 
-def _key(stamp: str) -> str:
+def _key(stamp: str, dtype: str) -> str:
     from pace_core.results import result_key
 
-    return result_key({"kind": CARD_KIND, "version": CARD_VERSION, "stamp": stamp})
+    return result_key({"kind": CARD_KIND, "version": CARD_VERSION, "stamp": stamp, "dtype": dtype})
 
 
-def save_card(card: ModelCard, model: str, *, root: str | os.PathLike | None = None) -> bool:
-    """Store ``card`` for the results name ``model`` unless a card of the same stamp is stored; False (and
-    nothing written) for a hub id or a read-only results folder: the card only spares a later load."""
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def save_card(loaded: Any, model: str, before: str | None, *, root: str | os.PathLike | None = None) -> bool:
+    """Store the card of the :class:`~pace_core.model.loading.LoadedModel` ``loaded`` for the results name
+    ``model``, under ``before``, its folder's stamp taken before the load. Nothing is stored (False) for a
+    hub id, a folder that changed during the load, a load with offloaded (``meta``) weights (the fingerprint
+    counts those by name only) or an unwritable results folder: the card only spares a later load. A card
+    of the same stamp and dtype is kept as it is."""
     from pace_core.results import load_result, make_provenance, save_result
 
-    stamp = checkpoint_stamp(card.source)
-    if stamp is None:
+    if before is None or checkpoint_stamp(loaded.source) != before or any(
+            p.device.type == "meta" for p in loaded.model.parameters()):
         return False
-    key = _key(stamp)
-    if load_result(CARD_KIND, model, key, root=root) is not None:
-        return True
-    data = {"source": card.source, "shape": dataclasses.asdict(card.shape), "summary": card.summary,
-            "fingerprint": card.fingerprint}
+    key = _key(before, _dtype_name(loaded.dtype))
     try:
-        save_result(CARD_KIND, model, key, data, make_provenance(model, extra={"weights": card.fingerprint}), root=root)
-    except OSError:
+        if load_result(CARD_KIND, model, key, root=root) is None:
+            card = card_of(loaded)
+            data = {"source": card.source, "shape": dataclasses.asdict(card.shape), "summary": card.summary,
+                    "fingerprint": card.fingerprint}
+            save_result(CARD_KIND, model, key, data, make_provenance(model, extra={"weights": card.fingerprint}),
+                        root=root)
+    except (OSError, PaceError):  # a results folder that cannot be written or named
         return False
     return True
 
 
-def load_card(source: str | os.PathLike, model: str, *, root: str | os.PathLike | None = None) -> ModelCard | None:
-    """The stored card of the checkpoint folder ``source`` (results name ``model``) whose stamp matches
-    the folder as it is now, or None (no folder, no card, a damaged card). The card names ``source``
+def load_card(source: str | os.PathLike, model: str, dtype: str, *,
+              root: str | os.PathLike | None = None) -> ModelCard | None:
+    """The card stored for the checkpoint folder ``source`` (results name ``model``) as it is now, by a load
+    in ``dtype`` (e.g. ``float32``), or None (no folder, no card, a damaged card). The card names ``source``
     where it named the folder it was made from (a clone of the repository elsewhere, a moved folder)."""
     from pace_core.results import load_result
 
     stamp = checkpoint_stamp(source)
-    found = None if stamp is None else load_result(CARD_KIND, model, _key(stamp), root=root)
+    found = None if stamp is None else load_result(CARD_KIND, model, _key(stamp, _dtype_name(dtype)), root=root)
     if found is None:
         return None
     data, here = found.data, str(source)

@@ -33,13 +33,16 @@ class Context:
     """What every command needs: the loaded model, its result folder name, provenance, progress."""
 
     def __init__(self, args: argparse.Namespace):
-        from pace_core.model.card import card_of, save_card
+        from pace_core.model import DEFAULT_MODEL_DIR
+        from pace_core.model.card import checkpoint_stamp, save_card
         from pace_core.model.loading import load_model
 
         self.args = args
+        before = checkpoint_stamp(args.model or DEFAULT_MODEL_DIR)
         self.loaded = load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map)
         self.model_name = args.model if args.model is not None else self.loaded.source
-        save_card(card_of(self.loaded), self.model_name, root=args.out)  # the app's Overview shows it unloaded
+        # the app's Overview shows the card without a load
+        self.card_stored = save_card(self.loaded, self.model_name, before, root=args.out)
         self._calibrations: dict[str, Any] = {}
 
     def bar(self, total: int, desc: str):
@@ -180,14 +183,15 @@ def _reuse(found, what: str) -> bool:
 
 
 def run_card(args: argparse.Namespace) -> int:
-    """Load the model, store its card (:mod:`pace_core.model.card`) and print it."""
-    from pace_core.model.card import card_of, save_card
+    """Load the model (which stores its card, :mod:`pace_core.model.card`) and print the card."""
+    from pace_core.model.card import card_of
 
     ctx = _context(args)
     card = card_of(ctx.loaded)
-    save_card(card, ctx.model_name, root=args.out)
     for name, value in {**card.summary, "weights_fingerprint": card.fingerprint}.items():
         print(f"{name:32} {value}")
+    print("card stored" if ctx.card_stored else "card not stored (a hub id, weights other than safetensors, "
+          "offloaded weights or a results folder that cannot be written): the app loads this model for its Overview")
     return 0
 
 
