@@ -191,7 +191,7 @@ def run_card(args: argparse.Namespace) -> int:
     for name, value in {**card.summary, "weights_fingerprint": card.fingerprint}.items():
         print(f"{name:32} {value}")
     print("card stored" if ctx.card_stored else "card not stored (a hub id, weights other than safetensors, "
-          "offloaded weights or a results folder that cannot be written): the app loads this model for its Overview")
+          "offloaded weights or a results folder that cannot be written): the app's Overview loads this model")
     return 0
 
 
