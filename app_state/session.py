@@ -42,7 +42,7 @@ def _load_model(source: str, device: str):
     from pace_core.model.card import checkpoint_stamp, save_card
     from pace_core.model.loading import load_model
 
-    before = checkpoint_stamp(source or embedded_model_dir())
+    before = checkpoint_stamp(source or None)
     loaded = load_model(source or None, dtype=APP_DTYPE, device=device)
     save_card(loaded, results_model_name(source), before)
     return loaded

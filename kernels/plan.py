@@ -143,7 +143,7 @@ class DecodePlan:
     meta: dict = field(default_factory=dict)
     split: bool = False  # packed key-axis checkpoint: dots + record kernels, a separate flush kernel
     workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the two
-    part_launches: list = field(default_factory=list)  # split, two bit widths: see ckpt_launches
+    part_launches: list = field(default_factory=list)  # split, two bit widths: (args, PartLayout, heads) per width
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
@@ -226,8 +226,7 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True)
     if split and len(layouts) == 2:
         for w, part, layout in zip(widths, parts, layouts):
             heads = table.heads[w]
-            part_launches.append(([heads, heads, *part_pointers([part]), len(heads), len(heads)],
-                                  {**ckpt_common(meta), **layout_args([layout]), "MAPPED": True}, len(heads)))
+            part_launches.append(([heads, heads, *part_pointers([part]), len(heads), len(heads)], layout, len(heads)))
     return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace, part_launches)
 
 
@@ -247,9 +246,11 @@ def ckpt_launches(plan: DecodePlan, per_part: bool) -> list[tuple[list, dict, in
     window 406 against 460, the dots 55 against 57, ``data/bench/ncu``); in one wave two launches take
     longer than one. Otherwise one launch over all heads (``plan.ckpt_args[1:]``, the head table read where
     there are two widths)."""
+    common = ckpt_common(plan.meta)
     if per_part and plan.part_launches:
-        return plan.part_launches
-    return [(plan.ckpt_args[1:], ckpt_common(plan.meta), plan.shape[2])]
+        return [(args, {**common, **layout_args([layout]), "MAPPED": True}, heads)
+                for args, layout, heads in plan.part_launches]
+    return [(plan.ckpt_args[1:], common, plan.shape[2])]
 
 
 def output_tensor(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

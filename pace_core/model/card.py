@@ -65,11 +65,13 @@ def _stamp_safetensors(path: Path, h) -> None:
                 h.update(f.read(min(edge, stop - at)))
 
 
-def checkpoint_stamp(source: str | os.PathLike) -> str | None:
+def checkpoint_stamp(source: str | os.PathLike | None) -> str | None:
     """16 hex digits over ``config.json`` and every safetensors file's header and tensor edges, or None
     where ``source`` is not a local checkpoint folder of safetensors files (a hub id, ``.bin`` weights)
-    or cannot be read."""
-    folder = Path(source).expanduser()
+    or cannot be read. ``source`` None is the embedded model, as for ``load_model``."""
+    from pace_core.model import DEFAULT_MODEL_DIR
+
+    folder = Path(source if source is not None else DEFAULT_MODEL_DIR).expanduser()
     h = hashlib.sha256()
     try:
         h.update((folder / "config.json").read_bytes())

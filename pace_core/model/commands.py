@@ -33,12 +33,11 @@ class Context:
     """What every command needs: the loaded model, its result folder name, provenance, progress."""
 
     def __init__(self, args: argparse.Namespace):
-        from pace_core.model import DEFAULT_MODEL_DIR
         from pace_core.model.card import checkpoint_stamp, save_card
         from pace_core.model.loading import load_model
 
         self.args = args
-        before = checkpoint_stamp(args.model or DEFAULT_MODEL_DIR)
+        before = checkpoint_stamp(args.model)
         self.loaded = load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map)
         self.model_name = args.model if args.model is not None else self.loaded.source
         # the app's Overview shows the card without a load
