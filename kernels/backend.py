@@ -80,7 +80,6 @@ class TritonSteps:
         for its dequantised copy (made when needed)."""
         if fmt.spec is None:
             return fmt.store(S), None
-        quant.check_finite(S, fmt.name)
         if len(set(fmt.bits_per_head)) == 1:
             return _quantize.quantize(S, fmt.cfg.quant_spec(fmt.bits_per_head[0]), name=fmt.name), None
         return _quantize.quantize_heads(S, list(fmt.bits_per_head), fmt.spec, name=fmt.name), None

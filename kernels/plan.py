@@ -79,19 +79,45 @@ class HeadTable:
     heads: dict[int, torch.Tensor]  # bits -> ascending int16 head indices (pace_core.quant.MixedPackedState's map)
 
 
+_TABLES: dict[tuple[tuple[int, ...], torch.device], tuple[list[int], HeadTable]] = {}
+"""Head tables by (bits per head, device), made once: every store and load of a layer reuses its table
+(no host-to-device copies per token), and a head map that is a kept table's reads back without a sync."""
+_MAX_TABLES = 4096
+
+
 def head_table(bits_per_head: list[int], device: torch.device) -> tuple[list[int], HeadTable]:
-    """The distinct bit widths (ascending, at most two) and the head table for ``bits_per_head``."""
-    for b in bits_per_head:
-        quant.check_bits(b, "bits_per_head")
-    widths = sorted(set(bits_per_head))
-    if len(widths) > 2:
-        raise PaceError(f"bits_per_head: {widths} distinct widths not supported in one launch; allowed: at most 2")
-    part = [widths.index(b) for b in bits_per_head]
-    slot = [sum(1 for p in part[:h] if p == part[h]) for h in range(len(part))]
-    heads = {b: torch.tensor([h for h, x in enumerate(bits_per_head) if x == b], dtype=torch.int16, device=device)
-             for b in widths}
-    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    return widths, HeadTable(as_i32(part), as_i32(slot), heads)
+    """The distinct bit widths (ascending, at most two) and the head table for ``bits_per_head`` (kept:
+    its tensors are shared, never written)."""
+    key = (tuple(int(b) for b in bits_per_head), torch.device(device))
+    found = _TABLES.get(key)
+    if found is None:
+        for b in bits_per_head:
+            quant.check_bits(b, "bits_per_head")
+        widths = sorted(set(bits_per_head))
+        if len(widths) > 2:
+            raise PaceError(f"bits_per_head: {widths} distinct widths not supported in one launch; allowed: at most 2")
+        part = [widths.index(b) for b in bits_per_head]
+        slot = [sum(1 for p in part[:h] if p == part[h]) for h in range(len(part))]
+        heads = {b: torch.tensor([h for h, x in enumerate(bits_per_head) if x == b], dtype=torch.int16,
+                                 device=device) for b in widths}
+        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        found = _TABLES[key] = (widths, HeadTable(as_i32(part), as_i32(slot), heads))
+    return list(found[0]), found[1]
+
+
+def bits_of_heads(heads: dict[int, torch.Tensor], hv: int) -> list[int]:
+    """Bits of each of the ``hv`` value heads of a head map (bits -> head indices): from the kept table
+    whose map it is (no device read), else read from the device."""
+    for (bits, _), (_, table) in _TABLES.items():
+        if len(bits) == hv and table.heads.keys() == heads.keys() and all(table.heads[b] is t for b, t in heads.items()):
+            return list(bits)
+    out = [0] * hv
+    for b, t in heads.items():
+        for h in t.tolist():
+            out[h] = b
+    return out
 
 
 def layout_args(layouts: list[PartLayout]) -> dict:

@@ -9,11 +9,14 @@ here (its reference works in float64).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.plan import check_kernel_shape, head_table, layout_args, part_layout, part_pointers, row_block
+from kernels.plan import (bits_of_heads, check_kernel_shape, head_table, layout_args, part_layout, part_pointers,
+                          row_block)
 from kernels.primitives import load_tile, store_as, store_tile
 from pace_core import quant
 from pace_core.errors import PaceError
@@ -80,13 +83,19 @@ def _check_state(S: torch.Tensor, name: str) -> None:
         raise PaceError(f"{name}: dtype {S.dtype} not supported by the kernels; allowed: float32, bfloat16, float16")
 
 
-def _check_scale_range(S: torch.Tensor, spec: quant.QuantSpec, bits_per_head: list[int], name: str) -> None:
-    """PaceError like pace_core.quant's where a group's fp16 scale would overflow (the kernels would
-    saturate it): one reduction decides; only a state that may overflow is quantised by the reference to
-    name the group."""
+def _check_values(S: torch.Tensor, spec: quant.QuantSpec, bits_per_head: list[int], name: str) -> None:
+    """PaceError like pace_core.quant's where ``S`` holds NaN or inf, or where a group's fp16 scale would
+    overflow (the kernels would saturate it): one reduction (and one device read) decides, since the
+    largest magnitude is NaN or inf when any value is; only then is the state counted, or quantised by the
+    reference to name the group."""
+    if not S.numel():
+        return
     widths = sorted(set(bits_per_head))
     qmax = min((1 << (b - 1)) - 1 if spec.symmetric else (1 << b) - 1 for b in widths)
-    reach = float(S.abs().amax()) * (1 if spec.symmetric else 2)  # a group's max |x|, or at most its range
+    largest = float(S.abs().amax())
+    if not math.isfinite(largest):
+        quant.check_finite(S, name)
+    reach = largest * (1 if spec.symmetric else 2)  # a group's max |x|, or at most its range
     if reach / qmax > quant.FP16_MAX:
         quant.quantize_heads(S, bits_per_head, spec, name=name)
 
@@ -127,8 +136,7 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
     if len(bits_per_head) != HV:
         raise PaceError(f"bits_per_head has {len(bits_per_head)} entries; allowed: one per value head ({HV})")
     check_kernel_shape(K, V, spec, name)
-    quant.check_finite(S, name)
-    _check_scale_range(S, spec, bits_per_head, name)
+    _check_values(S, spec, bits_per_head, name)
     widths, table = head_table(bits_per_head, S.device)
     specs = [quant.QuantSpec(b, spec.symmetric, spec.axis, spec.group_size) for b in widths]
     parts = [_empty_part(tuple(lead), len(table.heads[b]), K, V, s, S.device) for b, s in zip(widths, specs)]
@@ -159,10 +167,7 @@ def dequantize_heads(m: quant.MixedPackedState, dtype: torch.dtype = torch.float
     if len(widths) > 2:
         raise PaceError(f"parts: {widths} distinct widths not supported in one launch; allowed: at most 2")
     *lead, HV, K, V = m.shape
-    bits_per_head = [0] * HV
-    for b in widths:
-        for h in m.heads[b].tolist():
-            bits_per_head[h] = b
+    bits_per_head = bits_of_heads({b: m.heads[b] for b in widths}, HV)
     parts = [m.parts[b] for b in widths]
     spec = parts[0].spec
     check_kernel_shape(K, V, spec, "state")
@@ -209,6 +214,6 @@ def dequantize(p: quant.PackedTensor, dtype: torch.dtype = torch.float32) -> tor
         p.codes.reshape(n, 1, *p.codes.shape[-2:]), p.scale.reshape(n, 1, *p.scale.shape[-2:]),
         None if p.zero is None else p.zero.reshape(n, 1, *p.zero.shape[-2:]), p.spec, (n, 1, K, V),
     )
-    heads = {p.spec.bits: torch.zeros(1, dtype=torch.long, device=p.codes.device)}
+    heads = head_table([p.spec.bits], p.codes.device)[1].heads  # the kept map of one head: no device read
     out = dequantize_heads(quant.MixedPackedState({p.spec.bits: flat}, heads, (n, 1, K, V)), dtype)
     return out.reshape(p.shape)

@@ -38,6 +38,15 @@ if TYPE_CHECKING:
     from pace_core.config import PaceConfig
 
 
+def refuse_non_finite(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, name: str) -> None:
+    """PaceError when decode inputs ``k, v, g`` hold NaN or inf: one check (a device read), skipped while a
+    CUDA graph is being captured (its replays do not check their inputs)."""
+    if k.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    if not bool(torch.isfinite(k).all() & torch.isfinite(v).all() & torch.isfinite(g).all()):
+        raise PaceError(f"k, v, g of {name}: non-finite values; allowed: finite inputs")
+
+
 class LayerState:
     """One GDN layer's state for ``batch`` sequences (``cfg`` validated for the layer's shape).
 
@@ -103,10 +112,8 @@ class LayerState:
             if self.used:
                 raise PaceError(f"q: device {q.device} not allowed ({self.name}); allowed: {self.device}")
             self._allocate(q.device)
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if finite and T and not capturing and not bool(
-                torch.isfinite(k).all() & torch.isfinite(v).all() & torch.isfinite(g).all()):
-            raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
+        if finite and T:
+            refuse_non_finite(k, v, g, self.name)
         self.used = self.used or T > 0
         return T
 
@@ -118,12 +125,11 @@ class LayerState:
         with self._on_device():
             return self.state.prefill(q.float(), k.float(), v.float(), g.float(), beta.float(), capture)
 
-    def decode(self, q, k, v, g, beta, capture: Capture | None = None) -> torch.Tensor:
+    def decode(self, q, k, v, g, beta, capture: Capture | None = None, checked: bool = False) -> torch.Tensor:
         """Decode tokens one by one (shapes as :meth:`prefill`), flushing every dP tokens
         (:meth:`PeriodicState.decode`, with its ``capture``). Non-finite ``k, v, g`` are refused before any
-        token runs (one check, skipped while a CUDA graph is being captured: its replays do not check
-        their inputs)."""
-        self._check(q, k, v, g, beta, finite=True)
+        token runs (:func:`refuse_non_finite`), unless the caller has ``checked`` them."""
+        self._check(q, k, v, g, beta, finite=not checked)
         with self._on_device():
             return self.state.decode(q.float(), k.float(), v.float(), g.float(), beta.float(), capture)
 
@@ -209,12 +215,13 @@ class StateStore:
             raise PaceError(f"layer: {layer!r} not allowed; allowed: the GDN layers {self.layers}")
         return self._states[layer]
 
-    def run(self, layer: int, q, k, v, g, beta, decode: bool) -> torch.Tensor:
+    def run(self, layer: int, q, k, v, g, beta, decode: bool, checked: bool = False) -> torch.Tensor:
         """One core call of a GDN layer (the model's forward): decode tokens (``decode``, or every token
-        while :attr:`teacher_forcing`) or a prompt, with the states :attr:`capture` asks for."""
+        while :attr:`teacher_forcing`) or a prompt, with the states :attr:`capture` asks for. ``checked``:
+        the caller refused non-finite decode inputs already."""
         capture = None if self.capture is None else self.capture(layer)
         if decode or self.teacher_forcing:
-            return self.layer(layer).decode(q, k, v, g, beta, capture)
+            return self.layer(layer).decode(q, k, v, g, beta, capture, checked)
         return self.layer(layer).prefill(q, k, v, g, beta, capture)
 
     def prefill(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
@@ -285,13 +292,17 @@ class StoreStack:
         """Called with 1 after each member's part of a core call (a progress bar's unit)."""
 
     def run(self, layer: int, q, k, v, g, beta, decode: bool) -> torch.Tensor:
-        """One core call of a GDN layer, each member on its rows (:meth:`StateStore.run`): ``o [B, T, HV, V]``."""
+        """One core call of a GDN layer, each member on its rows (:meth:`StateStore.run`): ``o [B, T, HV, V]``.
+        Decode inputs are checked once for every member."""
+        checked = (decode or self.teacher_forcing) and q.shape[1] > 0
+        if checked:
+            refuse_non_finite(k, v, g, f"state of GDN layer {layer}")
         outputs = []
         for i, store in enumerate(self.stores):
             rows = slice(i * self.rows, (i + 1) * self.rows)
             store.teacher_forcing = self.teacher_forcing
             store.capture = None if self.capture is None else (lambda lay, i=i: self.capture(i, lay))
-            outputs.append(store.run(layer, q[rows], k[rows], v[rows], g[rows], beta[rows], decode))
+            outputs.append(store.run(layer, q[rows], k[rows], v[rows], g[rows], beta[rows], decode, checked))
             if self.progress is not None:
                 self.progress(1)
         return torch.cat(outputs)

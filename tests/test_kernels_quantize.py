@@ -172,3 +172,16 @@ def test_backend_stores_and_loads_like_the_reference(high_heads) -> None:
     for b, part in ({cfg.bits: ref} if high_heads is None else ref.parts).items():
         _assert_packed_equal(got if high_heads is None else got.parts[b], part)
     assert torch.equal(steps.load(fmt, got), REFERENCE.load(fmt, ref))
+
+
+def test_head_tables_are_kept_and_their_maps_read_back_without_the_device():
+    """A layer's head table is made once per bit pattern and device (every store and load reuses it); the
+    bits of a head map that is a kept table's come from the table, those of any other map from its values."""
+    from kernels.plan import bits_of_heads, head_table
+
+    bits = [int(b) for b in torch.randint(0, 2, (6,)) * 4 + 4]
+    widths, table = head_table(bits, torch.device("cpu"))
+    again = head_table(bits, torch.device("cpu"))
+    assert again[1] is table and again[0] == widths == sorted(set(bits))
+    assert bits_of_heads(table.heads, len(bits)) == bits
+    assert bits_of_heads({b: t.clone() for b, t in table.heads.items()}, len(bits)) == bits
