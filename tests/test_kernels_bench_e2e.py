@@ -54,6 +54,26 @@ def test_profile_writes_tables_and_host_counts(tmp_path):
     assert tables.count("Self CPU time total") == len(rows)
 
 
+def test_compiled_run_writes_its_own_table_with_compile_times(tmp_path):
+    """``--compile`` (AOT autograd here: no C++ compiler needed) times the same rows through torch.compile
+    into bench_e2e_compiled.json, each row with the time of its first, compiling step."""
+    out = tmp_path / "e2e"
+    assert bench_e2e.main(["--tiny", "--device", "cpu", "--batches", "2", "--context", "8", "--tokens", "8",
+                           "--compile", "--compile-backend", "aot_eager", "--out", str(out)]) == 0
+    results = json.loads((out / "bench_e2e_compiled.json").read_text())
+    assert results["mode"] == "torch.compile + eager" and results["compile_backend"] == "aot_eager"
+    assert not (out / "bench_e2e.json").exists()
+    for r in results["rows"]:
+        assert r["mode"] == "torch.compile + eager" and r["outputs_finite"]
+        assert r["compile_s"] > r["tpot_median_s"] > 0
+
+
+def test_state_kernel_names_are_the_kernels_of_the_package():
+    names = bench_e2e.state_kernel_names()
+    assert {"_quant_kernel", "_dequant_kernel"} <= names
+    assert not any(n.startswith("triton_") for n in names)  # inductor's generated kernels are not the state's
+
+
 TINY_TOL = fp32_bound(4 * (128 + 22 * 64 + 4 * 32 + 128 + 256) + 128)
 """The harness's tiny model over 10 + 12 tokens, two code paths of one function: per layer the 128-wide
 projections, the GDN state over 22 tokens of 64-wide keys, 4 value heads of 32, the MLP (128 + 256); 4

@@ -35,6 +35,15 @@ row: the GPU's busy time per token (the sum of the kernels' durations) and the t
 GPU time, i.e. where a graph's step spends its time, plus the store's finiteness check that eager
 steps run and graphs skip (about 0.3 ms per token at B = 128).
 
+**torch.compile** (``--compile``): the same steps through ``torch.compile(model, fullgraph=True,
+dynamic=False)`` (inductor by default, ``--compile-backend``), each GDN layer's state one
+``pace::gdn_state`` node of the graph (:mod:`pace_core.model.state_op`, for both variants alike), the
+prompt eager; the CUDA graphs are captured per buffer position around the compiled step as above (the
+compiler's own CUDA graphs, ``mode="reduce-overhead"``, would freeze the state's host-side schedule).
+Rows then record ``compile_s`` (the first compiled step) and the JSON / PNG are
+``bench_e2e_compiled.*``. With ``--profile`` every row also records ``state_share``: the share of the
+GPU's busy time in the state's kernels (the Triton kernels of ``kernels/``, :func:`state_kernel_names`).
+
 Usage (on the GPU machine): ``python3 kernels/bench/bench_e2e.py --out DIR``; writes ``DIR/bench_e2e.json``
 and ``DIR/bench_e2e.png`` and prints a table. ``--tiny --device cpu`` runs a small model on a CPU
 (a smoke run of the harness; the tests use it).
@@ -234,21 +243,54 @@ def cache_length(context: int, tokens: int) -> int:
     return -(-(context + WARMUP + 2 * period + tokens) // CACHE_ALIGN) * CACHE_ALIGN
 
 
+def compile_model(model, backend: str = "inductor"):
+    """``model`` under ``torch.compile`` for the decode steps (module docstring): one graph per batch
+    size and variant, so the recompile limit is raised to allow every row of a run."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+
+
+def state_kernel_names() -> set[str]:
+    """Names of the Triton kernels of the ``kernels`` package: the GPU kernels of the recurrent state
+    (a profile's kernels by these names are the state's share of a step)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import kernels
+
+    names = set()
+    for info in pkgutil.iter_modules(kernels.__path__):
+        for value in vars(importlib.import_module(f"kernels.{info.name}")).values():
+            while not isinstance(value, JITFunction) and isinstance(getattr(value, "fn", None), JITFunction):
+                value = value.fn  # an autotuner's or heuristics' kernel
+            if isinstance(value, JITFunction):
+                names.add(value.__name__)
+    return names
+
+
 @torch.no_grad()
 def time_decode(model, config_name: str, batch: int, context: int, tokens: int, device: torch.device,
-                graphs: bool = False, profiler=None) -> dict:
+                graphs: bool = False, profiler=None, compiled=None) -> dict:
     """Prefill ``[batch, context]`` random ids under ``config_name`` into a static cache, run
     ``WARMUP`` eager decode steps, then time ``tokens`` decode steps. ``graphs`` (CUDA only): the
     steps are replays of one CUDA graph per buffer position (:func:`_capture_period`, dP graphs for
     PACE-4, one for per-token bf16), checked first against the same period run eagerly
     (:func:`_check_graphs`). Else each step runs eagerly (``profiler``, a ``torch.profiler.profile``,
-    records the timed steps only)."""
+    records the timed steps only). ``compiled`` (:func:`compile_model` of ``model``): the decode steps
+    run through it (the prompt does not); the first one's time, compilation included, is ``compile_s``."""
     cfg = get_config(config_name)
     period = cfg.decode_period
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
-    row = {"mode": "cuda graphs" if graphs else "eager"}
+    row = {"mode": ("torch.compile + " if compiled is not None else "") + ("cuda graphs" if graphs else "eager")}
     with pace(model, cfg):
         decoder = _Decoder(model, ids, cache_length(context, tokens))
+        if compiled is not None:
+            decoder.model = compiled
+            with _Clock(device) as clock:
+                decoder.step()
+            row["compile_s"] = clock.seconds
         if graphs:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -282,19 +324,21 @@ def time_decode(model, config_name: str, batch: int, context: int, tokens: int, 
             "spread": (min(times), max(times)), "tokens": tokens}
 
 
-def profile_decode(model, config_name: str, batch: int, context: int, device: torch.device) -> tuple[dict, str]:
-    """One period of decode steps (dP = 8, after the prefill and warm-up of :func:`time_decode`) under
-    ``torch.profiler``. Returns the row's fields (per token: on a GPU its busy time, the sum of its
-    kernels' durations, i.e. what a step would take with no host overhead, e.g. under a CUDA graph,
-    and that time's share of the wall time; kernel launches and aten calls, host-side counts; the
-    profiled wall time) and the table of operators by self GPU time (CPU time on a CPU)."""
+def profile_decode(model, config_name: str, batch: int, context: int, device: torch.device,
+                   compiled=None) -> tuple[dict, str]:
+    """One period of decode steps (dP = 8, after the prefill and warm-up of :func:`time_decode`, through
+    ``compiled`` when given) under ``torch.profiler``. Returns the row's fields (per token: on a GPU its
+    busy time, the sum of its kernels' durations, i.e. what a step would take with no host overhead,
+    e.g. under a CUDA graph, that time's share of the wall time and the state kernels' share of it
+    (:func:`state_kernel_names`); kernel launches and aten calls, host-side counts; the profiled wall
+    time) and the table of operators by self GPU time (CPU time on a CPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     tokens = 8
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof = profile(activities=activities)
-    row = time_decode(model, config_name, batch, context, tokens, device, profiler=prof)
+    row = time_decode(model, config_name, batch, context, tokens, device, profiler=prof, compiled=compiled)
     events = prof.key_averages()
     table = events.table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
                          row_limit=30, max_name_column_width=60)
@@ -304,8 +348,11 @@ def profile_decode(model, config_name: str, batch: int, context: int, device: to
     out = {"profiled_tpot_s": row["tpot_mean_s"], "launches_per_step": launches / tokens,
            "aten_calls_per_step": ops / tokens}
     if device.type == "cuda":
+        state = state_kernel_names()
+        state_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA and e.key in state)
         out["gpu_busy_time_per_token_s"] = busy_us / 1e6 / tokens
         out["gpu_busy_fraction"] = out["gpu_busy_time_per_token_s"] / row["tpot_mean_s"]
+        out["state_share"] = state_us / busy_us if busy_us else None
     return out, table
 
 
@@ -354,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also profile one eager period of each row (tables in profile.txt; in the rows the GPU's "
                          "busy time per token and the host-side counts): where the time per token goes")
+    ap.add_argument("--compile", action="store_true",
+                    help="decode through torch.compile (the state one pace::gdn_state node per GDN layer); writes "
+                         "bench_e2e_compiled.json / .png")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     graphs = device.type == "cuda" and not args.eager
@@ -365,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(args.tiny, device, dtype)
+    compiled = compile_model(model, args.compile_backend) if args.compile else None
+    stem = "bench_e2e_compiled" if args.compile else "bench_e2e"
     import transformers
 
     results = {"model": "tiny Qwen3.5" if args.tiny else "Qwen3.5-4B-sized", "device": str(
@@ -372,15 +425,17 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "dtype": str(dtype).removeprefix("torch."),
         "parameters": sum(p.numel() for p in model.parameters()), "context": args.context,
-        "mode": "cuda graphs" if graphs else "eager", "cache": "static", "rows": []}
+        "mode": ("torch.compile + " if args.compile else "") + ("cuda graphs" if graphs else "eager"),
+        "compile_backend": args.compile_backend if args.compile else None, "cache": "static", "rows": []}
     print(f"{results['model']} ({results['parameters'] / 1e9:.2f}B parameters, {results['dtype']}) on "
           f"{results['device']}, context {args.context}, {args.tokens} timed tokens, {results['mode']}", flush=True)
-    save = functools.partial(_save, results, args.out / "bench_e2e.json")
+    save = functools.partial(_save, results, args.out / f"{stem}.json")
     for batch in (int(b) for b in args.batches.split(",")):
         for variant, config_name in VARIANTS.items():
             row = {"variant": variant, "config": config_name, "batch": batch}
             try:
-                row.update(time_decode(model, config_name, batch, args.context, args.tokens, device, graphs))
+                row.update(time_decode(model, config_name, batch, args.context, args.tokens, device, graphs,
+                                       compiled=compiled))
                 check = (f", graph vs eager: max |logit diff| {row['graph_vs_eager_max_abs_logit']:.3g}, "
                          f"{row['graph_vs_eager_token_mismatches']} tokens and "
                          f"{row['graph_vs_eager_state_tensors_differing']} state tensors differ" if graphs else "")
@@ -395,22 +450,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         tables = []
         for row in (r for r in results["rows"] if "tpot_mean_s" in r):
-            counts, table = profile_decode(model, row["config"], row["batch"], args.context, device)
+            counts, table = profile_decode(model, row["config"], row["batch"], args.context, device, compiled)
             row.update(counts)
             tables.append(f"=== {row['variant']}, batch {row['batch']}: {counts}\n{table}\n")
             busy = counts.get("gpu_busy_time_per_token_s")
             print(f"profile B={row['batch']:4d} {row['variant']:16s} {counts['launches_per_step']:.0f} kernel "
                   f"launches and {counts['aten_calls_per_step']:.0f} aten calls per step"
-                  + (f", GPU busy {busy * 1e3:.2f} ms per token" if busy is not None else ""), flush=True)
+                  + (f", GPU busy {busy * 1e3:.2f} ms per token, {counts['state_share']:.0%} in the state's kernels"
+                     if busy is not None else ""), flush=True)
             save()
-        atomic_write(args.out / "profile.txt", lambda tmp: tmp.write_text("".join(tables)))
+        atomic_write(args.out / ("profile_compiled.txt" if args.compile else "profile.txt"),
+                     lambda tmp: tmp.write_text("".join(tables)))
     by = {(r["variant"], r["batch"]): r for r in results["rows"]}
     for r in results["rows"]:
         base = by[("bf16 per-token", r["batch"])]
         if "tpot_mean_s" in r and "tpot_mean_s" in base:
             r["speedup_vs_bf16_per_token"] = base["tpot_mean_s"] / r["tpot_mean_s"]
     save()
-    plot(results, args.out / "bench_e2e.png")
+    plot(results, args.out / f"{stem}.png")
     print(f"\n{'batch':>5} " + " ".join(f"{v:>18}" for v in VARIANTS) + f" {'PACE-4 vs bf16':>15}"
           + (" GPU busy per token: " + " / ".join(VARIANTS) if args.profile else ""))
     for batch in sorted({r["batch"] for r in results["rows"]}):

@@ -49,6 +49,7 @@ from torch import nn
 
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.model import state_op
 from pace_core.recurrence import prepare_qk
 from pace_core.shapes import ModelShape, shape_from_hf_config
 from pace_core.state_store import StateStore, StoreStack
@@ -80,6 +81,10 @@ class _Call:
 
 
 _ACTIVE: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("pace_active_gdn_call", default=None)
+_TRACED: list[_Call] = []
+"""The wrapped GDN forwards being traced by ``torch.compile`` (innermost last): dynamo cannot trace a
+ContextVar, and it resolves this list while it traces, so a compiled graph holds the call's store as a
+constant (:mod:`pace_core.model.state_op`)."""
 
 # modeling module name -> (original functions by name, number of wrapped GDN modules using it)
 _DISPATCH: dict[str, tuple[dict[str, object], int]] = {}
@@ -124,6 +129,7 @@ def _follow_cache(cache, store: StateStore, cfg: PaceConfig) -> None:
     operations keep it in step."""
     setattr(cache, _STORE_ATTR, store)
     setattr(cache, _STORE_CONFIG_ATTR, cfg)
+    state_op.register(store)
     reorder, reset = cache.reorder_cache, cache.reset
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
@@ -203,6 +209,12 @@ def _wrap_forward(model: nn.Module, module: nn.Module, original) -> None:
                 elif getattr(cache, _STORE_CONFIG_ATTR) != cfg:
                     raise PaceError("cache: it holds a PACE state of another configuration; allowed: a fresh "
                                     "cache after apply_pace")
+        if torch.compiler.is_compiling():
+            _TRACED.append(_Call(module, store, taps))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _TRACED.pop()
         token = _ACTIVE.set(_Call(module, store, taps))
         try:
             return original(*args, **kwargs)
@@ -241,7 +253,11 @@ def core_inputs(module: nn.Module, arguments: dict) -> tuple[torch.Tensor, ...]:
 def _run_pace(call: _Call, decode: bool, bound: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The PACE replacement of one core call; returns ``(o [B, T, HV, V], empty state or None)``."""
     q, k, v, g, beta = core_inputs(call.module, bound)
-    o = call.store.run(int(call.module.layer_idx), q, k, v, g, beta, decode)
+    layer = int(call.module.layer_idx)
+    if torch.compiler.is_compiling():  # one opaque node of the compiled graph (pace_core.model.state_op)
+        o = state_op.gdn_state(q, k, v, g, beta, state_op.handle_of(call.store), layer, decode)
+    else:
+        o = call.store.run(layer, q, k, v, g, beta, decode)
     final = None
     if bound.get("output_final_state", False):
         B, _, HV, V = v.shape
@@ -254,7 +270,7 @@ def _dispatcher(original, decode: bool):
 
     @functools.wraps(original)
     def core(*args, **kwargs):
-        call = _ACTIVE.get()
+        call = (_TRACED[-1] if _TRACED else None) if torch.compiler.is_compiling() else _ACTIVE.get()
         if call is None:
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
@@ -385,6 +401,7 @@ def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *,
     cache = DynamicCache(config=model.config)
     setattr(cache, _STORE_ATTR, stack)
     setattr(cache, _STORE_CONFIG_ATTR, key)
+    state_op.register(stack)
     previous, previous_rows = model.__dict__.get(_CONFIG_ATTR), model.__dict__.get(_DAMP_ATTR)
     model.__dict__[_CONFIG_ATTR] = key
     _hook(model)
