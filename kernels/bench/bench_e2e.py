@@ -256,17 +256,19 @@ def state_kernel_names() -> set[str]:
     import importlib
     import pkgutil
 
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     import kernels
 
+    jitted = (JITFunction, InterpretedFunction)  # compiled, or run by TRITON_INTERPRET=1
     names = set()
     for info in pkgutil.iter_modules(kernels.__path__):
         for value in vars(importlib.import_module(f"kernels.{info.name}")).values():
-            while not isinstance(value, JITFunction) and isinstance(getattr(value, "fn", None), JITFunction):
+            while not isinstance(value, jitted) and isinstance(getattr(value, "fn", None), jitted):
                 value = value.fn  # an autotuner's or heuristics' kernel
-            if isinstance(value, JITFunction):
-                names.add(value.__name__)
+            if isinstance(value, jitted):
+                names.add(value.fn.__name__)
     return names
 
 
