@@ -4,7 +4,7 @@
 - ``quantize``: quantise + pack and unpack + dequantise (pace_core.quant's format, per-head bit widths);
 - ``packed_step`` and ``flush``: the buffered decode step of packed key-axis checkpoints and its flush;
 - ``fused_step``: the buffered decode step of dense and value-axis checkpoints, flush included;
-- ``recurrent_step``: the per-token step on a dense state;
+- ``recurrent_step``: the per-token recurrence (dP = 1), a run of tokens per launch on a dense or packed state;
 - ``chunk``: a prefill segment (fla's chunk kernel where installed);
 - ``primitives`` and ``records``: the shared device functions; ``plan``: launch planning;
 - ``backend``: these kernels as a pace_core backend (pace_core.backend).

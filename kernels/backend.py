@@ -3,13 +3,13 @@ on the kernels of this package (CUDA tensors; CPU tensors only under ``TRITON_IN
 
 - store / load: :mod:`kernels.quantize` for rtn / pace checkpoints (bit-identical to pace_core.quant), a
   cast for method none;
-- a prefill chunk: :mod:`kernels.chunk`;
+- a prefill chunk: :mod:`kernels.chunk`, a short one (a decode token of the fp32 reference) :mod:`kernels.recurrent_step`;
 - a buffered token: packed key-axis checkpoints (PACE-4, PACE-4/8) run :mod:`kernels.packed_step` (a window
   of tokens in one launch) and, when the schedule asks, :mod:`kernels.flush`, both on the checkpoint in place;
   dense (method none) and value-axis checkpoints run :mod:`kernels.fused_step`, which flushes in the same
   launch;
-- dP = 1: :mod:`kernels.recurrent_step`, a dense state updated in place, a quantised one between a load and a
-  store;
+- dP = 1: :mod:`kernels.recurrent_step`, the tokens of a call up to the next capture in one launch, the state
+  in registers, rounded after every token;
 - the fold of the buffer and a flush outside a token (before a prompt) of a fused-step checkpoint: the
   PyTorch reference.
 
@@ -36,12 +36,12 @@ from kernels.flush import launch_flush
 from kernels.fused_step import launch_fused
 from kernels.packed_step import launch_packed_step, launch_window
 from kernels.plan import DecodePlan, check_kernel_shape, is_pow2, plan_decode
-from kernels.recurrent_step import dense_recurrent_step
+from kernels.recurrent_step import recurrent_run
 from pace_core import quant
-from pace_core.backend import token_by_token
+from pace_core.backend import REFERENCE, token_by_token
 from pace_core.buffer import BufferFormat
 from pace_core.errors import PaceError
-from pace_core.recurrence import fold
+from pace_core.recurrence import RECURRENT_BELOW, fold
 
 
 class TritonSteps:
@@ -93,7 +93,12 @@ class TritonSteps:
         return fmt.load(c)
 
     def chunk(self, q, k, v, g, beta, S0, chunk_size):
-        """A prefill segment (:func:`kernels.chunk.chunk`)."""
+        """A run of tokens from ``S0`` (exact): fewer than :data:`pace_core.recurrence.RECURRENT_BELOW` as the
+        recurrence kernel on a float32 copy of ``S0`` (one launch, e.g. one decode token or a few between
+        captures of the fp32 reference), longer ones :func:`kernels.chunk.chunk`."""
+        if 0 < q.shape[1] < RECURRENT_BELOW:
+            o, S, _ = recurrent_run(S0.to(torch.float32).contiguous().clone(), q, k, v, g, beta)
+            return o, S
         return _chunk.chunk(q, k, v, g, beta, S0, chunk_size)
 
     def plan(self, st) -> DecodePlan:
@@ -143,16 +148,16 @@ class TritonSteps:
             self.flush(st)
         return o.transpose(0, 1)
 
-    def recurrent_step(self, st, q_t, k_t, v_t, g_t, beta_t) -> torch.Tensor:
-        """dP = 1, ``o_t [B, HV, V]``: a dense state (method none) updated in place; a quantised one
-        dequantised, stepped and stored again (three launches instead of the reference's torch operations)."""
-        if st.fmt.spec is None:
-            o = dense_recurrent_step(st.checkpoint, q_t, k_t, v_t, g_t, beta_t)
-            st.set_checkpoint(st.checkpoint)
-            return o
-        S = self.load(st.fmt, st.checkpoint)
-        o = dense_recurrent_step(S, q_t, k_t, v_t, g_t, beta_t)
-        st.store(S)
+    def recurrent_run(self, st, q, k, v, g, beta) -> torch.Tensor:
+        """dP = 1, tokens ``q, k [B, n, H, K]``, ``v [B, n, HV, V]``, ``g, beta [B, n, HV]``: ``o [B, n, HV, V]``
+        from one launch (:func:`kernels.recurrent_step.recurrent_run`). A dense state (method none) is updated
+        in place; a packed checkpoint is replaced by the kernel's, unless a token's state was not finite or
+        would overflow a group's fp16 scale: then the reference runs the tokens again from the checkpoint
+        (untouched), so that the state is refused at the token and with the message a store gives."""
+        o, new, peak = recurrent_run(st.checkpoint, q, k, v, g, beta)
+        if peak is not None and not float(peak) <= _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head)):
+            return REFERENCE.recurrent_run(st, q, k, v, g, beta)
+        st.set_checkpoint(new)
         return o
 
     def flush(self, st) -> None:

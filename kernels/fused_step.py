@@ -10,50 +10,9 @@ import triton
 import triton.language as tl
 
 from kernels.plan import DecodePlan
-from kernels.primitives import ckpt_base, head_slot, load_tile, store_as, store_tile
+from kernels.primitives import ckpt_base, ckpt_store, ckpt_tile, head_slot
 from kernels.records import RECORD_COUNT, append_record, load_vecs, record_args, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
-
-
-@triton.jit
-def _ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK: tl.constexpr, BV: tl.constexpr,
-               K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr, SYM: tl.constexpr,
-               BITS0: tl.constexpr, PZ0: tl.constexpr, BITS1: tl.constexpr, PZ1: tl.constexpr,
-               TWO: tl.constexpr, DENSE: tl.constexpr):
-    """The checkpoint tile ``[BK, BV]`` at rows ``r0``, columns ``c0`` of this head, as fp32."""
-    if DENSE:
-        rows = r0 + tl.arange(0, BK)
-        cols = c0 + tl.arange(0, BV)
-        S = tl.load(dense_base + rows[:, None] * V + cols[None, :]).to(tl.float32)
-    else:
-        if TWO:
-            if part == 1:
-                S = load_tile(a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS1, PZ1)
-            else:
-                S = load_tile(a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
-        else:
-            S = load_tile(a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
-    return S
-
-
-@triton.jit
-def _ckpt_store(x, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK: tl.constexpr, BV: tl.constexpr,
-                K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr, SYM: tl.constexpr,
-                BITS0: tl.constexpr, PZ0: tl.constexpr, BITS1: tl.constexpr, PZ1: tl.constexpr,
-                TWO: tl.constexpr, DENSE: tl.constexpr):
-    """Store the folded tile ``x [BK, BV]``: cast (dense) or quantised in this head's bit width."""
-    if DENSE:
-        rows = r0 + tl.arange(0, BK)
-        cols = c0 + tl.arange(0, BV)
-        store_as(dense_base + rows[:, None] * V + cols[None, :], x)
-    else:
-        if TWO:
-            if part == 1:
-                store_tile(x, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS1, PZ1)
-            else:
-                store_tile(x, a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
-        else:
-            store_tile(x, a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
 
 
 @triton.jit(do_not_specialize=RECORD_COUNT)
@@ -92,7 +51,7 @@ def _decode_kernel(
     sq = tl.zeros((BV,), tl.float32)
     for r0 in tl.static_range(0, K, BK):
         rows = r0 + tl.arange(0, BK)
-        S = _ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM,
+        S = ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM,
                        BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
         kc = tl.load(k_ptr + (b * H + kh) * K + rows)
         qc = tl.load(q_ptr + (b * H + kh) * K + rows)
@@ -114,7 +73,7 @@ def _decode_kernel(
         kidx = tl.arange(0, K)
         for r0 in tl.static_range(0, K, BK):
             rows = r0 + tl.arange(0, BK)
-            S = _ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM,
+            S = ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM,
                            BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
             kc = tl.sum(tl.where(rows[:, None] == kidx[None, :], khat[None, :], 0.0), axis=1)  # the stored key's rows
             acc = tl.exp(run_o) * S + kc[:, None] * uhat[None, :]
@@ -130,7 +89,7 @@ def _decode_kernel(
                 w = tl.exp(run + tl.sum(tl.where(later2, gb[None, :], 0.0), axis=1) + g_t)
                 acc += tl.dot(tl.trans(kb), w[:, None] * ub, input_precision="ieee")
                 run += tl.sum(gb)
-            _ckpt_store(acc, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS,
+            ckpt_store(acc, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS,
                         SYM, BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
     else:
         append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,

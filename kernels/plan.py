@@ -149,6 +149,33 @@ def as_mixed(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.MixedPa
     return quant.MixedPackedState({ckpt.spec.bits: ckpt}, {ckpt.spec.bits: heads}, ckpt.shape)
 
 
+def packed_args(m: quant.MixedPackedState, shape: tuple[int, int, int, int]) -> tuple[list, list[PartLayout],
+                                                                                     HeadTable]:
+    """A packed checkpoint ``m`` of ``shape = (B, HV, K, V)`` checked for the decode kernels, and its kernel
+    arguments: the head table's part and slot tensors, codes / scale / zero of part 0 and part 1
+    (:func:`part_pointers`) and the value heads per sequence of each part; with the parts' layouts (ascending
+    bit widths) and the head table."""
+    B, HV, K, V = shape
+    widths = sorted(m.parts)
+    parts = [m.parts[w] for w in widths]
+    if m.shape != shape:
+        raise PaceError(f"ckpt: shape {m.shape} not allowed; allowed: {shape}")
+    check_kernel_shape(K, V, parts[0].spec, "ckpt", decode=True)
+    _, table = head_table(bits_of_heads({w: m.heads[w] for w in widths}, HV), parts[0].codes.device)
+    ptrs = part_pointers(parts)
+    if not all(t.is_contiguous() for t in ptrs):
+        raise PaceError("ckpt: packed tensors must be contiguous; allowed: contiguous codes/scale/zero")
+    hv1 = len(m.heads[widths[1]]) if len(widths) == 2 else 0
+    args = [table.part, table.slot, *ptrs, len(m.heads[widths[0]]), hv1]
+    return args, [part_layout(p.spec, K, V) for p in parts], table
+
+
+def whole_groups(BV: int, V: int, G: int, key_axis: bool, sym: bool, pack_zero: bool) -> int:
+    """``BV`` columns per program, or all ``V`` where a ``BV``-column tile would split a value-axis group of
+    ``G`` (or a pair of packed zero points)."""
+    return V if not key_axis and BV % (2 * G if not sym and pack_zero else G) else BV
+
+
 def column_block(buf: DecodeBuffer) -> int:
     """Columns per program: all of V when the values are stored as integers (one scale per vector),
     else 64 (more programs at small batch)."""
@@ -214,25 +241,11 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True)
         widths = sorted(m.parts)
         parts = [m.parts[w] for w in widths]
         spec = parts[0].spec
-        if m.shape != (B, HV, K, V):
-            raise PaceError(f"ckpt: shape {m.shape} not allowed; allowed: {(B, HV, K, V)}")
-        check_kernel_shape(K, V, spec, "ckpt", decode=True)
-        bits_per_head = [0] * HV
-        for w in widths:
-            for hh in m.heads[w].tolist():
-                bits_per_head[hh] = w
-        _, table = head_table(bits_per_head, parts[0].codes.device)
-        layouts = [part_layout(p.spec, K, V) for p in parts]
-        ptrs = part_pointers(parts)
-        if not all(t.is_contiguous() for t in ptrs):
-            raise PaceError("ckpt: packed tensors must be contiguous; allowed: contiguous codes/scale/zero")
-        hv1 = len(m.heads[widths[1]]) if len(widths) == 2 else 0
-        ckpt_args = [parts[0].scale, table.part, table.slot, *ptrs, len(m.heads[widths[0]]), hv1]
+        args, layouts, table = packed_args(m, (B, HV, K, V))
+        ckpt_args = [parts[0].scale, *args]
         G, key_axis, sym = spec.group_size, spec.axis == "key", spec.symmetric
         BK = min(max(G, 32) if key_axis else 32, K)
-    BV = column_block(buf)
-    if not key_axis and BV % (2 * G if not sym and layouts[0].pack_zero else G):
-        BV = V
+    BV = whole_groups(column_block(buf), V, G, key_axis, sym, layouts[0].pack_zero)
     st = buffer_tensors(buf)
     meta = dict(K=K, V=V, BK=BK, BV=BV, G=G, KEY_AXIS=key_axis, SYM=sym, **layout_args(layouts),
                 DENSE=isinstance(ckpt, torch.Tensor), **record_layout(st), EXACT=exact_current,

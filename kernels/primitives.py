@@ -205,9 +205,9 @@ def load_tile(codes_ptr, scale_ptr, zero_ptr, r0, c0, R: tl.constexpr, C: tl.con
     else:
         cols = c0 + tl.arange(0, C)
         codes = tl.load(codes_ptr + rows[:, None] * V + cols[None, :]).to(tl.int32)
-    scale = tl.load(scale_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, False)).to(tl.float32)
+    scale = tl.load(scale_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, False))
     if SYM:
-        q = codes.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+        zero = tl.zeros(scale.shape, tl.int32)
     else:
         if PACK_Z:
             zp = tl.load(zero_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, True))
@@ -217,8 +217,79 @@ def load_tile(codes_ptr, scale_ptr, zero_ptr, r0, c0, R: tl.constexpr, C: tl.con
                 zero = unpack_pairs(zp, R, C // G)
         else:
             zero = tl.load(zero_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, False)).to(tl.int32)
+    return dequant_tile(codes, scale, zero, R, C, G, KEY_AXIS, SYM, BITS)
+
+
+@triton.jit
+def dequant_tile(codes, scale, zero, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
+                 SYM: tl.constexpr, BITS: tl.constexpr):
+    """``(q - z) * scale`` fp32 ``[R, C]`` from unsigned codes int32 ``[R, C]`` and the per-group fp16 scales
+    and int32 zero points of :func:`quant_tile` (unused when symmetric: the offset is ``2^(BITS-1)``)."""
+    if SYM:
+        q = codes.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+    else:
         q = codes.to(tl.float32) - expand(zero.to(tl.float32), R, C, G, KEY_AXIS)
-    return q * expand(scale, R, C, G, KEY_AXIS)
+    return q * expand(scale.to(tl.float32), R, C, G, KEY_AXIS)
+
+
+@triton.jit
+def ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK: tl.constexpr, BV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr, SYM: tl.constexpr,
+               BITS0: tl.constexpr, PZ0: tl.constexpr, BITS1: tl.constexpr, PZ1: tl.constexpr,
+               TWO: tl.constexpr, DENSE: tl.constexpr):
+    """The checkpoint tile ``[BK, BV]`` at rows ``r0``, columns ``c0`` of this head as fp32: a dense state's
+    (``dense_base``: this head's ``[K, V]``) or the head's part of a packed one (:func:`ckpt_base`)."""
+    if DENSE:
+        rows = r0 + tl.arange(0, BK)
+        cols = c0 + tl.arange(0, BV)
+        S = tl.load(dense_base + rows[:, None] * V + cols[None, :]).to(tl.float32)
+    else:
+        if TWO:
+            if part == 1:
+                S = load_tile(a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS1, PZ1)
+            else:
+                S = load_tile(a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
+        else:
+            S = load_tile(a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
+    return S
+
+
+@triton.jit
+def ckpt_store(x, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK: tl.constexpr, BV: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr, SYM: tl.constexpr,
+                BITS0: tl.constexpr, PZ0: tl.constexpr, BITS1: tl.constexpr, PZ1: tl.constexpr,
+                TWO: tl.constexpr, DENSE: tl.constexpr):
+    """Store the folded tile ``x [BK, BV]``: cast (dense) or quantised in this head's bit width."""
+    if DENSE:
+        rows = r0 + tl.arange(0, BK)
+        cols = c0 + tl.arange(0, BV)
+        store_as(dense_base + rows[:, None] * V + cols[None, :], x)
+    else:
+        if TWO:
+            if part == 1:
+                store_tile(x, a1, as1, az1, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS1, PZ1)
+            else:
+                store_tile(x, a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
+        else:
+            store_tile(x, a0, as0, az0, r0, c0, BK, BV, K, V, G, KEY_AXIS, SYM, BITS0, PZ0)
+
+
+@triton.jit
+def ckpt_round(x, part, BK: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
+               SYM: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, TWO: tl.constexpr):
+    """``x [BK, BV]`` (whole groups) quantised in this head's bit width and dequantised again, in registers:
+    the values :func:`ckpt_store` then :func:`ckpt_tile` would give."""
+    if TWO:
+        if part == 1:
+            c, s, z = quant_tile(x, BK, BV, G, KEY_AXIS, SYM, BITS1)
+            out = dequant_tile(c, s, z, BK, BV, G, KEY_AXIS, SYM, BITS1)
+        else:
+            c, s, z = quant_tile(x, BK, BV, G, KEY_AXIS, SYM, BITS0)
+            out = dequant_tile(c, s, z, BK, BV, G, KEY_AXIS, SYM, BITS0)
+    else:
+        c, s, z = quant_tile(x, BK, BV, G, KEY_AXIS, SYM, BITS0)
+        out = dequant_tile(c, s, z, BK, BV, G, KEY_AXIS, SYM, BITS0)
+    return out
 
 
 @triton.jit

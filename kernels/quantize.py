@@ -90,14 +90,19 @@ def _check_values(S: torch.Tensor, spec: quant.QuantSpec, bits_per_head: list[in
     reference to name the group."""
     if not S.numel():
         return
-    widths = sorted(set(bits_per_head))
-    qmax = min((1 << (b - 1)) - 1 if spec.symmetric else (1 << b) - 1 for b in widths)
     largest = float(S.abs().amax())
     if not math.isfinite(largest):
         quant.check_finite(S, name)
-    reach = largest * (1 if spec.symmetric else 2)  # a group's max |x|, or at most its range
-    if reach / qmax > quant.FP16_MAX:
+    if largest > overflow_free(spec, bits_per_head):
         quant.quantize_heads(S, bits_per_head, spec, name=name)
+
+
+def overflow_free(spec: quant.QuantSpec, bits_per_head: list[int]) -> float:
+    """The largest magnitude a state may hold with no group's fp16 scale overflowing: a group's scale is at
+    most its max ``|x|`` (symmetric) or its range, at most twice that (with a zero point), over the
+    narrowest width's ``q_max``."""
+    qmax = min((1 << (b - 1)) - 1 if spec.symmetric else (1 << b) - 1 for b in set(bits_per_head))
+    return quant.FP16_MAX * qmax / (1 if spec.symmetric else 2)
 
 
 def _empty_part(lead: tuple[int, ...], hv: int, K: int, V: int, spec: quant.QuantSpec,

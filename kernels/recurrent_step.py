@@ -1,5 +1,17 @@
-"""The per-token step on a dense float32 / bfloat16 state, updated in place: the fp32 / bf16 baseline (the
-whole state read and written every token) and method none's decode at dP = 1.
+"""The per-token recurrence (dP = 1): a run of ``T`` tokens in one launch, each program's state (one
+sequence, one value head, ``BV`` columns, all ``K`` rows) held in registers from the first token to the
+last and rounded after every token as storing it would round it: a float32 state not at all, a bfloat16
+one to bfloat16, a packed checkpoint (rtn / pace, per-head bit widths) to its codes and back
+(:func:`kernels.primitives.ckpt_round`, bit-identical to pace_core.quant). Each token's output is read from
+its unrounded state, as the reference's step and store do (:func:`pace_core.recurrence.gdn_recurrent`,
+then the store). One token is the fp32 / bf16 per-token baseline of the benchmarks (the whole state read
+and written every token); ``T`` tokens save ``T - 1`` round trips of the state through memory and all but
+one launch.
+
+A dense state is updated in place; a packed one is written to new storage (the old checkpoint stays valid
+until the caller takes the new one), with the largest magnitude any token's unrounded state reached (NaN
+counted as infinite), so that the caller can refuse a state whose fp16 scales would overflow, as a store
+would.
 """
 
 from __future__ import annotations
@@ -8,14 +20,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.plan import output_tensor, sm_count
-from kernels.primitives import store_as
+from kernels.plan import as_mixed, output_tensor, packed_args, part_layout, layout_args, sm_count, whole_groups
+from kernels.primitives import ckpt_base, ckpt_round, ckpt_store, ckpt_tile, head_slot, round_bf16, store_as
+from pace_core import quant
 from pace_core.errors import PaceError
 
 
 @triton.jit
-def _dense_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, peak_ptr,
+    dense_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, d0p, t0p, y0p, d1p, t1p, y1p,
+    T, H, HV,
+    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
+    SYM: tl.constexpr,
+    BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
+    BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
+    TWO: tl.constexpr, DENSE: tl.constexpr, BF16_STATE: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * BV
     b = pid // HV
@@ -23,44 +44,137 @@ def _dense_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr,
     kh = h // (HV // H)
     rows = tl.arange(0, K)
     cols = c0 + tl.arange(0, BV)
-    ptrs = s_ptr + pid * K * V + rows[:, None] * V + cols[None, :]
-    S = tl.load(ptrs).to(tl.float32)
-    k = tl.load(k_ptr + (b * H + kh) * K + rows)
-    q = tl.load(q_ptr + (b * H + kh) * K + rows)
-    alpha = tl.exp(tl.load(g_ptr + pid))
-    beta = tl.load(beta_ptr + pid)
-    S = S * alpha
-    u = beta * (tl.load(v_ptr + pid * V + cols) - tl.sum(S * k[:, None], axis=0))
-    S = S + k[:, None] * u[None, :]
-    tl.store(o_ptr + pid * V + cols, tl.sum(S * q[:, None], axis=0))
-    store_as(ptrs, S)
+    dense_base = dense_ptr + pid * K * V
+    if DENSE:
+        part = 0
+        slot = h
+    else:
+        part, slot = head_slot(part_ptr, slot_ptr, h, TWO)
+    a0, as0, az0, a1, as1, az1 = ckpt_base(part, slot, b, HV0, HV1, K, c0p, s0p, z0p, c1p, s1p, z1p,
+                                            CC0, SS0, ZS0, CC1, SS1, ZS1)
+    S = ckpt_tile(dense_base, part, a0, as0, az0, a1, as1, az1, 0, c0, K, BV, K, V, G, KEY_AXIS, SYM,
+                  BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
+    X = S
+    peak = tl.max(tl.zeros((BV,), tl.float32), axis=0)
+    for t in range(T):
+        x = b * T + t
+        k = tl.load(k_ptr + (x * H + kh) * K + rows)
+        q = tl.load(q_ptr + (x * H + kh) * K + rows)
+        alpha = tl.exp(tl.load(g_ptr + x * HV + h))
+        beta = tl.load(beta_ptr + x * HV + h)
+        X = S * alpha
+        u = beta * (tl.load(v_ptr + (x * HV + h) * V + cols) - tl.sum(X * k[:, None], axis=0))
+        X = X + k[:, None] * u[None, :]
+        tl.store(o_ptr + (x * HV + h) * V + cols, tl.sum(X * q[:, None], axis=0))
+        if DENSE:
+            if BF16_STATE:
+                S = round_bf16(X)
+            else:
+                S = X
+        else:
+            peak = tl.maximum(peak, tl.max(tl.max(tl.where(X == X, tl.abs(X), float("inf")), axis=1), axis=0))
+            S = ckpt_round(X, part, K, BV, G, KEY_AXIS, SYM, BITS0, BITS1, TWO)
+    if DENSE:
+        store_as(dense_base + rows[:, None] * V + cols[None, :], S)
+    else:
+        tl.atomic_max(peak_ptr, peak)
+        o0, os0, oz0, o1, os1, oz1 = ckpt_base(part, slot, b, HV0, HV1, K, d0p, t0p, y0p, d1p, t1p, y1p,
+                                                CC0, SS0, ZS0, CC1, SS1, ZS1)
+        ckpt_store(X, dense_base, part, o0, os0, oz0, o1, os1, oz1, 0, c0, K, BV, K, V, G, KEY_AXIS, SYM,
+                   BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
+
+
+Checkpoint = torch.Tensor | quant.PackedTensor | quant.MixedPackedState
+
+
+def _columns(B: int, HV: int, V: int, device: torch.device, block_v: int | None) -> int:
+    """``block_v``, else 64 when there are more than four (sequence, value head) pairs per SM and 32 below
+    (the faster of the two on the H200 for one token, data/bench/bench.json: 32 up to batch 16, 64 from 32,
+    with 32 value heads); at most ``V``."""
+    if block_v is None:
+        block_v = 64 if device.type == "cuda" and B * HV > 4 * sm_count(device) else 32
+    return min(block_v, V)
+
+
+def _empty_like(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.PackedTensor | quant.MixedPackedState:
+    """Uninitialised storage of ``ckpt``'s layout (filled by the kernel)."""
+    def part(p: quant.PackedTensor) -> quant.PackedTensor:
+        return quant.PackedTensor(torch.empty_like(p.codes), torch.empty_like(p.scale),
+                                  None if p.zero is None else torch.empty_like(p.zero), p.spec, p.shape)
+    if isinstance(ckpt, quant.PackedTensor):
+        return part(ckpt)
+    return quant.MixedPackedState({b: part(p) for b, p in ckpt.parts.items()}, ckpt.heads, ckpt.shape)
+
+
+def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, block_v: int | None = None, out: torch.Tensor | None = None,
+                  num_warps: int = 4) -> tuple[torch.Tensor, Checkpoint, torch.Tensor | None]:
+    """``T`` tokens of the plain recurrence from ``ckpt``, rounded after each as it is stored (module
+    docstring).
+
+    ``ckpt``: a dense state ``[B, HV, K, V]`` float32 / bfloat16 contiguous (updated IN PLACE), or a packed
+    checkpoint of that shape (pace_core.quant's format; key-axis or value-axis groups, at most two bit
+    widths). ``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``, T >= 1;
+    ``block_v``: columns per program (:func:`_columns` when None), ``out``: a contiguous float32 tensor for
+    ``o``. Returns ``o [B, T, HV, V]`` float32, the state after the last token (``ckpt`` itself when dense,
+    else new storage) and, for a packed checkpoint, the largest ``|S_t|`` of the unrounded states as a
+    float32 device tensor ``[1]`` (inf where one held NaN or inf), else None. Matches
+    :func:`pace_core.recurrence.gdn_recurrent` token by token with a store after each to float32 rounding
+    (dots of length K, another summation order), and a rounded entry one code apart where a state lies
+    within that of a rounding boundary."""
+    dense = isinstance(ckpt, torch.Tensor)
+    if dense:
+        if ckpt.dim() != 4 or ckpt.dtype not in (torch.float32, torch.bfloat16) or not ckpt.is_contiguous():
+            raise PaceError(f"ckpt: {tuple(ckpt.shape)} {ckpt.dtype} not allowed; "
+                            "allowed: contiguous float32/bfloat16 [B, HV, K, V]")
+        B, HV, K, V = ckpt.shape
+        device = ckpt.device
+    else:
+        B, HV, K, V = ckpt.shape
+        device = as_mixed(ckpt).parts[min(as_mixed(ckpt).parts)].codes.device
+    if q.dim() != 4:
+        raise PaceError(f"q: shape {tuple(q.shape)} not allowed; allowed: [B, T, H, K]")
+    T, H = q.shape[1], q.shape[2]
+    if q.shape != (B, T, H, K) or k.shape != (B, T, H, K) or v.shape != (B, T, HV, V) or g.shape != (B, T, HV) \
+            or beta.shape != (B, T, HV) or HV % H or T < 1:
+        raise PaceError("q, k, v, g, beta: shapes not allowed; allowed: [B, T, H, K], [B, T, H, K], [B, T, HV, V], "
+                        f"[B, T, HV], [B, T, HV] with T >= 1 and HV a multiple of H (the state is {(B, HV, K, V)})")
+    q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q, k, v, g, beta))
+    o = output_tensor(out, (B, T, HV, V), device)
+    BV = _columns(B, HV, V, device, block_v)
+    if dense:
+        layout = part_layout(quant.QuantSpec(8, True, "key", 1), K, V)
+        table = torch.zeros(1, dtype=torch.int32, device=device)
+        args = [ckpt, table, table, *([ckpt] * 6), 0, 0, *([ckpt] * 6)]
+        meta = dict(G=1, KEY_AXIS=True, SYM=True, **layout_args([layout]), DENSE=True,
+                    BF16_STATE=ckpt.dtype == torch.bfloat16)
+        new, peak = ckpt, None
+    else:
+        m = as_mixed(ckpt)
+        spec = m.parts[min(m.parts)].spec
+        ckpt_args, layouts, _ = packed_args(m, (B, HV, K, V))
+        new = _empty_like(ckpt)
+        out_args, _, _ = packed_args(as_mixed(new), (B, HV, K, V))
+        BV = whole_groups(BV, V, spec.group_size, spec.axis == "key", spec.symmetric, layouts[0].pack_zero)
+        peak = torch.zeros(1, dtype=torch.float32, device=device)
+        args = [m.parts[min(m.parts)].scale, *ckpt_args, *out_args[2:8]]
+        meta = dict(G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric, **layout_args(layouts),
+                    DENSE=False, BF16_STATE=False)
+    _recurrent_kernel[(B * HV, V // BV)](q, k, v, g, beta, o, o if peak is None else peak, *args, T, H, HV,
+                                         K=K, V=V, BV=BV, num_warps=num_warps, **meta)
+    return o, new, peak
 
 
 def dense_recurrent_step(S: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
                          g_t: torch.Tensor, beta_t: torch.Tensor, block_v: int | None = None,
                          out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
-    """Per-token step on a dense state updated IN PLACE (the fp32 / bf16 baseline: the whole state is
-    read and written every token; ``block_v`` columns and ``num_warps`` warps per program). ``block_v``
-    None: 64 when there are more than four (sequence, value head) pairs per SM, else 32, the faster of
-    the two on the H200 on each side (data/bench/bench.json: 32 up to batch 16, 64 from 32, with 32
-    value heads).
-    ``S [B, HV, K, V]`` float32/bfloat16 contiguous, ``q_t, k_t [B, H, K]``,
-    ``v_t [B, HV, V]``, ``g_t, beta_t [B, HV]``. Returns ``o_t [B, HV, V]`` float32. Matches
-    :func:`pace_core.recurrence.gdn_recurrent` with T = 1 to float32 rounding (relative error < 1e-5),
-    and then the state's own rounding for bfloat16."""
-    if S.dim() != 4 or S.dtype not in (torch.float32, torch.bfloat16) or not S.is_contiguous():
-        raise PaceError(f"S: {tuple(S.shape)} {S.dtype} not allowed; allowed: contiguous float32/bfloat16 [B, HV, K, V]")
-    B, HV, K, V = S.shape
-    H = k_t.shape[1]
-    if q_t.shape != (B, H, K) or k_t.shape != (B, H, K) or v_t.shape != (B, HV, V) or g_t.shape != (B, HV) \
-            or beta_t.shape != (B, HV) or HV % H:
-        raise PaceError("q_t, k_t, v_t, g_t, beta_t: shapes not allowed; allowed: [B, H, K], [B, H, K], "
-                        f"[B, HV, V], [B, HV], [B, HV] with HV a multiple of H (S is {tuple(S.shape)})")
-    if block_v is None:
-        block_v = 64 if S.device.type == "cuda" and B * HV > 4 * sm_count(S.device) else 32
-    BV = min(block_v, V)
-    q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q_t, k_t, v_t, g_t, beta_t))
-    o = output_tensor(out, (B, HV, V), S.device)
-    _dense_step_kernel[(B * HV, V // BV)](q, k, v, g, beta, o, S, H=H, HV=HV, K=K, V=V, BV=BV,
-                                          num_warps=num_warps)
-    return o
+    """One token on a dense state updated IN PLACE (the fp32 / bf16 per-token baseline):
+    ``S [B, HV, K, V]`` float32/bfloat16 contiguous, ``q_t, k_t [B, H, K]``, ``v_t [B, HV, V]``,
+    ``g_t, beta_t [B, HV]``; ``out [B, HV, V]`` float32 contiguous or None. Returns ``o_t [B, HV, V]``
+    float32 (:func:`recurrent_run` with T = 1)."""
+    if out is not None and (tuple(out.shape) != (S.shape[0], S.shape[1], S.shape[3]) or not out.is_contiguous()):
+        raise PaceError(f"out: {tuple(out.shape)} not allowed; allowed: contiguous float32 "
+                        f"{(S.shape[0], S.shape[1], S.shape[3])}")
+    o, _, _ = recurrent_run(S, *(x[:, None] for x in (q_t, k_t, v_t, g_t, beta_t)), block_v=block_v,
+                            out=None if out is None else out[:, None], num_warps=num_warps)
+    return o[:, 0] if out is None else out

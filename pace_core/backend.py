@@ -4,7 +4,7 @@ when; a backend says how).
 A backend (:class:`Steps`) stores (returning the checkpoint and, where it comes for free, its dequantised
 copy) and loads checkpoints, runs a chunk of the chunked GDN (a prefill
 segment), one buffered decode token or a window of them that fits in the buffer (optionally followed by the
-flush that the schedule asked for), one per-token recurrence step (dP = 1) and the fold of the buffer. Two exist:
+flush that the schedule asked for), a run of per-token recurrence steps (dP = 1) and the fold of the buffer. Two exist:
 
 - :class:`ReferenceSteps` here, pure PyTorch on any device: :mod:`pace_core.recurrence` and the
   checkpoint's format; the definition of correct.
@@ -63,8 +63,8 @@ class Steps(Protocol):
     def window(self, st: PeriodicState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, *, flush: bool) -> torch.Tensor: ...
 
-    def recurrent_step(self, st: PeriodicState, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
-                       g_t: torch.Tensor, beta_t: torch.Tensor) -> torch.Tensor: ...
+    def recurrent_run(self, st: PeriodicState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor) -> torch.Tensor: ...
 
     def flush(self, st: PeriodicState) -> None: ...
 
@@ -118,11 +118,16 @@ class ReferenceSteps:
             self.flush(st)
         return o
 
-    def recurrent_step(self, st, q_t, k_t, v_t, g_t, beta_t):
-        """dP = 1: one plain recurrence step from the checkpoint, whose result is stored. ``o_t``."""
-        o, S = gdn_recurrent(*(x[:, None] for x in (q_t, k_t, v_t, g_t, beta_t)), st.loaded())
-        st.store(S)
-        return o[:, 0]
+    def recurrent_run(self, st, q, k, v, g, beta):
+        """dP = 1, tokens ``q, k [B, n, H, K]``, ``v [B, n, HV, V]``, ``g, beta [B, n, HV]``: each a plain
+        recurrence step from the checkpoint, whose result is stored before the next. ``o [B, n, HV, V]``."""
+        outputs = []
+        for t in range(q.shape[1]):
+            o, S = gdn_recurrent(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1],
+                                 st.loaded())
+            st.store(S)
+            outputs.append(o)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def flush(self, st):
         """``Ŝ ← store(fold(Ŝ, buffer))``, buffer cleared."""

@@ -8,7 +8,8 @@ schedule:
   from the dequantised state and its final state is stored (rounded), including a last, shorter one.
   The segments count from the start of each prefill call.
 - **decode**: token by token; at dP = 1 each token is a plain recurrence step whose state is stored
-  (per-token rounding); at dP >= 2 each token's record ``(k_t, u_t, g_t)`` goes into the buffer (the tokens
+  (per-token rounding; the tokens of a call up to the next capture as one run, which the backend may
+  compute in one pass); at dP >= 2 each token's record ``(k_t, u_t, g_t)`` goes into the buffer (the tokens
   of a call up to the next flush or capture as one window, whose independent work the backend may batch)
   and the token that fills it is followed by a flush (``S = e^G Ŝ + Σ e^{G-G_i} k_i u_iᵀ``, stored, buffer
   cleared). The buffer's capacity is dP.
@@ -157,9 +158,10 @@ class PeriodicState:
             return _joined(outputs) if T else self._empty()
         outputs, t = [], 0
         while t < T:
-            if self.buffer is None:
-                end = t + 1
-                outputs.append(self.steps.recurrent_step(self, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])[:, None])
+            if self.buffer is None:  # the tokens up to the next capture, each rounded
+                end = min([T] + [c for c in at if c > t])
+                outputs.append(self.steps.recurrent_run(self, q[:, t:end], k[:, t:end], v[:, t:end], g[:, t:end],
+                                                        beta[:, t:end]))
             else:  # the tokens up to the next flush or capture, together
                 end = min([T, t + self.decode_period - len(self.buffer)] + [c for c in at if c > t])
                 outputs.append(self.steps.window(self, q[:, t:end], k[:, t:end], v[:, t:end], g[:, t:end],

@@ -18,8 +18,8 @@ from pace_core.buffer import BufferFormat, DecodeBuffer
 from pace_core.checkpoint import StateFormat
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
-from pace_core.recurrence import gdn_recurrent, prepare_qk
-from pace_core.schedule import PeriodicState
+from pace_core.recurrence import RECURRENT_BELOW, gdn_recurrent, prepare_qk
+from pace_core.schedule import Capture, PeriodicState
 
 pytestmark = pytest.mark.numerics
 
@@ -272,28 +272,35 @@ def test_dense_step_matches_recurrence(dtype: torch.dtype, gamma: int) -> None:
 @pytest.mark.parametrize("name,gamma", [("fp32", 2), ("pace-4", 3), ("pace-4-8", 2)])
 def test_prefill_matches_reference(name: str, gamma: int) -> None:
     """P-token segments through the kernels' backend (chunk, store, load) against the reference backend.
-    Without fla (or off the GPU) the kernels' chunk is the reference's own chunked GDN and the stores are
-    bit-identical, so outputs and checkpoints are equal; fla's chunk kernel computes its dot products in
-    tf32 / bf16 on tensor cores (kernels/chunk.py), so there outputs agree to 2e-3 and checkpoints to one
-    code step."""
+    Segments of at least RECURRENT_BELOW tokens without fla (or off the GPU) are the reference's own chunked
+    GDN and the stores are bit-identical, so outputs and checkpoints are equal. fla's chunk kernel computes
+    its dot products in tf32 / bf16 on tensor cores (kernels/chunk.py), so there outputs agree to 2e-3 and
+    checkpoints to one code step. Shorter segments run the recurrence kernel: float32 rounding of the dots
+    (length K, three per token) against the float64 recurrence for fp32; a quantised checkpoint may then be
+    stored one code apart where a state lies within that of a rounding boundary, which moves the later
+    segments by its share (2e-3, one code step)."""
     HV, T = H * gamma, SIZES["T"]
     S0 = torch.randn(B, HV, K, V) * 0.3
     states = _states(name, HV, S=S0)
     tokens = _tokens(HV, T)
     o_k, o_r = (st.prefill(*tokens) for st in states)
     assert type(states[0].checkpoint) is type(states[1].checkpoint)
-    if KERNELS["chunk"].fla_chunk is not None and o_k.is_cuda:
+    fla = KERNELS["chunk"].fla_chunk is not None and o_k.is_cuda
+    short = SIZES["P"] < RECURRENT_BELOW
+    o64, S64 = gdn_recurrent(*(x.double() for x in tokens), initial_state=S0.double())
+    if short and name == "fp32":
+        assert rel(o_k, o64) <= fp32_bound(T * 3 * K) and rel(states[0].loaded(), S64) <= fp32_bound(T * 3 * K)
+    elif fla or short:
         assert rel(o_k, o_r) <= 2e-3
         if isinstance(states[1].checkpoint, torch.Tensor):
             assert rel(states[0].loaded(), states[1].loaded()) <= 2e-3
         else:
             _assert_within_one_step(states[0].checkpoint, states[1].checkpoint, exact_rounding=False)
-        return
-    assert torch.equal(o_k, o_r)
-    assert torch.equal(states[0].loaded(), states[1].loaded())
-    if name == "fp32":
-        o64, S64 = gdn_recurrent(*(x.double() for x in tokens), initial_state=S0.double())
-        assert rel(o_k, o64) <= fp32_bound(T * 2 * K) and rel(states[0].loaded(), S64) <= fp32_bound(T * 2 * K)
+    else:
+        assert torch.equal(o_k, o_r)
+        assert torch.equal(states[0].loaded(), states[1].loaded())
+        if name == "fp32":
+            assert rel(o_k, o64) <= fp32_bound(T * 2 * K) and rel(states[0].loaded(), S64) <= fp32_bound(T * 2 * K)
     assert states[0].prefill(*(x[:, :0] for x in tokens)).shape == (B, 0, HV, V)
 
 
@@ -407,6 +414,103 @@ def test_per_token_rounding_backends_agree(name: str) -> None:
         assert rel(o_k, o_r) <= fp32_bound(3 * K)
         _assert_within_one_step(st_k.checkpoint, ref.checkpoint)
         assert type(st_k.checkpoint) is type(ref.checkpoint)
+
+
+def _run_and_single_tokens(fmt: StateFormat, S0, T: int, at: frozenset[int]):
+    """Two kernel states from the checkpoint ``S0`` in ``fmt``: ``T`` tokens in one decode call (one launch
+    per run between the captures ``at``) and the same tokens one call each; returns both sides' outputs,
+    captured states and final checkpoints."""
+    HV = S0.shape[1]
+    tokens = _tokens(HV, T)
+    sides = []
+    for single in (False, True):
+        st = PeriodicState(fmt, backend.TritonSteps(), (B, H, HV, K, V), DEVICE, prefill_period=8, decode_period=1)
+        st.set_checkpoint(copy.deepcopy(S0))
+        seen = {}
+        capture = Capture(at, lambda n, S: seen.setdefault(n, S.clone()))
+        if single:
+            o = []
+            for t in range(T):
+                o.append(st.decode(*(x[:, t:t + 1] for x in tokens)))
+                if t + 1 in at:
+                    seen[t + 1] = st.effective_state().clone()
+            o = torch.cat(o, 1)
+        else:
+            o = st.decode(*tokens, capture=capture)
+        sides.append((o, seen, st.checkpoint))
+    return sides
+
+
+def _checkpoints_equal(got, ref) -> None:
+    """Two checkpoints (dense, packed or mixed) of the same layout, bit for bit (interpreter) or within
+    :func:`_same_run` (compiled)."""
+    if isinstance(ref, torch.Tensor):
+        _same_run(got.float(), ref.float())
+        return
+    for a, r in zip(plan_mod.as_mixed(got).parts.values(), plan_mod.as_mixed(ref).parts.values()):
+        _same_run(quant.dequantize(a), quant.dequantize(r))
+
+
+@pytest.mark.parametrize("name", ["rtn-int4", "pace-4", "pace-4-8", "rtn-value", "bf16"])
+def test_per_token_run_is_its_tokens_one_by_one(name: str) -> None:
+    """dP = 1: a run of tokens in one launch (the state rounded in registers after each) is the same kernel
+    code, token by token, as one launch per token (the state through memory): outputs, the states captured
+    mid-run and the final checkpoint. With the one-token test against the reference this ties every token of
+    a run to the reference's step and store."""
+    HV = 2 * H
+    cfg = (_config(name, HV) if name in CONFIGS else get_config(name)).replace(decode_period=1)
+    if name == "rtn-int4":
+        cfg = cfg.replace(group_size=GROUP)
+    fmt = StateFormat(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
+    S0 = REFERENCE.store(fmt, torch.randn(B, HV, K, V) * 0.3)[0]
+    (o_run, seen_run, c_run), (o_one, seen_one, c_one) = _run_and_single_tokens(fmt, S0, 5, frozenset({2}))
+    _same_run(o_run, o_one)
+    assert seen_run.keys() == seen_one.keys() == {2}
+    _same_run(seen_run[2], seen_one[2])
+    _checkpoints_equal(c_run, c_one)
+    assert type(c_run) is type(S0)
+
+
+@pytest.mark.parametrize("poison", ["overflow", "non-finite"])
+def test_per_token_run_refuses_a_state_as_a_store_does(poison: str) -> None:
+    """A run whose third token's state would overflow an fp16 scale (or turn non-finite) raises the store's
+    own PaceError at that token, as the reference does, and keeps what came before: the checkpoint after two
+    tokens, equal to the reference's (the kernel's run is discarded and the reference runs it again)."""
+    HV = 2 * H
+    cfg = get_config("pace-4").replace(decode_period=1, group_size=GROUP)
+    fmt = StateFormat(cfg, cfg.head_bits(0, HV))
+    S0 = REFERENCE.store(fmt, torch.randn(B, HV, K, V) * 0.3)[0]
+    q, k, v, g, beta = _tokens(HV, 4)
+    if poison == "overflow":
+        v[:, 2] *= 1e9
+    else:
+        g[:, 2] = 200.0  # e^200 overflows float32
+    states, errors = [], []
+    for steps in (backend.TritonSteps(), REFERENCE):
+        st = PeriodicState(fmt, steps, (B, H, HV, K, V), DEVICE, prefill_period=8, decode_period=1)
+        st.set_checkpoint(copy.deepcopy(S0))
+        with pytest.raises(PaceError) as err:
+            st.decode(q, k, v, g, beta)
+        states.append(st)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]
+    assert ("overflows" if poison == "overflow" else "non-finite") in errors[0]
+    torch.testing.assert_close(states[0].loaded(), states[1].loaded(), rtol=0, atol=0)
+
+
+def test_short_exact_segments_run_on_the_recurrence_kernel() -> None:
+    """The exact fp32 reference's short segments (fewer than RECURRENT_BELOW tokens: a decode token, the
+    tokens between captures) on the kernel, unrounded, against the float64 recurrence: dots of length K per
+    token, T tokens in a chain; ``S0`` is left as it was."""
+    HV, T = 2 * H, 5
+    S0 = torch.randn(B, HV, K, V) * 0.3
+    kept = S0.clone()
+    tokens = _tokens(HV, T)
+    o, S = backend.TritonSteps().chunk(*tokens, S0, 64)
+    o_ref, S_ref = gdn_recurrent(*(x.double() for x in tokens), initial_state=S0.double())
+    assert torch.equal(S0, kept)
+    assert rel(o, o_ref) <= fp32_bound(3 * K * T)
+    assert rel(S, S_ref) <= fp32_bound(3 * K * T)
 
 
 def _same_run(got: torch.Tensor, ref: torch.Tensor) -> None:
