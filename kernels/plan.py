@@ -142,11 +142,12 @@ def part_pointers(parts: list[quant.PackedTensor]) -> list[torch.Tensor]:
 
 
 def as_mixed(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.MixedPackedState:
+    """``ckpt`` as a checkpoint of per-head bit widths (one part holding every head, for a single width)."""
     if isinstance(ckpt, quant.MixedPackedState):
         return ckpt
-    hv = ckpt.shape[-3]
-    heads = torch.arange(hv, dtype=torch.int16, device=ckpt.codes.device)
-    return quant.MixedPackedState({ckpt.spec.bits: ckpt}, {ckpt.spec.bits: heads}, ckpt.shape)
+    bits = ckpt.spec.bits
+    _, table = head_table([bits] * ckpt.shape[-3], ckpt.codes.device)  # the kept map: read back without a sync
+    return quant.MixedPackedState({bits: ckpt}, {bits: table.heads[bits]}, ckpt.shape)
 
 
 def packed_args(m: quant.MixedPackedState, shape: tuple[int, int, int, int]) -> tuple[list, list[PartLayout],

@@ -130,8 +130,9 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
         B, HV, K, V = ckpt.shape
         device = ckpt.device
     else:
+        m = as_mixed(ckpt)
         B, HV, K, V = ckpt.shape
-        device = as_mixed(ckpt).parts[min(as_mixed(ckpt).parts)].codes.device
+        device = m.parts[min(m.parts)].codes.device
     if q.dim() != 4:
         raise PaceError(f"q: shape {tuple(q.shape)} not allowed; allowed: [B, T, H, K]")
     T, H = q.shape[1], q.shape[2]
@@ -150,7 +151,6 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
                     BF16_STATE=ckpt.dtype == torch.bfloat16)
         new, peak = ckpt, None
     else:
-        m = as_mixed(ckpt)
         spec = m.parts[min(m.parts)].spec
         ckpt_args, layouts, _ = packed_args(m, (B, HV, K, V))
         new = _empty_like(ckpt)

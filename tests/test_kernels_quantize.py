@@ -185,3 +185,15 @@ def test_head_tables_are_kept_and_their_maps_read_back_without_the_device():
     assert again[1] is table and again[0] == widths == sorted(set(bits))
     assert bits_of_heads(table.heads, len(bits)) == bits
     assert bits_of_heads({b: t.clone() for b, t in table.heads.items()}, len(bits)) == bits
+
+
+def test_a_single_width_checkpoint_maps_its_heads_by_the_kept_table():
+    """A checkpoint of one bit width seen as a mixed one (kernels.plan.as_mixed) maps all its heads with the
+    kept table's tensor, so the decode kernels read its bits without a device read."""
+    from kernels.plan import as_mixed, head_table
+
+    bits, hv = int(torch.randint(2, 9, ())), int(torch.randint(1, 8, ()))
+    p = quant.quantize(torch.randn(2, hv, 16, 32), quant.QuantSpec(bits, True, "key", 8))
+    heads = as_mixed(p).heads
+    assert list(heads) == [bits] and heads[bits] is head_table([bits] * hv, torch.device("cpu"))[1].heads[bits]
+    assert heads[bits].tolist() == list(range(hv))
