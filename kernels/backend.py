@@ -97,7 +97,8 @@ class TritonSteps:
         recurrence kernel on a float32 copy of ``S0`` (one launch, e.g. one decode token or a few between
         captures of the fp32 reference), longer ones :func:`kernels.chunk.chunk`."""
         if 0 < q.shape[1] < RECURRENT_BELOW:
-            o, S, _ = recurrent_run(S0.to(torch.float32).contiguous().clone(), q, k, v, g, beta)
+            o, S, _ = recurrent_run(S0.to(torch.float32, memory_format=torch.contiguous_format, copy=True), q, k,
+                                    v, g, beta)
             return o, S
         return _chunk.chunk(q, k, v, g, beta, S0, chunk_size)
 

@@ -275,20 +275,25 @@ def ckpt_store(x, dense_base, part, a0, as0, az0, a1, as1, az1, r0, c0, BK: tl.c
 
 
 @triton.jit
+def round_tile(x, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr, SYM: tl.constexpr,
+               BITS: tl.constexpr):
+    """``x [R, C]`` (whole groups) quantised in ``BITS`` bits (:func:`quant_tile`) and dequantised again."""
+    codes, scale, zero = quant_tile(x, R, C, G, KEY_AXIS, SYM, BITS)
+    return dequant_tile(codes, scale, zero, R, C, G, KEY_AXIS, SYM, BITS)
+
+
+@triton.jit
 def ckpt_round(x, part, BK: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
                SYM: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, TWO: tl.constexpr):
-    """``x [BK, BV]`` (whole groups) quantised in this head's bit width and dequantised again, in registers:
-    the values :func:`ckpt_store` then :func:`ckpt_tile` would give."""
+    """``x [BK, BV]`` (whole groups) rounded in registers to this head's bit width: the values
+    :func:`ckpt_store` then :func:`ckpt_tile` would give."""
     if TWO:
         if part == 1:
-            c, s, z = quant_tile(x, BK, BV, G, KEY_AXIS, SYM, BITS1)
-            out = dequant_tile(c, s, z, BK, BV, G, KEY_AXIS, SYM, BITS1)
+            out = round_tile(x, BK, BV, G, KEY_AXIS, SYM, BITS1)
         else:
-            c, s, z = quant_tile(x, BK, BV, G, KEY_AXIS, SYM, BITS0)
-            out = dequant_tile(c, s, z, BK, BV, G, KEY_AXIS, SYM, BITS0)
+            out = round_tile(x, BK, BV, G, KEY_AXIS, SYM, BITS0)
     else:
-        c, s, z = quant_tile(x, BK, BV, G, KEY_AXIS, SYM, BITS0)
-        out = dequant_tile(c, s, z, BK, BV, G, KEY_AXIS, SYM, BITS0)
+        out = round_tile(x, BK, BV, G, KEY_AXIS, SYM, BITS0)
     return out
 
 

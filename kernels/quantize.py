@@ -105,7 +105,7 @@ def overflow_free(spec: quant.QuantSpec, bits_per_head: list[int]) -> float:
     return quant.FP16_MAX * qmax / (1 if spec.symmetric else 2)
 
 
-def _empty_part(lead: tuple[int, ...], hv: int, K: int, V: int, spec: quant.QuantSpec,
+def empty_part(lead: tuple[int, ...], hv: int, K: int, V: int, spec: quant.QuantSpec,
                 device: torch.device) -> quant.PackedTensor:
     """Uninitialised storage of one part (filled by a kernel)."""
     lay = part_layout(spec, K, V)
@@ -144,7 +144,7 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
     _check_values(S, spec, bits_per_head, name)
     widths, table = head_table(bits_per_head, S.device)
     specs = [quant.QuantSpec(b, spec.symmetric, spec.axis, spec.group_size) for b in widths]
-    parts = [_empty_part(tuple(lead), len(table.heads[b]), K, V, s, S.device) for b, s in zip(widths, specs)]
+    parts = [empty_part(tuple(lead), len(table.heads[b]), K, V, s, S.device) for b, s in zip(widths, specs)]
     if out is not None:
         _check_same_layout(out, parts, widths)
         parts = [out.parts[b] for b in widths]

@@ -20,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.plan import as_mixed, output_tensor, packed_args, part_layout, layout_args, sm_count, whole_groups
+from kernels.plan import (as_mixed, layout_args, output_tensor, packed_args, part_layout, part_pointers, sm_count,
+                          whole_groups)
 from kernels.primitives import ckpt_base, ckpt_round, ckpt_store, ckpt_tile, head_slot, round_bf16, store_as
+from kernels.quantize import empty_part
 from pace_core import quant
 from pace_core.errors import PaceError
 
@@ -99,8 +101,7 @@ def _columns(B: int, HV: int, V: int, device: torch.device, block_v: int | None)
 def _empty_like(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.PackedTensor | quant.MixedPackedState:
     """Uninitialised storage of ``ckpt``'s layout (filled by the kernel)."""
     def part(p: quant.PackedTensor) -> quant.PackedTensor:
-        return quant.PackedTensor(torch.empty_like(p.codes), torch.empty_like(p.scale),
-                                  None if p.zero is None else torch.empty_like(p.zero), p.spec, p.shape)
+        return empty_part(p.shape[:-3], p.shape[-3], p.shape[-2], p.shape[-1], p.spec, p.codes.device)
     if isinstance(ckpt, quant.PackedTensor):
         return part(ckpt)
     return quant.MixedPackedState({b: part(p) for b, p in ckpt.parts.items()}, ckpt.heads, ckpt.shape)
@@ -145,8 +146,7 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
     BV = _columns(B, HV, V, device, block_v)
     if dense:
         layout = part_layout(quant.QuantSpec(8, True, "key", 1), K, V)
-        table = torch.zeros(1, dtype=torch.int32, device=device)
-        args = [ckpt, table, table, *([ckpt] * 6), 0, 0, *([ckpt] * 6)]
+        args = [ckpt, *([ckpt] * 8), 0, 0, *([ckpt] * 6)]  # a dense program reads no head table or part
         meta = dict(G=1, KEY_AXIS=True, SYM=True, **layout_args([layout]), DENSE=True,
                     BF16_STATE=ckpt.dtype == torch.bfloat16)
         new, peak = ckpt, None
@@ -154,10 +154,10 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
         spec = m.parts[min(m.parts)].spec
         ckpt_args, layouts, _ = packed_args(m, (B, HV, K, V))
         new = _empty_like(ckpt)
-        out_args, _, _ = packed_args(as_mixed(new), (B, HV, K, V))
+        out_ptrs = part_pointers([as_mixed(new).parts[w] for w in sorted(m.parts)])
         BV = whole_groups(BV, V, spec.group_size, spec.axis == "key", spec.symmetric, layouts[0].pack_zero)
         peak = torch.zeros(1, dtype=torch.float32, device=device)
-        args = [m.parts[min(m.parts)].scale, *ckpt_args, *out_args[2:8]]
+        args = [m.parts[min(m.parts)].scale, *ckpt_args, *out_ptrs]
         meta = dict(G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric, **layout_args(layouts),
                     DENSE=False, BF16_STATE=False)
     _recurrent_kernel[(B * HV, V // BV)](q, k, v, g, beta, o, o if peak is None else peak, *args, T, H, HV,
