@@ -13,6 +13,7 @@ import streamlit as st
 import torch
 
 from app_state import work
+from app_state.controls import Runtime
 from app_state.session import _load_model, model_label_of
 from app_state.stored import provenance_label, stored_results
 from pace_core.analysis.calibration import Calibration, calibrate
@@ -69,16 +70,16 @@ def heatmap_positions(n_tokens: int) -> list[int]:
     return sorted(set(range(step, n_tokens + 1, step)) | {n_tokens})
 
 
-def reference_states(source: str, device: str, text: str) -> dict[int, dict[int, torch.Tensor]]:
+def reference_states(source: str, where: Runtime, text: str) -> dict[int, dict[int, torch.Tensor]]:
     """fp32 reference states of every GDN layer of ``text`` at each of :func:`heatmap_positions`:
-    ``{position: {gdn_layer: S [HV, K, V] float32}}`` on the CPU, from one run (kept per model, device and
+    ``{position: {gdn_layer: S [HV, K, V] float32}}`` on the CPU, from one run (kept per model, runtime and
     text)."""
     from pace_core.model.capture import run_with_states
 
-    key = (source, device, text)
+    key = (source, where, text)
     found = work.kept("heatmap_states", 4).get(key)
     if found is None:
-        loaded = _load_model(source, device)
+        loaded = _load_model(source, where)
         ids = tokenize(loaded.tokenizer, text, min_tokens=1)
         with st.spinner(f"Reading {ids.shape[1]} tokens with the fp32 reference…"):
             run = run_with_states(loaded, get_config("fp32"), ids, capture_steps=heatmap_positions(ids.shape[1]))
@@ -87,29 +88,29 @@ def reference_states(source: str, device: str, text: str) -> dict[int, dict[int,
     return found
 
 
-def _ready(source: str, device: str, configs: dict[str, str]) -> dict[str, tuple[PaceConfig, Any]]:
+def _ready(source: str, where: Runtime, configs: dict[str, str]) -> dict[str, tuple[PaceConfig, Any]]:
     """{label: (configuration ready to run, its DAMP outlier rows or None)} of {label: config JSON}."""
-    return {label: runnable(source, device, config_from_json(text)) for label, text in configs.items()}
+    return {label: runnable(source, where, config_from_json(text)) for label, text in configs.items()}
 
 
 GENERATION_SEED = 0
 
 
-def generations(source: str, device: str, configs: tuple[tuple[str, str], ...], prompt: str,
+def generations(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], prompt: str,
                 max_new_tokens: int, mode: str) -> pd.DataFrame:
     """pace_core.analysis.generation.generate_side_by_side rows of (label, config JSON) pairs, the fp32
     reference first. The reference's continuation and each configuration's are kept apart (per model,
-    device, prompt, length and mode): a new configuration generates only itself; without a kept reference,
+    runtime, prompt, length and mode): a new configuration generates only itself; without a kept reference,
     the reference is generated in the same batch."""
     from pace_core.analysis.generation import generate_side_by_side, generation_progress_total
 
-    loaded = _load_model(source, device)
-    setting = (source, device, prompt, max_new_tokens, mode)
+    loaded = _load_model(source, where)
+    setting = (source, where, prompt, max_new_tokens, mode)
     reference = work.kept("generation_reference", 16)
     ref = reference.get(setting)
 
     def compute(missing: dict[str, str]) -> dict:
-        ready = _ready(source, device, missing)
+        ready = _ready(source, where, missing)
         names = ", ".join(missing if ref is not None else ["fp32", *missing])
         with work.progress(generation_progress_total((mode,), max_new_tokens),
                            f"Generating {max_new_tokens} tokens with {names}",
@@ -135,23 +136,23 @@ DRIFT_CAPTURES = 32
 last): the kept reference holds this many fp32 states of the model."""
 
 
-def drift(source: str, device: str, configs: tuple[tuple[str, str], ...], prefill: int,
+def drift(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], prefill: int,
           steps: int) -> dict[str, Any]:
     """pace_core.analysis.drift.drift of (label, config JSON) pairs on the first prefill + steps + 1
     tokens of the analysis text: {"table", "summary", "every", "provenance_label"}. The fp32 reference run
-    is kept per (model, device, length) and every configuration's result apart: changing one configuration
+    is kept per (model, runtime, length) and every configuration's result apart: changing one configuration
     teacher-forces only that one; without a kept reference, the reference runs in the same batch."""
     from pace_core.analysis.drift import drift as run_drift, drift_progress_total
 
-    loaded = _load_model(source, device)
+    loaded = _load_model(source, where)
     ids = tokenize(loaded.tokenizer, analysis_text(), max_tokens=prefill + steps + 1, min_tokens=prefill + 3)
     every = -(-steps // DRIFT_CAPTURES)
-    setting = (source, device, prefill, steps)
+    setting = (source, where, prefill, steps)
     T = int(ids.shape[1])
     reference = work.kept("drift_reference", 2)
 
     def compute(missing: dict[str, str]) -> dict:
-        ready = _ready(source, device, missing)
+        ready = _ready(source, where, missing)
         kept = reference.get(setting)
         names = ", ".join(missing if kept is not None else ["the fp32 reference", *missing])
         with work.progress(drift_progress_total(loaded, len(missing), T, prefill, with_reference=kept is None),
@@ -168,7 +169,7 @@ def drift(source: str, device: str, configs: tuple[tuple[str, str], ...], prefil
     return {"table": pd.concat([found[label][0].assign(config=label) for label, _ in configs], ignore_index=True),
             "summary": pd.concat([found[label][1].assign(config=label) for label, _ in configs], ignore_index=True),
             "every": every,
-            "provenance_label": f"computed live on {model_label_of(source)} ({device}), {T} tokens of "
+            "provenance_label": f"computed live on {model_label_of(source)} ({where}), {T} tokens of "
                                 f"{CALIBRATION_TEXT.name if CALIBRATION_TEXT.is_file() else 'the fixed prompt'} "
                                 f"(states compared every {every} decode steps), "
                                 f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"}
@@ -201,48 +202,48 @@ def _stored_calibration(source: str, weights: str, key: str) -> tuple[Calibratio
     return None
 
 
-def calibration(source: str, device: str, key: str) -> dict[str, Any]:
+def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
     """The calibration of the quantiser of config JSON `key` (see calibration_key): one stored by the
     CLI under data/results/ when there is one, else pace_core.analysis.calibration.calibrate live on
-    reference samples of the calibration text, which are taken once per model and device and serve every
-    quantiser. {"calibration": Calibration, "provenance_label"} (kept per model, device and quantiser)."""
+    reference samples of the calibration text, which are taken once per model and runtime and serve every
+    quantiser. {"calibration": Calibration, "provenance_label"} (kept per model, runtime and quantiser)."""
     from pace_core.analysis.calibration import calibration_progress_total, calibration_samples
 
-    found = work.kept("calibration", 64).get((source, device, key))
+    found = work.kept("calibration", 64).get((source, where, key))
     if found is not None:
         return found
-    loaded = _load_model(source, device)
+    loaded = _load_model(source, where)
     stored = _stored_calibration(source, loaded.fingerprint, key)
     if stored is not None:
         found = {"calibration": stored[0], "provenance_label": stored[1]}
-        work.kept("calibration", 64).put((source, device, key), found)
+        work.kept("calibration", 64).put((source, where, key), found)
         return found
     if not CALIBRATION_TEXT.is_file():
         raise PaceError(f"calibration text {CALIBRATION_TEXT} is not on this machine (the shared corpus), and no "
                         "calibration of this quantiser is stored for the loaded weights; allowed: put the corpus "
                         "there, or store one with `python -m pace_core calibrate --text FILE` and these settings, "
                         "or set the share of 8-bit heads to 0 (DAMP always needs one)")
-    samples = work.kept("calibration_samples", 2).get((source, device))
+    samples = work.kept("calibration_samples", 2).get((source, where))
     if samples is None:
         with work.progress(calibration_progress_total(loaded),
                            f"Reading {CALIBRATION_TOKENS} calibration tokens of {CALIBRATION_TEXT.name}",
-                           ("calibration", source, device)) as advance:
+                           ("calibration", source, where)) as advance:
             samples = calibration_samples(loaded, tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
                                           progress=advance)
-        work.kept("calibration_samples", 2).put((source, device), samples)
+        work.kept("calibration_samples", 2).put((source, where), samples)
     cal = calibrate(loaded, config_from_json(key), samples=samples)
     found = {"calibration": cal,
              "provenance_label": f"{cal.tokens} tokens of {CALIBRATION_TEXT.name}, {cal.samples} states "
                                  f"(one every {CALIBRATION_EVERY} tokens), computed live on {model_label_of(source)}"}
-    work.kept("calibration", 64).put((source, device, key), found)
+    work.kept("calibration", 64).put((source, where, key), found)
     return found
 
 
-def runnable(source: str, device: str, cfg: PaceConfig) -> tuple[PaceConfig, list[torch.Tensor] | None]:
+def runnable(source: str, where: Runtime, cfg: PaceConfig) -> tuple[PaceConfig, list[torch.Tensor] | None]:
     """`cfg` ready to run on the model, with the DAMP outlier rows it needs (else None): a share of
     8-bit heads without chosen heads gets the allocation calibrated on the model (cached)."""
     if cfg.method == "damp":
-        return cfg, calibration(source, device, calibration_key(cfg))["calibration"].damp_rows
+        return cfg, calibration(source, where, calibration_key(cfg))["calibration"].damp_rows
     if cfg.high_share == 0 or cfg.high_heads is not None:
         return cfg, None
-    return calibration(source, device, calibration_key(cfg))["calibration"].allocate(cfg), None
+    return calibration(source, where, calibration_key(cfg))["calibration"].allocate(cfg), None

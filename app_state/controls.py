@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import streamlit as st
 import torch
@@ -143,6 +143,26 @@ EMBEDDED, LOCAL, HUB = "Embedded", "Local path", "Hub id"
 MODEL_KINDS = (EMBEDDED, LOCAL, HUB)
 
 
+WEIGHT_DTYPES = ("float32", "bfloat16")
+"""The dtypes the app can load a model's weights in; the recurrent state's arithmetic is float32 in both."""
+
+
+class Runtime(NamedTuple):
+    """Where the live views run: the torch device and the dtype of the model's weights (the key under which
+    a loaded model and everything computed on it are kept)."""
+
+    device: str
+    weights: str
+
+    def __str__(self) -> str:
+        return self.device if self.weights == "float32" else f"{self.device}, {self.weights} weights"
+
+
+def runtime() -> Runtime:
+    """The sidebar's device and weight dtype."""
+    return Runtime(st.session_state["device"], st.session_state["weights"])
+
+
 def device_options() -> tuple[str, ...]:
     """Devices this host offers: cpu, plus cuda when a CUDA device is visible."""
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
@@ -191,7 +211,7 @@ def on_preset_change() -> None:
 
 
 def read_url_once() -> list[str]:
-    """On a session's first run, take preset, model, device and every control from the URL.
+    """On a session's first run, take preset, model, device, weight dtype and every control from the URL.
 
     Returns the problems found (each names the URL parameter and the allowed values); the bad
     values fall back to the named configuration's values.
@@ -229,6 +249,12 @@ def read_url_once() -> list[str]:
                         f"{', '.join(device_options())}. Using cpu.")
         device = "cpu"
     st.session_state["device"] = device
+    weights = qp.get("weights", WEIGHT_DTYPES[0])
+    if weights not in WEIGHT_DTYPES:
+        problems.append(f"URL parameter 'weights' = {weights!r} is not a weight dtype; allowed: "
+                        f"{', '.join(WEIGHT_DTYPES)}. Using {WEIGHT_DTYPES[0]}.")
+        weights = WEIGHT_DTYPES[0]
+    st.session_state["weights"] = weights
     st.session_state["_url_read"] = True
     return problems
 
@@ -300,11 +326,14 @@ def model_source() -> str:
 
 
 def write_url() -> None:
-    """Mirror preset, model, device and every control into the URL (shareable link)."""
+    """Mirror preset, model, device, weight dtype (when not float32) and every control into the URL
+    (shareable link)."""
     params = {"preset": st.session_state["preset"]}
     if model_source():
         params["model"] = model_source()
     params["device"] = st.session_state["device"]
+    if st.session_state["weights"] != WEIGHT_DTYPES[0]:
+        params["weights"] = st.session_state["weights"]
     params.update({c.key: url_text(st.session_state[c.key]) for c in CONTROLS})
     if dict(st.query_params) != params:
         st.query_params.from_dict(params)

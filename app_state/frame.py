@@ -1,5 +1,5 @@
-"""The page frame: page configuration, the shared sidebar (model, device, named configuration and every
-setting), and the page body run so that a failure is shown as a message and the app keeps running.
+"""The page frame: page configuration, the shared sidebar (model, device, weight dtype, named configuration
+and every setting), and the page body run so that a failure is shown as a message and the app keeps running.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Callable
 import streamlit as st
 import torch
 
-from app_state.controls import (CONTROLS, MODEL_KINDS, NAMED_CONFIGS, QUANT_ONLY_KEYS, EMBEDDED, LOCAL, bind,
-                                current_config, device_options, fallback_config, on_preset_change, read_url_once,
-                                sync, write_url)
+from app_state.controls import (CONTROLS, MODEL_KINDS, NAMED_CONFIGS, QUANT_ONLY_KEYS, EMBEDDED, LOCAL,
+                                WEIGHT_DTYPES, bind, current_config, device_options, fallback_config,
+                                on_preset_change, read_url_once, sync, write_url)
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 
@@ -40,6 +40,11 @@ def sidebar() -> PaceConfig:
         st.selectbox("Device", device_options(), key=bind("device"),
                      on_change=sync, args=("device",),
                      help="Where the model runs for the live views (cuda when a GPU is visible).")
+        st.selectbox("Weights", WEIGHT_DTYPES, key=bind("weights"), on_change=sync, args=("weights",),
+                     help="The dtype the model's weights are loaded in. The recurrent state is computed in "
+                          "float32 either way; bfloat16 halves the weights' memory (a 27B model: 54 GB "
+                          "instead of 108 GB) and the fp32 reference then means fp32 state arithmetic on "
+                          "those weights.")
         st.subheader("Configuration")
         st.selectbox("Start from", list(NAMED_CONFIGS), key=bind("preset"),
                      on_change=on_preset_change,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from app_state.controls import EMBEDDED, model_source
+from app_state.controls import EMBEDDED, Runtime, model_source, runtime
 from pace_core.errors import PaceError
 
 LOAD_RETRY_S = 60  # a model that failed to load is tried again after this long (a hub id offline takes ~30 s)
@@ -33,17 +33,13 @@ def embedded_model_dir() -> Path:
     return Path(DEFAULT_MODEL_DIR)
 
 
-APP_DTYPE = "float32"
-"""The dtype the app loads weights in (and whose stored cards it reads)."""
-
-
 @st.cache_resource(show_spinner=False, max_entries=2)
-def _load_model(source: str, device: str):
+def _load_model(source: str, where: Runtime):
     from pace_core.model.card import checkpoint_stamp, save_card
     from pace_core.model.loading import load_model
 
     before = checkpoint_stamp(source or None)
-    loaded = load_model(source or None, dtype=APP_DTYPE, device=device)
+    loaded = load_model(source or None, dtype=where.weights, device=where.device)
     save_card(loaded, results_model_name(source), before)
     return loaded
 
@@ -54,12 +50,12 @@ def results_model_name(source: str) -> str:
 
 
 @st.cache_data(show_spinner=False, ttl=30, max_entries=8)
-def _stored_card(folder: str, name: str, stamp: tuple[int | None, int | None], root: str):
-    """The card of `folder` stored under the results root `root` (re-read at most every 30 s, and at once when
-    the folder or its config.json changes: ``stamp``, _folder_stamp)."""
+def _stored_card(folder: str, name: str, dtype: str, stamp: tuple[int | None, int | None], root: str):
+    """The card of `folder` for weights in `dtype` stored under the results root `root` (re-read at most every
+    30 s, and at once when the folder or its config.json changes: ``stamp``, _folder_stamp)."""
     from pace_core.model.card import load_card
 
-    return load_card(folder, name, APP_DTYPE, root=root)
+    return load_card(folder, name, dtype, root=root)
 
 
 def model_card(*, stop: bool = True):
@@ -69,8 +65,8 @@ def model_card(*, stop: bool = True):
     from pace_core.results import results_root
 
     source = model_source()
-    card = _stored_card(source or str(embedded_model_dir()), results_model_name(source), _folder_stamp(source),
-                        str(results_root())) if (source or st.session_state.get("model_kind") == EMBEDDED) else None
+    card = _stored_card(source or str(embedded_model_dir()), results_model_name(source), runtime().weights,
+                        _folder_stamp(source), str(results_root())) if (source or st.session_state.get("model_kind") == EMBEDDED) else None
     if card is not None:
         return card
     loaded = loaded_model(stop=stop)
@@ -104,7 +100,7 @@ def _folder_stamp(source: str) -> tuple[int | None, int | None]:
 
 def _try_load_model():
     """Load the sidebar's model, or show what to do and return None."""
-    source, device = model_source(), st.session_state["device"]
+    source, where = model_source(), runtime()
     if not source and st.session_state.get("model_kind") != EMBEDDED:
         st.info("Enter a local folder or hub id in the sidebar to load a model.", icon=":material/arrow_back:")
         return None
@@ -114,14 +110,14 @@ def _try_load_model():
                  "Qwen3.5, Qwen3.6 or Qwen3-Next checkpoint in the sidebar.", icon=":material/folder_open:")
         return None
     failures = st.session_state.setdefault("_load_failures", {})
-    attempt = (source, device, _folder_stamp(source))
+    attempt = (source, where, _folder_stamp(source))
     failed = failures.get(attempt)
     if failed is not None and time.monotonic() - failed[1] < LOAD_RETRY_S:
         st.error(failed[0], icon=":material/folder_open:")
         return None
     try:
-        with st.spinner(f"Loading {model_label()} on {device}…"):
-            return _load_model(source, device)
+        with st.spinner(f"Loading {model_label()} on {where}…"):
+            return _load_model(source, where)
     except (PaceError, OSError) as err:
         message = (f"Could not load model {model_label()!r}: {err}\n\nCheck the path or hub id (no hub is "
                    "reachable offline) or switch back to the embedded model. (The same source is tried again "

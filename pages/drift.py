@@ -56,7 +56,7 @@ def page(cfg: PaceConfig) -> None:
 
     configs = {f"{cfg.name}, {b}-bit, dP {p}": cfg.replace(name=f"{b}-bit dP{p}", bits=b, decode_period=p)
                for b in bit_list for p in periods}
-    result = compute.drift(controls.model_source(), st.session_state["device"],
+    result = compute.drift(controls.model_source(), controls.runtime(),
                            tuple((label, controls.config_key(c)) for label, c in configs.items()),
                            prefill, steps)
     st.caption(f"Source: {result['provenance_label']}")

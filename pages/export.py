@@ -29,7 +29,7 @@ def page(cfg: PaceConfig) -> None:
                        "the export carries the share only.", icon=":material/leaderboard:")
         else:
             try:
-                cfg, _ = compute.runnable(controls.model_source(), st.session_state["device"], cfg)
+                cfg, _ = compute.runnable(controls.model_source(), controls.runtime(), cfg)
             except PaceError as err:
                 st.warning(f"The 8-bit heads cannot be chosen here: {err}. The export carries the share only.",
                            icon=":material/leaderboard:")

@@ -42,7 +42,7 @@ def page(cfg: PaceConfig) -> None:
 
     configs = {f"sidebar: {cfg.name}": cfg}
     configs.update({n: NAMED_CONFIGS[n] for n in others})
-    _show(compute.generations(controls.model_source(), st.session_state["device"],
+    _show(compute.generations(controls.model_source(), controls.runtime(),
                                 tuple((label, controls.config_key(c)) for label, c in configs.items()),
                                 prompt, max_new, mode))
 

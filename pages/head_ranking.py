@@ -24,7 +24,7 @@ def page(cfg: PaceConfig) -> None:
                 f"method is '{cfg.method}'. Start from pace-4-8 to rank heads.", icon=":material/info:")
         st.stop()
 
-    calib = compute.calibration(controls.model_source(), st.session_state["device"],
+    calib = compute.calibration(controls.model_source(), controls.runtime(),
                                 compute.calibration_key(cfg))
     a, e = calib["calibration"].a, calib["calibration"].e  # [L, HV] float64
     st.caption(f"Calibration: {calib['provenance_label']}")

@@ -30,7 +30,7 @@ def page(cfg: PaceConfig) -> None:
     if n_tokens == 0:
         st.error("The prompt text is empty: type some text to see a state.", icon=":material/edit:")
         st.stop()
-    states = compute.reference_states(controls.model_source(), st.session_state["device"], text)
+    states = compute.reference_states(controls.model_source(), controls.runtime(), text)
     positions = sorted(states)
     if "heat_layer" not in st.session_state:  # first visit: open on the head with the strongest outlier columns
         st.session_state["heat_layer"], st.session_state["heat_head"] = strongest_outlier_head(states[positions[-1]])

@@ -1,6 +1,7 @@
 """How fast the dashboard answers: the figures of issue 16, medians of ``--repeats`` runs.
 
-    python scripts/measure_app.py [--model PATH] [--device cpu|cuda] [--repeats 3] [--out data/bench]
+    python scripts/measure_app.py [--model PATH] [--device cpu|cuda] [--weights float32|bfloat16] [--repeats 3]
+                                  [--pages-only] [--out data/bench]
 
 Each scenario drives the app as a user would, through streamlit's AppTest (the page scripts, the
 caches and the computations exactly as ``streamlit run`` runs them, without a browser), timing one
@@ -15,12 +16,14 @@ interaction from the click to the finished page:
 - ``head_ranking_recalibration_s``: Head ranking after the bits change and after the group axis
   changes (a new quantiser on the kept reference samples), the slower of the two;
 - ``heatmap_position_s`` / ``heatmap_new_text_s``: State heatmaps, another position / another text;
-- on cuda, ``page_<name>_s``: every page's first visit once the model is loaded.
+- on cuda, ``page_<name>_s``: every page's first visit once the model is loaded (with ``--pages-only``
+  these and ``first_page_s`` alone).
 
 Before each repeat the computed results are dropped (not the loaded model, except for ``first_page_s``,
 which starts a new process). With Debian's Chromium and Playwright installed, ``browser_first_page_s`` is
 the time from ``streamlit run app.py`` to the first rendered page in a real browser. The table is printed
-and saved as JSON with provenance (``<out>/app_<device>.json``). Not a test: the numbers are the host's.
+and saved as JSON with provenance (``<out>/app_<device>.json``, ``app_<device>_bfloat16.json`` for bfloat16
+weights). Not a test: the numbers are the host's.
 """
 
 from __future__ import annotations
@@ -91,12 +94,15 @@ def _forget() -> None:
     st.cache_data.clear()
 
 
-def scenarios(query: dict[str, str]) -> dict[str, float]:
-    """One repeat of every AppTest scenario (seconds)."""
+def scenarios(query: dict[str, str], pages_only: bool = False) -> dict[str, float]:
+    """One repeat of every AppTest scenario (seconds); ``pages_only``: the first page and every page's
+    first visit (on cuda) alone."""
     out: dict[str, float] = {}
     at = _app(query)
     out["first_page_s"] = _timed(at.run)
     _forget()
+    if pages_only:
+        return {**out, **(every_page(query) if query["device"] == "cuda" else {})}
 
     at = _app({**query, "preset": "pace-4-8"})
     _checked(at.run())
@@ -193,7 +199,8 @@ def browser_first_page(query: dict[str, str]) -> float | None:
 
 def _one_process(args: argparse.Namespace) -> dict[str, float]:
     """One repeat in a fresh Python process (a fresh server: the model is loaded again)."""
-    cmd = [sys.executable, __file__, "--repeat-once", "--device", args.device]
+    cmd = [sys.executable, __file__, "--repeat-once", "--device", args.device, "--weights", args.weights,
+           *(["--pages-only"] if args.pages_only else [])]
     if args.model:
         cmd += ["--model", args.model]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
@@ -205,27 +212,32 @@ def _one_process(args: argparse.Namespace) -> dict[str, float]:
 def provenance(args: argparse.Namespace) -> dict:
     import torch
 
-    return {**host_provenance(), "torch_threads": torch.get_num_threads(), "device": args.device,
+    return {**host_provenance(), "torch_threads": torch.get_num_threads(), "device": args.device, "weights": args.weights,
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-            "model": args.model or "embedded", "repeats": args.repeats}
+            "model": args.model or "embedded", "repeats": args.repeats, "pages_only": args.pages_only}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local folder or hub id (default: the embedded model)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"],
+                        help="the sidebar's weight dtype (default float32)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pages-only", dest="pages_only", action="store_true",
+                        help="only the first page and (on cuda) every page's first visit: for models too large "
+                             "to run every scenario in reasonable time")
     parser.add_argument("--out", default=str(REPO_ROOT / "data" / "bench"))
     parser.add_argument("--repeat-once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    query = {"device": args.device, **({"model": args.model} if args.model else {})}
+    query = {"device": args.device, "weights": args.weights, **({"model": args.model} if args.model else {})}
     if args.repeat_once:
-        print(json.dumps(scenarios(query)))
+        print(json.dumps(scenarios(query, args.pages_only)))
         return
     runs: list[dict[str, float]] = []
     for _ in range(args.repeats):  # the table is saved after every repeat: a stopped run keeps what it measured
         run = _one_process(args)
-        seconds = browser_first_page(query) if args.device == "cpu" else None
+        seconds = browser_first_page(query) if args.device == "cpu" and not args.pages_only else None
         if seconds is not None:
             run["browser_first_page_s"] = seconds
         runs.append(run)
@@ -252,12 +264,12 @@ def _rows(runs: list[dict[str, float]], targets: dict[str, float]) -> list[dict]
 
 
 def _save(args: argparse.Namespace, rows: list[dict]) -> Path:
-    """Write ``<out>/app_<device>.json`` atomically; returns its path."""
+    """Write ``<out>/app_<device>[_<weights>].json`` atomically (no suffix for float32); returns its path."""
     from pace_core.results import atomic_write
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"app_{args.device}.json"
+    path = out / f"app_{args.device}{'' if args.weights == 'float32' else '_' + args.weights}.json"
     doc = json.dumps({"kind": "app_responsiveness", "provenance": {**provenance(args), "repeats_done": len(rows[0]["runs_s"])},
                       "figures": rows}, indent=2)
     atomic_write(path, lambda p: Path(p).write_text(doc + "\n"))

@@ -34,7 +34,7 @@ from pace_core.shapes import PUBLISHED_CONFIGS  # noqa: E402
 
 MODEST: dict[str, int] = {"calibration-tokens": 256, "sweep-tokens": 256, "sweep-decode-tokens": 16,
                           "drift-tokens": 64, "drift-every": 8, "ppl-tokens": 512, "ppl-window": 256,
-                          "ppl-batch": 4, "max-new-tokens": 8}
+                          "ppl-batch": 0, "max-new-tokens": 8}
 """Default token counts (options of ``all``). On one H200 with a 27B bf16 checkpoint and three configurations
 every step up to generate took under 75 s; claims (its own window of 512 and its own configurations) took
 over 270 s and did not finish in one 10-minute call (data/bench/multigpu/qwen3.5-27b-1gpu.json)."""

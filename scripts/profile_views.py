@@ -2,10 +2,10 @@
 cProfile (tables by own and by cumulative time). A diagnostic for issue 16, not a benchmark
 (``measure_app.py`` measures the pages themselves).
 
-    python scripts/profile_views.py [--model PATH] [--device cuda] > profile.txt
+    python scripts/profile_views.py [--model PATH] [--device cuda] [--weights bfloat16] > profile.txt
 
-The model loads in the app's dtype (app_state.session.APP_DTYPE's value, float32). "cold" runs include
-Triton's first compilation of every kernel they launch.
+The model's weights load in ``--weights`` (the app's sidebar choice: float32 by default, or bfloat16). "cold"
+runs include Triton's first compilation of every kernel they launch.
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ from pace_core.analysis.generation import generate_side_by_side  # noqa: E402
 from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
 from pace_core.model.loading import load_model  # noqa: E402
-
-APP_DTYPE = "float32"  # app_state.session.APP_DTYPE (not imported: app_state imports streamlit)
-
 
 def timed(label: str, fn: Callable[[], Any], device: str) -> Any:
     """``fn()``, its wall time printed (synchronised on CUDA)."""
@@ -63,9 +60,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="local folder or hub id (default: the embedded model)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"],
+                        help="the weights' dtype, as the app's sidebar offers (default float32)")
     args = parser.parse_args()
     dev = args.device
-    model = timed("load", lambda: load_model(args.model, dtype=APP_DTYPE, device=dev), dev)
+    model = timed("load", lambda: load_model(args.model, dtype=args.weights, device=dev), dev)
     ids = tokenize(model.tokenizer, read_text(CALIBRATION_TEXT), max_tokens=513, min_tokens=259)
     base = get_config("pace-4")
     periods = (1, 8, 16)

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from pace_core.analysis.quality import batched_windows, evaluate_quality, perplexity, scored_bytes, sliding_windows
+from pace_core.analysis.quality import (MOST_WINDOWS_PER_BATCH, batched_windows, evaluate_quality, perplexity,
+                                        scored_bytes, sliding_windows, windows_per_batch)
 from pace_core.analysis.text import tokenize
 from pace_core.config import get_config
 from pace_core.errors import PaceError
@@ -95,6 +96,25 @@ def test_batched_windows_group_equal_lengths_in_order():
     assert [len(g) for g in groups] == [3, 2, 1]  # five full windows, then the short last one
     with pytest.raises(PaceError, match="batch"):
         batched_windows(windows, 0)
+
+
+def test_default_batch_is_one_on_the_cpu_and_what_half_the_free_gpu_memory_holds(loaded, monkeypatch):
+    assert windows_per_batch(loaded, 9, 1024, 512) == 1
+    vocab = loaded.model.config.get_text_config(decoder=True).vocab_size
+    for dtype, item in ((torch.float32, 4), (torch.bfloat16, 6)):  # fp32 logits, plus the bf16 ones they come from
+        gpu = type(loaded)(**{**vars(loaded), "device": torch.device("cuda", 0), "dtype": dtype})
+        per_window = 9 * 512 * vocab * item  # 9 members x max(prompt 512, decode chunk 256) positions
+        for windows in (1, 3, 7):
+            free = 2 * windows * per_window + per_window  # half of it holds `windows` and a half window
+            monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
+            assert windows_per_batch(gpu, 9, 1024, 512) == windows
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1, 2))
+        assert windows_per_batch(gpu, 9, 1024, 512) == 1  # never fewer than one
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 50, 1 << 51))
+        assert windows_per_batch(gpu, 9, 1024, 512) == MOST_WINDOWS_PER_BATCH
+        per_chunk = 9 * 256 * vocab * item  # prompt 64 tokens: the decode chunk of 256 is the larger forward
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * 5 * per_chunk, 1 << 51))
+        assert windows_per_batch(gpu, 9, 1024, 64) == 5
 
 
 def test_batched_windows_score_as_one_by_one(loaded):

@@ -75,10 +75,11 @@ def chart(at: AppTest, key: str) -> dict:
 
 
 def test_url_values_are_validated_and_fall_back(params):
-    at = start(params, preset="pace-4", bits="11", dp="0", axis="diagonal", device="tpu", pad="later")
+    at = start(params, preset="pace-4", bits="11", dp="0", axis="diagonal", device="tpu", pad="later",
+               weights="fp8")
     warnings = " ".join(w.value for w in at.warning)
-    assert "allowed: flush, carry" in warnings
-    for name in ("'bits'", "'dp'", "'axis'", "'device'", "'pad'"):
+    assert "allowed: flush, carry" in warnings and "allowed: float32, bfloat16" in warnings
+    for name in ("'bits'", "'dp'", "'axis'", "'device'", "'pad'", "'weights'"):
         assert f"URL parameter {name}" in warnings
     assert "allowed: 2, 3, 4, 5, 6, 7, 8" in warnings
     assert at.sidebar.select_slider(key="w_bits").value == 4
@@ -98,6 +99,24 @@ def test_url_sets_the_controls_and_controls_write_the_url(params):
     check(at)
     assert str(at.query_params["dp"]).strip("[]'") == "32"
     assert json.loads(at.code[0].value)["pace"]["decode_period"] == 32
+
+
+def test_weights_in_bfloat16_are_a_sidebar_choice_with_their_own_model_and_results(params):
+    """weights=bfloat16 in the URL loads the model's weights in bfloat16 (a model of its own beside the
+    float32 one), the pages compute on it, and the choice stays in the URL and the sidebar."""
+    from app_state import controls
+
+    at = start(params, page="state_heatmaps", weights="bfloat16")
+    assert at.sidebar.selectbox(key="w_weights").value == "bfloat16"
+    assert str(at.query_params["weights"]).strip("[]'") == "bfloat16"
+    source = params.get("model", "")
+    assert session._load_model(source, controls.Runtime("cpu", "bfloat16")).dtype == torch.bfloat16
+    bf16_map = chart(at, "heat_chart")["data"][0]["z"]
+    at.sidebar.selectbox(key="w_weights").set_value("float32").run()
+    check(at)
+    assert "weights" not in at.query_params
+    assert session._load_model(source, controls.Runtime("cpu", "float32")).dtype == torch.float32
+    assert not np.array_equal(array(chart(at, "heat_chart")["data"][0]["z"]), array(bf16_map))
 
 
 def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, monkeypatch):
@@ -560,10 +579,10 @@ def test_a_stopped_computation_waits_until_run_again(params):
 
     at = start(params, page="drift", preset="pace-4")
     prefill = at.slider(key="drift_prefill").value
-    source, device = params.get("model", ""), at.session_state["device"]
+    source, where = params.get("model", ""), controls.Runtime(at.session_state["device"], at.session_state["weights"])
     configs = tuple(controls.config_key(get_config("pace-4").replace(name=f"4-bit dP{p}", decode_period=p))
                     for p in (1, 8, 16))
-    at.session_state["_work_stopped"] = ("drift", (source, device, prefill, 24), configs)  # as Stop leaves it
+    at.session_state["_work_stopped"] = ("drift", (source, where, prefill, 24), configs)  # as Stop leaves it
     at.slider(key="drift_steps").set_value(24).run()
     check(at)
     assert any(i.value.startswith("Stopped: Teacher-forcing the fp32 reference") for i in at.info)

@@ -93,6 +93,28 @@ def damp_rows_of(damp_rows, name: str) -> list[torch.Tensor]:
     return rows
 
 
+MOST_WINDOWS_PER_BATCH = 16
+"""The most windows :func:`windows_per_batch` runs together."""
+
+
+def windows_per_batch(loaded: LoadedModel, members: int, window: int, decode_from: int | None,
+                      decode_chunk: int = 256) -> int:
+    """The default ``batch`` of :func:`evaluate_quality` **[ours]**: 1 on the CPU (memory there is the
+    host's, shared with everything else); on a GPU the most windows, up to :data:`MOST_WINDOWS_PER_BATCH`,
+    whose largest logits tensor fits in half of the device's free memory: ``members`` (configurations and
+    the reference) x windows x positions of one forward (the prompt's, or a decode chunk's) x vocabulary,
+    in float32 and, for another weight dtype, its copy in that dtype."""
+    device = torch.device(loaded.device)
+    if device.type != "cuda":
+        return 1
+    d = decode_from if decode_from is not None and decode_from < window else window
+    positions = max(d, min(decode_chunk, window - d))
+    item = 4 + (0 if loaded.dtype == torch.float32 else torch.empty(0, dtype=loaded.dtype).element_size())
+    per_window = members * positions * loaded.model.config.get_text_config(decoder=True).vocab_size * item
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(MOST_WINDOWS_PER_BATCH, int(free // 2 // per_window)))
+
+
 def batched_windows(windows: list[Window], batch: int) -> list[list[Window]]:
     """Consecutive windows grouped into runs of at most ``batch`` windows of equal length."""
     if batch < 1:

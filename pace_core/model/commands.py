@@ -280,7 +280,7 @@ def run_structure(args: argparse.Namespace) -> int:
 def run_perplexity(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from pace_core.analysis.quality import perplexity, quality_progress_total
+    from pace_core.analysis.quality import perplexity, quality_progress_total, windows_per_batch
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
     from pace_core.config import get_config
 
@@ -306,10 +306,11 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
     def compute(missing: list, stored: dict) -> dict:
         others = [c for c in missing if c.name != reference.name]
-        total = quality_progress_total(ctx.loaded, len(others), n, args.window, stride, decode_from, args.batch)
-        with ctx.bar(total, "perplexity") as bar:
+        batch = args.batch or windows_per_batch(ctx.loaded, len(others) + 1, args.window, decode_from)
+        total = quality_progress_total(ctx.loaded, len(others), n, args.window, stride, decode_from, batch)
+        with ctx.bar(total, f"perplexity ({batch} windows per batch)") as bar:
             table = perplexity(ctx.loaded, others, text, window=args.window, stride=stride, max_tokens=max_tokens,
-                               decode_from=decode_from, damp_rows=damp_rows, batch=args.batch, progress=bar.update)
+                               decode_from=decode_from, damp_rows=damp_rows, batch=batch, progress=bar.update)
         return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
                 if row["config"] in {c.name for c in missing}}
 
@@ -387,7 +388,7 @@ def run_claims(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from pace_core.analysis.claims import claims_progress_total, claims_table, measure_claims, quality_configs
-    from pace_core.analysis.quality import perplexity
+    from pace_core.analysis.quality import perplexity, windows_per_batch
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
     from pace_core.config import config_to_dict
 
@@ -404,12 +405,13 @@ def run_claims(args: argparse.Namespace) -> int:
     ppl_params = {"text": _sha(text), "window": args.window, "stride": stride, "max_tokens": args.max_tokens,
                   "decode_from": decode_from}
     cfgs = list(quality_configs(ctx.loaded, pace48, args.seeds).values())
-    with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, stride, args.batch,
+    batch = args.batch or windows_per_batch(ctx.loaded, CLAIMS_GROUP + 1, args.window, decode_from)
+    with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, stride, batch,
                                        args.drift_tokens), "claims") as bar:
         def compute(missing: list, stored: dict) -> dict:
             table = perplexity(ctx.loaded, missing, text, window=args.window, stride=stride,
                                max_tokens=args.max_tokens or None, decode_from=decode_from, damp_rows=damp_rows,
-                               batch=args.batch, progress=bar.update)
+                               batch=batch, progress=bar.update)
             names = {c.name for c in missing}
             return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
                     if row["config"] in names}
@@ -420,7 +422,7 @@ def run_claims(args: argparse.Namespace) -> int:
                                      compute, text=text)
             rows += [r.data["row"] for r in results.values()]
         report = measure_claims(ctx.loaded, text, pace48, max_tokens=args.max_tokens or None, window=args.window,
-                                stride=stride, batch=args.batch, seeds=args.seeds, drift_tokens=args.drift_tokens,
+                                stride=stride, batch=batch, seeds=args.seeds, drift_tokens=args.drift_tokens,
                                 damp_rows=damp_rows, quality=pd.DataFrame(rows), progress=bar.update)
     table = claims_table(report)
     _print_table(table)
@@ -553,10 +555,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "a prefill with P >= window would round the state only after the last scored token)")
     p.add_argument("--prefill-only", dest="prefill_only", action="store_true",
                    help="score whole windows through the prefill path (P-token segments) instead")
-    p.add_argument("--batch", type=int, default=1,
+    p.add_argument("--batch", type=int, default=0,
                    help="run up to this many windows together, each with its own state (same scores; "
                         "faster, above all on a GPU; memory grows with batch x window x vocabulary: the "
-                        "logits of a batch are held in fp32; default 1)")
+                        "logits of a batch are held in fp32; default 0: 1 on the CPU, on a GPU as many as "
+                        "fit in half its free memory, at most 16)")
     p.set_defaults(func=run_perplexity)
 
     p = subparsers.add_parser("generate", help="side-by-side greedy and sampled generations")
@@ -596,7 +599,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=0,
                    help="score the first this many tokens, 0 for the whole text (default 0)")
     p.add_argument("--window", type=int, default=512, help="perplexity window, stride half of it (default 512)")
-    p.add_argument("--batch", type=int, default=8, help="windows per batch (default 8; larger is faster on a GPU)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="windows per batch (default 8; larger is faster on a GPU; 0: as perplexity's --batch 0)")
     p.add_argument("--seeds", type=int, default=5, help="random allocations for claim (c) (default 5)")
     p.add_argument("--drift-tokens", dest="drift_tokens", type=int, default=512,
                    help="tokens of the drift sequence for the state errors, the second half decoded (default 512)")
@@ -617,7 +621,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="perplexity on the first this many tokens, 0 for the whole text (default 4096)")
     p.add_argument("--ppl-window", dest="ppl_window", type=int, default=1024,
                    help="perplexity window, stride half of it (default 1024)")
-    p.add_argument("--ppl-batch", dest="ppl_batch", type=int, default=1,
-                   help="perplexity windows run together (default 1)")
+    p.add_argument("--ppl-batch", dest="ppl_batch", type=int, default=0,
+                   help="perplexity windows run together (default 0: as perplexity's --batch 0; the claims' "
+                        "--batch then takes the same default)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64, help="generated tokens (default 64)")
     p.set_defaults(func=run_all)
