@@ -155,7 +155,7 @@ class Runtime(NamedTuple):
     weights: str
 
     def __str__(self) -> str:
-        return self.device if self.weights == "float32" else f"{self.device}, {self.weights} weights"
+        return self.device if self.weights == WEIGHT_DTYPES[0] else f"{self.device}, {self.weights} weights"
 
 
 def runtime() -> Runtime:

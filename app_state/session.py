@@ -65,8 +65,10 @@ def model_card(*, stop: bool = True):
     from pace_core.results import results_root
 
     source = model_source()
-    card = _stored_card(source or str(embedded_model_dir()), results_model_name(source), runtime().weights,
-                        _folder_stamp(source), str(results_root())) if (source or st.session_state.get("model_kind") == EMBEDDED) else None
+    card = None
+    if source or st.session_state.get("model_kind") == EMBEDDED:
+        card = _stored_card(source or str(embedded_model_dir()), results_model_name(source), runtime().weights,
+                            _folder_stamp(source), str(results_root()))
     if card is not None:
         return card
     loaded = loaded_model(stop=stop)

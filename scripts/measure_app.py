@@ -221,6 +221,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local folder or hub id (default: the embedded model)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    # app_state.controls.WEIGHT_DTYPES, not imported here: first_page_s must include the app's imports
     parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"],
                         help="the sidebar's weight dtype (default float32)")
     parser.add_argument("--repeats", type=int, default=3)

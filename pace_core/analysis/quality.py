@@ -35,7 +35,7 @@ from pace_core.analysis.text import read_text, tokenize
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel
-from pace_core.model.teacher import Member, progress_total, teacher_forced
+from pace_core.model.teacher import DECODE_CHUNK, Member, progress_total, teacher_forced
 
 
 @dataclass(frozen=True)
@@ -93,25 +93,29 @@ def damp_rows_of(damp_rows, name: str) -> list[torch.Tensor]:
     return rows
 
 
+def prompt_tokens(decode_from: int | None, window: int) -> int:
+    """The tokens of a ``window``-token window that are prefilled: ``decode_from`` when set and shorter, else
+    all of them."""
+    return decode_from if decode_from is not None and decode_from < window else window
+
+
 MOST_WINDOWS_PER_BATCH = 16
 """The most windows :func:`windows_per_batch` runs together."""
 
 
-def windows_per_batch(loaded: LoadedModel, members: int, window: int, decode_from: int | None,
-                      decode_chunk: int = 256) -> int:
+def windows_per_batch(loaded: LoadedModel, members: int, window: int, decode_from: int | None) -> int:
     """The default ``batch`` of :func:`evaluate_quality` **[ours]**: 1 on the CPU (memory there is the
     host's, shared with everything else); on a GPU the most windows, up to :data:`MOST_WINDOWS_PER_BATCH`,
     whose largest logits tensor fits in half of the device's free memory: ``members`` (configurations and
     the reference) x windows x positions of one forward (the prompt's, or a decode chunk's) x vocabulary,
     in float32 and, for another weight dtype, its copy in that dtype."""
-    device = torch.device(loaded.device)
-    if device.type != "cuda":
+    if loaded.device.type != "cuda":
         return 1
-    d = decode_from if decode_from is not None and decode_from < window else window
-    positions = max(d, min(decode_chunk, window - d))
-    item = 4 + (0 if loaded.dtype == torch.float32 else torch.empty(0, dtype=loaded.dtype).element_size())
+    d = prompt_tokens(decode_from, window)
+    positions = max(d, min(DECODE_CHUNK, window - d))
+    item = 4 + (0 if loaded.dtype == torch.float32 else loaded.dtype.itemsize)
     per_window = members * positions * loaded.model.config.get_text_config(decoder=True).vocab_size * item
-    free, _ = torch.cuda.mem_get_info(device)
+    free, _ = torch.cuda.mem_get_info(loaded.device)
     return max(1, min(MOST_WINDOWS_PER_BATCH, int(free // 2 // per_window)))
 
 
@@ -170,7 +174,7 @@ def evaluate_quality(
     for group in batched_windows(windows, batch):
         chunk = torch.cat([ids[:, w.begin : w.end] for w in group]).to(device)
         n, W = chunk.shape
-        d = decode_from if decode_from is not None and decode_from < W else W
+        d = prompt_tokens(decode_from, W)
         first_scored = [w.first_target - w.begin for w in group]  # window positions of the first target
         count += sum(W - f for f in first_scored)
 
@@ -204,8 +208,7 @@ def quality_progress_total(loaded: LoadedModel, configs: int, n_tokens: int, win
     total = 0
     for group in batched_windows(sliding_windows(n_tokens, window, stride), batch):
         W = group[0].end - group[0].begin
-        d = decode_from if decode_from is not None and decode_from < W else W
-        total += progress_total(configs + 1, len(loaded.gdn_layers), W, d)
+        total += progress_total(configs + 1, len(loaded.gdn_layers), W, prompt_tokens(decode_from, W))
     return total
 
 

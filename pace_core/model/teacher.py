@@ -61,12 +61,16 @@ def _check(ids: torch.Tensor, decode_from: int, capture_steps: Collection[int]) 
     return steps
 
 
-def forwards(T: int, decode_from: int, decode_chunk: int = 256) -> int:
+DECODE_CHUNK = 256
+"""Teacher-forced tokens per decode forward (:func:`teacher_forced`'s default)."""
+
+
+def forwards(T: int, decode_from: int, decode_chunk: int = DECODE_CHUNK) -> int:
     """The forwards of a run of ``T`` tokens: the prompt's and the decode chunks'."""
     return 1 + -(-(T - decode_from) // decode_chunk)
 
 
-def progress_total(members: int, gdn_layers: int, T: int, decode_from: int, decode_chunk: int = 256) -> int:
+def progress_total(members: int, gdn_layers: int, T: int, decode_from: int, decode_chunk: int = DECODE_CHUNK) -> int:
     """The units :func:`teacher_forced` reports to ``progress``: one per member, GDN layer and forward."""
     return members * gdn_layers * forwards(T, decode_from, decode_chunk)
 
@@ -74,7 +78,7 @@ def progress_total(members: int, gdn_layers: int, T: int, decode_from: int, deco
 @torch.no_grad()
 def teacher_forced(loaded: LoadedModel, members: Sequence[Member], ids: torch.Tensor, decode_from: int, *,
                    capture_steps: Collection[int] = (), on_state: StateHook | None = None,
-                   on_logits: LogitsHook | None = None, logits_from: int = 0, decode_chunk: int = 256,
+                   on_logits: LogitsHook | None = None, logits_from: int = 0, decode_chunk: int = DECODE_CHUNK,
                    progress: Callable[[int], None] | None = None) -> list[dict[int, dict[str, int]]]:
     """Run ``ids [N, T]`` through ``loaded.model`` under every member at once (module docstring): prefill
     ``ids[:, :decode_from]``, teacher-force the rest through the decode path.
