@@ -142,11 +142,22 @@ def scenarios(query: dict[str, str], pages_only: bool = False) -> dict[str, floa
     return out
 
 
+def app_model(query: dict[str, str]) -> object:
+    """The app's cached load of the model of ``query`` (the one every page's visit then finds loaded)."""
+    from app_state.controls import Runtime
+    from app_state.session import _load_model
+
+    return _load_model(query.get("model", ""), Runtime(query["device"], query["weights"]))
+
+
 def every_page(query: dict[str, str]) -> dict[str, float]:
-    """``page_<name>_s``: each page's first visit after the model is loaded (nothing computed kept)."""
+    """``page_<name>_s``: each page's first visit after the model is loaded (nothing computed kept). The
+    model is loaded first, outside the timings: the Overview reads a stored model card without loading it,
+    so otherwise the first page that needs the model would carry the load."""
     out: dict[str, float] = {}
     at = _app({**query, "preset": "pace-4-8"})
     _checked(at.run())
+    app_model(query)
     _forget()
     for page in sorted((REPO_ROOT / "pages").glob("*.py")):
         out[f"page_{page.stem}_s"] = _timed(lambda: at.switch_page(f"pages/{page.name}").run())

@@ -3,9 +3,12 @@ cProfile (tables by own and by cumulative time). A diagnostic for issue 16, not 
 (``measure_app.py`` measures the pages themselves).
 
     python scripts/profile_views.py [--model PATH] [--device cuda] [--weights bfloat16] > profile.txt
+    python scripts/profile_views.py --page drift [--visits 3] ...   # one page's first visits, broken down
 
 The model's weights load in ``--weights`` (the app's sidebar choice: float32 by default, or bfloat16). "cold"
-runs include Triton's first compilation of every kernel they launch.
+runs include Triton's first compilation of every kernel they launch. ``--page NAME`` drives the app as
+``measure_app.py`` does (AppTest, preset pace-4-8) and visits ``pages/NAME.py`` ``--visits`` times with every
+computed result dropped in between, printing the time of each app_state / pace_core step the visit runs.
 """
 
 from __future__ import annotations
@@ -56,13 +59,49 @@ def profiled(label: str, fn: Callable[[], Any], device: str, rows: int = 45) -> 
     return result
 
 
+PAGE_STEPS = (("app_state.session", "loaded_model"), ("app_state.stored", "choose_stored"),
+              ("app_state.compute", "calibration"), ("app_state.compute", "calibrate"),
+              ("app_state.compute", "drift"), ("app_state.compute", "generations"),
+              ("app_state.compute", "reference_states"), ("pace_core.analysis.calibration", "calibration_samples"),
+              ("pace_core.analysis.drift", "drift"), ("pace_core.analysis.generation", "generate_side_by_side"))
+"""The steps a page visit is broken down into (module, function): each wrapped to print its time."""
+
+
+def page_visits(args: argparse.Namespace) -> int:
+    """``--page``: the page's first visits after the model is loaded, each step of :data:`PAGE_STEPS` timed."""
+    import importlib
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import measure_app
+
+    for module_name, name in PAGE_STEPS:
+        module = importlib.import_module(module_name)
+        fn = getattr(module, name)
+        label = f"{module_name}.{name}"
+        setattr(module, name, lambda *a, _fn=fn, _label=label, **k: timed(_label, lambda: _fn(*a, **k), args.device))
+    query = {"device": args.device, "weights": args.weights, **({"model": args.model} if args.model else {})}
+    at = measure_app._app({**query, "preset": "pace-4-8"})
+    measure_app._checked(at.run())
+    timed("load", lambda: measure_app.app_model(query), args.device)
+    for visit in range(1, args.visits + 1):
+        measure_app._forget()
+        timed(f"VISIT {visit} of pages/{args.page}.py",
+              lambda: measure_app._checked(at.switch_page(f"pages/{args.page}.py").run()), args.device)
+        at.switch_page("pages/overview.py").run()
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="local folder or hub id (default: the embedded model)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"],
                         help="the weights' dtype, as the app's sidebar offers (default float32)")
+    parser.add_argument("--page", default=None, help="a page's stem (e.g. drift): its visits broken down instead")
+    parser.add_argument("--visits", type=int, default=3, help="--page: visits, results dropped in between")
     args = parser.parse_args()
+    if args.page is not None:
+        return page_visits(args)
     dev = args.device
     model = timed("load", lambda: load_model(args.model, dtype=args.weights, device=dev), dev)
     ids = tokenize(model.tokenizer, read_text(CALIBRATION_TEXT), max_tokens=513, min_tokens=259)

@@ -99,7 +99,8 @@ def reference_samples(
     forward (:func:`pace_core.model.teacher.teacher_forced`, the reference's prompt cut at the samples).
 
     ids [1, T] -> (``{layer: S [N, HV, K, V]}`` with N = T // sample_every, ``{layer: g [T', HV]}``, T' the
-    N · sample_every tokens sampled), on the CPU.
+    N · sample_every tokens sampled), on each layer's device: kept there with no read-back per sample, so
+    that a calibration on them runs where the model runs.
     """
     model = loaded.model
     n = ids.shape[1] // sample_every * sample_every
@@ -107,10 +108,10 @@ def reference_samples(
     states: dict[int, list[torch.Tensor]] = {layer: [] for layer in loaded.gdn_layers}
 
     def record_decays(module, arguments: dict, decode: bool) -> None:
-        decays[int(module.layer_idx)] = arguments["g"][0].float().cpu()
+        decays[int(module.layer_idx)] = arguments["g"][0].float()
 
     def keep(member: int, layer: int, step: int, S: torch.Tensor) -> None:
-        states[layer].append(S[0].cpu())
+        states[layer].append(S[0].clone())
 
     with tapped(model, record_decays):
         teacher_forced(loaded, [Member("fp32", get_config("fp32"))], ids[:, :n], n,
@@ -123,7 +124,7 @@ def reference_samples(
 class CalibrationSamples:
     """What every calibration of one model on one text shares: the fp32 reference states and log decays
     of :func:`reference_samples` (``states {layer: S [N, HV, K, V]}``, ``decays {layer: g [T', HV]}``, on
-    the CPU) and the settings they were taken with. Calibrating another quantiser on them costs no forward."""
+    each layer's device) and the settings they were taken with. Calibrating another quantiser on them costs no forward."""
 
     text: str
     tokens: int
@@ -180,16 +181,17 @@ def calibrate(
         samples = calibration_samples(loaded, text_path, tokens=tokens, sample_every=sample_every, progress=progress)
     states, decays = samples.states, samples.decays
     layers = list(loaded.gdn_layers)
-    a = torch.stack([head_decay(decays[layer]) for layer in layers])
+    a_of = {layer: head_decay(decays[layer]) for layer in layers}  # on each layer's device
     spec = cfg.quant_spec()
-    e = torch.stack([rounding_error(states[layer], spec) for layer in layers])
+    a = torch.stack([a_of[layer].cpu() for layer in layers])
+    e = torch.stack([rounding_error(states[layer], spec).cpu() for layer in layers])
     E = retained_error(e, a, cfg.decode_period)
     damp_rows = None
     if cfg.method == "damp":
         damp_rows = [
-            rank_outlier_rows(states[layer], a[i], cfg.damp_outlier_rows, bits=cfg.bits,
-                              hadamard=cfg.damp_hadamard, group_size=cfg.group_size)
-            for i, layer in enumerate(layers)
+            rank_outlier_rows(states[layer], a_of[layer], cfg.damp_outlier_rows, bits=cfg.bits,
+                              hadamard=cfg.damp_hadamard, group_size=cfg.group_size).cpu()
+            for layer in layers
         ]
     calibration = Calibration(cfg, layers, a, e, E, samples.tokens, int(next(iter(states.values())).shape[0]),
                               damp_rows)
