@@ -22,6 +22,7 @@ of `group_size` = 32, symmetric) and rotated back after dequantisation, `X̂ = �
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -107,10 +108,16 @@ def dsq_dequantize(t: DSQTensor, dtype: torch.dtype = torch.float32) -> torch.Te
 
 
 def hadamard(n: int, *, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> torch.Tensor:
-    """Normalised Sylvester Hadamard matrix H [n, n] (n a power of two): H = Hᵀ, H Hᵀ = I."""
+    """Normalised Sylvester Hadamard matrix H [n, n] (n a power of two): H = Hᵀ, H Hᵀ = I. Kept per size,
+    dtype and device (a decode step rotates with it twice per layer): shared, never to be written."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
         raise PaceError(f"hadamard size (the value dim V)={n!r} is not supported; allowed: powers of two "
                         "1, 2, 4, ..., or hadamard=False")
+    return _hadamard(n, dtype, torch.device("cpu") if device is None else torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -164,8 +171,22 @@ class DampQuantizer:
         self.bits = bits
         self.hadamard = hadamard
         self.spec = QuantSpec(bits=bits, symmetric=True, axis="value", group_size=group_size)
+        self._checked: set[tuple[int, ...]] = set()
+        self._index: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _rows_on(self, device: torch.device, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(outlier rows [HV, r] long, their int16 copy, head index [HV, 1], rest rows [HV, K - r]) on
+        ``device``: made once per device and K (a decode step quantises every token; no device read after)."""
+        found = self._index.get((device, k))
+        if found is None:
+            rows = self.rows.to(device)
+            heads = torch.arange(rows.shape[0], device=device).unsqueeze(1)
+            found = self._index[(device, k)] = (rows, rows.to(torch.int16), heads, _rest_rows(rows, k))
+        return found
 
     def _check_shape(self, shape: tuple[int, ...], name: str) -> None:
+        if shape[-3:] in self._checked:
+            return
         hv, k = shape[-3], shape[-2]
         r = self.rows.shape[1]
         if hv != self.rows.shape[0]:
@@ -179,32 +200,34 @@ class DampQuantizer:
             raise PaceError(f"{name} has K={k} rows; allowed: at most 32768 (int16 row indices)")
         if self.hadamard:
             hadamard(shape[-1])
+        self._checked.add(shape[-3:])
 
     def quantize(self, S: torch.Tensor, *, name: str = "state") -> DampTensor:
         """Quantise `S [..., HV, K, V]` (any float dtype)."""
         _check_state(S, name, 3)
         self._check_shape(tuple(S.shape), name)
-        rows = self.rows.to(S.device)
-        heads = torch.arange(rows.shape[0], device=S.device).unsqueeze(1)
-        rest_rows = _rest_rows(rows, S.shape[-2])
+        rows, rows16, heads, rest_rows = self._rows_on(S.device, S.shape[-2])
         outliers = S[..., heads, rows, :]
         _check_fp16(outliers.abs().amax(-1), name, "fp16 outlier row")
         rest = S[..., heads, rest_rows, :]
         if self.hadamard:
             rest = rest.to(torch.float64) @ hadamard(S.shape[-1], device=S.device)
         packed = quantize(rest, self.spec, name=f"{name} (non-outlier rows)")
-        return DampTensor(outliers.to(torch.float16), packed, rows.to(torch.int16), self.hadamard, tuple(S.shape))
+        return DampTensor(outliers.to(torch.float16), packed, rows16, self.hadamard, tuple(S.shape))
 
     def dequantize(self, t: DampTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantised state [..., HV, K, V] in `dtype`."""
-        rows = t.rows.long()
-        heads = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1)
+        rows, rows16, heads, rest_rows = self._rows_on(t.rows.device, t.shape[-2])
+        if t.rows is not rows16:  # another quantiser's rows
+            rows = t.rows.long()
+            heads = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1)
+            rest_rows = _rest_rows(rows, t.shape[-2])
         rest = dequantize(t.rest, torch.float64 if t.hadamard else dtype)
         if t.hadamard:
             rest = rest @ hadamard(t.shape[-1], device=rest.device)
         out = torch.empty(t.shape, dtype=dtype, device=rest.device)
         out[..., heads, rows, :] = t.outliers.to(dtype)
-        out[..., heads, _rest_rows(rows, t.shape[-2]), :] = rest.to(dtype)
+        out[..., heads, rest_rows, :] = rest.to(dtype)
         return out
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
