@@ -154,9 +154,14 @@ class TritonSteps:
         from one launch (:func:`kernels.recurrent_step.recurrent_run`). A dense state (method none) is updated
         in place; a packed checkpoint is replaced by the kernel's, unless a token's state was not finite or
         would overflow a group's fp16 scale: then the reference runs the tokens again from the checkpoint
-        (untouched), so that the state is refused at the token and with the message a store gives."""
-        o, new, peak = recurrent_run(st.checkpoint, q, k, v, g, beta)
-        if peak is not None and not float(peak) <= _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head)):
+        (untouched), so that the state is refused at the token and with the message a store gives. That check
+        reads the device, so it is skipped while a CUDA graph is being captured (its replays do not check,
+        as :func:`pace_core.state_store.refuse_non_finite`). ``launch``'s ``block_v`` and ``num_warps`` reach
+        the kernel."""
+        settings = {key: self.launch[key] for key in ("block_v", "num_warps") if key in self.launch}
+        o, new, peak = recurrent_run(st.checkpoint, q, k, v, g, beta, **settings)
+        if (peak is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+                and not float(peak) <= _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head))):
             return REFERENCE.recurrent_run(st, q, k, v, g, beta)
         st.set_checkpoint(new)
         return o

@@ -57,6 +57,33 @@ def test_per_token_variants_compute_the_recurrence(bench, variant):
     assert nbytes == bench.LAYERS * (2 * S0.numel() * S0.element_size() + bench._io_bytes(2))
 
 
+def test_per_token_pace_variant_rounds_every_token(bench):
+    """PACE-4 dP=1: each of the dP tokens from the checkpoint, the state stored in PACE-4's format after
+    each (float64 recurrence, pace_core.quant's rounding). The kernel's float32 dots can put an entry one
+    code away where a state lies within float32 rounding of a boundary, so the state is compared to 1e-2
+    of its norm (a 4-bit code step of a group is about 1/7 of its max) and the rounding is shown to matter:
+    the unrounded recurrence is further away."""
+    from pace_core.quant import fake_quantize
+
+    layers, nbytes = bench.build(bench.DP1, 2, torch.device("cpu"))
+    _, st, x, out = layers[0]
+    spec = bench.buffered_config(bench.DP1).quant_spec()
+    S0 = st.loaded().double()
+    bench.run_period(layers, bench.configs(bench.DP1)[0])
+    S, S_plain = S0, S0
+    for _ in range(bench.PERIOD):
+        o, S = gdn_recurrent(*(t[:, None].double() for t in x), initial_state=S)
+        S = fake_quantize(S, spec, torch.float64)
+        _, S_plain = gdn_recurrent(*(t[:, None].double() for t in x), initial_state=S_plain)
+    got = st.loaded().double()
+    err = float((got - S).norm() / S.norm())
+    assert err < 1e-2
+    assert float((got - S_plain).norm() / S_plain.norm()) > 3 * err
+    assert float((out.double() - o[:, 0]).norm() / o.norm()) < 1e-2
+    assert st.buffer is None
+    assert nbytes == bench.LAYERS * (2 * st.checkpoint.nbytes() + bench._io_bytes(2))
+
+
 @pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8"])
 def test_buffered_variants_run_and_report(bench, variant):
     row = bench.time_variant(variant, 2, torch.device("cpu"), 2)

@@ -6,7 +6,9 @@
 - buffered bf16 (dense bf16 checkpoint, bf16 buffer, dP = 8),
 - PACE-4 (4-bit key-axis g 64 symmetric checkpoint, int8 buffer, dP = 8),
 - PACE-4/8 (key-axis g 32 zero point, a quarter of the heads at 8 bits, mixed buffer with its 4-bit keys in
-  groups of 16 with zero points, dP = 8)
+  groups of 16 with zero points, dP = 8),
+- PACE-4 dP = 1 (its checkpoint format rounded every token, no buffer: the one-launch per-token recurrence
+  :func:`kernels.recurrent_step.recurrent_run` that a dP = 1 decode runs)
   (each layer a :class:`pace_core.schedule.PeriodicState` on :class:`kernels.backend.TritonSteps`),
 - when flash-linear-attention is installed (carry the ``fla-core`` wheel), its
   ``fused_recurrent_gated_delta_rule`` per token, as transformers calls it for decode: its state is
@@ -53,13 +55,15 @@ from pace_core.schedule import PeriodicState  # noqa: E402
 LAYERS, H, HV, K, V, PERIOD = 24, 16, 32, 128, 128, 8
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 BYTES_MODEL = (
-    "a lower bound, each byte counted once: per-token states read + write the whole state; buffered "
+    "a lower bound, each byte counted once: per-token states (and PACE-4 dP=1's checkpoint) read + write the "
+    "whole state; buffered "
     "variants read the checkpoint every token, write it once per dP, write one record per non-flush token "
     "and read the (dP - 1) / 2 records held on average; all variants read q, k, v, g, beta and write o "
     "(float32). The flush token's second pass over the checkpoint (an L2 hit) is not counted."
 )
 FLA = "fla fused_recurrent (fp32 state)"
-VARIANTS = ("fp32 per-token", "bf16 per-token", "bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8", FLA)
+DP1 = "PACE-4 dP=1"
+VARIANTS = ("fp32 per-token", "bf16 per-token", "bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8", DP1, FLA)
 try:
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 except ImportError:  # the fla baseline is optional
@@ -101,7 +105,9 @@ def _io_bytes(B: int) -> int:
 
 
 def buffered_config(variant: str):
-    """The configuration of a buffered variant (PACE-4/8: every fourth head at 8 bits)."""
+    """The configuration of a variant kept in a checkpoint format (PACE-4/8: every fourth head at 8 bits)."""
+    if variant == DP1:
+        return get_config("pace-4").replace(name=DP1, decode_period=1)
     if variant == "bf16 buffered dP=8":
         return get_config("bf16").replace(name="bf16 buffered", decode_period=PERIOD, buffer="bf16")
     if variant == "PACE-4 dP=8":
@@ -110,11 +116,13 @@ def buffered_config(variant: str):
 
 
 def _layer_state(variant: str, S: torch.Tensor) -> PeriodicState:
-    """One layer's state of a buffered variant: ``S`` stored in its format, an empty buffer of dP records."""
+    """One layer's state of a checkpointed variant: ``S`` stored in its format, an empty buffer of dP records
+    (none at dP = 1)."""
     cfg = buffered_config(variant)
     fmt = StateFormat(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
     steps = TritonSteps()
-    st = PeriodicState(fmt, steps, (S.shape[0], H, HV, K, V), S.device, prefill_period=256, decode_period=PERIOD,
+    st = PeriodicState(fmt, steps, (S.shape[0], H, HV, K, V), S.device, prefill_period=256,
+                       decode_period=cfg.decode_period,
                        buffer=cfg.buffer_format, exact_current=cfg.exact_current_token)
     st.set_checkpoint(steps.store(fmt, S)[0])
     return st
@@ -133,7 +141,7 @@ def configs(variant: str) -> list[dict]:
     warps; the split path: warps of the step and flush kernels and columns per flush program."""
     if variant == FLA:
         return [{}]  # fla picks its own launch configuration
-    if variant.endswith("per-token"):
+    if variant.endswith("per-token") or variant == DP1:
         return [{"block_v": 32, "num_warps": 4}, {"block_v": 64, "num_warps": 4}, {"block_v": 64, "num_warps": 8}]
     if variant in SPLIT_VARIANTS:  # each kernel's options side by side; time_variant also combines the best
         step = [(True, 4), (True, 8), (False, 4), (False, 4), (True, 2)]
@@ -165,6 +173,9 @@ def build(variant: str, B: int, device: torch.device):
         else:
             st = _layer_state(variant, S)
             layers.append(("buffered", st, inputs, out))
+            if st.buffer is None:  # dP = 1: the checkpoint read and a new one written every token
+                bytes_per_token += 2 * _ckpt_bytes(st.checkpoint) + _io_bytes(B)
+                continue
             rec = B * record_bytes(st.buffer.format, H, HV, K, V)
             cb = _ckpt_bytes(st.checkpoint)
             bytes_per_token += (cb + cb / PERIOD + rec * ((PERIOD - 1) / PERIOD + (PERIOD - 1) / 2)
