@@ -98,11 +98,21 @@ def test_batched_windows_group_equal_lengths_in_order():
         batched_windows(windows, 0)
 
 
+def _on_gpus(loaded, first: int, last: int, dtype: torch.dtype = torch.float32):
+    """``loaded`` as if placed on GPUs: input embeddings on ``cuda:first``, output embeddings on
+    ``cuda:last`` (a stand-in model with the real config; no GPU needed to size a batch)."""
+    from types import SimpleNamespace
+
+    head = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda", last)))
+    model = SimpleNamespace(config=loaded.model.config, get_output_embeddings=lambda: head)
+    return type(loaded)(**{**vars(loaded), "model": model, "device": torch.device("cuda", first), "dtype": dtype})
+
+
 def test_default_batch_is_one_on_the_cpu_and_what_half_the_free_gpu_memory_holds(loaded, monkeypatch):
     assert windows_per_batch(loaded, 9, 1024, 512) == 1
     vocab = loaded.model.config.get_text_config(decoder=True).vocab_size
     for dtype, item in ((torch.float32, 4), (torch.bfloat16, 6)):  # fp32 logits, plus the bf16 ones they come from
-        gpu = type(loaded)(**{**vars(loaded), "device": torch.device("cuda", 0), "dtype": dtype})
+        gpu = _on_gpus(loaded, 0, 0, dtype)
         per_window = 9 * 512 * vocab * item  # 9 members x max(prompt 512, decode chunk 256) positions
         for windows in (1, 3, 7):
             free = 2 * windows * per_window + per_window  # half of it holds `windows` and a half window
@@ -115,6 +125,18 @@ def test_default_batch_is_one_on_the_cpu_and_what_half_the_free_gpu_memory_holds
         per_chunk = 9 * 256 * vocab * item  # prompt 64 tokens: the decode chunk of 256 is the larger forward
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * 5 * per_chunk, 1 << 51))
         assert windows_per_batch(gpu, 9, 1024, 64) == 5
+
+
+def test_default_batch_counts_the_free_memory_of_the_gpu_the_logits_are_on(loaded, monkeypatch):
+    """Under device_map the logits appear on the output embeddings' GPU (the last), not the first."""
+    spread = _on_gpus(loaded, 0, 1)
+    assert spread.output_device == torch.device("cuda", 1)
+    vocab = loaded.model.config.get_text_config(decoder=True).vocab_size
+    per_window = 9 * 512 * vocab * 4
+    free = {0: 1 << 50, 1: 2 * 3 * per_window}  # the first GPU nearly empty, the last holding 3 windows' logits
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[torch.device(device).index], 1 << 51))
+    assert windows_per_batch(spread, 9, 1024, 512) == 3
+    assert loaded.output_device == loaded.device  # one device: the same
 
 
 def test_batched_windows_score_as_one_by_one(loaded):

@@ -132,8 +132,9 @@ def drift(
         if not hold and m == len(members) - 1:
             del ref_states[key]
 
-    targets = ids[0, decode_from:].to(device)  # the next token of steps 0 .. last
-    nll = torch.zeros(len(members), T - decode_from, dtype=torch.float64, device=device)
+    # the next token of steps 0 .. last, and the NLL, where the logits appear (the last GPU under device_map)
+    targets = ids[0, decode_from:].to(loaded.output_device)
+    nll = torch.zeros(len(members), T - decode_from, dtype=torch.float64, device=loaded.output_device)
 
     def on_logits(logits: torch.Tensor, first_position: int) -> None:
         # positions p .. p + t - 1 predict tokens p + 1 ..; step j is position decode_from - 1 + j

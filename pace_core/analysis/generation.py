@@ -113,7 +113,7 @@ def _scores(loaded: LoadedModel, reference: PaceConfig, ids: torch.Tensor, news:
             out.append((float("nan"), float("nan")))
             continue
         logp = torch.log_softmax(logits[i, :len(n)].double(), dim=-1)
-        target = batch[i, T:T + len(n)]
+        target = batch[i, T:T + len(n)].to(logp.device)  # the logits' device: the last GPU under device_map
         out.append((float(-logp.gather(1, target[:, None]).mean()), float((logp.argmax(-1) == target).double().mean())))
     return out
 

@@ -106,16 +106,18 @@ MOST_WINDOWS_PER_BATCH = 16
 def windows_per_batch(loaded: LoadedModel, members: int, window: int, decode_from: int | None) -> int:
     """The default ``batch`` of :func:`evaluate_quality` **[ours]**: 1 on the CPU (memory there is the
     host's, shared with everything else); on a GPU the most windows, up to :data:`MOST_WINDOWS_PER_BATCH`,
-    whose largest logits tensor fits in half of the device's free memory: ``members`` (configurations and
-    the reference) x windows x positions of one forward (the prompt's, or a decode chunk's) x vocabulary,
-    in float32 and, for another weight dtype, its copy in that dtype."""
-    if loaded.device.type != "cuda":
+    whose largest logits tensor fits in half of the free memory of the device the logits appear on (the
+    last under ``device_map``): ``members`` (configurations and the reference) x windows x positions of one
+    forward (the prompt's, or a decode chunk's) x vocabulary, in float32 and, for another weight dtype, its
+    copy in that dtype."""
+    where = loaded.output_device
+    if where.type != "cuda":
         return 1
     d = prompt_tokens(decode_from, window)
     positions = max(d, min(DECODE_CHUNK, window - d))
     item = 4 + (0 if loaded.dtype == torch.float32 else loaded.dtype.itemsize)
     per_window = members * positions * loaded.model.config.get_text_config(decoder=True).vocab_size * item
-    free, _ = torch.cuda.mem_get_info(loaded.device)
+    free, _ = torch.cuda.mem_get_info(where)
     return max(1, min(MOST_WINDOWS_PER_BATCH, int(free // 2 // per_window)))
 
 
@@ -169,7 +171,8 @@ def evaluate_quality(
     members = [Member(ref.name, ref)] + [Member(n, c, damp_rows_of(damp_rows, n) if c.method == "damp" else None)
                                          for n, c in cfgs.items() if n != ref.name]
     device = loaded.device
-    totals = torch.zeros(len(members), 3, dtype=torch.float64, device=device)  # nll, agreement, kl
+    # reduced where the logits appear (under device_map the last GPU, the ids go to the first)
+    totals = torch.zeros(len(members), 3, dtype=torch.float64, device=loaded.output_device)  # nll, agreement, kl
     count = 0
     for group in batched_windows(windows, batch):
         chunk = torch.cat([ids[:, w.begin : w.end] for w in group]).to(device)
@@ -183,7 +186,7 @@ def evaluate_quality(
                 lo, hi = max(f - 1, first), min(W - 1, first + logits.shape[1])  # positions predicting targets
                 if lo >= hi:
                     continue
-                targets = chunk[i, lo + 1:hi + 1]
+                targets = chunk[i, lo + 1:hi + 1].to(totals.device)
                 ref_logp = None
                 for m in range(len(members)):
                     logp = torch.log_softmax(logits[m * n + i, lo - first:hi - first].double(), dim=-1)

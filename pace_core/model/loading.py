@@ -45,6 +45,14 @@ class LoadedModel:
     fingerprint: str = ""  # weights_fingerprint(model): which weights, for result caches
 
     @property
+    def output_device(self) -> torch.device:
+        """The device of the output embeddings, where a forward's logits appear (the last device under
+        ``device_map``; :attr:`device` where they are not placed on one, e.g. offloaded)."""
+        head = self.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        return self.device if weight is None or weight.device.type == "meta" else weight.device
+
+    @property
     def model_type(self) -> str:
         """The ``model_type`` of the loaded (text) config, e.g. ``qwen3_5_text``."""
         return self.model.config.model_type
