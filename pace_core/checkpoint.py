@@ -32,7 +32,7 @@ import torch
 from pace_core import quant
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
-from pace_core.outliers import DampQuantizer, DampTensor, DSQTensor, dsq_dequantize, dsq_quantize
+from pace_core.outliers import (DampQuantizer, DampTensor, DSQTensor, dsq_dequantize, dsq_quantize_with_values)
 
 Checkpoint = Union[torch.Tensor, quant.PackedTensor, quant.MixedPackedState, DSQTensor, DampTensor]
 
@@ -156,9 +156,9 @@ class StateFormat:
             c = S.to(self.dtype)
             return c, c.float()
         if method == "dsq":
-            return dsq_quantize(S, self.cfg.bits, name=self.name), None
+            return dsq_quantize_with_values(S, self.cfg.bits, name=self.name)
         if method == "damp":
-            return self.damp.quantize(S, name=self.name), None
+            return self.damp.quantize_with_values(S, name=self.name)
         return quant.quantize_heads(S, self.bits_per_head, self.cfg.quant_spec(), name=self.name), None
 
     def load(self, c: Checkpoint) -> torch.Tensor:

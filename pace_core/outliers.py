@@ -42,6 +42,7 @@ from pace_core.quant import (
     pack_codes,
     packed_nbytes,
     quantize,
+    quantize_with_values,
     safe_divisor,
     unpack_codes,
     work_dtype,
@@ -84,6 +85,16 @@ def _check_fp16(amax: torch.Tensor, name: str, what: str) -> None:
 
 def dsq_quantize(x: torch.Tensor, bits: int = 4, *, name: str = "state") -> DSQTensor:
     """Q-Mamba DSQ of `x [..., K, V]` (any float dtype) with row and column fp16 scales."""
+    return _dsq(x, bits, name, with_values=False)[0]
+
+
+def dsq_quantize_with_values(x: torch.Tensor, bits: int = 4, *, name: str = "state") -> tuple[DSQTensor, torch.Tensor]:
+    """:func:`dsq_quantize` and its float32 values at once (bit-identical to ``dsq_dequantize`` of it: the
+    same integer codes times the same float32 step, without packing and unpacking them)."""
+    return _dsq(x, bits, name, with_values=True)
+
+
+def _dsq(x: torch.Tensor, bits: int, name: str, with_values: bool) -> tuple[DSQTensor, torch.Tensor | None]:
     check_bits(bits)
     _check_state(x, name, 2)
     qmax = 2 ** (bits - 1) - 1
@@ -95,8 +106,11 @@ def dsq_quantize(x: torch.Tensor, bits: int = 4, *, name: str = "state") -> DSQT
     col_amax = (xw / safe_divisor(r, w).unsqueeze(-1)).abs().amax(-2)
     c = fp16_scale(div_by_int(col_amax.float(), qmax), col_amax > 0)
     step = r.to(w).unsqueeze(-1) * c.to(w).unsqueeze(-2)
-    q = torch.round(xw / safe_divisor(step, w)).clamp_(-qmax, qmax) + (qmax + 1)
-    return DSQTensor(pack_codes(q.to(torch.uint8), bits), r, c, bits, tuple(x.shape))
+    q = torch.round(xw / safe_divisor(step, w)).clamp_(-qmax, qmax)
+    values = None
+    if with_values:  # dsq_dequantize's arithmetic in float32
+        values = q.to(torch.float32) * (r.float().unsqueeze(-1) * c.float().unsqueeze(-2))
+    return DSQTensor(pack_codes((q + (qmax + 1)).to(torch.uint8), bits), r, c, bits, tuple(x.shape)), values
 
 
 def dsq_dequantize(t: DSQTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -204,6 +218,14 @@ class DampQuantizer:
 
     def quantize(self, S: torch.Tensor, *, name: str = "state") -> DampTensor:
         """Quantise `S [..., HV, K, V]` (any float dtype)."""
+        return self._quantize(S, name, with_values=False)[0]
+
+    def quantize_with_values(self, S: torch.Tensor, *, name: str = "state") -> tuple[DampTensor, torch.Tensor]:
+        """:meth:`quantize` and the float32 state it stores (bit-identical to :meth:`dequantize` of it,
+        without unpacking the codes again)."""
+        return self._quantize(S, name, with_values=True)
+
+    def _quantize(self, S: torch.Tensor, name: str, with_values: bool) -> tuple[DampTensor, torch.Tensor | None]:
         _check_state(S, name, 3)
         self._check_shape(tuple(S.shape), name)
         rows, rows16, heads, rest_rows = self._rows_on(S.device, S.shape[-2])
@@ -212,8 +234,14 @@ class DampQuantizer:
         rest = S[..., heads, rest_rows, :]
         if self.hadamard:
             rest = rest.to(torch.float64) @ hadamard(S.shape[-1], device=S.device)
-        packed = quantize(rest, self.spec, name=f"{name} (non-outlier rows)")
-        return DampTensor(outliers.to(torch.float16), packed, rows16, self.hadamard, tuple(S.shape))
+        rest_name = f"{name} (non-outlier rows)"
+        if with_values:
+            packed, values = quantize_with_values(rest, self.spec, name=rest_name,
+                                                  dtype=torch.float64 if self.hadamard else torch.float32)
+        else:
+            packed, values = quantize(rest, self.spec, name=rest_name), None
+        t = DampTensor(outliers.to(torch.float16), packed, rows16, self.hadamard, tuple(S.shape))
+        return t, None if values is None else self._assemble(t, values, rows, heads, rest_rows, torch.float32)
 
     def dequantize(self, t: DampTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantised state [..., HV, K, V] in `dtype`."""
@@ -222,7 +250,14 @@ class DampQuantizer:
             rows = t.rows.long()
             heads = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1)
             rest_rows = _rest_rows(rows, t.shape[-2])
-        rest = dequantize(t.rest, torch.float64 if t.hadamard else dtype)
+        return self._assemble(t, dequantize(t.rest, torch.float64 if t.hadamard else dtype), rows, heads,
+                              rest_rows, dtype)
+
+    @staticmethod
+    def _assemble(t: DampTensor, rest: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
+                  rest_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The state [..., HV, K, V] in `dtype` of `t`'s outlier rows and the dequantised rest rows `rest`
+        (rotated back when `t.hadamard`)."""
         if t.hadamard:
             rest = rest @ hadamard(t.shape[-1], device=rest.device)
         out = torch.empty(t.shape, dtype=dtype, device=rest.device)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from pace_core.errors import PaceError
-from pace_core.outliers import DampQuantizer, dsq_dequantize, dsq_quantize, hadamard, rank_outlier_rows
+from pace_core.outliers import (DampQuantizer, dsq_dequantize, dsq_quantize, dsq_quantize_with_values, hadamard,
+                                rank_outlier_rows)
 from pace_core.quant import QuantSpec, fake_quantize, unpack_codes
 from test_quant import F16_MAX, F16_TINY, ref_quantize
 
@@ -61,6 +62,10 @@ def test_dsq_matches_reference(bits, dtype):
     assert np.array_equal(dsq_dequantize(t, torch.float64).numpy(), deq)
     assert torch.equal(dsq_dequantize(t), torch.from_numpy(deq).float())
     assert bool((dsq_dequantize(t)[0, 1, 4] == 0).all()) and bool((dsq_dequantize(t)[1, 2, :, 5] == 0).all())
+    # with its values: the same codes and scales, the values dequantize's (elementwise code x step: exact)
+    t2, values = dsq_quantize_with_values(x, bits)
+    assert torch.equal(t2.codes, t.codes) and torch.equal(t2.row_scale, t.row_scale)
+    assert values.dtype == torch.float32 and torch.equal(values, dsq_dequantize(t))
 
 
 @settings(max_examples=60, deadline=None)
@@ -154,6 +159,10 @@ def test_damp_matches_reference(bits, use_hadamard):
     assert t.outliers.dtype == torch.float16
     assert torch.equal(deq[:, heads, rows], x[:, heads, rows].half().double())
     assert torch.equal(quantizer.dequantize(t)[:, heads, rows], x[:, heads, rows].half().float())
+    # with its values: the stored tensor and dequantize's float32 state (same operations on the same codes)
+    t2, values = quantizer.quantize_with_values(x)
+    assert torch.equal(t2.rest.codes, t.rest.codes) and torch.equal(t2.outliers, t.outliers)
+    assert values.dtype == torch.float32 and torch.equal(values, quantizer.dequantize(t))
     ref = _ref_rest(x.numpy(), rows.numpy(), bits, 32, use_hadamard)
     mask = torch.ones(hv, k, dtype=torch.bool)
     mask[heads, rows] = False
