@@ -41,8 +41,10 @@ if TYPE_CHECKING:
 def refuse_non_finite(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, name: str) -> None:
     """PaceError when decode inputs ``k, v, g`` hold NaN or inf: one check (a device read), skipped while a
     CUDA graph is being captured (its replays do not check their inputs)."""
-    if k.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return
+    if k.device.type == "cuda":
+        with torch.cuda.device(k.device):  # the capture, if any, is on the inputs' GPU's stream
+            if torch.cuda.is_current_stream_capturing():
+                return
     if not bool(torch.isfinite(k).all() & torch.isfinite(v).all() & torch.isfinite(g).all()):
         raise PaceError(f"k, v, g of {name}: non-finite values; allowed: finite inputs")
 
@@ -139,15 +141,18 @@ class LayerState:
 
     def flush(self) -> None:
         """Fold the buffered records into the checkpoint, store it and clear the buffer."""
-        self.state.flush()
+        with self._on_device():
+            self.state.flush()
 
     def effective_state(self) -> torch.Tensor:
         """Checkpoint plus folded buffer: ``S [B, HV, K, V]`` float32."""
-        return self.state.effective_state()
+        with self._on_device():
+            return self.state.effective_state()
 
     def dequantized(self) -> torch.Tensor:
         """The dequantised checkpoint ``Ŝ [B, HV, K, V]`` float32."""
-        return self.state.loaded()
+        with self._on_device():
+            return self.state.loaded()
 
     def nbytes(self) -> dict[str, int]:
         """``{"payload", "metadata", "buffer"}`` real bytes (module docstring)."""

@@ -122,8 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             error = f"{type(err).__name__}: {err}"
             raise
         finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            for index in range(torch.cuda.device_count()):  # every GPU's queued work, not the current one's
+                torch.cuda.synchronize(index)
             seconds = time.perf_counter() - start
             doc["steps"].append({"step": name, "seconds": round(seconds, 3), "exit_code": code, "error": error,
                                  "gpu_memory": gpu_memory()})

@@ -78,8 +78,8 @@ def record_gdn_inputs(loaded: LoadedModel, ids: torch.Tensor) -> GDNInputs:
     modules = gdn_modules(model)
     records: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def record(module, arguments: dict, decode: bool) -> None:
-        records[int(module.layer_idx)] = core_inputs(module, arguments)
+    def record(module, arguments: dict, decode: bool) -> None:  # on one device: layers may sit on several
+        records[int(module.layer_idx)] = tuple(t.to(loaded.device) for t in core_inputs(module, arguments))
 
     with pace(model, get_config("fp32")), tapped(model, record):
         model(input_ids=ids.to(loaded.device))

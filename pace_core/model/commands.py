@@ -51,11 +51,13 @@ class Context:
 
     def cached(self, kind: str, params: dict[str, Any]):
         """(key, stored Result or None unless --force). The key holds the model, its weights, dtype and
-        device (results differ a little between devices; sampling draws other numbers) and ``params``."""
+        device, and the ``--device-map`` when one is given (results differ a little between devices; sampling
+        draws other numbers) and ``params``."""
         from pace_core.results import load_result, result_key
 
+        placement = {"device_map": self.args.device_map} if self.args.device_map else {}  # none: the keys of before
         key = result_key({"kind": kind, "model": self.model_name, "weights": self.loaded.fingerprint,
-                          "dtype": self.args.dtype, "device": str(self.loaded.device), **params})
+                          "dtype": self.args.dtype, "device": str(self.loaded.device), **placement, **params})
         found = None if self.args.force else load_result(kind, self.model_name, key, root=self.args.out)
         return key, found
 
