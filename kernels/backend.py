@@ -38,7 +38,7 @@ from kernels.packed_step import launch_packed_step, launch_window
 from kernels.plan import DecodePlan, check_kernel_shape, is_pow2, plan_decode
 from kernels.recurrent_step import recurrent_run
 from pace_core import quant
-from pace_core.backend import REFERENCE, token_by_token
+from pace_core.backend import REFERENCE, capturing, token_by_token
 from pace_core.buffer import BufferFormat
 from pace_core.errors import PaceError
 from pace_core.recurrence import RECURRENT_BELOW, fold
@@ -160,7 +160,7 @@ class TritonSteps:
         the kernel."""
         settings = {key: self.launch[key] for key in ("block_v", "num_warps") if key in self.launch}
         o, new, peak = recurrent_run(st.checkpoint, q, k, v, g, beta, **settings)
-        if (peak is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+        if (peak is not None and not capturing(q)
                 and not float(peak) <= _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head))):
             return REFERENCE.recurrent_run(st, q, k, v, g, beta)
         st.set_checkpoint(new)

@@ -71,6 +71,15 @@ class Steps(Protocol):
     def fold(self, st: PeriodicState) -> torch.Tensor: ...
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the stream of ``t``'s GPU (checks that read the device
+    are skipped then: a graph's replays do not run them)."""
+    if t.device.type != "cuda":
+        return False
+    with torch.cuda.device(t.device):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def token_by_token(steps: Steps, st: PeriodicState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    g: torch.Tensor, beta: torch.Tensor, *, flush: bool) -> torch.Tensor:
     """A window of buffered tokens (shapes as :meth:`ReferenceSteps.window`) through ``steps.step``, one token

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from pace_core.backend import backend_setting, select_steps
+from pace_core.backend import backend_setting, capturing, select_steps
 from pace_core.checkpoint import StateFormat
 from pace_core.errors import PaceError
 from pace_core.schedule import Capture, PeriodicState
@@ -41,10 +41,8 @@ if TYPE_CHECKING:
 def refuse_non_finite(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, name: str) -> None:
     """PaceError when decode inputs ``k, v, g`` hold NaN or inf: one check (a device read), skipped while a
     CUDA graph is being captured (its replays do not check their inputs)."""
-    if k.device.type == "cuda":
-        with torch.cuda.device(k.device):  # the capture, if any, is on the inputs' GPU's stream
-            if torch.cuda.is_current_stream_capturing():
-                return
+    if capturing(k):
+        return
     if not bool(torch.isfinite(k).all() & torch.isfinite(v).all() & torch.isfinite(g).all()):
         raise PaceError(f"k, v, g of {name}: non-finite values; allowed: finite inputs")
 

@@ -142,6 +142,11 @@ def scenarios(query: dict[str, str], pages_only: bool = False) -> dict[str, floa
     return out
 
 
+def app_query(device: str, weights: str, model: str | None) -> dict[str, str]:
+    """The URL query of the app on ``model`` (None: the embedded one) with these sidebar choices."""
+    return {"device": device, "weights": weights, **({"model": model} if model else {})}
+
+
 def app_model(query: dict[str, str]) -> object:
     """The app's cached load of the model of ``query`` (the one every page's visit then finds loaded)."""
     from app_state.controls import Runtime
@@ -242,7 +247,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO_ROOT / "data" / "bench"))
     parser.add_argument("--repeat-once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    query = {"device": args.device, "weights": args.weights, **({"model": args.model} if args.model else {})}
+    query = app_query(args.device, args.weights, args.model)
     if args.repeat_once:
         print(json.dumps(scenarios(query, args.pages_only)))
         return

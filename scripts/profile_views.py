@@ -79,7 +79,7 @@ def page_visits(args: argparse.Namespace) -> int:
         fn = getattr(module, name)
         label = f"{module_name}.{name}"
         setattr(module, name, lambda *a, _fn=fn, _label=label, **k: timed(_label, lambda: _fn(*a, **k), args.device))
-    query = {"device": args.device, "weights": args.weights, **({"model": args.model} if args.model else {})}
+    query = measure_app.app_query(args.device, args.weights, args.model)
     at = measure_app._app({**query, "preset": "pace-4-8"})
     measure_app._checked(at.run())
     timed("load", lambda: measure_app.app_model(query), args.device)
