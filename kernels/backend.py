@@ -13,8 +13,12 @@ on the kernels of this package (CUDA tensors; CPU tensors only under ``TRITON_IN
 - the fold of the buffer and a flush outside a token (before a prompt) of a fused-step checkpoint: the
   PyTorch reference.
 
-The launch plan (:func:`kernels.plan.plan_decode`) is made once per checkpoint: a prefill, reset or reorder
-stores a new checkpoint and so a new plan; the decode steps update it in place.
+The launch plan (:func:`kernels.plan.plan_decode`: the checkpoint's and the buffer's pointers, head table and
+constexprs) is made once per checkpoint: a prefill, reset or reorder stores a new checkpoint and so a new
+plan; the decode steps update it in place. A dP = 1 run writes new storage of the same layout every time, so
+its plan (:func:`kernels.recurrent_step.plan_recurrent`) is made once per layer. A token then costs its
+launches and little else on the host, which is what the Generations page pays per configuration, layer and
+token.
 
 Tolerances against the reference (float32 inputs): stores and loads are bit-identical; a token's output and
 a folded state agree to a relative Frobenius error below 1e-5 given the same stored record (another
@@ -26,8 +30,6 @@ float32 rounding of a rounding boundary.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kernels import chunk as _chunk
@@ -36,7 +38,7 @@ from kernels.flush import launch_flush
 from kernels.fused_step import launch_fused
 from kernels.packed_step import launch_packed_step, launch_window
 from kernels.plan import DecodePlan, check_kernel_shape, is_pow2, plan_decode
-from kernels.recurrent_step import recurrent_run
+from kernels.recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
 from pace_core import quant
 from pace_core.backend import REFERENCE, capturing, token_by_token
 from pace_core.buffer import BufferFormat
@@ -53,6 +55,8 @@ class TritonSteps:
     def __init__(self, launch: dict | None = None) -> None:
         self.launch = dict(launch or {})
         self._plan: tuple[object, DecodePlan] | None = None
+        self._recurrent: tuple[RecurrentPlan, float | None] | None = None
+        self._chunk_plan: RecurrentPlan | None = None  # a short chunk's run on a float32 copy of its state
 
     @classmethod
     def for_layer(cls, fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> TritonSteps | None:
@@ -97,21 +101,17 @@ class TritonSteps:
         recurrence kernel on a float32 copy of ``S0`` (one launch, e.g. one decode token or a few between
         captures of the fp32 reference), longer ones :func:`kernels.chunk.chunk`."""
         if 0 < q.shape[1] < RECURRENT_BELOW:
-            o, S, _ = recurrent_run(S0.to(torch.float32, memory_format=torch.contiguous_format, copy=True), q, k,
-                                    v, g, beta)
+            S = S0.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            if self._chunk_plan is None or self._chunk_plan.shape != tuple(S.shape):
+                self._chunk_plan = plan_recurrent(S)
+            o, S, _ = recurrent_run(S, q, k, v, g, beta, plan=self._chunk_plan)
             return o, S
         return _chunk.chunk(q, k, v, g, beta, S0, chunk_size)
 
     def plan(self, st) -> DecodePlan:
         """The launch plan of ``st``'s checkpoint and buffer, with this backend's launch settings."""
         if self._plan is None or self._plan[0] is not st.checkpoint:
-            plan = plan_decode(st.checkpoint, st.buffer, st.exact_current)
-            if self.launch:
-                meta = {**plan.meta, **self.launch}
-                if "BK" in meta:
-                    meta["BK"] = min(meta["BK"], plan.meta["K"])
-                plan = dataclasses.replace(plan, meta=meta)
-            self._plan = (st.checkpoint, plan)
+            self._plan = (st.checkpoint, plan_decode(st.checkpoint, st.buffer, st.exact_current, self.launch))
         return self._plan[1]
 
     def step(self, st, q_t, k_t, v_t, g_t, beta_t, *, flush: bool) -> torch.Tensor:
@@ -157,11 +157,15 @@ class TritonSteps:
         (untouched), so that the state is refused at the token and with the message a store gives. That check
         reads the device, so it is skipped while a CUDA graph is being captured (its replays do not check,
         as :func:`pace_core.state_store.refuse_non_finite`). ``launch``'s ``block_v`` and ``num_warps`` reach
-        the kernel."""
-        settings = {key: self.launch[key] for key in ("block_v", "num_warps") if key in self.launch}
-        o, new, peak = recurrent_run(st.checkpoint, q, k, v, g, beta, **settings)
-        if (peak is not None and not capturing(q)
-                and not float(peak) <= _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head))):
+        the kernel; its plan and the overflow bound are made on the first run (the layer's layout does not
+        change)."""
+        if self._recurrent is None:  # the layer's layout: every run's checkpoint has it
+            settings = {key: self.launch[key] for key in ("block_v", "num_warps") if key in self.launch}
+            bound = None if st.fmt.spec is None else _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head))
+            self._recurrent = (plan_recurrent(st.checkpoint, **settings), bound)
+        plan, bound = self._recurrent
+        o, new, peak = recurrent_run(st.checkpoint, q, k, v, g, beta, plan=plan)
+        if peak is not None and not capturing(q) and not float(peak) <= bound:
             return REFERENCE.recurrent_run(st, q, k, v, g, beta)
         st.set_checkpoint(new)
         return o

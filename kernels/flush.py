@@ -11,9 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.plan import DecodePlan, ckpt_launches
+from kernels.plan import DecodePlan
 from kernels.primitives import bf16_split, expand, operand, packed_head, quant_tile
-from kernels.records import RECORD_COUNT, load_vecs, record_args, record_layout, vec_parts
+from kernels.records import RECORD_COUNT, load_vecs, vec_parts
 from pace_core.buffer import DecodeBuffer
 
 
@@ -210,8 +210,7 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     checkpoint and requantise it in place (the caller clears the buffer)."""
     B, H, HV, K, V = plan.shape
     m = plan.meta
-    st, records = record_args(buf)
     bv = min(m["flush_columns"], V)
-    for args, common, heads in ckpt_launches(plan, m["per_part"]):
-        _flush_kernel[(B * heads, V // bv)](*args, *records, st["n"], st["cap"], H, HV, BV=bv, NB=16,
-                                            **record_layout(st), num_warps=m["flush_warps"], num_stages=1, **common)
+    for args, common, heads in plan.launches[m["per_part"]]:
+        _flush_kernel[(B * heads, V // bv)](*args, *plan.records, len(buf), plan.capacity, H, HV, BV=bv, NB=16,
+                                            **plan.record_meta, num_warps=m["flush_warps"], num_stages=1, **common)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kernels.plan import DecodePlan
 from kernels.primitives import ckpt_base, ckpt_store, ckpt_tile, head_slot
-from kernels.records import RECORD_COUNT, append_record, load_vecs, record_args, record_reads, token_output
+from kernels.records import RECORD_COUNT, append_record, load_vecs, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
 
 
@@ -105,8 +105,7 @@ def launch_fused(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o, flush
     meta = plan.meta
     if flush:  # the fold + requantise launch holds more live values: 8 warps, at most 64 rows per tile
         meta = {**meta, "BK": min(meta["BK"], max(64, meta["G"] if meta["KEY_AXIS"] else 1)), "num_warps": 8}
-    st, records = record_args(buf)
     _decode_kernel[(B * HV, V // meta["BV"])](
-        q, k, v, g, beta, o, *plan.ckpt_args, *records, st["n"], st["cap"], H, HV, FLUSH=flush,
+        q, k, v, g, beta, o, *plan.ckpt_args, *plan.records, len(buf), plan.capacity, H, HV, FLUSH=flush,
         NB=min(triton.next_power_of_2(buf.capacity), 16), NB2=16, **meta,
     )

@@ -21,9 +21,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.plan import DecodePlan, ckpt_common, ckpt_launches
+from kernels.plan import DecodePlan
 from kernels.primitives import bf16_split, centred, operand, packed_head
-from kernels.records import RECORD_COUNT, append_record, record_args, record_layout, record_reads, token_output
+from kernels.records import RECORD_COUNT, append_record, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
 
@@ -296,7 +296,7 @@ def launch_dots(plan: DecodePlan, q, k) -> None:
     B, H, HV, K, V = plan.shape
     m = plan.meta
     bv = min(m["dots_columns"], V)
-    for args, common, heads in ckpt_launches(plan, m["dots_per_part"]):
+    for args, common, heads in plan.launches[m["dots_per_part"]]:
         _ckpt_dots_kernel[(B * heads, V // bv)](q, k, plan.workspace, *args, H, HV, BV=bv, num_warps=m["dots_warps"],
                                                 **common)
 
@@ -306,10 +306,9 @@ def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> 
     ``len(buf)`` records; writes the token's record into slot ``len(buf)`` (the caller counts it)."""
     B, H, HV, K, V = plan.shape
     m = plan.meta
-    st, records = record_args(buf)
     _record_step_kernel[(B * HV,)](
-        q, k, v, g, beta, o, plan.workspace, *records, st["n"], st["cap"], H, HV, K=K, V=V, EXACT=m["EXACT"],
-        **record_layout(st),
+        q, k, v, g, beta, o, plan.workspace, *plan.records, len(buf), plan.capacity, H, HV, K=K, V=V,
+        EXACT=m["EXACT"], **plan.record_meta,
         NB=_record_block(plan),
         num_warps=m["record_warps"],
     )
@@ -325,12 +324,12 @@ def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o)
         launch_records(plan, buf, q, k, v, g, beta, o)
         return
     B, H, HV, K, V = plan.shape
-    st, records = record_args(buf)
+    args, common, _ = plan.launches[False][0]
     _ckpt_step_kernel[(B * HV,)](
-        q, k, v, g, beta, o, *plan.ckpt_args[1:], *records, st["n"], st["cap"], H, HV, EXACT=m["EXACT"],
-        **record_layout(st),
+        q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, EXACT=m["EXACT"],
+        **plan.record_meta,
         NB=_record_block(plan),
-        num_warps=m["step_warps"], **ckpt_common(m),
+        num_warps=m["step_warps"], **common,
     )
 
 
@@ -344,11 +343,10 @@ def launch_window(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> N
         raise PaceError(f"window: {q.shape[0]} tokens do not fit in the buffer's {buf.capacity - len(buf)} free "
                         "slots; allowed: at most the free slots (the schedule flushes before)")
     m = plan.meta
-    st, records = record_args(buf)
-    for args, common, heads in ckpt_launches(plan, m["per_part"]):  # a program reads only its own records
+    for args, common, heads in plan.launches[m["per_part"]]:  # a program reads only its own records
         _ckpt_window_kernel[(B * heads,)](
-            q, k, v, g, beta, o, *args, *records, st["n"], st["cap"], H, HV, q.shape[0],
-            EXACT=m["EXACT"], **record_layout(st),
+            q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, q.shape[0],
+            EXACT=m["EXACT"], **plan.record_meta,
             NB=_record_block(plan),
             num_warps=m["step_warps"], **common,
         )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.records import buffer_tensors, record_layout
+from kernels.records import record_args, record_layout
 from pace_core import quant
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
@@ -198,6 +198,9 @@ class DecodePlan:
     split: bool = False  # packed key-axis checkpoint: dots + record kernels, a separate flush kernel
     workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the two
     part_launches: list = field(default_factory=list)  # split, two bit widths: (args, PartLayout, heads) per width
+    records: tuple = ()  # the buffer's record pointers (record_args: its storage stays allocated)
+    record_meta: dict = field(default_factory=dict)  # their compile-time layout (record_layout)
+    launches: dict = field(default_factory=dict)  # split: ckpt_launches by per_part
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
@@ -222,9 +225,11 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True) -> DecodePlan:
+def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True, launch: dict | None = None
+                ) -> DecodePlan:
     """Validate ``ckpt`` against ``buf`` and prepare the launch (see :class:`DecodePlan`); ``exact_current``:
-    the current token's output from its exact record (pace_core.recurrence.buffered_step)."""
+    the current token's output from its exact record (pace_core.recurrence.buffered_step); ``launch``: launch
+    settings over the defaults (``BK`` at most K; kernels/bench.py tries others)."""
     B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
     if buf.precision == "fp64":
         raise PaceError("buffer precision: 'fp64' not supported by the kernels; allowed: fp32, bf16, int8, mixed")
@@ -247,15 +252,20 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True)
         G, key_axis, sym = spec.group_size, spec.axis == "key", spec.symmetric
         BK = min(max(G, 32) if key_axis else 32, K)
     BV = whole_groups(column_block(buf), V, G, key_axis, sym, layouts[0].pack_zero)
-    st = buffer_tensors(buf)
+    st, records = record_args(buf)
+    record_meta = record_layout(st)
     meta = dict(K=K, V=V, BK=BK, BV=BV, G=G, KEY_AXIS=key_axis, SYM=sym, **layout_args(layouts),
-                DENSE=isinstance(ckpt, torch.Tensor), **record_layout(st), EXACT=exact_current,
+                DENSE=isinstance(ckpt, torch.Tensor), **record_meta, EXACT=exact_current,
                 num_warps=8 if BK * BV >= 8192 else 4)
     split = not meta["DENSE"] and key_axis
     workspace = None
     if split:  # bfloat16 tensor-core operands on a GPU (fp32 holding the same values under the interpreter)
         fusable = all((V // 2 if p.spec.bits <= 4 else V) >= 16 for p in parts)  # no padded dot columns
         meta = {**meta, **SPLIT_DEFAULTS, "BF16": buf.device.type == "cuda", "fusable": fusable}
+    if launch:
+        meta = {**meta, **launch}
+        meta["BK"] = min(meta["BK"], K)
+    if split:
         one_wave = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
         if meta["fused_step"] == "auto":
             meta["fused_step"] = one_wave
@@ -267,7 +277,11 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True)
         for w, part, layout in zip(widths, parts, layouts):
             heads = table.heads[w]
             part_launches.append(([heads, heads, *part_pointers([part]), len(heads), len(heads)], layout, len(heads)))
-    return DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace, part_launches)
+    plan = DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace, part_launches,
+                      records, record_meta)
+    if split:
+        plan.launches.update({per_part: ckpt_launches(plan, per_part) for per_part in (False, True)})
+    return plan
 
 
 def ckpt_common(m: dict) -> dict:

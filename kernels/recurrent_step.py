@@ -16,6 +16,8 @@ would.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -98,18 +100,67 @@ def _columns(B: int, HV: int, V: int, device: torch.device, block_v: int | None)
     return min(block_v, V)
 
 
-def _empty_like(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.PackedTensor | quant.MixedPackedState:
+@dataclass(frozen=True)
+class RecurrentPlan:
+    """What the launches of one state's recurrence share from run to run (the storage of a packed
+    checkpoint is new after each run, its layout is not): the state's shape ``(B, HV, K, V)``, its device,
+    the grid, the kernel's constexprs and, for a packed checkpoint, its bit widths (ascending), the head
+    table's arguments (part and slot tensors, the heads of each part) and the empty parts' shapes."""
+
+    shape: tuple[int, int, int, int]
+    device: torch.device
+    grid: tuple[int, int]
+    meta: dict
+    widths: tuple[int, ...] = ()
+    table_args: tuple = ()
+    parts: tuple = ()  # per width: (lead + heads, spec, K, V) of its storage
+
+
+def plan_recurrent(ckpt: Checkpoint, block_v: int | None = None, num_warps: int = 4) -> RecurrentPlan:
+    """Validate ``ckpt`` (as :func:`recurrent_run` takes it) and plan its launches (:class:`RecurrentPlan`)."""
+    if isinstance(ckpt, torch.Tensor):
+        if ckpt.dim() != 4 or ckpt.dtype not in (torch.float32, torch.bfloat16) or not ckpt.is_contiguous():
+            raise PaceError(f"ckpt: {tuple(ckpt.shape)} {ckpt.dtype} not allowed; "
+                            "allowed: contiguous float32/bfloat16 [B, HV, K, V]")
+        B, HV, K, V = ckpt.shape
+        BV = _columns(B, HV, V, ckpt.device, block_v)
+        layout = part_layout(quant.QuantSpec(8, True, "key", 1), K, V)
+        meta = dict(K=K, V=V, BV=BV, G=1, KEY_AXIS=True, SYM=True, **layout_args([layout]), DENSE=True,
+                    BF16_STATE=ckpt.dtype == torch.bfloat16, num_warps=num_warps)
+        return RecurrentPlan((B, HV, K, V), ckpt.device, (B * HV, V // BV), meta)
+    m = as_mixed(ckpt)
+    B, HV, K, V = ckpt.shape
+    widths = tuple(sorted(m.parts))
+    device = m.parts[widths[0]].codes.device
+    spec = m.parts[widths[0]].spec
+    ckpt_args, layouts, _ = packed_args(m, (B, HV, K, V))
+    BV = whole_groups(_columns(B, HV, V, device, block_v), V, spec.group_size, spec.axis == "key", spec.symmetric,
+                      layouts[0].pack_zero)
+    meta = dict(K=K, V=V, BV=BV, G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric,
+                **layout_args(layouts), DENSE=False, BF16_STATE=False, num_warps=num_warps)
+    parts = tuple((m.parts[w].shape[:-2], m.parts[w].spec) for w in widths)
+    return RecurrentPlan((B, HV, K, V), device, (B * HV, V // BV), meta, widths,
+                         (ckpt_args[0], ckpt_args[1], *ckpt_args[-2:]), parts)
+
+
+def _parts_of(ckpt: quant.PackedTensor | quant.MixedPackedState, widths: tuple[int, ...]) -> list[quant.PackedTensor]:
+    return [ckpt] if isinstance(ckpt, quant.PackedTensor) else [ckpt.parts[w] for w in widths]
+
+
+def _empty_like(ckpt: quant.PackedTensor | quant.MixedPackedState, plan: RecurrentPlan
+                ) -> quant.PackedTensor | quant.MixedPackedState:
     """Uninitialised storage of ``ckpt``'s layout (filled by the kernel)."""
-    def part(p: quant.PackedTensor) -> quant.PackedTensor:
-        return empty_part(p.shape[:-3], p.shape[-3], p.shape[-2], p.shape[-1], p.spec, p.codes.device)
+    K, V = plan.shape[2:]
+    new = [empty_part(lead[:-1], lead[-1], K, V, spec, plan.device) for lead, spec in plan.parts]
     if isinstance(ckpt, quant.PackedTensor):
-        return part(ckpt)
-    return quant.MixedPackedState({b: part(p) for b, p in ckpt.parts.items()}, ckpt.heads, ckpt.shape)
+        return new[0]
+    return quant.MixedPackedState(dict(zip(plan.widths, new)), ckpt.heads, ckpt.shape)
 
 
 def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, block_v: int | None = None, out: torch.Tensor | None = None,
-                  num_warps: int = 4) -> tuple[torch.Tensor, Checkpoint, torch.Tensor | None]:
+                  num_warps: int = 4, plan: RecurrentPlan | None = None
+                  ) -> tuple[torch.Tensor, Checkpoint, torch.Tensor | None]:
     """``T`` tokens of the plain recurrence from ``ckpt``, rounded after each as it is stored (module
     docstring).
 
@@ -117,23 +168,16 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
     checkpoint of that shape (pace_core.quant's format; key-axis or value-axis groups, at most two bit
     widths). ``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``, T >= 1;
     ``block_v``: columns per program (:func:`_columns` when None), ``out``: a contiguous float32 tensor for
-    ``o``. Returns ``o [B, T, HV, V]`` float32, the state after the last token (``ckpt`` itself when dense,
-    else new storage) and, for a packed checkpoint, the largest ``|S_t|`` of the unrounded states as a
-    float32 device tensor ``[1]`` (inf where one held NaN or inf), else None. Matches
+    ``o``; ``plan``: :func:`plan_recurrent` of a checkpoint of ``ckpt``'s layout (then ``block_v`` and
+    ``num_warps`` are the plan's; a caller that runs one state again and again makes it once). Returns
+    ``o [B, T, HV, V]`` float32, the state after the last token (``ckpt`` itself when dense, else new
+    storage) and, for a packed checkpoint, the largest ``|S_t|`` of the unrounded states as a float32 device
+    tensor ``[1]`` (inf where one held NaN or inf), else None. Matches
     :func:`pace_core.recurrence.gdn_recurrent` token by token with a store after each to float32 rounding
     (dots of length K, another summation order), and a rounded entry one code apart where a state lies
     within that of a rounding boundary."""
-    dense = isinstance(ckpt, torch.Tensor)
-    if dense:
-        if ckpt.dim() != 4 or ckpt.dtype not in (torch.float32, torch.bfloat16) or not ckpt.is_contiguous():
-            raise PaceError(f"ckpt: {tuple(ckpt.shape)} {ckpt.dtype} not allowed; "
-                            "allowed: contiguous float32/bfloat16 [B, HV, K, V]")
-        B, HV, K, V = ckpt.shape
-        device = ckpt.device
-    else:
-        m = as_mixed(ckpt)
-        B, HV, K, V = ckpt.shape
-        device = m.parts[min(m.parts)].codes.device
+    plan = plan if plan is not None else plan_recurrent(ckpt, block_v, num_warps)
+    B, HV, K, V = plan.shape
     if q.dim() != 4:
         raise PaceError(f"q: shape {tuple(q.shape)} not allowed; allowed: [B, T, H, K]")
     T, H = q.shape[1], q.shape[2]
@@ -142,26 +186,18 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
         raise PaceError("q, k, v, g, beta: shapes not allowed; allowed: [B, T, H, K], [B, T, H, K], [B, T, HV, V], "
                         f"[B, T, HV], [B, T, HV] with T >= 1 and HV a multiple of H (the state is {(B, HV, K, V)})")
     q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q, k, v, g, beta))
-    o = output_tensor(out, (B, T, HV, V), device)
-    BV = _columns(B, HV, V, device, block_v)
-    if dense:
-        layout = part_layout(quant.QuantSpec(8, True, "key", 1), K, V)
+    o = output_tensor(out, (B, T, HV, V), plan.device)
+    if plan.meta["DENSE"]:
         args = [ckpt, *([ckpt] * 8), 0, 0, *([ckpt] * 6)]  # a dense program reads no head table or part
-        meta = dict(G=1, KEY_AXIS=True, SYM=True, **layout_args([layout]), DENSE=True,
-                    BF16_STATE=ckpt.dtype == torch.bfloat16)
         new, peak = ckpt, None
     else:
-        spec = m.parts[min(m.parts)].spec
-        ckpt_args, layouts, _ = packed_args(m, (B, HV, K, V))
-        new = _empty_like(ckpt)
-        out_ptrs = part_pointers([as_mixed(new).parts[w] for w in sorted(m.parts)])
-        BV = whole_groups(BV, V, spec.group_size, spec.axis == "key", spec.symmetric, layouts[0].pack_zero)
-        peak = torch.zeros(1, dtype=torch.float32, device=device)
-        args = [m.parts[min(m.parts)].scale, *ckpt_args, *out_ptrs]
-        meta = dict(G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric, **layout_args(layouts),
-                    DENSE=False, BF16_STATE=False)
-    _recurrent_kernel[(B * HV, V // BV)](q, k, v, g, beta, o, o if peak is None else peak, *args, T, H, HV,
-                                         K=K, V=V, BV=BV, num_warps=num_warps, **meta)
+        new = _empty_like(ckpt, plan)
+        part, slot, hv0, hv1 = plan.table_args
+        parts = _parts_of(ckpt, plan.widths)
+        peak = torch.zeros(1, dtype=torch.float32, device=plan.device)
+        args = [parts[0].scale, part, slot, *part_pointers(parts), hv0, hv1,
+                *part_pointers(_parts_of(new, plan.widths))]
+    _recurrent_kernel[plan.grid](q, k, v, g, beta, o, o if peak is None else peak, *args, T, H, HV, **plan.meta)
     return o, new, peak
 
 

@@ -301,11 +301,10 @@ class StoreStack:
         if checked:
             refuse_non_finite(k, v, g, f"state of GDN layer {layer}")
         outputs = []
-        for i, store in enumerate(self.stores):
-            rows = slice(i * self.rows, (i + 1) * self.rows)
+        for i, (store, *inputs) in enumerate(zip(self.stores, *(t.split(self.rows) for t in (q, k, v, g, beta)))):
             store.teacher_forcing = self.teacher_forcing
             store.capture = None if self.capture is None else (lambda lay, i=i: self.capture(i, lay))
-            outputs.append(store.run(layer, q[rows], k[rows], v[rows], g[rows], beta[rows], decode, checked))
+            outputs.append(store.run(layer, *inputs, decode, checked))
             if self.progress is not None:
                 self.progress(1)
         return torch.cat(outputs)

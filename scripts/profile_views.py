@@ -67,6 +67,28 @@ PAGE_STEPS = (("app_state.session", "loaded_model"), ("app_state.stored", "choos
 """The steps a page visit is broken down into (module, function): each wrapped to print its time."""
 
 
+def generations(model, prompt: str, configs: dict, dev: str, tokens: int = 64) -> None:
+    """Generation as the Generations page runs it (``measure_app``'s figure: these 4 configurations and the fp32
+    reference, ``tokens`` greedy tokens): cold, warm, warm under cProfile; then warm with fewer configurations
+    (the cost of one more) and transformers' own ``generate`` without PACE (what every configuration shares)."""
+    def run(cfgs: dict) -> Any:
+        return generate_side_by_side(model, cfgs, prompt, max_new_tokens=tokens, modes=("greedy",), seed=0)
+
+    timed("generate cold", lambda: run(configs), dev)
+    timed("generate warm", lambda: run(configs), dev)
+    profiled("generate warm", lambda: run(configs), dev, rows=60)
+    names = list(configs)
+    for n in range(len(names) - 1, -1, -1):
+        timed(f"generate warm, {n} configurations and the reference", lambda: run({k: configs[k] for k in names[:n]}),
+              dev)
+    ids = model.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
+    for rows in (1, 5):
+        batch = ids.repeat(rows, 1)
+        timed(f"transformers generate, no PACE, {rows} rows", lambda: model.model.generate(
+            input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=tokens, do_sample=False,
+            min_new_tokens=tokens, pad_token_id=model.tokenizer.pad_token_id), dev)
+
+
 def page_visits(args: argparse.Namespace) -> int:
     """``--page``: the page's first visits after the model is loaded, each step of :data:`PAGE_STEPS` timed."""
     import importlib
@@ -97,6 +119,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"],
                         help="the weights' dtype, as the app's sidebar offers (default float32)")
+    parser.add_argument("--only", choices=["drift", "generation"], default=None,
+                        help="profile only the drift or only the generation (default both)")
     parser.add_argument("--page", default=None, help="a page's stem (e.g. drift): its visits broken down instead")
     parser.add_argument("--visits", type=int, default=3, help="--page: visits, results dropped in between")
     args = parser.parse_args()
@@ -104,6 +128,19 @@ def main() -> int:
         return page_visits(args)
     dev = args.device
     model = timed("load", lambda: load_model(args.model, dtype=args.weights, device=dev), dev)
+    if args.only != "generation":
+        profile_drift(model, dev)
+    if args.only != "drift":
+        samples = timed("calibration samples", lambda: calibration_samples(model, tokens=512, sample_every=32), dev)
+        high = timed("calibrate", lambda: calibrate(model, get_config("pace-4-8"), samples=samples), dev).config
+        prompt = " ".join(read_text(CALIBRATION_TEXT)[:2000].split())[:400]
+        generations(model, prompt, {"pace-4": get_config("pace-4"),
+                                    **{n: get_config(n) for n in ("rtn-int4", "rtn-int8")}, "pace-4-8": high}, dev)
+    return 0
+
+
+def profile_drift(model, dev: str) -> None:
+    """Drift of three decode periods (cold, warm under cProfile), a recompute and one configuration each."""
     ids = tokenize(model.tokenizer, read_text(CALIBRATION_TEXT), max_tokens=513, min_tokens=259)
     base = get_config("pace-4")
     periods = (1, 8, 16)
@@ -115,14 +152,6 @@ def main() -> int:
     for p in periods:
         one = {f"b3 dP{p}": three[f"b3 dP{p}"]}
         timed(f"drift one config dP{p}", lambda: drift(model, one, ids, 256, every=8, reference=result.reference), dev)
-    samples = timed("calibration samples", lambda: calibration_samples(model, tokens=512, sample_every=32), dev)
-    timed("calibrate", lambda: calibrate(model, get_config("pace-4-8"), samples=samples), dev)
-    configs = {name: get_config(name) for name in ("pace-4", "rtn-int4", "rtn-int8")}
-    prompt = " ".join(read_text(CALIBRATION_TEXT)[:2000].split())[:400]
-    for label, run in (("generate cold", timed), ("generate warm", profiled)):
-        run(label, lambda: generate_side_by_side(model, configs, prompt, max_new_tokens=64, modes=("greedy",),
-                                                 seed=0), dev)
-    return 0
 
 
 if __name__ == "__main__":

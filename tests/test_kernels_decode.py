@@ -471,6 +471,29 @@ def test_per_token_run_is_its_tokens_one_by_one(name: str) -> None:
     assert type(c_run) is type(S0)
 
 
+@pytest.mark.parametrize("name", ["rtn-value", "pace-4-8", "fp32"])
+def test_per_token_run_plan_serves_every_checkpoint_of_its_layout(name: str) -> None:
+    """A run's launch plan (:func:`kernels.recurrent_step.plan_recurrent`), made once from one checkpoint,
+    launches the runs from the next checkpoints of that layout (the kernel's new storage) exactly as a plan
+    made from each: the same kernel on the same inputs, bit for bit; a dense state is still updated in
+    place."""
+    run = recurrent_step.recurrent_run
+    HV = 2 * H
+    cfg = _config(name, HV).replace(decode_period=1)
+    fmt = StateFormat(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
+    first = REFERENCE.store(fmt, torch.randn(B, HV, K, V) * 0.3)[0]
+    planned, fresh = copy.deepcopy(first), copy.deepcopy(first)
+    plan = recurrent_step.plan_recurrent(first)
+    for _ in range(3):
+        tokens = _tokens(HV, 2)
+        o_p, planned, _ = run(planned, *tokens, plan=plan)
+        before = fresh
+        o_f, fresh, _ = run(fresh, *tokens)
+        assert torch.equal(o_p, o_f)
+        _checkpoints_equal(planned, fresh)
+        assert (fresh is before) == isinstance(first, torch.Tensor)
+
+
 @pytest.mark.parametrize("poison", ["overflow", "non-finite"])
 def test_per_token_run_refuses_a_state_as_a_store_does(poison: str) -> None:
     """A run whose third token's state would overflow an fp16 scale (or turn non-finite) raises the store's
