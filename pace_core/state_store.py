@@ -22,7 +22,7 @@ All batch rows step together (as in HF ``generate``). Computation is float32.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -172,12 +172,15 @@ class StateStore:
     """The recurrent state of one model: a :class:`LayerState` per GDN layer.
 
     ``layers`` are the model's layer indices of the GDN layers (``cfg.high_heads`` and ``damp_rows`` are
-    in the same order). ``cfg`` is validated here for ``shape`` (the model's, or, when None, a shape of
+    in the same order). ``device``: where the layers' states are first allocated, one device for all or one
+    per layer (under ``device_map`` each layer's GPU, so that no GPU holds another's states even briefly).
+    ``cfg`` is validated here for ``shape`` (the model's, or, when None, a shape of
     these head counts and dims with ``len(layers)`` GDN layers), once. q, k passed to :meth:`prefill` /
     :meth:`decode` are prepared (:func:`pace_core.recurrence.prepare_qk`).
     """
 
-    def __init__(self, cfg: PaceConfig, shape: ModelShape | None, batch: int, device: torch.device | str,
+    def __init__(self, cfg: PaceConfig, shape: ModelShape | None, batch: int,
+                 device: torch.device | str | Mapping[int, torch.device | str],
                  num_k_heads: int, num_v_heads: int, d_k: int, d_v: int, layers: list[int], *,
                  damp_rows: Sequence[torch.Tensor] | None = None, chunk_size: int = 64,
                  backend: str | None = None) -> None:
@@ -199,14 +202,17 @@ class StateStore:
         if damp_rows is not None and len(damp_rows) != len(layers):
             raise PaceError(f"damp_rows: {len(damp_rows)} layers not allowed; allowed: one [HV, r] tensor per "
                             f"GDN layer ({len(layers)})")
-        self.cfg, self.batch, self.layers, self.device = cfg, batch, layers, torch.device(device)
+        devices = device if isinstance(device, Mapping) else dict.fromkeys(layers, device)
+        if set(devices) != set(layers):
+            raise PaceError(f"device: layers {sorted(devices)} not allowed; allowed: one device per GDN layer {layers}")
+        self.cfg, self.batch, self.layers, self.device = cfg, batch, layers, torch.device(devices[layers[0]])
         self.teacher_forcing = False
         """While True, every core call's tokens are decode tokens (a teacher-forced forward over many tokens
         runs them as ``generate`` would, one at a time: pace_core.model.teacher)."""
         self.capture: Callable[[int], Capture | None] | None = None
         """``capture(layer)``: the states wanted from that layer's next core call (or None)."""
         self._states = {
-            layer: LayerState(cfg, batch, num_k_heads, num_v_heads, d_k, d_v, device, gdn_index=i,
+            layer: LayerState(cfg, batch, num_k_heads, num_v_heads, d_k, d_v, devices[layer], gdn_index=i,
                               damp_rows=None if damp_rows is None else damp_rows[i],
                               name=f"state of GDN layer {layer}", chunk_size=chunk_size, backend=backend)
             for i, layer in enumerate(layers)

@@ -282,3 +282,24 @@ def test_forward_without_cache_equals_forward_with_cache(loaded_models, cfg):
         run = _generate(model, ids)
     store = get_state_store(run.past_key_values)
     assert store.bits_per_head(3) == ((4, 8, 4, 4) if cfg.method == "pace" else (4,) * 4)
+
+
+def test_each_layer_state_is_allocated_on_its_module_device(loaded_models, monkeypatch):
+    """Under device_map every GDN layer has its own GPU: a cache's store and a stack allocate each layer's
+    state on its module's device, not all on one (which would hold every layer's zero state there until the
+    first tokens). Here every module is on the CPU and the stack is asked for another device: the layers
+    follow their modules; a module with offloaded (meta) parameters falls back to the device asked for."""
+    from pace_core.model import patch
+
+    loaded = loaded_models[HYBRID_TYPES[0]]
+    model, modules = loaded.model, gdn_modules(loaded.model)
+    assert patch.layer_devices(modules, torch.device("meta")) == {i: torch.device("cpu") for i, _ in modules}
+    offloaded = torch.nn.Linear(2, 2, device="meta")
+    assert patch.layer_devices([(0, offloaded)], torch.device("cpu")) == {0: torch.device("cpu")}
+    with patch.stacked(model, [get_config("pace-4"), get_config("fp32")], 1, device=torch.device("meta")) as (_, stack):
+        for store in stack.stores:
+            assert {store.layer(i).device for i in store.layers} == {torch.device("cpu")}
+    with pace(model, get_config("pace-4")), torch.no_grad():
+        out = model(input_ids=_prompt(0, batch=1), use_cache=True)
+    store = get_state_store(out.past_key_values)
+    assert {store.layer(i).device for i in store.layers} == {torch.device("cpu")}

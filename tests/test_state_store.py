@@ -334,6 +334,8 @@ def test_bad_input_raises():
     shape = ModelShape("toy", 4, 2, H, HV, K, 2 * V, 1000)
     with pytest.raises(PaceError, match="d_v"):
         StateStore(cfg, shape, B, "cpu", H, HV, K, V, LAYERS)
+    with pytest.raises(PaceError, match="one device per GDN layer"):
+        StateStore(cfg, None, B, {LAYERS[0]: "cpu"}, H, HV, K, V, LAYERS)
 
 
 def test_a_layer_with_every_head_promoted_stores_8_bit_codes():

@@ -155,12 +155,25 @@ def _follow_cache(cache, store: StateStore, cfg: PaceConfig) -> None:
             setattr(cache, name, types.MethodType(unsupported(name), cache))
 
 
+def layer_devices(modules: list[tuple[int, nn.Module]], default: torch.device) -> dict[int, torch.device]:
+    """The device of each GDN layer (``(layer_idx, module)`` of :func:`gdn_modules`): its module's parameters'
+    (under ``device_map``, the GPU the layer was placed on), ``default`` for a module without parameters or
+    with offloaded ones (on the meta device: its inputs arrive on ``default``'s side, and its state moves to
+    them on the first tokens, :class:`~pace_core.state_store.LayerState`)."""
+    devices = {}
+    for layer, module in modules:
+        param = next(module.parameters(), None)
+        devices[layer] = default if param is None or param.device.type == "meta" else param.device
+    return devices
+
+
 def _new_store(model: nn.Module, cfg: PaceConfig, hidden_states: torch.Tensor, layer: int | None) -> StateStore:
     """A store for every GDN layer (``layer`` None: a cache's store), or for the one GDN layer
     ``layer`` (a forward without a cache), with that layer's share of ``high_heads`` / DAMP rows."""
     shape: ModelShape = model.__dict__[_SHAPE_ATTR]
     damp_rows = model.__dict__.get(_DAMP_ATTR)
-    layers = [i for i, _ in gdn_modules(model)]
+    modules = gdn_modules(model)
+    layers = [i for i, _ in modules]
     if layer is not None:
         ordinal = layers.index(layer)
         layers = [layer]
@@ -172,7 +185,7 @@ def _new_store(model: nn.Module, cfg: PaceConfig, hidden_states: torch.Tensor, l
         cfg,
         shape if layer is None else None,  # the model shape counts every GDN layer
         hidden_states.shape[0],
-        hidden_states.device,
+        hidden_states.device if layer is not None else layer_devices(modules, hidden_states.device),
         shape.num_k_heads,
         shape.num_v_heads,
         shape.d_k,
@@ -391,9 +404,9 @@ def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *,
     if _SHAPE_ATTR not in model.__dict__:
         model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
     shape: ModelShape = model.__dict__[_SHAPE_ATTR]
-    device = device if device is not None else next(model.parameters()).device
+    devices = layer_devices(modules, device if device is not None else next(model.parameters()).device)
     layers = [i for i, _ in modules]
-    stores = [StateStore(cfg, shape, rows, device, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v,
+    stores = [StateStore(cfg, shape, rows, devices, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v,
                          layers, damp_rows=None if damp_rows is None else damp_rows[i])
               for i, cfg in enumerate(configs)]
     stack = StoreStack(stores, rows)
