@@ -289,7 +289,7 @@ class DecodeBuffer:
         if self._len + n > self.capacity:
             raise PaceError(f"buffer: full at capacity={self.capacity} ({self._len} held, {n} more); allowed: "
                             "fold and clear it first")
-        if not bool(torch.isfinite(k.sum(dtype=torch.float64) + u.sum(dtype=torch.float64) + g.sum(dtype=torch.float64))):
+        if not quant.all_finite(k, u, g):
             bad = [name for name, t in (("k", k), ("u", u), ("g", g)) if not torch.isfinite(t).all()]
             raise PaceError(f"{', '.join(bad)}: non-finite values not allowed in the decode buffer; allowed: finite "
                             "values")

@@ -58,10 +58,18 @@ def check_bits(bits: int, field: str = "bits") -> None:
         raise PaceError(f"{field}={bits!r} is not supported; allowed: integers 2..8")
 
 
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """True when no tensor holds NaN or inf: one float64 sum per tensor and one read of their total (a NaN or
+    an inf makes it non-finite; finite float32/bfloat16 values cannot overflow it). ``torch.isfinite`` over
+    the tensors would launch several kernels each, on every decode token of every layer."""
+    total = sum(t.sum(dtype=torch.float64) for t in tensors)
+    return math.isfinite(float(total))
+
+
 def check_finite(x: torch.Tensor, name: str) -> None:
-    """Raise PaceError if the tensor `name` holds NaN or inf (one reduction: a NaN or an inf makes the
-    float64 sum non-finite; the count is made only then)."""
-    if x.numel() and not bool(torch.isfinite(x.sum(dtype=torch.float64))):
+    """Raise PaceError if the tensor `name` holds NaN or inf (:func:`all_finite`; the count is made only
+    then)."""
+    if x.numel() and not all_finite(x):
         bad = int((~torch.isfinite(x)).sum())
     else:
         return

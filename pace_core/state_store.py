@@ -29,6 +29,7 @@ import torch
 from pace_core.backend import backend_setting, capturing, select_steps
 from pace_core.checkpoint import StateFormat
 from pace_core.errors import PaceError
+from pace_core.quant import all_finite
 from pace_core.schedule import Capture, PeriodicState
 from pace_core.shapes import ModelShape
 
@@ -39,11 +40,11 @@ if TYPE_CHECKING:
 
 
 def refuse_non_finite(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, name: str) -> None:
-    """PaceError when decode inputs ``k, v, g`` hold NaN or inf: one check (a device read), skipped while a
-    CUDA graph is being captured (its replays do not check their inputs)."""
+    """PaceError when decode inputs ``k, v, g`` hold NaN or inf: one check (:func:`pace_core.quant.all_finite`,
+    a device read), skipped while a CUDA graph is being captured (its replays do not check their inputs)."""
     if capturing(k):
         return
-    if not bool(torch.isfinite(k).all() & torch.isfinite(v).all() & torch.isfinite(g).all()):
+    if not all_finite(k, v, g):
         raise PaceError(f"k, v, g of {name}: non-finite values; allowed: finite inputs")
 
 

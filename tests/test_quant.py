@@ -14,6 +14,7 @@ from hypothesis.extra.numpy import arrays
 from pace_core.errors import PaceError
 from pace_core.quant import (
     QuantSpec,
+    all_finite,
     dequantize,
     fake_quantize,
     pack_codes,
@@ -378,3 +379,24 @@ def test_cuda_matches_cpu(symmetric, dtype):
             assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu.scale.cpu(), cpu.scale)
             assert torch.equal(dequantize(gpu).cpu(), dequantize(cpu))
             assert torch.equal(fake_quantize(x.cuda(), spec).cpu(), fake_quantize(x, spec))
+
+
+def test_all_finite_finds_any_nan_or_inf_and_no_false_alarm_at_float32_max():
+    """One non-finite entry anywhere in any of the tensors (NaN, +inf, -inf, or +inf and -inf that would cancel
+    in a float32 sum) is found; tensors full of float32's largest values, whose float32 sum would overflow,
+    are finite."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    shapes = [(3, 5, 7), (4, 9), (11,)]
+    base = [torch.randn(s, generator=g) for s in shapes]
+    assert all_finite(*base)
+    big = torch.finfo(torch.float32).max
+    assert all_finite(torch.full((1000,), big), torch.full((10,), -big), torch.full((7, 3), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for which in range(len(base)):
+            poisoned = [t.clone() for t in base]
+            flat = poisoned[which].view(-1)
+            flat[int(torch.randint(0, flat.numel(), (1,), generator=g))] = bad
+            assert not all_finite(*poisoned)
+    both = base[0].clone().view(-1)
+    both[0], both[1] = float("inf"), -float("inf")
+    assert not all_finite(both)
