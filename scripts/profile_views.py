@@ -3,12 +3,15 @@ cProfile (tables by own and by cumulative time). A diagnostic for issue 16, not 
 (``measure_app.py`` measures the pages themselves).
 
     python scripts/profile_views.py [--model PATH] [--device cuda] [--weights bfloat16] > profile.txt
+    python scripts/profile_views.py --only generation ...           # the Generations page's computation alone
     python scripts/profile_views.py --page drift [--visits 3] ...   # one page's first visits, broken down
 
 The model's weights load in ``--weights`` (the app's sidebar choice: float32 by default, or bfloat16). "cold"
 runs include Triton's first compilation of every kernel they launch. ``--page NAME`` drives the app as
 ``measure_app.py`` does (AppTest, preset pace-4-8) and visits ``pages/NAME.py`` ``--visits`` times with every
 computed result dropped in between, printing the time of each app_state / pace_core step the visit runs.
+The generation part also times fewer configurations and transformers' own ``generate`` without PACE: what
+each configuration adds, and the floor that every one shares.
 """
 
 from __future__ import annotations
