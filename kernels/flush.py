@@ -169,8 +169,8 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
 
 @triton.jit(do_not_specialize=RECORD_COUNT)
 def _flush_kernel(
-    part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
-    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
+    part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0: tl.constexpr, HV1: tl.constexpr,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H: tl.constexpr, HV: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kernels.plan import DecodePlan
 from kernels.primitives import ckpt_base, ckpt_store, ckpt_tile, head_slot
-from kernels.records import RECORD_COUNT, append_record, load_vecs, record_reads, token_output
+from kernels.records import RECORD_COUNT, append_record, load_vecs, record_reads, stored_vec, token_output
 from pace_core.buffer import DecodeBuffer
 
 
@@ -61,13 +61,14 @@ def _decode_kernel(
     g_t = tl.load(g_ptr + pid)
     run, rk, rq = record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
                                 c0, kfull, qfull, g_t, K, V, BV, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, NB)
-    kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat = token_output(
+    ucodes, uscale, uzero, uhat = token_output(
         beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq, rk, rq, kfull, qfull, K, V, BV, KBITS, KG, KSYM,
         VBITS, VG, VSYM, K_BF16, V_BF16, EXACT)
     run_o = run + g_t
 
     if FLUSH:
         # fold every record (the new one included) into Ŝ and requantise this column block in place
+        _, _, _, khat = stored_vec(kfull, K, KBITS, KG, KSYM, K_BF16)
         ridx2 = tl.arange(0, NB2)  # 16 records per block: the fold is a [BK, 16] x [16, BV] product
         later2 = ridx2[None, :] > ridx2[:, None]
         kidx = tl.arange(0, K)
@@ -93,8 +94,8 @@ def _decode_kernel(
                         SYM, BITS0, PZ0, BITS1, PZ1, TWO, DENSE)
     else:
         append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
-                       kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat, K, V, BV, KBITS, KG, KSYM, KPZ,
-                       VBITS, VG, VSYM, VPZ)
+                       kfull, ucodes, uscale, uzero, uhat, K, V, BV, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ,
+                       K_BF16)
 
 
 def launch_fused(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o, flush: bool) -> None:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.plan import DecodePlan
-from kernels.primitives import bf16_split, centred, operand, packed_head
+from kernels.primitives import bf16_split, centred, nibbles_bf16, operand, packed_head
 from kernels.records import RECORD_COUNT, append_record, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
@@ -39,9 +39,10 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
 
     Per key group one ``[16, G] x [G, N]`` dot on tensor cores with fp32 accumulation: rows 0-2 hold
     ``k`` and rows 3-5 ``q``, each split into three bfloat16 terms (:func:`bf16_split`), against the
-    exact integers ``c - z`` (:func:`centred`); every product is exact and the group adds ``s T``
-    per column (``T = Σ_i x_i (c_i - z)``). 4-bit codes are taken as two half tiles, the low nibbles
-    (even columns) and the high nibbles (odd columns), so no unpacking shuffle is needed. Against
+    exact integers ``c - z`` (:func:`centred`; 4-bit codes on the GPU: :func:`nibbles_bf16`, four bytes at a
+    time); every product is exact and the group adds ``s T`` per column (``T = Σ_i x_i (c_i - z)``).
+    4-bit codes are taken as two half tiles, the low nibbles (even columns) and the high nibbles (odd
+    columns), so no unpacking shuffle is needed. Against
     the reference, which rounds each ``s (c - z)`` to fp32 and sums in IEEE fp32, the differences are
     the summation order and the tensor cores' fp32 accumulation: float32-rounding level."""
     KB: tl.constexpr = G if G >= 16 else 16
@@ -63,8 +64,8 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
                      BF16)
         srow = scale + (r0 // G) * V
         if HALVES:
-            p = tl.load(codes + (r0 + rows[:, None]) * (V // 2) + c0 // 2 + j[None, :], mask=m[:, None] & cm[None, :],
-                        other=0).to(tl.int32)
+            raw = tl.load(codes + (r0 + rows[:, None]) * (V // 2) + c0 // 2 + j[None, :], mask=m[:, None] & cm[None, :],
+                          other=0)
             if SYM:
                 off_a = 1 << (BITS - 1)
                 off_b = 1 << (BITS - 1)
@@ -75,8 +76,14 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
                 off_b = (zp >> 4)[None, :]
             s_a = tl.load(srow + c0 + 2 * j, mask=cm, other=0.0).to(tl.float32)
             s_b = tl.load(srow + c0 + 2 * j + 1, mask=cm, other=0.0).to(tl.float32)
-            acc_a += s_a[None, :] * tl.dot(a, centred(p & 15, off_a, BITS, BF16))
-            acc_b += s_b[None, :] * tl.dot(a, centred(p >> 4, off_b, BITS, BF16))
+            if BF16:  # 4 bytes per unpacking group, before the tile is laid out for the dot
+                lo, hi = nibbles_bf16(raw)
+                acc_a += s_a[None, :] * tl.dot(a, lo - (off_a + 128).to(tl.bfloat16))
+                acc_b += s_b[None, :] * tl.dot(a, hi - (off_b + 128).to(tl.bfloat16))
+            else:
+                p = raw.to(tl.int32)
+                acc_a += s_a[None, :] * tl.dot(a, centred(p & 15, off_a, BITS, BF16))
+                acc_b += s_b[None, :] * tl.dot(a, centred(p >> 4, off_b, BITS, BF16))
         else:
             p = tl.load(codes + (r0 + rows[:, None]) * V + c0 + j[None, :], mask=m[:, None] & cm[None, :],
                         other=0).to(tl.int32)
@@ -132,7 +139,8 @@ def _head_dots(codes, scale, zero, kx, qx, K: tl.constexpr, V: tl.constexpr, G: 
 
 @triton.jit
 def _ckpt_dots_kernel(
-    q_ptr, k_ptr, y_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, H, HV,
+    q_ptr, k_ptr, y_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0: tl.constexpr, HV1: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
@@ -175,19 +183,19 @@ def _record_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, bk_ptr, bks_ptr, b
     g_t = tl.load(g_ptr + row)
     run, rk, rq = record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV,
                                 0, kfull, qfull, g_t, K, V, V, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, NB)
-    kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat = token_output(
+    ucodes, uscale, uzero, uhat = token_output(
         beta_ptr, v_ptr, o_ptr, row, cols, g_t, run, sk, sq, rk, rq, kfull, qfull, K, V, V, KBITS, KG, KSYM,
         VBITS, VG, VSYM, K_BF16, V_BF16, EXACT)
     # the record is appended also on the token that fills the buffer: the flush kernel folds it
     append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, 0, g_t,
-                   kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat, K, V, V, KBITS, KG, KSYM, KPZ,
-                   VBITS, VG, VSYM, VPZ, KEY_BY_ALL)
+                   kfull, ucodes, uscale, uzero, uhat, K, V, V, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16,
+                   KEY_BY_ALL)
 
 
 @triton.jit(do_not_specialize=RECORD_COUNT)
 def _record_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, y_ptr,
-    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H: tl.constexpr, HV: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr,
     VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr, K_BF16: tl.constexpr,
     V_BF16: tl.constexpr, EXACT: tl.constexpr, NB: tl.constexpr,
@@ -232,8 +240,9 @@ def _head_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part, a0, as0, az0, 
 
 @triton.jit(do_not_specialize=RECORD_COUNT)
 def _ckpt_step_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
-    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p,
+    HV0: tl.constexpr, HV1: tl.constexpr,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H: tl.constexpr, HV: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
@@ -254,8 +263,9 @@ def _ckpt_step_kernel(
 
 @triton.jit(do_not_specialize=RECORD_COUNT)
 def _ckpt_window_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1,
-    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H, HV, T,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p,
+    HV0: tl.constexpr, HV1: tl.constexpr,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H: tl.constexpr, HV: tl.constexpr, T,
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
@@ -292,11 +302,17 @@ def _record_block(plan: DecodePlan) -> int:
 
 def launch_dots(plan: DecodePlan, q, k) -> None:
     """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]``
-    float32, contiguous)."""
+    float32, contiguous); a launch of one 4-bit part on a GPU runs :mod:`kernels.gluon_dots` where it applies
+    (:func:`kernels.gluon_dots.eligible`; launch setting ``gluon_dots`` False: never)."""
     B, H, HV, K, V = plan.shape
     m = plan.meta
     bv = min(m["dots_columns"], V)
     for args, common, heads in plan.launches[m["dots_per_part"]]:
+        if common["BF16"] and common["BITS0"] == 4:  # 4-bit parts on a GPU: the Gluon kernel where it applies
+            from kernels import gluon_dots
+            if gluon_dots.eligible(plan, common):
+                gluon_dots.launch(plan, q, k, args, common, heads)
+                continue
         _ckpt_dots_kernel[(B * heads, V // bv)](q, k, plan.workspace, *args, H, HV, BV=bv, num_warps=m["dots_warps"],
                                                 **common)
 

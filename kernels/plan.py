@@ -204,7 +204,8 @@ class DecodePlan:
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
-                  "flush_warps": 4, "flush_columns": 128, "dots_per_part": False, "per_part": "auto"}
+                  "flush_warps": 4, "flush_columns": 128, "dots_per_part": "auto", "per_part": "auto",
+                  "gluon_dots": True}
 """Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others, and these
 are the fastest it measured on the H200 at batch 32 to 128, data/bench/bench.json): the step as one
 kernel (``fused_step``, :func:`_ckpt_step_kernel`, with ``step_warps``) or as two (the dots kernel's
@@ -212,11 +213,13 @@ columns per program and warps, the record kernel's warps); ``"auto"`` fuses when
 as many (sequence, value head) programs as the GPU has SMs: one wave, where the launch saved
 outweighs the fused kernel's block-wide reductions (faster at batch 1-4 on the H200, slower from
 8). Then warps of the flush kernel and columns per flush program (4-bit codes: two half tiles of
-``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles). For two bit widths
-(:func:`ckpt_launches`): the dots kernel launched once per width (``dots_per_part``: off, slower in the
-H200 benchmark at small batch and 3 % faster at B = 128), and the flush and window kernels (``per_part``;
-``"auto"``: when the (sequence, value head) programs are more than the SMs, so that the two launches do
-not leave most SMs idle in turn; under the interpreter always, so that the tests run it)."""
+``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles). ``gluon_dots``: a dots launch of
+one 4-bit part runs :mod:`kernels.gluon_dots` on a GPU (off: the Triton kernel; at B = 128 on the H200 433
+against 780 us per token for PACE-4, data/bench/bench.json). For two bit widths (:func:`ckpt_launches`): the
+dots kernel (``dots_per_part``), the flush and the window kernels (``per_part``) launched once per width;
+``"auto"``: when the (sequence, value head) programs are more than the SMs, so that the two launches do not
+leave most SMs idle in turn (per width, PACE-4/8's 4-bit heads take the Gluon dots kernel: 807 against 1128
+us at B = 128; in one wave one launch is faster); under the interpreter always, so that the tests run it."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,8 +272,9 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
         one_wave = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
         if meta["fused_step"] == "auto":
             meta["fused_step"] = one_wave
-        if meta["per_part"] == "auto":
-            meta["per_part"] = not one_wave
+        for key in ("per_part", "dots_per_part"):
+            if meta[key] == "auto":
+                meta[key] = not one_wave
         workspace = torch.empty(B * HV * 2 * V, dtype=torch.float32, device=buf.device)
     part_launches = []
     if split and len(layouts) == 2:

@@ -334,6 +334,34 @@ def centred(c, off, BITS: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def nibbles_bf16(p):
+    """Packed 4-bit codes ``p`` (uint8, two per byte) as two bfloat16 tensors of ``p``'s shape, ``128 + c`` of the
+    low nibbles and of the high nibbles, four bytes per instruction group (GPU only: inline PTX, one ``prmt``
+    spreading two bytes into the halves of a word, then a mask or-ed into the bits of 128.0 per nibble).
+    Declared impure so that Triton keeps it where the bytes were loaded (4 per thread, contiguous) instead of
+    moving a dot operand's layout change above it, which would read the bytes back one at a time (64
+    ``LDS.U8`` per thread in the dots kernel; kernels/bench/sass.py)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, s0, s1;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shr.b32 s0, t0, 4;
+        shr.b32 s1, t1, 4;
+        lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 $2, s0, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 $3, s1, 0x000F000F, 0x43004300, 0xEA;
+        }""",
+        constraints="=r,=r,=r,=r,r",
+        args=[p],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def head_slot(part_ptr, slot_ptr, h, TWO: tl.constexpr):
     """Which part (0 or 1) of the checkpoint holds value head ``h``, and its slot there: read from the
     head table for two bit widths; with one, head ``h`` is slot ``h`` of part 0 (no table read on the

@@ -77,8 +77,8 @@ def vec_parts(ptr, scale_ptr, zero_ptr, recs, valid, r0, R: tl.constexpr, L: tl.
             c = tl.reshape(tl.join(p & 15, p >> 4), (recs.shape[0], R))
         else:
             c = tl.load(ptr + recs[:, None] * L + r0 + tl.arange(0, R)[None, :], mask=m, other=0).to(tl.int32)
-        if SYM:
-            x = c.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+        if SYM:  # c or-ed into the bits of 2^23, then 2^23 + 2^(BITS-1) subtracted: no int -> float conversion
+            x = (c | 0x4B000000).to(tl.float32, bitcast=True) - (8388608 + (1 << (BITS - 1))) * 1.0
         else:
             if PZ:
                 zb = tl.load(zero_ptr + recs[:, None] * (NGL // 2) + gidx // 2, mask=m, other=0).to(tl.int32)
@@ -162,13 +162,23 @@ def record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, 
         i = n - (blk + 1) * NB + ridx
         valid = i >= 0
         gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
-        kb = load_vecs(bk_ptr, bks_ptr, bkz_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS, KG, KSYM, KPZ)
-        ub = load_vecs(bv_ptr, bvs_ptr, bvz_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS, VG, VSYM, VPZ)
         after = run + tl.sum(tl.where(later, gb[None, :], 0.0), axis=1)  # Σ_{j>i} g_j over the held records
-        wk = tl.exp(after) * tl.sum(kb * kfull[None, :], axis=1)
-        wq = tl.exp(after + g_t) * tl.sum(kb * qfull[None, :], axis=1)
-        rk += tl.sum(wk[:, None] * ub, axis=0)
-        rq += tl.sum(wq[:, None] * ub, axis=0)
+        if KG >= K:  # one scale per key: it multiplies the two dot products, not every entry
+            kx, ks = vec_parts(bk_ptr, bks_ptr, bkz_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS, KG, KSYM, KPZ)
+            wk = (tl.exp(after) * tl.sum(ks, axis=1)) * tl.sum(kx * kfull[None, :], axis=1)
+            wq = (tl.exp(after + g_t) * tl.sum(ks, axis=1)) * tl.sum(kx * qfull[None, :], axis=1)
+        else:
+            kb = load_vecs(bk_ptr, bks_ptr, bkz_ptr, (b * cap + i) * H + kh, valid, 0, K, K, KBITS, KG, KSYM, KPZ)
+            wk = tl.exp(after) * tl.sum(kb * kfull[None, :], axis=1)
+            wq = tl.exp(after + g_t) * tl.sum(kb * qfull[None, :], axis=1)
+        if VG >= BV:  # one scale per value block: it multiplies the record's weights
+            ux, us = vec_parts(bv_ptr, bvs_ptr, bvz_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS, VG, VSYM, VPZ)
+            rk += tl.sum((wk * tl.sum(us, axis=1))[:, None] * ux, axis=0)
+            rq += tl.sum((wq * tl.sum(us, axis=1))[:, None] * ux, axis=0)
+        else:
+            ub = load_vecs(bv_ptr, bvs_ptr, bvz_ptr, (b * cap + i) * HV + h, valid, c0, BV, V, VBITS, VG, VSYM, VPZ)
+            rk += tl.sum(wk[:, None] * ub, axis=0)
+            rq += tl.sum(wq[:, None] * ub, axis=0)
         run += tl.sum(gb)
     return run, rk, rq
 
@@ -181,32 +191,36 @@ def token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq, rk, rq, kf
     """``u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀk_t)`` and ``o_t`` from the checkpoint's ``sk, sq`` and the
     records' ``run, rk, rq``: the current token's part of ``o_t`` from its exact ``k_t, u_t`` (``EXACT``,
     pace_core.recurrence.buffered_step's ``exact_current``) or from its stored record. Returns the stored
-    key's and value's codes, scales, zero points and values (see :func:`stored_vec`), key first."""
+    value's codes, scales, zero points and values (see :func:`stored_vec`); the stored key is made where it is
+    needed (:func:`append_record`, and here only without ``EXACT``)."""
     beta = tl.load(beta_ptr + pid)
     v = tl.load(v_ptr + pid * V + cols)
     u = beta * (v - tl.exp(g_t) * (tl.exp(run) * sk + rk))
-    kcodes, kscale, kzero, khat = stored_vec(kfull, K, KBITS, KG, KSYM, K_BF16)
     ucodes, uscale, uzero, uhat = stored_vec(u, BV, VBITS, VG if VG < BV else BV, VSYM, V_BF16)
     if EXACT:
         current = tl.sum(kfull * qfull) * u
     else:
+        _, _, _, khat = stored_vec(kfull, K, KBITS, KG, KSYM, K_BF16)
         current = tl.sum(khat * qfull) * uhat
     tl.store(o_ptr + pid * V + cols, tl.exp(run + g_t) * sq + rq + current)
-    return kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat
+    return ucodes, uscale, uzero, uhat
 
 
 @triton.jit
 def append_record(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, g_t,
-                   kcodes, kscale, kzero, khat, ucodes, uscale, uzero, uhat, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr,
-                   KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
-                   VSYM: tl.constexpr, VPZ: tl.constexpr, KEY_BY_ALL: tl.constexpr = False):
-    """Write the token's record (:func:`token_output`'s key and value) into slot ``n``: its log decay
-    and key once per key head (by the first value head of the group, column block 0; ``KEY_BY_ALL``: by
-    every value head of the group, the same bytes, so that a program that reads the key next in the same
-    launch reads its own write), its value columns by every program."""
+                   kfull, ucodes, uscale, uzero, uhat, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                   KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr,
+                   VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr, K_BF16: tl.constexpr,
+                   KEY_BY_ALL: tl.constexpr = False):
+    """Write the token's record into slot ``n``: its log decay and its key ``kfull [K]`` stored in the buffer's
+    precision once per key head (by the first value head of the group, column block 0, the only program that
+    quantises it; ``KEY_BY_ALL``: by every value head of the group, the same bytes, so that a program that reads
+    the key next in the same launch reads its own write), its value (:func:`token_output`'s) columns by every
+    program."""
     if c0 == 0:
         tl.store(bg_ptr + (b * cap + n) * HV + h, g_t)
         if KEY_BY_ALL or h % (HV // H) == 0:
+            kcodes, kscale, kzero, khat = stored_vec(kfull, K, KBITS, KG, KSYM, K_BF16)
             store_vec(bk_ptr, bks_ptr, bkz_ptr, (b * cap + n) * H + kh, 0, kcodes, kscale, kzero, khat, K, K,
                       KBITS, KG, KSYM, KPZ)
     store_vec(bv_ptr, bvs_ptr, bvz_ptr, (b * cap + n) * HV + h, c0, ucodes, uscale, uzero, uhat, BV, V,

@@ -6,6 +6,7 @@ before each launch."""
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -612,3 +613,51 @@ def test_launches_per_bit_width_are_the_one_launch(gamma: int) -> None:
         _assert_within_one_step(st_p.checkpoint, st_o.checkpoint, exact_rounding=False)
     else:
         assert torch.equal(st_p.loaded(), st_o.loaded())
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="inline PTX: compiled kernels only (the interpreter runs the "
+                    "dots kernel's integer path, which the tests above check)")
+def test_nibbles_unpack_every_code_of_a_byte() -> None:
+    """kernels.primitives.nibbles_bf16 on every byte value, at positions 0-3 of a packed register: the low nibble
+    of byte i is element i of the first output, the high nibble of the second, as 128 + code in bfloat16."""
+    import triton
+    import triton.language as tl
+
+    nibbles_bf16 = KERNELS["primitives"].nibbles_bf16
+
+    @triton.jit
+    def unpack(p_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        lo, hi = nibbles_bf16(tl.load(p_ptr + i))
+        tl.store(lo_ptr + i, lo)
+        tl.store(hi_ptr + i, hi)
+
+    p = torch.randperm(256, device=DEVICE).to(torch.uint8).repeat(4)
+    lo = torch.full(p.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    hi = lo.clone()
+    unpack[(1,)](p, lo, hi, N=p.numel())
+    assert torch.equal(lo.float(), 128 + (p & 15).float())
+    assert torch.equal(hi.float(), 128 + (p >> 4).float())
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon dots kernel is compiled-only (tests/test_kernels_sass.py "
+                    "compiles it for sm_90a on any machine)")
+@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3)])
+def test_gluon_dots_are_the_triton_dots(name: str, gamma: int) -> None:
+    """kernels.gluon_dots (4-bit parts, symmetric and zero-point) against the Triton dots kernel on the same
+    checkpoint and token: ``Ŝᵀk, Ŝᵀq`` agree to float32 rounding (both sum exact products in fp32, in other
+    orders; STEP_TOL), every entry written (the workspace poisoned first)."""
+    packed_step = KERNELS["packed_step"]
+    gluon_dots = importlib.import_module("kernels.gluon_dots")
+    st, _ = _states(name, H * gamma)
+    q, k, *_ = _token(H * gamma)
+    out = {}
+    for gluon in (True, False):
+        plan = backend.TritonSteps({"gluon_dots": gluon, "dots_per_part": True}).plan(st)
+        launches = plan.launches[True]
+        assert any(gluon_dots.eligible(plan, common) for _, common, _ in launches) == gluon
+        plan.workspace.fill_(float("nan"))
+        packed_step.launch_dots(plan, q, k)
+        out[gluon] = plan.workspace.clone()
+    assert torch.isfinite(out[True]).all()
+    assert rel(out[True], out[False]) <= STEP_TOL

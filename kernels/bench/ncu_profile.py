@@ -40,6 +40,7 @@ SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats"
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
            "dram__throughput.avg.pct_of_peak_sustained_elapsed", "launch__registers_per_thread",
            "sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum",
+           "smsp__issue_active.avg.pct_of_peak_sustained_active",
            "launch__grid_size", "launch__block_size")
 STALLS = tuple(f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio" for reason in (
     "barrier", "branch_resolving", "dispatch_stall", "drain", "imc_miss", "lg_throttle", "long_scoreboard",
@@ -120,7 +121,8 @@ def summarise(row: dict) -> dict:
             "registers": get["launch__registers_per_thread"], "grid": get["launch__grid_size"],
             "block": get["launch__block_size"],
             "achieved_occupancy_pct": get["sm__warps_active.avg.pct_of_peak_sustained_active"],
-            "instructions": get["smsp__inst_executed.sum"], "top_stalls": top}
+            "instructions": get["smsp__inst_executed.sum"],
+            "issue_active_pct": get["smsp__issue_active.avg.pct_of_peak_sustained_active"], "top_stalls": top}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 bw = s["dram_bytes_per_second"]
                 print(f"B={B:4d} {variant:15s} {s['kernel'][:22]:22s} {s['seconds'] * 1e6:8.2f} us "
                       f"{(bw or 0) / 1e12:5.2f} TB/s ({s['dram_pct_of_peak'] or 0:4.1f}% peak) regs {s['registers']} "
-                      f"occ {s['achieved_occupancy_pct'] or 0:4.1f}% stalls "
+                      f"occ {s['achieved_occupancy_pct'] or 0:4.1f}% issue {s['issue_active_pct'] or 0:4.1f}% "
+                      f"instr {(s['instructions'] or 0) / 1e6:.2f} M stalls "
                       + ", ".join(f"{k} {v:.1f}" for k, v in s["top_stalls"]), flush=True)
             (args.out / "ncu_summary.json").write_text(json.dumps(summary, indent=1))
     return 0

@@ -1,0 +1,240 @@
+"""The dots kernel of 4-bit packed key-axis checkpoints in Gluon (explicit layouts, GPU only): ``Ŝᵀk_t, Ŝᵀq_t``
+with no shared-memory staging of the codes.
+
+One warp per (sequence, value head). The checkpoint's codes are read as 32-bit words (8 codes of one key row)
+straight into the registers of a tensor-core A operand: words ``W [16, 16]`` (16 words of a row = the 128
+values, 16 key rows per step) in the layout of ``mma.m16n8k16``'s A fragment, so that each thread holds the
+words of two consecutive key rows for the same columns; one inline-PTX group (:func:`_planes`) turns two such
+words into the 8 code planes ``A_m [16, 16]`` (``m``: the code's place in the word, value column ``8 i + m`` of
+row ``i``) as bfloat16 ``c - offset`` pairs, exact. ``B [16, 8]`` holds ``k`` and ``q`` split into three
+bfloat16 terms each (:func:`kernels.primitives.bf16_split`'s arithmetic), columns 0-2 and 3-5, from shared memory;
+``A_m B`` on tensor cores accumulates per key group with fp32 sums, then the group's fp16 scale of each column
+multiplies it. Every product is exact; the sums are fp32 in another order than the reference's (the Triton
+kernel's tolerance, :mod:`kernels.backend`).
+
+:func:`launch` is called by :func:`kernels.packed_step.launch_dots` for launches of one 4-bit part on CUDA
+tensors (:func:`eligible`); the Triton kernel stays the definition of the step and runs everywhere else.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+_PLANES = gl.constexpr("""{
+.reg .b32 t, s;
+prmt.b32 t, $8, $9, 0x4400;
+lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 s, t, 4;
+lop3.b32 $1, s, 0x000F000F, 0x43004300, 0xEA;
+prmt.b32 t, $8, $9, 0x5511;
+lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 s, t, 4;
+lop3.b32 $3, s, 0x000F000F, 0x43004300, 0xEA;
+prmt.b32 t, $8, $9, 0x6622;
+lop3.b32 $4, t, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 s, t, 4;
+lop3.b32 $5, s, 0x000F000F, 0x43004300, 0xEA;
+prmt.b32 t, $8, $9, 0x7733;
+lop3.b32 $6, t, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 s, t, 4;
+lop3.b32 $7, s, 0x000F000F, 0x43004300, 0xEA;
+}""")
+"""Two words (the same 8 columns of key rows r and r + 1) -> 8 bfloat16 pairs ``(128 + c[r], 128 + c[r+1])``, one
+per code place: ``prmt`` puts byte ``b`` of each word into the two halves, the mask keeps the low nibble (place
+2b) or, after a shift, the high one (place 2b + 1), or-ed into the bits of 128.0."""
+
+
+@gluon.jit
+def _planes(w):
+    """The 8 code planes of the words ``w`` (int32, A-operand layout, pairs of consecutive key rows in one
+    thread): bfloat16 ``128 + c`` of the code at place ``m`` of each word, ``m = 0 .. 7``."""
+    return gl.inline_asm_elementwise(_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
+                                     (gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
+                                      gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), True, 2)
+
+
+@gluon.jit
+def _limb_tile(k_at, q_at, LIMBS: gl.constexpr, K: gl.constexpr):
+    """``[K, 8]`` fp32: ``k`` and ``q`` (``[K]`` at ``k_at``, ``q_at``) as three bfloat16-exact terms each, columns
+    0-2 and 3-5 (``hi = bf16(x)``, ``mid = bf16(x - hi)``, ``lo = x - hi - mid``), columns 6-7 zero."""
+    rows = gl.arange(0, K, layout=gl.SliceLayout(1, LIMBS))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, LIMBS))[None, :]
+    out = gl.zeros([K, 8], gl.float32, LIMBS)
+    for v in gl.static_range(2):
+        if v == 0:
+            x = gl.load(k_at + rows)
+        else:
+            x = gl.load(q_at + rows)
+        hi = x.to(gl.bfloat16).to(gl.float32)
+        r = x - hi
+        mid = r.to(gl.bfloat16).to(gl.float32)
+        lo = r - mid
+        out = gl.where(n == 3 * v, hi[:, None], out)
+        out = gl.where(n == 3 * v + 1, mid[:, None], out)
+        out = gl.where(n == 3 * v + 2, lo[:, None], out)
+    return out
+
+
+@gluon.jit
+def _scaled(acc, final, s_at, m: gl.constexpr, MMA: gl.constexpr):
+    """``final + s acc`` with ``s`` the fp16 scales of the accumulator's rows ``i`` (value column ``8 i + m``)."""
+    i = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    s = gl.load(s_at + 8 * i + m).to(gl.float32)
+    return final + s[:, None] * acc
+
+
+@gluon.jit
+def _store(final, y_at, m: gl.constexpr, V: gl.constexpr, MMA: gl.constexpr):
+    """``Ŝᵀk`` (columns 0-2 summed) and ``Ŝᵀq`` (3-5) of value columns ``8 i + m`` into ``y_at [2, V]``."""
+    i = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))[None, :]
+    gl.store(y_at + 8 * i + m, gl.sum(gl.where(n < 3, final, 0.0), axis=1))
+    gl.store(y_at + V + 8 * i + m, gl.sum(gl.where((n >= 3) & (n < 6), final, 0.0), axis=1))
+
+
+@gluon.jit
+def _offsets(zero_at, g: gl.constexpr, SYM: gl.constexpr, NW: gl.constexpr, LA: gl.constexpr):
+    """What each code plane subtracts in key group ``g``, bfloat16 ``128 + z`` broadcast over a step's ``[16, 16]``:
+    ``z = 8`` (symmetric 4-bit codes) or the group's zero point of value column ``8 i + m`` (packed two per byte
+    like the codes, so word ``i`` of the group's zero row holds those of row ``i``'s 8 columns)."""
+    if SYM:
+        o = gl.full([16, 16], 136.0, gl.bfloat16, LA)
+        o0, o1, o2, o3, o4, o5, o6, o7 = o, o, o, o, o, o, o, o
+    else:
+        i = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
+        zw = gl.load(zero_at.to(gl.pointer_type(gl.int32)) + g * NW + i)[:, None]
+        full = gl.zeros([16, 16], gl.int32, LA)
+        o0 = (((zw >> 0) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
+        o1 = (((zw >> 4) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
+        o2 = (((zw >> 8) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
+        o3 = (((zw >> 12) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
+        o4 = (((zw >> 16) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
+        o5 = (((zw >> 20) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
+        o6 = (((zw >> 24) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
+        o7 = (((zw >> 28) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
+    return o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@gluon.jit
+def _pick(s: gl.constexpr, w0, w1, w2, w3, w4, w5, w6, w7):
+    """Step ``s``'s words."""
+    if s == 0:
+        w = w0
+    elif s == 1:
+        w = w1
+    elif s == 2:
+        w = w2
+    elif s == 3:
+        w = w3
+    elif s == 4:
+        w = w4
+    elif s == 5:
+        w = w5
+    elif s == 6:
+        w = w6
+    else:
+        w = w7
+    return w
+
+
+@gluon.jit
+def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
+                 H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
+                 V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr):
+    """``y [B*HV, 2, V]`` = ``Ŝᵀk_t, Ŝᵀq_t`` of one (sequence, value head) per program (one warp); the checkpoint
+    part holds ``HP`` value heads per sequence (``MAPPED``: its slot ``s`` is value head ``map_ptr[s]``), ``SS``
+    fp16 scales and ``ZS`` zero-point bytes per head. All the words are requested before the ``k, q`` terms are
+    formed."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    LIMBS: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+    SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0, 1])
+    NW: gl.constexpr = V // 8  # 32-bit words per key row
+    STEPS: gl.constexpr = K // 16
+    PER_GROUP: gl.constexpr = G // 16
+    gl.static_assert(NW == 16, "a step's A operand is one key row of 16 words: V = 128")
+    gl.static_assert(STEPS == 8, "8 steps of 16 key rows: K = 128")
+    gl.static_assert(G % 16 == 0, "key groups of whole 16-row steps")
+
+    pid = gl.program_id(0).to(gl.int64)
+    b = pid // HP
+    slot = pid % HP
+    if MAPPED:
+        h = gl.load(map_ptr + slot).to(gl.int64)
+    else:
+        h = slot
+    kh = h // (HV // H)
+    head = b * HP + slot
+    words = codes_ptr.to(gl.pointer_type(gl.int32)) + head * (K * NW)
+    i = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))[:, None]
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))[None, :]
+    at = words + r * NW + i  # step 0's [16 words, 16 rows]
+    w0 = gl.load(at)  # every step's words requested at once: 8 KB per warp in flight
+    w1 = gl.load(at + 16 * NW)
+    w2 = gl.load(at + 32 * NW)
+    w3 = gl.load(at + 48 * NW)
+    w4 = gl.load(at + 64 * NW)
+    w5 = gl.load(at + 80 * NW)
+    w6 = gl.load(at + 96 * NW)
+    w7 = gl.load(at + 112 * NW)
+
+    limbs = gl.allocate_shared_memory(gl.bfloat16, [K, 8], SMEM,
+                                      _limb_tile(k_ptr + (b * H + kh) * K, q_ptr + (b * H + kh) * K, LIMBS,
+                                                 K).to(gl.bfloat16))
+    zero = gl.zeros([16, 8], gl.float32, MMA)
+    f0, f1, f2, f3, f4, f5, f6, f7 = zero, zero, zero, zero, zero, zero, zero, zero
+    for g in gl.static_range(K // G):
+        o0, o1, o2, o3, o4, o5, o6, o7 = _offsets(zero_ptr + head * ZS, g, SYM, NW, LA)
+        a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
+        for j in gl.static_range(PER_GROUP):
+            w = _pick(g * PER_GROUP + j, w0, w1, w2, w3, w4, w5, w6, w7)
+            bk = limbs.slice(g * G + j * 16, 16, dim=0).load(LB)
+            p0, p1, p2, p3, p4, p5, p6, p7 = _planes(w)
+            a0 = mma_v2(p0 - o0, bk, a0)
+            a1 = mma_v2(p1 - o1, bk, a1)
+            a2 = mma_v2(p2 - o2, bk, a2)
+            a3 = mma_v2(p3 - o3, bk, a3)
+            a4 = mma_v2(p4 - o4, bk, a4)
+            a5 = mma_v2(p5 - o5, bk, a5)
+            a6 = mma_v2(p6 - o6, bk, a6)
+            a7 = mma_v2(p7 - o7, bk, a7)
+        s_at = scale_ptr + head * SS + g * V
+        f0 = _scaled(a0, f0, s_at, 0, MMA)
+        f1 = _scaled(a1, f1, s_at, 1, MMA)
+        f2 = _scaled(a2, f2, s_at, 2, MMA)
+        f3 = _scaled(a3, f3, s_at, 3, MMA)
+        f4 = _scaled(a4, f4, s_at, 4, MMA)
+        f5 = _scaled(a5, f5, s_at, 5, MMA)
+        f6 = _scaled(a6, f6, s_at, 6, MMA)
+        f7 = _scaled(a7, f7, s_at, 7, MMA)
+    y_at = y_ptr + (b * HV + h) * 2 * V
+    _store(f0, y_at, 0, V, MMA)
+    _store(f1, y_at, 1, V, MMA)
+    _store(f2, y_at, 2, V, MMA)
+    _store(f3, y_at, 3, V, MMA)
+    _store(f4, y_at, 4, V, MMA)
+    _store(f5, y_at, 5, V, MMA)
+    _store(f6, y_at, 6, V, MMA)
+    _store(f7, y_at, 7, V, MMA)
+
+
+def eligible(plan, common: dict) -> bool:
+    """Whether a dots launch with constexprs ``common`` runs here: bfloat16 tensor-core operands (a GPU), one part
+    of 4-bit key-axis codes with 128-wide heads and key groups of whole 16-row steps, and the plan's
+    ``gluon_dots`` setting on."""
+    _, _, _, K, V = plan.shape
+    return (plan.meta.get("gluon_dots", True) and common["BF16"] and not common["TWO"] and common["BITS0"] == 4
+            and K == 128 and V == 128 and common["G"] % 16 == 0 and (common["SYM"] or common["PZ0"]))
+
+
+def launch(plan, q, k, args: list, common: dict, heads: int) -> None:
+    """One :func:`_dots_kernel` launch over the ``heads`` value heads per sequence of one part (``args``, ``common``:
+    :func:`kernels.plan.ckpt_launches`'s) into ``plan.workspace``."""
+    B, H, HV, K, V = plan.shape
+    table, _, codes, scale, zero = args[:5]
+    _dots_kernel[(B * heads,)](q, k, plan.workspace, table, codes, scale, zero, H=H, HV=HV, HP=heads,
+                               MAPPED=common["MAPPED"], K=K, V=V, G=common["G"], SYM=common["SYM"],
+                               SS=common["SS0"], ZS=common["ZS0"], num_warps=1)

@@ -1,0 +1,33 @@
+"""kernels/bench/sass.py on the CPU: the decode kernels compile for the H200 (sm_90a) with this machine's Triton,
+the Gluon dots kernel included (it has no interpreter version, so this is its check where no GPU is), and the
+report counts what the compiled code holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("variant", ["PACE-4 dP=8", "PACE-4/8 dP=8"])
+def test_gluon_dots_compile_for_the_h200(variant: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "kernels/bench/sass.py", "--variant", variant, "--batch", "4",
+                           "--kernel", "gluon_dots", "dots", "--dump", str(tmp_path)],
+                          cwd=ROOT, env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "sass.json").read_text())
+    assert report["target"] == "sm_90a" and set(report["kernels"]) == {"gluon_dots", "dots"}
+    gluon, dots = report["kernels"]["gluon_dots"], report["kernels"]["dots"]
+    assert gluon["stack_bytes"] == 0 and gluon["ops"].get("HMMA.16816.F32.BF16", 0) > 0
+    assert gluon["ops"].get("PRMT", 0) > 0  # the inline-PTX unpacking is there
+    assert "LDS.U8" not in gluon["ops"] and "STS.128" not in gluon["ops"]  # no byte-wise staging of the codes
+    assert (tmp_path / "gluon_dots.sass").read_text().count("HMMA") == gluon["ops"]["HMMA.16816.F32.BF16"]
+    assert dots["instructions"] > 0
