@@ -22,25 +22,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-_PLANES = gl.constexpr("""{
-.reg .b32 t, s;
-prmt.b32 t, $8, $9, 0x4400;
-lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 s, t, 4;
-lop3.b32 $1, s, 0x000F000F, 0x43004300, 0xEA;
-prmt.b32 t, $8, $9, 0x5511;
-lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 s, t, 4;
-lop3.b32 $3, s, 0x000F000F, 0x43004300, 0xEA;
-prmt.b32 t, $8, $9, 0x6622;
-lop3.b32 $4, t, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 s, t, 4;
-lop3.b32 $5, s, 0x000F000F, 0x43004300, 0xEA;
-prmt.b32 t, $8, $9, 0x7733;
-lop3.b32 $6, t, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 s, t, 4;
-lop3.b32 $7, s, 0x000F000F, 0x43004300, 0xEA;
-}""")
+_PLANES = gl.constexpr("{\n.reg .b32 t, s;\n" + "".join(
+    f"prmt.b32 t, $8, $9, 0x{4 + b}{4 + b}{b}{b};\n"
+    f"lop3.b32 ${2 * b}, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 s, t, 4;\n"
+    f"lop3.b32 ${2 * b + 1}, s, 0x000F000F, 0x43004300, 0xEA;\n" for b in range(4)) + "}")
 """Two words (the same 8 columns of key rows r and r + 1) -> 8 bfloat16 pairs ``(128 + c[r], 128 + c[r+1])``, one
 per code place: ``prmt`` puts byte ``b`` of each word into the two halves, the mask keeps the low nibble (place
 2b) or, after a shift, the high one (place 2b + 1), or-ed into the bits of 128.0."""
