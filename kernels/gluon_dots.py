@@ -13,7 +13,8 @@ multiplies it. Every product is exact; the sums are fp32 in another order than t
 kernel's tolerance, :mod:`kernels.backend`).
 
 :func:`launch` is called by :func:`kernels.packed_step.launch_dots` for launches of one 4-bit part on CUDA
-tensors (:func:`eligible`); the Triton kernel stays the definition of the step and runs everywhere else.
+tensors (:func:`kernels.plan.gluon_dots_apply`, decided once per plan); the Triton kernel stays the definition
+of the step and runs everywhere else.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from kernels.primitives import bf16_split
+
+_bf16_split = gluon.jit(bf16_split.fn)  # the Triton kernels' split, compiled in Gluon kernels
 
 _PLANES = gl.constexpr("{\n.reg .b32 t, s;\n" + "".join(
     f"prmt.b32 t, $8, $9, 0x{4 + b}{4 + b}{b}{b};\n"
@@ -43,8 +48,8 @@ def _planes(w):
 
 @gluon.jit
 def _limb_tile(k_at, q_at, LIMBS: gl.constexpr, K: gl.constexpr):
-    """``[K, 8]`` fp32: ``k`` and ``q`` (``[K]`` at ``k_at``, ``q_at``) as three bfloat16-exact terms each, columns
-    0-2 and 3-5 (``hi = bf16(x)``, ``mid = bf16(x - hi)``, ``lo = x - hi - mid``), columns 6-7 zero."""
+    """``[K, 8]`` fp32: ``k`` and ``q`` (``[K]`` at ``k_at``, ``q_at``) as three bfloat16-exact terms each
+    (:func:`kernels.primitives.bf16_split`), columns 0-2 and 3-5, columns 6-7 zero."""
     rows = gl.arange(0, K, layout=gl.SliceLayout(1, LIMBS))
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, LIMBS))[None, :]
     out = gl.zeros([K, 8], gl.float32, LIMBS)
@@ -53,10 +58,7 @@ def _limb_tile(k_at, q_at, LIMBS: gl.constexpr, K: gl.constexpr):
             x = gl.load(k_at + rows)
         else:
             x = gl.load(q_at + rows)
-        hi = x.to(gl.bfloat16).to(gl.float32)
-        r = x - hi
-        mid = r.to(gl.bfloat16).to(gl.float32)
-        lo = r - mid
+        hi, mid, lo = _bf16_split(x)
         out = gl.where(n == 3 * v, hi[:, None], out)
         out = gl.where(n == 3 * v + 1, mid[:, None], out)
         out = gl.where(n == 3 * v + 2, lo[:, None], out)
@@ -81,6 +83,12 @@ def _store(final, y_at, m: gl.constexpr, V: gl.constexpr, MMA: gl.constexpr):
 
 
 @gluon.jit
+def _zero_offset(zw, m: gl.constexpr):
+    """bfloat16 ``128 + z`` of code place ``m`` from the zero-point words ``zw`` (int32, 8 nibbles)."""
+    return (((zw >> (4 * m)) & 15) + 128).to(gl.float32).to(gl.bfloat16)
+
+
+@gluon.jit
 def _offsets(zero_at, g: gl.constexpr, SYM: gl.constexpr, NW: gl.constexpr, LA: gl.constexpr):
     """What each code plane subtracts in key group ``g``, bfloat16 ``128 + z`` broadcast over a step's ``[16, 16]``:
     ``z = 8`` (symmetric 4-bit codes) or the group's zero point of value column ``8 i + m`` (packed two per byte
@@ -90,39 +98,10 @@ def _offsets(zero_at, g: gl.constexpr, SYM: gl.constexpr, NW: gl.constexpr, LA: 
         o0, o1, o2, o3, o4, o5, o6, o7 = o, o, o, o, o, o, o, o
     else:
         i = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
-        zw = gl.load(zero_at.to(gl.pointer_type(gl.int32)) + g * NW + i)[:, None]
-        full = gl.zeros([16, 16], gl.int32, LA)
-        o0 = (((zw >> 0) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
-        o1 = (((zw >> 4) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
-        o2 = (((zw >> 8) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
-        o3 = (((zw >> 12) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
-        o4 = (((zw >> 16) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
-        o5 = (((zw >> 20) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
-        o6 = (((zw >> 24) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
-        o7 = (((zw >> 28) & 15) + full + 128).to(gl.float32).to(gl.bfloat16)
+        zw = gl.load(zero_at.to(gl.pointer_type(gl.int32)) + g * NW + i)[:, None] + gl.zeros([16, 16], gl.int32, LA)
+        o0, o1, o2, o3 = _zero_offset(zw, 0), _zero_offset(zw, 1), _zero_offset(zw, 2), _zero_offset(zw, 3)
+        o4, o5, o6, o7 = _zero_offset(zw, 4), _zero_offset(zw, 5), _zero_offset(zw, 6), _zero_offset(zw, 7)
     return o0, o1, o2, o3, o4, o5, o6, o7
-
-
-@gluon.jit
-def _pick(s: gl.constexpr, w0, w1, w2, w3, w4, w5, w6, w7):
-    """Step ``s``'s words."""
-    if s == 0:
-        w = w0
-    elif s == 1:
-        w = w1
-    elif s == 2:
-        w = w2
-    elif s == 3:
-        w = w3
-    elif s == 4:
-        w = w4
-    elif s == 5:
-        w = w5
-    elif s == 6:
-        w = w6
-    else:
-        w = w7
-    return w
 
 
 @gluon.jit
@@ -158,14 +137,9 @@ def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
     i = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))[:, None]
     r = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))[None, :]
     at = words + r * NW + i  # step 0's [16 words, 16 rows]
-    w0 = gl.load(at)  # every step's words requested at once: 8 KB per warp in flight
-    w1 = gl.load(at + 16 * NW)
-    w2 = gl.load(at + 32 * NW)
-    w3 = gl.load(at + 48 * NW)
-    w4 = gl.load(at + 64 * NW)
-    w5 = gl.load(at + 80 * NW)
-    w6 = gl.load(at + 96 * NW)
-    w7 = gl.load(at + 112 * NW)
+    # every step's words requested at once: 8 KB per warp in flight
+    steps = (gl.load(at), gl.load(at + 16 * NW), gl.load(at + 32 * NW), gl.load(at + 48 * NW),
+             gl.load(at + 64 * NW), gl.load(at + 80 * NW), gl.load(at + 96 * NW), gl.load(at + 112 * NW))
 
     limbs = gl.allocate_shared_memory(gl.bfloat16, [K, 8], SMEM,
                                       _limb_tile(k_ptr + (b * H + kh) * K, q_ptr + (b * H + kh) * K, LIMBS,
@@ -176,7 +150,7 @@ def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
         o0, o1, o2, o3, o4, o5, o6, o7 = _offsets(zero_ptr + head * ZS, g, SYM, NW, LA)
         a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
         for j in gl.static_range(PER_GROUP):
-            w = _pick(g * PER_GROUP + j, w0, w1, w2, w3, w4, w5, w6, w7)
+            w = steps[g * PER_GROUP + j]
             bk = limbs.slice(g * G + j * 16, 16, dim=0).load(LB)
             p0, p1, p2, p3, p4, p5, p6, p7 = _planes(w)
             a0 = mma_v2(p0 - o0, bk, a0)
@@ -205,15 +179,6 @@ def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
     _store(f5, y_at, 5, V, MMA)
     _store(f6, y_at, 6, V, MMA)
     _store(f7, y_at, 7, V, MMA)
-
-
-def eligible(plan, common: dict) -> bool:
-    """Whether a dots launch with constexprs ``common`` runs here: bfloat16 tensor-core operands (a GPU), one part
-    of 4-bit key-axis codes with 128-wide heads and key groups of whole 16-row steps, and the plan's
-    ``gluon_dots`` setting on."""
-    _, _, _, K, V = plan.shape
-    return (plan.meta.get("gluon_dots", True) and common["BF16"] and not common["TWO"] and common["BITS0"] == 4
-            and K == 128 and V == 128 and common["G"] % 16 == 0 and (common["SYM"] or common["PZ0"]))
 
 
 def launch(plan, q, k, args: list, common: dict, heads: int) -> None:

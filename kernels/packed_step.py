@@ -303,16 +303,16 @@ def _record_block(plan: DecodePlan) -> int:
 def launch_dots(plan: DecodePlan, q, k) -> None:
     """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]``
     float32, contiguous); a launch of one 4-bit part on a GPU runs :mod:`kernels.gluon_dots` where it applies
-    (:func:`kernels.gluon_dots.eligible`; launch setting ``gluon_dots`` False: never)."""
+    (:func:`kernels.plan.gluon_dots_apply`; launch setting ``gluon_dots`` False: never)."""
     B, H, HV, K, V = plan.shape
     m = plan.meta
     bv = min(m["dots_columns"], V)
-    for args, common, heads in plan.launches[m["dots_per_part"]]:
-        if common["BF16"] and common["BITS0"] == 4:  # 4-bit parts on a GPU: the Gluon kernel where it applies
-            from kernels import gluon_dots
-            if gluon_dots.eligible(plan, common):
-                gluon_dots.launch(plan, q, k, args, common, heads)
-                continue
+    per_part = m["dots_per_part"]
+    for (args, common, heads), gluon in zip(plan.launches[per_part], plan.gluon_dots[per_part]):
+        if gluon:
+            from kernels import gluon_dots  # GPU only: never imported under the interpreter
+            gluon_dots.launch(plan, q, k, args, common, heads)
+            continue
         _ckpt_dots_kernel[(B * heads, V // bv)](q, k, plan.workspace, *args, H, HV, BV=bv, num_warps=m["dots_warps"],
                                                 **common)
 

@@ -201,6 +201,7 @@ class DecodePlan:
     records: tuple = ()  # the buffer's record pointers (record_args: its storage stays allocated)
     record_meta: dict = field(default_factory=dict)  # their compile-time layout (record_layout)
     launches: dict = field(default_factory=dict)  # split: ckpt_launches by per_part
+    gluon_dots: dict = field(default_factory=dict)  # split: per_part -> whether each dots launch runs gluon_dots
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
@@ -285,7 +286,18 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
                       records, record_meta)
     if split:
         plan.launches.update({per_part: ckpt_launches(plan, per_part) for per_part in (False, True)})
+        plan.gluon_dots.update({per_part: [gluon_dots_apply(plan, common) for _, common, _ in plan.launches[per_part]]
+                                for per_part in (False, True)})
     return plan
+
+
+def gluon_dots_apply(plan: DecodePlan, common: dict) -> bool:
+    """Whether a dots launch with constexprs ``common`` runs :mod:`kernels.gluon_dots`: bfloat16 tensor-core operands
+    (a GPU), one part of 4-bit key-axis codes with 128-wide heads and key groups of whole 16-row steps, and the
+    plan's ``gluon_dots`` setting on."""
+    _, _, _, K, V = plan.shape
+    return bool(plan.meta["gluon_dots"] and common["BF16"] and not common["TWO"] and common["BITS0"] == 4
+                and K == 128 and V == 128 and common["G"] % 16 == 0 and (common["SYM"] or common["PZ0"]))
 
 
 def ckpt_common(m: dict) -> dict:

@@ -6,7 +6,6 @@ before each launch."""
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -648,14 +647,12 @@ def test_gluon_dots_are_the_triton_dots(name: str, gamma: int) -> None:
     checkpoint and token: ``Ŝᵀk, Ŝᵀq`` agree to float32 rounding (both sum exact products in fp32, in other
     orders; STEP_TOL), every entry written (the workspace poisoned first)."""
     packed_step = KERNELS["packed_step"]
-    gluon_dots = importlib.import_module("kernels.gluon_dots")
     st, _ = _states(name, H * gamma)
     q, k, *_ = _token(H * gamma)
     out = {}
     for gluon in (True, False):
         plan = backend.TritonSteps({"gluon_dots": gluon, "dots_per_part": True}).plan(st)
-        launches = plan.launches[True]
-        assert any(gluon_dots.eligible(plan, common) for _, common, _ in launches) == gluon
+        assert any(plan.gluon_dots[True]) == gluon
         plan.workspace.fill_(float("nan"))
         packed_step.launch_dots(plan, q, k)
         out[gluon] = plan.workspace.clone()

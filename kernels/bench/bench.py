@@ -115,12 +115,12 @@ def buffered_config(variant: str):
     return get_config("pace-4-8").replace(high_heads=(tuple(range(0, HV, 4)),))
 
 
-def _layer_state(variant: str, S: torch.Tensor) -> PeriodicState:
-    """One layer's state of a checkpointed variant: ``S`` stored in its format, an empty buffer of dP records
-    (none at dP = 1)."""
+def _layer_state(variant: str, S: torch.Tensor, steps=None) -> PeriodicState:
+    """One layer's state of a checkpointed variant on ``steps`` (default: the Triton backend): ``S`` stored in its
+    format, an empty buffer of dP records (none at dP = 1)."""
     cfg = buffered_config(variant)
     fmt = StateFormat(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
-    steps = TritonSteps()
+    steps = steps or TritonSteps()
     st = PeriodicState(fmt, steps, (S.shape[0], H, HV, K, V), S.device, prefill_period=256,
                        decode_period=cfg.decode_period,
                        buffer=cfg.buffer_format, exact_current=cfg.exact_current_token)

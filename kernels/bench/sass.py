@@ -31,11 +31,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels.bench.bench import H, HV, K, V, _inputs, buffered_config  # noqa: E402
+from kernels.bench.bench import HV, K, V, _inputs, _layer_state  # noqa: E402
 from kernels.plan import DecodePlan, plan_decode  # noqa: E402
 from pace_core.backend import REFERENCE  # noqa: E402
-from pace_core.checkpoint import StateFormat  # noqa: E402
-from pace_core.schedule import PeriodicState  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages")
@@ -88,39 +86,29 @@ def sass_report(compiled) -> dict:
             "instructions": sum(ops.values()), "ops": dict(ops.most_common()), "sass": sass}
 
 
-def plan_of(variant: str, B: int) -> tuple[PeriodicState, DecodePlan]:
-    """One layer of ``variant`` at batch ``B`` on CPU tensors (stored by the reference) and its decode plan, with
-    the GPU's bfloat16 tensor-core operands and its buffer holding half a period of records."""
-    cfg = buffered_config(variant)
-    fmt = StateFormat(cfg, cfg.head_bits(0, HV))
-    st = PeriodicState(fmt, REFERENCE, (B, H, HV, K, V), torch.device("cpu"), prefill_period=256,
-                       decode_period=cfg.decode_period, buffer=cfg.buffer_format, exact_current=cfg.exact_current_token)
-    st.set_checkpoint(REFERENCE.store(fmt, torch.randn(B, HV, K, V) * 0.05)[0])
-    plan = plan_decode(st.checkpoint, st.buffer, st.exact_current, {"BF16": True})
-    _, k, v, g, _ = _inputs(B, torch.device("cpu"))
-    for _ in range(cfg.decode_period // 2):
-        st.buffer.append(k, v * 0.1, g)
-    return st, plan
-
-
 def launches(variant: str, B: int) -> dict[str, tuple]:
-    """Each decode kernel of ``variant``'s token and flush: name -> (kernel, args, kwargs) of its first launch."""
+    """Each decode kernel of ``variant``'s token and flush: name -> (kernel, args, kwargs) of its first launch, one
+    layer at batch ``B`` on CPU tensors (stored by the reference), the GPU's bfloat16 operands, the buffer holding
+    half a period of records. ``dots``: the Triton dots kernel; ``gluon_dots``: the Gluon one (launched per width)."""
     from kernels import flush, gluon_dots, packed_step
 
-    st, plan = plan_of(variant, B)
+    st = _layer_state(variant, torch.randn(B, HV, K, V) * 0.05, REFERENCE)
     q, k, v, g, beta = _inputs(B, torch.device("cpu"))
+    for _ in range(st.decode_period // 2):
+        st.buffer.append(k, v * 0.1, g)
     o = torch.empty(B, HV, V)
+
+    def plan(**launch) -> DecodePlan:
+        return plan_decode(st.checkpoint, st.buffer, st.exact_current, {"BF16": True, **launch})
+
     calls = {
-        "dots": (packed_step._ckpt_dots_kernel, lambda: packed_step.launch_dots(
-            DecodePlan(**{**plan.__dict__, "meta": {**plan.meta, "gluon_dots": False}}), q, k)),
-        "gluon_dots": (gluon_dots._dots_kernel, lambda: packed_step.launch_dots(
-            DecodePlan(**{**plan.__dict__, "meta": {**plan.meta, "dots_per_part": True}}), q, k)),
+        "dots": (packed_step._ckpt_dots_kernel, lambda: packed_step.launch_dots(plan(gluon_dots=False), q, k)),
+        "gluon_dots": (gluon_dots._dots_kernel, lambda: packed_step.launch_dots(plan(dots_per_part=True), q, k)),
         "records": (packed_step._record_step_kernel,
-                    lambda: packed_step.launch_records(plan, st.buffer, q, k, v, g, beta, o)),
-        "step": (packed_step._ckpt_step_kernel, lambda: packed_step.launch_packed_step(
-            DecodePlan(**{**plan.__dict__, "meta": {**plan.meta, "fused_step": True}}), st.buffer, q, k, v, g, beta,
-            o)),
-        "flush": (flush._flush_kernel, lambda: flush.launch_flush(plan, st.buffer)),
+                    lambda: packed_step.launch_records(plan(), st.buffer, q, k, v, g, beta, o)),
+        "step": (packed_step._ckpt_step_kernel,
+                 lambda: packed_step.launch_packed_step(plan(fused_step=True), st.buffer, q, k, v, g, beta, o)),
+        "flush": (flush._flush_kernel, lambda: flush.launch_flush(plan(), st.buffer)),
     }
     kernels = {fn for fn, _ in calls.values()}
     out = {}
