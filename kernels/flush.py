@@ -207,10 +207,16 @@ def _flush_kernel(
 
 def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     """The split path's flush kernel: fold the buffer's ``len(buf)`` records into the packed
-    checkpoint and requantise it in place (the caller clears the buffer)."""
+    checkpoint and requantise it in place (the caller clears the buffer); launches that
+    :func:`kernels.plan.gluon_flush_apply` takes run :mod:`kernels.gluon_flush`."""
     B, H, HV, K, V = plan.shape
     m = plan.meta
     bv = min(m["flush_columns"], V)
-    for args, common, heads in plan.launches[m["per_part"]]:
+    for (args, common, heads), gluon in zip(plan.launches[m["per_part"]], plan.gluon_flush[m["per_part"]]):
+        if gluon:  # decided once per plan (kernels.plan.gluon_flush_apply); imported only on a GPU
+            from kernels import gluon_flush
+
+            gluon_flush.launch(plan, len(buf), args, common, heads)
+            continue
         _flush_kernel[(B * heads, V // bv)](*args, *plan.records, len(buf), plan.capacity, H, HV, BV=bv, NB=16,
                                             **plan.record_meta, num_warps=m["flush_warps"], num_stages=1, **common)

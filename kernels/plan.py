@@ -202,11 +202,12 @@ class DecodePlan:
     record_meta: dict = field(default_factory=dict)  # their compile-time layout (record_layout)
     launches: dict = field(default_factory=dict)  # split: ckpt_launches by per_part
     gluon_dots: dict = field(default_factory=dict)  # split: per_part -> whether each dots launch runs gluon_dots
+    gluon_flush: dict = field(default_factory=dict)  # split: per_part -> whether each flush launch runs gluon_flush
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
                   "flush_warps": 4, "flush_columns": 128, "dots_per_part": "auto", "per_part": "auto",
-                  "gluon_dots": True}
+                  "gluon_dots": True, "gluon_flush": True}
 """Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others, and these
 are the fastest it measured on the H200 at batch 32 to 128, data/bench/bench.json): the step as one
 kernel (``fused_step``, :func:`_ckpt_step_kernel`, with ``step_warps``) or as two (the dots kernel's
@@ -220,7 +221,9 @@ against 780 us per token for PACE-4, data/bench/bench.json). For two bit widths 
 dots kernel (``dots_per_part``), the flush and the window kernels (``per_part``) launched once per width;
 ``"auto"``: when the (sequence, value head) programs are more than the SMs, so that the two launches do not
 leave most SMs idle in turn (per width, PACE-4/8's 4-bit heads take the Gluon dots kernel: 807 against 1128
-us at B = 128; in one wave one launch is faster); under the interpreter always, so that the tests run it."""
+us at B = 128; in one wave one launch is faster); under the interpreter always, so that the tests run it.
+``gluon_flush``: a flush launch of one 4-bit symmetric part with PACE-4's buffer runs :mod:`kernels.gluon_flush` on a
+GPU (off: the Triton kernel)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,8 +289,10 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
                       records, record_meta)
     if split:
         plan.launches.update({per_part: ckpt_launches(plan, per_part) for per_part in (False, True)})
-        plan.gluon_dots.update({per_part: [gluon_dots_apply(plan, common) for _, common, _ in plan.launches[per_part]]
-                                for per_part in (False, True)})
+        for per_part in (False, True):
+            commons = [common for _, common, _ in plan.launches[per_part]]
+            plan.gluon_dots[per_part] = [gluon_dots_apply(plan, common) for common in commons]
+            plan.gluon_flush[per_part] = [gluon_flush_apply(plan, common) for common in commons]
     return plan
 
 
@@ -298,6 +303,19 @@ def gluon_dots_apply(plan: DecodePlan, common: dict) -> bool:
     _, _, _, K, V = plan.shape
     return bool(plan.meta["gluon_dots"] and common["BF16"] and not common["TWO"] and common["BITS0"] == 4
                 and K == 128 and V == 128 and common["G"] % 16 == 0 and (common["SYM"] or common["PZ0"]))
+
+
+def gluon_flush_apply(plan: DecodePlan, common: dict) -> bool:
+    """Whether a flush launch with constexprs ``common`` runs :mod:`kernels.gluon_flush`: bfloat16 tensor-core
+    operands (a GPU), one part of 4-bit symmetric key-axis codes with 128-wide heads and key groups of 16 to 64
+    rows, records of int8 keys and values with one scale per vector (PACE-4's buffer), at most 16 of them, and the
+    plan's ``gluon_flush`` setting on."""
+    _, _, _, K, V = plan.shape
+    r = plan.record_meta
+    records = (r["KBITS"] == 8 and r["KSYM"] and r["KG"] == K and r["VBITS"] == 8 and r["VSYM"] and r["VG"] == V
+               and plan.capacity <= 16)
+    return bool(plan.meta["gluon_flush"] and common["BF16"] and not common["TWO"] and common["BITS0"] == 4
+                and common["SYM"] and K == 128 and V == 128 and common["G"] in (16, 32, 64) and records)
 
 
 def ckpt_common(m: dict) -> dict:

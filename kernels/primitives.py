@@ -99,6 +99,37 @@ def fp16_scale(ratio, nonzero):
 
 
 @triton.jit
+def sym_scale(amax, BITS: tl.constexpr):
+    """Symmetric ``BITS``-bit groups of largest magnitude ``amax`` (fp32, one per group): the fp16 scale, the
+    fp32 divisor (1 where the scale is 0) and its correctly rounded reciprocal (for :func:`sym_code_sum`)."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    scale = fp16_scale(tl.math.div_rn(amax, QMAX * 1.0), amax > 0)
+    div = tl.where(scale == 0, 1.0, scale.to(tl.float32))
+    return scale, div, tl.math.div_rn(1.0, div)
+
+
+@triton.jit
+def sym_code_sum(x, div, rdiv, BITS: tl.constexpr, CLAMP: tl.constexpr = True):
+    """``RINT_MAGIC + c`` (fp32) for the unsigned symmetric code ``c`` of ``x`` with divisor ``div`` and reciprocal
+    ``rdiv`` (:func:`sym_scale`, broadcast to ``x``): its code in the low mantissa bits (:func:`rint_bits`).
+    ``CLAMP`` False: the caller knows that no group's scale was clamped at fp16's largest (its ``amax`` at most
+    :func:`sym_fits`), so every finite ``|x / div|`` is below ``q_max + 1/2`` (the fp16 scale is within 2^-11 of
+    ``amax / q_max``) and rounds into the range without the clamp."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    y = div_rn(x, div, rdiv)
+    if CLAMP:
+        y = tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0)
+    return y + (RINT_MAGIC + (QMAX + 1))  # even offset
+
+
+@triton.jit
+def sym_fits(BITS: tl.constexpr):
+    """The largest group magnitude whose symmetric ``BITS``-bit scale is not clamped at fp16's largest:
+    ``q_max * 65504`` (exact in fp32)."""
+    return ((1 << (BITS - 1)) - 1) * FP16_MAX
+
+
+@triton.jit
 def quant_tile(x, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
                 SYM: tl.constexpr, BITS: tl.constexpr):
     """Quantise ``x [R, C]`` fp32 (whole groups) as pace_core.quant does.
@@ -108,12 +139,8 @@ def quant_tile(x, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: t
     AX: tl.constexpr = 1 if KEY_AXIS else 2
     xg = groups(x, R, C, G, KEY_AXIS)
     if SYM:
-        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-        amax = tl.max(tl.abs(xg), axis=AX)
-        scale = fp16_scale(tl.math.div_rn(amax, QMAX * 1.0), amax > 0)
-        div = tl.where(scale == 0, 1.0, scale.to(tl.float32))
-        y = div_rn(x, expand(div, R, C, G, KEY_AXIS), expand(tl.math.div_rn(1.0, div), R, C, G, KEY_AXIS))
-        codes = rint_bits(tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0) + (RINT_MAGIC + (QMAX + 1)))  # even offset
+        scale, div, rdiv = sym_scale(tl.max(tl.abs(xg), axis=AX), BITS)
+        codes = rint_bits(sym_code_sum(x, expand(div, R, C, G, KEY_AXIS), expand(rdiv, R, C, G, KEY_AXIS), BITS))
         zero = tl.zeros(div.shape, tl.int32)
     else:
         LEVELS: tl.constexpr = (1 << BITS) - 1

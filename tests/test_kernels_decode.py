@@ -658,3 +658,26 @@ def test_gluon_dots_are_the_triton_dots(name: str, gamma: int) -> None:
         out[gluon] = plan.workspace.clone()
     assert torch.isfinite(out[True]).all()
     assert rel(out[True], out[False]) <= STEP_TOL
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon flush kernel is compiled-only (tests/test_kernels_sass.py "
+                    "compiles it for sm_90a on any machine)")
+@pytest.mark.parametrize("group,gamma,n", [(None, 2, PERIOD), (None, 3, 3), (GROUP, 2, PERIOD), (16, 3, PERIOD),
+                                           (None, 2, 0)])
+def test_gluon_flush_is_the_triton_flush(group: int | None, gamma: int, n: int) -> None:
+    """kernels.gluon_flush (PACE-4: 4-bit symmetric key groups of 16 to 64 rows, int8 records) against the Triton
+    flush kernel on the same checkpoint and ``n`` records: both fold exact products with fp32 sums in other orders
+    and requantise alike, so the checkpoints are equal except near a rounding boundary
+    (:func:`_assert_within_one_step`, nearly every entry equal)."""
+    flush = KERNELS["flush"]
+    HV = H * gamma
+    states = _states("pace-4", HV, group=group)
+    _fill(states[:1], n)
+    out = {}
+    for gluon in (True, False):
+        st = copy.deepcopy(states[0])
+        plan = backend.TritonSteps({"gluon_flush": gluon}).plan(st)
+        assert any(plan.gluon_flush[plan.meta["per_part"]]) == gluon
+        flush.launch_flush(plan, st.buffer)
+        out[gluon] = st.checkpoint
+    _assert_within_one_step(out[True], out[False])

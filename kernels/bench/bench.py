@@ -147,12 +147,14 @@ def configs(variant: str) -> list[dict]:
         step = [(True, 4), (True, 8), (False, 4), (False, 4), (True, 2)]
         dots = [(128, 4), (64, 4), (128, 8), (32, 2), (128, 2)]
         records = [1, 1, 2, 4, 1]
-        flush = [(4, 128), (1, 32), (2, 64), (4, 64), (8, 128)]
+        flush = [(4, 128), (1, 32), (2, 64), (4, 64), (4, 128)]
         parts = [(False, True), (True, False), (False, False), (True, True), (False, True)]  # dots, flush per part
-        gluon = [True, True, False, True, False]  # the Gluon dots kernel for 4-bit parts, or the Triton one
+        gluon = [(True, True), (True, False), (False, False), (True, False), (False, False)]  # Gluon dots, flush
         return [{"fused_step": fs, "step_warps": sw, "dots_columns": dc, "dots_warps": dw, "record_warps": rw,
-                 "flush_warps": fw, "flush_columns": fc, "dots_per_part": dp, "per_part": fp, "gluon_dots": gd}
-                for (fs, sw), (dc, dw), rw, (fw, fc), (dp, fp), gd in zip(step, dots, records, flush, parts, gluon)]
+                 "flush_warps": fw, "flush_columns": fc, "dots_per_part": dp, "per_part": fp, "gluon_dots": gd,
+                 "gluon_flush": gf}
+                for (fs, sw), (dc, dw), rw, (fw, fc), (dp, fp), (gd, gf) in zip(step, dots, records, flush, parts,
+                                                                                gluon)]
     return [{"BK": 64, "num_warps": 4}, {"BK": 64, "num_warps": 8}, {"BK": 128, "num_warps": 8}]
 
 
@@ -277,7 +279,7 @@ def split_breakdown(layers: list, config: dict, reps: int) -> dict:
 SPLIT_KERNEL_KEYS = {"step_seconds": ("step_warps",),
                      "dots_seconds": ("dots_columns", "dots_warps", "dots_per_part", "gluon_dots"),
                      "records_seconds": ("record_warps",),
-                     "flush_seconds": ("flush_warps", "flush_columns", "per_part")}
+                     "flush_seconds": ("flush_warps", "flush_columns", "per_part", "gluon_flush")}
 
 
 def best_split_combination(tried: list[dict]) -> dict:

@@ -1,0 +1,197 @@
+"""The flush of 4-bit symmetric key-axis checkpoints in Gluon (explicit layouts, GPU only): fold the buffered
+records into the checkpoint and requantise it in place, ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (PACE_SPEC §3),
+as :mod:`kernels.flush` does, with every value of the tile in the registers of one warp.
+
+One warp per (sequence, value head, 32 value columns), ``G`` key rows (one key group) at a time. The tile is
+the accumulator of ``mma.m16n8k16``, ``acc [G, 32]`` (key rows by value columns), whose thread holds, in each
+of the four 8-column steps ``t``, the column pair ``2q, 2q + 1`` (``q``: the lane's place in its quad) of its
+rows: one code byte. The columns are renumbered so that the thread's four bytes of a row are one 32-bit word
+of the codes (accumulator column ``8t + 2q + e`` is value column ``8q + 2t + e`` of the tile): a word is
+loaded, unpacked (:func:`_unpack`, ``prmt`` of each nibble into the bits of ``2^23 + c``) and rearranged into
+the accumulator without data movement (``convert_layout(assert_trivial=True)``), dequantised, folded on tensor
+cores (keys as the exact integers ``c - 128``, A; ``e^{G-G_i} s_i u_i`` as three bfloat16 terms, B: every
+product exact, fp32 sums), requantised with a key group's range a reduction along the accumulator's rows, and
+packed back into words (:func:`_pack`) in the same places.
+
+Takes a flush launch of one 4-bit symmetric part whose records are int8 keys and values with one scale per
+vector (PACE-4's buffer) and at most 16 of them (:func:`kernels.plan.gluon_flush_apply`); the Triton kernel
+stays the definition of the flush and runs everywhere else. Within float32 rounding of the Triton kernel's fold
+(the sums in another order), then the same requantisation (:func:`kernels.primitives.sym_scale`,
+:func:`kernels.primitives.sym_code_sum`).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from kernels.primitives import bf16_split, sym_code_sum, sym_fits, sym_scale
+
+COLUMNS = gl.constexpr(32)
+"""Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
+thread."""
+
+_UNPACK = gl.constexpr("{\n.reg .b32 lo, hi;\nand.b32 lo, $8, 0x0F0F0F0F;\nshr.b32 hi, $8, 4;\n"
+                       "and.b32 hi, hi, 0x0F0F0F0F;\n" + "".join(
+                           f"prmt.b32 ${2 * t + e}, {('lo', 'hi')[e]}, 0x4B000000, 0x744{t};\n"
+                           for t in range(4) for e in range(2)) + "}")
+"""A word of 8 codes -> 8 fp32 ``2^23 + c``, code ``p = 2t + e`` (byte ``t``, low or high nibble): the low and the
+high nibbles masked into their bytes, then one ``prmt`` per code puts its byte under the bits of ``2^23``."""
+
+_PACK = gl.constexpr("{\n.reg .b32 a, b, l, h;\n"
+                     "prmt.b32 a, $1, $3, 0x0040;\nprmt.b32 b, $5, $7, 0x0040;\nprmt.b32 l, a, b, 0x5410;\n"
+                     "prmt.b32 a, $2, $4, 0x0040;\nprmt.b32 b, $6, $8, 0x0040;\nprmt.b32 h, a, b, 0x5410;\n"
+                     "shl.b32 h, h, 4;\nor.b32 $0, l, h;\n}")
+"""8 codes (the low byte of each input) -> a word, code ``2t`` in the low and ``2t + 1`` in the high nibble of
+byte ``t``: ``prmt`` gathers the even and the odd codes into bytes, the odd ones shifted into the high nibbles."""
+
+
+@gluon.jit
+def _unpack(w):
+    """The 8 codes of each word ``w`` (int32) as fp32 ``2^23 + c``, in code order."""
+    return gl.inline_asm_elementwise(_UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+                                     (gl.float32, gl.float32, gl.float32, gl.float32,
+                                      gl.float32, gl.float32, gl.float32, gl.float32), True, 1)
+
+
+@gluon.jit
+def _pack(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Words of the 8 codes ``c0 .. c7`` (int32, each code in its low byte)."""
+    return gl.inline_asm_elementwise(_PACK, "=r,r,r,r,r,r,r,r,r", [c0, c1, c2, c3, c4, c5, c6, c7], gl.int32,
+                                     True, 1)
+
+
+@gluon.jit
+def _tile(f0, f1, f2, f3, f4, f5, f6, f7, MMA: gl.constexpr):
+    """The accumulator ``[G, 32]`` from the 8 per-code tensors ``[G, 4]`` (word ``q`` of each row): code
+    ``2t + e`` of word ``q`` is accumulator column ``8t + 2q + e``, already in the thread that holds it."""
+    x = gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
+    G: gl.constexpr = f0.shape[0]
+    x = gl.reshape(gl.permute(x, [0, 4, 3, 1, 2]), [G, 32])  # (row, q, e, t0, t1) -> (row, t1, t0, q, e)
+    return gl.convert_layout(x, MMA, assert_trivial=True)
+
+
+@gluon.jit
+def _words(x, LW: gl.constexpr):
+    """The inverse of :func:`_tile` for the int32 ``x [G, 32]``, packed: words ``[G, 4]``."""
+    G: gl.constexpr = x.shape[0]
+    x = gl.permute(gl.reshape(x, [G, 2, 2, 4, 2]), [0, 3, 4, 2, 1])  # (row, t1, t0, q, e) -> (row, q, e, t0, t1)
+    lo, hi = gl.split(x)
+    c0, c2 = gl.split(lo)
+    c4, c6 = gl.split(hi)
+    c0, c1 = gl.split(c0)
+    c2, c3 = gl.split(c2)
+    c4, c5 = gl.split(c4)
+    c6, c7 = gl.split(c6)
+    return _pack(gl.convert_layout(c0, LW, assert_trivial=True), gl.convert_layout(c1, LW, assert_trivial=True),
+                 gl.convert_layout(c2, LW, assert_trivial=True), gl.convert_layout(c3, LW, assert_trivial=True),
+                 gl.convert_layout(c4, LW, assert_trivial=True), gl.convert_layout(c5, LW, assert_trivial=True),
+                 gl.convert_layout(c6, LW, assert_trivial=True), gl.convert_layout(c7, LW, assert_trivial=True))
+
+
+@gluon.jit
+def _record_decays(bg_ptr, n, at, HV: gl.constexpr, L: gl.constexpr):
+    """``e^{G - G_i}`` of the 16 record slots (the sum of the newer records' log decays; 0 past ``n``) in layout
+    ``SliceLayout(1, L)``, and ``e^{G}`` of all ``n``; ``at``: the first record's decay (``bg_ptr``'s index)."""
+    P: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0])
+    i = gl.arange(0, 16, layout=gl.SliceLayout(1, P))
+    j = gl.arange(0, 16, layout=gl.SliceLayout(0, P))
+    gj = gl.load(bg_ptr + at + j * HV, mask=j < n, other=0.0)
+    later = gl.sum(gl.where(j[None, :] > i[:, None], gj[None, :], 0.0), axis=1)
+    decay = gl.where(i < n, gl.exp(later), 0.0)
+    return gl.convert_layout(decay, gl.SliceLayout(1, L)), gl.exp(gl.sum(gj, axis=0))
+
+
+@gluon.jit
+def _flush_kernel(codes_ptr, scale_ptr, map_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
+                  H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
+                  V: gl.constexpr, G: gl.constexpr, SS: gl.constexpr, LW: gl.constexpr):
+    """Fold the ``n <= 16`` buffered records into columns ``32 c .. 32 c + 31`` (``c``: program axis 1) of one
+    (sequence, value head)'s 4-bit symmetric key-axis checkpoint (codes ``[K, V/2]`` bytes, fp16 scales
+    ``[K/G, V]``; the part holds ``HP`` heads per sequence, ``MAPPED``: slot ``s`` is value head ``map_ptr[s]``) and
+    requantise them in place. Records: int8 keys ``[B, cap, H, K]`` and values ``[B, cap, HV, V]``, one fp16
+    scale per vector, fp32 log decays ``[B, cap, HV]``. ``LW``: the layout of a ``[G, 4]`` block of words, word
+    ``q`` of row ``r`` in lane ``4 (r % 8) + q`` (:func:`layouts`)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    NW: gl.constexpr = V // 8  # 32-bit words per key row
+    gl.static_assert(G % 16 == 0 and G <= 64, "key groups of 16 to 64 rows")
+
+    pid = gl.program_id(0).to(gl.int64)
+    ct = gl.program_id(1)
+    b = pid // HP
+    slot = pid % HP
+    if MAPPED:
+        h = gl.load(map_ptr + slot).to(gl.int64)
+    else:
+        h = slot
+    kh = h // (HV // H)
+    head = b * HP + slot
+
+    # B: e^{G - G_i} s_k,i s_u,i u_i in three bfloat16 terms, columns renumbered (accumulator column n is value
+    # column 8q + 2t + e of the tile); the records past n are 0
+    rec = gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
+    valid = rec < n
+    first = b * cap * HV + h
+    decay, total = _record_decays(bg_ptr, n, first, HV, LB)
+    kscale = gl.load(bks_ptr + (b * cap + rec) * H + kh, mask=valid, other=0.0).to(gl.float32)
+    uscale = gl.load(bvs_ptr + (b * cap + rec) * HV + h, mask=valid, other=0.0).to(gl.float32)
+    nb = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, LB))
+    vb = ct * COLUMNS + 8 * ((nb >> 1) & 3) + 2 * (nb >> 3) + (nb & 1)
+    uc = gl.load(bv_ptr + ((b * cap + rec) * HV + h)[:, None] * V + vb[None, :], mask=valid[:, None], other=128)
+    u = ((uc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0) * uscale[:, None]
+    w_hi, w_mid, w_lo = bf16_split((decay * kscale)[:, None] * u)
+    w_hi, w_mid, w_lo = w_hi.to(gl.bfloat16), w_mid.to(gl.bfloat16), w_lo.to(gl.bfloat16)
+
+    LC: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    n_col = gl.arange(0, COLUMNS, layout=LC)
+    v_col = ct * COLUMNS + 8 * ((n_col >> 1) & 3) + 2 * (n_col >> 3) + (n_col & 1)
+    n_acc = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, MMA))
+    v_acc = ct * COLUMNS + 8 * ((n_acc >> 1) & 3) + 2 * (n_acc >> 3) + (n_acc & 1)
+    rw = gl.arange(0, G, layout=gl.SliceLayout(1, LW))[:, None]
+    qw = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))[None, :]
+    ra = gl.arange(0, G, layout=gl.SliceLayout(1, LA))[:, None]
+    ia = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))[None, :]
+    words = codes_ptr.to(gl.pointer_type(gl.int32)) + head * (K * NW) + ct * 4 + qw
+    keys = bk_ptr + ((b * cap + ia) * H + kh) * K + ra
+    for g in gl.static_range(K // G):
+        at = words + (g * G + rw) * NW
+        f0, f1, f2, f3, f4, f5, f6, f7 = _unpack(gl.load(at))
+        s_at = scale_ptr + head * SS + g * V + v_acc
+        x = (_tile(f0, f1, f2, f3, f4, f5, f6, f7, MMA) - 8388616.0) * (total * gl.load(s_at).to(gl.float32))[None, :]
+        kc = gl.load(keys + g * G, mask=ia < n, other=128)
+        a = ((kc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0).to(gl.bfloat16)
+        x = mma_v2(a, w_hi, x)
+        x = mma_v2(a, w_mid, x)
+        x = mma_v2(a, w_lo, x)
+        # each column's scale in one lane (the accumulator's rows hold 8 copies of each column)
+        amax = gl.convert_layout(gl.max(gl.abs(x), axis=0), LC)
+        scale, div, rdiv = sym_scale(amax, 4)
+        gl.store(scale_ptr + head * SS + g * V + v_col, scale)
+        div = gl.convert_layout(div, gl.SliceLayout(0, MMA))[None, :]
+        rdiv = gl.convert_layout(rdiv, gl.SliceLayout(0, MMA))[None, :]
+        if gl.max(amax, axis=0) <= sym_fits(4):  # the tile's codes need no clamp (the usual case)
+            c = sym_code_sum(x, div, rdiv, 4, False)
+        else:
+            c = sym_code_sum(x, div, rdiv, 4, True)
+        gl.store(at, _words(c.to(gl.int32, bitcast=True), LW))
+
+
+def layouts(G: int) -> gl.DistributedLinearLayout:
+    """``LW`` of :func:`_flush_kernel`: a ``[G, 4]`` block of code words laid out as the threads of the
+    ``[G, 32]`` accumulator hold them (row ``r``: lanes ``4 (r % 8) ..``, register ``r // 8``)."""
+    regs = [[8 << i, 0] for i in range((G // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(regs, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [G, 4])
+
+
+def launch(plan, n: int, args: list, common: dict, heads: int) -> None:
+    """One :func:`_flush_kernel` launch over the ``heads`` value heads per sequence of one part (``args``,
+    ``common``: :func:`kernels.plan.ckpt_launches`'s), folding the buffer's ``n`` records (``plan.records``)."""
+    B, H, HV, K, V = plan.shape
+    table, _, codes, scale = args[:4]
+    bk, bks, _, bv, bvs, _, bg = plan.records
+    _flush_kernel[(B * heads, V // COLUMNS.value)](codes, scale, table, bk, bks, bv, bvs, bg, n, plan.capacity,
+                                             H=H, HV=HV, HP=heads, MAPPED=common["MAPPED"], K=K, V=V, G=common["G"],
+                                             SS=common["SS0"], LW=layouts(common["G"]), num_warps=1)
