@@ -26,11 +26,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.primitives import bf16_split, sym_code_sum, sym_fits, sym_scale
+from kernels.primitives import bf16_split, code_clamp, sym_code_sum, sym_fits, sym_scale
 
 COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
 thread."""
+
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+_LA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
+_LB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA.value, k_width=2))
+_LANES_A = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]  # A's lanes: columns 2q, rows of the quad
+_LANES_B = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
 
 _UNPACK = gl.constexpr("{\n.reg .b32 lo, hi;\nand.b32 lo, $8, 0x0F0F0F0F;\nshr.b32 hi, $8, 4;\n"
                        "and.b32 hi, hi, 0x0F0F0F0F;\n" + "".join(
@@ -91,12 +97,35 @@ def _words(x, LW: gl.constexpr):
 
 
 @gluon.jit
-def _record_decays(bg_ptr, n, at, HV: gl.constexpr, L: gl.constexpr):
-    """``e^{G - G_i}`` of the 16 record slots (the sum of the newer records' log decays; 0 past ``n``) in layout
+def _kept(x):
+    """``x`` (fp32) through a copy the compiler may not move or drop (impure): what is computed from it stays
+    inside its branch instead of being hoisted and selected, which would run the branch for every tile."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], gl.float32, False, 1)
+
+
+@gluon.jit
+def _stack(x, y, L: gl.constexpr):
+    """``[2R, C]``: ``x [R, C]`` above ``y`` (in ``x``'s registers, renumbered as layout ``L``)."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(x, y), [2, 0, 1]), [2 * R, C]), L, assert_trivial=True)
+
+
+@gluon.jit
+def _beside(x, y, L: gl.constexpr):
+    """``[R, 2C]``: ``x [R, C]`` left of ``y`` (in ``x``'s registers, renumbered as layout ``L``)."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(x, y), [0, 2, 1]), [R, 2 * C]), L, assert_trivial=True)
+
+
+@gluon.jit
+def _record_decays(bg_ptr, n, at, HV: gl.constexpr, RB: gl.constexpr, L: gl.constexpr):
+    """``e^{G - G_i}`` of the ``RB`` record slots (the sum of the newer records' log decays; 0 past ``n``) in layout
     ``SliceLayout(1, L)``, and ``e^{G}`` of all ``n``; ``at``: the first record's decay (``bg_ptr``'s index)."""
-    P: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0])
-    i = gl.arange(0, 16, layout=gl.SliceLayout(1, P))
-    j = gl.arange(0, 16, layout=gl.SliceLayout(0, P))
+    P: gl.constexpr = gl.BlockedLayout([1, RB], [32, 1], [1, 1], [1, 0])
+    i = gl.arange(0, RB, layout=gl.SliceLayout(1, P))
+    j = gl.arange(0, RB, layout=gl.SliceLayout(0, P))
     gj = gl.load(bg_ptr + at + j * HV, mask=j < n, other=0.0)
     later = gl.sum(gl.where(j[None, :] > i[:, None], gj[None, :], 0.0), axis=1)
     decay = gl.where(i < n, gl.exp(later), 0.0)
@@ -106,16 +135,17 @@ def _record_decays(bg_ptr, n, at, HV: gl.constexpr, L: gl.constexpr):
 @gluon.jit
 def _flush_kernel(codes_ptr, scale_ptr, map_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
                   H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
-                  V: gl.constexpr, G: gl.constexpr, SS: gl.constexpr, LW: gl.constexpr):
+                  V: gl.constexpr, G: gl.constexpr, SS: gl.constexpr, RB: gl.constexpr, LW: gl.constexpr,
+                  LK: gl.constexpr, LU: gl.constexpr):
     """Fold the ``n <= 16`` buffered records into columns ``32 c .. 32 c + 31`` (``c``: program axis 1) of one
     (sequence, value head)'s 4-bit symmetric key-axis checkpoint (codes ``[K, V/2]`` bytes, fp16 scales
     ``[K/G, V]``; the part holds ``HP`` heads per sequence, ``MAPPED``: slot ``s`` is value head ``map_ptr[s]``) and
     requantise them in place. Records: int8 keys ``[B, cap, H, K]`` and values ``[B, cap, HV, V]``, one fp16
     scale per vector, fp32 log decays ``[B, cap, HV]``. ``LW``: the layout of a ``[G, 4]`` block of words, word
-    ``q`` of row ``r`` in lane ``4 (r % 8) + q`` (:func:`layouts`)."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    ``q`` of row ``r`` in lane ``4 (r % 8) + q``; ``RB`` record slots (8 or 16), the keys ``[G, RB]`` in layout
+    ``LK`` and the weights ``[RB, 32]`` in ``LU``: the tensor-core operands for 16, their halves for 8, where
+    one dot of 16 takes two terms of the weights' split (:func:`layouts`)."""
+    MMA: gl.constexpr = _MMA
     NW: gl.constexpr = V // 8  # 32-bit words per key row
     gl.static_assert(G % 16 == 0 and G <= 64, "key groups of 16 to 64 rows")
 
@@ -132,18 +162,22 @@ def _flush_kernel(codes_ptr, scale_ptr, map_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_pt
 
     # B: e^{G - G_i} s_k,i s_u,i u_i in three bfloat16 terms, columns renumbered (accumulator column n is value
     # column 8q + 2t + e of the tile); the records past n are 0
-    rec = gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
+    rec = gl.arange(0, RB, layout=gl.SliceLayout(1, LU))
     valid = rec < n
     first = b * cap * HV + h
-    decay, total = _record_decays(bg_ptr, n, first, HV, LB)
+    decay, total = _record_decays(bg_ptr, n, first, HV, RB, LU)
     kscale = gl.load(bks_ptr + (b * cap + rec) * H + kh, mask=valid, other=0.0).to(gl.float32)
     uscale = gl.load(bvs_ptr + (b * cap + rec) * HV + h, mask=valid, other=0.0).to(gl.float32)
-    nb = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, LB))
+    nb = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, LU))
     vb = ct * COLUMNS + 8 * ((nb >> 1) & 3) + 2 * (nb >> 3) + (nb & 1)
-    uc = gl.load(bv_ptr + ((b * cap + rec) * HV + h)[:, None] * V + vb[None, :], mask=valid[:, None], other=128)
+    # code bytes of slots past n (inside the buffer's capacity: any byte is finite) meet zero weights: no masks
+    slot_u = gl.minimum(rec, cap - 1)
+    uc = gl.load(bv_ptr + ((b * cap + slot_u) * HV + h)[:, None] * V + vb[None, :])
     u = ((uc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0) * uscale[:, None]
     w_hi, w_mid, w_lo = bf16_split((decay * kscale)[:, None] * u)
     w_hi, w_mid, w_lo = w_hi.to(gl.bfloat16), w_mid.to(gl.bfloat16), w_lo.to(gl.bfloat16)
+    if RB == 8:  # the first dot takes the records' hi and mid terms, the second the lo terms
+        w_hi, w_mid = _stack(w_hi, w_mid, _LB), _stack(w_lo, gl.zeros_like(w_lo), _LB)
 
     LC: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     n_col = gl.arange(0, COLUMNS, layout=LC)
@@ -152,38 +186,49 @@ def _flush_kernel(codes_ptr, scale_ptr, map_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_pt
     v_acc = ct * COLUMNS + 8 * ((n_acc >> 1) & 3) + 2 * (n_acc >> 3) + (n_acc & 1)
     rw = gl.arange(0, G, layout=gl.SliceLayout(1, LW))[:, None]
     qw = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))[None, :]
-    ra = gl.arange(0, G, layout=gl.SliceLayout(1, LA))[:, None]
-    ia = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))[None, :]
+    ra = gl.arange(0, G, layout=gl.SliceLayout(1, LK))[:, None]
+    ia = gl.arange(0, RB, layout=gl.SliceLayout(0, LK))[None, :]
     words = codes_ptr.to(gl.pointer_type(gl.int32)) + head * (K * NW) + ct * 4 + qw
-    keys = bk_ptr + ((b * cap + ia) * H + kh) * K + ra
+    keys = bk_ptr + ((b * cap + gl.minimum(ia, cap - 1)) * H + kh) * K + ra
     for g in gl.static_range(K // G):
         at = words + (g * G + rw) * NW
         f0, f1, f2, f3, f4, f5, f6, f7 = _unpack(gl.load(at))
         s_at = scale_ptr + head * SS + g * V + v_acc
         x = (_tile(f0, f1, f2, f3, f4, f5, f6, f7, MMA) - 8388616.0) * (total * gl.load(s_at).to(gl.float32))[None, :]
-        kc = gl.load(keys + g * G, mask=ia < n, other=128)
+        kc = gl.load(keys + g * G)
         a = ((kc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0).to(gl.bfloat16)
-        x = mma_v2(a, w_hi, x)
-        x = mma_v2(a, w_mid, x)
-        x = mma_v2(a, w_lo, x)
+        if RB == 8:
+            a = _beside(a, a, _LA)
+            x = mma_v2(a, w_hi, x)
+            x = mma_v2(a, w_mid, x)
+        else:
+            x = mma_v2(a, w_hi, x)
+            x = mma_v2(a, w_mid, x)
+            x = mma_v2(a, w_lo, x)
         # each column's scale in one lane (the accumulator's rows hold 8 copies of each column)
         amax = gl.convert_layout(gl.max(gl.abs(x), axis=0), LC)
         scale, div, rdiv = sym_scale(amax, 4)
         gl.store(scale_ptr + head * SS + g * V + v_col, scale)
         div = gl.convert_layout(div, gl.SliceLayout(0, MMA))[None, :]
         rdiv = gl.convert_layout(rdiv, gl.SliceLayout(0, MMA))[None, :]
-        if gl.max(amax, axis=0) <= sym_fits(4):  # the tile's codes need no clamp (the usual case)
-            c = sym_code_sum(x, div, rdiv, 4, False)
-        else:
-            c = sym_code_sum(x, div, rdiv, 4, True)
+        c = sym_code_sum(x, div, rdiv, 4, False)
+        if gl.max(amax, axis=0) > sym_fits(4):  # a scale clamped at fp16's largest: clamp the codes
+            c = code_clamp(_kept(c), 4)
         gl.store(at, _words(c.to(gl.int32, bitcast=True), LW))
 
 
-def layouts(G: int) -> gl.DistributedLinearLayout:
-    """``LW`` of :func:`_flush_kernel`: a ``[G, 4]`` block of code words laid out as the threads of the
-    ``[G, 32]`` accumulator hold them (row ``r``: lanes ``4 (r % 8) ..``, register ``r // 8``)."""
-    regs = [[8 << i, 0] for i in range((G // 8).bit_length() - 1)]
-    return gl.DistributedLinearLayout(regs, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [G, 4])
+def layouts(G: int, RB: int) -> dict:
+    """The host-built layouts of :func:`_flush_kernel` for key groups of ``G`` rows and ``RB`` record slots: ``LW``,
+    a ``[G, 4]`` block of code words as the threads of the ``[G, 32]`` accumulator hold them (row ``r``: lanes
+    ``4 (r % 8) ..``, register ``r // 8``); ``LK``, ``LU``: the keys ``[G, RB]`` and weights ``[RB, 32]``, the
+    tensor-core operands' layouts for 16 slots, for 8 the first halves of them (registers and lanes of the records
+    0-7)."""
+    rows = [[8 << i, 0] for i in range((G // 8).bit_length() - 1)]
+    lw = gl.DistributedLinearLayout(rows, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [G, 4])
+    if RB == 16:
+        return dict(LW=lw, LK=_LA.value, LU=_LB.value)
+    return dict(LW=lw, LK=gl.DistributedLinearLayout([[0, 1]] + rows, _LANES_A, [], [], [G, 8]),
+                LU=gl.DistributedLinearLayout([[1, 0], [0, 8], [0, 16]], _LANES_B, [], [], [8, COLUMNS.value]))
 
 
 def launch(plan, n: int, args: list, common: dict, heads: int) -> None:
@@ -192,6 +237,7 @@ def launch(plan, n: int, args: list, common: dict, heads: int) -> None:
     B, H, HV, K, V = plan.shape
     table, _, codes, scale = args[:4]
     bk, bks, _, bv, bvs, _, bg = plan.records
+    RB = 8 if plan.capacity <= 8 else 16
     _flush_kernel[(B * heads, V // COLUMNS.value)](codes, scale, table, bk, bks, bv, bvs, bg, n, plan.capacity,
                                              H=H, HV=HV, HP=heads, MAPPED=common["MAPPED"], K=K, V=V, G=common["G"],
-                                             SS=common["SS0"], LW=layouts(common["G"]), num_warps=1)
+                                             SS=common["SS0"], RB=RB, **layouts(common["G"], RB), num_warps=1)

@@ -112,14 +112,22 @@ def sym_scale(amax, BITS: tl.constexpr):
 def sym_code_sum(x, div, rdiv, BITS: tl.constexpr, CLAMP: tl.constexpr = True):
     """``RINT_MAGIC + c`` (fp32) for the unsigned symmetric code ``c`` of ``x`` with divisor ``div`` and reciprocal
     ``rdiv`` (:func:`sym_scale`, broadcast to ``x``): its code in the low mantissa bits (:func:`rint_bits`).
-    ``CLAMP`` False: the caller knows that no group's scale was clamped at fp16's largest (its ``amax`` at most
-    :func:`sym_fits`), so every finite ``|x / div|`` is below ``q_max + 1/2`` (the fp16 scale is within 2^-11 of
-    ``amax / q_max``) and rounds into the range without the clamp."""
+    ``CLAMP`` False leaves the clamp to the caller (:func:`code_clamp`, needed only where a group's scale was clamped
+    at fp16's largest, its ``amax`` above :func:`sym_fits`: otherwise the fp16 scale is within 2^-11 of
+    ``amax / q_max``, so ``|x / div| < q_max + 1/2`` rounds into the range)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    y = div_rn(x, div, rdiv)
+    t = div_rn(x, div, rdiv) + (RINT_MAGIC + (QMAX + 1))  # even offset
     if CLAMP:
-        y = tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0)
-    return y + (RINT_MAGIC + (QMAX + 1))  # even offset
+        t = code_clamp(t, BITS)
+    return t
+
+
+@triton.jit
+def code_clamp(t, BITS: tl.constexpr):
+    """``RINT_MAGIC + c`` clamped to the symmetric codes ``1 .. 2^BITS - 1``: the same codes as clamping ``x / div``
+    to ``±q_max`` before rounding (rounding is monotonic and ``±q_max`` are integers), infinities included."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    return tl.minimum(tl.maximum(t, RINT_MAGIC + 1.0), RINT_MAGIC + (2 * QMAX + 1.0))
 
 
 @triton.jit
