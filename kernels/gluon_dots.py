@@ -25,8 +25,6 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels.primitives import bf16_split
 
-_bf16_split = gluon.jit(bf16_split.fn)  # the Triton kernels' split, compiled in Gluon kernels
-
 _PLANES = gl.constexpr("{\n.reg .b32 t, s;\n" + "".join(
     f"prmt.b32 t, $8, $9, 0x{4 + b}{4 + b}{b}{b};\n"
     f"lop3.b32 ${2 * b}, t, 0x000F000F, 0x43004300, 0xEA;\n"
@@ -58,7 +56,7 @@ def _limb_tile(k_at, q_at, LIMBS: gl.constexpr, K: gl.constexpr):
             x = gl.load(k_at + rows)
         else:
             x = gl.load(q_at + rows)
-        hi, mid, lo = _bf16_split(x)
+        hi, mid, lo = bf16_split(x)
         out = gl.where(n == 3 * v, hi[:, None], out)
         out = gl.where(n == 3 * v + 1, mid[:, None], out)
         out = gl.where(n == 3 * v + 2, lo[:, None], out)
