@@ -1,6 +1,6 @@
-"""The flush of 4-bit symmetric key-axis checkpoints in Gluon (explicit layouts, GPU only): fold the buffered
-records into the checkpoint and requantise it in place, ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (PACE_SPEC §3),
-as :mod:`kernels.flush` does, with every value of the tile in the registers of one warp.
+"""The flush of 4-bit key-axis checkpoints in Gluon (explicit layouts, GPU only): fold the buffered records into the
+checkpoint and requantise it in place, ``S = e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ`` (PACE_SPEC §3), as
+:mod:`kernels.flush` does, with every value of the tile in the registers of one warp.
 
 One warp per (sequence, value head, 32 value columns), ``G`` key rows (one key group) at a time. The tile is
 the accumulator of ``mma.m16n8k16``, ``acc [G, 32]`` (key rows by value columns), whose thread holds, in each
@@ -9,15 +9,16 @@ rows: one code byte. The columns are renumbered so that the thread's four bytes 
 of the codes (accumulator column ``8t + 2q + e`` is value column ``8q + 2t + e`` of the tile): a word is
 loaded, unpacked (:func:`_unpack`, ``prmt`` of each nibble into the bits of ``2^23 + c``) and rearranged into
 the accumulator without data movement (``convert_layout(assert_trivial=True)``), dequantised, folded on tensor
-cores (keys as the exact integers ``c - 128``, A; ``e^{G-G_i} s_i u_i`` as three bfloat16 terms, B: every
-product exact, fp32 sums), requantised with a key group's range a reduction along the accumulator's rows, and
-packed back into words (:func:`_pack`) in the same places.
+cores (A: the keys, exact in one or two bfloat16 terms; B: ``e^{G-G_i} u_i`` with the scales, three bfloat16
+terms: every product exact, fp32 sums), requantised with a key group's range a reduction along the accumulator's
+rows, and packed back into words (:func:`_pack`) in the same places.
 
-Takes a flush launch of one 4-bit symmetric part whose records are int8 keys and values with one scale per
-vector (PACE-4's buffer) and at most 16 of them (:func:`kernels.plan.gluon_flush_apply`); the Triton kernel
-stays the definition of the flush and runs everywhere else. Within float32 rounding of the Triton kernel's fold
-(the sums in another order), then the same requantisation (:func:`kernels.primitives.sym_scale`,
-:func:`kernels.primitives.sym_code_sum`).
+Takes a flush launch of one 4-bit part, symmetric or with packed zero points, whose records are PACE-4's (int8 keys
+and values, one scale per vector, at most 16) or PACE-4/8's (4-bit keys in groups, bfloat16 values, at most 8)
+(:func:`kernels.plan.gluon_flush_apply`); the Triton kernel stays the definition of the flush and runs everywhere
+else. Within float32 rounding of the Triton kernel's fold (the sums in another order), then the same
+requantisation (:mod:`kernels.primitives`' ``sym_scale`` / ``sym_code_sum`` and ``asym_scale`` /
+``asym_code_sum``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.primitives import bf16_split, code_clamp, sym_code_sum, sym_fits, sym_scale
+from kernels.primitives import asym_code_sum, asym_scale, bf16_split, code_clamp, sym_code_sum, sym_fits, sym_scale
 
 COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
@@ -133,19 +134,84 @@ def _record_decays(bg_ptr, n, at, HV: gl.constexpr, RB: gl.constexpr, L: gl.cons
 
 
 @gluon.jit
-def _flush_kernel(codes_ptr, scale_ptr, map_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
+def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.constexpr, HV: gl.constexpr,
+             V: gl.constexpr, RB: gl.constexpr, REC: gl.constexpr, LU: gl.constexpr):
+    """The B operands of the fold (:func:`_flush_kernel`) and ``e^{G}``: the records' ``e^{G - G_i} u_i`` (times
+    the int8 key's and value's scales with ``REC`` 0) over the tile's columns, renumbered (accumulator column ``n`` is
+    value column ``8q + 2t + e``), as three bfloat16 terms ``[RB, 32]``; zero past ``n``. With 8 slots the terms are
+    stacked for dots of 16 (``REC`` 0: hi over mid, then lo over 0, against the keys beside themselves; ``REC`` 1:
+    each term over itself, against a key's two terms)."""
+    rec = gl.arange(0, RB, layout=gl.SliceLayout(1, LU))
+    valid = rec < n
+    decay, total = _record_decays(bg_ptr, n, b * cap * HV + h, HV, RB, LU)
+    nb = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, LU))
+    vb = (ct * COLUMNS + 8 * ((nb >> 1) & 3) + 2 * (nb >> 3) + (nb & 1))[None, :]
+    if REC == 0:  # int8 values, one scale per vector; code bytes of slots past n (inside the capacity, finite)
+        kscale = gl.load(bks_ptr + (b * cap + rec) * H + kh, mask=valid, other=0.0).to(gl.float32)
+        uscale = gl.load(bvs_ptr + (b * cap + rec) * HV + h, mask=valid, other=0.0).to(gl.float32)
+        uc = gl.load(bv_ptr + ((b * cap + gl.minimum(rec, cap - 1)) * HV + h)[:, None] * V + vb)
+        u = ((uc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0) * uscale[:, None]
+        w = (decay * kscale)[:, None] * u
+    else:  # bfloat16 values
+        u = gl.load(bv_ptr + ((b * cap + rec) * HV + h)[:, None] * V + vb, mask=valid[:, None], other=0.0)
+        w = decay[:, None] * u.to(gl.float32)
+    w_hi, w_mid, w_lo = bf16_split(w)
+    w_hi, w_mid, w_lo = w_hi.to(gl.bfloat16), w_mid.to(gl.bfloat16), w_lo.to(gl.bfloat16)
+    if RB == 8:
+        if REC == 0:
+            w_hi, w_mid, w_lo = _stack(w_hi, w_mid, _LB), _stack(w_lo, gl.zeros_like(w_lo), _LB), w_lo
+        else:
+            w_hi, w_mid, w_lo = _stack(w_hi, w_hi, _LB), _stack(w_mid, w_mid, _LB), _stack(w_lo, w_lo, _LB)
+    return w_hi, w_mid, w_lo, total
+
+
+@gluon.jit
+def _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, r0, H: gl.constexpr, K: gl.constexpr, G: gl.constexpr,
+          RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, KSYM: gl.constexpr, LK: gl.constexpr):
+    """The A operand of the fold for key rows ``r0 .. r0 + G``: ``REC`` 0, the int8 key codes minus 128, exact (with 8
+    slots beside themselves); ``REC`` 1, 4-bit key codes in groups of ``KG`` rows, ``(c - z) s`` exact in two bfloat16
+    terms (at most 15 significant bits), the hi terms beside the lo terms of the 8 slots; zero past ``n``."""
+    r = r0 + gl.arange(0, G, layout=gl.SliceLayout(1, LK))[:, None]
+    i = gl.arange(0, RB, layout=gl.SliceLayout(0, LK))[None, :]
+    vec = (b * cap + gl.minimum(i, cap - 1)) * H + kh  # slots past n inside the capacity: finite codes
+    if REC == 0:
+        kc = gl.load(bk_ptr + vec * K + r)
+        a = ((kc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0).to(gl.bfloat16)
+        if RB == 8:
+            a = _beside(a, a, _LA)
+    else:
+        NKG: gl.constexpr = K // KG
+        kc = (gl.load(bk_ptr + vec * (K // 2) + r // 2).to(gl.int32) >> ((r & 1) * 4)) & 15
+        grp = r // KG
+        ks = gl.load(bks_ptr + vec * NKG + grp, mask=i < n, other=0.0).to(gl.float32)
+        if KSYM:
+            koff = 8388616.0  # 2^23 + 8
+        else:
+            kz = (gl.load(bkz_ptr + vec * (NKG // 2) + grp // 2).to(gl.int32) >> ((grp & 1) * 4)) & 15
+            koff = (kz + 8388608).to(gl.float32)
+        a_hi, a_lo, _ = bf16_split(((kc | 0x4B000000).to(gl.float32, bitcast=True) - koff) * ks)
+        a = _beside(a_hi.to(gl.bfloat16), a_lo.to(gl.bfloat16), _LA)
+    return a
+
+
+@gluon.jit
+def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
                   H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
-                  V: gl.constexpr, G: gl.constexpr, SS: gl.constexpr, RB: gl.constexpr, LW: gl.constexpr,
+                  V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr,
+                  RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, KSYM: gl.constexpr, LW: gl.constexpr,
                   LK: gl.constexpr, LU: gl.constexpr):
-    """Fold the ``n <= 16`` buffered records into columns ``32 c .. 32 c + 31`` (``c``: program axis 1) of one
-    (sequence, value head)'s 4-bit symmetric key-axis checkpoint (codes ``[K, V/2]`` bytes, fp16 scales
-    ``[K/G, V]``; the part holds ``HP`` heads per sequence, ``MAPPED``: slot ``s`` is value head ``map_ptr[s]``) and
-    requantise them in place. Records: int8 keys ``[B, cap, H, K]`` and values ``[B, cap, HV, V]``, one fp16
-    scale per vector, fp32 log decays ``[B, cap, HV]``. ``LW``: the layout of a ``[G, 4]`` block of words, word
-    ``q`` of row ``r`` in lane ``4 (r % 8) + q``; ``RB`` record slots (8 or 16), the keys ``[G, RB]`` in layout
-    ``LK`` and the weights ``[RB, 32]`` in ``LU``: the tensor-core operands for 16, their halves for 8, where
-    one dot of 16 takes two terms of the weights' split (:func:`layouts`)."""
+    """Fold the ``n`` buffered records into columns ``32 c .. 32 c + 31`` (``c``: program axis 1) of one (sequence,
+    value head)'s 4-bit key-axis checkpoint (codes ``[K, V/2]`` bytes, fp16 scales ``[K/G, V]``, with ``SYM`` False
+    zero points ``[K/G, V/2]`` bytes packed like the codes; the part holds ``HP`` heads per sequence, ``MAPPED``: slot
+    ``s`` is value head ``map_ptr[s]``; ``SS`` scales and ``ZS`` zero-point bytes per head) and requantise them in
+    place. Records (``RB`` slots, 8 or 16, at least ``n``; fp32 log decays ``[B, cap, HV]``): ``REC`` 0, int8 keys
+    ``[B, cap, H, K]`` and values ``[B, cap, HV, V]`` with one fp16 scale per vector (PACE-4's buffer); ``REC`` 1 (8
+    slots), 4-bit keys ``[B, cap, H, K/2]`` in groups of ``KG`` rows with fp16 scales and (``KSYM`` False) packed zero
+    points, bfloat16 values (PACE-4/8's). ``LW``: a ``[G, 4]`` block of code words, word ``q`` of row ``r`` in lane
+    ``4 (r % 8) + q``; ``LK``, ``LU``: the keys ``[G, RB]`` and weights ``[RB, 32]`` (:func:`layouts`)."""
     MMA: gl.constexpr = _MMA
+    # the columns' scales (and zero points) once per lane: one column, or with zero points a pair (one byte)
+    LC: gl.constexpr = gl.BlockedLayout([1 if SYM else 2], [32], [1], [0])
     NW: gl.constexpr = V // 8  # 32-bit words per key row
     gl.static_assert(G % 16 == 0 and G <= 64, "key groups of 16 to 64 rows")
 
@@ -159,61 +225,51 @@ def _flush_kernel(codes_ptr, scale_ptr, map_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_pt
         h = slot
     kh = h // (HV // H)
     head = b * HP + slot
+    w_hi, w_mid, w_lo, total = _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H, HV, V, RB, REC, LU)
 
-    # B: e^{G - G_i} s_k,i s_u,i u_i in three bfloat16 terms, columns renumbered (accumulator column n is value
-    # column 8q + 2t + e of the tile); the records past n are 0
-    rec = gl.arange(0, RB, layout=gl.SliceLayout(1, LU))
-    valid = rec < n
-    first = b * cap * HV + h
-    decay, total = _record_decays(bg_ptr, n, first, HV, RB, LU)
-    kscale = gl.load(bks_ptr + (b * cap + rec) * H + kh, mask=valid, other=0.0).to(gl.float32)
-    uscale = gl.load(bvs_ptr + (b * cap + rec) * HV + h, mask=valid, other=0.0).to(gl.float32)
-    nb = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, LU))
-    vb = ct * COLUMNS + 8 * ((nb >> 1) & 3) + 2 * (nb >> 3) + (nb & 1)
-    # code bytes of slots past n (inside the buffer's capacity: any byte is finite) meet zero weights: no masks
-    slot_u = gl.minimum(rec, cap - 1)
-    uc = gl.load(bv_ptr + ((b * cap + slot_u) * HV + h)[:, None] * V + vb[None, :])
-    u = ((uc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0) * uscale[:, None]
-    w_hi, w_mid, w_lo = bf16_split((decay * kscale)[:, None] * u)
-    w_hi, w_mid, w_lo = w_hi.to(gl.bfloat16), w_mid.to(gl.bfloat16), w_lo.to(gl.bfloat16)
-    if RB == 8:  # the first dot takes the records' hi and mid terms, the second the lo terms
-        w_hi, w_mid = _stack(w_hi, w_mid, _LB), _stack(w_lo, gl.zeros_like(w_lo), _LB)
-
-    LC: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     n_col = gl.arange(0, COLUMNS, layout=LC)
     v_col = ct * COLUMNS + 8 * ((n_col >> 1) & 3) + 2 * (n_col >> 3) + (n_col & 1)
     n_acc = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, MMA))
     v_acc = ct * COLUMNS + 8 * ((n_acc >> 1) & 3) + 2 * (n_acc >> 3) + (n_acc & 1)
     rw = gl.arange(0, G, layout=gl.SliceLayout(1, LW))[:, None]
     qw = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))[None, :]
-    ra = gl.arange(0, G, layout=gl.SliceLayout(1, LK))[:, None]
-    ia = gl.arange(0, RB, layout=gl.SliceLayout(0, LK))[None, :]
     words = codes_ptr.to(gl.pointer_type(gl.int32)) + head * (K * NW) + ct * 4 + qw
-    keys = bk_ptr + ((b * cap + gl.minimum(ia, cap - 1)) * H + kh) * K + ra
     for g in gl.static_range(K // G):
         at = words + (g * G + rw) * NW
         f0, f1, f2, f3, f4, f5, f6, f7 = _unpack(gl.load(at))
-        s_at = scale_ptr + head * SS + g * V + v_acc
-        x = (_tile(f0, f1, f2, f3, f4, f5, f6, f7, MMA) - 8388616.0) * (total * gl.load(s_at).to(gl.float32))[None, :]
-        kc = gl.load(keys + g * G)
-        a = ((kc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0).to(gl.bfloat16)
-        if RB == 8:
-            a = _beside(a, a, _LA)
-            x = mma_v2(a, w_hi, x)
-            x = mma_v2(a, w_mid, x)
-        else:
-            x = mma_v2(a, w_hi, x)
-            x = mma_v2(a, w_mid, x)
+        s_at = scale_ptr + head * SS + g * V
+        if SYM:
+            off = 8388616.0  # 2^23 + 8
+        else:  # the column's zero point: byte v // 2 of the group's row, low nibble for even v
+            zb = gl.load(zero_ptr + head * ZS + g * NW * 4 + v_acc // 2).to(gl.int32)
+            off = (((zb >> ((v_acc & 1) * 4)) & 15) + 8388608).to(gl.float32)[None, :]
+        x = (_tile(f0, f1, f2, f3, f4, f5, f6, f7, MMA) - off) * (total * gl.load(s_at + v_acc).to(gl.float32))[None, :]
+        a = _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, g * G, H, K, G, RB, REC, KG, KSYM, LK)
+        x = mma_v2(a, w_hi, x)
+        x = mma_v2(a, w_mid, x)
+        if REC == 1 or RB == 16:
             x = mma_v2(a, w_lo, x)
-        # each column's scale in one lane (the accumulator's rows hold 8 copies of each column)
-        amax = gl.convert_layout(gl.max(gl.abs(x), axis=0), LC)
-        scale, div, rdiv = sym_scale(amax, 4)
-        gl.store(scale_ptr + head * SS + g * V + v_col, scale)
-        div = gl.convert_layout(div, gl.SliceLayout(0, MMA))[None, :]
-        rdiv = gl.convert_layout(rdiv, gl.SliceLayout(0, MMA))[None, :]
-        c = sym_code_sum(x, div, rdiv, 4, False)
-        if gl.max(amax, axis=0) > sym_fits(4):  # a scale clamped at fp16's largest: clamp the codes
-            c = code_clamp(_kept(c), 4)
+        # each column's scale computed once (the accumulator's rows hold 8 copies of each column)
+        if SYM:
+            amax = gl.convert_layout(gl.max(gl.abs(x), axis=0), LC)
+            scale, div, rdiv = sym_scale(amax, 4)
+            div = gl.convert_layout(div, gl.SliceLayout(0, MMA))[None, :]
+            rdiv = gl.convert_layout(rdiv, gl.SliceLayout(0, MMA))[None, :]
+            c = sym_code_sum(x, div, rdiv, 4, False)
+            if gl.max(amax, axis=0) > sym_fits(4):  # a scale clamped at fp16's largest: clamp the codes
+                c = code_clamp(_kept(c), 4)
+        else:
+            lo = gl.convert_layout(gl.min(x, axis=0), LC)
+            hi = gl.convert_layout(gl.max(x, axis=0), LC)
+            scale, div, rdiv, zf = asym_scale(lo, hi, 4)
+            zl, zh = gl.split(gl.reshape(zf.to(gl.int32), [COLUMNS // 2, 2]))
+            jz = gl.arange(0, COLUMNS // 2, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0])))
+            gl.store(zero_ptr + head * ZS + g * NW * 4 + ct * 16 + 4 * (jz & 3) + (jz >> 2),
+                     gl.convert_layout(zl | (zh << 4), jz.type.layout).to(gl.uint8))
+            c = asym_code_sum(x, gl.convert_layout(div, gl.SliceLayout(0, MMA))[None, :],
+                              gl.convert_layout(rdiv, gl.SliceLayout(0, MMA))[None, :],
+                              gl.convert_layout(zf, gl.SliceLayout(0, MMA))[None, :], 4)
+        gl.store(s_at + v_col, scale)
         gl.store(at, _words(c.to(gl.int32, bitcast=True), LW))
 
 
@@ -235,9 +291,11 @@ def launch(plan, n: int, args: list, common: dict, heads: int) -> None:
     """One :func:`_flush_kernel` launch over the ``heads`` value heads per sequence of one part (``args``,
     ``common``: :func:`kernels.plan.ckpt_launches`'s), folding the buffer's ``n`` records (``plan.records``)."""
     B, H, HV, K, V = plan.shape
-    table, _, codes, scale = args[:4]
-    bk, bks, _, bv, bvs, _, bg = plan.records
+    table, _, codes, scale, zero = args[:5]
+    bk, bks, bkz, bv, bvs, _, bg = plan.records
+    r = plan.record_meta
     RB = 8 if plan.capacity <= 8 else 16
-    _flush_kernel[(B * heads, V // COLUMNS.value)](codes, scale, table, bk, bks, bv, bvs, bg, n, plan.capacity,
-                                             H=H, HV=HV, HP=heads, MAPPED=common["MAPPED"], K=K, V=V, G=common["G"],
-                                             SS=common["SS0"], RB=RB, **layouts(common["G"], RB), num_warps=1)
+    _flush_kernel[(B * heads, V // COLUMNS.value)](
+        codes, scale, zero, table, bk, bks, bkz, bv, bvs, bg, n, plan.capacity, H=H, HV=HV, HP=heads,
+        MAPPED=common["MAPPED"], K=K, V=V, G=common["G"], SYM=common["SYM"], SS=common["SS0"], ZS=common["ZS0"], RB=RB,
+        REC=0 if r["KBITS"] == 8 else 1, KG=r["KG"], KSYM=r["KSYM"], **layouts(common["G"], RB), num_warps=1)

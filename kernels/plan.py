@@ -222,7 +222,7 @@ dots kernel (``dots_per_part``), the flush and the window kernels (``per_part``)
 ``"auto"``: when the (sequence, value head) programs are more than the SMs, so that the two launches do not
 leave most SMs idle in turn (per width, PACE-4/8's 4-bit heads take the Gluon dots kernel: 807 against 1128
 us at B = 128; in one wave one launch is faster); under the interpreter always, so that the tests run it.
-``gluon_flush``: a flush launch of one 4-bit symmetric part with PACE-4's buffer runs :mod:`kernels.gluon_flush` on a
+``gluon_flush``: a flush launch of one 4-bit part with PACE-4's or PACE-4/8's buffer runs :mod:`kernels.gluon_flush` on a
 GPU (off: the Triton kernel)."""
 
 
@@ -307,15 +307,19 @@ def gluon_dots_apply(plan: DecodePlan, common: dict) -> bool:
 
 def gluon_flush_apply(plan: DecodePlan, common: dict) -> bool:
     """Whether a flush launch with constexprs ``common`` runs :mod:`kernels.gluon_flush`: bfloat16 tensor-core
-    operands (a GPU), one part of 4-bit symmetric key-axis codes with 128-wide heads and key groups of 16 to 64
-    rows, records of int8 keys and values with one scale per vector (PACE-4's buffer), at most 16 of them, and the
-    plan's ``gluon_flush`` setting on."""
+    operands (a GPU), one part of 4-bit key-axis codes (symmetric or with packed zero points) with 128-wide heads and
+    key groups of 16 to 64 rows, the records either PACE-4's (int8 keys and values, one scale per vector, at most 16)
+    or PACE-4/8's (4-bit keys in groups of 16 or more rows, bfloat16 values, at most 8), and the plan's
+    ``gluon_flush`` setting on."""
     _, _, _, K, V = plan.shape
     r = plan.record_meta
-    records = (r["KBITS"] == 8 and r["KSYM"] and r["KG"] == K and r["VBITS"] == 8 and r["VSYM"] and r["VG"] == V
-               and plan.capacity <= 16)
+    int8 = (r["KBITS"] == 8 and r["KSYM"] and r["KG"] == K and r["VBITS"] == 8 and r["VSYM"] and r["VG"] == V
+            and plan.capacity <= 16)
+    mixed = (r["KBITS"] == 4 and r["KG"] >= 16 and (r["KSYM"] or r["KPZ"]) and r["V_BF16"]
+             and plan.capacity <= 8)
     return bool(plan.meta["gluon_flush"] and common["BF16"] and not common["TWO"] and common["BITS0"] == 4
-                and common["SYM"] and K == 128 and V == 128 and common["G"] in (16, 32, 64) and records)
+                and (common["SYM"] or common["PZ0"]) and K == 128 and V == 128 and common["G"] in (16, 32, 64)
+                and (int8 or mixed))
 
 
 def ckpt_common(m: dict) -> dict:

@@ -138,6 +138,32 @@ def sym_fits(BITS: tl.constexpr):
 
 
 @triton.jit
+def asym_scale(lo, hi, BITS: tl.constexpr):
+    """Groups of ``BITS``-bit codes with zero points whose smallest and largest values are ``lo``, ``hi`` (fp32, one
+    per group; the range is widened to hold 0): the fp16 scale, the fp32 divisor (1 where the scale is 0), its
+    correctly rounded reciprocal and the zero point as an fp32 integer (for :func:`asym_code_sum`)."""
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    lo = tl.minimum(lo, 0.0)
+    hi = tl.maximum(hi, 0.0)
+    scale = fp16_scale(tl.math.div_rn(hi - lo, LEVELS * 1.0), hi > lo)
+    div = tl.where(scale == 0, 1.0, scale.to(tl.float32))
+    zf = rint(tl.minimum(tl.maximum(tl.math.div_rn(-lo, div), 0.0), LEVELS * 1.0))
+    return scale, div, tl.math.div_rn(1.0, div), zf
+
+
+@triton.jit
+def asym_code_sum(x, div, rdiv, zf, BITS: tl.constexpr):
+    """``RINT_MAGIC + c`` (fp32) for the code ``c = clamp(rint(x / div) + z, 0, 2^BITS - 1)`` of ``x`` with divisor
+    ``div``, reciprocal ``rdiv`` and zero point ``zf`` (:func:`asym_scale`, broadcast to ``x``). pace_core.quant
+    clamps ``x / div`` to ``±(2^BITS - 1)`` before rounding; with ``0 <= z <= 2^BITS - 1`` the clamp of the sum
+    gives the same code for every input (a quotient past the range lands past the same end of the sum, and at
+    ``|x / div| >= 2^22`` the magic sum still falls outside the range), so that clamp is left out."""
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    t = (div_rn(x, div, rdiv) + RINT_MAGIC) + zf
+    return tl.minimum(tl.maximum(t, RINT_MAGIC), RINT_MAGIC + LEVELS)
+
+
+@triton.jit
 def quant_tile(x, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
                 SYM: tl.constexpr, BITS: tl.constexpr):
     """Quantise ``x [R, C]`` fp32 (whole groups) as pace_core.quant does.
@@ -151,15 +177,9 @@ def quant_tile(x, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: t
         codes = rint_bits(sym_code_sum(x, expand(div, R, C, G, KEY_AXIS), expand(rdiv, R, C, G, KEY_AXIS), BITS))
         zero = tl.zeros(div.shape, tl.int32)
     else:
-        LEVELS: tl.constexpr = (1 << BITS) - 1
-        lo = tl.minimum(tl.min(xg, axis=AX), 0.0)
-        hi = tl.maximum(tl.max(xg, axis=AX), 0.0)
-        scale = fp16_scale(tl.math.div_rn(hi - lo, LEVELS * 1.0), hi > lo)
-        div = tl.where(scale == 0, 1.0, scale.to(tl.float32))
-        zf = rint(tl.minimum(tl.maximum(tl.math.div_rn(-lo, div), 0.0), LEVELS * 1.0))
-        y = div_rn(x, expand(div, R, C, G, KEY_AXIS), expand(tl.math.div_rn(1.0, div), R, C, G, KEY_AXIS))
-        q = (tl.minimum(tl.maximum(y, -LEVELS * 1.0), LEVELS * 1.0) + RINT_MAGIC) + expand(zf, R, C, G, KEY_AXIS)
-        codes = rint_bits(tl.minimum(tl.maximum(q, RINT_MAGIC), RINT_MAGIC + LEVELS))
+        scale, div, rdiv, zf = asym_scale(tl.min(xg, axis=AX), tl.max(xg, axis=AX), BITS)
+        codes = rint_bits(asym_code_sum(x, expand(div, R, C, G, KEY_AXIS), expand(rdiv, R, C, G, KEY_AXIS),
+                                        expand(zf, R, C, G, KEY_AXIS), BITS))
         zero = zf.to(tl.int32)
     return codes, scale, zero
 

@@ -662,25 +662,29 @@ def test_gluon_dots_are_the_triton_dots(name: str, gamma: int) -> None:
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon flush kernel is compiled-only (tests/test_kernels_sass.py "
                     "compiles it for sm_90a on any machine)")
-@pytest.mark.parametrize("group,gamma,n,big", [(None, 2, PERIOD, False), (None, 3, 3, False), (GROUP, 2, PERIOD, False),
-                                               (16, 3, PERIOD, False), (None, 2, 0, False), (None, 2, PERIOD, True)])
-def test_gluon_flush_is_the_triton_flush(group: int | None, gamma: int, n: int, big: bool) -> None:
-    """kernels.gluon_flush (PACE-4: 4-bit symmetric key groups of 16 to 64 rows, int8 records) against the Triton
-    flush kernel on the same checkpoint and ``n`` records: both fold exact products with fp32 sums in other orders
-    and requantise alike, so the checkpoints are equal except near a rounding boundary
-    (:func:`_assert_within_one_step`, nearly every entry equal). ``big``: records of values near 1e6, so that the
-    folded state overflows fp16 scales (clamped at 65504) and the codes take the clamp of the rare branch."""
+@pytest.mark.parametrize("name,group,gamma,n,big", [
+    ("pace-4", None, 2, PERIOD, False), ("pace-4", None, 3, 3, False), ("pace-4", GROUP, 2, PERIOD, False),
+    ("pace-4", 16, 3, PERIOD, False), ("pace-4", None, 2, 0, False), ("pace-4", None, 2, PERIOD, True),
+    ("pace-4-8", None, 3, PERIOD, False), ("pace-4-8", 16, 2, 5, False), ("pace-4-8", 2 * GROUP, 2, PERIOD, False)])
+def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: int, n: int, big: bool) -> None:
+    """kernels.gluon_flush against the Triton flush kernel on the same checkpoint and ``n`` records: PACE-4 (4-bit
+    symmetric key groups of 16 to 64 rows, int8 records) and PACE-4/8's 4-bit heads (zero points, 4-bit keys in
+    groups of 16 and bfloat16 values; the flush launched per bit width, the 8-bit heads on the Triton kernel in
+    both). Both fold exact products with fp32 sums in other orders and requantise alike, so the checkpoints are equal
+    except near a rounding boundary (:func:`_assert_within_one_step`, nearly every entry equal). ``big``: records of
+    values near 1e6, so that the folded state overflows fp16 scales (clamped at 65504) and the symmetric codes take
+    the clamp of the rare branch."""
     flush = KERNELS["flush"]
     HV = H * gamma
-    st0, _ = _states("pace-4", HV, group=group)
+    st0, _ = _states(name, HV, group=group)
     for _ in range(n):
         _, k, _, g, _ = _token(HV)
         st0.buffer.append(k, torch.randn(B, HV, V) * (3e5 if big else 0.5), g * (0.0 if big else 1.0))
     out = {}
     for gluon in (True, False):
         st = copy.deepcopy(st0)
-        plan = backend.TritonSteps({"gluon_flush": gluon}).plan(st)
-        assert any(plan.gluon_flush[plan.meta["per_part"]]) == gluon
+        plan = backend.TritonSteps({"gluon_flush": gluon, "per_part": True}).plan(st)
+        assert any(plan.gluon_flush[True]) == gluon
         flush.launch_flush(plan, st.buffer)
         out[gluon] = st.checkpoint
     if big:  # the clamp was needed: some scales at fp16's largest
