@@ -23,7 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.primitives import bf16_split
+from kernels.primitives import bf16_split, part_head
 
 _PLANES = gl.constexpr("{\n.reg .b32 t, s;\n" + "".join(
     f"prmt.b32 t, $8, $9, 0x{4 + b}{4 + b}{b}{b};\n"
@@ -123,13 +123,7 @@ def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
     gl.static_assert(G % 16 == 0, "key groups of whole 16-row steps")
 
     pid = gl.program_id(0).to(gl.int64)
-    b = pid // HP
-    slot = pid % HP
-    if MAPPED:
-        h = gl.load(map_ptr + slot).to(gl.int64)
-    else:
-        h = slot
-    kh = h // (HV // H)
+    b, slot, h, kh = part_head(pid, map_ptr, H, HV, HP, MAPPED)
     head = b * HP + slot
     words = codes_ptr.to(gl.pointer_type(gl.int32)) + head * (K * NW)
     i = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))[:, None]

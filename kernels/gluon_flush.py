@@ -27,7 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.primitives import asym_code_sum, asym_scale, bf16_split, code_clamp, sym_code_sum, sym_fits, sym_scale
+from kernels.primitives import (asym_code_sum, asym_scale, bf16_split, code_clamp, part_head, sym_code_sum, sym_fits,
+                                sym_scale)
 
 COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
@@ -217,13 +218,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
 
     pid = gl.program_id(0).to(gl.int64)
     ct = gl.program_id(1)
-    b = pid // HP
-    slot = pid % HP
-    if MAPPED:
-        h = gl.load(map_ptr + slot).to(gl.int64)
-    else:
-        h = slot
-    kh = h // (HV // H)
+    b, slot, h, kh = part_head(pid, map_ptr, H, HV, HP, MAPPED)
     head = b * HP + slot
     w_hi, w_mid, w_lo, total = _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H, HV, V, RB, REC, LU)
 

@@ -441,6 +441,20 @@ def ckpt_base(part, slot, b, HV0, HV1, K: tl.constexpr, c0p, s0p, z0p, c1p, s1p,
 
 
 @triton.jit
+def part_head(pid, map_ptr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, MAPPED: tl.constexpr):
+    """The (sequence, value head) of program ``pid`` of a launch over one checkpoint part of ``HP`` value heads per
+    sequence: ``b``, its slot in the part (the head's index there is ``b HP + slot``), the value head ``h``
+    (``MAPPED``: slot ``s`` is value head ``map_ptr[s]``, else the slot itself) and its key head."""
+    b = pid // HP
+    slot = pid % HP
+    if MAPPED:
+        h = tl.load(map_ptr + slot).to(tl.int64)
+    else:
+        h = slot
+    return b, slot, h, h // (HV // H)
+
+
+@triton.jit
 def packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K: tl.constexpr,
                  CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr,
                  ZS1: tl.constexpr, TWO: tl.constexpr, MAPPED: tl.constexpr):
@@ -450,9 +464,7 @@ def packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV
     (:func:`kernels.plan.ckpt_launches`), program ``pid`` is slot ``pid % HV0`` of sequence ``pid // HV0``
     and ``part_ptr`` maps slots to value heads."""
     if MAPPED:
-        b = pid // HV0
-        slot = pid % HV0
-        h = tl.load(part_ptr + slot).to(tl.int64)
+        b, slot, h, _ = part_head(pid, part_ptr, H, HV, HV0, True)
         part = 0
     else:
         b = pid // HV
