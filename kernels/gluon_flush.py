@@ -13,8 +13,8 @@ cores (A: the keys, exact in one or two bfloat16 terms; B: ``e^{G-G_i} u_i`` wit
 terms: every product exact, fp32 sums), requantised with a key group's range a reduction along the accumulator's
 rows, and packed back into words (:func:`_pack`) in the same places.
 
-Takes a flush launch of one 4-bit part, symmetric or with packed zero points, whose records are PACE-4's (int8 keys
-and values, one scale per vector, at most 16) or PACE-4/8's (4-bit keys in groups, bfloat16 values, at most 8)
+Takes the flush launches of PACE-4 (symmetric codes; int8 keys and values, one scale per vector, at most 16 records)
+and of PACE-4/8's 4-bit heads (packed zero points; 4-bit keys in groups with zero points, bfloat16 values, at most 8)
 (:func:`kernels.plan.gluon_flush_apply`); the Triton kernel stays the definition of the flush and runs everywhere
 else. Within float32 rounding of the Triton kernel's fold (the sums in another order), then the same
 requantisation (:mod:`kernels.primitives`' ``sym_scale`` / ``sym_code_sum`` and ``asym_scale`` /
@@ -168,7 +168,7 @@ def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.const
 
 @gluon.jit
 def _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, r0, H: gl.constexpr, K: gl.constexpr, G: gl.constexpr,
-          RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, KSYM: gl.constexpr, LK: gl.constexpr):
+          RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LK: gl.constexpr):
     """The A operand of the fold for key rows ``r0 .. r0 + G``: ``REC`` 0, the int8 key codes minus 128, exact (with 8
     slots beside themselves); ``REC`` 1, 4-bit key codes in groups of ``KG`` rows, ``(c - z) s`` exact in two bfloat16
     terms (at most 15 significant bits), the hi terms beside the lo terms of the 8 slots; zero past ``n``."""
@@ -185,12 +185,9 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, r0, H: gl.constexpr, K: gl.co
         kc = (gl.load(bk_ptr + vec * (K // 2) + r // 2).to(gl.int32) >> ((r & 1) * 4)) & 15
         grp = r // KG
         ks = gl.load(bks_ptr + vec * NKG + grp, mask=i < n, other=0.0).to(gl.float32)
-        if KSYM:
-            koff = 8388616.0  # 2^23 + 8
-        else:
-            kz = (gl.load(bkz_ptr + vec * (NKG // 2) + grp // 2).to(gl.int32) >> ((grp & 1) * 4)) & 15
-            koff = (kz + 8388608).to(gl.float32)
-        a_hi, a_lo, _ = bf16_split(((kc | 0x4B000000).to(gl.float32, bitcast=True) - koff) * ks)
+        kz = (gl.load(bkz_ptr + vec * (NKG // 2) + grp // 2).to(gl.int32) >> ((grp & 1) * 4)) & 15
+        a_hi, a_lo, _ = bf16_split(((kc | 0x4B000000).to(gl.float32, bitcast=True) - (kz + 8388608).to(gl.float32))
+                                   * ks)
         a = _beside(a_hi.to(gl.bfloat16), a_lo.to(gl.bfloat16), _LA)
     return a
 
@@ -199,7 +196,7 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, r0, H: gl.constexpr, K: gl.co
 def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
                   H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
                   V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr,
-                  RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, KSYM: gl.constexpr, LW: gl.constexpr,
+                  RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LW: gl.constexpr,
                   LK: gl.constexpr, LU: gl.constexpr):
     """Fold the ``n`` buffered records into columns ``32 c .. 32 c + 31`` (``c``: program axis 1) of one (sequence,
     value head)'s 4-bit key-axis checkpoint (codes ``[K, V/2]`` bytes, fp16 scales ``[K/G, V]``, with ``SYM`` False
@@ -207,8 +204,8 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
     ``s`` is value head ``map_ptr[s]``; ``SS`` scales and ``ZS`` zero-point bytes per head) and requantise them in
     place. Records (``RB`` slots, 8 or 16, at least ``n``; fp32 log decays ``[B, cap, HV]``): ``REC`` 0, int8 keys
     ``[B, cap, H, K]`` and values ``[B, cap, HV, V]`` with one fp16 scale per vector (PACE-4's buffer); ``REC`` 1 (8
-    slots), 4-bit keys ``[B, cap, H, K/2]`` in groups of ``KG`` rows with fp16 scales and (``KSYM`` False) packed zero
-    points, bfloat16 values (PACE-4/8's). ``LW``: a ``[G, 4]`` block of code words, word ``q`` of row ``r`` in lane
+    slots), 4-bit keys ``[B, cap, H, K/2]`` in groups of ``KG`` rows with fp16 scales and packed zero points,
+    bfloat16 values (PACE-4/8's). ``LW``: a ``[G, 4]`` block of code words, word ``q`` of row ``r`` in lane
     ``4 (r % 8) + q``; ``LK``, ``LU``: the keys ``[G, RB]`` and weights ``[RB, 32]`` (:func:`layouts`)."""
     MMA: gl.constexpr = _MMA
     # the columns' scales (and zero points) once per lane: one column, or with zero points a pair (one byte)
@@ -239,7 +236,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
             zb = gl.load(zero_ptr + head * ZS + g * NW * 4 + v_acc // 2).to(gl.int32)
             off = (((zb >> ((v_acc & 1) * 4)) & 15) + 8388608).to(gl.float32)[None, :]
         x = (_tile(f0, f1, f2, f3, f4, f5, f6, f7, MMA) - off) * (total * gl.load(s_at + v_acc).to(gl.float32))[None, :]
-        a = _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, g * G, H, K, G, RB, REC, KG, KSYM, LK)
+        a = _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, g * G, H, K, G, RB, REC, KG, LK)
         x = mma_v2(a, w_hi, x)
         x = mma_v2(a, w_mid, x)
         if REC == 1 or RB == 16:
@@ -293,4 +290,4 @@ def launch(plan, n: int, args: list, common: dict, heads: int) -> None:
     _flush_kernel[(B * heads, V // COLUMNS.value)](
         codes, scale, zero, table, bk, bks, bkz, bv, bvs, bg, n, plan.capacity, H=H, HV=HV, HP=heads,
         MAPPED=common["MAPPED"], K=K, V=V, G=common["G"], SYM=common["SYM"], SS=common["SS0"], ZS=common["ZS0"], RB=RB,
-        REC=0 if r["KBITS"] == 8 else 1, KG=r["KG"], KSYM=r["KSYM"], **layouts(common["G"], RB), num_warps=1)
+        REC=0 if r["KBITS"] == 8 else 1, KG=r["KG"], **layouts(common["G"], RB), num_warps=1)

@@ -307,19 +307,19 @@ def gluon_dots_apply(plan: DecodePlan, common: dict) -> bool:
 
 def gluon_flush_apply(plan: DecodePlan, common: dict) -> bool:
     """Whether a flush launch with constexprs ``common`` runs :mod:`kernels.gluon_flush`: bfloat16 tensor-core
-    operands (a GPU), one part of 4-bit key-axis codes (symmetric or with packed zero points) with 128-wide heads and
-    key groups of 16 to 64 rows, the records either PACE-4's (int8 keys and values, one scale per vector, at most 16)
-    or PACE-4/8's (4-bit keys in groups of 16 or more rows, bfloat16 values, at most 8), and the plan's
-    ``gluon_flush`` setting on."""
+    operands (a GPU), one part of 4-bit key-axis codes with 128-wide heads and key groups of 16 to 64 rows, in one of
+    the two formats checked on the GPU against the Triton kernel: PACE-4's (symmetric codes; int8 keys and values
+    with one scale per vector, at most 16 records) or PACE-4/8's 4-bit heads (packed zero points; 4-bit keys in
+    groups of 16 rows with packed zero points, bfloat16 values, at most 8 records); and the plan's ``gluon_flush``
+    setting on."""
     _, _, _, K, V = plan.shape
     r = plan.record_meta
-    int8 = (r["KBITS"] == 8 and r["KSYM"] and r["KG"] == K and r["VBITS"] == 8 and r["VSYM"] and r["VG"] == V
-            and plan.capacity <= 16)
-    mixed = (r["KBITS"] == 4 and r["KG"] >= 16 and (r["KSYM"] or r["KPZ"]) and r["V_BF16"]
-             and plan.capacity <= 8)
+    pace4 = (common["SYM"] and r["KBITS"] == 8 and r["KSYM"] and r["KG"] == K and r["VBITS"] == 8 and r["VSYM"]
+             and r["VG"] == V and plan.capacity <= 16)
+    pace48 = (not common["SYM"] and common["PZ0"] and r["KBITS"] == 4 and r["KG"] == 16 and not r["KSYM"]
+              and r["KPZ"] and r["V_BF16"] and plan.capacity <= 8)
     return bool(plan.meta["gluon_flush"] and common["BF16"] and not common["TWO"] and common["BITS0"] == 4
-                and (common["SYM"] or common["PZ0"]) and K == 128 and V == 128 and common["G"] in (16, 32, 64)
-                and (int8 or mixed))
+                and K == 128 and V == 128 and common["G"] in (16, 32, 64) and (pace4 or pace48))
 
 
 def ckpt_common(m: dict) -> dict:

@@ -1,0 +1,62 @@
+"""kernels.plan's choice of the Gluon kernels, on CPU: plans are built for the GPU's bfloat16 operands (as
+kernels/bench/sass.py builds them) at Qwen3.5's head size K = V = 128, and the launches that take
+kernels.gluon_dots / kernels.gluon_flush are exactly those of the formats the GPU tests check against the Triton
+kernels (tests/test_kernels_decode.py); every other launch keeps the Triton kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels_support import kernel_modules
+from pace_core.backend import REFERENCE
+from pace_core.checkpoint import StateFormat
+from pace_core.config import get_config
+from pace_core.schedule import PeriodicState
+
+plan_mod = kernel_modules()["plan"]
+B, H, HV, K = 2, 2, 8, 128
+
+
+def _state(name: str, **changes) -> PeriodicState:
+    """One layer's state of configuration ``name`` (PACE-4/8: every fourth head at 8 bits), K = V = 128."""
+    cfg = get_config(name).replace(**changes)
+    if cfg.high_share:
+        cfg = cfg.replace(high_heads=(tuple(range(1, HV, 4)),))
+    fmt = StateFormat(cfg, cfg.head_bits(0, HV))
+    st = PeriodicState(fmt, REFERENCE, (B, H, HV, K, K), torch.device("cpu"), prefill_period=256,
+                       decode_period=cfg.decode_period, buffer=cfg.buffer_format, exact_current=cfg.exact_current_token)
+    st.set_checkpoint(REFERENCE.store(fmt, torch.randn(B, HV, K, K) * 0.1)[0])
+    return st
+
+
+def _plan(st: PeriodicState, **launch) -> plan_mod.DecodePlan:
+    return plan_mod.plan_decode(st.checkpoint, st.buffer, st.exact_current, {"BF16": True, **launch})
+
+
+@pytest.mark.parametrize("name,per_part,flush,dots", [
+    ("pace-4", True, [True], [True]), ("pace-4", False, [True], [True]),
+    ("pace-4-8", True, [True, False], [True, False]),  # per width: the 4-bit heads on Gluon, the 8-bit on Triton
+    ("pace-4-8", False, [False], [False]),  # one launch for both widths
+])
+def test_gluon_kernels_take_the_checked_formats(name: str, per_part: bool, flush: list, dots: list) -> None:
+    plan = _plan(_state(name), per_part=per_part, dots_per_part=per_part)
+    assert plan.gluon_flush[per_part] == flush and plan.gluon_dots[per_part] == dots
+    off = _plan(_state(name), per_part=per_part, dots_per_part=per_part, gluon_flush=False, gluon_dots=False)
+    assert not any(off.gluon_flush[per_part]) and not any(off.gluon_dots[per_part])
+    cpu = plan_mod.plan_decode(_state(name).checkpoint, _state(name).buffer, True, {"per_part": per_part})
+    assert not any(cpu.gluon_flush[per_part])  # float32 operands (the interpreter): the Triton kernels
+
+
+@pytest.mark.parametrize("name,changes", [
+    ("pace-4", {"buffer": "fp32"}),  # float records
+    ("pace-4", {"buffer": "bf16"}),
+    ("pace-4", {"decode_period": 20}),  # more records than 16 slots
+    ("pace-4", {"group_size": 128}),  # a key group wider than the 64-row tile
+    ("pace-4", {"symmetric": False}),  # zero points with int8 records: not checked on the GPU
+    ("pace-4-8", {"buffer_key_group": 32}),  # PACE-4/8's keys in other groups than 16
+    ("pace-4-8", {"decode_period": 12}),  # more than 8 records of 4-bit keys
+])
+def test_other_formats_keep_the_triton_flush(name: str, changes: dict) -> None:
+    plan = _plan(_state(name, **changes), per_part=True)
+    assert not any(plan.gluon_flush[True])
