@@ -56,6 +56,13 @@ byte ``t``: ``prmt`` gathers the even and the odd codes into bytes, the odd ones
 
 
 @gluon.jit
+def _value_column(ct, n):
+    """The value column of accumulator column ``n = 8t + 2q + e`` in column tile ``ct``: ``32 ct + 8q + 2t + e``
+    (thread ``q``'s code bytes of a row are one word)."""
+    return ct * COLUMNS + 8 * ((n >> 1) & 3) + 2 * (n >> 3) + (n & 1)
+
+
+@gluon.jit
 def _unpack(w):
     """The 8 codes of each word ``w`` (int32) as fp32 ``2^23 + c``, in code order."""
     return gl.inline_asm_elementwise(_UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
@@ -146,7 +153,7 @@ def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.const
     valid = rec < n
     decay, total = _record_decays(bg_ptr, n, b * cap * HV + h, HV, RB, LU)
     nb = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, LU))
-    vb = (ct * COLUMNS + 8 * ((nb >> 1) & 3) + 2 * (nb >> 3) + (nb & 1))[None, :]
+    vb = _value_column(ct, nb)[None, :]
     if REC == 0:  # int8 values, one scale per vector; code bytes of slots past n (inside the capacity, finite)
         kscale = gl.load(bks_ptr + (b * cap + rec) * H + kh, mask=valid, other=0.0).to(gl.float32)
         uscale = gl.load(bvs_ptr + (b * cap + rec) * HV + h, mask=valid, other=0.0).to(gl.float32)
@@ -220,9 +227,9 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
     w_hi, w_mid, w_lo, total = _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H, HV, V, RB, REC, LU)
 
     n_col = gl.arange(0, COLUMNS, layout=LC)
-    v_col = ct * COLUMNS + 8 * ((n_col >> 1) & 3) + 2 * (n_col >> 3) + (n_col & 1)
+    v_col = _value_column(ct, n_col)
     n_acc = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, MMA))
-    v_acc = ct * COLUMNS + 8 * ((n_acc >> 1) & 3) + 2 * (n_acc >> 3) + (n_acc & 1)
+    v_acc = _value_column(ct, n_acc)
     rw = gl.arange(0, G, layout=gl.SliceLayout(1, LW))[:, None]
     qw = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))[None, :]
     words = codes_ptr.to(gl.pointer_type(gl.int32)) + head * (K * NW) + ct * 4 + qw
@@ -256,7 +263,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
             scale, div, rdiv, zf = asym_scale(lo, hi, 4)
             zl, zh = gl.split(gl.reshape(zf.to(gl.int32), [COLUMNS // 2, 2]))
             jz = gl.arange(0, COLUMNS // 2, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0])))
-            gl.store(zero_ptr + head * ZS + g * NW * 4 + ct * 16 + 4 * (jz & 3) + (jz >> 2),
+            gl.store(zero_ptr + head * ZS + g * NW * 4 + _value_column(ct, 2 * jz) // 2,
                      gl.convert_layout(zl | (zh << 4), jz.type.layout).to(gl.uint8))
             c = asym_code_sum(x, gl.convert_layout(div, gl.SliceLayout(0, MMA))[None, :],
                               gl.convert_layout(rdiv, gl.SliceLayout(0, MMA))[None, :],
