@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.plan import DecodePlan
-from kernels.primitives import bf16_split, expand, operand, packed_head, quant_tile
+from kernels.primitives import bf16_split, biased, expand, operand, packed_head, quant_tile
 from kernels.records import RECORD_COUNT, load_vecs, vec_parts
 from pace_core.buffer import DecodeBuffer
 
@@ -40,7 +40,7 @@ def _dequant_rows(c, z, s, G: tl.constexpr):
     into the bits of ``2^23``, then ``2^23 + z`` subtracted."""
     N: tl.constexpr = c.shape[0]
     T: tl.constexpr = c.shape[1]
-    cz = (c | 0x4B000000).to(tl.float32, bitcast=True) - expand((z + 8388608).to(tl.float32), N, T, G, False)
+    cz = biased(c) - expand((z + 8388608).to(tl.float32), N, T, G, False)
     return cz * expand(s, N, T, G, False)
 
 

@@ -23,12 +23,14 @@ requantisation (:mod:`kernels.primitives`' ``sym_scale`` / ``sym_code_sum`` and 
 
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.primitives import (asym_code_sum, asym_scale, bf16_split, code_clamp, part_head, sym_code_sum, sym_fits,
-                                sym_scale)
+from kernels.primitives import (TWO23, asym_code_sum, asym_scale, bf16_split, biased, code_clamp, part_head,
+                                sym_code_sum, sym_fits, sym_scale)
 
 COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
@@ -158,7 +160,7 @@ def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.const
         kscale = gl.load(bks_ptr + (b * cap + rec) * H + kh, mask=valid, other=0.0).to(gl.float32)
         uscale = gl.load(bvs_ptr + (b * cap + rec) * HV + h, mask=valid, other=0.0).to(gl.float32)
         uc = gl.load(bv_ptr + ((b * cap + gl.minimum(rec, cap - 1)) * HV + h)[:, None] * V + vb)
-        u = ((uc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0) * uscale[:, None]
+        u = (biased(uc.to(gl.int32)) - (TWO23 + 128)) * uscale[:, None]
         w = (decay * kscale)[:, None] * u
     else:  # bfloat16 values
         u = gl.load(bv_ptr + ((b * cap + rec) * HV + h)[:, None] * V + vb, mask=valid[:, None], other=0.0)
@@ -184,7 +186,7 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, r0, H: gl.constexpr, K: gl.co
     vec = (b * cap + gl.minimum(i, cap - 1)) * H + kh  # slots past n inside the capacity: finite codes
     if REC == 0:
         kc = gl.load(bk_ptr + vec * K + r)
-        a = ((kc.to(gl.int32) | 0x4B000000).to(gl.float32, bitcast=True) - 8388736.0).to(gl.bfloat16)
+        a = (biased(kc.to(gl.int32)) - (TWO23 + 128)).to(gl.bfloat16)
         if RB == 8:
             a = _beside(a, a, _LA)
     else:
@@ -193,8 +195,7 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, r0, H: gl.constexpr, K: gl.co
         grp = r // KG
         ks = gl.load(bks_ptr + vec * NKG + grp, mask=i < n, other=0.0).to(gl.float32)
         kz = (gl.load(bkz_ptr + vec * (NKG // 2) + grp // 2).to(gl.int32) >> ((grp & 1) * 4)) & 15
-        a_hi, a_lo, _ = bf16_split(((kc | 0x4B000000).to(gl.float32, bitcast=True) - (kz + 8388608).to(gl.float32))
-                                   * ks)
+        a_hi, a_lo, _ = bf16_split((biased(kc) - (kz + 8388608).to(gl.float32)) * ks)
         a = _beside(a_hi.to(gl.bfloat16), a_lo.to(gl.bfloat16), _LA)
     return a
 
@@ -238,7 +239,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
         f0, f1, f2, f3, f4, f5, f6, f7 = _unpack(gl.load(at))
         s_at = scale_ptr + head * SS + g * V
         if SYM:
-            off = 8388616.0  # 2^23 + 8
+            off = TWO23 + 8
         else:  # the column's zero point: byte v // 2 of the group's row, low nibble for even v
             zb = gl.load(zero_ptr + head * ZS + g * NW * 4 + v_acc // 2).to(gl.int32)
             off = (((zb >> ((v_acc & 1) * 4)) & 15) + 8388608).to(gl.float32)[None, :]
@@ -272,12 +273,13 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
         gl.store(at, _words(c.to(gl.int32, bitcast=True), LW))
 
 
+@functools.lru_cache(maxsize=None)
 def layouts(G: int, RB: int) -> dict:
     """The host-built layouts of :func:`_flush_kernel` for key groups of ``G`` rows and ``RB`` record slots: ``LW``,
     a ``[G, 4]`` block of code words as the threads of the ``[G, 32]`` accumulator hold them (row ``r``: lanes
     ``4 (r % 8) ..``, register ``r // 8``); ``LK``, ``LU``: the keys ``[G, RB]`` and weights ``[RB, 32]``, the
     tensor-core operands' layouts for 16 slots, for 8 the first halves of them (registers and lanes of the records
-    0-7)."""
+    0-7). Made once per (G, RB): a flush launch reads them from the cache."""
     rows = [[8 << i, 0] for i in range((G // 8).bit_length() - 1)]
     lw = gl.DistributedLinearLayout(rows, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [G, 4])
     if RB == 16:

@@ -222,8 +222,8 @@ dots kernel (``dots_per_part``), the flush and the window kernels (``per_part``)
 ``"auto"``: when the (sequence, value head) programs are more than the SMs, so that the two launches do not
 leave most SMs idle in turn (per width, PACE-4/8's 4-bit heads take the Gluon dots kernel: 807 against 1128
 us at B = 128; in one wave one launch is faster); under the interpreter always, so that the tests run it.
-``gluon_flush``: a flush launch of one 4-bit part with PACE-4's or PACE-4/8's buffer runs :mod:`kernels.gluon_flush` on a
-GPU (off: the Triton kernel)."""
+``gluon_flush``: a flush launch of one 4-bit part with PACE-4's or PACE-4/8's buffer runs :mod:`kernels.gluon_flush`
+on a GPU (off: the Triton kernel)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,30 +296,34 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
     return plan
 
 
-def gluon_dots_apply(plan: DecodePlan, common: dict) -> bool:
-    """Whether a dots launch with constexprs ``common`` runs :mod:`kernels.gluon_dots`: bfloat16 tensor-core operands
-    (a GPU), one part of 4-bit key-axis codes with 128-wide heads and key groups of whole 16-row steps, and the
-    plan's ``gluon_dots`` setting on."""
+def _gluon_part(plan: DecodePlan, common: dict) -> bool:
+    """What both Gluon kernels need of a launch: bfloat16 tensor-core operands (a GPU), one part of 4-bit codes
+    (symmetric or with packed zero points) and 128-wide heads."""
     _, _, _, K, V = plan.shape
-    return bool(plan.meta["gluon_dots"] and common["BF16"] and not common["TWO"] and common["BITS0"] == 4
-                and K == 128 and V == 128 and common["G"] % 16 == 0 and (common["SYM"] or common["PZ0"]))
+    return bool(common["BF16"] and not common["TWO"] and common["BITS0"] == 4 and (common["SYM"] or common["PZ0"])
+                and K == 128 and V == 128)
+
+
+def gluon_dots_apply(plan: DecodePlan, common: dict) -> bool:
+    """Whether a dots launch with constexprs ``common`` runs :mod:`kernels.gluon_dots`: :func:`_gluon_part`, key
+    groups of whole 16-row steps, and the plan's ``gluon_dots`` setting on."""
+    return bool(plan.meta["gluon_dots"] and _gluon_part(plan, common) and common["G"] % 16 == 0)
 
 
 def gluon_flush_apply(plan: DecodePlan, common: dict) -> bool:
-    """Whether a flush launch with constexprs ``common`` runs :mod:`kernels.gluon_flush`: bfloat16 tensor-core
-    operands (a GPU), one part of 4-bit key-axis codes with 128-wide heads and key groups of 16 to 64 rows, in one of
-    the two formats checked on the GPU against the Triton kernel: PACE-4's (symmetric codes; int8 keys and values
-    with one scale per vector, at most 16 records) or PACE-4/8's 4-bit heads (packed zero points; 4-bit keys in
-    groups of 16 rows with packed zero points, bfloat16 values, at most 8 records); and the plan's ``gluon_flush``
-    setting on."""
+    """Whether a flush launch with constexprs ``common`` runs :mod:`kernels.gluon_flush`: :func:`_gluon_part`, key
+    groups of 16 to 64 rows, in one of the two formats checked on the GPU against the Triton kernel: PACE-4's
+    (symmetric codes; int8 keys and values with one scale per vector, at most 16 records) or PACE-4/8's 4-bit heads
+    (packed zero points; 4-bit keys in groups of 16 rows with packed zero points, bfloat16 values, at most 8
+    records); and the plan's ``gluon_flush`` setting on."""
     _, _, _, K, V = plan.shape
     r = plan.record_meta
     pace4 = (common["SYM"] and r["KBITS"] == 8 and r["KSYM"] and r["KG"] == K and r["VBITS"] == 8 and r["VSYM"]
              and r["VG"] == V and plan.capacity <= 16)
     pace48 = (not common["SYM"] and common["PZ0"] and r["KBITS"] == 4 and r["KG"] == 16 and not r["KSYM"]
               and r["KPZ"] and r["V_BF16"] and plan.capacity <= 8)
-    return bool(plan.meta["gluon_flush"] and common["BF16"] and not common["TWO"] and common["BITS0"] == 4
-                and K == 128 and V == 128 and common["G"] in (16, 32, 64) and (pace4 or pace48))
+    return bool(plan.meta["gluon_flush"] and _gluon_part(plan, common) and common["G"] in (16, 32, 64)
+                and (pace4 or pace48))
 
 
 def ckpt_common(m: dict) -> dict:

@@ -22,6 +22,16 @@ FP16_MAX = tl.constexpr(65504.0)
 RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + RINT_MAGIC rounds x to an integer (|x| <= 2^22)
 
 
+TWO23 = tl.constexpr(8388608.0)  # 2^23: fp32 spacing 1 in [2^23, 2^24)
+
+
+@triton.jit
+def biased(c):
+    """``2^23 + c`` (fp32) for integers ``0 <= c < 2^22`` (int32): ``c`` or-ed into the bits of 2^23, no int -> float
+    conversion; ``biased(c) - (TWO23 + z)`` is the exact ``c - z``."""
+    return (c | 0x4B000000).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def rint(x):
     """Round half to even for ``|x| <= 2^22`` (callers clamp first): the fp32 magic-number trick,
@@ -383,7 +393,7 @@ def centred(c, off, BITS: tl.constexpr, BF16: tl.constexpr):
     if BF16 and BITS <= 4:
         out = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (off + 128).to(tl.bfloat16)
     else:
-        f = (c | 0x4B000000).to(tl.float32, bitcast=True) - (off + 8388608).to(tl.float32)
+        f = biased(c) - (off + 8388608).to(tl.float32)
         out = operand(f, BF16)
     return out
 

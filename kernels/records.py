@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.primitives import expand, quant_tile, round_bf16, store_as
+from kernels.primitives import TWO23, biased, expand, quant_tile, round_bf16, store_as
 from pace_core import quant
 from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
 
@@ -77,8 +77,8 @@ def vec_parts(ptr, scale_ptr, zero_ptr, recs, valid, r0, R: tl.constexpr, L: tl.
             c = tl.reshape(tl.join(p & 15, p >> 4), (recs.shape[0], R))
         else:
             c = tl.load(ptr + recs[:, None] * L + r0 + tl.arange(0, R)[None, :], mask=m, other=0).to(tl.int32)
-        if SYM:  # c or-ed into the bits of 2^23, then 2^23 + 2^(BITS-1) subtracted: no int -> float conversion
-            x = (c | 0x4B000000).to(tl.float32, bitcast=True) - (8388608 + (1 << (BITS - 1))) * 1.0
+        if SYM:
+            x = biased(c) - (TWO23 + (1 << (BITS - 1)))
         else:
             if PZ:
                 zb = tl.load(zero_ptr + recs[:, None] * (NGL // 2) + gidx // 2, mask=m, other=0).to(tl.int32)
