@@ -176,24 +176,32 @@ def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.const
 
 
 @gluon.jit
-def _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, r0, H: gl.constexpr, K: gl.constexpr, G: gl.constexpr,
-          RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LK: gl.constexpr):
-    """The A operand of the fold for key rows ``r0 .. r0 + G``: ``REC`` 0, the int8 key codes minus 128, exact (with 8
-    slots beside themselves); ``REC`` 1, 4-bit key codes in groups of ``KG`` rows, ``(c - z) s`` exact in two bfloat16
-    terms (at most 15 significant bits), the hi terms beside the lo terms of the 8 slots; zero past ``n``."""
-    r = r0 + gl.arange(0, G, layout=gl.SliceLayout(1, LK))[:, None]
+def _key_rows(n, cap, b, kh, H: gl.constexpr, G: gl.constexpr, RB: gl.constexpr, LK: gl.constexpr):
+    """What :func:`_keys` addresses, the same in every key group: the ``RB`` record slots' key vectors ``[1, RB]``
+    (slots past ``n`` inside the capacity: finite codes), a group's rows ``[G, 1]`` and whether a slot is held."""
+    r = gl.arange(0, G, layout=gl.SliceLayout(1, LK))[:, None]
     i = gl.arange(0, RB, layout=gl.SliceLayout(0, LK))[None, :]
-    vec = (b * cap + gl.minimum(i, cap - 1)) * H + kh  # slots past n inside the capacity: finite codes
+    return (b * cap + gl.minimum(i, cap - 1)) * H + kh, r, i < n
+
+
+@gluon.jit
+def _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, r0: gl.constexpr, K: gl.constexpr, REC: gl.constexpr,
+          RB: gl.constexpr, KG: gl.constexpr):
+    """The A operand of the fold for key rows ``r0 + r`` (:func:`_key_rows`; ``r0`` a constant, so that a group's
+    addresses are the first group's plus an immediate offset): ``REC`` 0, the int8 key codes minus 128, exact (with
+    8 slots beside themselves); ``REC`` 1, 4-bit key codes in groups of ``KG`` rows, ``(c - z) s`` exact in two
+    bfloat16 terms (at most 15 significant bits), the hi terms beside the lo terms of the 8 slots; zero past ``n``."""
+    LK: gl.constexpr = r.type.layout
     if REC == 0:
-        kc = gl.load(bk_ptr + vec * K + r)
+        kc = gl.load(bk_ptr + vec * K + r + r0)
         a = (biased(kc.to(gl.int32)) - (TWO23 + 128)).to(gl.bfloat16)
         if RB == 8:
             a = _beside(a, a, _LA)
     else:
         NKG: gl.constexpr = K // KG
-        kc = (gl.load(bk_ptr + vec * (K // 2) + r // 2).to(gl.int32) >> ((r & 1) * 4)) & 15
-        grp = r // KG
-        ks = gl.load(bks_ptr + vec * NKG + grp, mask=i < n, other=0.0).to(gl.float32)
+        kc = (gl.load(bk_ptr + vec * (K // 2) + r // 2 + r0 // 2).to(gl.int32) >> ((r & 1) * 4)) & 15
+        grp = (r + r0) // KG
+        ks = gl.load(bks_ptr + vec * NKG + grp, mask=held, other=0.0).to(gl.float32)
         kz = (gl.load(bkz_ptr + vec * (NKG // 2) + grp // 2).to(gl.int32) >> ((grp & 1) * 4)) & 15
         a_hi, a_lo, _ = bf16_split((biased(kc) - (kz + 8388608).to(gl.float32)) * ks)
         a = _beside(a_hi.to(gl.bfloat16), a_lo.to(gl.bfloat16), _LA)
@@ -234,6 +242,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
     rw = gl.arange(0, G, layout=gl.SliceLayout(1, LW))[:, None]
     qw = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))[None, :]
     words = codes_ptr.to(gl.pointer_type(gl.int32)) + head * (K * NW) + ct * 4 + qw
+    vec, r, held = _key_rows(n, cap, b, kh, H, G, RB, LK)
     for g in gl.static_range(K // G):
         at = words + (g * G + rw) * NW
         f0, f1, f2, f3, f4, f5, f6, f7 = _unpack(gl.load(at))
@@ -244,7 +253,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
             zb = gl.load(zero_ptr + head * ZS + g * NW * 4 + v_acc // 2).to(gl.int32)
             off = (((zb >> ((v_acc & 1) * 4)) & 15) + 8388608).to(gl.float32)[None, :]
         x = (_tile(f0, f1, f2, f3, f4, f5, f6, f7, MMA) - off) * (total * gl.load(s_at + v_acc).to(gl.float32))[None, :]
-        a = _keys(bk_ptr, bks_ptr, bkz_ptr, n, cap, b, kh, g * G, H, K, G, RB, REC, KG, LK)
+        a = _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, g * G, K, REC, RB, KG)
         x = mma_v2(a, w_hi, x)
         x = mma_v2(a, w_mid, x)
         if REC == 1 or RB == 16:
