@@ -102,48 +102,43 @@ def _offsets(zero_at, g: gl.constexpr, SYM: gl.constexpr, NW: gl.constexpr, LA: 
     return o0, o1, o2, o3, o4, o5, o6, o7
 
 
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+"""The accumulators' layout: ``mma.m16n8k16`` of one warp."""
+_LA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+_LB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+_LIMBS = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0]))
+_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0, 1]))
+
+
 @gluon.jit
-def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
-                 H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
-                 V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr):
-    """``y [B*HV, 2, V]`` = ``Ŝᵀk_t, Ŝᵀq_t`` of one (sequence, value head) per program (one warp); the checkpoint
-    part holds ``HP`` value heads per sequence (``MAPPED``: its slot ``s`` is value head ``map_ptr[s]``), ``SS``
-    fp16 scales and ``ZS`` zero-point bytes per head. All the words are requested before the ``k, q`` terms are
-    formed."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    LIMBS: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
-    SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0, 1])
+def head_dots(k_at, q_at, codes_at, scale_at, zero_at, K: gl.constexpr, V: gl.constexpr, G: gl.constexpr,
+              SYM: gl.constexpr):
+    """``Ŝᵀk_t, Ŝᵀq_t`` of one head (one warp): its codes (``K`` key rows of ``V / 8`` 32-bit words at ``codes_at``), fp16
+    scales and zero-point bytes at ``scale_at``, ``zero_at``; ``k, q [K]`` fp32 at ``k_at``, ``q_at``. Returns the 8
+    accumulators ``f_m [16, 8]`` (:data:`MMA`): row ``i`` is value column ``8 i + m``, columns 0-2 the three terms of
+    ``Ŝᵀk``, 3-5 those of ``Ŝᵀq``. All the words are requested before the ``k, q`` terms are formed."""
     NW: gl.constexpr = V // 8  # 32-bit words per key row
     STEPS: gl.constexpr = K // 16
     PER_GROUP: gl.constexpr = G // 16
     gl.static_assert(NW == 16, "a step's A operand is one key row of 16 words: V = 128")
     gl.static_assert(STEPS == 8, "8 steps of 16 key rows: K = 128")
     gl.static_assert(G % 16 == 0, "key groups of whole 16-row steps")
-
-    pid = gl.program_id(0).to(gl.int64)
-    b, slot, h, kh = part_head(pid, map_ptr, H, HV, HP, MAPPED)
-    head = b * HP + slot
-    words = codes_ptr.to(gl.pointer_type(gl.int32)) + head * (K * NW)
-    i = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))[:, None]
-    r = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))[None, :]
-    at = words + r * NW + i  # step 0's [16 words, 16 rows]
+    i = gl.arange(0, 16, layout=gl.SliceLayout(1, _LA))[:, None]
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, _LA))[None, :]
+    at = codes_at.to(gl.pointer_type(gl.int32)) + r * NW + i  # step 0's [16 words, 16 rows]
     # every step's words requested at once: 8 KB per warp in flight
     steps = (gl.load(at), gl.load(at + 16 * NW), gl.load(at + 32 * NW), gl.load(at + 48 * NW),
              gl.load(at + 64 * NW), gl.load(at + 80 * NW), gl.load(at + 96 * NW), gl.load(at + 112 * NW))
 
-    limbs = gl.allocate_shared_memory(gl.bfloat16, [K, 8], SMEM,
-                                      _limb_tile(k_ptr + (b * H + kh) * K, q_ptr + (b * H + kh) * K, LIMBS,
-                                                 K).to(gl.bfloat16))
+    limbs = gl.allocate_shared_memory(gl.bfloat16, [K, 8], _SMEM, _limb_tile(k_at, q_at, _LIMBS, K).to(gl.bfloat16))
     zero = gl.zeros([16, 8], gl.float32, MMA)
     f0, f1, f2, f3, f4, f5, f6, f7 = zero, zero, zero, zero, zero, zero, zero, zero
     for g in gl.static_range(K // G):
-        o0, o1, o2, o3, o4, o5, o6, o7 = _offsets(zero_ptr + head * ZS, g, SYM, NW, LA)
+        o0, o1, o2, o3, o4, o5, o6, o7 = _offsets(zero_at, g, SYM, NW, _LA)
         a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
         for j in gl.static_range(PER_GROUP):
             w = steps[g * PER_GROUP + j]
-            bk = limbs.slice(g * G + j * 16, 16, dim=0).load(LB)
+            bk = limbs.slice(g * G + j * 16, 16, dim=0).load(_LB)
             p0, p1, p2, p3, p4, p5, p6, p7 = _planes(w)
             a0 = mma_v2(p0 - o0, bk, a0)
             a1 = mma_v2(p1 - o1, bk, a1)
@@ -153,7 +148,7 @@ def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
             a5 = mma_v2(p5 - o5, bk, a5)
             a6 = mma_v2(p6 - o6, bk, a6)
             a7 = mma_v2(p7 - o7, bk, a7)
-        s_at = scale_ptr + head * SS + g * V
+        s_at = scale_at + g * V
         f0 = _scaled(a0, f0, s_at, 0, MMA)
         f1 = _scaled(a1, f1, s_at, 1, MMA)
         f2 = _scaled(a2, f2, s_at, 2, MMA)
@@ -162,6 +157,22 @@ def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
         f5 = _scaled(a5, f5, s_at, 5, MMA)
         f6 = _scaled(a6, f6, s_at, 6, MMA)
         f7 = _scaled(a7, f7, s_at, 7, MMA)
+    return f0, f1, f2, f3, f4, f5, f6, f7
+
+
+@gluon.jit
+def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
+                 H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
+                 V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr):
+    """``y [B*HV, 2, V]`` = ``Ŝᵀk_t, Ŝᵀq_t`` of one (sequence, value head) per program (one warp, :func:`head_dots`);
+    the checkpoint part holds ``HP`` value heads per sequence (``MAPPED``: its slot ``s`` is value head
+    ``map_ptr[s]``), ``SS`` fp16 scales and ``ZS`` zero-point bytes per head."""
+    pid = gl.program_id(0).to(gl.int64)
+    b, slot, h, kh = part_head(pid, map_ptr, H, HV, HP, MAPPED)
+    head = b * HP + slot
+    f0, f1, f2, f3, f4, f5, f6, f7 = head_dots(k_ptr + (b * H + kh) * K, q_ptr + (b * H + kh) * K,
+                                               codes_ptr + head * (K * V // 2), scale_ptr + head * SS,
+                                               zero_ptr + head * ZS, K, V, G, SYM)
     y_at = y_ptr + (b * HV + h) * 2 * V
     _store(f0, y_at, 0, V, MMA)
     _store(f1, y_at, 1, V, MMA)

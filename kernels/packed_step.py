@@ -295,7 +295,7 @@ def _ckpt_window_kernel(
         tl.debug_barrier()
 
 
-def _record_block(plan: DecodePlan) -> int:
+def record_block(plan: DecodePlan) -> int:
     """Records read per block by :func:`kernels.records.record_reads`: the buffer's capacity, at most 16."""
     return min(triton.next_power_of_2(plan.capacity), 16)
 
@@ -325,26 +325,30 @@ def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> 
     _record_step_kernel[(B * HV,)](
         q, k, v, g, beta, o, plan.workspace, *plan.records, len(buf), plan.capacity, H, HV, K=K, V=V,
         EXACT=m["EXACT"], **plan.record_meta,
-        NB=_record_block(plan),
+        NB=record_block(plan),
         num_warps=m["record_warps"],
     )
 
 
 def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
-    """The split path's step: one :func:`_ckpt_step_kernel` launch (``meta["fused_step"]``, where the
-    heads are wide enough: ``meta["fusable"]``), else :func:`launch_dots` then :func:`launch_records`.
+    """The split path's step: one :func:`_ckpt_step_kernel` launch, or :mod:`kernels.gluon_step`'s where it applies
+    (``plan.gluon_step``) (``meta["fused_step"]``, where the heads are wide enough: ``meta["fusable"]``), else :func:`launch_dots` then :func:`launch_records`.
     Inputs as in :func:`buffered_decode_step`, float32 and contiguous."""
     m = plan.meta
     if not (m["fused_step"] and m["fusable"]):
         launch_dots(plan, q, k)
         launch_records(plan, buf, q, k, v, g, beta, o)
         return
+    if plan.gluon_step:
+        from kernels import gluon_step  # GPU only: never imported under the interpreter
+        gluon_step.launch(plan, buf, q, k, v, g, beta, o)
+        return
     B, H, HV, K, V = plan.shape
     args, common, _ = plan.launches[False][0]
     _ckpt_step_kernel[(B * HV,)](
         q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, EXACT=m["EXACT"],
         **plan.record_meta,
-        NB=_record_block(plan),
+        NB=record_block(plan),
         num_warps=m["step_warps"], **common,
     )
 
@@ -363,6 +367,6 @@ def launch_window(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> N
         _ckpt_window_kernel[(B * heads,)](
             q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, q.shape[0],
             EXACT=m["EXACT"], **plan.record_meta,
-            NB=_record_block(plan),
+            NB=record_block(plan),
             num_warps=m["step_warps"], **common,
         )

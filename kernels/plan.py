@@ -203,18 +203,20 @@ class DecodePlan:
     launches: dict = field(default_factory=dict)  # split: ckpt_launches by per_part
     gluon_dots: dict = field(default_factory=dict)  # split: per_part -> whether each dots launch runs gluon_dots
     gluon_flush: dict = field(default_factory=dict)  # split: per_part -> whether each flush launch runs gluon_flush
+    gluon_step: bool = False  # split: whether the one-kernel step runs gluon_step
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
                   "flush_warps": 4, "flush_columns": 128, "dots_per_part": "auto", "per_part": "auto",
-                  "gluon_dots": True, "gluon_flush": True}
+                  "gluon_dots": True, "gluon_flush": True, "gluon_step": True}
 """Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others, and these
 are the fastest it measured on the H200 at batch 32 to 128, data/bench/bench.json): the step as one
 kernel (``fused_step``, :func:`_ckpt_step_kernel`, with ``step_warps``) or as two (the dots kernel's
-columns per program and warps, the record kernel's warps); ``"auto"`` fuses when there are at most
-as many (sequence, value head) programs as the GPU has SMs: one wave, where the launch saved
-outweighs the fused kernel's block-wide reductions (faster at batch 1-4 on the H200, slower from
-8). Then warps of the flush kernel and columns per flush program (4-bit codes: two half tiles of
+columns per program and warps, the record kernel's warps); ``"auto"`` fuses where the step runs
+:mod:`kernels.gluon_step` (``gluon_step``, :func:`gluon_step_apply`: the dots and records of a head in one warp)
+and otherwise when there are at most as many (sequence, value head) programs as the GPU has SMs: one wave,
+where the launch saved outweighs the Triton step kernel's block-wide reductions (faster at batch 1-4 on the
+H200, slower from 8). Then warps of the flush kernel and columns per flush program (4-bit codes: two half tiles of
 ``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles). ``gluon_dots``: a dots launch of
 one 4-bit part runs :mod:`kernels.gluon_dots` on a GPU (off: the Triton kernel; at B = 128 on the H200 433
 against 780 us per token for PACE-4, data/bench/bench.json). For two bit widths (:func:`ckpt_launches`): the
@@ -223,7 +225,8 @@ dots kernel (``dots_per_part``), the flush and the window kernels (``per_part``)
 leave most SMs idle in turn (per width, PACE-4/8's 4-bit heads take the Gluon dots kernel: 807 against 1128
 us at B = 128; in one wave one launch is faster); under the interpreter always, so that the tests run it.
 ``gluon_flush``: a flush launch of one 4-bit part with PACE-4's or PACE-4/8's buffer runs :mod:`kernels.gluon_flush`
-on a GPU (off: the Triton kernel)."""
+on a GPU (off: the Triton kernel). ``gluon_step``: the one-kernel step of PACE-4 runs :mod:`kernels.gluon_step` on a GPU
+(off: the Triton kernels)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,8 +277,6 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
         meta["BK"] = min(meta["BK"], K)
     if split:
         one_wave = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
-        if meta["fused_step"] == "auto":
-            meta["fused_step"] = one_wave
         for key in ("per_part", "dots_per_part"):
             if meta[key] == "auto":
                 meta[key] = not one_wave
@@ -293,6 +294,9 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
             commons = [common for _, common, _ in plan.launches[per_part]]
             plan.gluon_dots[per_part] = [gluon_dots_apply(plan, common) for common in commons]
             plan.gluon_flush[per_part] = [gluon_flush_apply(plan, common) for common in commons]
+        plan.gluon_step = gluon_step_apply(plan)
+        if plan.meta["fused_step"] == "auto":
+            plan.meta["fused_step"] = plan.gluon_step or one_wave
     return plan
 
 
@@ -310,16 +314,32 @@ def gluon_dots_apply(plan: DecodePlan, common: dict) -> bool:
     return bool(plan.meta["gluon_dots"] and _gluon_part(plan, common) and common["G"] % 16 == 0)
 
 
+def _pace4_records(plan: DecodePlan) -> bool:
+    """PACE-4's records: int8 keys and values, symmetric, one scale per vector, at most 16 of them."""
+    _, _, _, K, V = plan.shape
+    r = plan.record_meta
+    return bool(r["KBITS"] == 8 and r["KSYM"] and r["KG"] == K and r["VBITS"] == 8 and r["VSYM"] and r["VG"] == V
+                and plan.capacity <= 16)
+
+
+def gluon_step_apply(plan: DecodePlan) -> bool:
+    """Whether the one-kernel step runs :mod:`kernels.gluon_step`: one launch over all heads (:func:`_gluon_part`,
+    symmetric codes in key groups of whole 16-row steps), PACE-4's records (:func:`_pace4_records`, at least 4
+    slots), the exact current token, and the plan's ``gluon_step`` setting on."""
+    launches = plan.launches[False]
+    common = launches[0][1]
+    return bool(plan.meta["gluon_step"] and len(launches) == 1 and _gluon_part(plan, common) and common["SYM"]
+                and common["G"] % 16 == 0 and _pace4_records(plan) and plan.capacity >= 4 and plan.meta["EXACT"])
+
+
 def gluon_flush_apply(plan: DecodePlan, common: dict) -> bool:
     """Whether a flush launch with constexprs ``common`` runs :mod:`kernels.gluon_flush`: :func:`_gluon_part`, key
     groups of 16 to 64 rows, in one of the two formats checked on the GPU against the Triton kernel: PACE-4's
     (symmetric codes; int8 keys and values with one scale per vector, at most 16 records) or PACE-4/8's 4-bit heads
     (packed zero points; 4-bit keys in groups of 16 rows with packed zero points, bfloat16 values, at most 8
     records); and the plan's ``gluon_flush`` setting on."""
-    _, _, _, K, V = plan.shape
     r = plan.record_meta
-    pace4 = (common["SYM"] and r["KBITS"] == 8 and r["KSYM"] and r["KG"] == K and r["VBITS"] == 8 and r["VSYM"]
-             and r["VG"] == V and plan.capacity <= 16)
+    pace4 = common["SYM"] and _pace4_records(plan)
     pace48 = (not common["SYM"] and common["PZ0"] and r["KBITS"] == 4 and r["KG"] == 16 and not r["KSYM"]
               and r["KPZ"] and r["V_BF16"] and plan.capacity <= 8)
     return bool(plan.meta["gluon_flush"] and _gluon_part(plan, common) and common["G"] in (16, 32, 64)

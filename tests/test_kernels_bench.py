@@ -101,7 +101,7 @@ def _split_config(i: int) -> dict:
     """A split-path launch configuration whose every setting differs from another index's."""
     return {"fused_step": i % 2 == 0, "step_warps": 2 + i, "dots_columns": 16 * (i + 1), "dots_warps": 4 + i,
             "record_warps": 1 + i, "flush_warps": 8 + i, "flush_columns": 32 * (i + 1), "dots_per_part": i == 1,
-            "per_part": i == 2, "gluon_dots": i != 1, "gluon_flush": i == 2}
+            "per_part": i == 2, "gluon_dots": i != 1, "gluon_flush": i == 2, "gluon_step": i == 0}
 
 
 def _breakdown(step, dots, records, flush) -> dict:
@@ -114,13 +114,13 @@ def test_best_split_combination_takes_each_kernels_fastest_options(bench):
     times = [(5e-3, 3e-3, 1e-3, 9e-3), (4e-3, 1e-3, 2e-3, 8e-3), (6e-3, 2e-3, 3e-3, 7e-3)]
     tried = [{"config": c, "split_breakdown": _breakdown(*t)} for c, t in zip(configs, times)]
     assert bench.best_split_combination(tried) == {
-        "fused_step": False, "step_warps": configs[1]["step_warps"],  # one kernel 4 ms > 1 + 1 ms for two
+        "fused_step": False, "step_warps": configs[1]["step_warps"], "gluon_step": False,  # 4 ms > 1 + 1 ms
         "dots_columns": configs[1]["dots_columns"], "dots_warps": configs[1]["dots_warps"], "dots_per_part": True,
         "gluon_dots": False, "record_warps": configs[0]["record_warps"], "flush_warps": configs[2]["flush_warps"],
         "flush_columns": configs[2]["flush_columns"], "per_part": True, "gluon_flush": True}
     tried[2]["split_breakdown"]["step_seconds"] = 1.5e-3
     best = bench.best_split_combination(tried)
-    assert best["fused_step"] and best["step_warps"] == configs[2]["step_warps"]
+    assert best["fused_step"] and best["step_warps"] == configs[2]["step_warps"] and not best["gluon_step"]
     for r in tried:  # heads too narrow for the one-kernel step
         r["split_breakdown"]["step_seconds"] = None
     assert not bench.best_split_combination(tried)["fused_step"]

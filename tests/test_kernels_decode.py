@@ -660,6 +660,41 @@ def test_gluon_dots_are_the_triton_dots(name: str, gamma: int) -> None:
     assert rel(out[True], out[False]) <= STEP_TOL
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon step kernel is compiled-only (tests/test_kernels_sass.py "
+                    "compiles it for sm_90a on any machine)")
+@pytest.mark.parametrize("group,gamma,n", [(None, 2, 0), (None, 2, 3), (None, 3, PERIOD - 1), (16, 2, 5),
+                                           (2 * GROUP, 3, PERIOD - 1)])
+def test_gluon_step_is_the_triton_step(group: int | None, gamma: int, n: int) -> None:
+    """kernels.gluon_step against the Triton dots and record kernels on the same PACE-4 checkpoint, token and ``n``
+    records. ``o_t`` agrees to float32 rounding (exact products, fp32 sums in other orders: STEP_TOL), every entry
+    written (the output poisoned first). The token's record: its log decay, key codes and key scale are equal (the
+    same quantisation of the same ``k_t``: the range is a maximum, free of order, and the rest is correctly rounded);
+    the value ``u_t`` agrees to float32 rounding, so its codes are equal except near a rounding boundary (at most
+    one step apart, nearly all equal) and its scale within an fp16 ulp."""
+    packed_step = KERNELS["packed_step"]
+    HV = H * gamma
+    st0, _ = _states("pace-4", HV, group=group)
+    for _ in range(n):
+        _, k, _, g, _ = _token(HV)
+        st0.buffer.append(k, torch.randn(B, HV, V) * 0.5, g)
+    q, k, v, g, beta = _token(HV)
+    out, rec = {}, {}
+    for gluon in (True, False):
+        st = copy.deepcopy(st0)
+        plan = backend.TritonSteps({"gluon_step": gluon, "fused_step": gluon}).plan(st)
+        assert plan.gluon_step == gluon
+        out[gluon] = torch.full((B, HV, V), float("nan"))
+        packed_step.launch_packed_step(plan, st.buffer, q, k, v, g, beta, out[gluon])
+        rec[gluon] = {name: x[:, n] for name, x in st.buffer.storage().items()}
+    assert torch.isfinite(out[True]).all()
+    assert rel(out[True], out[False]) <= STEP_TOL
+    for name in ("log_decays", "keys", "key_scale"):
+        assert torch.equal(rec[True][name], rec[False][name]), name
+    codes = (rec[True]["values"].int() - rec[False]["values"].int()).abs()
+    assert codes.max() <= 1 and (codes == 0).float().mean() > 0.98
+    assert rel(rec[True]["value_scale"].float(), rec[False]["value_scale"].float()) <= 2.0**-10
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon flush kernel is compiled-only (tests/test_kernels_sass.py "
                     "compiles it for sm_90a on any machine)")
 @pytest.mark.parametrize("name,group,gamma,n,big", [

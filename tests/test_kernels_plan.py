@@ -1,6 +1,6 @@
 """kernels.plan's choice of the Gluon kernels, on CPU: plans are built for the GPU's bfloat16 operands (as
 kernels/bench/sass.py builds them) at Qwen3.5's head size K = V = 128, and the launches that take
-kernels.gluon_dots / kernels.gluon_flush are exactly those of the formats the GPU tests check against the Triton
+kernels.gluon_dots / kernels.gluon_flush / kernels.gluon_step are exactly those of the formats the GPU tests check against the Triton
 kernels (tests/test_kernels_decode.py); every other launch keeps the Triton kernel."""
 
 from __future__ import annotations
@@ -46,6 +46,24 @@ def test_gluon_kernels_take_the_checked_formats(name: str, per_part: bool, flush
     assert not any(off.gluon_flush[per_part]) and not any(off.gluon_dots[per_part])
     cpu = plan_mod.plan_decode(_state(name).checkpoint, _state(name).buffer, True, {"per_part": per_part})
     assert not any(cpu.gluon_flush[per_part])  # float32 operands (the interpreter): the Triton kernels
+
+
+@pytest.mark.parametrize("name,changes,gluon", [
+    ("pace-4", {}, True), ("pace-4", {"group_size": 16}, True), ("pace-4", {"decode_period": 4}, True),
+    ("pace-4", {"decode_period": 2}, False),  # fewer than 4 slots
+    ("pace-4", {"decode_period": 20}, False),  # more than 16
+    ("pace-4", {"exact_current_token": False}, False),  # the current token from its stored record
+    ("pace-4", {"buffer": "bf16"}, False), ("pace-4", {"symmetric": False}, False),
+    ("pace-4-8", {}, False),  # two widths: the dots per width, the records over all heads
+])
+def test_gluon_step_takes_the_checked_format(name: str, changes: dict, gluon: bool) -> None:
+    """The one-kernel Gluon step takes PACE-4's format (the GPU test's) and is then the step's default; elsewhere
+    the step stays on the Triton kernels, and on the dots and record kernels unless in one wave."""
+    plan = _plan(_state(name, **changes))
+    assert plan.gluon_step == gluon and plan.meta["fused_step"] == gluon
+    assert not _plan(_state(name, **changes), gluon_step=False).gluon_step
+    cpu = plan_mod.plan_decode(_state(name).checkpoint, _state(name).buffer, True)
+    assert not cpu.gluon_step and not cpu.meta["fused_step"]
 
 
 @pytest.mark.parametrize("name,changes", [

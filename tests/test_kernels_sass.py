@@ -18,16 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("variant", ["PACE-4 dP=8", "PACE-4/8 dP=8"])
 def test_gluon_kernels_compile_for_the_h200(variant: str, tmp_path: Path) -> None:
     """The Gluon dots and flush kernels of both variants (PACE-4's symmetric codes with int8 records, PACE-4/8's
-    4-bit heads with zero points, 4-bit grouped keys and bfloat16 values)."""
+    4-bit heads with zero points, 4-bit grouped keys and bfloat16 values), and PACE-4's Gluon step."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "kernels/bench/sass.py", "--variant", variant, "--batch", "4",
-                           "--kernel", "gluon_dots", "dots", "gluon_flush", "--dump", str(tmp_path)],
+                           "--kernel", "gluon_dots", "dots", "gluon_flush", "gluon_step", "--dump", str(tmp_path)],
                           cwd=ROOT, env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")}, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "sass.json").read_text())
     assert report["target"] == "sm_90a"
-    assert set(report["kernels"]) == {"gluon_dots", "dots", "gluon_flush"}
+    pace4 = variant == "PACE-4 dP=8"
+    assert set(report["kernels"]) == {"gluon_dots", "dots", "gluon_flush"} | ({"gluon_step"} if pace4 else set())
     gluon, dots = report["kernels"]["gluon_dots"], report["kernels"]["dots"]
     assert gluon["stack_bytes"] == 0 and gluon["ops"].get("HMMA.16816.F32.BF16", 0) > 0
     assert gluon["ops"].get("PRMT", 0) > 0  # the inline-PTX unpacking is there
@@ -37,3 +38,7 @@ def test_gluon_kernels_compile_for_the_h200(variant: str, tmp_path: Path) -> Non
     fl = report["kernels"]["gluon_flush"]  # the tile stays in registers: shared memory only for per-column values
     assert fl["stack_bytes"] == 0 and fl["shared_bytes"] <= 256 and fl["ops"].get("HMMA.16816.F32.BF16", 0) > 0
     assert fl["ops"].get("PRMT", 0) > 0 and "LDS.U8" not in fl["ops"]
+    if pace4:  # the dots' tensor-core products and unpacking, then the records in the same warp: no local memory
+        st = report["kernels"]["gluon_step"]
+        assert st["stack_bytes"] == 0 and st["ops"]["HMMA.16816.F32.BF16"] == gluon["ops"]["HMMA.16816.F32.BF16"]
+        assert st["ops"].get("PRMT", 0) >= gluon["ops"]["PRMT"] and "STL" not in st["ops"]

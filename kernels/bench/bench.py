@@ -149,12 +149,13 @@ def configs(variant: str) -> list[dict]:
         records = [1, 1, 2, 4, 1]
         flush = [(4, 128), (1, 32), (2, 64), (4, 64), (4, 128)]
         parts = [(False, True), (True, False), (False, False), (True, True), (False, True)]  # dots, flush per part
-        gluon = [(True, True), (True, False), (False, False), (True, False), (False, False)]  # Gluon dots, flush
+        gluon = [(True, True, True), (True, False, False), (False, False, False), (True, False, True),
+                 (False, False, False)]  # Gluon dots, flush, step
         return [{"fused_step": fs, "step_warps": sw, "dots_columns": dc, "dots_warps": dw, "record_warps": rw,
                  "flush_warps": fw, "flush_columns": fc, "dots_per_part": dp, "per_part": fp, "gluon_dots": gd,
-                 "gluon_flush": gf}
-                for (fs, sw), (dc, dw), rw, (fw, fc), (dp, fp), (gd, gf) in zip(step, dots, records, flush, parts,
-                                                                                gluon)]
+                 "gluon_flush": gf, "gluon_step": gs}
+                for (fs, sw), (dc, dw), rw, (fw, fc), (dp, fp), (gd, gf, gs) in zip(step, dots, records, flush, parts,
+                                                                                    gluon)]
     return [{"BK": 64, "num_warps": 4}, {"BK": 64, "num_warps": 8}, {"BK": 128, "num_warps": 8}]
 
 
@@ -276,7 +277,7 @@ def split_breakdown(layers: list, config: dict, reps: int) -> dict:
     return {**out, "records_at_step": PERIOD // 2}
 
 
-SPLIT_KERNEL_KEYS = {"step_seconds": ("step_warps",),
+SPLIT_KERNEL_KEYS = {"step_seconds": ("step_warps", "gluon_step"),
                      "dots_seconds": ("dots_columns", "dots_warps", "dots_per_part", "gluon_dots"),
                      "records_seconds": ("record_warps",),
                      "flush_seconds": ("flush_warps", "flush_columns", "per_part", "gluon_flush")}

@@ -8,8 +8,8 @@ compile it, then once more between ``cudaProfilerStart`` / ``cudaProfilerStop``,
 profiles (``--profile-from-start off``):
 
 - ``bf16 per-token``: the dense step (:func:`kernels.recurrent_step.dense_recurrent_step`);
-- ``PACE-4 dP=8``, ``PACE-4/8 dP=8``: the dots kernel, the record kernel and the one-kernel step with dP / 2
-  records buffered, then the flush with dP records (:func:`kernels.bench.bench.split_breakdown`'s set), and
+- ``PACE-4 dP=8``, ``PACE-4/8 dP=8``: the dots kernel, the record kernel and the one-kernel step (the Gluon one
+  and the Triton one where the Gluon one applies) with dP / 2 records buffered, then the flush with dP records (:func:`kernels.bench.bench.split_breakdown`'s set), and
   the window kernel over dP / 2 tokens from an empty buffer (:func:`kernels.packed_step.launch_window`).
 
 Usage (on the GPU machine, from the repository root)::
@@ -71,12 +71,14 @@ def launch(variant: str, B: int) -> None:
         work = [(None, lambda: dense_recurrent_step(st, q, k, v, g, beta, out=out))]
     else:
         plan = TritonSteps().plan(st)
-        fused = TritonSteps({"fused_step": True}).plan(st)
+        fused = TritonSteps({"fused_step": True}).plan(st)  # the Gluon step where it applies
+        triton_step = TritonSteps({"fused_step": True, "gluon_step": False}).plan(st)
         n = bench.PERIOD // 2
         qw, kw, vw, gw, bw = (x[None].expand(n, *x.shape).contiguous() for x in (q, k, v, g, beta))  # [T, B, ...]
         work = [(n, lambda: launch_dots(plan, q, k)),
                 (n, lambda: launch_records(plan, st.buffer, q, k, v, g, beta, out)),
                 (n, lambda: launch_packed_step(fused, st.buffer, q, k, v, g, beta, out)),
+                *([(n, lambda: launch_packed_step(triton_step, st.buffer, q, k, v, g, beta, out))] * fused.gluon_step),
                 (bench.PERIOD, lambda: launch_flush(plan, st.buffer)),
                 (0, lambda: launch_window(fused, st.buffer, qw, kw, vw, gw, bw, torch.empty_like(vw)))]
     for profiled in (False, True):  # compile, then profile only the kernel (the buffer is filled before)

@@ -89,8 +89,9 @@ def sass_report(compiled) -> dict:
 def launches(variant: str, B: int) -> dict[str, tuple]:
     """Each decode kernel of ``variant``'s token and flush: name -> (kernel, args, kwargs) of its first launch, one
     layer at batch ``B`` on CPU tensors (stored by the reference), the GPU's bfloat16 operands, the buffer holding
-    half a period of records. ``dots``: the Triton dots kernel; ``gluon_dots``: the Gluon one (launched per width); ``flush``, ``gluon_flush``: likewise."""
-    from kernels import flush, gluon_dots, gluon_flush, packed_step
+    half a period of records. ``dots``: the Triton dots kernel; ``gluon_dots``: the Gluon one (launched per width); ``step``, ``gluon_step``,
+    ``flush``, ``gluon_flush``: likewise."""
+    from kernels import flush, gluon_dots, gluon_flush, gluon_step, packed_step
 
     st = _layer_state(variant, torch.randn(B, HV, K, V) * 0.05, REFERENCE)
     q, k, v, g, beta = _inputs(B, torch.device("cpu"))
@@ -107,7 +108,10 @@ def launches(variant: str, B: int) -> dict[str, tuple]:
         "records": (packed_step._record_step_kernel,
                     lambda: packed_step.launch_records(plan(), st.buffer, q, k, v, g, beta, o)),
         "step": (packed_step._ckpt_step_kernel,
-                 lambda: packed_step.launch_packed_step(plan(fused_step=True), st.buffer, q, k, v, g, beta, o)),
+                 lambda: packed_step.launch_packed_step(plan(fused_step=True, gluon_step=False), st.buffer, q, k, v, g,
+                                                        beta, o)),
+        "gluon_step": (gluon_step._step_kernel,
+                       lambda: packed_step.launch_packed_step(plan(fused_step=True), st.buffer, q, k, v, g, beta, o)),
         "flush": (flush._flush_kernel, lambda: flush.launch_flush(plan(gluon_flush=False), st.buffer)),
         "gluon_flush": (gluon_flush._flush_kernel, lambda: flush.launch_flush(plan(), st.buffer)),
     }

@@ -1,0 +1,142 @@
+"""The split path's decode step as one Gluon kernel (explicit layouts, GPU only): :mod:`kernels.gluon_dots`'s
+``Ŝᵀk_t, Ŝᵀq_t`` followed, in the same warp, by the record kernel's work (:mod:`kernels.records`): the buffered
+records' part of the two products, ``u_t``, ``o_t`` and the token's record, with no workspace round trip and one
+launch instead of two.
+
+One warp per (sequence, value head). After the dots (the accumulators of :func:`kernels.gluon_dots.head_dots`),
+the records are read in two layouts chosen for their reductions:
+
+- the keys ``[NB, K]``, 16 consecutive bytes of one record per thread (one 128-bit load), so that the record's
+  dot products with ``k_t`` and ``q_t`` are 16 fma in the thread and 3 shuffles;
+- the values ``[NB, V]``, all the records of 4 consecutive columns per thread, so that
+  ``Σ_i w_i u_i`` is in the thread; its result is in the layout of every ``[V]`` vector of the step.
+
+Takes PACE-4's format (4-bit symmetric key-axis codes in one part; int8 keys and values with one scale per vector,
+at most 16 records; the exact current token), :func:`kernels.plan.gluon_step_apply`; the Triton kernels stay the
+definition of the step and run everywhere else. Its arithmetic is the record kernel's
+(:func:`kernels.records.record_reads`, :func:`kernels.records.token_output`, :func:`kernels.records.append_record`),
+the sums in another order; the records are quantised by the same :mod:`kernels.primitives`.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from kernels.gluon_dots import MMA, head_dots
+from kernels.packed_step import record_block
+from kernels.primitives import TWO23, biased, part_head, rint_bits, sym_code_sum, sym_scale
+from kernels.records import RECORD_COUNT
+
+
+@gluon.jit
+def _plane_sum(f, lo: gl.constexpr):
+    """Columns ``lo .. lo+2`` of an accumulator ``f [16, 8]`` (the three terms of one product) summed: ``[16]``."""
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))[None, :]
+    return gl.sum(gl.where((n >= lo) & (n < lo + 3), f, 0.0), axis=1)
+
+
+@gluon.jit
+def _columns(f0, f1, f2, f3, f4, f5, f6, f7, lo: gl.constexpr, L1: gl.constexpr):
+    """The product whose terms are columns ``lo .. lo+2`` of the accumulators (:func:`head_dots`: row ``i`` of
+    ``f_m`` is value column ``8 i + m``) as ``[128]`` in layout ``L1``."""
+    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))[None, :]
+    t = gl.where(m == 0, _plane_sum(f0, lo)[:, None], 0.0)
+    t = gl.where(m == 1, _plane_sum(f1, lo)[:, None], t)
+    t = gl.where(m == 2, _plane_sum(f2, lo)[:, None], t)
+    t = gl.where(m == 3, _plane_sum(f3, lo)[:, None], t)
+    t = gl.where(m == 4, _plane_sum(f4, lo)[:, None], t)
+    t = gl.where(m == 5, _plane_sum(f5, lo)[:, None], t)
+    t = gl.where(m == 6, _plane_sum(f6, lo)[:, None], t)
+    t = gl.where(m == 7, _plane_sum(f7, lo)[:, None], t)
+    rows: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0])  # 4 consecutive columns per thread
+    return gl.convert_layout(gl.reshape(gl.convert_layout(t, rows), [128]), L1)
+
+
+@gluon.jit
+def _code_offset(codes):
+    """int8 codes (uint8 ``0 .. 255``, symmetric: ``c - 128``) as exact fp32 integers."""
+    return biased(codes.to(gl.int32)) - (TWO23 + 128)
+
+
+@gluon.jit
+def _store_record(x, codes_at, scale_at, cols):
+    """``x [V]`` stored as one int8 symmetric vector (pace_core.quant's layout, :func:`kernels.records.stored_vec`):
+    codes at ``codes_at + cols``, its fp16 scale at ``scale_at``."""
+    scale, div, rdiv = sym_scale(gl.max(gl.abs(x), axis=0), 8)
+    gl.store(codes_at + cols, rint_bits(sym_code_sum(x, div, rdiv, 8)).to(gl.uint8))
+    gl.store(scale_at, scale)
+
+
+@gluon.jit(do_not_specialize=RECORD_COUNT)
+def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
+                 bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
+                 H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, G: gl.constexpr,
+                 SS: gl.constexpr, NB: gl.constexpr):
+    """One token of (sequence, value head) ``pid`` (one warp): ``o [B*HV, V]`` and the token's record in slot ``n``
+    of the buffer (``cap`` slots; keys ``bk [B*cap*H, K]`` uint8 with fp16 scales ``bks``, values ``bv [B*cap*HV,
+    V]`` with ``bvs``, log decays ``bg [B*cap*HV]``), from the checkpoint's codes, its ``SS`` fp16 scales per head,
+    and the ``n <= NB`` records before it; ``q, k [B, H, K]``, ``v [B, HV, V]``, ``g, beta [B, HV]`` fp32."""
+    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])  # record keys: 16 bytes per thread
+    VL: gl.constexpr = gl.BlockedLayout([NB, 4], [1, 32], [1, 1], [1, 0])  # record values: all records of 4 columns
+    L1: gl.constexpr = gl.SliceLayout(0, VL)  # [V] vectors: 4 consecutive columns per thread
+    gl.static_assert(K == V, "keys and values of one length: the [V] layout serves both")
+
+    pid = gl.program_id(0).to(gl.int64)
+    b, slot, h, kh = part_head(pid, map_ptr, H, HV, HV, False)
+    row = b * HV + h
+    k_at = k_ptr + (b * H + kh) * K
+    q_at = q_ptr + (b * H + kh) * K
+    f0, f1, f2, f3, f4, f5, f6, f7 = head_dots(k_at, q_at, codes_ptr + row * (K * V // 2), scale_ptr + row * SS,
+                                               zero_ptr, K, V, G, True)
+
+    # the records' key dot products and decays (kernels.records.record_reads, all records in one block)
+    r = gl.arange(0, NB, layout=gl.SliceLayout(1, KL))
+    j = gl.arange(0, NB, layout=gl.SliceLayout(0, KL))
+    kc = gl.arange(0, K, layout=gl.SliceLayout(0, KL))
+    held = r < n
+    krec = (b * cap + r) * H + kh
+    kx = _code_offset(gl.load(bk_ptr + krec[:, None] * K + kc[None, :], mask=held[:, None], other=128))
+    ks = gl.load(bks_ptr + krec, mask=held, other=0.0).to(gl.float32)
+    gj = gl.load(bg_ptr + (b * cap + j) * HV + h, mask=j < n, other=0.0)
+    run = gl.sum(gj, axis=0)  # Σ of the held records' log decays
+    after = gl.sum(gl.where(j[None, :] > r[:, None], gj[None, :], 0.0), axis=1)  # Σ_{j>i} g_j
+    g_t = gl.load(g_ptr + row)
+    wk = (gl.exp(after) * ks) * gl.sum(kx * gl.load(k_at + kc)[None, :], axis=1)
+    wq = (gl.exp(after + g_t) * ks) * gl.sum(kx * gl.load(q_at + kc)[None, :], axis=1)
+
+    # their values' part: Σ_i w_i s_i u_i
+    rv = gl.arange(0, NB, layout=gl.SliceLayout(1, VL))
+    cols = gl.arange(0, V, layout=L1)
+    vrec = (b * cap + rv) * HV + h
+    ux = _code_offset(gl.load(bv_ptr + vrec[:, None] * V + cols[None, :], mask=(rv < n)[:, None], other=128))
+    us = gl.load(bvs_ptr + vrec, mask=rv < n, other=0.0).to(gl.float32)
+    rk = gl.sum((gl.convert_layout(wk, gl.SliceLayout(1, VL)) * us)[:, None] * ux, axis=0)
+    rq = gl.sum((gl.convert_layout(wq, gl.SliceLayout(1, VL)) * us)[:, None] * ux, axis=0)
+
+    # u_t and o_t (kernels.records.token_output, the exact current token)
+    sk = _columns(f0, f1, f2, f3, f4, f5, f6, f7, 0, L1)
+    sq = _columns(f0, f1, f2, f3, f4, f5, f6, f7, 3, L1)
+    kfull = gl.load(k_at + cols)
+    u = gl.load(beta_ptr + row) * (gl.load(v_ptr + row * V + cols) - gl.exp(g_t) * (gl.exp(run) * sk + rk))
+    gl.store(o_ptr + row * V + cols, gl.exp(run + g_t) * sq + rq + gl.sum(kfull * gl.load(q_at + cols), axis=0) * u)
+
+    # the token's record in slot n (kernels.records.append_record): the key by the group's first value head
+    at = b * cap + n
+    gl.store(bg_ptr + at * HV + h, g_t)
+    _store_record(u, bv_ptr + (at * HV + h) * V, bvs_ptr + at * HV + h, cols)
+    if h % (HV // H) == 0:
+        _store_record(kfull, bk_ptr + (at * H + kh) * K, bks_ptr + at * H + kh, cols)
+
+
+def launch(plan, buf, q, k, v, g, beta, o) -> None:
+    """One :func:`_step_kernel` launch over every (sequence, value head) of ``plan`` (one 4-bit part,
+    :func:`kernels.plan.gluon_step_apply`) with ``len(buf)`` records held; writes the token's record into slot
+    ``len(buf)`` (the caller counts it). Inputs as :func:`kernels.packed_step.launch_packed_step`'s."""
+    B, H, HV, K, V = plan.shape
+    args, common, _ = plan.launches[False][0]
+    table, _, codes, scale, zero = args[:5]
+    bk, bks, _, bv, bvs, _, bg = plan.records
+    _step_kernel[(B * HV,)](q, k, v, g, beta, o, table, codes, scale, zero, bk, bks, bv, bvs, bg, len(buf),
+                            plan.capacity, H=H, HV=HV, K=K, V=V, G=common["G"], SS=common["SS0"],
+                            NB=record_block(plan), num_warps=1)
