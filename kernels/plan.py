@@ -359,7 +359,7 @@ def ckpt_launches(plan: DecodePlan, per_part: bool) -> list[tuple[list, dict, in
     heads only (``MAPPED``: slot ``i`` of the part is value head ``heads[i]``), so each launch is compiled
     for one width: compiled for both, a kernel branches on the head's width and pays the larger register
     count and code size in every program (at B = 128 the per-width flush took 288 us against 377, the
-    window 406 against 460, the dots 55 against 57, ``data/bench/ncu``); in one wave two launches take
+    window 406 against 460, the dots 55 against 57, ``data/bench/v8_ncu``); in one wave two launches take
     longer than one. Otherwise one launch over all heads (``plan.ckpt_args[1:]``, the head table read where
     there are two widths)."""
     common = ckpt_common(plan.meta)
