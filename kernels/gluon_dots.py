@@ -7,7 +7,7 @@ values, 16 key rows per step) in the layout of ``mma.m16n8k16``'s A fragment, so
 words of two consecutive key rows for the same columns; one inline-PTX group (:func:`_planes`) turns two such
 words into the 8 code planes ``A_m [16, 16]`` (``m``: the code's place in the word, value column ``8 i + m`` of
 row ``i``) as bfloat16 ``c - offset`` pairs, exact. ``B [16, 8]`` holds ``k`` and ``q`` split into three
-bfloat16 terms each (:func:`kernels.primitives.bf16_split`'s arithmetic), columns 0-2 and 3-5, from shared memory;
+bfloat16 terms each (:func:`kernels.primitives.bf16_split`'s arithmetic), columns 0-2 and 4-6, from shared memory;
 ``A_m B`` on tensor cores accumulates per key group with fp32 sums, then the group's fp16 scale of each column
 multiplies it. Every product is exact; the sums are fp32 in another order than the reference's (the Triton
 kernel's tolerance, :mod:`kernels.backend`).
@@ -47,7 +47,8 @@ def _planes(w):
 @gluon.jit
 def _limb_tile(k_at, q_at, LIMBS: gl.constexpr, K: gl.constexpr):
     """``[K, 8]`` fp32: ``k`` and ``q`` (``[K]`` at ``k_at``, ``q_at``) as three bfloat16-exact terms each
-    (:func:`kernels.primitives.bf16_split`), columns 0-2 and 3-5, columns 6-7 zero."""
+    (:func:`kernels.primitives.bf16_split`), columns 0-2 and 4-6, columns 3 and 7 zero: each product's terms in
+    the columns of two lanes of the accumulator's quads (:func:`products`)."""
     rows = gl.arange(0, K, layout=gl.SliceLayout(1, LIMBS))
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, LIMBS))[None, :]
     out = gl.zeros([K, 8], gl.float32, LIMBS)
@@ -57,9 +58,9 @@ def _limb_tile(k_at, q_at, LIMBS: gl.constexpr, K: gl.constexpr):
         else:
             x = gl.load(q_at + rows)
         hi, mid, lo = bf16_split(x)
-        out = gl.where(n == 3 * v, hi[:, None], out)
-        out = gl.where(n == 3 * v + 1, mid[:, None], out)
-        out = gl.where(n == 3 * v + 2, lo[:, None], out)
+        out = gl.where(n == 4 * v, hi[:, None], out)
+        out = gl.where(n == 4 * v + 1, mid[:, None], out)
+        out = gl.where(n == 4 * v + 2, lo[:, None], out)
     return out
 
 
@@ -72,12 +73,19 @@ def _scaled(acc, final, s_at, m: gl.constexpr, MMA: gl.constexpr):
 
 
 @gluon.jit
-def _store(final, y_at, m: gl.constexpr, V: gl.constexpr, MMA: gl.constexpr):
-    """``Ŝᵀk`` (columns 0-2 summed) and ``Ŝᵀq`` (3-5) of value columns ``8 i + m`` into ``y_at [2, V]``."""
-    i = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))[None, :]
-    gl.store(y_at + 8 * i + m, gl.sum(gl.where(n < 3, final, 0.0), axis=1))
-    gl.store(y_at + V + 8 * i + m, gl.sum(gl.where((n >= 3) & (n < 6), final, 0.0), axis=1))
+def products(f):
+    """``[16, 2]``: ``Ŝᵀk`` (columns 0-3 of the accumulator ``f [16, 8]`` summed) and ``Ŝᵀq`` (4-7) of its rows: a sum
+    in the thread and one shuffle, the four columns being those of two lanes."""
+    return gl.sum(gl.reshape(f, [16, 2, 4]), axis=2)
+
+
+@gluon.jit
+def _store(final, y_at, m: gl.constexpr, V: gl.constexpr):
+    """``Ŝᵀk`` and ``Ŝᵀq`` (:func:`products`) of value columns ``8 i + m`` into ``y_at [2, V]``."""
+    p = products(final)
+    i = gl.arange(0, 16, layout=gl.SliceLayout(1, p.type.layout))[:, None]
+    s = gl.arange(0, 2, layout=gl.SliceLayout(0, p.type.layout))[None, :]
+    gl.store(y_at + s * V + 8 * i + m, p)
 
 
 @gluon.jit
@@ -116,7 +124,7 @@ def head_dots(k_at, q_at, codes_at, scale_at, zero_at, K: gl.constexpr, V: gl.co
     """``Ŝᵀk_t, Ŝᵀq_t`` of one head (one warp): its codes (``K`` key rows of ``V / 8`` 32-bit words at ``codes_at``), fp16
     scales and zero-point bytes at ``scale_at``, ``zero_at``; ``k, q [K]`` fp32 at ``k_at``, ``q_at``. Returns the 8
     accumulators ``f_m [16, 8]`` (:data:`MMA`): row ``i`` is value column ``8 i + m``, columns 0-2 the three terms of
-    ``Ŝᵀk``, 3-5 those of ``Ŝᵀq``. All the words are requested before the ``k, q`` terms are formed."""
+    ``Ŝᵀk``, 4-6 those of ``Ŝᵀq`` (:func:`products`). All the words are requested before the ``k, q`` terms are formed."""
     NW: gl.constexpr = V // 8  # 32-bit words per key row
     STEPS: gl.constexpr = K // 16
     PER_GROUP: gl.constexpr = G // 16
@@ -174,14 +182,14 @@ def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
                                                codes_ptr + head * (K * V // 2), scale_ptr + head * SS,
                                                zero_ptr + head * ZS, K, V, G, SYM)
     y_at = y_ptr + (b * HV + h) * 2 * V
-    _store(f0, y_at, 0, V, MMA)
-    _store(f1, y_at, 1, V, MMA)
-    _store(f2, y_at, 2, V, MMA)
-    _store(f3, y_at, 3, V, MMA)
-    _store(f4, y_at, 4, V, MMA)
-    _store(f5, y_at, 5, V, MMA)
-    _store(f6, y_at, 6, V, MMA)
-    _store(f7, y_at, 7, V, MMA)
+    _store(f0, y_at, 0, V)
+    _store(f1, y_at, 1, V)
+    _store(f2, y_at, 2, V)
+    _store(f3, y_at, 3, V)
+    _store(f4, y_at, 4, V)
+    _store(f5, y_at, 5, V)
+    _store(f6, y_at, 6, V)
+    _store(f7, y_at, 7, V)
 
 
 def launch(plan, q, k, args: list, common: dict, heads: int) -> None:

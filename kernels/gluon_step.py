@@ -23,34 +23,22 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kernels.gluon_dots import MMA, head_dots
+from kernels.gluon_dots import head_dots, products
 from kernels.packed_step import record_block
 from kernels.primitives import TWO23, biased, part_head, rint_bits, sym_code_sum, sym_scale
 from kernels.records import RECORD_COUNT
 
 
 @gluon.jit
-def _plane_sum(f, lo: gl.constexpr):
-    """Columns ``lo .. lo+2`` of an accumulator ``f [16, 8]`` (the three terms of one product) summed: ``[16]``."""
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))[None, :]
-    return gl.sum(gl.where((n >= lo) & (n < lo + 3), f, 0.0), axis=1)
-
-
-@gluon.jit
-def _columns(f0, f1, f2, f3, f4, f5, f6, f7, lo: gl.constexpr, L1: gl.constexpr):
-    """The product whose terms are columns ``lo .. lo+2`` of the accumulators (:func:`head_dots`: row ``i`` of
-    ``f_m`` is value column ``8 i + m``) as ``[128]`` in layout ``L1``."""
-    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))[None, :]
-    t = gl.where(m == 0, _plane_sum(f0, lo)[:, None], 0.0)
-    t = gl.where(m == 1, _plane_sum(f1, lo)[:, None], t)
-    t = gl.where(m == 2, _plane_sum(f2, lo)[:, None], t)
-    t = gl.where(m == 3, _plane_sum(f3, lo)[:, None], t)
-    t = gl.where(m == 4, _plane_sum(f4, lo)[:, None], t)
-    t = gl.where(m == 5, _plane_sum(f5, lo)[:, None], t)
-    t = gl.where(m == 6, _plane_sum(f6, lo)[:, None], t)
-    t = gl.where(m == 7, _plane_sum(f7, lo)[:, None], t)
-    rows: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0])  # 4 consecutive columns per thread
-    return gl.convert_layout(gl.reshape(gl.convert_layout(t, rows), [128]), L1)
+def _columns(f0, f1, f2, f3, f4, f5, f6, f7, L1: gl.constexpr):
+    """``Ŝᵀk, Ŝᵀq [V]`` in layout ``L1`` from the accumulators (:func:`head_dots`: row ``i`` of ``f_m`` is value column
+    ``8 i + m``; :func:`products` sums each product's terms)."""
+    x = gl.join(gl.join(gl.join(products(f0), products(f1)), gl.join(products(f2), products(f3))),
+                gl.join(gl.join(products(f4), products(f5)), gl.join(products(f6), products(f7))))
+    x = gl.reshape(gl.permute(x, [0, 4, 3, 2, 1]), [128, 2])  # (i, product, m0, m1, m2) -> (i, m2, m1, m0, product)
+    both: gl.constexpr = gl.BlockedLayout([4, 2], [32, 1], [1, 1], [1, 0])  # L1's columns, both products
+    sk, sq = gl.split(gl.convert_layout(x, both))
+    return gl.convert_layout(sk, L1, assert_trivial=True), gl.convert_layout(sq, L1, assert_trivial=True)
 
 
 @gluon.jit
@@ -115,8 +103,7 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, map_ptr, codes_ptr
     rq = gl.sum((gl.convert_layout(wq, gl.SliceLayout(1, VL)) * us)[:, None] * ux, axis=0)
 
     # u_t and o_t (kernels.records.token_output, the exact current token)
-    sk = _columns(f0, f1, f2, f3, f4, f5, f6, f7, 0, L1)
-    sq = _columns(f0, f1, f2, f3, f4, f5, f6, f7, 3, L1)
+    sk, sq = _columns(f0, f1, f2, f3, f4, f5, f6, f7, L1)
     kfull = gl.load(k_at + cols)
     u = gl.load(beta_ptr + row) * (gl.load(v_ptr + row * V + cols) - gl.exp(g_t) * (gl.exp(run) * sk + rk))
     gl.store(o_ptr + row * V + cols, gl.exp(run + g_t) * sq + rq + gl.sum(kfull * gl.load(q_at + cols), axis=0) * u)
