@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels.primitives import (TWO23, asym_code_sum, asym_scale, bf16_split, biased, code_clamp, part_head,
-                                sym_code_sum, sym_fits, sym_scale)
+                                sym_code_sum, sym_fits, sym_scale, sym_value)
 
 COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
@@ -160,7 +160,7 @@ def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.const
         kscale = gl.load(bks_ptr + (b * cap + rec) * H + kh, mask=valid, other=0.0).to(gl.float32)
         uscale = gl.load(bvs_ptr + (b * cap + rec) * HV + h, mask=valid, other=0.0).to(gl.float32)
         uc = gl.load(bv_ptr + ((b * cap + gl.minimum(rec, cap - 1)) * HV + h)[:, None] * V + vb)
-        u = (biased(uc.to(gl.int32)) - (TWO23 + 128)) * uscale[:, None]
+        u = sym_value(uc, 8) * uscale[:, None]
         w = (decay * kscale)[:, None] * u
     else:  # bfloat16 values
         u = gl.load(bv_ptr + ((b * cap + rec) * HV + h)[:, None] * V + vb, mask=valid[:, None], other=0.0)
@@ -194,7 +194,7 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, r0: gl.constexpr, K: gl.conste
     LK: gl.constexpr = r.type.layout
     if REC == 0:
         kc = gl.load(bk_ptr + vec * K + r + r0)
-        a = (biased(kc.to(gl.int32)) - (TWO23 + 128)).to(gl.bfloat16)
+        a = sym_value(kc, 8).to(gl.bfloat16)
         if RB == 8:
             a = _beside(a, a, _LA)
     else:

@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 
 from kernels.gluon_dots import head_dots, products
 from kernels.packed_step import record_block
-from kernels.primitives import TWO23, biased, part_head, rint_bits, sym_code_sum, sym_scale
+from kernels.primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
 from kernels.records import RECORD_COUNT
 
 
@@ -39,12 +39,6 @@ def _columns(f0, f1, f2, f3, f4, f5, f6, f7, L1: gl.constexpr):
     both: gl.constexpr = gl.BlockedLayout([4, 2], [32, 1], [1, 1], [1, 0])  # L1's columns, both products
     sk, sq = gl.split(gl.convert_layout(x, both))
     return gl.convert_layout(sk, L1, assert_trivial=True), gl.convert_layout(sq, L1, assert_trivial=True)
-
-
-@gluon.jit
-def _code_offset(codes):
-    """int8 codes (uint8 ``0 .. 255``, symmetric: ``c - 128``) as exact fp32 integers."""
-    return biased(codes.to(gl.int32)) - (TWO23 + 128)
 
 
 @gluon.jit
@@ -84,7 +78,7 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, map_ptr, codes_ptr
     kc = gl.arange(0, K, layout=gl.SliceLayout(0, KL))
     held = r < n
     krec = (b * cap + r) * H + kh
-    kx = _code_offset(gl.load(bk_ptr + krec[:, None] * K + kc[None, :], mask=held[:, None], other=128))
+    kx = sym_value(gl.load(bk_ptr + krec[:, None] * K + kc[None, :], mask=held[:, None], other=128), 8)
     ks = gl.load(bks_ptr + krec, mask=held, other=0.0).to(gl.float32)
     gj = gl.load(bg_ptr + (b * cap + j) * HV + h, mask=j < n, other=0.0)
     run = gl.sum(gj, axis=0)  # Σ of the held records' log decays
@@ -97,7 +91,7 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, map_ptr, codes_ptr
     rv = gl.arange(0, NB, layout=gl.SliceLayout(1, VL))
     cols = gl.arange(0, V, layout=L1)
     vrec = (b * cap + rv) * HV + h
-    ux = _code_offset(gl.load(bv_ptr + vrec[:, None] * V + cols[None, :], mask=(rv < n)[:, None], other=128))
+    ux = sym_value(gl.load(bv_ptr + vrec[:, None] * V + cols[None, :], mask=(rv < n)[:, None], other=128), 8)
     us = gl.load(bvs_ptr + vrec, mask=rv < n, other=0.0).to(gl.float32)
     rk = gl.sum((gl.convert_layout(wk, gl.SliceLayout(1, VL)) * us)[:, None] * ux, axis=0)
     rq = gl.sum((gl.convert_layout(wq, gl.SliceLayout(1, VL)) * us)[:, None] * ux, axis=0)

@@ -33,6 +33,13 @@ def biased(c):
 
 
 @triton.jit
+def sym_value(c, BITS: tl.constexpr):
+    """Symmetric ``BITS``-bit codes ``c`` (unsigned, any integer type) as the exact fp32 ``c - 2^(BITS-1)``
+    (:func:`biased`)."""
+    return biased(c.to(tl.int32)) - (TWO23 + (1 << (BITS - 1)))
+
+
+@triton.jit
 def rint(x):
     """Round half to even for ``|x| <= 2^22`` (callers clamp first): the fp32 magic-number trick,
     which works the same in the interpreter and compiled (``libdevice.rint`` has no interpreter

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.primitives import TWO23, biased, expand, quant_tile, round_bf16, store_as
+from kernels.primitives import expand, quant_tile, round_bf16, store_as, sym_value
 from pace_core import quant
 from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
 
@@ -78,7 +78,7 @@ def vec_parts(ptr, scale_ptr, zero_ptr, recs, valid, r0, R: tl.constexpr, L: tl.
         else:
             c = tl.load(ptr + recs[:, None] * L + r0 + tl.arange(0, R)[None, :], mask=m, other=0).to(tl.int32)
         if SYM:
-            x = biased(c) - (TWO23 + (1 << (BITS - 1)))
+            x = sym_value(c, BITS)
         else:
             if PZ:
                 zb = tl.load(zero_ptr + recs[:, None] * (NGL // 2) + gidx // 2, mask=m, other=0).to(tl.int32)
