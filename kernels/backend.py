@@ -37,7 +37,7 @@ from kernels import quantize as _quantize
 from kernels.flush import launch_flush
 from kernels.fused_step import launch_fused
 from kernels.packed_step import launch_packed_step, launch_window
-from kernels.plan import DecodePlan, check_kernel_shape, is_pow2, plan_decode
+from kernels.plan import DecodePlan, check_kernel_shape, is_pow2, output_tensor, plan_decode
 from kernels.recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
 from pace_core import quant
 from pace_core.backend import REFERENCE, capturing, token_by_token
@@ -114,11 +114,13 @@ class TritonSteps:
             self._plan = (st.checkpoint, plan_decode(st.checkpoint, st.buffer, st.exact_current, self.launch))
         return self._plan[1]
 
-    def step(self, st, q_t, k_t, v_t, g_t, beta_t, *, flush: bool) -> torch.Tensor:
-        """One buffered token ``o_t [B, HV, V]``; its record appended, then the flush when asked (in place)."""
+    def step(self, st, q_t, k_t, v_t, g_t, beta_t, *, flush: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One buffered token ``o_t [B, HV, V]``; its record appended, then the flush when asked (in place).
+        ``out``: the contiguous float32 ``[B, HV, V]`` to write ``o_t`` into (kernels/bench/bench.py's layer output,
+        as the dense step writes its own), else a new tensor."""
         plan, buf = self.plan(st), st.buffer
         q, k, v, g, beta = (t.contiguous() for t in (q_t, k_t, v_t, g_t, beta_t))
-        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        o = output_tensor(out, tuple(v.shape), v.device)
         if plan.split:
             launch_packed_step(plan, buf, q, k, v, g, beta, o)
             buf.mark_appended()

@@ -84,6 +84,25 @@ def test_per_token_pace_variant_rounds_every_token(bench):
     assert nbytes == bench.LAYERS * (2 * st.checkpoint.nbytes() + bench._io_bytes(2))
 
 
+@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8"])
+def test_buffered_period_is_the_schedules(bench, variant):
+    """A buffered layer's period in the harness (the backend's step writing into the layer's output) is the
+    schedule's decode of the same tokens: the same output and checkpoint (the same kernels on the same inputs),
+    the buffer flushed after the period's last token."""
+    import copy
+
+    layers, _ = bench.build(variant, 2, torch.device("cpu"))
+    _, st, (q, k, v, g, beta), out = layers[0]
+    twin = copy.deepcopy(st)
+    bench.run_period(layers, bench.configs(variant)[0])
+    twin.steps = st.steps
+    for _ in range(bench.PERIOD):
+        o = twin.decode(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None])[:, 0]
+    assert torch.equal(out, o)
+    assert len(st.buffer) == len(twin.buffer) == 0
+    assert torch.equal(st.loaded(), twin.loaded())
+
+
 @pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8"])
 def test_buffered_variants_run_and_report(bench, variant):
     row = bench.time_variant(variant, 2, torch.device("cpu"), 2)

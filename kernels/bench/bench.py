@@ -197,10 +197,14 @@ def run_period(layers: list, config: dict) -> None:
                 o, state[0] = fla_recurrent(q, k, v, g=g, beta=beta, scale=1.0, initial_state=state[0],
                                             output_final_state=True)  # q prepared: already scaled
                 out.copy_(o[:, 0])
-            else:  # the schedule flushes after the period's last token
+            else:
                 if state.steps.launch != config:
                     state.steps = TritonSteps(config)
-                out.copy_(state.decode(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None])[:, 0])
+                if state.buffer is None:  # dP = 1: the schedule's per-token run, its output copied
+                    out.copy_(state.decode(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None])[:, 0])
+                else:  # the schedule's token (the flush after the one that fills the buffer) into the layer's output
+                    state.steps.step(state, q, k, v, g, beta, flush=len(state.buffer) + 1 == state.decode_period,
+                                     out=out)
 
 
 def time_graph(work, reps: int) -> list[float]:
