@@ -25,6 +25,14 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels.primitives import bf16_split, part_head
 
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+"""The accumulators' layout: ``mma.m16n8k16`` of one warp."""
+LA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+LB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+"""Its A and B operands' layouts (bfloat16 pairs along the reduction)."""
+_LIMBS = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0]))
+_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0, 1]))
+
 _PLANES = gl.constexpr("{\n.reg .b32 t, s;\n" + "".join(
     f"prmt.b32 t, $8, $9, 0x{4 + b}{4 + b}{b}{b};\n"
     f"lop3.b32 ${2 * b}, t, 0x000F000F, 0x43004300, 0xEA;\n"
@@ -45,13 +53,13 @@ def _planes(w):
 
 
 @gluon.jit
-def _limb_tile(k_at, q_at, LIMBS: gl.constexpr, K: gl.constexpr):
+def _limb_tile(k_at, q_at, K: gl.constexpr):
     """``[K, 8]`` fp32: ``k`` and ``q`` (``[K]`` at ``k_at``, ``q_at``) as three bfloat16-exact terms each
     (:func:`kernels.primitives.bf16_split`), columns 0-2 and 4-6, columns 3 and 7 zero: each product's terms in
     the columns of two lanes of the accumulator's quads (:func:`products`)."""
-    rows = gl.arange(0, K, layout=gl.SliceLayout(1, LIMBS))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, LIMBS))[None, :]
-    out = gl.zeros([K, 8], gl.float32, LIMBS)
+    rows = gl.arange(0, K, layout=gl.SliceLayout(1, _LIMBS))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, _LIMBS))[None, :]
+    out = gl.zeros([K, 8], gl.float32, _LIMBS)
     for v in gl.static_range(2):
         if v == 0:
             x = gl.load(k_at + rows)
@@ -65,7 +73,7 @@ def _limb_tile(k_at, q_at, LIMBS: gl.constexpr, K: gl.constexpr):
 
 
 @gluon.jit
-def _scaled(acc, final, s_at, m: gl.constexpr, MMA: gl.constexpr):
+def _scaled(acc, final, s_at, m: gl.constexpr):
     """``final + s acc`` with ``s`` the fp16 scales of the accumulator's rows ``i`` (value column ``8 i + m``)."""
     i = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     s = gl.load(s_at + 8 * i + m).to(gl.float32)
@@ -95,7 +103,7 @@ def _zero_offset(zw, m: gl.constexpr):
 
 
 @gluon.jit
-def _offsets(zero_at, g: gl.constexpr, SYM: gl.constexpr, NW: gl.constexpr, LA: gl.constexpr):
+def _offsets(zero_at, g: gl.constexpr, SYM: gl.constexpr, NW: gl.constexpr):
     """What each code plane subtracts in key group ``g``, bfloat16 ``128 + z`` broadcast over a step's ``[16, 16]``:
     ``z = 8`` (symmetric 4-bit codes) or the group's zero point of value column ``8 i + m`` (packed two per byte
     like the codes, so word ``i`` of the group's zero row holds those of row ``i``'s 8 columns)."""
@@ -108,14 +116,6 @@ def _offsets(zero_at, g: gl.constexpr, SYM: gl.constexpr, NW: gl.constexpr, LA: 
         o0, o1, o2, o3 = _zero_offset(zw, 0), _zero_offset(zw, 1), _zero_offset(zw, 2), _zero_offset(zw, 3)
         o4, o5, o6, o7 = _zero_offset(zw, 4), _zero_offset(zw, 5), _zero_offset(zw, 6), _zero_offset(zw, 7)
     return o0, o1, o2, o3, o4, o5, o6, o7
-
-
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
-"""The accumulators' layout: ``mma.m16n8k16`` of one warp."""
-_LA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
-_LB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
-_LIMBS = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0]))
-_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0, 1]))
 
 
 @gluon.jit
@@ -131,22 +131,22 @@ def head_dots(k_at, q_at, codes_at, scale_at, zero_at, K: gl.constexpr, V: gl.co
     gl.static_assert(NW == 16, "a step's A operand is one key row of 16 words: V = 128")
     gl.static_assert(STEPS == 8, "8 steps of 16 key rows: K = 128")
     gl.static_assert(G % 16 == 0, "key groups of whole 16-row steps")
-    i = gl.arange(0, 16, layout=gl.SliceLayout(1, _LA))[:, None]
-    r = gl.arange(0, 16, layout=gl.SliceLayout(0, _LA))[None, :]
+    i = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))[:, None]
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))[None, :]
     at = codes_at.to(gl.pointer_type(gl.int32)) + r * NW + i  # step 0's [16 words, 16 rows]
     # every step's words requested at once: 8 KB per warp in flight
     steps = (gl.load(at), gl.load(at + 16 * NW), gl.load(at + 32 * NW), gl.load(at + 48 * NW),
              gl.load(at + 64 * NW), gl.load(at + 80 * NW), gl.load(at + 96 * NW), gl.load(at + 112 * NW))
 
-    limbs = gl.allocate_shared_memory(gl.bfloat16, [K, 8], _SMEM, _limb_tile(k_at, q_at, _LIMBS, K).to(gl.bfloat16))
+    limbs = gl.allocate_shared_memory(gl.bfloat16, [K, 8], _SMEM, _limb_tile(k_at, q_at, K).to(gl.bfloat16))
     zero = gl.zeros([16, 8], gl.float32, MMA)
     f0, f1, f2, f3, f4, f5, f6, f7 = zero, zero, zero, zero, zero, zero, zero, zero
     for g in gl.static_range(K // G):
-        o0, o1, o2, o3, o4, o5, o6, o7 = _offsets(zero_at, g, SYM, NW, _LA)
+        o0, o1, o2, o3, o4, o5, o6, o7 = _offsets(zero_at, g, SYM, NW)
         a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
         for j in gl.static_range(PER_GROUP):
             w = steps[g * PER_GROUP + j]
-            bk = limbs.slice(g * G + j * 16, 16, dim=0).load(_LB)
+            bk = limbs.slice(g * G + j * 16, 16, dim=0).load(LB)
             p0, p1, p2, p3, p4, p5, p6, p7 = _planes(w)
             a0 = mma_v2(p0 - o0, bk, a0)
             a1 = mma_v2(p1 - o1, bk, a1)
@@ -157,14 +157,14 @@ def head_dots(k_at, q_at, codes_at, scale_at, zero_at, K: gl.constexpr, V: gl.co
             a6 = mma_v2(p6 - o6, bk, a6)
             a7 = mma_v2(p7 - o7, bk, a7)
         s_at = scale_at + g * V
-        f0 = _scaled(a0, f0, s_at, 0, MMA)
-        f1 = _scaled(a1, f1, s_at, 1, MMA)
-        f2 = _scaled(a2, f2, s_at, 2, MMA)
-        f3 = _scaled(a3, f3, s_at, 3, MMA)
-        f4 = _scaled(a4, f4, s_at, 4, MMA)
-        f5 = _scaled(a5, f5, s_at, 5, MMA)
-        f6 = _scaled(a6, f6, s_at, 6, MMA)
-        f7 = _scaled(a7, f7, s_at, 7, MMA)
+        f0 = _scaled(a0, f0, s_at, 0)
+        f1 = _scaled(a1, f1, s_at, 1)
+        f2 = _scaled(a2, f2, s_at, 2)
+        f3 = _scaled(a3, f3, s_at, 3)
+        f4 = _scaled(a4, f4, s_at, 4)
+        f5 = _scaled(a5, f5, s_at, 5)
+        f6 = _scaled(a6, f6, s_at, 6)
+        f7 = _scaled(a7, f7, s_at, 7)
     return f0, f1, f2, f3, f4, f5, f6, f7
 
 

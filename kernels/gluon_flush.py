@@ -29,6 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kernels.gluon_dots import LA, LB, MMA
 from kernels.primitives import (TWO23, asym_code_sum, asym_scale, bf16_split, biased, code_clamp, part_head,
                                 sym_code_sum, sym_fits, sym_scale, sym_value)
 
@@ -36,9 +37,6 @@ COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
 thread."""
 
-_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
-_LA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
-_LB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA.value, k_width=2))
 _LANES_A = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]  # A's lanes: columns 2q, rows of the quad
 _LANES_B = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
 
@@ -80,7 +78,7 @@ def _pack(c0, c1, c2, c3, c4, c5, c6, c7):
 
 
 @gluon.jit
-def _tile(f0, f1, f2, f3, f4, f5, f6, f7, MMA: gl.constexpr):
+def _tile(f0, f1, f2, f3, f4, f5, f6, f7):
     """The accumulator ``[G, 32]`` from the 8 per-code tensors ``[G, 4]`` (word ``q`` of each row): code
     ``2t + e`` of word ``q`` is accumulator column ``8t + 2q + e``, already in the thread that holds it."""
     x = gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
@@ -169,9 +167,9 @@ def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.const
     w_hi, w_mid, w_lo = w_hi.to(gl.bfloat16), w_mid.to(gl.bfloat16), w_lo.to(gl.bfloat16)
     if RB == 8:
         if REC == 0:
-            w_hi, w_mid, w_lo = _stack(w_hi, w_mid, _LB), _stack(w_lo, gl.zeros_like(w_lo), _LB), w_lo
+            w_hi, w_mid, w_lo = _stack(w_hi, w_mid, LB), _stack(w_lo, gl.zeros_like(w_lo), LB), w_lo
         else:
-            w_hi, w_mid, w_lo = _stack(w_hi, w_hi, _LB), _stack(w_mid, w_mid, _LB), _stack(w_lo, w_lo, _LB)
+            w_hi, w_mid, w_lo = _stack(w_hi, w_hi, LB), _stack(w_mid, w_mid, LB), _stack(w_lo, w_lo, LB)
     return w_hi, w_mid, w_lo, total
 
 
@@ -191,12 +189,11 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, r0: gl.constexpr, K: gl.conste
     addresses are the first group's plus an immediate offset): ``REC`` 0, the int8 key codes minus 128, exact (with
     8 slots beside themselves); ``REC`` 1, 4-bit key codes in groups of ``KG`` rows, ``(c - z) s`` exact in two
     bfloat16 terms (at most 15 significant bits), the hi terms beside the lo terms of the 8 slots; zero past ``n``."""
-    LK: gl.constexpr = r.type.layout
     if REC == 0:
         kc = gl.load(bk_ptr + vec * K + r + r0)
         a = sym_value(kc, 8).to(gl.bfloat16)
         if RB == 8:
-            a = _beside(a, a, _LA)
+            a = _beside(a, a, LA)
     else:
         NKG: gl.constexpr = K // KG
         kc = (gl.load(bk_ptr + vec * (K // 2) + r // 2 + r0 // 2).to(gl.int32) >> ((r & 1) * 4)) & 15
@@ -204,7 +201,7 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, r0: gl.constexpr, K: gl.conste
         ks = gl.load(bks_ptr + vec * NKG + grp, mask=held, other=0.0).to(gl.float32)
         kz = (gl.load(bkz_ptr + vec * (NKG // 2) + grp // 2).to(gl.int32) >> ((grp & 1) * 4)) & 15
         a_hi, a_lo, _ = bf16_split((biased(kc) - (kz + 8388608).to(gl.float32)) * ks)
-        a = _beside(a_hi.to(gl.bfloat16), a_lo.to(gl.bfloat16), _LA)
+        a = _beside(a_hi.to(gl.bfloat16), a_lo.to(gl.bfloat16), LA)
     return a
 
 
@@ -223,7 +220,6 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
     slots), 4-bit keys ``[B, cap, H, K/2]`` in groups of ``KG`` rows with fp16 scales and packed zero points,
     bfloat16 values (PACE-4/8's). ``LW``: a ``[G, 4]`` block of code words, word ``q`` of row ``r`` in lane
     ``4 (r % 8) + q``; ``LK``, ``LU``: the keys ``[G, RB]`` and weights ``[RB, 32]`` (:func:`layouts`)."""
-    MMA: gl.constexpr = _MMA
     # the columns' scales (and zero points) once per lane: one column, or with zero points a pair (one byte)
     LC: gl.constexpr = gl.BlockedLayout([1 if SYM else 2], [32], [1], [0])
     NW: gl.constexpr = V // 8  # 32-bit words per key row
@@ -252,7 +248,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
         else:  # the column's zero point: byte v // 2 of the group's row, low nibble for even v
             zb = gl.load(zero_ptr + head * ZS + g * NW * 4 + v_acc // 2).to(gl.int32)
             off = (((zb >> ((v_acc & 1) * 4)) & 15) + 8388608).to(gl.float32)[None, :]
-        x = (_tile(f0, f1, f2, f3, f4, f5, f6, f7, MMA) - off) * (total * gl.load(s_at + v_acc).to(gl.float32))[None, :]
+        x = (_tile(f0, f1, f2, f3, f4, f5, f6, f7) - off) * (total * gl.load(s_at + v_acc).to(gl.float32))[None, :]
         a = _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, g * G, K, REC, RB, KG)
         x = mma_v2(a, w_hi, x)
         x = mma_v2(a, w_mid, x)
@@ -292,7 +288,7 @@ def layouts(G: int, RB: int) -> dict:
     rows = [[8 << i, 0] for i in range((G // 8).bit_length() - 1)]
     lw = gl.DistributedLinearLayout(rows, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [G, 4])
     if RB == 16:
-        return dict(LW=lw, LK=_LA.value, LU=_LB.value)
+        return dict(LW=lw, LK=LA.value, LU=LB.value)
     return dict(LW=lw, LK=gl.DistributedLinearLayout([[0, 1]] + rows, _LANES_A, [], [], [G, 8]),
                 LU=gl.DistributedLinearLayout([[1, 0], [0, 8], [0, 16]], _LANES_B, [], [], [8, COLUMNS.value]))
 

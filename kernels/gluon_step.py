@@ -11,22 +11,25 @@ the records are read in two layouts chosen for their reductions:
 - the values ``[NB, V]``, all the records of 4 consecutive columns per thread, so that
   ``Σ_i w_i u_i`` is in the thread; its result is in the layout of every ``[V]`` vector of the step.
 
-Takes PACE-4's format (4-bit symmetric key-axis codes in one part; int8 keys and values with one scale per vector,
-at most 16 records; the exact current token), :func:`kernels.plan.gluon_step_apply`; the Triton kernels stay the
-definition of the step and run everywhere else. Its arithmetic is the record kernel's
+Takes PACE-4's format (:func:`kernels.plan.gluon_step_apply`: 4-bit symmetric key-axis codes in one part, key groups
+of whole 16-row steps, K = V = 128; int8 keys and values with one scale per vector in a block of 8 record slots; the
+exact current token); the Triton kernels stay the definition of the step and run everywhere else. Its arithmetic is the record kernel's
 (:func:`kernels.records.record_reads`, :func:`kernels.records.token_output`, :func:`kernels.records.append_record`),
 the sums in another order; the records are quantised by the same :mod:`kernels.primitives`.
 """
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from kernels.gluon_dots import head_dots, products
 from kernels.packed_step import record_block
+from kernels.plan import DecodePlan
 from kernels.primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
 from kernels.records import RECORD_COUNT
+from pace_core.buffer import DecodeBuffer
 
 
 @gluon.jit
@@ -51,8 +54,7 @@ def _store_record(x, codes_at, scale_at, cols):
 
 
 @gluon.jit(do_not_specialize=RECORD_COUNT)
-def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
-                 bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
+def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
                  H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, G: gl.constexpr,
                  SS: gl.constexpr, NB: gl.constexpr):
     """One token of (sequence, value head) ``pid`` (one warp): ``o [B*HV, V]`` and the token's record in slot ``n``
@@ -63,14 +65,15 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, map_ptr, codes_ptr
     VL: gl.constexpr = gl.BlockedLayout([NB, 4], [1, 32], [1, 1], [1, 0])  # record values: all records of 4 columns
     L1: gl.constexpr = gl.SliceLayout(0, VL)  # [V] vectors: 4 consecutive columns per thread
     gl.static_assert(K == V, "keys and values of one length: the [V] layout serves both")
+    gl.static_assert(NB == 8, "the record block of the GPU test: 8 slots (kernels.plan.gluon_step_apply)")
 
     pid = gl.program_id(0).to(gl.int64)
-    b, slot, h, kh = part_head(pid, map_ptr, H, HV, HV, False)
+    b, _, h, kh = part_head(pid, q_ptr, H, HV, HV, False)  # all heads, unmapped: the pointer is not read
     row = b * HV + h
     k_at = k_ptr + (b * H + kh) * K
     q_at = q_ptr + (b * H + kh) * K
     f0, f1, f2, f3, f4, f5, f6, f7 = head_dots(k_at, q_at, codes_ptr + row * (K * V // 2), scale_ptr + row * SS,
-                                               zero_ptr, K, V, G, True)
+                                               scale_ptr, K, V, G, True)  # symmetric: no zero points read
 
     # the records' key dot products and decays (kernels.records.record_reads, all records in one block)
     r = gl.arange(0, NB, layout=gl.SliceLayout(1, KL))
@@ -110,14 +113,15 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, map_ptr, codes_ptr
         _store_record(kfull, bk_ptr + (at * H + kh) * K, bks_ptr + at * H + kh, cols)
 
 
-def launch(plan, buf, q, k, v, g, beta, o) -> None:
+def launch(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+           beta: torch.Tensor, o: torch.Tensor) -> None:
     """One :func:`_step_kernel` launch over every (sequence, value head) of ``plan`` (one 4-bit part,
     :func:`kernels.plan.gluon_step_apply`) with ``len(buf)`` records held; writes the token's record into slot
     ``len(buf)`` (the caller counts it). Inputs as :func:`kernels.packed_step.launch_packed_step`'s."""
     B, H, HV, K, V = plan.shape
     args, common, _ = plan.launches[False][0]
-    table, _, codes, scale, zero = args[:5]
+    codes, scale = args[2:4]
     bk, bks, _, bv, bvs, _, bg = plan.records
-    _step_kernel[(B * HV,)](q, k, v, g, beta, o, table, codes, scale, zero, bk, bks, bv, bvs, bg, len(buf),
+    _step_kernel[(B * HV,)](q, k, v, g, beta, o, codes, scale, bk, bks, bv, bvs, bg, len(buf),
                             plan.capacity, H=H, HV=HV, K=K, V=V, G=common["G"], SS=common["SS0"],
                             NB=record_block(plan), num_warps=1)

@@ -308,10 +308,15 @@ def _gluon_part(plan: DecodePlan, common: dict) -> bool:
                 and K == 128 and V == 128)
 
 
+def _gluon_dots_part(plan: DecodePlan, common: dict) -> bool:
+    """What :func:`kernels.gluon_dots.head_dots` takes: :func:`_gluon_part` in key groups of whole 16-row steps."""
+    return _gluon_part(plan, common) and common["G"] % 16 == 0
+
+
 def gluon_dots_apply(plan: DecodePlan, common: dict) -> bool:
-    """Whether a dots launch with constexprs ``common`` runs :mod:`kernels.gluon_dots`: :func:`_gluon_part`, key
-    groups of whole 16-row steps, and the plan's ``gluon_dots`` setting on."""
-    return bool(plan.meta["gluon_dots"] and _gluon_part(plan, common) and common["G"] % 16 == 0)
+    """Whether a dots launch with constexprs ``common`` runs :mod:`kernels.gluon_dots`: :func:`_gluon_dots_part` and
+    the plan's ``gluon_dots`` setting on."""
+    return bool(plan.meta["gluon_dots"] and _gluon_dots_part(plan, common))
 
 
 def _pace4_records(plan: DecodePlan) -> bool:
@@ -323,13 +328,12 @@ def _pace4_records(plan: DecodePlan) -> bool:
 
 
 def gluon_step_apply(plan: DecodePlan) -> bool:
-    """Whether the one-kernel step runs :mod:`kernels.gluon_step`: one launch over all heads (:func:`_gluon_part`,
-    symmetric codes in key groups of whole 16-row steps), PACE-4's records (:func:`_pace4_records`, at least 4
-    slots), the exact current token, and the plan's ``gluon_step`` setting on."""
-    launches = plan.launches[False]
-    common = launches[0][1]
-    return bool(plan.meta["gluon_step"] and len(launches) == 1 and _gluon_part(plan, common) and common["SYM"]
-                and common["G"] % 16 == 0 and _pace4_records(plan) and plan.capacity >= 4 and plan.meta["EXACT"])
+    """Whether the one-kernel step runs :mod:`kernels.gluon_step`: one part of symmetric codes
+    (:func:`_gluon_dots_part`), PACE-4's records (:func:`_pace4_records`) in 5 to 8 slots (a block of 8, the GPU
+    test's), the exact current token, and the plan's ``gluon_step`` setting on."""
+    common = plan.launches[False][0][1]
+    return bool(plan.meta["gluon_step"] and _gluon_dots_part(plan, common) and common["SYM"] and _pace4_records(plan)
+                and 4 < plan.capacity <= 8 and plan.meta["EXACT"])
 
 
 def gluon_flush_apply(plan: DecodePlan, common: dict) -> bool:

@@ -298,7 +298,7 @@ def dequant_tile(codes, scale, zero, R: tl.constexpr, C: tl.constexpr, G: tl.con
     """``(q - z) * scale`` fp32 ``[R, C]`` from unsigned codes int32 ``[R, C]`` and the per-group fp16 scales
     and int32 zero points of :func:`quant_tile` (unused when symmetric: the offset is ``2^(BITS-1)``)."""
     if SYM:
-        q = codes.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+        q = sym_value(codes, BITS)
     else:
         q = codes.to(tl.float32) - expand(zero.to(tl.float32), R, C, G, KEY_AXIS)
     return q * expand(scale.to(tl.float32), R, C, G, KEY_AXIS)

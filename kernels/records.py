@@ -115,7 +115,7 @@ def stored_vec(x, L: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SYM: tl.
     else:
         codes, scale, zero = quant_tile(tl.reshape(x, (1, L)), 1, L, G, False, SYM, BITS)
         if SYM:
-            q = codes.to(tl.float32) - (1 << (BITS - 1)) * 1.0
+            q = sym_value(codes, BITS)
         else:
             q = (codes - expand(zero, 1, L, G, False)).to(tl.float32)
         xs = tl.reshape(q * expand(scale.to(tl.float32), 1, L, G, False), (L,))

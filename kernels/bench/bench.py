@@ -203,8 +203,7 @@ def run_period(layers: list, config: dict) -> None:
                 if state.buffer is None:  # dP = 1: the schedule's per-token run, its output copied
                     out.copy_(state.decode(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None])[:, 0])
                 else:  # the schedule's token (the flush after the one that fills the buffer) into the layer's output
-                    state.steps.step(state, q, k, v, g, beta, flush=len(state.buffer) + 1 == state.decode_period,
-                                     out=out)
+                    state.steps.step(state, q, k, v, g, beta, flush=state.fills_buffer(1), out=out)
 
 
 def time_graph(work, reps: int) -> list[float]:
