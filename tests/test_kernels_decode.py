@@ -615,6 +615,23 @@ def test_launches_per_bit_width_are_the_one_launch(gamma: int) -> None:
         assert torch.equal(st_p.loaded(), st_o.loaded())
 
 
+def test_step_writes_into_out_and_refuses_a_wrong_one() -> None:
+    """TritonSteps.step(out=...) (kernels/bench/bench.py's layer output): ``o_t`` written into the given tensor, the
+    same values as into a new one (the same kernels on the same inputs); a tensor of another dtype or shape is
+    refused before any launch, with what is allowed."""
+    HV = H * 2
+    st, _ = _states("pace-4", HV)
+    twin = copy.deepcopy(st)
+    tok = _token(HV)
+    out = torch.full((B, HV, V), float("nan"))
+    assert st.steps.step(st, *tok, flush=False, out=out) is out
+    assert torch.equal(out, twin.steps.step(twin, *tok, flush=False))
+    for wrong in (torch.empty(B, HV, V, dtype=torch.float64), torch.empty(B, HV, V + 1)):
+        with pytest.raises(PaceError, match="allowed: contiguous float32"):
+            st.steps.step(st, *tok, flush=False, out=wrong)
+    assert len(st.buffer) == 1
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="inline PTX: compiled kernels only (the interpreter runs the "
                     "dots kernel's integer path, which the tests above check)")
 def test_nibbles_unpack_every_code_of_a_byte() -> None:
