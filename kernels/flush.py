@@ -37,10 +37,10 @@ def _dequant_rows(c, z, s, G: tl.constexpr):
     """``(c - z) s`` fp32 ``[N, T]`` from codes ``c`` int32 ``[N, T]`` (``0 <= c < 2^22``) and per-group
     zero points ``z`` int32 and factors ``s`` fp32, both ``[N, T/G]`` (a transposed tile, see
     :func:`_flush_head`). ``c - z`` is formed exactly without an int -> float conversion: ``c`` or-ed
-    into the bits of ``2^23``, then ``2^23 + z`` subtracted."""
+    into the bits of ``2^23``, then ``2^23 + z`` subtracted (:func:`kernels.primitives.biased`)."""
     N: tl.constexpr = c.shape[0]
     T: tl.constexpr = c.shape[1]
-    cz = biased(c) - expand((z + 8388608).to(tl.float32), N, T, G, False)
+    cz = biased(c) - expand(biased(z), N, T, G, False)
     return cz * expand(s, N, T, G, False)
 
 

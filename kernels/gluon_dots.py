@@ -82,8 +82,8 @@ def _scaled(acc, final, s_at, m: gl.constexpr):
 
 @gluon.jit
 def products(f):
-    """``[16, 2]``: ``Ŝᵀk`` (columns 0-3 of the accumulator ``f [16, 8]`` summed) and ``Ŝᵀq`` (4-7) of its rows: a sum
-    in the thread and one shuffle, the four columns being those of two lanes."""
+    """``[16, 2]``: ``Ŝᵀk`` (columns 0-3 of the accumulator ``f [16, 8]`` summed) and ``Ŝᵀq`` (4-7) of its rows: a
+    sum in the thread and one shuffle, the four columns being those of two lanes."""
     return gl.sum(gl.reshape(f, [16, 2, 4]), axis=2)
 
 
@@ -121,10 +121,11 @@ def _offsets(zero_at, g: gl.constexpr, SYM: gl.constexpr, NW: gl.constexpr):
 @gluon.jit
 def head_dots(k_at, q_at, codes_at, scale_at, zero_at, K: gl.constexpr, V: gl.constexpr, G: gl.constexpr,
               SYM: gl.constexpr):
-    """``Ŝᵀk_t, Ŝᵀq_t`` of one head (one warp): its codes (``K`` key rows of ``V / 8`` 32-bit words at ``codes_at``), fp16
-    scales and zero-point bytes at ``scale_at``, ``zero_at``; ``k, q [K]`` fp32 at ``k_at``, ``q_at``. Returns the 8
-    accumulators ``f_m [16, 8]`` (:data:`MMA`): row ``i`` is value column ``8 i + m``, columns 0-2 the three terms of
-    ``Ŝᵀk``, 4-6 those of ``Ŝᵀq`` (:func:`products`). All the words are requested before the ``k, q`` terms are formed."""
+    """``Ŝᵀk_t, Ŝᵀq_t`` of one head (one warp): its codes (``K`` key rows of ``V / 8`` 32-bit words at
+    ``codes_at``), fp16 scales and zero-point bytes at ``scale_at``, ``zero_at``; ``k, q [K]`` fp32 at ``k_at``,
+    ``q_at``. Returns the 8 accumulators ``f_m [16, 8]`` (:data:`MMA`): row ``i`` is value column ``8 i + m``,
+    columns 0-2 the three terms of ``Ŝᵀk``, 4-6 those of ``Ŝᵀq`` (:func:`products`). All the words are requested
+    before the ``k, q`` terms are formed."""
     NW: gl.constexpr = V // 8  # 32-bit words per key row
     STEPS: gl.constexpr = K // 16
     PER_GROUP: gl.constexpr = G // 16
@@ -172,9 +173,9 @@ def head_dots(k_at, q_at, codes_at, scale_at, zero_at, K: gl.constexpr, V: gl.co
 def _dots_kernel(q_ptr, k_ptr, y_ptr, map_ptr, codes_ptr, scale_ptr, zero_ptr,
                  H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
                  V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr):
-    """``y [B*HV, 2, V]`` = ``Ŝᵀk_t, Ŝᵀq_t`` of one (sequence, value head) per program (one warp, :func:`head_dots`);
-    the checkpoint part holds ``HP`` value heads per sequence (``MAPPED``: its slot ``s`` is value head
-    ``map_ptr[s]``), ``SS`` fp16 scales and ``ZS`` zero-point bytes per head."""
+    """``y [B*HV, 2, V]`` = ``Ŝᵀk_t, Ŝᵀq_t`` of one (sequence, value head) per program (one warp,
+    :func:`head_dots`); the checkpoint part holds ``HP`` value heads per sequence (``MAPPED``: its slot ``s`` is value
+    head ``map_ptr[s]``), ``SS`` fp16 scales and ``ZS`` zero-point bytes per head."""
     pid = gl.program_id(0).to(gl.int64)
     b, slot, h, kh = part_head(pid, map_ptr, H, HV, HP, MAPPED)
     head = b * HP + slot

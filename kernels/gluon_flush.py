@@ -129,16 +129,16 @@ def _beside(x, y, L: gl.constexpr):
 
 
 @gluon.jit
-def _record_decays(bg_ptr, n, at, HV: gl.constexpr, RB: gl.constexpr, L: gl.constexpr):
-    """``e^{G - G_i}`` of the ``RB`` record slots (the sum of the newer records' log decays; 0 past ``n``) in layout
-    ``SliceLayout(1, L)``, and ``e^{G}`` of all ``n``; ``at``: the first record's decay (``bg_ptr``'s index)."""
+def record_log_decays(bg_ptr, n, at, HV: gl.constexpr, RB: gl.constexpr, L: gl.constexpr):
+    """The log decays of the ``n`` held records (``RB`` slots; ``at``: the first record's decay, ``bg_ptr``'s index,
+    a record's next one ``HV`` further): ``G - G_i`` of each slot (the sum of the newer records' log decays) in
+    layout ``SliceLayout(1, L)``, and ``G``, the sum of all ``n`` (:func:`kernels.records.record_reads`)."""
     P: gl.constexpr = gl.BlockedLayout([1, RB], [32, 1], [1, 1], [1, 0])
     i = gl.arange(0, RB, layout=gl.SliceLayout(1, P))
     j = gl.arange(0, RB, layout=gl.SliceLayout(0, P))
     gj = gl.load(bg_ptr + at + j * HV, mask=j < n, other=0.0)
     later = gl.sum(gl.where(j[None, :] > i[:, None], gj[None, :], 0.0), axis=1)
-    decay = gl.where(i < n, gl.exp(later), 0.0)
-    return gl.convert_layout(decay, gl.SliceLayout(1, L)), gl.exp(gl.sum(gj, axis=0))
+    return gl.convert_layout(later, gl.SliceLayout(1, L)), gl.sum(gj, axis=0)
 
 
 @gluon.jit
@@ -151,7 +151,8 @@ def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.const
     each term over itself, against a key's two terms)."""
     rec = gl.arange(0, RB, layout=gl.SliceLayout(1, LU))
     valid = rec < n
-    decay, total = _record_decays(bg_ptr, n, b * cap * HV + h, HV, RB, LU)
+    later, run = record_log_decays(bg_ptr, n, b * cap * HV + h, HV, RB, LU)
+    decay = gl.where(valid, gl.exp(later), 0.0)  # e^{G - G_i}, 0 past n
     nb = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, LU))
     vb = _value_column(ct, nb)[None, :]
     if REC == 0:  # int8 values, one scale per vector; code bytes of slots past n (inside the capacity, finite)
@@ -170,7 +171,7 @@ def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.const
             w_hi, w_mid, w_lo = _stack(w_hi, w_mid, LB), _stack(w_lo, gl.zeros_like(w_lo), LB), w_lo
         else:
             w_hi, w_mid, w_lo = _stack(w_hi, w_hi, LB), _stack(w_mid, w_mid, LB), _stack(w_lo, w_lo, LB)
-    return w_hi, w_mid, w_lo, total
+    return w_hi, w_mid, w_lo, gl.exp(run)
 
 
 @gluon.jit
@@ -200,7 +201,7 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, r0: gl.constexpr, K: gl.conste
         grp = (r + r0) // KG
         ks = gl.load(bks_ptr + vec * NKG + grp, mask=held, other=0.0).to(gl.float32)
         kz = (gl.load(bkz_ptr + vec * (NKG // 2) + grp // 2).to(gl.int32) >> ((grp & 1) * 4)) & 15
-        a_hi, a_lo, _ = bf16_split((biased(kc) - (kz + 8388608).to(gl.float32)) * ks)
+        a_hi, a_lo, _ = bf16_split((biased(kc) - biased(kz)) * ks)
         a = _beside(a_hi.to(gl.bfloat16), a_lo.to(gl.bfloat16), LA)
     return a
 
@@ -247,7 +248,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
             off = TWO23 + 8
         else:  # the column's zero point: byte v // 2 of the group's row, low nibble for even v
             zb = gl.load(zero_ptr + head * ZS + g * NW * 4 + v_acc // 2).to(gl.int32)
-            off = (((zb >> ((v_acc & 1) * 4)) & 15) + 8388608).to(gl.float32)[None, :]
+            off = biased((zb >> ((v_acc & 1) * 4)) & 15)[None, :]
         x = (_tile(f0, f1, f2, f3, f4, f5, f6, f7) - off) * (total * gl.load(s_at + v_acc).to(gl.float32))[None, :]
         a = _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, g * G, K, REC, RB, KG)
         x = mma_v2(a, w_hi, x)

@@ -13,9 +13,10 @@ the records are read in two layouts chosen for their reductions:
 
 Takes PACE-4's format (:func:`kernels.plan.gluon_step_apply`: 4-bit symmetric key-axis codes in one part, key groups
 of whole 16-row steps, K = V = 128; int8 keys and values with one scale per vector in a block of 8 record slots; the
-exact current token); the Triton kernels stay the definition of the step and run everywhere else. Its arithmetic is the record kernel's
-(:func:`kernels.records.record_reads`, :func:`kernels.records.token_output`, :func:`kernels.records.append_record`),
-the sums in another order; the records are quantised by the same :mod:`kernels.primitives`.
+exact current token); the Triton kernels stay the definition of the step and run everywhere else. Its arithmetic is
+the record kernel's (:func:`kernels.records.record_reads`, :func:`kernels.records.token_output`,
+:func:`kernels.records.append_record`), the sums in another order; the records are quantised by the same
+:mod:`kernels.primitives`, and the records' decays are :func:`kernels.gluon_flush.record_log_decays`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from kernels.gluon_dots import head_dots, products
+from kernels.gluon_flush import record_log_decays
 from kernels.packed_step import record_block
 from kernels.plan import DecodePlan
 from kernels.primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
@@ -34,8 +36,8 @@ from pace_core.buffer import DecodeBuffer
 
 @gluon.jit
 def _columns(f0, f1, f2, f3, f4, f5, f6, f7, L1: gl.constexpr):
-    """``Ŝᵀk, Ŝᵀq [V]`` in layout ``L1`` from the accumulators (:func:`head_dots`: row ``i`` of ``f_m`` is value column
-    ``8 i + m``; :func:`products` sums each product's terms)."""
+    """``Ŝᵀk, Ŝᵀq [V]`` in layout ``L1`` from the accumulators (:func:`head_dots`: row ``i`` of ``f_m`` is value
+    column ``8 i + m``; :func:`products` sums each product's terms)."""
     x = gl.join(gl.join(gl.join(products(f0), products(f1)), gl.join(products(f2), products(f3))),
                 gl.join(gl.join(products(f4), products(f5)), gl.join(products(f6), products(f7))))
     x = gl.reshape(gl.permute(x, [0, 4, 3, 2, 1]), [128, 2])  # (i, product, m0, m1, m2) -> (i, m2, m1, m0, product)
@@ -54,8 +56,8 @@ def _store_record(x, codes_at, scale_at, cols):
 
 
 @gluon.jit(do_not_specialize=RECORD_COUNT)
-def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
-                 H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, G: gl.constexpr,
+def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr,
+                 bg_ptr, n, cap, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, G: gl.constexpr,
                  SS: gl.constexpr, NB: gl.constexpr):
     """One token of (sequence, value head) ``pid`` (one warp): ``o [B*HV, V]`` and the token's record in slot ``n``
     of the buffer (``cap`` slots; keys ``bk [B*cap*H, K]`` uint8 with fp16 scales ``bks``, values ``bv [B*cap*HV,
@@ -77,15 +79,12 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
 
     # the records' key dot products and decays (kernels.records.record_reads, all records in one block)
     r = gl.arange(0, NB, layout=gl.SliceLayout(1, KL))
-    j = gl.arange(0, NB, layout=gl.SliceLayout(0, KL))
     kc = gl.arange(0, K, layout=gl.SliceLayout(0, KL))
     held = r < n
     krec = (b * cap + r) * H + kh
     kx = sym_value(gl.load(bk_ptr + krec[:, None] * K + kc[None, :], mask=held[:, None], other=128), 8)
     ks = gl.load(bks_ptr + krec, mask=held, other=0.0).to(gl.float32)
-    gj = gl.load(bg_ptr + (b * cap + j) * HV + h, mask=j < n, other=0.0)
-    run = gl.sum(gj, axis=0)  # Σ of the held records' log decays
-    after = gl.sum(gl.where(j[None, :] > r[:, None], gj[None, :], 0.0), axis=1)  # Σ_{j>i} g_j
+    after, run = record_log_decays(bg_ptr, n, b * cap * HV + h, HV, NB, KL)  # Σ_{j>i} g_j, Σ g_j
     g_t = gl.load(g_ptr + row)
     wk = (gl.exp(after) * ks) * gl.sum(kx * gl.load(k_at + kc)[None, :], axis=1)
     wq = (gl.exp(after + g_t) * ks) * gl.sum(kx * gl.load(q_at + kc)[None, :], axis=1)

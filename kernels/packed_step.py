@@ -331,8 +331,9 @@ def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> 
 
 
 def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
-    """The split path's step: one :func:`_ckpt_step_kernel` launch, or :mod:`kernels.gluon_step`'s where it applies
-    (``plan.gluon_step``) (``meta["fused_step"]``, where the heads are wide enough: ``meta["fusable"]``), else :func:`launch_dots` then :func:`launch_records`.
+    """The split path's step as one kernel (``meta["fused_step"]``, where the heads are wide enough:
+    ``meta["fusable"]``): :mod:`kernels.gluon_step` where it applies (``plan.gluon_step``), else
+    :func:`_ckpt_step_kernel`; otherwise :func:`launch_dots` then :func:`launch_records`.
     Inputs as in :func:`buffered_decode_step`, float32 and contiguous."""
     m = plan.meta
     if not (m["fused_step"] and m["fusable"]):

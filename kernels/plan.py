@@ -301,7 +301,7 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
 
 
 def _gluon_part(plan: DecodePlan, common: dict) -> bool:
-    """What both Gluon kernels need of a launch: bfloat16 tensor-core operands (a GPU), one part of 4-bit codes
+    """What the Gluon kernels need of a launch: bfloat16 tensor-core operands (a GPU), one part of 4-bit codes
     (symmetric or with packed zero points) and 128-wide heads."""
     _, _, _, K, V = plan.shape
     return bool(common["BF16"] and not common["TWO"] and common["BITS0"] == 4 and (common["SYM"] or common["PZ0"])

@@ -28,7 +28,7 @@ TWO23 = tl.constexpr(8388608.0)  # 2^23: fp32 spacing 1 in [2^23, 2^24)
 @triton.jit
 def biased(c):
     """``2^23 + c`` (fp32) for integers ``0 <= c < 2^22`` (int32): ``c`` or-ed into the bits of 2^23, no int -> float
-    conversion; ``biased(c) - (TWO23 + z)`` is the exact ``c - z``."""
+    conversion; ``biased(c) - biased(z)`` (or ``- (TWO23 + z)``) is the exact ``c - z``."""
     return (c | 0x4B000000).to(tl.float32, bitcast=True)
 
 

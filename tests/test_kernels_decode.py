@@ -92,14 +92,15 @@ def _tokens(hv: int, T: int, v_dim: int = V):
     return q, k, torch.randn(B, T, hv, v_dim), -torch.rand(B, T, hv) * 0.7, torch.rand(B, T, hv)
 
 
-def _fill(states, n: int) -> None:
-    """The same ``n`` random records appended to each state's buffer."""
+def _fill(states, n: int, u_scale: float = 0.5, decays: bool = True) -> None:
+    """The same ``n`` random records appended to each state's buffer: values of size ``u_scale``, log decays (0 where
+    ``decays`` is False)."""
     hv, v_dim = states[0].shape[2], states[0].shape[4]
     for _ in range(n):
         _, k, _, g, _ = _token(hv)
-        u = torch.randn(B, hv, v_dim) * 0.5
+        u = torch.randn(B, hv, v_dim) * u_scale
         for st in states:
-            st.buffer.append(k, u, g)
+            st.buffer.append(k, u, g if decays else g * 0.0)
 
 
 def _poison_slot(buf: DecodeBuffer) -> None:
@@ -694,9 +695,7 @@ def test_gluon_step_is_the_triton_step(group: int | None, gamma: int, n: int) ->
     packed_step = KERNELS["packed_step"]
     HV = H * gamma
     st0, _ = _states("pace-4", HV, group=group)
-    for _ in range(n):
-        _, k, _, g, _ = _token(HV)
-        st0.buffer.append(k, torch.randn(B, HV, V) * 0.5, g)
+    _fill([st0], n)
     q, k, v, g, beta = _token(HV)
     out, rec = {}, {}
     for gluon in (True, False):
@@ -732,9 +731,7 @@ def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: in
     flush = KERNELS["flush"]
     HV = H * gamma
     st0, _ = _states(name, HV, group=group)
-    for _ in range(n):
-        _, k, _, g, _ = _token(HV)
-        st0.buffer.append(k, torch.randn(B, HV, V) * (3e5 if big else 0.5), g * (0.0 if big else 1.0))
+    _fill([st0], n, u_scale=3e5 if big else 0.5, decays=not big)
     out = {}
     for gluon in (True, False):
         st = copy.deepcopy(st0)

@@ -1,7 +1,7 @@
 """kernels.plan's choice of the Gluon kernels, on CPU: plans are built for the GPU's bfloat16 operands (as
 kernels/bench/sass.py builds them) at Qwen3.5's head size K = V = 128, and the launches that take
-kernels.gluon_dots / kernels.gluon_flush / kernels.gluon_step are exactly those of the formats the GPU tests check against the Triton
-kernels (tests/test_kernels_decode.py); every other launch keeps the Triton kernel."""
+kernels.gluon_dots / kernels.gluon_flush / kernels.gluon_step are exactly those of the formats the GPU tests check
+against the Triton kernels (tests/test_kernels_decode.py); every other launch keeps the Triton kernel."""
 
 from __future__ import annotations
 

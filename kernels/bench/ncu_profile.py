@@ -9,8 +9,9 @@ profiles (``--profile-from-start off``):
 
 - ``bf16 per-token``: the dense step (:func:`kernels.recurrent_step.dense_recurrent_step`);
 - ``PACE-4 dP=8``, ``PACE-4/8 dP=8``: the dots kernel, the record kernel and the one-kernel step (the Gluon one
-  and the Triton one where the Gluon one applies) with dP / 2 records buffered, then the flush with dP records (:func:`kernels.bench.bench.split_breakdown`'s set), and
-  the window kernel over dP / 2 tokens from an empty buffer (:func:`kernels.packed_step.launch_window`).
+  and the Triton one where the Gluon one applies) with dP / 2 records buffered, then the flush with dP records
+  (:func:`kernels.bench.bench.split_breakdown`'s set), and the window kernel over dP / 2 tokens from an empty
+  buffer (:func:`kernels.packed_step.launch_window`).
 
 Usage (on the GPU machine, from the repository root)::
 

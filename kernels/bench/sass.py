@@ -89,9 +89,9 @@ def sass_report(compiled) -> dict:
 def launches(variant: str, B: int) -> dict[str, tuple]:
     """Each decode kernel of ``variant``'s token and flush: name -> (kernel, args, kwargs) of its first launch, one
     layer at batch ``B`` on CPU tensors (stored by the reference), the GPU's bfloat16 operands, the buffer holding
-    half a period of records. ``dots``: the Triton dots kernel; ``gluon_dots``: the Gluon one (launched per width); ``step``: the Triton
-    one-kernel step, ``gluon_step``: the Gluon one (PACE-4 only, one launch); ``flush``, ``gluon_flush``: as the
-    dots."""
+    half a period of records. ``dots``: the Triton dots kernel; ``gluon_dots``: the Gluon one (launched per width);
+    ``step``: the Triton one-kernel step, ``gluon_step``: the Gluon one (PACE-4 only, one launch); ``flush``,
+    ``gluon_flush``: as the dots."""
     from kernels import flush, gluon_dots, gluon_flush, gluon_step, packed_step
 
     st = _layer_state(variant, torch.randn(B, HV, K, V) * 0.05, REFERENCE)
