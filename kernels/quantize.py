@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels.plan import (bits_of_heads, check_kernel_shape, head_table, layout_args, part_layout, part_pointers,
                           row_block)
-from kernels.primitives import load_tile, store_as, store_tile
+from kernels.primitives import ckpt_store, ckpt_tile, packed_head, store_as
 from pace_core import quant
 from pace_core.errors import PaceError
 
@@ -29,23 +29,16 @@ def _quant_kernel(x_ptr, part_ptr, slot_ptr, c0_ptr, s0_ptr, z0_ptr, c1_ptr, s1_
                   BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
                   BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
                   TWO: tl.constexpr):
+    """Rows ``[r0, r0 + BK)`` of state ``n`` (``x [N, K, V]``, ``N = B HV``) quantised into its head's part."""
     n = tl.program_id(0).to(tl.int64)
     r0 = tl.program_id(1) * BK
-    b = n // HV
-    h = n % HV
+    _, _, _, part, a0, as0, az0, a1, as1, az1, _ = packed_head(  # no key heads here: H = HV
+        n, HV, HV, part_ptr, slot_ptr, c0_ptr, s0_ptr, z0_ptr, c1_ptr, s1_ptr, z1_ptr, HV0, HV1, K, CC0, SS0, ZS0, CC1,
+        SS1, ZS1, TWO, False)
     rows = r0 + tl.arange(0, BK)
     x = tl.load(x_ptr + n * K * V + rows[:, None] * V + tl.arange(0, V)[None, :]).to(tl.float32)
-    part = tl.load(part_ptr + h)
-    slot = tl.load(slot_ptr + h).to(tl.int64)
-    if part == 0:
-        i = b * HV0 + slot
-        store_tile(x, c0_ptr + i * K * CC0, s0_ptr + i * SS0, z0_ptr + i * ZS0, r0, 0, BK, V, K, V, G,
-                    KEY_AXIS, SYM, BITS0, PZ0)
-    if TWO:
-        if part == 1:
-            i = b * HV1 + slot
-            store_tile(x, c1_ptr + i * K * CC1, s1_ptr + i * SS1, z1_ptr + i * ZS1, r0, 0, BK, V, K, V, G,
-                        KEY_AXIS, SYM, BITS1, PZ1)
+    ckpt_store(x, x_ptr, part, a0, as0, az0, a1, as1, az1, r0, 0, BK, V, K, V, G, KEY_AXIS, SYM, BITS0, PZ0, BITS1,
+               PZ1, TWO, False)
 
 
 @triton.jit
@@ -55,25 +48,16 @@ def _dequant_kernel(out_ptr, part_ptr, slot_ptr, c0_ptr, s0_ptr, z0_ptr, c1_ptr,
                     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
                     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
                     TWO: tl.constexpr):
+    """Rows ``[r0, r0 + BK)`` of state ``n`` dequantised from its head's part into ``out [N, K, V]``."""
     n = tl.program_id(0).to(tl.int64)
     r0 = tl.program_id(1) * BK
-    b = n // HV
-    h = n % HV
+    _, _, _, part, a0, as0, az0, a1, as1, az1, _ = packed_head(  # no key heads here: H = HV
+        n, HV, HV, part_ptr, slot_ptr, c0_ptr, s0_ptr, z0_ptr, c1_ptr, s1_ptr, z1_ptr, HV0, HV1, K, CC0, SS0, ZS0, CC1,
+        SS1, ZS1, TWO, False)
     rows = r0 + tl.arange(0, BK)
-    offs = n * K * V + rows[:, None] * V + tl.arange(0, V)[None, :]
-    part = tl.load(part_ptr + h)
-    slot = tl.load(slot_ptr + h).to(tl.int64)
-    if part == 0:
-        i = b * HV0 + slot
-        x = load_tile(c0_ptr + i * K * CC0, s0_ptr + i * SS0, z0_ptr + i * ZS0, r0, 0, BK, V, K, V, G,
-                       KEY_AXIS, SYM, BITS0, PZ0)
-        store_as(out_ptr + offs, x)
-    if TWO:
-        if part == 1:
-            i = b * HV1 + slot
-            x = load_tile(c1_ptr + i * K * CC1, s1_ptr + i * SS1, z1_ptr + i * ZS1, r0, 0, BK, V, K, V, G,
-                           KEY_AXIS, SYM, BITS1, PZ1)
-            store_as(out_ptr + offs, x)
+    x = ckpt_tile(out_ptr, part, a0, as0, az0, a1, as1, az1, r0, 0, BK, V, K, V, G, KEY_AXIS, SYM, BITS0, PZ0, BITS1,
+                  PZ1, TWO, False)
+    store_as(out_ptr + n * K * V + rows[:, None] * V + tl.arange(0, V)[None, :], x)
 
 
 def _check_state(S: torch.Tensor, name: str) -> None:
