@@ -3,9 +3,10 @@ import torch
 
 from pace_core.accounting import resident_bits
 from pace_core.analysis.calibration import calibrate
-from pace_core.analysis.claims import (CLAIM_BITS, DRIFT_PERIODS, claim_configs, claims_table, measure_claims,
-                                       random_allocations)
+from pace_core.analysis.claims import (CLAIM_BITS, DRIFT_PERIODS, claim_configs, claims_progress_total, claims_table,
+                                       measure_claims, random_allocations)
 from pace_core.analysis.quality import perplexity
+from pace_core.analysis.text import read_text, tokenize
 from pace_core.config import get_config
 from pace_core.model.loading import load_model
 
@@ -60,8 +61,11 @@ def test_measure_claims_reports_what_it_measured(loaded, text):
     pace48 = calibrate(loaded, get_config("pace-4-8"), text, tokens=64, sample_every=32).config
     rows = {n: calibrate(loaded, get_config(n), text, tokens=64, sample_every=32).damp_rows
             for n in ("damp-int4", "damp-int8")}
+    done = []
     report = measure_claims(loaded, text, pace48, max_tokens=160, window=32, stride=16, batch=4, seeds=3,
-                            drift_tokens=64, damp_rows=rows)
+                            drift_tokens=64, damp_rows=rows, progress=done.append)
+    n_tokens = tokenize(loaded.tokenizer, read_text(text), 160).shape[1]
+    assert sum(done) == claims_progress_total(loaded, pace48, 3, n_tokens, 32, 16, 4, 64)  # the time-left estimate
     claims = {(c["claim"], c["what"]): c for c in report["claims"]}
     assert [c["claim"] for c in report["claims"]] == ["a"] * len(CLAIM_BITS) + ["b", "c", "d", "d"]
     for c in claims.values():  # each verdict is the comparison of its own figures

@@ -19,6 +19,30 @@ def env(tiny_checkpoints, tmp_path_factory):
             "qwen3": str(tiny_checkpoints["qwen3"]), "root": root}
 
 
+@pytest.fixture
+def bars(monkeypatch):
+    """Every progress bar a command opens, counting even under --quiet (written to a string): ``(desc, bar)``."""
+    import io
+
+    from tqdm import tqdm
+
+    opened = []
+
+    def bar(self, total: int, desc: str):
+        opened.append((desc, tqdm(total=total, desc=desc, file=io.StringIO())))
+        return opened[-1][1]
+
+    monkeypatch.setattr(commands.Context, "bar", bar)
+    return opened
+
+
+def _assert_filled(bars):
+    """Each bar ends at its total: the total announced (and so the time-left estimate) was the work done."""
+    assert bars
+    for desc, bar in bars:
+        assert bar.n == bar.total, f"{desc}: {bar.n} units done, {bar.total} announced"
+
+
 def _run(env, *argv):
     return main([argv[0], "--model", env["model"], "--out", env["out"], "--quiet", *argv[1:]])
 
@@ -183,16 +207,19 @@ def test_errors_exit_2(env, capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_all_small(env, tmp_path, capsys):
+def test_all_small(env, tmp_path, capsys, bars, monkeypatch):
+    monkeypatch.setattr(commands, "_CONTEXTS", {})  # a fresh load: the card is stored with these results
     out = str(tmp_path / "all")
     argv = ["all", "--model", env["model"], "--out", out, "--quiet", "--configs", "rtn-int4", "pace-4-8", "damp-int4",
             "--calibration-text", env["text"], "--calibration-tokens", "64", "--sweep-tokens", "48",
             "--sweep-decode-tokens", "16", "--drift-tokens", "24", "--drift-every", "4", "--ppl-text", env["text"],
             "--ppl-tokens", "64", "--ppl-window", "32", "--max-new-tokens", "3"]
     assert main(argv) == 0
+    _assert_filled(bars)
+    assert {desc.split()[0] for desc, _ in bars} >= {"calibrate", "sweep", "drift", "perplexity", "generate", "claims"}
     kinds = sorted({r.kind for r in list_results(env["model"], root=out)})
-    assert kinds == ["calibration", "claims", "claims_quality", "drift", "generation", "perplexity", "structure",
-                     "sweep"]
+    assert kinds == ["calibration", "claims", "claims_quality", "drift", "generation", "model_card", "perplexity",
+                     "structure", "sweep"]
     [claims] = list_results(env["model"], "claims", root=out)
     assert {c["claim"] for c in claims.data["claims"]} == set("abcd")
     # the claims' perplexity is stored per configuration: a stopped run resumes, computing only what is missing
@@ -203,8 +230,10 @@ def test_all_small(env, tmp_path, capsys):
     claims.path.unlink()
     quality[0].path.unlink()
     capsys.readouterr()
+    bars.clear()
     assert main(["claims", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--max-tokens", "64",
                  "--window", "512", "--calibration-text", env["text"], "--calibration-tokens", "64"]) == 0
+    _assert_filled(bars)  # the resumed run announces only the configuration it measures
     printed = capsys.readouterr().out
     assert "reusing stored claims_quality" in printed
     assert printed.count("saved") == 2  # the one configuration removed, then the report

@@ -28,7 +28,7 @@ configurations on the text (the fp32 reference shared; each window's scored toke
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
@@ -146,13 +146,19 @@ def quality_configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: i
 
 
 def claims_progress_total(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int, n_tokens: int,
-                          window: int, stride: int, batch: int, drift_tokens: int) -> int:
-    """The progress units of :func:`measure_claims` on ``n_tokens`` tokens of its text."""
+                          window: int, stride: int, batch: int, drift_tokens: int,
+                          groups: Sequence[int] | None = None) -> int:
+    """The progress units of :func:`measure_claims` on ``n_tokens`` tokens of its text. ``groups``: the sizes of
+    the groups of configurations whose perplexity is measured in one :func:`perplexity` call each (each with its
+    own run of the reference; none when all are stored); None: all of them in one call, as
+    :func:`measure_claims` does without ``quality``."""
     cfgs = _configs(loaded, calibrated_pace48, seeds)
-    run, _ = _unique(cfgs.quality())
+    if groups is None:
+        groups = [len(_unique(cfgs.quality())[0])]
     T = min(drift_tokens, n_tokens)
     states = len({**cfgs.drift, **cfgs.periodic, **cfgs.axis})
-    return (quality_progress_total(loaded, len(run), n_tokens, window, stride, max(window - stride, 1), batch)
+    return (sum(quality_progress_total(loaded, n, n_tokens, window, stride, max(window - stride, 1), batch)
+                for n in groups)
             + drift_progress_total(loaded, states, T, T // 2))
 
 

@@ -79,19 +79,12 @@ class Context:
         stored one by one.
         Every result's data carries ``params_key`` (the same for all results of one setting, so a listing
         can put them side by side). Returns ``{name: Result}`` in the order of ``cfgs``."""
-        from pace_core.config import config_to_dict
         from pace_core.results import result_key
 
         params_key = result_key(params)
-        keys, found = {}, {}
-        for cfg in cfgs:
-            rows = damp_rows.get(cfg.name)
-            keys[cfg.name], found[cfg.name] = self.cached(kind, {**params, "config": config_to_dict(cfg), "damp_rows": (
-                None if rows is None else [r.tolist() for r in rows])})
+        keys, found = self.stored(kind, cfgs, damp_rows, params)
         missing = [c for c in cfgs if found[c.name] is None]
-        reused = [c.name for c in cfgs if found[c.name] is not None]
-        if reused:
-            print(f"reusing stored {kind} of {', '.join(reused)} (--force recomputes)")
+        _say_reused(kind, [c.name for c in cfgs if found[c.name] is not None])
         if missing:
             stored = {name: result for name, result in found.items() if result is not None}
             for name, (data, table) in compute(missing, stored).items():
@@ -99,6 +92,19 @@ class Context:
                 found[name] = self.save(kind, keys[name], {**data, "params_key": params_key, "config": name}, table,
                                         configs=[cfg], text=text)
         return {c.name: found[c.name] for c in cfgs}
+
+    def stored(self, kind: str, cfgs: list, damp_rows: dict[str, list], params: dict[str, Any]
+               ) -> tuple[dict[str, str], dict[str, Any]]:
+        """``({name: key}, {name: stored Result or None})`` of each configuration's result of ``kind``
+        (:meth:`per_config`'s keys)."""
+        from pace_core.config import config_to_dict
+
+        keys, found = {}, {}
+        for cfg in cfgs:
+            rows = damp_rows.get(cfg.name)
+            keys[cfg.name], found[cfg.name] = self.cached(kind, {**params, "config": config_to_dict(cfg), "damp_rows": (
+                None if rows is None else [r.tolist() for r in rows])})
+        return keys, found
 
     def calibration(self, cfg, text: str | None, tokens: int, sample_every: int):
         """The calibration of ``cfg`` (cached in memory and on disk as kind 'calibration')."""
@@ -178,6 +184,11 @@ def _reuse(found, what: str) -> bool:
     if found.table is not None:
         _print_table(found.table)
     return True
+
+
+def _say_reused(kind: str, names: list[str]) -> None:
+    if names:
+        print(f"reusing stored {kind} of {', '.join(names)} (--force recomputes)")
 
 
 # ----------------------------------------------------------------------------- commands
@@ -407,25 +418,27 @@ def run_claims(args: argparse.Namespace) -> int:
     ppl_params = {"text": _sha(text), "window": args.window, "stride": stride, "max_tokens": args.max_tokens,
                   "decode_from": decode_from}
     cfgs = list(quality_configs(ctx.loaded, pace48, args.seeds).values())
+    _, found = ctx.stored("claims_quality", cfgs, damp_rows, ppl_params)
+    _say_reused("claims_quality", [c.name for c in cfgs if found[c.name] is not None])
+    missing = [c for c in cfgs if found[c.name] is None]
+    groups = [missing[i:i + CLAIMS_GROUP] for i in range(0, len(missing), CLAIMS_GROUP)]
     batch = args.batch or windows_per_batch(ctx.loaded, CLAIMS_GROUP + 1, args.window, decode_from)
     with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, stride, batch,
-                                       args.drift_tokens), "claims") as bar:
-        def compute(missing: list, stored: dict) -> dict:
-            table = perplexity(ctx.loaded, missing, text, window=args.window, stride=stride,
+                                       args.drift_tokens, groups=[len(g) for g in groups]), "claims") as bar:
+        def compute(group: list, stored: dict) -> dict:
+            table = perplexity(ctx.loaded, group, text, window=args.window, stride=stride,
                                max_tokens=args.max_tokens or None, decode_from=decode_from, damp_rows=damp_rows,
                                batch=batch, progress=bar.update)
-            names = {c.name for c in missing}
+            names = {c.name for c in group}
             return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
                     if row["config"] in names}
 
-        rows = []
-        for start in range(0, len(cfgs), CLAIMS_GROUP):
-            results = ctx.per_config("claims_quality", cfgs[start:start + CLAIMS_GROUP], damp_rows, ppl_params,
-                                     compute, text=text)
-            rows += [r.data["row"] for r in results.values()]
+        for group in groups:
+            found.update(ctx.per_config("claims_quality", group, damp_rows, ppl_params, compute, text=text))
         report = measure_claims(ctx.loaded, text, pace48, max_tokens=args.max_tokens or None, window=args.window,
                                 stride=stride, batch=batch, seeds=args.seeds, drift_tokens=args.drift_tokens,
-                                damp_rows=damp_rows, quality=pd.DataFrame(rows), progress=bar.update)
+                                damp_rows=damp_rows, quality=pd.DataFrame([found[c.name].data["row"] for c in cfgs]),
+                                progress=bar.update)
     table = claims_table(report)
     _print_table(table)
     _print_table(pd.DataFrame(report["main"]))
@@ -434,7 +447,8 @@ def run_claims(args: argparse.Namespace) -> int:
 
 
 CLAIMS_GROUP = 4
-"""Configurations of the claims report measured (and stored) together: a stopped run loses at most these."""
+"""Configurations of the claims report measured (and stored) together, each group with its own run of the
+reference: a stopped run loses at most these."""
 
 
 def all_steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]:
