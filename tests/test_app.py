@@ -4,6 +4,7 @@ control changes what is shown (asserted on the shown values against pace_core co
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 
 import numpy as np
@@ -37,6 +38,33 @@ def params(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def loaded(params):
     return load_model(params.get("model"))
+
+
+@pytest.fixture
+def bars(monkeypatch) -> list[list[int]]:
+    """Every progress bar the app opens (app_state.work.progress), as ``[total, units done]``."""
+    from app_state import work
+
+    real, opened = work.progress, []
+
+    @contextlib.contextmanager
+    def counting(total: int, text: str, key):
+        opened.append([total, 0])
+        entry = opened[-1]
+        with real(total, text, key) as advance:
+            def count(n: int) -> None:
+                entry[1] += n
+                advance(n)
+
+            yield count
+
+    monkeypatch.setattr(work, "progress", counting)
+    return opened
+
+
+def filled(bars: list[list[int]]) -> None:
+    """Each bar ended at its total: the total announced (and so the time left shown) was the work done."""
+    assert bars and all(done == total for total, done in bars), bars
 
 
 def start(params: dict[str, str], page: str | None = None, **query: str) -> AppTest:
@@ -267,7 +295,7 @@ def test_state_heatmap_of_a_one_token_text(params):
     assert "after 1 tokens" in chart(at, "heat_chart")["layout"]["title"]["text"]
 
 
-def test_generations_reference_agrees_with_itself_and_length_follows_slider(params):
+def test_generations_reference_agrees_with_itself_and_length_follows_slider(params, bars):
     at = start(params, page="generations", preset="rtn-int4")
     at.multiselect(key="gen_others").set_value([]).run()
     at.slider(key="gen_tokens").set_value(6).run()
@@ -282,6 +310,7 @@ def test_generations_reference_agrees_with_itself_and_length_follows_slider(para
     at.slider(key="gen_tokens").set_value(12).run()
     check(at)
     assert [h.proto.body for h in at.get("html")] != html_before
+    filled(bars)
 
 
 def test_generations_show_a_stored_run_per_mode(params, loaded, tmp_path, monkeypatch):
@@ -396,7 +425,7 @@ def test_imported_heads_must_fit_the_model_and_memory_takes_calibrated_heads(par
     assert at.dataframe[0].value["config"][0] == "sidebar: pace-4-8"  # with its calibrated heads
 
 
-def test_head_ranking_follows_dp_and_share(params, loaded):
+def test_head_ranking_follows_dp_and_share(params, loaded, bars):
     at = start(params, page="head_ranking", preset="pace-4-8")
     HV = loaded.shape.num_v_heads
 
@@ -418,6 +447,7 @@ def test_head_ranking_follows_dp_and_share(params, loaded):
     check(at)
     check_table(2, 0.5)
     assert metric(at, "8-bit heads per layer") == f"{int(0.5 * HV + 0.5)} of {HV}"
+    assert all(done == total for total, done in bars), bars  # the calibration may be kept from an earlier test
     table = at.dataframe[0].value
     at.button(key="heads_use").click().run()
     at.switch_page("pages/export.py").run()
@@ -428,7 +458,7 @@ def test_head_ranking_follows_dp_and_share(params, loaded):
         {"gdn_layer": i, "heads": h} for i, h in enumerate(expected)]
 
 
-def test_drift_shows_the_analysis_and_follows_the_step_slider(params, loaded):
+def test_drift_shows_the_analysis_and_follows_the_step_slider(params, loaded, bars):
     from pace_core.analysis.drift import drift
 
     at = start(params, page="drift", preset="pace-4")
@@ -449,6 +479,7 @@ def test_drift_shows_the_analysis_and_follows_the_step_slider(params, loaded):
     at.multiselect(key="drift_periods_8").set_value([8]).run()
     check(at)
     assert [t["name"] for t in chart(at, "drift_chart")["data"]] == ["pace-4, 4-bit, dP 8"] * 2
+    filled(bars)
 
 
 def test_drift_pickers_follow_the_sidebar(params):
