@@ -23,6 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kernels.plan import part_args
 from kernels.primitives import bf16_split, part_head
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
@@ -197,7 +198,7 @@ def launch(plan, q, k, args: list, common: dict, heads: int) -> None:
     """One :func:`_dots_kernel` launch over the ``heads`` value heads per sequence of one part (``args``, ``common``:
     :func:`kernels.plan.ckpt_launches`'s) into ``plan.workspace``."""
     B, H, HV, K, V = plan.shape
-    table, _, codes, scale, zero = args[:5]
+    table, codes, scale, zero = part_args(args)
     _dots_kernel[(B * heads,)](q, k, plan.workspace, table, codes, scale, zero, H=H, HV=HV, HP=heads,
                                MAPPED=common["MAPPED"], K=K, V=V, G=common["G"], SYM=common["SYM"],
                                SS=common["SS0"], ZS=common["ZS0"], num_warps=1)

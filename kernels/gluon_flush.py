@@ -30,6 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels.gluon_dots import LA, LB, MMA
+from kernels.packed_step import record_block
+from kernels.plan import part_args
 from kernels.primitives import (TWO23, asym_code_sum, asym_scale, bf16_split, biased, code_clamp, part_head,
                                 sym_code_sum, sym_fits, sym_scale, sym_value)
 
@@ -298,10 +300,10 @@ def launch(plan, n: int, args: list, common: dict, heads: int) -> None:
     """One :func:`_flush_kernel` launch over the ``heads`` value heads per sequence of one part (``args``,
     ``common``: :func:`kernels.plan.ckpt_launches`'s), folding the buffer's ``n`` records (``plan.records``)."""
     B, H, HV, K, V = plan.shape
-    table, _, codes, scale, zero = args[:5]
+    table, codes, scale, zero = part_args(args)
     bk, bks, bkz, bv, bvs, _, bg = plan.records
     r = plan.record_meta
-    RB = 8 if plan.capacity <= 8 else 16
+    RB = max(record_block(plan), 8)  # the layouts' 8 or 16 slots
     _flush_kernel[(B * heads, V // COLUMNS.value)](
         codes, scale, zero, table, bk, bks, bkz, bv, bvs, bg, n, plan.capacity, H=H, HV=HV, HP=heads,
         MAPPED=common["MAPPED"], K=K, V=V, G=common["G"], SYM=common["SYM"], SS=common["SS0"], ZS=common["ZS0"], RB=RB,

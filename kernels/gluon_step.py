@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from kernels.gluon_dots import head_dots, products
 from kernels.gluon_flush import record_log_decays
 from kernels.packed_step import record_block
-from kernels.plan import DecodePlan
+from kernels.plan import DecodePlan, part_args
 from kernels.primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
 from kernels.records import RECORD_COUNT
 from pace_core.buffer import DecodeBuffer
@@ -119,7 +119,7 @@ def launch(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor
     ``len(buf)`` (the caller counts it). Inputs as :func:`kernels.packed_step.launch_packed_step`'s."""
     B, H, HV, K, V = plan.shape
     args, common, _ = plan.launches[False][0]
-    codes, scale = args[2:4]
+    _, codes, scale, _ = part_args(args)
     bk, bks, _, bv, bvs, _, bg = plan.records
     _step_kernel[(B * HV,)](q, k, v, g, beta, o, codes, scale, bk, bks, bv, bvs, bg, len(buf),
                             plan.capacity, H=H, HV=HV, K=K, V=V, G=common["G"], SS=common["SS0"],

@@ -373,7 +373,16 @@ def ckpt_launches(plan: DecodePlan, per_part: bool) -> list[tuple[list, dict, in
     return [(plan.ckpt_args[1:], common, plan.shape[2])]
 
 
+def part_args(args: list) -> tuple:
+    """``(head table, codes, fp16 scales, zero points)`` of part 0 in a launch's checkpoint arguments
+    (:func:`ckpt_launches`): what the Gluon kernels, each launched on one part, read."""
+    table, _, codes, scale, zero = args[:5]
+    return table, codes, scale, zero
+
+
 def output_tensor(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``out`` checked to be a contiguous float32 tensor of ``shape`` (PaceError naming what is allowed), or a new one
+    on ``device`` when None."""
     if out is None:
         return torch.empty(shape, dtype=torch.float32, device=device)
     if tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
