@@ -14,9 +14,10 @@ on the kernels of this package (CUDA tensors; CPU tensors only under ``TRITON_IN
   PyTorch reference.
 
 The launch plan (:func:`kernels.plan.plan_decode`: the checkpoint's and the buffer's pointers, head table and
-constexprs) is made once per checkpoint: a prefill, reset or reorder stores a new checkpoint and so a new
-plan; the decode steps update it in place. A dP = 1 run writes new storage of the same layout every time, so
-its plan (:func:`kernels.recurrent_step.plan_recurrent`) is made once per layer. A token then costs its
+constexprs) is made once per layer: the layer's checkpoint storage is allocated once and every store, flush,
+reset or reorder writes into it (:class:`pace_core.schedule.PeriodicState`). A dP = 1 run's kernel writes new
+storage of the same layout, which is copied into the checkpoint; its plan
+(:func:`kernels.recurrent_step.plan_recurrent`) is also made once per layer. A token then costs its
 launches and little else on the host, which is what the Generations page pays per configuration, layer and
 token.
 

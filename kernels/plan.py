@@ -196,7 +196,7 @@ class DecodePlan:
     ckpt_args: list
     meta: dict = field(default_factory=dict)
     split: bool = False  # packed key-axis checkpoint: dots + record kernels, a separate flush kernel
-    workspace: torch.Tensor | None = None  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32, between the two
+    workspace_size: int = 0  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32 between the two kernels (scratch)
     part_launches: list = field(default_factory=list)  # split, two bit widths: (args, PartLayout, heads) per width
     records: tuple = ()  # the buffer's record pointers (record_args: its storage stays allocated)
     record_meta: dict = field(default_factory=dict)  # their compile-time layout (record_layout)
@@ -204,6 +204,29 @@ class DecodePlan:
     gluon_dots: dict = field(default_factory=dict)  # split: per_part -> whether each dots launch runs gluon_dots
     gluon_flush: dict = field(default_factory=dict)  # split: per_part -> whether each flush launch runs gluon_flush
     gluon_step: bool = False  # split: whether the one-kernel step runs gluon_step
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def workspace(self) -> torch.Tensor:
+        """The split step's workspace (``workspace_size`` float32 entries of :func:`scratch`)."""
+        return scratch(self.device, self.workspace_size)
+
+
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # kept alive: a CUDA graph captured on one may still be replayed
+
+
+def scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """``numel`` float32 entries on ``device`` shared by every launch plan (the layers of a model run one after
+    another on a stream): a transient of the largest layer's size (pace_core.accounting's peak transient), not
+    part of any layer's state. It grows when a larger one is asked for, never while a CUDA graph is captured on
+    it (plans are made before capture)."""
+    found = _SCRATCH.get(device)
+    if found is None or found.numel() < numel:
+        if found is not None:
+            _OUTGROWN.append(found)
+        found = _SCRATCH[device] = torch.empty(numel, dtype=torch.float32, device=device)
+    return found[:numel]
 
 
 SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
@@ -268,7 +291,7 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
                 DENSE=isinstance(ckpt, torch.Tensor), **record_meta, EXACT=exact_current,
                 num_warps=8 if BK * BV >= 8192 else 4)
     split = not meta["DENSE"] and key_axis
-    workspace = None
+    workspace_size = 0
     if split:  # bfloat16 tensor-core operands on a GPU (fp32 holding the same values under the interpreter)
         fusable = all((V // 2 if p.spec.bits <= 4 else V) >= 16 for p in parts)  # no padded dot columns
         meta = {**meta, **SPLIT_DEFAULTS, "BF16": buf.device.type == "cuda", "fusable": fusable}
@@ -280,14 +303,15 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
         for key in ("per_part", "dots_per_part"):
             if meta[key] == "auto":
                 meta[key] = not one_wave
-        workspace = torch.empty(B * HV * 2 * V, dtype=torch.float32, device=buf.device)
+        workspace_size = B * HV * 2 * V
+        scratch(buf.device, workspace_size)
     part_launches = []
     if split and len(layouts) == 2:
         for w, part, layout in zip(widths, parts, layouts):
             heads = table.heads[w]
             part_launches.append(([heads, heads, *part_pointers([part]), len(heads), len(heads)], layout, len(heads)))
-    plan = DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace, part_launches,
-                      records, record_meta)
+    plan = DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace_size,
+                      part_launches, records, record_meta, device=buf.device)
     if split:
         plan.launches.update({per_part: ckpt_launches(plan, per_part) for per_part in (False, True)})
         for per_part in (False, True):

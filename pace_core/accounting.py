@@ -202,6 +202,36 @@ def state_bytes_per_sequence(cfg: PaceConfig, shape: ModelShape) -> int:
     return state_bytes(cfg, shape, 2) - state_bytes(cfg, shape, 1)
 
 
+DECODE_WORKSPACE_STATES = 10
+"""Bound of one decode call's workspace in float32 copies of the layer's state for the batch (the reference
+backend; measured 2.0 for fp32 up to 8.9 for DAMP by :class:`pace_core.memory.PeakBytes`,
+tests/test_state_store.py)."""
+PREFILL_WORKSPACE_STATES = 10
+PREFILL_WORKSPACE_ACTIVATIONS = 8
+"""Bound of one prefill call's workspace: this many float32 layer states, plus this many times one P-token
+segment's ``k`` and ``v`` rows padded to whole chunks of 64, plus the call's outputs twice (gathered, then
+joined); the chunked GDN's intermediates (measured up to 7x the segment's rows and 5 states)."""
+
+
+def transient_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int, tokens: int = 1, *, prefill: bool = False) -> int:
+    """**Peak transient**: the most bytes one call of one GDN layer allocates beyond the resident state
+    (:func:`state_bytes`) for ``n_seq`` sequences and ``tokens`` tokens, freed when the call returns (the
+    dequantised checkpoint, the folded state of a flush, the chunked GDN's intermediates). Never resident:
+    between calls a layer holds exactly :func:`state_bytes`' share. A decode call (``prefill`` False) is bounded
+    by :data:`DECODE_WORKSPACE_STATES` float32 states; a prefill by :data:`PREFILL_WORKSPACE_STATES` states plus
+    :data:`PREFILL_WORKSPACE_ACTIVATIONS` times one segment's padded rows plus twice its outputs."""
+    _check(cfg, shape)
+    _check_n(n_seq)
+    _check_n(tokens, "tokens")
+    hv, k, v = shape.num_v_heads, shape.d_k, shape.d_v
+    layer = 4 * n_seq * hv * k * v
+    if not prefill:
+        return DECODE_WORKSPACE_STATES * layer
+    rows = -(-min(tokens, cfg.prefill_period) // 64) * 64
+    return (PREFILL_WORKSPACE_STATES * layer + PREFILL_WORKSPACE_ACTIVATIONS * 4 * n_seq * rows * hv * (k + v)
+            + 2 * 4 * n_seq * tokens * hv * v)
+
+
 def resident_bits(cfg: PaceConfig, shape: ModelShape) -> ResidentBits:
     """The resident bits per state value of `cfg` on `shape`: each term of the paper's accounting and
     the exact stored bits (one sequence)."""

@@ -133,10 +133,6 @@ class _VectorStore:
             self.zero = None if packed.zero is None else torch.zeros(batch, capacity, heads, packed.zero.shape[-1],
                                                                      dtype=torch.uint8, device=device)
             self.tensors = [t for t in (self.codes, self.scale, self.zero) if t is not None]
-            # the dequantised copy of the records written here (not of those a kernel writes in place): reads
-            # of the first `cached` records take it instead of unpacking the codes again
-            self.values = torch.zeros(batch, capacity, heads, length, device=device)
-            self.cached = 0
         else:
             self.data = torch.zeros(batch, capacity, heads, length, dtype=kind, device=device)
             self.tensors = [self.data]
@@ -148,35 +144,24 @@ class _VectorStore:
         return quant.fake_quantize(x.unsqueeze(-2), self.spec, dtype, name="decode buffer vector",
                                    checked=True).squeeze(-2)
 
-    def write(self, slot: int, x: torch.Tensor, quantised: tuple[quant.PackedTensor, torch.Tensor] | None = None
-              ) -> None:
+    def write(self, slot: int, x: torch.Tensor, packed: quant.PackedTensor | None = None) -> None:
         """Store ``x [B, n, heads, length]`` (finite: :meth:`DecodeBuffer.extend` checks it) at records
         ``slot .. slot + n - 1``; each vector is quantised on its own, so writing records together or one
-        by one stores the same codes. ``quantised``: ``x``'s packed form (of shape ``[B, n, heads, 1,
-        length]``) and dequantised values, when the caller made them."""
+        by one stores the same codes. ``packed``: ``x``'s packed form (of shape ``[B, n, heads, 1, length]``),
+        when the caller made it."""
         end = slot + x.shape[1]
         if self.spec is None:
             self.data[:, slot:end] = x.to(self.kind)
             return
-        packed, values = quantised or quant.quantize_with_values(x.unsqueeze(-2), self.spec, checked=True,
-                                                                 name="decode buffer vector")
+        packed = packed or quant.quantize(x.unsqueeze(-2), self.spec, checked=True, name="decode buffer vector")
         self.codes[:, slot:end] = packed.codes.squeeze(-2)
         self.scale[:, slot:end] = packed.scale.squeeze(-2)
         if self.zero is not None:
             self.zero[:, slot:end] = packed.zero.squeeze(-2)
-        if slot == self.cached:
-            self.values[:, slot:end] = values.squeeze(-2)
-            self.cached = end
-
-    def clear(self) -> None:
-        if self.spec is not None:
-            self.cached = 0
 
     def read(self, n: int, dtype: torch.dtype, copy: bool = True) -> torch.Tensor:
         """The first ``n`` records, dequantised: ``[B, n, heads, length]`` (``copy=False``: a view of the
         storage where it holds them as they are, valid until the next write)."""
-        if self.spec is not None and n <= self.cached:
-            return self.values[:, :n].to(dtype, copy=copy)
         if self.spec is not None:
             B, _, heads, _ = self.codes.shape
             packed = quant.PackedTensor(
@@ -190,7 +175,7 @@ class _VectorStore:
         return self.data[:, :n].to(dtype, copy=copy)
 
     def reorder(self, index: torch.Tensor) -> None:
-        for t in self.tensors + ([self.values] if self.spec is not None else []):
+        for t in self.tensors:
             t.copy_(t.index_select(0, index))
 
     def nbytes(self, n: int | None) -> int:
@@ -265,11 +250,11 @@ class DecodeBuffer:
         keys, values = self._keys, self._values
         if keys.spec is not None and keys.spec == values.spec and self.d_k == self.d_v:
             # one quantisation for both vectors of the records: the same per-vector quantiser
-            packed, deq = quant.quantize_with_values(torch.cat([k, u], 2).unsqueeze(-2), keys.spec, checked=True,
-                                                     name="decode buffer vector")
+            packed = quant.quantize(torch.cat([k, u], 2).unsqueeze(-2), keys.spec, checked=True,
+                                    name="decode buffer vector")
             H = self.num_k_heads
-            keys.write(self._len, k, (_heads(packed, slice(0, H)), deq[:, :, :H]))
-            values.write(self._len, u, (_heads(packed, slice(H, None)), deq[:, :, H:]))
+            keys.write(self._len, k, _heads(packed, slice(0, H)))
+            values.write(self._len, u, _heads(packed, slice(H, None)))
         else:
             keys.write(self._len, k)
             values.write(self._len, u)
@@ -342,8 +327,6 @@ class DecodeBuffer:
     def clear(self) -> None:
         """Forget all records (storage stays allocated)."""
         self._len = 0
-        self._keys.clear()
-        self._values.clear()
 
     def reorder(self, index: torch.Tensor) -> None:
         """Reorder the batch rows: row ``b`` becomes old row ``index[b]`` (beam search)."""

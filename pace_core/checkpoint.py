@@ -59,32 +59,22 @@ def checkpoint_bytes(c: Checkpoint) -> tuple[int, int]:
                     "MixedPackedState, DSQTensor, DampTensor")
 
 
-def reorder(c: Checkpoint, index: torch.Tensor) -> Checkpoint:
-    """The checkpoint with batch row ``b`` taken from old row ``index[b]`` (``index [B]`` long)."""
-    if isinstance(c, torch.Tensor):
-        return c.index_select(0, index)
-    if isinstance(c, quant.PackedTensor):
-        zero = None if c.zero is None else c.zero.index_select(0, index)
-        return replace(c, codes=c.codes.index_select(0, index), scale=c.scale.index_select(0, index), zero=zero)
-    if isinstance(c, quant.MixedPackedState):
-        return replace(c, parts={b: reorder(p, index) for b, p in c.parts.items()})
-    if isinstance(c, DSQTensor):
-        return replace(c, codes=c.codes.index_select(0, index), row_scale=c.row_scale.index_select(0, index),
-                       col_scale=c.col_scale.index_select(0, index))
-    return replace(c, outliers=c.outliers.index_select(0, index), rest=reorder(c.rest, index))
-
-
 def checkpoint_tensors(c: Checkpoint) -> dict[str, torch.Tensor]:
-    """The per-sequence tensors of a stored checkpoint by name, batch axis first (a serving engine's pool
-    rows hold these: :mod:`pace_core.vllm.slots`)."""
+    """The per-sequence tensors of a stored checkpoint by name, batch axis first (what a pool row holds:
+    :mod:`pace_core.vllm.slots`). What is kept once per layer (PACE-4/8's head map, DAMP's outlier-row
+    indices) is not among them."""
     if isinstance(c, torch.Tensor):
         return {"state": c}
     if isinstance(c, quant.PackedTensor):
         return {name: t for name, t in (("codes", c.codes), ("scale", c.scale), ("zero", c.zero)) if t is not None}
     if isinstance(c, quant.MixedPackedState):
         return {f"{name}@{bits}": t for bits, part in c.parts.items() for name, t in checkpoint_tensors(part).items()}
-    raise PaceError(f"checkpoint: {type(c).__name__} has no per-sequence tensor list; allowed: Tensor, "
-                    "PackedTensor, MixedPackedState (methods none, rtn, pace)")
+    if isinstance(c, DSQTensor):
+        return {"codes": c.codes, "row_scale": c.row_scale, "col_scale": c.col_scale}
+    if isinstance(c, DampTensor):
+        return {"outliers": c.outliers, **checkpoint_tensors(c.rest)}
+    raise PaceError(f"checkpoint: type {type(c).__name__} not allowed; allowed: Tensor, PackedTensor, "
+                    "MixedPackedState, DSQTensor, DampTensor")
 
 
 def with_tensors(template: Checkpoint, tensors: dict[str, torch.Tensor]) -> Checkpoint:
@@ -96,10 +86,31 @@ def with_tensors(template: Checkpoint, tensors: dict[str, torch.Tensor]) -> Chec
     if isinstance(template, quant.PackedTensor):
         return replace(template, codes=tensors["codes"], scale=tensors["scale"], zero=tensors.get("zero"),
                        shape=(n, *template.shape[1:]))
+    if isinstance(template, DSQTensor):
+        return replace(template, codes=tensors["codes"], row_scale=tensors["row_scale"],
+                       col_scale=tensors["col_scale"], shape=(n, *template.shape[1:]))
+    if isinstance(template, DampTensor):
+        rest = with_tensors(template.rest, {k: t for k, t in tensors.items() if k != "outliers"})
+        return replace(template, outliers=tensors["outliers"], rest=rest, shape=(n, *template.shape[1:]))
     parts = {bits: with_tensors(part, {name.split("@")[0]: t for name, t in tensors.items()
                                         if name.endswith(f"@{bits}")})
              for bits, part in template.parts.items()}
     return replace(template, parts=parts, shape=(n, *template.shape[1:]))
+
+
+def copy_into(dst: Checkpoint, src: Checkpoint) -> None:
+    """Write checkpoint ``src`` into the storage of ``dst`` (the same structure and shapes), in place."""
+    if dst is src:
+        return
+    source = checkpoint_tensors(src)
+    for name, t in checkpoint_tensors(dst).items():
+        t.copy_(source[name])
+
+
+def reorder(c: Checkpoint, index: torch.Tensor) -> None:
+    """Batch row ``b`` of ``c`` becomes old row ``index[b]`` (``index [B]`` long), in place."""
+    for t in checkpoint_tensors(c).values():
+        t.copy_(t.index_select(0, index))
 
 
 class StateFormat:
@@ -178,25 +189,25 @@ class StateFormat:
         return self.store(torch.zeros(shape, device=device))
 
     nbytes = staticmethod(checkpoint_bytes)
-    reorder = staticmethod(reorder)
 
 
 class RoundingFormat:
-    """A dense checkpoint rounded by ``round_fn(S [B, HV, K, V]) -> S`` (e.g. fake quantisation,
-    bit-identical to storing and loading :mod:`pace_core.quant`'s format), in ``round_fn``'s dtype."""
+    """A dense checkpoint in ``dtype`` rounded by ``round_fn(S [B, HV, K, V]) -> S`` (e.g. fake quantisation,
+    bit-identical to storing and loading :mod:`pace_core.quant`'s format)."""
 
     exact = False
     spec = None
 
-    def __init__(self, round_fn: Callable[[torch.Tensor], torch.Tensor], name: str = "state") -> None:
-        self.round_fn, self.name = round_fn, name
+    def __init__(self, round_fn: Callable[[torch.Tensor], torch.Tensor], name: str = "state",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.round_fn, self.name, self.dtype = round_fn, name, dtype
 
     def to(self, device: torch.device) -> RoundingFormat:
         return self
 
     def store(self, S: torch.Tensor) -> torch.Tensor:
         quant.check_finite(S, self.name)
-        return self.round_fn(S)
+        return self.round_fn(S).to(self.dtype)
 
     def store_loaded(self, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.store(S)
@@ -206,7 +217,6 @@ class RoundingFormat:
         return c
 
     def zeros(self, shape: tuple[int, int, int, int], device: torch.device) -> torch.Tensor:
-        return torch.zeros(shape, device=device)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
 
     nbytes = staticmethod(checkpoint_bytes)
-    reorder = staticmethod(reorder)

@@ -181,22 +181,23 @@ class DampQuantizer:
         if rows.numel() and (int(rows.min()) < 0 or (rows.sort(1).values.diff(dim=1) == 0).any()):
             raise PaceError("outlier_rows must hold distinct non-negative row indices per head; "
                             "allowed: distinct integers 0..K-1 in each row")
-        self.rows = rows
+        if rows.numel() and int(rows.max()) >= 2**15:
+            raise PaceError(f"outlier_rows index {int(rows.max())} is out of range; allowed: at most 32767 (int16 "
+                            "row indices)")
+        self.rows = rows.to(torch.int16)
+        """The outlier rows as stored (int16 ``[HV, r]``, once per layer: the metadata the accounting counts)."""
         self.bits = bits
         self.hadamard = hadamard
         self.spec = QuantSpec(bits=bits, symmetric=True, axis="value", group_size=group_size)
         self._checked: set[tuple[int, ...]] = set()
-        self._index: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def _rows_on(self, device: torch.device, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(outlier rows [HV, r] long, their int16 copy, head index [HV, 1], rest rows [HV, K - r]) on
-        ``device``: made once per device and K (a decode step quantises every token; no device read after)."""
-        found = self._index.get((device, k))
-        if found is None:
-            rows = self.rows.to(device)
-            heads = torch.arange(rows.shape[0], device=device).unsqueeze(1)
-            found = self._index[(device, k)] = (rows, rows.to(torch.int16), heads, _rest_rows(rows, k))
-        return found
+    @staticmethod
+    def _indices(rows16: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(outlier rows [HV, r] long, head index [HV, 1], rest rows [HV, K - r]) of stored rows ``rows16``:
+        gather indices of one call (made per call, so the layer holds only the int16 rows)."""
+        rows = rows16.long()
+        heads = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1)
+        return rows, heads, _rest_rows(rows, k)
 
     def _check_shape(self, shape: tuple[int, ...], name: str) -> None:
         if shape[-3:] in self._checked:
@@ -228,7 +229,8 @@ class DampQuantizer:
     def _quantize(self, S: torch.Tensor, name: str, with_values: bool) -> tuple[DampTensor, torch.Tensor | None]:
         _check_state(S, name, 3)
         self._check_shape(tuple(S.shape), name)
-        rows, rows16, heads, rest_rows = self._rows_on(S.device, S.shape[-2])
+        rows16 = self.rows if self.rows.device == S.device else self.rows.to(S.device)
+        rows, heads, rest_rows = self._indices(rows16, S.shape[-2])
         outliers = S[..., heads, rows, :]
         _check_fp16(outliers.abs().amax(-1), name, "fp16 outlier row")
         rest = S[..., heads, rest_rows, :]
@@ -245,11 +247,7 @@ class DampQuantizer:
 
     def dequantize(self, t: DampTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantised state [..., HV, K, V] in `dtype`."""
-        rows, rows16, heads, rest_rows = self._rows_on(t.rows.device, t.shape[-2])
-        if t.rows is not rows16:  # another quantiser's rows
-            rows = t.rows.long()
-            heads = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1)
-            rest_rows = _rest_rows(rows, t.shape[-2])
+        rows, heads, rest_rows = self._indices(t.rows, t.shape[-2])
         return self._assemble(t, dequantize(t.rest, torch.float64 if t.hadamard else dtype), rows, heads,
                               rest_rows, dtype)
 

@@ -309,9 +309,11 @@ def unpack_codes(packed: torch.Tensor, bits: int, last_dim: int) -> torch.Tensor
     return _unpack(packed, bits, last_dim)
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec, *, name: str = "x") -> PackedTensor:
-    """Quantise and pack `x [..., K, V]` (any float dtype, any device). `name` is used in errors."""
-    _check_input(x, spec, name)
+def quantize(x: torch.Tensor, spec: QuantSpec, *, name: str = "x", checked: bool = False) -> PackedTensor:
+    """Quantise and pack `x [..., K, V]` (any float dtype, any device). `name` is used in errors; ``checked`` as
+    :func:`quantize_with_values`."""
+    if not checked:
+        _check_input(x, spec, name)
     codes, scale, zero, _ = _quantize_codes(x, spec, name)
     if zero is not None and zero_packed(spec.bits, zero.shape[-1]):
         zero = _pack(zero, spec.bits)

@@ -25,12 +25,14 @@ finiteness are checked once per call at :class:`pace_core.state_store.LayerState
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from pace_core.buffer import BufferFormat, DecodeBuffer
+from pace_core.checkpoint import copy_into, reorder
 from pace_core.errors import PaceError
 
 if TYPE_CHECKING:
@@ -66,6 +68,11 @@ class PeriodicState:
         self.exact_current, self.chunk_size = exact_current, chunk_size
         B, H, HV, K, V = shape
         self.buffer = None if decode_period == 1 else DecodeBuffer(B, H, HV, K, V, decode_period, buffer, device)
+        self.checkpoint = fmt.zeros((B, HV, K, V), device)
+        """The stored checkpoint: allocated once, every later store writes into its tensors (so a kernel's launch
+        plan of it stays valid and no earlier checkpoint outlives a store)."""
+        self._loaded: torch.Tensor | None = None
+        self._calls = 0
         self.reset()
 
     def reset(self) -> None:
@@ -75,10 +82,24 @@ class PeriodicState:
         if self.buffer is not None:
             self.buffer.clear()
 
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """One call from outside (a prefill, decode, flush or read of the state): the dequantised checkpoint
+        made during it is a workspace of the call, dropped when the outermost call ends, so that between calls
+        the layer holds only its stored checkpoint and buffer (the bytes :mod:`pace_core.accounting` counts)."""
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
+            if self._calls == 0:
+                self._loaded = None
+
     def set_checkpoint(self, checkpoint: Checkpoint, loaded: torch.Tensor | None = None) -> None:
-        """Replace the stored checkpoint; ``loaded``: its dequantised copy when at hand (else it is made when
-        next needed)."""
-        self.checkpoint = checkpoint
+        """Store ``checkpoint`` (this layer's structure and shapes; written into the layer's own storage unless
+        it is that storage, updated in place); ``loaded``: its dequantised copy when at hand (else it is made
+        when next needed)."""
+        copy_into(self.checkpoint, checkpoint)
         self._loaded = loaded
 
     def store(self, S: torch.Tensor) -> None:
@@ -86,14 +107,27 @@ class PeriodicState:
         self.set_checkpoint(*self.steps.store(self.fmt, S))
 
     def loaded(self) -> torch.Tensor:
-        """The dequantised checkpoint ``Ŝ [B, HV, K, V]`` float32 (kept until the checkpoint changes)."""
+        """The dequantised checkpoint ``Ŝ [B, HV, K, V]`` float32 (kept until the checkpoint changes or the
+        outermost :meth:`call` ends; for a dense float32 format the checkpoint's storage itself: read it within
+        the call, or take :meth:`dequantized`)."""
         if self._loaded is None:
             self._loaded = self.steps.load(self.fmt, self.checkpoint)
         return self._loaded
 
     def effective_state(self) -> torch.Tensor:
-        """Checkpoint plus folded buffer: ``S [B, HV, K, V]`` float32."""
-        return self.loaded() if self.buffer is None else self.steps.fold(self)
+        """Checkpoint plus folded buffer: ``S [B, HV, K, V]`` float32, the caller's own."""
+        return self._owned(self.loaded() if self.buffer is None else self.steps.fold(self))
+
+    def dequantized(self) -> torch.Tensor:
+        """The dequantised checkpoint ``Ŝ [B, HV, K, V]`` float32, the caller's own."""
+        return self._owned(self.loaded())
+
+    def _owned(self, S: torch.Tensor) -> torch.Tensor:
+        """``S``, or a copy where it is the checkpoint's storage, which a later store writes into (the loaded
+        checkpoint of a dense format in float32)."""
+        ckpt = self.checkpoint
+        shared = isinstance(ckpt, torch.Tensor) and S.untyped_storage().data_ptr() == ckpt.untyped_storage().data_ptr()
+        return S.clone() if shared else S
 
     def flush(self) -> None:
         """Fold the buffered records into the checkpoint, store it and clear the buffer (no-op when empty)."""
@@ -130,7 +164,7 @@ class PeriodicState:
                 self.buffer.clear()
             S = self.loaded()
             if capture is not None and end in capture.at:
-                capture.on_state(end, S)
+                capture.on_state(end, self.effective_state())
         return torch.cat(outputs, dim=1) if outputs else self._empty()
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -153,7 +187,7 @@ class PeriodicState:
                 self.store(S)
                 S = self.loaded()
                 if end in at:
-                    capture.on_state(end, S)
+                    capture.on_state(end, self.effective_state())
                 start = end
             return _joined(outputs) if T else self._empty()
         outputs, t = [], 0
@@ -180,7 +214,8 @@ class PeriodicState:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Batch row ``b`` becomes old row ``index[b]``."""
-        self.set_checkpoint(self.fmt.reorder(self.checkpoint, index))
+        reorder(self.checkpoint, index)
+        self._loaded = None
         if self.buffer is not None:
             self.buffer.reorder(index)
 

@@ -21,8 +21,8 @@ All batch rows step together (as in HF ``generate``). Computation is float32.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -134,9 +134,12 @@ class LayerState:
         with self._on_device():
             return self.state.decode(q.float(), k.float(), v.float(), g.float(), beta.float(), capture)
 
-    def _on_device(self):
-        """Launches go to the layer's own GPU (under ``device_map``)."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """One call of the layer (:meth:`PeriodicState.call`: its workspaces end with it), launched on the
+        layer's own GPU (under ``device_map``)."""
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext(), self.state.call():
+            yield
 
     def flush(self) -> None:
         """Fold the buffered records into the checkpoint, store it and clear the buffer."""
@@ -151,7 +154,7 @@ class LayerState:
     def dequantized(self) -> torch.Tensor:
         """The dequantised checkpoint ``Ŝ [B, HV, K, V]`` float32."""
         with self._on_device():
-            return self.state.loaded()
+            return self.state.dequantized()
 
     def nbytes(self) -> dict[str, int]:
         """``{"payload", "metadata", "buffer"}`` real bytes (module docstring)."""

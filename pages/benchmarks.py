@@ -63,6 +63,8 @@ TITLES = {"bench": "Decode step of 24 GDN layers (Qwen3.5-4B shapes), per batch"
           "bench_e2e": "End to end: time per output token of a Qwen3.5-4B-sized model under CUDA graphs",
           "bench_e2e_compiled": "End to end under torch.compile: time per output token of a Qwen3.5-4B-sized model "
                                 "(the state a custom operator inside the compiled graph and CUDA graphs)",
+          "memory_cpu": "What pace_core.apply holds per configuration, measured on the CPU (scripts/measure_memory.py)",
+          "memory_cuda": "What pace_core.apply holds per configuration, measured on the GPU (scripts/measure_memory.py)",
           "app_cpu": "Dashboard responsiveness on the CPU (scripts/measure_app.py)",
           "app_cuda": "Dashboard responsiveness on the GPU (scripts/measure_app.py)",
           "app_cuda_bfloat16": "Dashboard responsiveness on the GPU, bfloat16 weights (scripts/measure_app.py --weights bfloat16)"}

@@ -1,6 +1,9 @@
 """Memory: resident bits per state value, the curve over dP, the measured error against resident bits
 (stored sweeps), and how many sequences fit."""
 
+import json
+
+import pandas as pd
 import streamlit as st
 
 from app_state import frame, session, stored
@@ -62,6 +65,8 @@ def page(cfg: PaceConfig) -> None:
         st.plotly_chart(figures.sweep_figure(result.table, error), key="memory_sweep_chart")
         st.dataframe(result.table, hide_index=True, key="memory_sweep_table")
 
+    _measured()
+
     _planner(cfg, shapes, shape_name)
 
     st.subheader("Sequences that fit beside the weights")
@@ -75,6 +80,37 @@ def page(cfg: PaceConfig) -> None:
     fit_models.update({k: v for k, v in shapes.items() if k != shape_name})
     fits = figures.fit_table(configs, fit_models, budgets)
     st.dataframe(fits.style.format({"state MiB / sequence": "{:.3f}"}), hide_index=True, key="memory_fit_table")
+
+
+def _measured() -> None:
+    """What ``pace_core.apply`` really holds on a model, measured by scripts/measure_memory.py (data/bench)."""
+    st.subheader("What `pace_core.apply` holds, measured")
+    files = sorted(stored.BENCH_DIR.glob("memory_*.json"))
+    if not files:
+        st.caption("No measurement stored: `python scripts/measure_memory.py` (add `--model DIR --device cuda` on a "
+                   "GPU host) generates with every configuration applied and counts what the cache holds.")
+        return
+    for path in files:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            rows, prov = pd.DataFrame(doc["rows"]), doc["provenance"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            st.error(f"{path.name} is not a memory measurement ({err}); run `python scripts/measure_memory.py` "
+                     "again to rewrite it.", icon=":material/block:")
+            continue
+        st.caption(f"{prov.get('model')} on {prov.get('device')}, {prov.get('batch')} sequences, "
+                   f"{prov.get('prompt_tokens')} prompt + {prov.get('new_tokens')} generated tokens; commit "
+                   f"{str(prov.get('commit'))[:10]}, {prov.get('date')} (`{path.name}`). *held* counts every tensor "
+                   "the generation's state keeps (equal to the accounted bytes); *cache* adds the attention KV and "
+                   "conv states; *step peak* is the largest workspace of one further decode step (freed after it).")
+        mib = 1 << 20
+        table = pd.DataFrame({
+            "configuration": rows["config"], "resident bits": rows["resident_bits"],
+            "state MiB (accounted)": rows["state_bytes_accounted"] / mib, "state MiB (held)": rows["state_bytes_held"] / mib,
+            "× fewer than fp32": rows["saving_vs_fp32"], "whole cache MiB": rows["cache_bytes_held"] / mib,
+            "step peak MiB": rows["decode_step_peak_bytes"] / mib})
+        st.dataframe(table.style.format({c: "{:.3f}" for c in table.columns[1:]}), hide_index=True,
+                     key=f"memory_measured_{path.stem}")
 
 
 WEIGHT_PRECISIONS = {"bf16 (16 bits)": 16, "fp8 (8 bits)": 8, "int4 (4 bits)": 4}

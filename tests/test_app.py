@@ -224,6 +224,25 @@ def test_memory_table_follows_the_bits_control(params, loaded):
     assert table.loc["sidebar: custom", "resident"] == pytest.approx(expected.resident_bits)
 
 
+def test_memory_page_shows_the_measured_apply_bytes(params, tmp_path, monkeypatch):
+    """The measured table (scripts/measure_memory.py's JSON) is shown as stored, and a damaged file is named."""
+    doc = {"kind": "apply_memory", "provenance": {"model": "m", "device": "cpu", "batch": 4, "commit": "abc"},
+           "rows": [{"config": "fp32", "resident_bits": 32.0, "state_bytes_accounted": 4 << 20,
+                     "state_bytes_held": 4 << 20, "saving_vs_fp32": 1.0, "cache_bytes_held": 5 << 20,
+                     "decode_step_peak_bytes": 1 << 20},
+                    {"config": "pace-4", "resident_bits": 5.03, "state_bytes_accounted": 1 << 20,
+                     "state_bytes_held": 1 << 20, "saving_vs_fp32": 4.0, "cache_bytes_held": 2 << 20,
+                     "decode_step_peak_bytes": 2 << 20}]}
+    (tmp_path / "memory_cpu.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
+    at = start(params, page="memory", preset="pace-4")
+    table = next(d.value for d in at.dataframe if "state MiB (held)" in d.value.columns).set_index("configuration")
+    assert table.loc["pace-4", "state MiB (held)"] == 1.0 and table.loc["pace-4", "× fewer than fp32"] == 4.0
+    (tmp_path / "memory_cuda.json").write_text("{not json")
+    at.run()
+    assert not at.exception and [e.value for e in at.error if "memory_cuda.json" in e.value]
+
+
 def test_capacity_planner_numbers_are_the_accounting(params):
     at = start(params, page="memory", preset="pace-4")
     at.selectbox(key="plan_model").set_value("qwen3.5-27b").run()

@@ -25,7 +25,8 @@ def state(S0, H, round_fn=lambda s: s, *, period=1, decode_period=1, precision="
     """A PeriodicState of ``S0 [B, HV, K, V]`` (H key heads) rounded by ``round_fn``, on the reference
     backend."""
     B, HV, K, V = S0.shape
-    st = PeriodicState(RoundingFormat(round_fn), REFERENCE, (B, H, HV, K, V), S0.device, prefill_period=period,
+    st = PeriodicState(RoundingFormat(round_fn, dtype=S0.dtype), REFERENCE, (B, H, HV, K, V), S0.device,
+                       prefill_period=period,
                        decode_period=decode_period, buffer=precision, chunk_size=chunk_size)
     st.set_checkpoint(S0)
     return st

@@ -5,8 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from pace_core import quant
-from pace_core.config import get_config
+from pace_core.accounting import state_bytes, transient_bytes
+from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.errors import PaceError
+from pace_core.memory import PeakBytes, held_bytes
 from pace_core.outliers import dsq_dequantize, dsq_quantize
 from pace_core.recurrence import gdn_recurrent, prepare_qk
 from pace_core.shapes import ModelShape
@@ -429,3 +431,55 @@ def test_kernel_backend_setting(monkeypatch):
     assert not LayerState(cfg, 1, 1, 2, 64, 32, "cpu").uses_kernels()  # auto: CPU tensors use the reference
     assert not LayerState(get_config("qmamba-dsq").replace(decode_period=4), 1, 1, 2, 64, 32, "cpu",
                           backend="triton").uses_kernels()  # no kernel for DSQ
+
+
+RESIDENT_SHAPE = ModelShape("residency", 3, 2, H, HV, K, V, 0, gdn_layers=(0, 2))
+
+
+def resident_store(name: str, backend: str) -> StateStore:
+    """A store of named configuration ``name`` at :data:`RESIDENT_SHAPE` (PACE-4/8 with one 8-bit head per layer,
+    DAMP with random outlier rows) after a prefill and decode tokens through a flush and into the next buffer."""
+    cfg = get_config(name)
+    if cfg.high_share > 0:
+        cfg = cfg.replace(high_heads=((1,), (3,)))
+    rows = damp_rows() if cfg.method == "damp" else None
+    store = StateStore(cfg, RESIDENT_SHAPE, B, "cpu", H, HV, K, V, LAYERS, damp_rows=rows, backend=backend)
+    tokens = make_tokens(5 + cfg.decode_period + 2, seed=3)
+    for layer in LAYERS:
+        store.prefill(layer, *split(tokens, 0, 5))
+        store.decode(layer, *split(tokens, 5, 7))
+        for t in range(7, tokens[0].shape[1]):  # one token per call, as generate() does
+            store.decode(layer, *split(tokens, t, t + 1))
+        store.effective_state(layer)
+    return store
+
+
+@pytest.mark.parametrize("name", [n for n in NAMED_CONFIGS])
+def test_resident_bytes_are_the_accounted_bytes(name):
+    """Every tensor a store holds after a prefill and decode (the reference backend) is what
+    pace_core.accounting.state_bytes counts: no dequantised checkpoint, fp32 copy of the buffer or earlier
+    checkpoint outlives a call."""
+    store = resident_store(name, "reference")
+    assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B) == store.nbytes()
+
+
+@pytest.mark.parametrize("name", [n for n in NAMED_CONFIGS])
+@pytest.mark.parametrize("tokens", [5, 40, 300])
+def test_peak_transient_is_within_the_stated_bound(name, tokens):
+    """The workspace of a prefill of ``tokens`` tokens and of single-token decode calls (their peak allocation
+    beyond the state, pace_core.memory.PeakBytes; the outputs deleted after the prefill, kept during it) stays
+    within pace_core.accounting.transient_bytes, and the store holds only its accounted bytes after each."""
+    cfg = get_config(name)
+    if cfg.high_share > 0:
+        cfg = cfg.replace(high_heads=((1,), (3,)))
+    store = StateStore(cfg, RESIDENT_SHAPE, B, "cpu", H, HV, K, V, LAYERS,
+                       damp_rows=damp_rows() if cfg.method == "damp" else None)
+    tokens_ = make_tokens(tokens + cfg.decode_period + 1, seed=4)
+    with PeakBytes() as prefill:
+        store.prefill(0, *split(tokens_, 0, tokens))
+    assert 0 < prefill.peak <= transient_bytes(cfg, RESIDENT_SHAPE, B, tokens, prefill=True)
+    for t in range(tokens, tokens_[0].shape[1]):  # through a flush
+        with PeakBytes() as decode:
+            store.decode(0, *split(tokens_, t, t + 1))
+        assert 0 < decode.peak <= transient_bytes(cfg, RESIDENT_SHAPE, B)
+        assert held_bytes(store) == state_bytes(cfg, RESIDENT_SHAPE, B)

@@ -1,0 +1,94 @@
+"""Bytes as held, counted from the objects themselves (the check of :mod:`pace_core.accounting`'s figures):
+
+- :func:`held_storages`: the storage of every tensor reachable from an object (a
+  :class:`~pace_core.state_store.StateStore`, a cache), each counted once, whatever views share it;
+- :class:`PeakBytes`: while active, the bytes of the tensors that torch operations allocate and are still
+  alive, and their peak (the transient workspace of a call: what it needs beyond the state it started with).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_ATOMS = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, str, bytes, int,
+          float, bool, complex, type(None))
+
+
+def held_storages(root: Any, skip: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:
+    """``{storage address: bytes}`` of every tensor reachable from ``root`` through attributes, ``__slots__``,
+    dataclass fields, dicts, lists, tuples and sets (not through modules, classes or functions), leaving out
+    the storages at the addresses ``skip``."""
+    seen: set[int] = set()
+    found: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, _ATOMS) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in skip:
+                found[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.keys())
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend(obj)
+        else:
+            todo.extend(getattr(obj, "__dict__", {}).values())
+            todo.extend(getattr(obj, name) for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())
+                        if isinstance(name, str) and hasattr(obj, name))
+    return found
+
+
+def held_bytes(root: Any, skip: frozenset[int] | set[int] = frozenset()) -> int:
+    """The bytes of :func:`held_storages`."""
+    return sum(held_storages(root, skip).values())
+
+
+class PeakBytes(TorchDispatchMode):
+    """``with PeakBytes() as m: ...``: ``m.live`` bytes of the storages allocated by torch operations inside the
+    block that are still referenced, ``m.peak`` the largest ``live`` seen (a storage counts from the operation
+    that allocates it until its last tensor, views included, is gone). Storages that existed before the block
+    are not counted, nor what an in-place or ``out=`` operation writes into them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, int] = {}  # storage address -> live tensors on it
+        self._sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        for i, t in enumerate(tree_leaves(out)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage().data_ptr()
+            fresh = i < len(returns) and returns[i].alias_info is None
+            if key in self._refs or (fresh and key not in self._sizes):
+                self._hold(t, key)
+        return out
+
+    def _hold(self, t: torch.Tensor, key: int) -> None:
+        if key not in self._refs:
+            self._refs[key] = 0
+            self._sizes[key] = t.untyped_storage().nbytes()
+            self.live += self._sizes[key]
+            self.peak = max(self.peak, self.live)
+        self._refs[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live -= self._sizes.pop(key)
