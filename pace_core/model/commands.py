@@ -3,11 +3,15 @@
 Each command loads a checkpoint (``--model``: a local folder or a hub id; default: the embedded
 model), runs one analysis of :mod:`pace_core.analysis`, prints a short table and stores the result
 under ``<--out>/<model>/`` (default ``data/results/``) through :mod:`pace_core.results`, keyed by
-everything that defines it (model, configurations, text hash, settings), so the app and later runs
-reuse it; ``--force`` recomputes a stored result. Configurations are named ones or exported config
-JSON files; a configuration that needs calibration (PACE-4/8's high-bit heads, DAMP's outlier rows)
-is calibrated first on the calibration text. ``all`` produces the full result set in one command,
-e.g. ``python -m pace_core all --model Qwen/Qwen3.5-4B --device cuda``.
+everything that defines it (method version, model, configurations, text hash, settings), so the app and
+later runs reuse it; ``--force`` recomputes a stored result, and a damaged one is named and recomputed.
+Per-configuration commands (drift, perplexity, generate, the claims' quality) store each group of
+:data:`CONFIG_GROUP` configurations as it finishes; Ctrl-C exits with 130 naming what was stored and the
+command that resumes. Configurations are named ones or exported config JSON files; a configuration that
+needs calibration (PACE-4/8's high-bit heads, DAMP's outlier rows) is calibrated first on the
+calibration text. ``export`` leaves a file of the same configuration as it is and refuses one of another
+unless ``--force``. ``all`` produces the full result set in one command, e.g. ``python -m pace_core all
+--model Qwen/Qwen3.5-4B --device cuda``.
 
 Heavy imports (torch models, transformers) happen inside the commands, so ``bits`` stays quick.
 """
