@@ -3,6 +3,7 @@ import hashlib
 import io
 import json
 import math
+import re
 import shutil
 
 import numpy as np
@@ -12,19 +13,15 @@ import torch
 
 from pace_core import result_checks as C
 from pace_core import results as R
-from pace_core.analysis.text import CALIBRATION_TEXT
 from pace_core.cli import main
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 
-EMBEDDED = "pace-tiny-qwen35"
-
 
 @pytest.fixture(scope="module")
 def correct_drift(tmp_path_factory):
-    """A correct drift of bf16 and rtn-int8 on the embedded model, 64 tokens (the CLI's own command)."""
-    if not CALIBRATION_TEXT.is_file():
-        pytest.skip(f"the calibration corpus {CALIBRATION_TEXT} is not on this machine")
+    """A correct drift of bf16 and rtn-int8 on the embedded model, 64 tokens of the calibration text (the CLI's
+    own command)."""
     out = tmp_path_factory.mktemp("drift")
     assert main(["drift", "--configs", "bf16", "rtn-int8", "--tokens", "64", "--out", str(out), "--quiet"]) == 0
     [folder] = [p for p in out.iterdir() if p.is_dir()]
@@ -197,7 +194,7 @@ def test_each_kind_is_checked(tmp_path, kind, data, table, breaks, message):
     assert R.load_result(kind, "m", key, root=tmp_path).data == json.loads(json.dumps(data))
     bad, bad_table = copy.deepcopy(data), None if table is None else table.copy()
     breaks(bad, bad_table)
-    with pytest.raises(PaceError, match="not stored: .*" + _escape(message)):
+    with pytest.raises(PaceError, match="not stored: .*" + re.escape(message)):
         R.save_result(kind, "m", key, bad, prov, bad_table, root=tmp_path)
     path = tmp_path / "m" / f"{kind}-{key}.json"
     doc = json.loads(path.read_text())
@@ -205,11 +202,5 @@ def test_each_kind_is_checked(tmp_path, kind, data, table, breaks, message):
     path.write_text(json.dumps(doc))
     if bad_table is not None:
         _rewrite_table(path, bad_table)
-    with pytest.raises(R.DamagedResult, match=_escape(message)):
+    with pytest.raises(R.DamagedResult, match=re.escape(message)):
         R.load_result(kind, "m", key, root=tmp_path)
-
-
-def _escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
