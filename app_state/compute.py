@@ -190,16 +190,19 @@ def calibration_key(cfg: PaceConfig) -> str:
 
 
 def _stored_calibration(source: str, weights: str, key: str) -> tuple[Calibration, str] | None:
-    """A calibration stored by the CLI for the same weights and quantiser (see calibration_key) and its
-    provenance line, if any."""
-    for result in stored_results(source, "calibration", weights):
-        try:
-            cal = Calibration.from_data(result.data)
-        except PaceError:
-            continue
-        if calibration_key(cal.config) == key:
+    """A current calibration stored by the CLI for the same weights and quantiser (see calibration_key) and
+    its provenance line, if any (one of another method version is not used)."""
+    for result in stored_results(source, "calibration", weights).results:
+        cal = Calibration.from_data(result.data)  # checked when read (pace_core.result_checks)
+        if not result.stale and calibration_key(cal.config) == key:
             return cal, f"{cal.tokens} tokens, {cal.samples} states; " + provenance_label(result.provenance)
     return None
+
+
+def _damaged_calibrations(source: str, weights: str) -> str:
+    """The damaged stored calibration files, named for a provenance line ('' when none)."""
+    damaged = stored_results(source, "calibration", weights).damaged
+    return "".join(f"; not used, damaged: {d.message}" for d in damaged)
 
 
 def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
@@ -234,7 +237,8 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
     cal = calibrate(loaded, config_from_json(key), samples=samples)
     found = {"calibration": cal,
              "provenance_label": f"{cal.tokens} tokens of {CALIBRATION_TEXT.name}, {cal.samples} states "
-                                 f"(one every {CALIBRATION_EVERY} tokens), computed live on {model_label_of(source)}"}
+                                 f"(one every {CALIBRATION_EVERY} tokens), computed live on {model_label_of(source)}"
+                                 + _damaged_calibrations(source, loaded.fingerprint)}
     work.kept("calibration", 64).put((source, where, key), found)
     return found
 

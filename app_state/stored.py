@@ -22,39 +22,50 @@ BENCH_COMMAND = "python3 kernels/bench/bench.py --out data/bench"
 
 
 @st.cache_data(show_spinner=False, ttl=30)
-def stored_results(source: str, kind: str, weights: str) -> list[Any]:
+def stored_results(source: str, kind: str, weights: str) -> Any:
     """Results of `kind` stored by `python -m pace_core <command>` under data/results/ for the model
     whose weights have the fingerprint `weights` (pace_core.model.loading.weights_fingerprint; results
     of other weights under the same name, e.g. before a retrained checkpoint replaced it, are left out),
-    newest first (re-read at most every 30 s)."""
-    from pace_core.results import list_results
+    current ones first, each newest first, with the damaged files of `kind` beside them: a
+    pace_core.results.Listing (re-read at most every 30 s)."""
+    from pace_core.results import Listing, list_results
 
-    return [r for r in list_results(results_model_name(source), kind) if r.provenance.get("weights") == weights]
+    listing = list_results(results_model_name(source), kind)
+    return Listing([r for r in listing.results if r.provenance.get("weights") == weights], listing.damaged)
 
 
 @st.cache_data(show_spinner=False, ttl=30)
-def stored_sets(source: str, kind: str, weights: str) -> list[Any]:
+def stored_sets(source: str, kind: str, weights: str) -> Any:
     """The per-configuration results of `kind` (drift, perplexity, generation) stored for the weights
-    `weights`, one pace_core.results.ResultSet per setting, newest first (re-read at most every 30 s)."""
+    `weights`, one pace_core.results.ResultSet per setting and method version, current ones first, with
+    the damaged files of `kind`: a pace_core.results.Listing (re-read at most every 30 s)."""
     from pace_core.results import result_sets
 
     return result_sets(results_model_name(source), kind, weights=weights)
+
+
+STALE = "stale · "
+"""The start of a stale result's label in a chooser."""
 
 
 def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], str], key: str, *,
                   live: str | None = None, title: str = "Source", per_config: bool = False) -> Any | None:
     """One result of `python -m pace_core <command>` stored as `kind` for the weights `weights`
     (:func:`stored_results`; with `per_config`, one set of per-configuration results, :func:`stored_sets`),
-    labelled by `label`: with `live`, a radio whose first option is `live` (returns None for it); else a
-    selectbox titled `title` (None, and nothing shown, when none is stored). The chosen result's
-    provenance is captioned."""
-    stored = (stored_sets if per_config else stored_results)(model_source(), kind, weights)
+    labelled by `label` (a stale one, made by another method version, after "stale · "): with `live`, a radio
+    whose first option is `live` (returns None for it); else a selectbox titled `title` (None, and nothing
+    shown, when none is stored). The chosen result's provenance is captioned, and a stale one's warning
+    says how to recompute it. Damaged files of `kind` are named in a warning each, with what to do."""
+    listing = (stored_sets if per_config else stored_results)(model_source(), kind, weights)
+    for damaged in listing.damaged:
+        st.warning(f"A stored {kind} result is damaged and not shown: {damaged.message}", icon=":material/warning:")
+    stored = listing.results
     if not stored and live is None:
         return None
-    options = ([live] if live else []) + [label(r) for r in stored]
+    options = ([live] if live else []) + [(STALE if r.stale else "") + label(r) for r in stored]
     help_text = (f"Results of `python -m pace_core {command}` stored under data/results/ for the loaded weights, "
-                 "newest first, with their provenance"
-                 + ("; 'live' computes on the loaded model now." if live else "."))
+                 "current ones first, newest first, with their provenance; a stale one was made by another "
+                 "version of the method's code" + ("; 'live' computes on the loaded model now." if live else "."))
     if live:
         choice = st.radio(title, options, key=key, horizontal=len(options) < 3, help=help_text)
     else:
@@ -62,6 +73,9 @@ def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], 
     if choice == live:
         return None
     result = stored[options.index(choice) - (1 if live else 0)]
+    if result.stale:
+        st.warning(f"{result.stale_label}. Its numbers may not be what the current code computes"
+                   + ("; the first option computes them now." if live else "."), icon=":material/history:")
     st.caption(f"Source: {provenance_label(result.provenance)}")
     return result
 

@@ -64,7 +64,7 @@ def test_calibrate_export_and_reuse(env, capsys):
     assert _run(env, "calibrate", "--text", env["text"], "--tokens", "128", "--sample-every", "32") == 0
     out = capsys.readouterr().out
     assert "high_heads: ((" in out and "saved" in out
-    [cal] = list_results(env["model"], "calibration", root=env["out"])
+    [cal] = list_results(env["model"], "calibration", root=env["out"]).results
     assert len(cal.table) == 4 * 3 and cal.table.high.sum() == 3
     dest = env["root"] / "cfg.json"
     assert _run(env, "export", "--text", env["text"], "--tokens", "128", "--sample-every", "32",
@@ -81,7 +81,7 @@ def test_calibrate_export_and_reuse(env, capsys):
 def test_drift_perplexity_generate_sweep(env, capsys):
     drift = ("drift", "--text", env["text"], "--tokens", "40", "--decode-from", "24", "--every", "4")
     assert _run(env, *drift, "--configs", "rtn-int4") == 0
-    [r] = list_results(env["model"], "drift", root=env["out"])
+    [r] = list_results(env["model"], "drift", root=env["out"]).results
     assert set(r.table.columns) >= {"config", "step", "rel_error", "excess_nll"}
     assert set(r.table.config) == {"rtn-int4"} and r.provenance["text"]["sha256"]
     capsys.readouterr()
@@ -89,20 +89,20 @@ def test_drift_perplexity_generate_sweep(env, capsys):
     assert _run(env, *drift, "--configs", "rtn-int4", "rtn-int8") == 0
     out = capsys.readouterr().out
     assert "reusing stored drift of rtn-int4" in out and out.count("saved") == 1
-    [drift_set] = result_sets(env["model"], "drift", root=env["out"])
+    [drift_set] = result_sets(env["model"], "drift", root=env["out"]).results
     assert drift_set.configs == ["rtn-int4", "rtn-int8"] and set(drift_set.table.config) == {"rtn-int4", "rtn-int8"}
     assert _run(env, "perplexity", "--text", env["text"], "--window", "64", "--stride", "32", "--max-tokens", "96",
                 "--configs", "rtn-int8") == 0
-    [p] = result_sets(env["model"], "perplexity", root=env["out"])
+    [p] = result_sets(env["model"], "perplexity", root=env["out"]).results
     assert list(p.table.config) == ["fp32", "rtn-int8"] and (p.table.ppl > 1).all()
     assert p.rows("decode_from") == [32, 32] and p.table.kl[1] > 0  # scored tokens decoded by default
     assert _run(env, "generate", "--prompt", "Hello", "--max-new-tokens", "4", "--configs", "rtn-int4",
                 "--modes", "greedy") == 0
-    [gr] = result_sets(env["model"], "generation", root=env["out"])
+    [gr] = result_sets(env["model"], "generation", root=env["out"]).results
     assert list(gr.table.config) == ["fp32", "rtn-int4"]
     assert _run(env, "sweep", "--text", env["text"], "--tokens", "64", "--decode-tokens", "16", "--bits", "4", "8",
                 "--dp", "1", "8", "--axis", "key") == 0
-    [sw] = list_results(env["model"], "sweep", root=env["out"])
+    [sw] = list_results(env["model"], "sweep", root=env["out"]).results
     assert len(sw.table) == 4 and (sw.table.final_rel_error > 0).all()
     assert isinstance(sw.table, pd.DataFrame) and sw.data["mode"] == "layer-local"
 
@@ -112,10 +112,10 @@ def test_perplexity_whole_text_in_batches(env, tmp_path):
     common = ["perplexity", "--model", env["model"], "--quiet", "--text", env["text"], "--window", "64",
               "--stride", "32", "--configs", "rtn-int4"]
     assert main([*common, "--out", out, "--max-tokens", "0", "--batch", "4"]) == 0
-    [p] = result_sets(env["model"], "perplexity", root=out)
+    [p] = result_sets(env["model"], "perplexity", root=out).results
     assert list(p.table.tokens) == [399, 399]  # 400 one-character tokens, all but the first scored
     assert main([*common, "--out", str(tmp_path / "one"), "--max-tokens", "400"]) == 0
-    [q] = result_sets(env["model"], "perplexity", root=str(tmp_path / "one"))
+    [q] = result_sets(env["model"], "perplexity", root=str(tmp_path / "one")).results
     # same scores up to summation order (batched matmuls): tight for the unquantised reference; for the
     # quantised rows that order can move a rounding boundary (see test_analysis_quality)
     assert p.table.nll[0] == pytest.approx(q.table.nll[0], rel=1e-6)
@@ -140,7 +140,7 @@ def test_stored_results_belong_to_the_weights(env, capsys, tmp_path):
     commands._CONTEXTS.clear()  # as a new process would: the CLI keeps one loaded model per process
     assert main(argv) == 0
     assert "reusing" not in capsys.readouterr().out
-    results = list_results(str(folder), "perplexity", root=str(tmp_path / "results"))
+    results = list_results(str(folder), "perplexity", root=str(tmp_path / "results")).results
     assert len(results) == 4 and len({r.provenance["weights"] for r in results}) == 2  # fp32 + rtn-int8, twice
 
 
@@ -158,9 +158,9 @@ def test_damp_results_follow_their_calibration(env, capsys, tmp_path):
     assert main([*argv, "--calibration-text", str(other)]) == 0
     printed = capsys.readouterr().out  # the fp32 reference does not depend on calibration; damp-int4 does
     assert "reusing stored perplexity of fp32 " in printed and "damp-int4 (" not in printed
-    rows = [r.data["damp_rows"] for r in list_results(env["model"], "calibration", root=out)]
+    rows = [r.data["damp_rows"] for r in list_results(env["model"], "calibration", root=out).results]
     assert len(rows) == 2 and rows[0] != rows[1]  # two calibrations with different rows
-    configs = [r.data["config"] for r in list_results(env["model"], "perplexity", root=out)]
+    configs = [r.data["config"] for r in list_results(env["model"], "perplexity", root=out).results]
     assert sorted(configs) == ["damp-int4", "damp-int4", "fp32"]  # the reference once, damp per calibration
 
 
@@ -170,11 +170,11 @@ def test_perplexity_with_stride_equal_to_window_still_decodes(env, tmp_path):
     out = str(tmp_path / "results")
     assert main(["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"],
                  "--window", "32", "--stride", "32", "--max-tokens", "64", "--configs", "rtn-int2"]) == 0
-    [p] = result_sets(env["model"], "perplexity", root=out)
+    [p] = result_sets(env["model"], "perplexity", root=out).results
     assert p.rows("decode_from") == [1, 1] and p.table.kl[1] > 0
     assert main(["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"],
                  "--window", "32", "--max-tokens", "64", "--configs", "rtn-int2"]) == 0  # stride: half the window
-    assert {r.data["decode_from"] for r in list_results(env["model"], "perplexity", root=out)} == {1, 16}
+    assert {r.data["decode_from"] for r in list_results(env["model"], "perplexity", root=out).results} == {1, 16}
 
 
 def test_errors_exit_2(env, capsys, tmp_path):
@@ -217,13 +217,13 @@ def test_all_small(env, tmp_path, capsys, bars, monkeypatch):
     assert main(argv) == 0
     _assert_filled(bars)
     assert {desc.split()[0] for desc, _ in bars} >= {"calibrate", "sweep", "drift", "perplexity", "generate", "claims"}
-    kinds = sorted({r.kind for r in list_results(env["model"], root=out)})
+    kinds = sorted({r.kind for r in list_results(env["model"], root=out).results})
     assert kinds == ["calibration", "claims", "claims_quality", "drift", "generation", "model_card", "perplexity",
                      "structure", "sweep"]
-    [claims] = list_results(env["model"], "claims", root=out)
+    [claims] = list_results(env["model"], "claims", root=out).results
     assert {c["claim"] for c in claims.data["claims"]} == set("abcd")
     # the claims' perplexity is stored per configuration: a stopped run resumes, computing only what is missing
-    quality = list_results(env["model"], "claims_quality", root=out)
+    quality = list_results(env["model"], "claims_quality", root=out).results
     reported = {row["label"]: row for row in claims.data["quality"]}
     assert len(quality) > 10 and {r.data["config"] for r in quality} <= set(reported)
     assert all(r.data["row"]["kl"] == reported[r.data["config"]]["kl"] for r in quality)  # the report's numbers
@@ -237,10 +237,10 @@ def test_all_small(env, tmp_path, capsys, bars, monkeypatch):
     printed = capsys.readouterr().out
     assert "reusing stored claims_quality" in printed
     assert printed.count("saved") == 2  # the one configuration removed, then the report
-    [again] = list_results(env["model"], "claims", root=out)
+    [again] = list_results(env["model"], "claims", root=out).results
     assert again.data["claims"] == claims.data["claims"]
     for kind in ("drift", "perplexity", "generation"):  # damp runs with its calibrated outlier rows everywhere
-        [r] = result_sets(env["model"], kind, root=out)
+        [r] = result_sets(env["model"], kind, root=out).results
         assert "damp-int4" in set(r.table.config)
     exported = list((tmp_path / "all").glob("*/config-pace-4-8.json"))
     assert len(exported) == 1 and config_from_json(exported[0].read_text()).high_heads is not None
@@ -254,7 +254,7 @@ def test_structure_reports_the_fp32_state_after_the_prefill(env):
     from pace_core.model.loading import load_model
 
     assert _run(env, "structure", "--text", env["text"], "--tokens", "96", "--threshold", "3") == 0
-    [r] = list_results(env["model"], "structure", root=env["out"])
+    [r] = list_results(env["model"], "structure", root=env["out"]).results
     loaded = load_model(env["model"])
     ids = tokenize(loaded.tokenizer, read_text(env["text"]), 96)
     states = run_with_states(loaded, get_config("fp32"), ids, capture_steps=[ids.shape[1]]).states[ids.shape[1]]
@@ -265,3 +265,141 @@ def test_structure_reports_the_fp32_state_after_the_prefill(env):
         assert rows.col_ratio.tolist() == pytest.approx(stats.col_ratio.tolist(), rel=1e-12)
         assert rows.outlier_cols.tolist() == stats.outlier_cols.sum(-1).tolist()
     assert r.data["tokens"] == ids.shape[1] and r.data["threshold"] == 3.0
+
+
+def test_a_damaged_stored_result_is_named_and_computed_again(env, capsys, tmp_path):
+    out = str(tmp_path / "results")
+    argv = ["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--window", "32",
+            "--stride", "16", "--max-tokens", "64", "--configs", "rtn-int8"]
+    assert main(argv) == 0
+    [fp32, int8] = result_sets(env["model"], "perplexity", root=out).results[0].results
+    int8.path.write_text("{not json")
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"damaged stored perplexity: {int8.path}: not a readable JSON result" in printed
+    assert "reusing stored perplexity of fp32 " in printed and printed.count("saved") == 1
+    listing = result_sets(env["model"], "perplexity", root=out)
+    assert listing.damaged == [] and listing.results[0].rows("row")[1] == int8.data["row"]  # the same numbers
+
+
+def test_results_of_another_method_version_are_not_reused(env, capsys, tmp_path, monkeypatch):
+    import pace_core.version
+
+    out = str(tmp_path / "results")
+    argv = ["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--window", "32",
+            "--stride", "16", "--max-tokens", "64", "--configs", "rtn-int8"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    bumped = pace_core.version.METHOD_VERSION + 1  # the code changed its numbers: the version was bumped
+    for module in (pace_core.version, pace_core.results):
+        monkeypatch.setattr(module, "METHOD_VERSION", bumped)
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "reusing" not in printed and printed.count("saved") == 2
+    current, stale = result_sets(env["model"], "perplexity", root=out).results
+    assert not current.stale and stale.stale and current.params_key != stale.params_key
+    assert stale.stale_label.startswith(f"stale: made by method version {bumped - 1} (code ")
+    assert [r.provenance["method_version"] for r in current.results] == [bumped] * 2
+
+
+def test_per_config_stores_each_group_as_it_finishes(env, capsys, tmp_path, monkeypatch):
+    """A run stopped (Ctrl-C) after its first group keeps that group's results, exits 130 naming them and the
+    command that resumes; the resumed run computes only the rest."""
+    import pace_core.analysis.drift as analysis
+
+    out = str(tmp_path / "results")
+    monkeypatch.setattr(commands, "CONFIG_GROUP", 1)
+    real, calls = analysis.drift, []
+
+    def drift(*args, **kwargs):
+        calls.append([c.name for c in args[1]])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(analysis, "drift", drift)
+    argv = ["drift", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--tokens", "32",
+            "--every", "4", "--configs", "rtn-int4", "rtn-int8"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert calls == [["rtn-int4"], ["rtn-int8"]]
+    assert "interrupted: stored 1 result(s): drift of rtn-int4. `python -m pace_core" in err and "resumes" in err
+    assert [r.data["config"] for r in list_results(env["model"], "drift", root=out).results] == ["rtn-int4"]
+    assert main(argv) == 0
+    assert calls[2:] == [["rtn-int8"]] and "reusing stored drift of rtn-int4" in capsys.readouterr().out
+
+
+_STOPPED_RUN = """
+import sys, time
+import pace_core.analysis.drift as analysis
+real, calls = analysis.drift, [0]
+def drift(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:
+        print("ready", flush=True)
+        time.sleep(120)
+    return real(*args, **kwargs)
+analysis.drift = drift
+from pace_core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGINT"])
+def test_a_stopped_run_keeps_its_finished_groups(env, tmp_path, sig):
+    """A drift of five configurations (groups of four and one) killed, or interrupted by Ctrl-C, while the
+    second group runs: the first group's four results are stored and read; Ctrl-C exits with 130 and says so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = str(tmp_path / "results")
+    configs = ["rtn-int3", "rtn-int4", "rtn-int5", "rtn-int6", "rtn-int8"]
+    argv = ["drift", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--tokens", "32",
+            "--every", "4", "--configs", *configs]
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_RUN, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": repo})
+    try:
+        lines = []
+        while not lines or lines[-1] != "ready":
+            line = proc.stdout.readline()
+            assert line, f"the run ended early: {proc.stderr.read()[-2000:]}"
+            lines.append(line.strip())
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert sum(line.startswith("saved ") for line in lines) == commands.CONFIG_GROUP == 4
+    if sig == "SIGINT":
+        assert proc.returncode == 130
+        assert ("interrupted: stored 4 result(s): drift of rtn-int3, drift of rtn-int4, drift of rtn-int5, drift of "
+                "rtn-int6. `python -m pace_core drift --model") in err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    listing = list_results(env["model"], "drift", root=out)
+    assert sorted(r.data["config"] for r in listing.results) == configs[:4] and listing.damaged == []
+    assert not [p for p in Path(listing.results[0].path).parent.iterdir() if p.suffix == ".tmp"]
+
+
+def test_export_never_silently_replaces_another_calibration(env, capsys, tmp_path):
+    out = str(tmp_path / "results")
+    argv = ["export", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--sample-every", "32"]
+    assert main([*argv, "--tokens", "128"]) == 0
+    [path] = list((tmp_path / "results").glob("*/config-pace-4-8.json"))
+    first = path.read_bytes()
+    capsys.readouterr()
+    assert main([*argv, "--tokens", "128"]) == 0  # the same configuration and calibration: left as it is
+    assert "already holds this configuration and calibration: left as it is" in capsys.readouterr().out
+    assert path.read_bytes() == first
+    assert main([*argv, "--tokens", "64"]) == 2  # another calibration: refused, naming the file and the difference
+    err = capsys.readouterr().err
+    assert f"error: {path} holds another configuration: calibration.tokens 128 in the file, 64 now" in err
+    assert "--force replaces it" in err and path.read_bytes() == first
+    assert main([*argv, "--tokens", "64", "--force"]) == 0
+    assert config_from_json(path.read_text()) is not None and b'"calibration_tokens": 64' in path.read_bytes()
+    assert commands.export_differences(first, path.read_text())[0] == "calibration.tokens 128 in the file, 64 now"
+    assert commands.export_differences(b"[1]", path.read_text()) == ["it is not a configuration JSON (not an object)"]

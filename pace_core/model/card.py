@@ -94,6 +94,8 @@ def card_of(loaded: Any) -> ModelCard:
 
 
 def _key(stamp: str, dtype: str) -> str:
+    """The card's result key. No method version in it: a card holds the checkpoint's shape and fingerprint,
+    which the method's numerics do not change (CARD_VERSION covers the card's own form)."""
     from pace_core.results import result_key
 
     return result_key({"kind": CARD_KIND, "version": CARD_VERSION, "stamp": stamp, "dtype": dtype})
@@ -109,14 +111,18 @@ def save_card(loaded: Any, model: str, before: str | None, *, root: str | os.Pat
     hub id, a folder that changed during the load, a load with offloaded (``meta``) weights (the fingerprint
     counts those by name only) or an unwritable results folder: the card only spares a later load. A card
     of the same stamp and dtype is kept as it is."""
-    from pace_core.results import load_result, make_provenance, save_result
+    from pace_core.results import DamagedResult, load_result, make_provenance, save_result
 
     if before is None or checkpoint_stamp(loaded.source) != before or any(
             p.device.type == "meta" for p in loaded.model.parameters()):
         return False
     key = _key(before, _dtype_name(loaded.dtype))
     try:
-        if load_result(CARD_KIND, model, key, root=root) is None:
+        try:
+            stored = load_result(CARD_KIND, model, key, root=root)
+        except DamagedResult:  # replaced by this load's card
+            stored = None
+        if stored is None:
             card = card_of(loaded)
             data = {"source": card.source, "shape": dataclasses.asdict(card.shape), "summary": card.summary,
                     "fingerprint": card.fingerprint}
@@ -130,12 +136,16 @@ def save_card(loaded: Any, model: str, before: str | None, *, root: str | os.Pat
 def load_card(source: str | os.PathLike, model: str, dtype: str, *,
               root: str | os.PathLike | None = None) -> ModelCard | None:
     """The card stored for the checkpoint folder ``source`` (results name ``model``) as it is now, by a load
-    in ``dtype`` (e.g. ``float32``), or None (no folder, no card, a damaged card). The card names ``source``
+    in ``dtype`` (e.g. ``float32``), or None (no folder, no card, a damaged card: the caller loads the model,
+    whose load stores the card again). The card names ``source``
     where it named the folder it was made from (a clone of the repository elsewhere, a moved folder)."""
-    from pace_core.results import load_result
+    from pace_core.results import DamagedResult, load_result
 
     stamp = checkpoint_stamp(source)
-    found = None if stamp is None else load_result(CARD_KIND, model, _key(stamp, _dtype_name(dtype)), root=root)
+    try:
+        found = None if stamp is None else load_result(CARD_KIND, model, _key(stamp, _dtype_name(dtype)), root=root)
+    except DamagedResult:
+        return None
     if found is None:
         return None
     data, here = found.data, str(source)

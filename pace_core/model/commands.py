@@ -3,11 +3,15 @@
 Each command loads a checkpoint (``--model``: a local folder or a hub id; default: the embedded
 model), runs one analysis of :mod:`pace_core.analysis`, prints a short table and stores the result
 under ``<--out>/<model>/`` (default ``data/results/``) through :mod:`pace_core.results`, keyed by
-everything that defines it (model, configurations, text hash, settings), so the app and later runs
-reuse it; ``--force`` recomputes a stored result. Configurations are named ones or exported config
-JSON files; a configuration that needs calibration (PACE-4/8's high-bit heads, DAMP's outlier rows)
-is calibrated first on the calibration text. ``all`` produces the full result set in one command,
-e.g. ``python -m pace_core all --model Qwen/Qwen3.5-4B --device cuda``.
+everything that defines it (method version, model, configurations, text hash, settings), so the app and
+later runs reuse it; ``--force`` recomputes a stored result, and a damaged one is named and recomputed.
+Per-configuration commands (drift, perplexity, generate, the claims' quality) store each group of
+:data:`CONFIG_GROUP` configurations as it finishes; Ctrl-C exits with 130 naming what was stored and the
+command that resumes. Configurations are named ones or exported config JSON files; a configuration that
+needs calibration (PACE-4/8's high-bit heads, DAMP's outlier rows) is calibrated first on the
+calibration text. ``export`` leaves a file of the same configuration as it is and refuses one of another
+unless ``--force``. ``all`` produces the full result set in one command, e.g. ``python -m pace_core all
+--model Qwen/Qwen3.5-4B --device cuda``.
 
 Heavy imports (torch models, transformers) happen inside the commands, so ``bits`` stays quick.
 """
@@ -27,6 +31,18 @@ from pace_core.errors import PaceError
 DEFAULT_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8")
 ALL_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8", "damp-int8", "damp-int4", "qmamba-dsq")
 DEFAULT_PROMPT = "The history of the city begins in"
+
+CONFIG_GROUP = 4
+"""Configurations measured (and stored) together by a per-configuration command, each group with its own run
+of the reference: a stopped run loses at most these."""
+
+_SAVED: list[str] = []
+"""What this process stored, in order (named when a command is interrupted)."""
+
+
+def config_groups(cfgs: list) -> list[list]:
+    """``cfgs`` in groups of :data:`CONFIG_GROUP`, in their order."""
+    return [cfgs[i:i + CONFIG_GROUP] for i in range(0, len(cfgs), CONFIG_GROUP)]
 
 
 class Context:
@@ -50,15 +66,23 @@ class Context:
         return tqdm(total=total, desc=desc, disable=self.args.quiet, file=sys.stderr, leave=False)
 
     def cached(self, kind: str, params: dict[str, Any]):
-        """(key, stored Result or None unless --force). The key holds the model, its weights, dtype and
-        device, and the ``--device-map`` when one is given (results differ a little between devices; sampling
-        draws other numbers) and ``params``."""
-        from pace_core.results import load_result, result_key
+        """(key, stored Result or None unless --force). The key holds the method version
+        (:data:`pace_core.version.METHOD_VERSION`: results of other numerics are never reused), the model, its
+        weights, dtype and device, and the ``--device-map`` when one is given (results differ a little between
+        devices; sampling draws other numbers) and ``params``. A damaged stored result is named on stdout
+        and computed again (the new one replaces it)."""
+        from pace_core.results import DamagedResult, load_result, result_key
+        from pace_core.version import METHOD_VERSION
 
         placement = {"device_map": self.args.device_map} if self.args.device_map else {}  # none: the keys of before
-        key = result_key({"kind": kind, "model": self.model_name, "weights": self.loaded.fingerprint,
-                          "dtype": self.args.dtype, "device": str(self.loaded.device), **placement, **params})
-        found = None if self.args.force else load_result(kind, self.model_name, key, root=self.args.out)
+        key = result_key({"kind": kind, "method_version": METHOD_VERSION, "model": self.model_name,
+                          "weights": self.loaded.fingerprint, "dtype": self.args.dtype,
+                          "device": str(self.loaded.device), **placement, **params})
+        try:
+            found = None if self.args.force else load_result(kind, self.model_name, key, root=self.args.out)
+        except DamagedResult as err:
+            print(f"damaged stored {kind}: {err.damaged.path}: {err.damaged.reason}; computing it again")
+            found = None
         return key, found
 
     def save(self, kind: str, key: str, data: dict, table=None, *, configs=(), text=None, extra=None):
@@ -68,6 +92,7 @@ class Context:
                                extra={"weights": self.loaded.fingerprint, "dtype": self.args.dtype,
                                       "device": str(self.loaded.device), **(extra or {})})
         result = save_result(kind, self.model_name, key, data, prov, table, root=self.args.out)
+        _SAVED.append(f"{kind} of {data['config']}" if "config" in data else kind)
         print(f"saved {result.path}")
         return result
 
@@ -75,22 +100,28 @@ class Context:
                    compute: Callable[[list, dict], dict[str, tuple[dict, Any]]], *, text: str | None = None) -> dict:
         """Results of ``kind``, one per configuration, each stored under its own key (the configuration's
         JSON and, for DAMP, its outlier rows, with ``params``): a stored one is reused, the missing ones are
-        computed together by ``compute(missing configs, {name: stored Result}) -> {name: (data, table)}`` and
-        stored one by one.
-        Every result's data carries ``params_key`` (the same for all results of one setting, so a listing
-        can put them side by side). Returns ``{name: Result}`` in the order of ``cfgs``."""
+        computed :data:`CONFIG_GROUP` at a time by ``compute(group of missing configs, {name: stored Result})
+        -> {name: (data, table)}`` and each group stored as soon as it is done (a stopped run keeps every
+        group it finished; the stored results passed on include the groups before).
+        Every result's data carries ``params_key`` (the same for all results of one setting and method
+        version, so a listing can put them side by side), ``config`` (the name) and ``configuration`` (its
+        JSON form, which the checks of a stored result read). Returns ``{name: Result}`` in the order of
+        ``cfgs``."""
+        from pace_core.config import config_to_dict
         from pace_core.results import result_key
+        from pace_core.version import METHOD_VERSION
 
-        params_key = result_key(params)
+        params_key = result_key({**params, "method_version": METHOD_VERSION})
         keys, found = self.stored(kind, cfgs, damp_rows, params)
         missing = [c for c in cfgs if found[c.name] is None]
         _say_reused(kind, [c.name for c in cfgs if found[c.name] is not None])
-        if missing:
+        for group in config_groups(missing):
             stored = {name: result for name, result in found.items() if result is not None}
-            for name, (data, table) in compute(missing, stored).items():
-                cfg = next(c for c in missing if c.name == name)
-                found[name] = self.save(kind, keys[name], {**data, "params_key": params_key, "config": name}, table,
-                                        configs=[cfg], text=text)
+            for name, (data, table) in compute(group, stored).items():
+                cfg = next(c for c in group if c.name == name)
+                found[name] = self.save(kind, keys[name], {**data, "params_key": params_key, "config": name,
+                                                           "configuration": config_to_dict(cfg)},
+                                        table, configs=[cfg], text=text)
         return {c.name: found[c.name] for c in cfgs}
 
     def stored(self, kind: str, cfgs: list, damp_rows: dict[str, list], params: dict[str, Any]
@@ -147,6 +178,23 @@ class Context:
 
 def _command() -> str:
     return " ".join(["python -m pace_core", *sys.argv[1:]])
+
+
+def _interruptible(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``run`` that answers Ctrl-C (KeyboardInterrupt) with exit code 130 and a line on stderr naming what
+    this run stored before it and the command that resumes (stored results are reused)."""
+    @functools.wraps(run)
+    def interruptible(args: argparse.Namespace) -> int:
+        start = len(_SAVED)
+        try:
+            return run(args)
+        except KeyboardInterrupt:
+            saved = _SAVED[start:]
+            what = f"stored {len(saved)} result(s): {', '.join(saved)}" if saved else "nothing stored by this run"
+            print(f"\ninterrupted: {what}. `{_command()}` resumes (it reuses what is stored)", file=sys.stderr)
+            return 130
+
+    return interruptible
 
 
 _CONTEXTS: dict[tuple, Context] = {}
@@ -217,6 +265,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    """Write the configuration (calibrated where it has 8-bit heads) as deployable JSON. A file already there is
+    left as it is when it holds the same configuration and calibration, and refused (naming the differences)
+    when it holds another, unless --force."""
     from pace_core.analysis.text import CALIBRATION_TEXT
     from pace_core.export import export_filename, export_json
     from pace_core.results import atomic_write, make_provenance, results_dir
@@ -231,9 +282,55 @@ def run_export(args: argparse.Namespace) -> int:
     text = export_json(cfg, shape=ctx.loaded.shape, source=ctx.loaded.source, weights_fingerprint=ctx.loaded.fingerprint,
                        provenance=prov)
     out = Path(args.output) if args.output else results_dir(ctx.model_name, args.out) / f"config-{export_filename(cfg)}"
+    if out.exists() and not args.force:
+        differences = export_differences(out.read_bytes(), text)
+        if not differences:
+            print(f"{out} already holds this configuration and calibration: left as it is")
+            return 0
+        raise PaceError(f"{out} holds another configuration: {'; '.join(differences)}. Not replaced; allowed: "
+                        "--force replaces it (and calibrates again), --output writes elsewhere")
     atomic_write(out, lambda p: p.write_text(text, encoding="utf-8"))
+    _SAVED.append(f"configuration {out.name}")
     print(f"wrote {out}")
     return 0
+
+
+def export_differences(old: bytes, new: str) -> list[str]:
+    """How the exported configuration JSON ``old`` (a file's bytes) differs from ``new``: every field of the
+    configuration, its model and its calibration (tokens, text) that differs, as ``field <old> in the file,
+    <new> now``; empty when they are the same configuration (the date, command and versions of the
+    provenance do not count)."""
+    import json
+
+    def view(doc: dict) -> dict:
+        prov = doc.get("provenance") or {}
+        text = prov.get("text") or {}
+        calibration = {"tokens": prov.get("calibration_tokens"), "text sha256": text.get("sha256"),
+                       "text": text.get("path")}
+        return _flat({**{k: v for k, v in doc.items() if k not in ("provenance", "producer")},
+                      "calibration": calibration})
+
+    try:
+        before = json.loads(old.decode("utf-8"))
+        if not isinstance(before, dict):
+            raise ValueError("not an object")
+    except (ValueError, RecursionError) as err:
+        return [f"it is not a configuration JSON ({err})"]
+    was, now = view(before), view(json.loads(new))
+    same_text = was.get("calibration.text sha256") == now.get("calibration.text sha256")
+    return [f"{field} {was.get(field)!r} in the file, {now.get(field)!r} now" for field in sorted(set(was) | set(now))
+            if was.get(field) != now.get(field) and not (field == "calibration.text" and same_text)]
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested objects as one level of dotted field names."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def run_drift(args: argparse.Namespace) -> int:
@@ -249,14 +346,14 @@ def run_drift(args: argparse.Namespace) -> int:
     decode_from = args.decode_from if args.decode_from is not None else ids.shape[1] // 2
     params = {"text": _sha(text), "tokens": args.tokens, "decode_from": args.decode_from, "every": args.every}
 
-    def compute(missing: list, stored: dict) -> dict:
-        with ctx.bar(drift_progress_total(ctx.loaded, len(missing), ids.shape[1], decode_from), "drift") as bar:
-            res = drift(ctx.loaded, missing, ids, decode_from, every=args.every, damp_rows=damp_rows,
+    def compute(group: list, stored: dict) -> dict:
+        with ctx.bar(drift_progress_total(ctx.loaded, len(group), ids.shape[1], decode_from), "drift") as bar:
+            res = drift(ctx.loaded, group, ids, decode_from, every=args.every, damp_rows=damp_rows,
                         progress=bar.update)
         return {c.name: ({"summary": res.summary[res.summary.config == c.name].to_dict("records")[0],
                           "decode_from": decode_from, "tokens": int(ids.shape[1]),
                           "layer_table": res.layer_table[res.layer_table.config == c.name].to_dict("list")},
-                         res.table[res.table.config == c.name].reset_index(drop=True)) for c in missing}
+                         res.table[res.table.config == c.name].reset_index(drop=True)) for c in group}
 
     results = ctx.per_config("drift", cfgs, damp_rows, params, compute, text=text)
     _print_table(pd.DataFrame([r.data["summary"] for r in results.values()]))
@@ -317,15 +414,15 @@ def run_perplexity(args: argparse.Namespace) -> int:
     reference = get_config("fp32")
     members = [reference] + [c for c in cfgs if c.name != reference.name]
 
-    def compute(missing: list, stored: dict) -> dict:
-        others = [c for c in missing if c.name != reference.name]
+    def compute(group: list, stored: dict) -> dict:
+        others = [c for c in group if c.name != reference.name]
         batch = args.batch or windows_per_batch(ctx.loaded, len(others) + 1, args.window, decode_from)
         total = quality_progress_total(ctx.loaded, len(others), n, args.window, stride, decode_from, batch)
         with ctx.bar(total, f"perplexity ({batch} windows per batch)") as bar:
             table = perplexity(ctx.loaded, others, text, window=args.window, stride=stride, max_tokens=max_tokens,
                                decode_from=decode_from, damp_rows=damp_rows, batch=batch, progress=bar.update)
         return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
-                if row["config"] in {c.name for c in missing}}
+                if row["config"] in {c.name for c in group}}
 
     results = ctx.per_config("perplexity", members, damp_rows, params, compute, text=text)
     _print_table(pd.DataFrame([r.data["row"] for r in results.values()]))
@@ -345,8 +442,8 @@ def run_generate(args: argparse.Namespace) -> int:
     reference = get_config("fp32")
     members = [reference] + [c for c in cfgs if c.name != reference.name]
 
-    def compute(missing: list, stored: dict) -> dict:
-        others = [c for c in missing if c.name != reference.name]
+    def compute(group: list, stored: dict) -> dict:
+        others = [c for c in group if c.name != reference.name]
         kept = stored[reference.name].table if reference.name in stored else None
         with ctx.bar(generation_progress_total(args.modes, args.max_new_tokens), "generate") as bar:
             table = generate_side_by_side(ctx.loaded, others, args.prompt, max_new_tokens=args.max_new_tokens,
@@ -354,7 +451,7 @@ def run_generate(args: argparse.Namespace) -> int:
                                           top_p=args.top_p, damp_rows=damp_rows, reference_rows=kept,
                                           progress=bar.update)
         return {c.name: ({"prompt": args.prompt}, table[table.config == c.name].reset_index(drop=True))
-                for c in missing}
+                for c in group}
 
     results = ctx.per_config("generation", members, damp_rows, params, compute)
     table = pd.concat([r.table for r in results.values()], ignore_index=True)
@@ -396,7 +493,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def run_claims(args: argparse.Namespace) -> int:
     """The seed's claims measured (pace_core.analysis.claims), stored as kind 'claims'. The perplexity of
-    each of its configurations is stored as it is measured (kind 'claims_quality', CLAIMS_GROUP
+    each of its configurations is stored as it is measured (kind 'claims_quality', CONFIG_GROUP
     configurations at a time), so a stopped run resumes where it stopped."""
     import pandas as pd
 
@@ -419,10 +516,8 @@ def run_claims(args: argparse.Namespace) -> int:
                   "decode_from": decode_from}
     cfgs = list(quality_configs(ctx.loaded, pace48, args.seeds).values())
     _, found = ctx.stored("claims_quality", cfgs, damp_rows, ppl_params)
-    _say_reused("claims_quality", [c.name for c in cfgs if found[c.name] is not None])
-    missing = [c for c in cfgs if found[c.name] is None]
-    groups = [missing[i:i + CLAIMS_GROUP] for i in range(0, len(missing), CLAIMS_GROUP)]
-    batch = args.batch or windows_per_batch(ctx.loaded, CLAIMS_GROUP + 1, args.window, decode_from)
+    groups = config_groups([c for c in cfgs if found[c.name] is None])
+    batch = args.batch or windows_per_batch(ctx.loaded, CONFIG_GROUP + 1, args.window, decode_from)
     with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, stride, batch,
                                        args.drift_tokens, groups=[len(g) for g in groups]), "claims") as bar:
         def compute(group: list, stored: dict) -> dict:
@@ -433,8 +528,7 @@ def run_claims(args: argparse.Namespace) -> int:
             return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
                     if row["config"] in names}
 
-        for group in groups:
-            found.update(ctx.per_config("claims_quality", group, damp_rows, ppl_params, compute, text=text))
+        found = ctx.per_config("claims_quality", cfgs, damp_rows, ppl_params, compute, text=text)
         report = measure_claims(ctx.loaded, text, pace48, max_tokens=args.max_tokens or None, window=args.window,
                                 stride=stride, batch=batch, seeds=args.seeds, drift_tokens=args.drift_tokens,
                                 damp_rows=damp_rows, quality=pd.DataFrame([found[c.name].data["row"] for c in cfgs]),
@@ -444,11 +538,6 @@ def run_claims(args: argparse.Namespace) -> int:
     _print_table(pd.DataFrame(report["main"]))
     ctx.save("claims", key, report, table, configs=[pace48], text=text)
     return 0
-
-
-CLAIMS_GROUP = 4
-"""Configurations of the claims report measured (and stored) together, each group with its own run of the
-reference: a stopped run loses at most these."""
 
 
 def all_steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]:
@@ -519,7 +608,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("card", help="the checkpoint's architecture and weights fingerprint, stored for "
                                            "the app's Overview (no model load there)")
     _common(p)
-    p.set_defaults(func=run_card)
+    p.set_defaults(func=_interruptible(run_card))
 
     p = subparsers.add_parser("calibrate", help="head calibration (a_h, e_h, E_h, 8-bit heads) on a text")
     _common(p)
@@ -528,7 +617,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default 2048)")
     p.add_argument("--sample-every", dest="sample_every", type=int, default=64,
                    help="one calibration state every this many tokens (default 64)")
-    p.set_defaults(func=run_calibrate)
+    p.set_defaults(func=_interruptible(run_calibrate))
 
     p = subparsers.add_parser("export", help="write a config JSON with calibration-derived high_heads")
     _common(p)
@@ -536,8 +625,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--text", help="calibration text (default wikitext2-valid)")
     p.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default 2048)")
     p.add_argument("--sample-every", dest="sample_every", type=int, default=64, help="calibration sample spacing")
-    p.add_argument("--output", help="output JSON path (default <out>/<model>/config-<name>.json)")
-    p.set_defaults(func=run_export)
+    p.add_argument("--output", help="output JSON path (default <out>/<model>/config-<name>.json); a file there "
+                                    "of another configuration or calibration is replaced only with --force")
+    p.set_defaults(func=_interruptible(run_export))
 
     p = subparsers.add_parser("drift", help="state error and excess NLL over teacher-forced decode steps")
     _common(p)
@@ -547,7 +637,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-from", dest="decode_from", type=int,
                    help="prefill this many tokens, decode the rest (default: half)")
     p.add_argument("--every", type=int, default=1, help="capture the states every this many steps (default 1)")
-    p.set_defaults(func=run_drift)
+    p.set_defaults(func=_interruptible(run_drift))
 
     p = subparsers.add_parser("structure", help="column/row structure of the fp32 states after a prefill")
     _common(p)
@@ -555,7 +645,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=1024, help="prefill tokens (default 1024)")
     p.add_argument("--threshold", type=float, default=4.0,
                    help="outlier column: column RMS above this many times the head's median (default 4)")
-    p.set_defaults(func=run_structure)
+    p.set_defaults(func=_interruptible(run_structure))
 
     p = subparsers.add_parser("perplexity", help="sliding-window perplexity, bits per byte, agreement and KL")
     _common(p)
@@ -576,7 +666,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "faster, above all on a GPU; memory grows with batch x window x vocabulary: the "
                         "logits of a batch are held in fp32; default 0: 1 on the CPU, on a GPU as many as "
                         "fit in half its free memory, at most 16)")
-    p.set_defaults(func=run_perplexity)
+    p.set_defaults(func=_interruptible(run_perplexity))
 
     p = subparsers.add_parser("generate", help="side-by-side greedy and sampled generations")
     _common(p)
@@ -587,7 +677,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", dest="top_p", type=float, default=0.95)
     p.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
-    p.set_defaults(func=run_generate)
+    p.set_defaults(func=_interruptible(run_generate))
 
     p = subparsers.add_parser("sweep", help="grid of bits x dP x axis x group size (layer-local state errors)")
     _common(p)
@@ -607,7 +697,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=d["tokens"], help="tokens (default 2048)")
     p.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=d["decode_tokens"],
                    help="the last this many tokens are decoded, the rest prefilled (default 128)")
-    p.set_defaults(func=run_sweep)
+    p.set_defaults(func=_interruptible(run_sweep))
 
     p = subparsers.add_parser("claims", help="the seed's claims measured, each with its margin, and the main table")
     _common(p)
@@ -620,7 +710,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, default=5, help="random allocations for claim (c) (default 5)")
     p.add_argument("--drift-tokens", dest="drift_tokens", type=int, default=512,
                    help="tokens of the drift sequence for the state errors, the second half decoded (default 512)")
-    p.set_defaults(func=run_claims)
+    p.set_defaults(func=_interruptible(run_claims))
 
     p = subparsers.add_parser("all", help="the full result set: calibrate, export, structure, sweep, drift, perplexity, "
                                           "generate, claims")
@@ -641,4 +731,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="perplexity windows run together (default 0: as perplexity's --batch 0; the claims' "
                         "--batch then takes the same default)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64, help="generated tokens (default 64)")
-    p.set_defaults(func=run_all)
+    p.set_defaults(func=_interruptible(run_all))
