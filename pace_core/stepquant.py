@@ -318,9 +318,10 @@ def _quantize(S: torch.Tensor, widths: Sequence[int] | torch.Tensor, w: torch.Te
             big = x.abs().amax((-2, -1)) > FP16_MAX
             if bool(big.any()):
                 at = [int(i) for i in torch.nonzero(big)[0]]
-                raise PaceError(f"{name}: fp16 pivot head {ids[at[-1]]} ({_where(S.shape[:-3], at[:-1])}) holds |x| "
-                                f"up to {float(x.abs().amax()):.4g} > 65504; allowed: values within fp16's range "
-                                "(an integer width, or inputs that keep the state in range)")
+                raise PaceError(f"{name}: a value overflows fp16 in a pivot head ({_where(S.shape[:-3], at[:-1])}value "
+                                f"head {ids[at[-1]]}): |x| up to {float(x.abs().amax((-2, -1))[tuple(at)]):.4g} > "
+                                "65504; allowed: values within fp16's range (an integer width, or inputs that keep "
+                                "the state in range)")
             pivots = x.to(torch.float16)
             values = None if out is None else pivots.to(dtype)
         else:
@@ -419,8 +420,9 @@ def impact_omega(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, alpha: to
     """``ω[h, k] = mean_t (α_t (q_t − β_t k_t (k_tᵀ q_t)))[k]²`` [HV, K] float64, q and k of key head
     ``h // (HV / H)``.
 
-    q, k [T, H, K]: prepared (L2-normalised; q's ``K^-1/2`` scale cancels in :func:`impact_weights`); beta
-    [T, HV]; alpha [T, HV] the decays ``exp(g)`` in [0, 1]."""
+    q, k [T, H, K]: prepared as ``pace_core.model.patch.core_inputs`` gives them (L2-normalised, q scaled by
+    ``K^-1/2``, as the repository's calibration sees them; the scale cancels in :func:`impact_weights` except
+    through the floor of rows with ω = 0); beta [T, HV]; alpha [T, HV] the decays ``exp(g)`` in [0, 1]."""
     for t, label in ((q, "q"), (k, "k"), (beta, "beta"), (alpha, "alpha")):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise PaceError(f"{label} must be a float tensor; got {type(t).__name__}")
@@ -552,6 +554,8 @@ def knapsack(cost: torch.Tensor | np.ndarray, candidates: Sequence[int], budget:
     for i in range(n):
         nxt = np.full(cap + 1, np.inf)
         for j, u in enumerate(units):
+            if u > cap:  # wider than the whole budget
+                continue
             trial = best[:cap + 1 - u] + c[i, j]
             better = trial < nxt[u:]
             nxt[u:][better] = trial[better]
