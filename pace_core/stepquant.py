@@ -20,13 +20,14 @@ kernels store only the group scales; its Python codec also keeps an unused per-r
    row's or the group's scale), kept at ``c⁰`` where the denominator is 0; final codes ``z`` of ``x / (r c)``.
 Codes round half to even (4..8 bits) and saturate at ±q. Scales are fp16 of a float32 ratio, clamped into
 ``[2^-24, 65504]`` **[issue, repo]** (2^-24: fp16's smallest subnormal, not quant's 2^-14). **[ours]**: a scale
-of an all-zero row, group or column is 0 (the repository clamps it to 2^-24, so that its 2-bit heads
-dequantise an all-zero group to ``±2^-48``-sized values): every all-zero input dequantises to exactly 0,
-never NaN. Non-finite input is a PaceError. A row scale beyond 65504 is clamped (the column scale absorbs
+of an all-zero row, group or column is 0 (the repository clamps it to 2^-24, so that its 2-bit heads, which
+have no zero level, dequantise an all-zero group to ``2^-24 · c``): every all-zero input dequantises to
+exactly 0, never NaN. Non-finite input is a PaceError. A row scale beyond 65504 is clamped (the column scale absorbs
 it); a first column scale ``c⁰`` beyond 65504 would saturate codes and is a PaceError naming the head and
 column (|x| up to about ``65504 · r · q`` is representable); a pivot value beyond ±65504 is a PaceError.
 Arithmetic runs in the working dtype of :func:`pace_core.quant.work_dtype` (float64 for float64 input,
-else float32); codes divide by the exact product ``r · c`` of the stored scales; dequantised values are
+else float32; the repository fits in float32); codes divide by the exact product ``r · c`` of the stored
+scales (the repository divides by r, then by c); dequantised values are
 ``z · (r · c)``, one rounding in float32 (``r · c`` is exact there), the same function on both paths.
 
 **Storage** (:class:`StepQuantState`), per width b the heads of that width: codes packed densely along V,
@@ -58,8 +59,8 @@ stores 16 bits per value plus nothing else. P is the paper's 32 of 2304 heads (Q
 layers × 48 value heads) at the same share, ``P = round(N / 72)`` **[ours]** (:func:`default_pivots`; the
 repository's default is 32 for any GDN model); a parameter.
 
-**Schedule** (the lead's integration; the quantiser is stateless, its widths and ``w`` fixed per layer by
-the calibration): decode rounds after every token, the token's output read from the unrounded state
+**Schedule** (the method's, not this module's; the quantiser is stateless, its widths and ``w`` fixed per
+layer by the calibration): decode rounds after every token, the token's output read from the unrounded state
 (PACE's dP = 1 without a buffer); prefill rounds once at the prompt's end (the repository's HF adapter: one
 rounding per forward call) or once per P-token segment (a setting). Each rounding is
 ``quantize_with_values(S, widths, w)`` of the layer's state.
