@@ -84,10 +84,11 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def fp16_scale(ratio: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
-    """Stored fp16 scale: `ratio` (float32, at most 65504: callers check) raised to at least 2^-14 where
-    `nonzero`, else 0."""
-    return torch.where(nonzero, ratio.clamp(FP16_TINY, FP16_MAX), 0.0).to(torch.float16)
+def fp16_scale(ratio: torch.Tensor, nonzero: torch.Tensor, floor: float = FP16_TINY) -> torch.Tensor:
+    """Stored fp16 scale: `ratio` (float32) clamped into `[floor, 65504]` where `nonzero`, else 0. The floor
+    is fp16's smallest normal 2^-14 unless a format says otherwise (STEPQuant: 2^-24, the smallest
+    subnormal); callers that must not saturate check `ratio <= 65504` first."""
+    return torch.where(nonzero, ratio.clamp(floor, FP16_MAX), 0.0).to(torch.float16)
 
 
 def div_by_int(a: torch.Tensor, n: int) -> torch.Tensor:
