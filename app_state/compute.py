@@ -20,6 +20,7 @@ from pace_core.analysis.calibration import Calibration, calibrate
 from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
 from pace_core.config import PaceConfig, config_from_json, config_to_json, get_config
 from pace_core.errors import PaceError
+from pace_core.export import admit
 
 PROMPT_CHARS = 1500
 
@@ -244,10 +245,17 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
 
 
 def runnable(source: str, where: Runtime, cfg: PaceConfig) -> tuple[PaceConfig, list[torch.Tensor] | None]:
-    """`cfg` ready to run on the model, with the DAMP outlier rows it needs (else None): a share of
-    8-bit heads without chosen heads gets the allocation calibrated on the model (cached)."""
-    if cfg.method == "damp":
-        return cfg, calibration(source, where, calibration_key(cfg))["calibration"].damp_rows
-    if cfg.high_share == 0 or cfg.high_heads is not None:
-        return cfg, None
-    return calibration(source, where, calibration_key(cfg))["calibration"].allocate(cfg), None
+    """`cfg` admitted for the model (:func:`pace_core.export.admit`: its settings must fit it) and ready to
+    run on it, with the DAMP outlier rows it needs (else None): a share of 8-bit heads without chosen heads
+    gets the allocation calibrated on the model (cached)."""
+    loaded = _load_model(source, where)
+    rows: list[list[torch.Tensor]] = []
+
+    def calibrate(c: PaceConfig) -> PaceConfig:
+        cal = calibration(source, where, calibration_key(c))["calibration"]
+        if c.method == "damp":
+            rows.append(cal.damp_rows)
+            return c
+        return cal.allocate(c)
+
+    return admit(cfg, loaded.shape, loaded.fingerprint, calibrate=calibrate), (rows[0] if rows else None)

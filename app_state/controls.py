@@ -1,11 +1,21 @@
 """The sidebar's controls and their URL schema: every PACE setting is a control whose value lives in
 ``st.session_state`` and is mirrored into ``st.query_params``, so a link reproduces the view. URL values are
-validated when read: a bad value is named in a warning and replaced by the value of the named configuration.
-The validated configuration of the controls is :func:`current_config`.
+validated when read: a bad value is named in a warning and replaced by the value of the named configuration;
+an unknown URL key is named in a warning; the sidebar's names (``dP``, ``P``) and the settings' names
+(``decode_period``) are aliases of the URL keys (:func:`url_aliases`). The configuration of the controls,
+admitted by :func:`pace_core.export.admit`, is :func:`current_config`.
+
+Which model a link may open: the embedded model (no ``model``), a folder of the operator's models folder
+(:data:`MODELS_DIR_ENV`) and, where the operator allows it (:data:`ALLOW_HUB_ENV`), a hub id; anything
+else is refused with a message that says nothing of what exists on the server. A path or hub id typed in
+the sidebar is the local user's own choice and is opened as typed, unless the operator configured a models
+folder: then the sidebar follows the same rule as a link.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -15,13 +25,15 @@ import torch
 
 from pace_core.config import NAMED_CONFIGS, PaceConfig, config_to_json, get_config
 from pace_core.errors import PaceError
+from pace_core.export import admit
 
 DEFAULT_PRESET = "pace-4"
 
 
 @dataclass(frozen=True)
 class Control:
-    """One sidebar control: URL key, PaceConfig field, the allowed values and the help text."""
+    """One sidebar control: URL key, PaceConfig field, the allowed values and the help text; ``symbol``:
+    the name its label gives the setting (``dP``), a URL alias of ``key``."""
 
     key: str
     field: str
@@ -29,6 +41,7 @@ class Control:
     help: str
     options: tuple[Any, ...]
     fmt: Callable[[Any], str] = str
+    symbol: str | None = None
 
     def parse(self, raw: str) -> Any:
         """URL text -> value; raises PaceError naming the URL key and the allowed values."""
@@ -78,18 +91,18 @@ CONTROLS: tuple[Control, ...] = (
             "The state is rounded once every dP generated tokens (spec §3). In between, the rounded "
             "checkpoint Ŝ stays fixed and each token's (k_t, u_t, g_t) goes into the decode buffer "
             "[ours: u_t instead of v_t makes the buffered path exact]. dP = 1 is per-token rounding.",
-            tuple(range(1, 65))),
+            tuple(range(1, 65)), symbol="dP"),
     Control("pp", "prefill_period", "Prefill period P (tokens)",
             "The prompt is split into P-token segments; each segment runs from the dequantised state "
             "and its final state is rounded (spec §3; the paper fixes P = 256, the kernel chunk).",
-            (16, 32, 64, 128, 256, 512, 1024, 2048)),
+            (16, 32, 64, 128, 256, 512, 1024, 2048), symbol="P"),
     Control("axis", "group_axis", "Group axis",
             "**key** (from the paper): a group is g consecutive key rows of one value column S[k0:k0+g, j], so an "
             "outlier column widens only its own step. **value** (baseline): S[i, j0:j0+g].",
             ("key", "value")),
     Control("g", "group_size", "Group size g (values)",
             "Entries sharing one fp16 scale (and zero point). Must divide the head dimension along "
-            "the group axis (128 on Qwen3.5).", (8, 16, 32, 64, 128)),
+            "the group axis (128 on Qwen3.5).", (8, 16, 32, 64, 128), symbol="g"),
     Control("sym", "symmetric", "Symmetric (no zero point)",
             "On: scale = amax / qmax, no zero point. Off: scale = (max − min)/(2^b − 1) with an "
             "integer zero point stored in b bits (PACE-4/8 uses a zero point).", (True, False)),
@@ -132,6 +145,26 @@ CONTROLS: tuple[Control, ...] = (
 
 
 CONTROL_BY_KEY = {c.key: c for c in CONTROLS}
+
+
+URL_KEYS = ("preset", "model", "device", "weights", *CONTROL_BY_KEY)
+"""Every URL key the app reads."""
+
+
+def _url_name(name: str) -> str:
+    """How a URL key is compared: case and '-' / '_' do not matter (dP = dp, decode-period = decode_period)."""
+    return name.lower().replace("-", "_")
+
+
+def url_aliases() -> dict[str, str]:
+    """Normalised URL name (:func:`_url_name`) -> URL key: each key itself, and each control's setting name
+    (``decode_period``) and the symbol of its label (``dP``, ``P``, ``g``)."""
+    aliases = {_url_name(k): k for k in URL_KEYS}
+    for c in CONTROLS:
+        for name in (c.field, c.symbol):
+            if name is not None:
+                aliases.setdefault(_url_name(name), c.key)
+    return aliases
 
 
 QUANT_ONLY_KEYS = frozenset({"bits", "axis", "g", "sym", "hi"})
@@ -210,16 +243,33 @@ def on_preset_change() -> None:
     apply_preset(st.session_state["preset"])
 
 
+def _url_values() -> tuple[dict[str, str], list[str]]:
+    """The URL's values by URL key (aliases resolved, :func:`url_aliases`) and the problems found: unknown
+    keys (ignored) and a key given twice under different names (the first kept)."""
+    aliases, values, problems = url_aliases(), {}, []
+    spelled: dict[str, str] = {}
+    for name in st.query_params:
+        key = aliases.get(_url_name(name))
+        if key is None:
+            problems.append(f"URL parameter {name!r} is unknown and was ignored; allowed: {', '.join(URL_KEYS)} "
+                            "(or the sidebar's names dP, P, g and the settings' names such as decode_period).")
+        elif key in values:
+            problems.append(f"URL parameter {key!r} is given twice ({spelled[key]!r} and {name!r}); using "
+                            f"{spelled[key]} = {values[key]}.")
+        else:
+            values[key], spelled[key] = st.query_params[name], name
+    return values, problems
+
+
 def read_url_once() -> list[str]:
     """On a session's first run, take preset, model, device, weight dtype and every control from the URL.
 
     Returns the problems found (each names the URL parameter and the allowed values); the bad
-    values fall back to the named configuration's values.
+    values fall back to the named configuration's values, a model a link may not open to the embedded one.
     """
     if st.session_state.get("_url_read"):
         return []
-    problems: list[str] = []
-    qp = st.query_params
+    qp, problems = _url_values()
     preset = qp.get("preset", DEFAULT_PRESET)
     if preset not in NAMED_CONFIGS:
         problems.append(f"URL parameter 'preset' = {preset!r} is not a named configuration; "
@@ -235,14 +285,12 @@ def read_url_once() -> list[str]:
             st.session_state[control.key] = control.parse(raw)
         except PaceError as err:
             problems.append(f"{err}. Using {url_text(st.session_state[control.key])} from {preset}.")
-    source = qp.get("model", "").strip()
-    st.session_state["model_text"] = source
-    if not source:
-        st.session_state["model_kind"] = EMBEDDED
-    elif Path(source).expanduser().exists() or source.startswith(("/", ".", "~")):
-        st.session_state["model_kind"] = LOCAL
-    else:
-        st.session_state["model_kind"] = HUB
+    try:
+        kind, text = url_model(qp.get("model", "").strip())
+    except PaceError as err:
+        problems.append(f"{err} Using the embedded model.")
+        kind, text = EMBEDDED, ""
+    st.session_state["model_kind"], st.session_state["model_text"] = kind, text
     device = qp.get("device", "cpu")
     if device not in device_options():
         problems.append(f"URL parameter 'device' = {device!r} is not available here; allowed: "
@@ -259,6 +307,77 @@ def read_url_once() -> list[str]:
     return problems
 
 
+MODELS_DIR_ENV = "PACE_MODELS_DIR"
+"""Environment variable: the operator's models folder, whose folders a link may open (and, when set, the
+only local folders the sidebar opens)."""
+ALLOW_HUB_ENV = "PACE_ALLOW_HUB"
+"""Environment variable: ``1`` lets a link (and, with a models folder, the sidebar) open hub ids."""
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def models_dir() -> Path | None:
+    """The operator's models folder (:data:`MODELS_DIR_ENV`), or None when none is configured."""
+    folder = os.environ.get(MODELS_DIR_ENV, "").strip()
+    return Path(folder).expanduser().resolve() if folder else None
+
+
+def hub_allowed() -> bool:
+    """Whether the operator lets links open hub ids (:data:`ALLOW_HUB_ENV` = 1)."""
+    return os.environ.get(ALLOW_HUB_ENV, "").strip() == "1"
+
+
+def _in_models_dir(text: str) -> Path | None:
+    """The path ``text`` names inside the models folder (relative to it, or absolute within it), else None."""
+    folder = models_dir()
+    if folder is None or not text:
+        return None
+    path = (folder / Path(text).expanduser()).resolve()
+    return path if path.is_relative_to(folder) else None
+
+
+def _model_rule() -> str:
+    folder = "a folder of the operator's models folder" if models_dir() is not None else \
+        f"a folder of a models folder (none is configured: {MODELS_DIR_ENV})"
+    hub = "a hub id" if hub_allowed() else f"a hub id where the operator allows it ({ALLOW_HUB_ENV}=1)"
+    return f"allowed: the embedded model (no model parameter), {folder}, {hub}"
+
+
+def url_model(text: str) -> tuple[str, str]:
+    """(model kind, text) of a link's ``model``, or PaceError. The answer never depends on what exists
+    outside the models folder, so a link cannot probe the server's paths."""
+    if not text:
+        return EMBEDDED, ""
+    inside = _in_models_dir(text)
+    if inside is not None and (not hub_allowed() or inside.exists()):
+        return LOCAL, text
+    if hub_allowed() and HUB_ID.fullmatch(text):
+        return HUB, text
+    raise PaceError(f"URL parameter 'model' is not allowed: a link opens only models the operator offers; "
+                    f"{_model_rule()}. Type a local path in the sidebar to open it on your own machine.")
+
+
+def sidebar_model_problem(kind: str, text: str) -> str | None:
+    """Why the sidebar may not open (kind, text), or None: anything is opened unless the operator configured
+    a models folder, which then holds the local folders (hub ids as for a link)."""
+    if kind == EMBEDDED or not text.strip() or models_dir() is None:
+        return None
+    if kind == LOCAL and _in_models_dir(text.strip()) is not None:
+        return None
+    if kind == HUB and hub_allowed():
+        return None
+    return f"This server opens only the models its operator offers; {_model_rule()}. Using the embedded model."
+
+
+def on_model_change(key: str) -> None:
+    """on_change callback of the model widgets: store the change, or go back to the embedded model with the
+    reason (shown at the top of the page) when the operator's rule refuses it."""
+    sync(key)
+    problem = sidebar_model_problem(st.session_state["model_kind"], st.session_state.get("model_text", ""))
+    if problem is not None:
+        st.session_state["model_kind"], st.session_state["model_text"] = EMBEDDED, ""
+        st.session_state["_model_problem"] = problem
+
+
 def _control_fields() -> dict:
     """The settings the sidebar controls hold, as PaceConfig fields."""
     fields = {c.field: st.session_state[c.key] for c in CONTROLS}
@@ -268,8 +387,9 @@ def _control_fields() -> dict:
 
 
 def current_config() -> PaceConfig:
-    """The validated PaceConfig of the sidebar controls (PaceError when the combination is invalid). It
-    is named after its preset, or after an imported configuration while the controls hold its settings,
+    """The PaceConfig of the sidebar controls, admitted by :func:`pace_core.export.admit` (PaceError when
+    the combination is invalid; the model is checked where a page runs it, :func:`app_state.compute.runnable`).
+    It is named after its preset, or after an imported configuration while the controls hold its settings,
     else 'custom'."""
     fields = _control_fields()
     base = get_config(st.session_state["preset"])
@@ -280,7 +400,7 @@ def current_config() -> PaceConfig:
     stored = st.session_state.get("allocation")
     if stored is not None and cfg.high_share > 0 and stored[0] == allocation_key(cfg):
         cfg = cfg.replace(high_heads=stored[1])
-    return cfg
+    return admit(cfg, ready_for="settings")
 
 
 def allocation_key(cfg: PaceConfig) -> str:
@@ -319,10 +439,14 @@ def fallback_config() -> PaceConfig:
 
 
 def model_source() -> str:
-    """The sidebar's model: '' for the embedded default, else a local folder or hub id."""
-    if st.session_state.get("model_kind", EMBEDDED) == EMBEDDED:
+    """The sidebar's model: '' for the embedded default, else a local folder (a name in the operator's models
+    folder is that folder's path) or hub id."""
+    kind = st.session_state.get("model_kind", EMBEDDED)
+    if kind == EMBEDDED:
         return ""
-    return st.session_state.get("model_text", "").strip()
+    text = st.session_state.get("model_text", "").strip()
+    inside = _in_models_dir(text) if kind == LOCAL else None
+    return str(inside) if inside is not None else text
 
 
 def write_url() -> None:
@@ -330,7 +454,7 @@ def write_url() -> None:
     (shareable link)."""
     params = {"preset": st.session_state["preset"]}
     if model_source():
-        params["model"] = model_source()
+        params["model"] = st.session_state["model_text"].strip()  # as given: a name in the models folder stays one
     params["device"] = st.session_state["device"]
     if st.session_state["weights"] != WEIGHT_DTYPES[0]:
         params["weights"] = st.session_state["weights"]

@@ -12,7 +12,7 @@ import torch
 
 from app_state.controls import (CONTROLS, MODEL_KINDS, NAMED_CONFIGS, QUANT_ONLY_KEYS, EMBEDDED, LOCAL,
                                 WEIGHT_DTYPES, bind, current_config, device_options, fallback_config,
-                                on_preset_change, read_url_once, sync, write_url)
+                                on_model_change, on_preset_change, read_url_once, sync, write_url)
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 
@@ -21,20 +21,24 @@ ICON = Path(__file__).resolve().parents[1] / "data" / "icon.png"
 
 def sidebar() -> PaceConfig:
     """The shared sidebar: model, device, starting configuration and every setting (mirrored into
-    the URL); returns the validated configuration (the named one while the controls are invalid)."""
+    the URL); returns the validated configuration (the named one while the controls are invalid, said at the
+    top of the page)."""
     url_problems = read_url_once()
     for problem in url_problems:
         st.warning(problem, icon=":material/link:")
+    model_problem = st.session_state.pop("_model_problem", None)
+    if model_problem is not None:
+        st.warning(model_problem, icon=":material/folder_off:")
     with st.sidebar:
         st.subheader("Model")
         st.radio("Source", MODEL_KINDS, key=bind("model_kind"), horizontal=True,
-                 on_change=sync, args=("model_kind",),
+                 on_change=on_model_change, args=("model_kind",),
                  help="The embedded model ships in data/models (a small Qwen3.5-architecture hybrid "
                       "trained by this project); or any Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoint by "
                       "local folder or Hugging Face hub id.")
         if st.session_state["model_kind"] != EMBEDDED:
             st.text_input("Local folder" if st.session_state["model_kind"] == LOCAL else "Hub id",
-                          key=bind("model_text"), on_change=sync, args=("model_text",),
+                          key=bind("model_text"), on_change=on_model_change, args=("model_text",),
                           placeholder="/path/to/checkpoint" if
                           st.session_state["model_kind"] == LOCAL else "Qwen/Qwen3.5-4B")
         st.selectbox("Device", device_options(), key=bind("device"),
@@ -63,12 +67,14 @@ def sidebar() -> PaceConfig:
             else:
                 st.select_slider(control.label, control.options, format_func=control.fmt, **common)
         try:
-            cfg = current_config()
+            cfg, problem = current_config(), None
         except PaceError as err:
-            cfg = fallback_config()
-            st.error(f"These settings do not form a valid configuration: {err}. The views use "
-                     f"'{cfg.name}' until you change them.")
+            cfg, problem = fallback_config(), err
+            st.error(f"These settings do not form a valid configuration: {err}.")
         st.caption(f"Active: **{cfg.name}** · the link in the address bar reproduces this view")
+    if problem is not None:
+        st.error(f"The sidebar's settings do not form a valid configuration: {problem}. The views use "
+                 f"'{cfg.name}' until you change them.", icon=":material/tune:")
     write_url()
     return cfg
 

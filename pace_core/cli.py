@@ -24,9 +24,9 @@ from pace_core.config import (
     GROUP_AXES,
     NAMED_CONFIGS,
     PaceConfig,
-    resolve_config,
 )
 from pace_core.errors import PaceError
+from pace_core.export import admit
 from pace_core.model import commands as model_commands
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape, load_shape
 
@@ -131,7 +131,9 @@ def run_bits(args: argparse.Namespace) -> int:
         raise PaceError(f"--budget-gb={args.budget_gb} is not allowed; allowed: a number in [0, 1e9)")
     budget = None if args.budget_gb is None else int(args.budget_gb * 1e9)
     if args.config is not None:
-        cfg = _apply_overrides(resolve_config(args.config), args)
+        # admitted against the shape counted on (a file for another model is refused); the 8-bit heads may be
+        # unchosen: the accounting counts their share
+        cfg = _apply_overrides(admit(args.config, shape, ready_for="settings"), args)
         row = _row(cfg, shape, args.sequences)
         fits = None if budget is None else sequences_that_fit(cfg, shape, budget)
         if budget is not None:

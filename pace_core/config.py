@@ -32,7 +32,8 @@ matrix) and ``null`` for the references; ``group_size`` is always written (DSQ a
 do not use it). ``zp_dtype`` is ``"int<b>"`` (zero points stored in b bits) with zero points and
 ``null`` when symmetric. ``high_heads`` keys are GDN-layer ordinals ``"0".."L-1"`` (the order of the
 model's GDN layers, not the decoder-layer index). Import checks every field and rejects unknown keys
-in ``state_cache_scheme`` and ``pace``; ``producer`` and ``provenance`` are free-form objects.
+in ``state_cache_scheme`` and ``pace``; ``producer`` and ``provenance`` are free-form objects. A configuration
+from outside (a file, the app, the CLI) is admitted by :func:`pace_core.export.admit`, which reads it here.
 ``config_from_dict(config_to_dict(c)) == c`` for every valid config. Schema 1 (PACE Studio before
 ``prefill_after_decode``) is still read: its documents have no ``pace.prefill_after_decode`` and get
 ``"flush"``, the behaviour they were made with.
@@ -44,7 +45,6 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pace_core import __version__
@@ -172,6 +172,18 @@ class PaceConfig:
     def exact(self) -> bool:
         """True when storing the state changes nothing (method ``none`` in float32): the fp32 reference."""
         return self.method == "none" and self.reference_dtype == "float32"
+
+    @property
+    def needs_heads(self) -> bool:
+        """True when a share of heads is kept at ``high_bits`` without saying which (PACE-4/8 before a
+        calibration on the model chooses them)."""
+        return self.high_share > 0 and self.high_heads is None
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when running this configuration needs a calibration on the model first: :attr:`needs_heads`,
+        or DAMP (its outlier rows are chosen on the model and are not part of a configuration)."""
+        return self.needs_heads or self.method == "damp"
 
     @property
     def buffered(self) -> bool:
@@ -573,16 +585,3 @@ def parse_json(s: str) -> Any:
     except RecursionError:
         raise PaceError("this JSON is nested too deeply to read; expected a PACE configuration as the Export "
                         "page or `python -m pace_core export` writes it") from None
-
-
-def resolve_config(spec: str) -> PaceConfig:
-    """A named configuration, or the config of an exported JSON file (a path ending in ``.json``)."""
-    path = Path(spec).expanduser()
-    if spec.strip().lower() in NAMED_CONFIGS or path.suffix != ".json":
-        return get_config(spec)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PaceError(f"config {spec!r} cannot be read ({e}); allowed: {', '.join(NAMED_CONFIGS)} "
-                        "or a config JSON file") from None
-    return config_from_json(text)

@@ -22,21 +22,34 @@ vLLM ``[slots, HV, V, K]``; a reader that stores ``[V, K]`` transposes and keeps
 named axis. ``pace`` leaves out what the method does not read (DAMP's rows in a PACE configuration, the
 buffer at dP = 1); reading fills them with :class:`~pace_core.config.PaceConfig`'s defaults, so
 ``config_from_export(export_document(c, …)) == used_settings(c)``.
+
+Reading a document refuses sections that disagree: a ``pace`` key the method does not read or that belongs to
+``state_cache_scheme`` (``pace.bits``), a ``state_layout`` or ``resident_bits`` other than the settings give
+on the file's model, 8-bit heads for another layer count than the model block's. :func:`admit` is the one
+way a configuration enters a run, whichever way it arrives (a name, a file, JSON text, the app's controls):
+read and checked as above, checked against the model it is to run on (:func:`check_model`), and completed
+by a calibration on that model or refused when it needs one.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Literal
 
 from pace_core import __version__
 from pace_core.buffer import BUFFER_LAYOUT
 from pace_core.config import (
+    NAMED_CONFIGS,
     PRODUCER_NAME,
     ConfigDocument,
     PaceConfig,
     config_from_sections,
     config_to_dict,
+    document_from_dict,
+    document_from_json,
 )
 from pace_core.errors import PaceError
 from pace_core.shapes import ModelShape
@@ -70,7 +83,11 @@ def used_fields(cfg: PaceConfig) -> tuple[str, ...]:
     return tuple(fields)
 
 
-_SCHEME_FIELDS = ("bits", "symmetric", "group_size", "scale_dtype")
+_SCHEME_FIELDS = {"bits": "num_bits", "symmetric": "symmetric", "group_size": "group_size",
+                  "scale_dtype": "scale_dtype"}
+"""PaceConfig fields held by ``state_cache_scheme`` -> their key there (never in ``pace``)."""
+_LAYOUT_KEYS = ("rows", "columns", "groups_along", "group_size")
+"""The ``state_layout`` entries that follow from the settings (the rest is explanation)."""
 
 
 def used_settings(cfg: PaceConfig) -> PaceConfig:
@@ -108,8 +125,6 @@ def export_document(cfg: PaceConfig, *, shape: ModelShape | None = None, source:
                     weights_fingerprint: str | None = None, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """The schema 4 document of ``cfg`` for the model ``source`` of ``shape`` (None when no model is known:
     then no 8-bit heads and no resident bits; with heads calibrated but no shape, PaceError)."""
-    from pace_core.accounting import resident_bits
-
     record = config_to_dict(cfg)
     pace = {_JSON_NAMES.get(f, f): record["pace"][_JSON_NAMES.get(f, f)] for f in used_fields(cfg)}
     model = None if shape is None else model_block(source or shape.name, shape, weights_fingerprint)
@@ -121,16 +136,23 @@ def export_document(cfg: PaceConfig, *, shape: ModelShape | None = None, source:
                             "they were calibrated on (or export the share alone)")
         pace["high_heads"] = {str(layer): {"gdn_layer": i, "heads": list(heads)}
                               for i, (layer, heads) in enumerate(zip(model["gdn_layers"], cfg.high_heads))}
-    bits = None
-    if shape is not None:
-        r = resident_bits(cfg, shape)
-        bits = {"payload_bits": r.payload_bits, "metadata_bits": r.metadata_bits, "c": r.c,
-                "decode_period": cfg.decode_period, "buffer_bits": r.buffer_bits, "resident_bits": r.resident_bits,
-                "paper_c": r.paper_c, "formula_bits": r.formula_bits}
     return {"schema_version": EXPORT_SCHEMA_VERSION, "kind": EXPORT_KIND,
             "producer": {"name": PRODUCER_NAME, "version": __version__}, "model": model,
             "state_layout": state_layout(cfg), "state_cache_scheme": record["state_cache_scheme"], "pace": pace,
-            "resident_bits": bits, "provenance": dict(provenance or {})}
+            "resident_bits": None if shape is None else _resident_block(used_settings(cfg), shape),
+            "provenance": dict(provenance or {})}
+
+
+def _resident_block(cfg: PaceConfig, shape: ModelShape) -> dict[str, Any]:
+    """The ``resident_bits`` object of ``cfg`` on ``shape`` (each term of :func:`pace_core.accounting.resident_bits`).
+    An export records those of the settings it writes (:func:`used_settings`: at dP = 1 the ``c`` of a buffer
+    it does not use is the default buffer's), so that a reader recomputes the same."""
+    from pace_core.accounting import resident_bits
+
+    r = resident_bits(cfg, shape)
+    return {"payload_bits": r.payload_bits, "metadata_bits": r.metadata_bits, "c": r.c,
+            "decode_period": cfg.decode_period, "buffer_bits": r.buffer_bits, "resident_bits": r.resident_bits,
+            "paper_c": r.paper_c, "formula_bits": r.formula_bits}
 
 
 def _high_heads(value: Any, model: dict | None) -> tuple[tuple[int, ...], ...] | None:
@@ -156,19 +178,39 @@ def _high_heads(value: Any, model: dict | None) -> tuple[tuple[int, ...], ...] |
     return tuple(by_gdn[i] for i in range(len(by_gdn)))
 
 
-def _model(value: Any) -> dict | None:
+def _model(value: Any) -> ModelShape | None:
+    """The shape the ``model`` object describes (None for null); PaceError naming the field otherwise."""
     if value is None:
         return None
-    if (not isinstance(value, dict) or set(value) != set(_MODEL_KEYS) or not isinstance(value["source"], str)
-            or not isinstance(value["gdn_layers"], list)
-            or not all(isinstance(value[k], int) for k in ("num_layers", "num_k_heads", "num_v_heads", "d_k", "d_v"))):
-        raise PaceError(f"the field model is not allowed; allowed: null or an object with {', '.join(_MODEL_KEYS)}")
-    return value
+    allowed = f"allowed: null or an object with exactly {', '.join(_MODEL_KEYS)}"
+    if not isinstance(value, dict) or set(value) != set(_MODEL_KEYS):
+        raise PaceError(f"the field model is not allowed; {allowed}")
+    fingerprint = value["weights_fingerprint"]
+    if not isinstance(value["source"], str) or not (fingerprint is None or isinstance(fingerprint, str)):
+        raise PaceError(f"the fields model.source and model.weights_fingerprint must be text "
+                        f"(the fingerprint may be null); {allowed}")
+    layers = value["gdn_layers"]
+    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                             for i in layers):
+        raise PaceError("the field model.gdn_layers is not allowed; allowed: the list of the model's GDN layers "
+                        "(decoder-layer indices)")
+    try:
+        return ModelShape(name=value["source"], num_layers=value["num_layers"], num_gdn_layers=len(layers),
+                          num_k_heads=value["num_k_heads"], num_v_heads=value["num_v_heads"], d_k=value["d_k"],
+                          d_v=value["d_v"], weight_params=0, gdn_layers=tuple(layers))
+    except PaceError as e:
+        raise PaceError(f"the field model describes no valid model: {e}") from None
+
+
+def _disagree(field: str, have: Any, want: Any) -> PaceError:
+    return PaceError(f"the field {field}={have!r} contradicts the file's other sections, which give {want!r}; "
+                     "the sections of a PACE configuration must agree: export it again instead of editing one part")
 
 
 def document_from_export(d: dict) -> ConfigDocument:
     """The configuration of a schema 4 document (settings its method does not read at their defaults),
-    with its model, producer and provenance. Malformed documents raise PaceError naming the field."""
+    with its model, producer and provenance. Malformed documents, and documents whose sections disagree
+    (module docstring), raise PaceError naming the field."""
     missing = [k for k in _TOP_KEYS if k not in d]
     unknown = [k for k in d if k not in _TOP_KEYS]
     if missing or unknown:
@@ -176,25 +218,157 @@ def document_from_export(d: dict) -> ConfigDocument:
                         f"; a PACE configuration has exactly: {', '.join(_TOP_KEYS)}")
     if d["kind"] != EXPORT_KIND:
         raise PaceError(f"the field kind={d['kind']!r} is not allowed; allowed: {EXPORT_KIND!r}")
-    model = _model(d["model"])
+    for key in ("producer", "provenance"):
+        if not isinstance(d[key], dict):
+            raise PaceError(f"the field {key} must be an object; got {type(d[key]).__name__}")
+    shape = _model(d["model"])
     pace = d["pace"]
     if not isinstance(pace, dict):
         raise PaceError(f"the field pace must be an object; got {type(pace).__name__}")
-    names = {_JSON_NAMES.get(f, f) for f in PaceConfig.__dataclass_fields__}
+    names = {_JSON_NAMES.get(f, f) for f in PaceConfig.__dataclass_fields__ if f not in _SCHEME_FIELDS}
+    misplaced = [k for k in pace if k in _SCHEME_FIELDS]
+    if misplaced:
+        raise PaceError(f"the field pace.{misplaced[0]} is not allowed: it is state_cache_scheme."
+                        f"{_SCHEME_FIELDS[misplaced[0]]} (a setting is written once); remove pace.{misplaced[0]}")
     unknown = [k for k in pace if k not in names]
     if unknown:
         raise PaceError(f"the field{'s' if len(unknown) > 1 else ''} {', '.join('pace.' + k for k in unknown)} "
                         f"{'are' if len(unknown) > 1 else 'is'} unknown; allowed: {', '.join(sorted(names))}")
+    model = d["model"]
+    if pace.get("high_heads") is not None and model is None:
+        raise PaceError("the field pace.high_heads is not allowed without the field model: 8-bit heads are chosen "
+                        "per decoder layer of one model; export the file with the model they were calibrated on")
     defaults = config_to_dict(PaceConfig())["pace"]
     full = {**defaults, **pace, "high_heads": None}
     cfg = config_from_sections(d["state_cache_scheme"], full, high_heads=_high_heads(pace.get("high_heads"), model))
-    expected = set(map(lambda f: _JSON_NAMES.get(f, f), used_fields(cfg)))
+    expected = {_JSON_NAMES.get(f, f) for f in used_fields(cfg)}
     missing = sorted(expected - set(pace))
     if missing:
         raise PaceError(f"the field pace.{missing[0]} is missing; method {cfg.method!r} reads "
                         f"{', '.join(sorted(expected))}")
-    source = model["source"] if model else None
-    return ConfigDocument(cfg, source, d["producer"], d["provenance"], model)
+    unread = [k for k in pace if k not in expected]
+    if unread:
+        raise PaceError(f"the field pace.{unread[0]} is not read by these settings (method {cfg.method!r}, dP "
+                        f"{cfg.decode_period}, buffer {cfg.buffer}); allowed in pace: {', '.join(sorted(expected))}. "
+                        f"Remove it, or change the settings that would read it")
+    _check_sections(d, cfg, shape)
+    return ConfigDocument(cfg, model["source"] if model else None, d["producer"], d["provenance"], model)
+
+
+def _check_sections(d: dict, cfg: PaceConfig, shape: ModelShape | None) -> None:
+    """The state layout and the resident bits a document records are those its settings give on its model,
+    and its settings fit that model (group sizes, 8-bit heads: one entry per GDN layer)."""
+    layout = d["state_layout"]
+    if not isinstance(layout, dict):
+        raise PaceError(f"the field state_layout must be an object; got {type(layout).__name__}")
+    want = state_layout(cfg)
+    for key in _LAYOUT_KEYS:
+        if layout.get(key) != want[key]:
+            raise _disagree(f"state_layout.{key}", layout.get(key), want[key])
+    if shape is None:
+        if d["resident_bits"] is not None:
+            raise PaceError("the field resident_bits is set but the field model is null: resident bits are counted on "
+                            "a model's shape; export the file with the model it is for")
+        return
+    try:
+        cfg.validate_for(shape)
+    except PaceError as e:
+        raise PaceError(f"the settings do not fit the file's own model ({shape.name!r}): {e}; export it again on "
+                        "the model it is for") from None
+    recorded, want = d["resident_bits"], _resident_block(cfg, shape)
+    if not isinstance(recorded, dict) or set(recorded) != set(want):
+        raise PaceError(f"the field resident_bits is not allowed; allowed: an object with exactly "
+                        f"{', '.join(want)} (the bits these settings give on the file's model)")
+    for key, value in want.items():
+        # written from the same formula; the tolerance only admits another writer's float printing
+        have = recorded[key]
+        if isinstance(have, bool) or not isinstance(have, (int, float)) or not math.isclose(have, value, rel_tol=1e-9,
+                                                                                            abs_tol=1e-12):
+            raise _disagree(f"resident_bits.{key}", have, value)
+
+
+ConfigSource = str | os.PathLike | dict | PaceConfig | ConfigDocument
+"""Whatever a configuration arrives as: see :func:`read_config`."""
+
+
+def read_config(config: ConfigSource) -> ConfigDocument:
+    """The configuration document named by ``config``: a configuration name (``pace-4``, any case), the path
+    of a JSON file (an export or a complete record), JSON text, a parsed JSON object, a PaceConfig or a
+    document already read. Every field is checked, and the sections against each other (PaceError naming
+    the field and what to do)."""
+    if isinstance(config, ConfigDocument):
+        return config
+    if isinstance(config, PaceConfig):
+        return ConfigDocument(config, None, {}, {})
+    if isinstance(config, dict):
+        return document_from_dict(config)
+    if not isinstance(config, (str, os.PathLike)):
+        raise PaceError(f"config: {type(config).__name__} is not allowed; allowed: a configuration name, the path "
+                        "of a JSON file, JSON text or a PaceConfig")
+    text = str(config).strip()
+    if text.lower() in NAMED_CONFIGS:
+        return ConfigDocument(NAMED_CONFIGS[text.lower()], None, {}, {})
+    if text.startswith("{"):
+        return document_from_json(text)
+    path = Path(text).expanduser()
+    if path.suffix.lower() != ".json" and not path.is_file():
+        raise PaceError(f"config {text!r} is unknown; allowed: {', '.join(NAMED_CONFIGS)} or the path of a config "
+                        "JSON file")
+    try:
+        return document_from_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise PaceError(f"config {text!r} cannot be read ({e}); allowed: {', '.join(NAMED_CONFIGS)} or the path of "
+                        "a JSON file written by the Export page or `python -m pace_core export`") from None
+
+
+Calibrate = Callable[[PaceConfig], PaceConfig]
+"""Completes a configuration on the model it is to run on: its 8-bit heads chosen (DAMP's outlier rows are
+kept by the caller, which runs them beside the configuration)."""
+ReadyFor = Literal["run", "export", "settings"]
+"""What an admitted configuration must be complete for: ``run`` (8-bit heads chosen and, for DAMP, its
+outlier rows calibrated), ``export`` (8-bit heads chosen: DAMP's rows are not part of a file) or
+``settings`` (nothing calibrated: the app's sidebar and import, which calibrate when a view runs, and
+``bits``, which counts the share)."""
+
+
+def admit(config: ConfigSource, shape: ModelShape | None = None, weights_fingerprint: str | None = None, *,
+          calibrate: Calibrate | None = None, ready_for: ReadyFor = "run") -> PaceConfig:
+    """The one admission of a configuration, whichever way it arrives (:data:`ConfigSource`): returns it
+    ready to run on the model of ``shape`` and ``weights_fingerprint``, or raises PaceError in the user's
+    words naming the field and what to do.
+
+    1. Read (:func:`read_config`): every field, and the sections against each other.
+    2. When ``shape`` is given, the model (:func:`check_model`): a file made for another model (layer
+       count, GDN layers, head shape, and the weights fingerprint when both are known) is refused, and the
+       settings must fit the model (group sizes, DAMP's rows, 8-bit heads).
+    3. Complete for ``ready_for``: a configuration that needs a calibration on the model for it (8-bit
+       heads not chosen; for a run also DAMP) goes through ``calibrate``, or is refused without one."""
+    if ready_for not in ("run", "export", "settings"):
+        raise PaceError(f"ready_for={ready_for!r} is not allowed; allowed: 'run', 'export', 'settings'")
+    doc = read_config(config)
+    if shape is not None:
+        check_model(doc, shape, weights_fingerprint)
+    cfg = doc.config
+    incomplete = {"run": cfg.needs_calibration, "export": cfg.needs_heads,
+                  "settings": False}[ready_for]
+    if incomplete:
+        if calibrate is None:
+            raise PaceError(_uncalibrated(cfg))
+        cfg = calibrate(cfg)
+        if shape is not None:
+            cfg.validate_for(shape)
+    return cfg
+
+
+def _uncalibrated(cfg: PaceConfig) -> str:
+    if cfg.method == "damp":
+        return (f"configuration {cfg.name!r} (DAMP) keeps outlier rows chosen on the model, which no configuration "
+                "file carries: measure it with `python -m pace_core` or the app (which calibrate them), or in Python "
+                "use pace_core.model.patch.apply_pace(model, cfg, damp_rows=...) with pace_core.analysis.calibration's "
+                "rows")
+    return (f"configuration {cfg.name!r} keeps {cfg.high_share:.0%} of the heads at {cfg.high_bits} bits but does not "
+            "say which: export it on this model (Export page, or `python -m pace_core export --config "
+            f"{cfg.name}`), which calibrates them, and use the exported file")
 
 
 def export_json(cfg: PaceConfig, **kwargs: Any) -> str:
@@ -205,13 +379,15 @@ def export_json(cfg: PaceConfig, **kwargs: Any) -> str:
 
 
 def check_model(doc: ConfigDocument, shape: ModelShape, weights_fingerprint: str | None = None) -> None:
-    """Refuse to apply ``doc`` to a model it was not made for: its layer count, GDN layers or head shape
-    differ, or (when both are known) its weights fingerprint. PaceError naming what differs."""
+    """Refuse to apply ``doc`` to a model it was not made for: its layer count, GDN layers (where the shape
+    knows them) or head shape differ, or (when both are known) its weights fingerprint; and settings that do
+    not fit the model (:meth:`PaceConfig.validate_for`). PaceError naming what differs."""
     model = doc.model_info
     if model is not None:
-        have = {"num_layers": shape.num_layers, "gdn_layers": list(shape.gdn_layers or ()),
-                "num_k_heads": shape.num_k_heads, "num_v_heads": shape.num_v_heads, "d_k": shape.d_k, "d_v": shape.d_v}
-        wrong = [f"{k} {model[k]} in the file, {v} in the model" for k, v in have.items() if model[k] != v]
+        have = {"num_layers": shape.num_layers,
+                "gdn_layers": None if shape.gdn_layers is None else list(shape.gdn_layers), "num_k_heads": shape.num_k_heads, "num_v_heads": shape.num_v_heads, "d_k": shape.d_k, "d_v": shape.d_v}
+        wrong = [f"{k} {model[k]} in the file, {v} in the model" for k, v in have.items()
+                 if v is not None and model[k] != v]
         if wrong:
             raise PaceError(f"this configuration was made for {model['source']!r} and does not fit this model: "
                             + "; ".join(wrong) + ". Export it again on this model.")

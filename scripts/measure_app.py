@@ -143,8 +143,19 @@ def scenarios(query: dict[str, str], pages_only: bool = False) -> dict[str, floa
 
 
 def app_query(device: str, weights: str, model: str | None) -> dict[str, str]:
-    """The URL query of the app on ``model`` (None: the embedded one) with these sidebar choices."""
-    return {"device": device, "weights": weights, **({"model": model} if model else {})}
+    """The URL query of the app on ``model`` (None: the embedded one) with these sidebar choices. A link opens
+    only what the operator offers (app_state.controls), so this process and the servers it starts offer the
+    model: a local folder through its parent as the models folder, a hub id by allowing hub ids."""
+    import os
+
+    if not model:
+        return {"device": device, "weights": weights}
+    if Path(model).expanduser().is_dir():
+        model = str(Path(model).expanduser().resolve())
+        os.environ["PACE_MODELS_DIR"] = str(Path(model).parent)  # app_state.controls.MODELS_DIR_ENV
+    else:
+        os.environ["PACE_ALLOW_HUB"] = "1"  # app_state.controls.ALLOW_HUB_ENV
+    return {"device": device, "weights": weights, "model": model}
 
 
 def app_model(query: dict[str, str]) -> object:

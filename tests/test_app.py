@@ -13,13 +13,14 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from app_state import compute, frame, session, stored
+from app_state import compute, controls, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
 from numerics import fp32_bound, rel
 from pace_core.accounting import capacity, resident_bits, state_bytes
 from pace_core.analysis.structure import structure_stats
 from pace_core.analysis.text import tokenize
 from pace_core.config import config_to_json, document_from_json, get_config, num_high_heads
+from pace_core.errors import PaceError
 from pace_core.export import used_settings
 from pace_core.figures import MIB
 from pace_core.model.capture import run_with_states
@@ -68,6 +69,13 @@ def filled(bars: list[list[int]]) -> None:
 
 
 def start(params: dict[str, str], page: str | None = None, **query: str) -> AppTest:
+    """A fresh session of the app with `query` in the URL, switched to pages/<page>.py, without an error."""
+    at = opened(params, page, **query)
+    check(at)
+    return at
+
+
+def opened(params: dict[str, str], page: str | None = None, **query: str) -> AppTest:
     """A fresh session of the app with `query` in the URL, switched to pages/<page>.py."""
     at = AppTest.from_file(APP, default_timeout=180)
     for k, v in {**params, **query}.items():
@@ -75,7 +83,6 @@ def start(params: dict[str, str], page: str | None = None, **query: str) -> AppT
     at.run()
     if page is not None:
         at.switch_page(f"pages/{page}.py").run()
-    check(at)
     return at
 
 
@@ -153,6 +160,7 @@ def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, mo
     calls = []
     real = session._load_model
     monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
+    monkeypatch.setenv(controls.MODELS_DIR_ENV, str(tmp_path))  # a link opens folders of the models folder
     at = AppTest.from_file(APP, default_timeout=180)
     at.query_params["model"] = str(tmp_path / "nowhere")
     at.run()
@@ -421,17 +429,14 @@ def test_export_preview_import_and_load(params):
 
 
 def test_imported_heads_must_fit_the_model_and_memory_takes_calibrated_heads(params, loaded):
-    """Heads that do not fit the loaded model are dropped on import (with a warning); heads that do fit
+    """Heads that do not fit the loaded model are refused on import (nothing to load); heads that do fit
     are kept, and the Memory page, which also shows other models' shapes, works with them."""
     L, HV = loaded.shape.num_gdn_layers, loaded.shape.num_v_heads
     at = start(params, page="export", preset="pace-4-8")
     wrong = get_config("pace-4-8").replace(name="wrong", high_heads=((0,), (999,)))
     at.text_area(key="export_paste").set_value(config_to_json(wrong)).run()
-    assert not at.exception and any("do not fit the loaded model" in w.value for w in at.warning)
-    at.button(key="export_load").click().run()
-    check(at)
-    heads = document_from_json(at.code[0].value).config.high_heads  # chosen again on this model
-    assert heads is not None and len(heads) == L and heads != wrong.high_heads
+    assert not at.exception and "Not accepted: high_heads has 2 layers" in at.error[0].value
+    assert not at.success and "export_load" not in [b.key for b in at.button]
     n = num_high_heads(0.25, HV)
     fitting = get_config("pace-4-8").replace(name="fitting", high_heads=tuple(tuple(range(n)) for _ in range(L)))
     at.text_area(key="export_paste").set_value(config_to_json(fitting)).run()
@@ -442,6 +447,132 @@ def test_imported_heads_must_fit_the_model_and_memory_takes_calibrated_heads(par
     at.switch_page("pages/memory.py").run()
     check(at)
     assert at.dataframe[0].value["config"][0] == "sidebar: pace-4-8"  # with its calibrated heads
+
+
+def test_an_invalid_sidebar_is_said_at_the_top_and_export_offers_no_file(params):
+    """Method damp with key-axis groups: the reason heads the page (before its title), the views fall back to
+    the named configuration, and Export offers no file (not the preset's), only the reason; a valid
+    combination is offered again."""
+    at = opened(params, page="export", method="damp", axis="key")
+    assert not at.exception
+    main = list(at.main)
+    title = next(i for i, e in enumerate(main) if type(e).__name__ == "Title")
+    top = [e.value for e in main[:title] if type(e).__name__ == "Error"]
+    assert len(top) == 1 and "group_axis='key' is not allowed for method 'damp'" in top[0]
+    assert "Nothing to export" in at.main.error[1].value and not at.get("download_button") and not at.code
+    at.sidebar.selectbox(key="w_axis").set_value("value").run()
+    check(at)
+    assert at.get("download_button")[0].proto.label == "Download custom.json"
+    assert document_from_json(at.code[0].value).config.method == "damp"
+
+
+def _paste(at: AppTest, doc: dict | str) -> AppTest:
+    return at.text_area(key="export_paste").set_value(doc if isinstance(doc, str) else json.dumps(doc)).run()
+
+
+def test_import_admits_as_every_path_does(params, loaded):
+    """A pasted file is admitted against the loaded model: pace.bits = 99, a file for another model (other
+    weights, other layer count) or with sections that disagree is refused with the reason and nothing to
+    load; a path pasted is not read; the same file made for this model is taken."""
+    import dataclasses
+
+    from pace_core.export import export_document
+
+    at = start(params, page="export", preset="pace-4")
+
+    def exported(shape=loaded.shape, fingerprint=loaded.fingerprint) -> dict:
+        return export_document(get_config("rtn-int5").replace(name="mine", decode_period=4), shape=shape,
+                               source=loaded.source, weights_fingerprint=fingerprint)
+
+    layers = loaded.shape.num_layers + 4
+    more = dataclasses.replace(loaded.shape, num_layers=layers, num_gdn_layers=loaded.shape.num_gdn_layers + 3,
+                               gdn_layers=loaded.shape.gdn_layers + tuple(range(layers - 3, layers)))
+    bits = exported()
+    bits["pace"]["bits"] = 99
+    layout = exported()
+    layout["state_layout"]["groups_along"] = "key"
+    for doc, message in [(bits, "pace.bits is not allowed"), (exported(fingerprint="0" * 16), "other weights"),
+                         (exported(more), f"num_layers {layers} in the file, {loaded.shape.num_layers} in the model"),
+                         (layout, "state_layout.groups_along='key' contradicts"),
+                         (str(REPO_ROOT / "README.md"), "not valid JSON")]:
+        _paste(at, doc)
+        assert not at.exception and not at.success, message
+        assert at.error[-1].value.startswith("Not accepted:") and message in at.error[-1].value
+        assert "export_load" not in [b.key for b in at.button]
+    _paste(at, exported())
+    check(at)
+    assert "Valid configuration 'mine' (checked against the loaded model)" in at.success[0].value
+    at.button(key="export_load").click().run()
+    check(at)
+    assert at.sidebar.select_slider(key="w_bits").value == 5
+
+
+def test_url_aliases_and_unknown_keys(params):
+    """The sidebar's names (dP, P) and the settings' names are URL aliases; unknown keys and a key given twice
+    are named in a warning, and the URL is rewritten with the keys the app reads."""
+    at = start(params, dP="16", P="128", prefill_after_decode="carry", config="x", Bits="3", bits="5")
+    warnings = [w.value for w in at.warning]
+    assert any("URL parameter 'config' is unknown and was ignored; allowed: preset, model" in w for w in warnings)
+    assert any("URL parameter 'bits' is given twice ('Bits' and 'bits'); using Bits = 3" in w for w in warnings)
+    assert at.sidebar.select_slider(key="w_dp").value == 16 and at.sidebar.select_slider(key="w_pp").value == 128
+    assert at.sidebar.selectbox(key="w_pad").value == "carry" and at.sidebar.select_slider(key="w_bits").value == 3
+    url = {k: str(v).strip("[]'") for k, v in at.query_params.items()}
+    assert url["dp"] == "16" and url["pp"] == "128" and not {"dP", "P", "config", "Bits"} & set(url)
+    aliases = controls.url_aliases()
+    for c in controls.CONTROLS:  # every symbol is a word of its label: the name the user reads
+        assert aliases[c.field] == c.key and (c.symbol is None or c.symbol in c.label.split())
+
+
+def test_a_link_opens_only_the_models_the_operator_offers(tiny_checkpoints, monkeypatch):
+    """Without a models folder a link opens only the embedded model: a path that exists, one that does not
+    and a hub id get the same answer. With one, its folders open by name; a path outside it is refused."""
+    monkeypatch.delenv(controls.MODELS_DIR_ENV, raising=False)
+    monkeypatch.delenv(controls.ALLOW_HUB_ENV, raising=False)
+    answers = set()
+    for model in ("/", "/no/such/folder", str(tiny_checkpoints["qwen3_5_text"]), "Qwen/Qwen3.5-4B"):
+        at = opened({}, model=model)  # the URL is read on the first run: its warnings are on the first page
+        assert not at.exception and at.sidebar.radio(key="w_model_kind").value == controls.EMBEDDED
+        assert "model" not in at.query_params
+        [warning] = [w.value for w in at.warning if "'model'" in w.value]
+        assert model not in warning and "Traceback" not in warning
+        answers.add(warning)
+    assert len(answers) == 1 and "allowed: the embedded model" in answers.pop()
+    folder = tiny_checkpoints["qwen3_5_text"].parent
+    monkeypatch.setenv(controls.MODELS_DIR_ENV, str(folder))
+    at = start({}, model="qwen3_5_text")
+    assert at.sidebar.radio(key="w_model_kind").value == controls.LOCAL
+    assert str(at.query_params["model"]).strip("[]'") == "qwen3_5_text"  # the name, not the server's path
+    at = opened({}, model="../" + folder.name + "/../..")
+    assert at.sidebar.radio(key="w_model_kind").value == controls.EMBEDDED and at.warning
+    # the sidebar follows the same rule once the operator configured a folder
+    at.sidebar.radio(key="w_model_kind").set_value(controls.LOCAL).run()
+    at.sidebar.text_input(key="w_model_text").input("/").run()
+    assert at.sidebar.radio(key="w_model_kind").value == controls.EMBEDDED
+    assert any("opens only the models its operator offers" in w.value for w in at.warning)
+
+
+def test_model_rules_of_links_and_the_sidebar(tmp_path, monkeypatch):
+    (tmp_path / "m").mkdir()
+    monkeypatch.setenv(controls.MODELS_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(controls.ALLOW_HUB_ENV, raising=False)
+    assert controls.url_model("") == (controls.EMBEDDED, "")
+    assert controls.url_model("m") == (controls.LOCAL, "m")
+    assert controls.url_model(str(tmp_path / "m")) == (controls.LOCAL, str(tmp_path / "m"))
+    assert controls.url_model("Qwen/Qwen3.5-4B")[0] == controls.LOCAL  # no hub: a name in the models folder
+    for refused in ("/", "../x", "m/../../x"):
+        with pytest.raises(PaceError, match="a link opens only models the operator offers"):
+            controls.url_model(refused)
+    assert controls.sidebar_model_problem(controls.HUB, "Qwen/Qwen3.5-4B") is not None
+    assert controls.sidebar_model_problem(controls.LOCAL, "m") is None
+    assert controls.sidebar_model_problem(controls.LOCAL, "/etc") is not None
+    monkeypatch.setenv(controls.ALLOW_HUB_ENV, "1")
+    assert controls.url_model("Qwen/Qwen3.5-4B") == (controls.HUB, "Qwen/Qwen3.5-4B")
+    assert controls.url_model("m") == (controls.LOCAL, "m")  # a folder of the models folder before a hub id
+    assert controls.sidebar_model_problem(controls.HUB, "Qwen/Qwen3.5-4B") is None
+    monkeypatch.delenv(controls.MODELS_DIR_ENV)
+    assert controls.sidebar_model_problem(controls.LOCAL, "/anywhere") is None  # the local user's own choice
+    with pytest.raises(PaceError):
+        controls.url_model("/anywhere")
 
 
 def test_head_ranking_follows_dp_and_share(params, loaded, bars):

@@ -2,23 +2,20 @@
 
 Visits every page, fails on any exception or error alert shown, moves a slider, downloads the
 configuration JSON and validates it with pace_core.config, and saves screenshots under
-artifacts/screenshots/. Needs /usr/bin/chromium (Debian's package; never a downloaded browser).
+artifacts/screenshots/. The server is started as the README starts it (app_support.served_app); neither the
+browser nor the server reaches outside the host. Needs /usr/bin/chromium (Debian's package; never a
+downloaded browser).
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from app_support import EMBEDDED_DIR, REPO_ROOT, app_model_param
+from app_support import EMBEDDED_DIR, REPO_ROOT, app_model_param, outbound_attempts, served_app
 from pace_core.accounting import capacity
 from pace_core.config import config_from_json, get_config
 from pace_core.shapes import load_shape
@@ -34,42 +31,12 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium
                                 "/usr/bin/chromium (apt-get install chromium; `make test` does it)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A `streamlit run app.py` subprocess on a free port; yields (base url, URL model params)."""
+    """The app served as the README starts it; yields (base url, URL model params, outbound attempts log)."""
     params = app_model_param(tmp_path_factory.mktemp("model"))
-    port = _free_port()
-    # One torch thread: on the shared 2-core CI box two intra-op threads oversubscribe the cores.
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    log = tmp_path_factory.mktemp("log") / "streamlit.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
-             "--server.port", str(port), "--server.address", "127.0.0.1",
-             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
-            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if urllib.request.urlopen(f"{base}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"streamlit did not become healthy:\n{log.read_text()}")
-            time.sleep(0.5)
-        yield base, params
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    with served_app(tmp_path_factory.mktemp("server")) as (base, _, outbound):
+        yield base, params, outbound
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +75,7 @@ def _assert_no_error(page, name: str) -> None:
 
 
 def test_every_page_renders_without_error(server, page):
-    base, params = server
+    base, params, _ = server
     SHOTS.mkdir(parents=True, exist_ok=True)
     for path in PAGES:
         started = time.monotonic()
@@ -122,7 +89,7 @@ def test_every_page_renders_without_error(server, page):
 
 
 def test_slider_moves_and_json_download_validates(server, page):
-    base, params = server
+    base, params, _ = server
     page.goto(_url(base, "export", dict(params, preset="pace-4", bits="4")))
     _settle(page)
     code = page.locator('[data-testid="stCode"]').first
@@ -152,7 +119,7 @@ def test_shipped_results_and_the_new_parts(server, page):
     """A fresh clone's shipped results fill the measured sections; the planner's numbers are
     pace_core.accounting's; Generations shows stored continuations side by side; Benchmarks leads with
     its headline."""
-    base, params = server
+    base, params, _ = server
     page.goto(_url(base, "", dict(params, preset="pace-4")))
     _settle(page)
     text = _main_text(page)
@@ -183,3 +150,8 @@ def test_shipped_results_and_the_new_parts(server, page):
     text = _main_text(page)
     assert "Decode step of 24 GDN layers" in text and "Each cell: time per token" in text
     page.screenshot(path=str(SHOTS / "benchmarks_headline.png"), full_page=True)
+
+
+def test_the_server_reached_nothing_outside(server, page):
+    """After every page above (model loads, live analyses, downloads): no outbound attempt by the server."""
+    assert outbound_attempts(server[2]) == []

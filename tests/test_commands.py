@@ -6,7 +6,7 @@ from pace_core.analysis.text import TEST_TEXT
 from pace_core.cli import main
 from pace_core.model import commands
 from pace_core.config import config_from_dict, config_from_json
-from pace_core.results import list_results, result_sets
+from pace_core.results import config_hash, list_results, result_sets
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +205,62 @@ def test_errors_exit_2(env, capsys, tmp_path):
     assert "not a hybrid" in capsys.readouterr().err
     assert main(["drift", "--model", str(tmp_path / "nowhere"), "--quiet"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _file_for(tmp_path, name: str, shape, fingerprint: str | None, edit=None) -> str:
+    """An export of PACE-4/8 (its heads 0 and 1 of every GDN layer) for ``shape``, edited by ``edit(doc)``."""
+    import json
+
+    from pace_core.config import get_config
+    from pace_core.export import export_document
+
+    cfg = get_config("pace-4-8").replace(high_heads=((0,),) * shape.num_gdn_layers)
+    doc = export_document(cfg, shape=shape, source="elsewhere", weights_fingerprint=fingerprint)
+    if edit is not None:
+        edit(doc)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_a_file_for_another_model_or_with_disagreeing_sections_exits_2_and_stores_nothing(env, tmp_path, capsys,
+                                                                                           monkeypatch):
+    import dataclasses
+
+    from pace_core.export import read_config
+    from pace_core.shapes import load_shape
+
+    shape = load_shape(env["model"])  # 4 layers, GDN layers 0, 1, 3
+    twelve = dataclasses.replace(shape, num_layers=12, num_gdn_layers=9, gdn_layers=(0, 1, 3, 4, 5, 7, 8, 9, 11))
+    files = {
+        "fingerprint": (_file_for(tmp_path, "fingerprint", shape, "0" * 16), "calibrated on other weights"),
+        "layers": (_file_for(tmp_path, "layers", twelve, None), "num_layers 12 in the file, 4 in the model"),
+        "bits": (_file_for(tmp_path, "bits", shape, None, lambda d: d["pace"].update(bits=99)),
+                 "pace.bits is not allowed"),
+        "layout": (_file_for(tmp_path, "layout", shape, None, lambda d: d["state_layout"].update(groups_along="value")),
+                   "state_layout.groups_along='value' contradicts"),
+    }
+    out = tmp_path / "out"
+    small = ("--text", env["text"], "--max-tokens", "64", "--window", "32", "--out", str(out))
+    for path, message in files.values():
+        for argv in (("perplexity", *small, "--configs", "rtn-int8", path), ("drift", "--out", str(out), "--text",
+                     env["text"], "--tokens", "32", "--configs", path), ("generate", "--out", str(out),
+                     "--max-new-tokens", "2", "--configs", path), ("calibrate", "--out", str(out), "--config", path),
+                     ("export", "--out", str(out), "--config", path, "--output", str(tmp_path / "exported.json"))):
+            assert _run(env, *argv) == 2, argv
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and message in err and "Traceback" not in err, (argv, err)
+    stored = [p.name for p in out.rglob("*") if p.is_file() and not p.name.startswith("model_card")]
+    assert stored == [] and not (tmp_path / "exported.json").exists()
+    # the same file made for this model and its weights runs, with its own heads
+    [ctx] = [c for key, c in commands._CONTEXTS.items() if key[0] == env["model"]]
+    mine = _file_for(tmp_path, "mine", shape, ctx.loaded.fingerprint)
+    assert _run(env, "perplexity", *small, "--configs", mine) == 0
+    [result] = [r for r in list_results(env["model"], "perplexity", root=str(out)) if r.data["config"] == "pace-4-8"]
+    assert result.provenance["config_hashes"] == {"pace-4-8": config_hash(read_config(mine).config)}
+    # a file that disagrees with itself is refused before the model loads
+    monkeypatch.setattr(commands, "_CONTEXTS", {})
+    assert _run(env, "perplexity", *small, "--configs", files["bits"][0]) == 2 and commands._CONTEXTS == {}
 
 
 def test_all_small(env, tmp_path, capsys, bars, monkeypatch):

@@ -1,21 +1,24 @@
 """pace_core.export: the deployable schema 4 document (model, layout, used settings, resident bits)."""
 
+import dataclasses
 import json
 
 import pytest
 
 from pace_core.accounting import resident_bits
-from pace_core.config import NAMED_CONFIGS, PaceConfig, config_to_json, document_from_json, get_config
+from pace_core.config import NAMED_CONFIGS, PaceConfig, config_to_json, document_from_json, get_config, num_high_heads
 from pace_core.errors import PaceError
 from pace_core.export import (
+    admit,
     check_model,
     export_document,
     export_filename,
     export_json,
+    read_config,
     used_fields,
     used_settings,
 )
-from pace_core.shapes import get_shape
+from pace_core.shapes import ModelShape, get_shape
 
 SHAPE = get_shape("qwen3.5-27b")  # γ = 3: GDN ordinals and decoder layers differ from layer 3 on
 
@@ -101,3 +104,123 @@ def test_malformed_exports_name_the_problem():
 def test_complete_records_of_earlier_schemas_still_read():
     cfg = get_config("pace-4-8")
     assert document_from_json(config_to_json(cfg, model="m")).config == cfg
+
+
+def _heads(shape: ModelShape, share: float = 0.25) -> tuple[tuple[int, ...], ...]:
+    n = num_high_heads(share, shape.num_v_heads)
+    return tuple(tuple(range(i % 2, i % 2 + n)) for i in range(shape.num_gdn_layers))
+
+
+EIGHT = ModelShape(name="eight", num_layers=8, num_gdn_layers=6, num_k_heads=2, num_v_heads=4, d_k=128, d_v=128,
+                   weight_params=0, gdn_layers=(0, 1, 2, 4, 5, 6))
+"""The embedded model's shape (8 decoder layers, 6 GDN)."""
+TWELVE = dataclasses.replace(EIGHT, name="twelve", num_layers=12, num_gdn_layers=9,
+                             gdn_layers=(0, 1, 2, 4, 5, 6, 8, 9, 10))
+
+
+@pytest.mark.parametrize("shape, fingerprint, message", [
+    (TWELVE, "aa", "num_layers 12 in the file, 8 in the model"),
+    (dataclasses.replace(EIGHT, num_v_heads=8), "aa", "num_v_heads 8 in the file, 4 in the model"),
+    (EIGHT, "bb", "other weights"),
+])
+def test_admit_refuses_a_file_for_another_model(tmp_path, shape, fingerprint, message):
+    cfg = get_config("pace-4-8").replace(high_heads=_heads(shape))
+    path = tmp_path / "other.json"
+    path.write_text(export_json(cfg, shape=shape, source="other", weights_fingerprint=fingerprint))
+    with pytest.raises(PaceError, match=message):
+        admit(path, EIGHT, "aa")
+    mine = tmp_path / "mine.json"
+    mine.write_text(export_json(get_config("pace-4-8").replace(high_heads=_heads(EIGHT)), shape=EIGHT,
+                                source="mine", weights_fingerprint="aa"))
+    assert admit(mine, EIGHT, "aa").high_heads == _heads(EIGHT)
+    assert admit(mine, EIGHT).high_heads == _heads(EIGHT)  # no fingerprint at hand: the shape alone
+
+
+def _exported(**changes) -> dict:
+    """The export of PACE-4/8 with heads on EIGHT, with ``changes`` ({"section.key": value}) applied."""
+    doc = export_document(get_config("pace-4-8").replace(high_heads=_heads(EIGHT)), shape=EIGHT, source="m")
+    for where, value in changes.items():
+        section, _, key = where.partition(".")
+        if key:
+            doc[section][key] = value
+        else:
+            doc[section] = value
+    return doc
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"pace.bits": 99}, "pace.bits is not allowed: it is state_cache_scheme.num_bits"),
+    ({"pace.group_size": 16}, "pace.group_size is not allowed: it is state_cache_scheme.group_size"),
+    ({"pace.damp_outlier_rows": 4}, "pace.damp_outlier_rows is not read by these settings"),
+    ({"state_cache_scheme.type": "float"}, "state_cache_scheme.type='float' does not match pace.method='pace'"),
+    ({"state_cache_scheme.zp_dtype": None}, "state_cache_scheme.zp_dtype=None does not match"),
+    ({"state_layout.groups_along": "value"}, "state_layout.groups_along='value' contradicts"),
+    ({"state_layout.group_size": 64}, "state_layout.group_size=64 contradicts"),
+    ({"resident_bits.resident_bits": 4.25}, "resident_bits.resident_bits=4.25 contradicts"),
+    ({"resident_bits.decode_period": 16}, "resident_bits.decode_period=16 contradicts"),
+    ({"model.num_layers": 5}, "the field model describes no valid model"),
+    ({"model.gdn_layers": [0, 1, 2]}, "names GDN layer 3, but the model's GDN layers are the decoder layers"),
+    ({"model.num_v_heads": 16}, "the settings do not fit the file's own model"),
+    ({"model.num_v_heads": 2}, "resident_bits.payload_bits=5.65625 contradicts"),
+    ({"model": None, "resident_bits": None}, "pace.high_heads is not allowed without the field model"),
+])
+def test_contradictory_sections_are_refused(changes, message):
+    with pytest.raises(PaceError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        read_config(_exported(**changes))
+
+
+def test_resident_bits_and_heads_follow_the_model_block():
+    with pytest.raises(PaceError, match="resident bits are counted on a model"):
+        read_config(export_document(get_config("pace-4"), shape=None) | {"resident_bits": _exported()["resident_bits"]})
+    doc = _exported()
+    doc["pace"]["high_heads"].pop("6")  # one GDN layer of the model's six without its heads
+    with pytest.raises(PaceError, match="high_heads has 5 layers; allowed: one per GDN layer of m"):
+        read_config(doc)
+
+
+def test_what_is_read_back_is_what_was_written():
+    """Every named configuration's export, on a model and without, reads back consistent (the resident bits
+    recorded at dP = 1 are those of the settings written, whatever buffer the configuration named)."""
+    for named in NAMED_CONFIGS.values():
+        for shape in (EIGHT, SHAPE, None):
+            cfg = named.replace(high_heads=_heads(shape)) if named.needs_heads and shape is not None else named
+            assert read_config(json.loads(export_json(cfg, shape=shape))).config == used_settings(cfg)
+
+
+def test_admit_completes_what_needs_a_calibration_or_refuses():
+    pace48 = get_config("pace-4-8")
+    with pytest.raises(PaceError, match="does not say which"):
+        admit("pace-4-8", EIGHT)
+    with pytest.raises(PaceError, match="does not say which"):
+        admit("pace-4-8", EIGHT, ready_for="export")
+    assert admit("pace-4-8", EIGHT, ready_for="settings") == pace48  # the share alone: the app's sidebar, bits
+    chosen = admit("pace-4-8", EIGHT, calibrate=lambda c: c.replace(high_heads=_heads(EIGHT)))
+    assert chosen == pace48.replace(high_heads=_heads(EIGHT))
+    with pytest.raises(PaceError, match="high_heads has 9 layers"):  # what a calibration returns is checked too
+        admit("pace-4-8", EIGHT, calibrate=lambda c: c.replace(high_heads=_heads(TWELVE)))
+    with pytest.raises(PaceError, match="outlier rows"):
+        admit("damp-int4", EIGHT)
+    assert admit("damp-int4", EIGHT, ready_for="export") == get_config("damp-int4")  # rows are not in a file
+    seen = []
+    assert admit("damp-int4", EIGHT, calibrate=lambda c: seen.append(c) or c) == get_config("damp-int4")
+    assert seen == [get_config("damp-int4")]
+    with pytest.raises(PaceError, match="group_size=64 does not divide"):
+        admit(get_config("pace-4"), dataclasses.replace(EIGHT, d_k=96))
+    with pytest.raises(PaceError, match="ready_for='later' is not allowed"):
+        admit("pace-4", ready_for="later")
+
+
+def test_read_config_takes_every_form(tmp_path):
+    cfg = get_config("rtn-int5").replace(name="mine", decode_period=4)
+    text = export_json(cfg)
+    (tmp_path / "mine.json").write_text(text)
+    for form in (cfg, tmp_path / "mine.json", str(tmp_path / "mine.json"), text, json.loads(text),
+                 read_config(text)):
+        assert read_config(form).config == used_settings(cfg)
+    assert read_config("PACE-4").config == get_config("pace-4")
+    with pytest.raises(PaceError, match="config 'pace-5' is unknown; allowed: fp32"):
+        read_config("pace-5")
+    with pytest.raises(PaceError, match="cannot be read"):
+        read_config(tmp_path / "missing.json")
+    with pytest.raises(PaceError, match="int is not allowed"):
+        read_config(3)

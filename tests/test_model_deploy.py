@@ -1,5 +1,6 @@
 """pace_core.apply: one call applies an exported configuration to a transformers model, or refuses."""
 
+import dataclasses
 import json
 
 import pytest
@@ -18,11 +19,13 @@ def loaded(tiny_checkpoints):
     return load_model(tiny_checkpoints["qwen3_5_text"])
 
 
-def _export(loaded, cfg, tmp_path, **changes):
-    doc = json.loads(export_json(cfg, shape=loaded.shape, source=loaded.source, weights_fingerprint=loaded.fingerprint))
-    doc["model"].update(changes)
+def _export(loaded, cfg, tmp_path, *, fingerprint=None, **shape_changes):
+    """The export of ``cfg`` for the loaded model, or for a model of another shape (``shape_changes``) or other
+    weights (``fingerprint``): a consistent file made for another model."""
+    shape = dataclasses.replace(loaded.shape, **shape_changes)
     path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(doc))
+    path.write_text(export_json(cfg, shape=shape, source=loaded.source,
+                                weights_fingerprint=fingerprint or loaded.fingerprint))
     return path
 
 
@@ -47,11 +50,25 @@ def test_apply_runs_the_exported_configuration(loaded, tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [({"num_v_heads": 8}, "num_v_heads 8 in the file"),
-                                              ({"gdn_layers": [0, 1]}, "gdn_layers"),
-                                              ({"weights_fingerprint": "0" * 16}, "other weights")])
+                                              ({"num_layers": 12}, "num_layers 12 in the file, 4 in the model"),
+                                              ({"gdn_layers": (0, 1, 2)},
+                                               r"gdn_layers \[0, 1, 2\] in the file, \[0, 1, 3\] in the model"),
+                                              ({"fingerprint": "0" * 16}, "other weights")])
 def test_a_file_for_another_model_is_refused(loaded, tmp_path, changes, message):
     with pytest.raises(PaceError, match=message):
         pace_core.apply(loaded.model, _export(loaded, get_config("pace-4"), tmp_path, **changes))
+    assert current_config(loaded.model) is None
+
+
+@pytest.mark.parametrize("section, key, value, message", [("pace", "bits", 99, "pace.bits is not allowed"),
+                                                          ("state_layout", "groups_along", "value", "contradicts")])
+def test_a_file_whose_sections_disagree_is_refused(loaded, tmp_path, section, key, value, message):
+    path = _export(loaded, get_config("pace-4"), tmp_path)
+    doc = json.loads(path.read_text())
+    doc[section][key] = value
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PaceError, match=message):
+        pace_core.apply(loaded.model, path)
     assert current_config(loaded.model) is None
 
 

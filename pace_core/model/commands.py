@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from pace_core.config import resolve_config
 from pace_core.errors import PaceError
 
 DEFAULT_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8")
@@ -161,19 +160,35 @@ class Context:
         self._calibrations[key] = cal
         return cal
 
-    def prepared(self, names: list[str]):
-        """Resolve configurations and calibrate those that need it (PACE-4/8 high-bit heads, DAMP
-        outlier rows). Returns (configs, {damp config name: outlier rows per GDN layer})."""
-        cfgs, damp_rows = [], {}
-        for spec in names:
-            cfg = resolve_config(spec)
-            if (cfg.high_share > 0 and cfg.high_heads is None) or cfg.method == "damp":
-                cal = self.calibration(cfg, self.args.calibration_text, self.args.calibration_tokens, 64)
-                if cfg.method == "damp":
-                    damp_rows[cfg.name] = [r.to(self.loaded.device) for r in cal.damp_rows]
-                cfg = cal.config
-            cfgs.append(cfg.validate_for(self.loaded.shape))
-        return cfgs, damp_rows
+    def admit(self, config, calibrate=None, ready_for: str = "run"):
+        """``config`` (a name, a config JSON file or a document of :func:`_read_configs`) admitted for the
+        loaded model (:func:`pace_core.export.admit`: a file for another model or weights is refused),
+        completed by ``calibrate`` when it needs a calibration for ``ready_for``."""
+        from pace_core.export import admit
+
+        return admit(config, self.loaded.shape, self.loaded.fingerprint, calibrate=calibrate, ready_for=ready_for)
+
+    def prepared(self, configs: list):
+        """Admit every configuration (:meth:`admit`), calibrating those that need it (PACE-4/8 high-bit
+        heads, DAMP outlier rows) on the calibration text. Returns (configs, {damp config name: outlier rows
+        per GDN layer})."""
+        damp_rows: dict[str, list] = {}
+
+        def calibrate(cfg):
+            cal = self.calibration(cfg, self.args.calibration_text, self.args.calibration_tokens, 64)
+            if cfg.method == "damp":
+                damp_rows[cfg.name] = [r.to(self.loaded.device) for r in cal.damp_rows]
+            return cal.config
+
+        return [self.admit(config, calibrate) for config in configs], damp_rows
+
+
+def _read_configs(specs: list[str]) -> list:
+    """The documents of configuration names or files (:func:`pace_core.export.read_config`), read before the
+    model loads: a malformed file or one whose sections disagree is refused at once."""
+    from pace_core.export import read_config
+
+    return [read_config(spec) for spec in specs]
 
 
 def _command() -> str:
@@ -256,9 +271,17 @@ def run_card(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    [doc] = _read_configs([args.config])
     ctx = _context(args)
-    cfg = resolve_config(args.config)
-    cal = ctx.calibration(cfg, args.text, args.tokens, args.sample_every)
+    made: list = []
+
+    def calibrate(cfg):
+        made.append(ctx.calibration(cfg, args.text, args.tokens, args.sample_every))
+        return made[-1].config
+
+    cfg = ctx.admit(doc, calibrate)
+    # a configuration that needs no calibration to run is calibrated too: the table is what this command shows
+    cal = made[-1] if made else ctx.calibration(cfg, args.text, args.tokens, args.sample_every)
     _print_table(cal.table())
     print(f"high_heads: {cal.config.high_heads}")
     return 0
@@ -272,11 +295,10 @@ def run_export(args: argparse.Namespace) -> int:
     from pace_core.export import export_filename, export_json
     from pace_core.results import atomic_write, make_provenance, results_dir
 
+    [doc] = _read_configs([args.config])
     ctx = _context(args)
-    cfg = resolve_config(args.config)
-    if cfg.high_share > 0:
-        cfg = ctx.calibration(cfg, args.text, args.tokens, args.sample_every).config
-    cfg.validate_for(ctx.loaded.shape)
+    cfg = ctx.admit(doc, lambda c: ctx.calibration(c, args.text, args.tokens, args.sample_every).config,
+                    ready_for="export")
     prov = make_provenance(ctx.model_name, configs=[cfg], text_path=args.text or CALIBRATION_TEXT,
                            command=_command(), extra={"calibration_tokens": args.tokens})
     text = export_json(cfg, shape=ctx.loaded.shape, source=ctx.loaded.source, weights_fingerprint=ctx.loaded.fingerprint,
@@ -339,9 +361,10 @@ def run_drift(args: argparse.Namespace) -> int:
     from pace_core.analysis.drift import drift, drift_progress_total
     from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
 
+    docs = _read_configs(args.configs)
     ctx = _context(args)
     text = args.text or str(CALIBRATION_TEXT)
-    cfgs, damp_rows = ctx.prepared(args.configs)
+    cfgs, damp_rows = ctx.prepared(docs)
     ids = tokenize(ctx.loaded.tokenizer, read_text(text), args.tokens)
     decode_from = args.decode_from if args.decode_from is not None else ids.shape[1] // 2
     params = {"text": _sha(text), "tokens": args.tokens, "decode_from": args.decode_from, "every": args.every}
@@ -394,9 +417,10 @@ def run_perplexity(args: argparse.Namespace) -> int:
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
     from pace_core.config import get_config
 
+    docs = _read_configs(args.configs)
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
-    cfgs, damp_rows = ctx.prepared(args.configs)
+    cfgs, damp_rows = ctx.prepared(docs)
     stride = args.stride if args.stride is not None else max(args.window // 2, 1)
     if args.prefill_only:
         decode_from = None
@@ -435,8 +459,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from pace_core.analysis.generation import generate_side_by_side, generation_progress_total
     from pace_core.config import get_config
 
+    docs = _read_configs(args.configs)
     ctx = _context(args)
-    cfgs, damp_rows = ctx.prepared(args.configs)
+    cfgs, damp_rows = ctx.prepared(docs)
     params = {"prompt": args.prompt, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "temperature": args.temperature, "top_p": args.top_p, "modes": args.modes}
     reference = get_config("fp32")

@@ -155,10 +155,10 @@ def teacher_forced_margins(loaded: Any, config: str, prompt_ids: Sequence[Sequen
     """The given continuations fed to the transformers path under ``config``: per prompt, how far each
     continuation token's logit lies below the top logit (0 where it is the greedy choice) and the top
     logit, both ``[len(continuation)]`` float32."""
-    from pace_core.model.deploy import load_document
+    from pace_core.export import admit
     from pace_core.model.teacher import Member, teacher_forced
 
-    member = Member(config, load_document(config).config)
+    member = Member(config, admit(config, loaded.shape, loaded.fingerprint))
     out = []
     for p, c in zip(prompt_ids, continuations):
         ids = torch.tensor([list(p) + list(c)], device=loaded.device)

@@ -2,12 +2,13 @@
 
 The configuration comes from ``additional_config={"pace_config": ...}`` (``vllm serve ...
 --additional-config '{"pace_config": "my-config.json"}'``) or, when that is absent, the environment
-variable ``PACE_CONFIG``: the path of an exported JSON file, its text, or a configuration name
-(:func:`pace_core.model.deploy.load_document`). Without either, the plugin changes nothing.
+variable ``PACE_CONFIG``: the path of an exported JSON file, its text, or a configuration name. Without
+either, the plugin changes nothing.
 
-Refused at start-up with a :class:`~pace_core.errors.PaceError` saying what to change: a file made for
-another model (:func:`pace_core.export.check_model`: layer count, GDN layers, head shape), a method a
-pool row cannot hold (:data:`pace_core.vllm.slots.SLOT_METHODS`), PACE-4/8 without chosen heads, and
+Refused at start-up with a :class:`~pace_core.errors.PaceError` saying what to change: whatever
+:func:`pace_core.export.admit` refuses against the engine's model (a file made for another model: layer
+count, GDN layers, head shape; sections that disagree; PACE-4/8 without chosen heads; DAMP, whose rows no
+file carries), a method a pool row cannot hold (:data:`pace_core.vllm.slots.SLOT_METHODS`), and
 engine settings the state pool does not follow yet (compiled or graph-captured forwards, prefix caching,
 speculative decoding, KV transfer, tensor parallelism). A chunked prefill is served, with a rounding at
 the end of each part of a prompt (logged at start-up).
@@ -22,10 +23,9 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from pace_core.config import ConfigDocument, PaceConfig
+from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
-from pace_core.export import check_model
-from pace_core.model.deploy import load_document, require_heads
+from pace_core.export import admit
 from pace_core.shapes import ModelShape, shape_from_hf_config
 from pace_core.vllm.slots import SlotLayout
 
@@ -85,11 +85,8 @@ def _refuse_settings(vllm_config: Any) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _served(source: str, hf_config_json: str) -> Served:
-    doc: ConfigDocument = load_document(source)
     shape = shape_from_hf_config(json.loads(hf_config_json))
-    check_model(doc, shape)
-    cfg = doc.config
-    require_heads(cfg)
+    cfg = admit(source, shape)  # no weights fingerprint here: the engine has not loaded them yet
     layouts = {layer: SlotLayout(cfg, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v, i)
                for i, layer in enumerate(shape.gdn_layers)}
     return Served(cfg, shape, layouts)

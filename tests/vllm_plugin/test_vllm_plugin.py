@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from pace_core import accounting  # noqa: E402
-from pace_core.model.deploy import load_document  # noqa: E402
+from pace_core.export import read_config  # noqa: E402
 from pace_core.model.loading import load_model  # noqa: E402
 from pace_core.shapes import shape_from_hf_config  # noqa: E402
 from pace_core.vllm import check  # noqa: E402
@@ -102,7 +102,7 @@ def test_pool_rows_hold_the_accounting_bytes_and_more_sequences_fit():
         pools[config] = _pool(llm)
         hf_config = llm.llm_engine.vllm_config.model_config.hf_config
         del llm
-    cfg, shape = load_document(str(PACE_4_8)).config, shape_from_hf_config(hf_config)
+    cfg, shape = read_config(str(PACE_4_8)).config, shape_from_hf_config(hf_config)
     pace, base = pools[str(PACE_4_8)], pools[None]
     assert sorted(pace) == sorted(base) == list(shape.gdn_layers)
     assert all(layer["row_bytes"] is None for layer in base.values())
