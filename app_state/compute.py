@@ -89,8 +89,8 @@ def reference_states(source: str, where: Runtime, text: str) -> dict[int, dict[i
     return found
 
 
-def _ready(source: str, where: Runtime, configs: dict[str, str]) -> dict[str, tuple[PaceConfig, Any]]:
-    """{label: (configuration ready to run, its DAMP outlier rows or None)} of {label: config JSON}."""
+def _ready(source: str, where: Runtime, configs: dict[str, str]) -> dict[str, PaceConfig]:
+    """{label: configuration ready to run} of {label: config JSON}."""
     return {label: runnable(source, where, config_from_json(text)) for label, text in configs.items()}
 
 
@@ -116,10 +116,8 @@ def generations(source: str, where: Runtime, configs: tuple[tuple[str, str], ...
         with work.progress(generation_progress_total((mode,), max_new_tokens),
                            f"Generating {max_new_tokens} tokens with {names}",
                            ("generation", setting, tuple(missing.values()))) as advance:
-            table = generate_side_by_side(loaded, {label: cfg for label, (cfg, _) in ready.items()}, prompt,
+            table = generate_side_by_side(loaded, ready, prompt,
                                           max_new_tokens=max_new_tokens, modes=(mode,), seed=GENERATION_SEED,
-                                          damp_rows={label: rows for label, (_, rows) in ready.items()
-                                                     if rows is not None},
                                           reference_rows=ref, progress=advance)
         if ref is None:
             reference.put(setting, table[table.config == "fp32"])
@@ -159,9 +157,8 @@ def drift(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], pre
         with work.progress(drift_progress_total(loaded, len(missing), T, prefill, with_reference=kept is None),
                            f"Teacher-forcing {names} over {T - prefill - 1} decode steps",
                            ("drift", setting, tuple(missing.values()))) as advance:
-            res = run_drift(loaded, {label: cfg for label, (cfg, _) in ready.items()}, ids, prefill, every=every,
-                            reference=kept, keep_reference=kept is None, progress=advance,
-                            damp_rows={label: rows for label, (_, rows) in ready.items() if rows is not None})
+            res = run_drift(loaded, ready, ids, prefill, every=every,
+                            reference=kept, keep_reference=kept is None, progress=advance)
         reference.put(setting, res.reference)
         return {label: (res.table[res.table.config == label], res.summary[res.summary.config == label])
                 for label in missing}
@@ -186,8 +183,8 @@ def calibration_key(cfg: PaceConfig) -> str:
     """What a calibration depends on: the quantiser (method, bits, axis, group size, zero point, DAMP
     rows), not dP, P, the share (the pages derive E_h and the allocation from a_h and e_h live) or
     what happens to a prompt after decoded tokens."""
-    return config_to_json(cfg.replace(name="calibration", high_share=0.0, high_heads=None, decode_period=8,
-                                      prefill_period=256, prefill_after_decode="flush"))
+    return config_to_json(cfg.replace(name="calibration", high_share=0.0, high_heads=None, calibrated=None,
+                                      decode_period=8, prefill_period=256, prefill_after_decode="flush"))
 
 
 def _stored_calibration(source: str, weights: str, key: str) -> tuple[Calibration, str] | None:
@@ -244,18 +241,14 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
     return found
 
 
-def runnable(source: str, where: Runtime, cfg: PaceConfig) -> tuple[PaceConfig, list[torch.Tensor] | None]:
+def runnable(source: str, where: Runtime, cfg: PaceConfig) -> PaceConfig:
     """`cfg` admitted for the model (:func:`pace_core.export.admit`: its settings must fit it) and ready to
-    run on it, with the DAMP outlier rows it needs (else None): a share of 8-bit heads without chosen heads
-    gets the allocation calibrated on the model (cached)."""
+    run on it: what it needs calibrated on the model (8-bit heads, a method's per-layer tensors such as DAMP's
+    outlier rows) comes from the calibration of its quantiser (cached)."""
     loaded = _load_model(source, where)
-    rows: list[list[torch.Tensor]] = []
 
     def calibrate(c: PaceConfig) -> PaceConfig:
         cal = calibration(source, where, calibration_key(c))["calibration"]
-        if c.method == "damp":
-            rows.append(cal.damp_rows)
-            return c
-        return cal.allocate(c)
+        return cal.allocate(c.replace(calibrated=cal.config.calibrated) if c.calibrated is None else c)
 
-    return admit(cfg, loaded.shape, loaded.fingerprint, calibrate=calibrate), (rows[0] if rows else None)
+    return admit(cfg, loaded.shape, loaded.fingerprint, calibrate=calibrate)

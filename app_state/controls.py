@@ -23,9 +23,10 @@ from typing import Any, Callable, NamedTuple
 import streamlit as st
 import torch
 
-from pace_core.config import NAMED_CONFIGS, PaceConfig, config_to_json, get_config
+from pace_core.config import METHOD_SETTINGS, NAMED_CONFIGS, SETTINGS, PaceConfig, config_to_json, get_config
 from pace_core.errors import PaceError
 from pace_core.export import admit
+from pace_core.methods import method_of
 
 DEFAULT_PRESET = "pace-4"
 
@@ -61,87 +62,9 @@ def url_text(value: Any) -> str:
     return str(value)
 
 
-def _share(x: float) -> str:
-    return f"{x:.0%}" if x in (0.0, 1.0) else f"{x:.1%}".replace(".0%", "%")
-
-
-METHOD_HELP = {
-    "none": "no quantisation: the checkpoint is kept in the reference dtype (fp32 or bf16)",
-    "rtn": "round-to-nearest integer state (the paper's uniform baseline)",
-    "pace": "PACE: key-axis (channel-aligned) groups, periodic rounding, decode buffer",
-    "damp": "DAMP-style: 16 outlier key rows in fp16, Hadamard on the rest (our choice)",
-    "dsq": "Q-Mamba DSQ: decoupled row and column fp16 scales",
-}
-
-
-CONTROLS: tuple[Control, ...] = (
-    Control("method", "method", "Method",
-            "How the recurrent state is stored between roundings. " + "; ".join(
-                f"**{k}**: {v}" for k, v in METHOD_HELP.items()),
-            ("none", "rtn", "pace", "damp", "dsq")),
-    Control("ref", "reference_dtype", "Reference dtype (method none)",
-            "Storage dtype of the checkpoint when quantisation is off: the 'rounding' at each "
-            "period end is the cast to this dtype (identity for float32).",
-            ("float32", "bfloat16")),
-    Control("bits", "bits", "State bits (bits/value)",
-            "Bit width b of the integer codes of the low-precision heads (spec §2). Symmetric codes "
-            "lie in [−(2^(b−1)−1), 2^(b−1)−1]; zero-point codes in [0, 2^b−1]. 2–4 bits are packed "
-            "two codes per byte.", tuple(range(2, 9))),
-    Control("dp", "decode_period", "Decode period dP (tokens)",
-            "The state is rounded once every dP generated tokens (spec §3). In between, the rounded "
-            "checkpoint Ŝ stays fixed and each token's (k_t, u_t, g_t) goes into the decode buffer "
-            "[ours: u_t instead of v_t makes the buffered path exact]. dP = 1 is per-token rounding.",
-            tuple(range(1, 65)), symbol="dP"),
-    Control("pp", "prefill_period", "Prefill period P (tokens)",
-            "The prompt is split into P-token segments; each segment runs from the dequantised state "
-            "and its final state is rounded (spec §3; the paper fixes P = 256, the kernel chunk).",
-            (16, 32, 64, 128, 256, 512, 1024, 2048), symbol="P"),
-    Control("axis", "group_axis", "Group axis",
-            "**key** (from the paper): a group is g consecutive key rows of one value column S[k0:k0+g, j], so an "
-            "outlier column widens only its own step. **value** (baseline): S[i, j0:j0+g].",
-            ("key", "value")),
-    Control("g", "group_size", "Group size g (values)",
-            "Entries sharing one fp16 scale (and zero point). Must divide the head dimension along "
-            "the group axis (128 on Qwen3.5).", (8, 16, 32, 64, 128), symbol="g"),
-    Control("sym", "symmetric", "Symmetric (no zero point)",
-            "On: scale = amax / qmax, no zero point. Off: scale = (max − min)/(2^b − 1) with an "
-            "integer zero point stored in b bits (PACE-4/8 uses a zero point).", (True, False)),
-    Control("buf", "buffer", "Decode buffer precision",
-            "Precision of the buffered (k_t, u_t) records between roundings: int8 (PACE-4, uniform "
-            "configs), mixed = keys 4-bit + values bf16 (PACE-4/8), bf16/fp32 as references (from the paper). "
-            "Integer parts have fp16 scales per group of each vector (the buffer group settings below; our choice).",
-            ("fp32", "bf16", "int8", "mixed")),
-    Control("bkg", "buffer_key_group", "Buffer key group (entries per scale)",
-            "Our choice. Integer buffer keys (int8; mixed: 4-bit): entries of one buffered key vector that share one "
-            "fp16 scale (and zero point). 'per vector' = one scale per key vector. Smaller groups cost "
-            "16/g bits per entry in the buffer term c · dP and follow outlier channels closer.",
-            (0, 16, 32, 64, 128), lambda g: "per vector" if g == 0 else str(g)),
-    Control("bks", "buffer_key_symmetric", "Buffer keys symmetric",
-            "Off (our choice): each buffered key group gets an integer zero point (its bits per group count in c).",
-            (True, False)),
-    Control("bvg", "buffer_value_group", "Buffer value group (entries per scale)",
-            "Our choice. Integer buffer values u_t (int8 only; mixed and float buffers keep values in bf16/fp32): "
-            "entries per fp16 scale along each buffered value vector. 'per vector' = one scale per vector.",
-            (0, 16, 32, 64, 128), lambda g: "per vector" if g == 0 else str(g)),
-    Control("bvs", "buffer_value_symmetric", "Buffer values symmetric",
-            "Off (our choice): each buffered value group gets an integer zero point.", (True, False)),
-    Control("cur", "exact_current_token", "Exact current token",
-            "On (our choice): a token's own output and its delta value use its exact k_t, u_t, which are at hand when "
-            "it is processed; only the record stored for the later tokens is rounded (no memory cost). Off: the "
-            "token reads back its own rounded record.", (True, False)),
-    Control("pad", "prefill_after_decode", "Prompt after decoded tokens",
-            "Our choice (the spec is silent): How a prompt that follows decoded tokens starts, e.g. a user's next "
-            "turn: **flush** folds the buffered records into the checkpoint and rounds it first (one extra "
-            "rounding, off the dP grid); **carry** runs the prompt from the exact state (checkpoint plus "
-            "buffer, not rounded), so its first rounding ends its first P-token segment. It is part of the "
-            "exported configuration; this app's views run one prompt and then decode, so they do not change "
-            "with it.", ("flush", "carry")),
-    Control("hi", "high_share", "Share of 8-bit heads",
-            "PACE-4/8 (spec §4): in each layer this share of value heads, those with the largest "
-            "retained error E_h = e_h / (1 − a_h^(2·dP)), keep high_bits (8). Our choice: a_h = mean decay "
-            "on calibration text, e_h = mean rounding error energy of calibration states.",
-            (0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0), _share),
-)
+CONTROLS: tuple[Control, ...] = tuple(
+    Control(st.url, st.field, st.label, st.help, st.options, st.fmt, st.symbol) for st in SETTINGS if st.url)
+"""The sidebar's controls: every setting with a URL key (:data:`pace_core.config.SETTINGS`), in its order."""
 
 
 CONTROL_BY_KEY = {c.key: c for c in CONTROLS}
@@ -168,6 +91,17 @@ def url_aliases() -> dict[str, str]:
 
 
 QUANT_ONLY_KEYS = frozenset({"bits", "axis", "g", "sym", "hi"})
+
+
+def enabled(control: Control, method: str) -> bool:
+    """Whether ``control`` applies to ``method``: the reference dtype only to the references, the quantiser's
+    settings only to quantised methods, a method's own setting only to that method."""
+    quantised = method_of(method).quantized
+    if control.key == "ref":
+        return not quantised
+    if control.field in METHOD_SETTINGS:
+        return control.field in method_of(method).reads
+    return quantised or control.key not in QUANT_ONLY_KEYS
 
 
 EMBEDDED, LOCAL, HUB = "Embedded", "Local path", "Hub id"
@@ -381,8 +315,12 @@ def on_model_change(key: str) -> None:
 def _control_fields() -> dict:
     """The settings the sidebar controls hold, as PaceConfig fields."""
     fields = {c.field: st.session_state[c.key] for c in CONTROLS}
-    if fields["method"] == "none":
+    method = method_of(fields["method"])
+    if not method.quantized:
         fields["bits"] = 32 if fields["reference_dtype"] == "float32" else 16
+    for name, setting in METHOD_SETTINGS.items():  # another method's own settings stay at their defaults
+        if name in fields and name not in method.reads:
+            fields[name] = setting.default
     return fields
 
 
@@ -406,8 +344,8 @@ def current_config() -> PaceConfig:
 def allocation_key(cfg: PaceConfig) -> str:
     """What a head allocation depends on: the model and every setting except name, the heads and what
     happens to a prompt after decoded tokens."""
-    return model_source() + "|" + config_to_json(cfg.replace(name="custom", high_heads=None,
-                                                             prefill_after_decode="flush"))
+    return model_source() + "|" + config_to_json(cfg.uncalibrated().replace(name="custom",
+                                                                            prefill_after_decode="flush"))
 
 
 def set_allocation(cfg: PaceConfig, high_heads: tuple[tuple[int, ...], ...]) -> None:

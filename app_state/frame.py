@@ -10,7 +10,7 @@ from typing import Callable
 import streamlit as st
 import torch
 
-from app_state.controls import (CONTROLS, MODEL_KINDS, NAMED_CONFIGS, QUANT_ONLY_KEYS, EMBEDDED, LOCAL,
+from app_state.controls import (CONTROLS, MODEL_KINDS, NAMED_CONFIGS, EMBEDDED, LOCAL, enabled,
                                 WEIGHT_DTYPES, bind, current_config, device_options, fallback_config,
                                 on_model_change, on_preset_change, read_url_once, sync, write_url)
 from pace_core.config import PaceConfig
@@ -55,11 +55,9 @@ def sidebar() -> PaceConfig:
                      help="A named configuration of spec §6. It only sets the controls below; every "
                           "setting stays adjustable.")
         method = st.session_state["method"]
-        quantised = method != "none"
         for control in CONTROLS:
             common = dict(key=bind(control.key), help=control.help, on_change=sync,
-                          args=(control.key,), disabled=(control.key == "ref") == quantised or (
-                              control.key in QUANT_ONLY_KEYS and not quantised))
+                          args=(control.key,), disabled=not enabled(control, method))
             if isinstance(control.options[0], bool):
                 st.toggle(control.label, **common)
             elif len(control.options) <= 5:

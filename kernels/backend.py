@@ -44,6 +44,7 @@ from pace_core import quant
 from pace_core.backend import REFERENCE, capturing, token_by_token
 from pace_core.buffer import BufferFormat
 from pace_core.errors import PaceError
+from pace_core.methods import method_of
 from pace_core.recurrence import RECURRENT_BELOW, fold
 
 
@@ -66,13 +67,13 @@ class TritonSteps:
         test buffer, integer buffer groups that are not powers of two, heads that are not powers of two or
         narrower than :data:`kernels.plan.DECODE_MIN_K`."""
         cfg = getattr(fmt, "cfg", None)
-        if cfg is None or cfg.method not in ("none", "rtn", "pace"):
+        if cfg is None or not method_of(cfg).kernels:
             return None
         if buffer is not None and (buffer.precision == "fp64" or any(
                 spec is not None and not is_pow2(spec.group_size)
                 for spec in (buffer.spec("key", d_k), buffer.spec("value", d_v)))):
             return None
-        if cfg.method == "none" and fmt.dtype not in (torch.float32, torch.bfloat16):
+        if not cfg.quantized and fmt.dtype not in (torch.float32, torch.bfloat16):
             return None
         try:
             check_kernel_shape(d_k, d_v, fmt.spec or quant.QuantSpec(8, True, "key", 1), fmt.name, decode=True)

@@ -67,15 +67,12 @@ from fractions import Fraction
 import torch
 
 from pace_core.buffer import BUFFER_LAYOUT, entry_bits, record_bytes
-from pace_core.config import PaceConfig, num_high_heads
+from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
-from pace_core.outliers import DampQuantizer
-from pace_core.quant import QuantSpec, packed_last_dim, packed_nbytes
+from pace_core.methods import method_of
 from pace_core.shapes import ModelShape
 
 LOG_DECAY_BITS = 32
-SCALE_BITS = 16
-OUTLIER_ROW_BITS = 16
 
 
 @dataclass(frozen=True)
@@ -108,16 +105,6 @@ def _check(cfg: PaceConfig, shape: ModelShape) -> None:
     cfg.validate_for(shape)
 
 
-def high_head_counts(cfg: PaceConfig, shape: ModelShape) -> tuple[int, ...]:
-    """Heads kept at ``high_bits`` in each GDN layer: from ``high_heads`` when calibrated, else
-    ``num_high_heads(high_share, HV)`` (0 for methods without high-bit heads)."""
-    if cfg.high_share == 0:
-        return (0,) * shape.num_gdn_layers
-    if cfg.high_heads is not None:
-        return tuple(len(layer) for layer in cfg.high_heads)
-    return (num_high_heads(cfg.high_share, shape.num_v_heads),) * shape.num_gdn_layers
-
-
 def _c(b_k: Fraction, b_v: Fraction, shape: ModelShape) -> Fraction:
     """``c = (b_k d_k / γ + b_v d_v + 32) / (d_k d_v)`` (spec §5)."""
     return (b_k * shape.d_k / shape.gamma + b_v * shape.d_v + LOG_DECAY_BITS) / (shape.d_k * shape.d_v)
@@ -136,44 +123,9 @@ def paper_c(cfg: PaceConfig, shape: ModelShape) -> Fraction:
     return _c(*bits, shape)
 
 
-def head_map_bytes(cfg: PaceConfig, shape: ModelShape, high: int) -> int:
-    """Bytes of one GDN layer's head map (PACE-4/8: one int16 per value head, kept once, not per sequence)
-    when the layer mixes two bit widths, else 0."""
-    return 2 * shape.num_v_heads if cfg.quantized and 0 < high < shape.num_v_heads else 0
-
-
 def _formula_terms(cfg: PaceConfig, shape: ModelShape) -> tuple[Fraction, Fraction]:
-    """(code bits, scale bits) per state value, exact fractions."""
-    k, v = shape.d_k, shape.d_v
-    if not cfg.quantized:
-        return Fraction(cfg.bits), Fraction(0)
-    if cfg.method == "dsq":
-        return Fraction(cfg.bits), Fraction(SCALE_BITS * (k + v), k * v)
-    if cfg.method == "damp":
-        kept = Fraction(k - cfg.damp_outlier_rows, k)
-        return kept * cfg.bits + (1 - kept) * OUTLIER_ROW_BITS, kept * Fraction(SCALE_BITS, cfg.group_size)
-    s = Fraction(sum(high_head_counts(cfg, shape)), shape.num_gdn_layers * shape.num_v_heads)
-    payload = (1 - s) * cfg.bits + s * cfg.high_bits
-    zero = Fraction(0) if cfg.symmetric else payload / cfg.group_size
-    return payload, Fraction(SCALE_BITS, cfg.group_size) + zero
-
-
-def _layer_state_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int, high: int) -> int:
-    """Stored bytes of one GDN layer's states (no buffer) for `n_seq` sequences, `high` high-bit heads."""
-    hv, k, v = shape.num_v_heads, shape.d_k, shape.d_v
-    if not cfg.quantized:
-        return n_seq * hv * k * v * cfg.bits // 8
-    if cfg.method == "dsq":
-        return n_seq * hv * (k * packed_last_dim(cfg.bits, v) + 2 * k + 2 * v)
-    if cfg.method == "damp":
-        rows = torch.arange(cfg.damp_outlier_rows).expand(hv, cfg.damp_outlier_rows)
-        return DampQuantizer(rows, cfg.bits, cfg.damp_hadamard, cfg.group_size).nbytes((n_seq, hv, k, v))
-    total = 0
-    for heads, bits in ((hv - high, cfg.bits), (high, cfg.high_bits)):
-        if heads:
-            spec = QuantSpec(bits=bits, symmetric=cfg.symmetric, axis=cfg.group_axis, group_size=cfg.group_size)
-            total += packed_nbytes((n_seq, heads, k, v), spec)
-    return total
+    """(code bits, scale bits) per state value, exact fractions (the method's payload)."""
+    return method_of(cfg).payload(cfg, shape)
 
 
 def _check_n(n_seq: int, field: str = "n_seq") -> None:
@@ -189,8 +141,9 @@ def state_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> int:
     _check_n(n_seq)
     if n_seq == 0:
         return 0
-    total = sum(_layer_state_bytes(cfg, shape, n_seq, high) + head_map_bytes(cfg, shape, high)
-                for high in high_head_counts(cfg, shape))
+    method = method_of(cfg)
+    total = sum(method.layer_bytes(cfg, shape, n_seq, layer) + method.fixed_bytes(cfg, shape, layer)
+                for layer in range(shape.num_gdn_layers))
     if cfg.buffered:
         record = record_bytes(cfg.buffer_format, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v)
         total += shape.num_gdn_layers * n_seq * cfg.decode_period * record

@@ -19,12 +19,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_share
-from pace_core.config import (
-    BUFFER_PRECISIONS,
-    GROUP_AXES,
-    NAMED_CONFIGS,
-    PaceConfig,
-)
+from pace_core.config import NAMED_CONFIGS, SETTINGS, PaceConfig, Setting, default_of
 from pace_core.errors import PaceError
 from pace_core.export import admit
 from pace_core.model import commands as model_commands
@@ -33,20 +28,18 @@ from pace_core.shapes import BUILTIN_SHAPES, ModelShape, load_shape
 DEFAULT_SEQUENCES = 64
 GIB = 2**30
 
-# (option, PaceConfig field, argparse keyword arguments) of the config overrides of `bits`
-_OVERRIDES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("--bits", "bits", {"type": int, "help": "state bits of the low-precision heads (2..8)"}),
-    ("--high-bits", "high_bits", {"type": int, "help": "bits of the promoted heads"}),
-    ("--high-share", "high_share", {"type": float, "help": "share of heads per layer at --high-bits (0..1)"}),
-    ("--dp", "decode_period", {"type": int, "help": "decode period dP (1 = per-token rounding)"}),
-    ("--prefill-period", "prefill_period", {"type": int, "help": "prefill period P"}),
-    ("--group-size", "group_size", {"type": int, "help": "scale group size g"}),
-    ("--axis", "group_axis", {"choices": GROUP_AXES, "help": "group axis"}),
-    ("--buffer", "buffer", {"choices": BUFFER_PRECISIONS, "help": "decode-buffer precision"}),
-    ("--symmetric", "symmetric", {"action": argparse.BooleanOptionalAction, "default": None,
-                                  "help": "symmetric codes (--no-symmetric: integer zero point)"}),
-    ("--outlier-rows", "damp_outlier_rows", {"type": int, "help": "DAMP outlier key rows in fp16"}),
-)
+def _override_kwargs(setting: Setting) -> dict[str, Any]:
+    """argparse keyword arguments of a setting's flag (:attr:`Setting.cli`), from its field's type and choices."""
+    default = default_of(setting.field)
+    if isinstance(default, bool):
+        return {"action": argparse.BooleanOptionalAction, "default": None, "help": setting.cli_help}
+    if isinstance(default, str):
+        return {"choices": setting.options, "help": setting.cli_help}
+    return {"type": type(default), "help": setting.cli_help}
+
+
+_OVERRIDES: tuple[Setting, ...] = tuple(st for st in SETTINGS if st.cli)
+"""The configuration overrides of `bits`: every setting with a CLI flag."""
 
 
 def _default_model() -> str:
@@ -59,7 +52,7 @@ def _default_model() -> str:
 
 
 def _apply_overrides(cfg: PaceConfig, args: argparse.Namespace) -> PaceConfig:
-    changes = {field: getattr(args, field) for _, field, _ in _OVERRIDES if getattr(args, field) is not None}
+    changes = {st.field: getattr(args, st.field) for st in _OVERRIDES if getattr(args, st.field) is not None}
     return cfg.replace(**changes) if changes else cfg
 
 
@@ -169,8 +162,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sequences", type=int, default=DEFAULT_SEQUENCES,
                    help=f"concurrent sequences for the state bytes and share (default {DEFAULT_SEQUENCES})")
     p.add_argument("--budget-gb", type=float, help="memory budget in GB (1e9 bytes): how many sequences fit")
-    for option, field, kwargs in _OVERRIDES:
-        p.add_argument(option, dest=field, **kwargs)
+    for st in _OVERRIDES:
+        p.add_argument(st.cli, dest=st.field, **_override_kwargs(st))
     p.set_defaults(func=run_bits)
 
 

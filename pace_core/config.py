@@ -45,21 +45,24 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pace_core import __version__
 from pace_core.buffer import BufferFormat
 from pace_core.errors import PaceError
+from pace_core.methods import METHODS as _METHODS
+from pace_core.methods import Calibrated, method_of
 from pace_core.quant import GROUP_AXES, GroupAxis, QuantSpec
+from pace_core.settings import Setting
 
 if TYPE_CHECKING:
     from pace_core.shapes import ModelShape
 
 BufferPrecision = Literal["fp32", "bf16", "int8", "mixed"]  # mixed: keys 4-bit, values bf16
-Method = Literal["none", "rtn", "pace", "damp", "dsq"]  # none = fp32/bf16 reference
 PrefillAfterDecode = Literal["flush", "carry"]
 
-METHODS: tuple[str, ...] = ("none", "rtn", "pace", "damp", "dsq")
+METHODS: tuple[str, ...] = tuple(_METHODS)
+"""The methods' names (:mod:`pace_core.methods`), ``none`` the full-precision references."""
 BUFFER_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8", "mixed")
 PREFILL_AFTER_DECODE: tuple[str, ...] = ("flush", "carry")
 REFERENCE_DTYPES: dict[str, int] = {"float32": 32, "bfloat16": 16}
@@ -71,13 +74,14 @@ GROUP_SIZES_NO_SHAPE: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_DECODE_PERIOD = 4096
 MAX_PREFILL_PERIOD = 1 << 20
 MAX_DAMP_OUTLIER_ROWS = 128
-HIGH_SHARE_METHODS: tuple[str, ...] = ("rtn", "pace")
+HIGH_SHARE_METHODS: tuple[str, ...] = tuple(name for name, m in _METHODS.items() if m.head_widths)
 """Methods whose heads may be split into low- and high-bit heads."""
 
-SCHEMA_VERSION = 3
-"""The schema of the complete record (:func:`config_to_dict`), which result caches key on."""
-READ_SCHEMA_VERSION = 4
-"""The newest schema read: the deployable export of :mod:`pace_core.export`."""
+SCHEMA_VERSION = 5
+"""The schema of the complete record (:func:`config_to_dict`), which result caches key on: 1-3, then 5 (4 is the
+first deployable export's; from 5 on records and exports share the numbers and differ by the export's ``kind``)."""
+READ_SCHEMA_VERSION = 5
+"""The newest schema read, of records and of exports (:mod:`pace_core.export`)."""
 PRODUCER_NAME = "pace-studio"
 
 
@@ -120,6 +124,8 @@ class PaceConfig:
       exact ``k_t, u_t`` (at hand when it is processed); its record is stored in the buffer's precision
       for the later tokens and the fold either way. False: the current token reads its own stored record
       (PACE Studio before schema 3).
+    - ``calibrated``: the method's per-layer tensors calibrated on one model (:attr:`Method.calibration
+      <pace_core.methods.Method.calibration>`: DAMP's outlier rows), None until a calibration on the model.
     - ``buffer_key_group``, ``buffer_value_group`` **[ours]**: entries per fp16 scale along each buffered
       key / value vector of an integer buffer part (0: one scale per vector); ``buffer_key_symmetric``,
       ``buffer_value_symmetric``: False gives each group an integer zero point. Float parts ignore them.
@@ -133,7 +139,7 @@ class PaceConfig:
     """
 
     name: str = "custom"
-    method: Method = "pace"
+    method: str = "pace"
     bits: int = 4
     high_bits: int = 8
     high_share: float = 0.0
@@ -154,6 +160,8 @@ class PaceConfig:
     buffer_value_group: int = 0
     buffer_key_symmetric: bool = True
     buffer_value_symmetric: bool = True
+    calibrated: Calibrated | None = None
+    options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if _is_int(self.high_share):
@@ -161,17 +169,26 @@ class PaceConfig:
         if isinstance(self.high_heads, (list, tuple)):
             object.__setattr__(self, "high_heads", tuple(
                 tuple(layer) if isinstance(layer, (list, tuple)) else layer for layer in self.high_heads))
+        object.__setattr__(self, "options", _options(self.options))
         self.validate()
+
+    def __getattr__(self, name: str) -> Any:
+        """A method's own setting (:data:`METHOD_SETTINGS`), read like a field: its value in ``options``, else its
+        default."""
+        setting = METHOD_SETTINGS.get(name)
+        if setting is None or name == "options":
+            raise AttributeError(f"{type(self).__name__!r} has no setting {name!r}")
+        return dict(self.options).get(name, setting.default)
 
     @property
     def quantized(self) -> bool:
         """True unless this is a full-precision reference (method ``none``)."""
-        return self.method != "none"
+        return method_of(self).quantized
 
     @property
     def exact(self) -> bool:
-        """True when storing the state changes nothing (method ``none`` in float32): the fp32 reference."""
-        return self.method == "none" and self.reference_dtype == "float32"
+        """True when storing the state changes nothing (a reference in float32): the fp32 reference."""
+        return not self.quantized and self.reference_dtype == "float32"
 
     @property
     def needs_heads(self) -> bool:
@@ -182,8 +199,9 @@ class PaceConfig:
     @property
     def needs_calibration(self) -> bool:
         """True when running this configuration needs a calibration on the model first: :attr:`needs_heads`,
-        or DAMP (its outlier rows are chosen on the model and are not part of a configuration)."""
-        return self.needs_heads or self.method == "damp"
+        or a method with per-layer tensors calibrated on the model (:attr:`pace_core.methods.Method.calibration`:
+        DAMP's outlier rows)."""
+        return self.needs_heads or (method_of(self).calibration is not None and self.calibrated is None)
 
     @property
     def buffered(self) -> bool:
@@ -202,28 +220,30 @@ class PaceConfig:
         if not isinstance(self.name, str) or not self.name.strip():
             raise PaceError(f"name={self.name!r} is not allowed; allowed: a non-empty string")
         _check_choice("method", self.method, METHODS)
+        method = method_of(self)
         _check_choice("reference_dtype", self.reference_dtype, tuple(REFERENCE_DTYPES))
         if self.quantized:
             _check_int("bits", self.bits, QUANT_BITS, f"integers 2..8 for method {self.method!r}")
         elif self.bits != REFERENCE_DTYPES[self.reference_dtype] or not _is_int(self.bits):
             raise PaceError(
-                f"bits={self.bits!r} is not allowed for method 'none' with reference_dtype "
+                f"bits={self.bits!r} is not allowed for method {self.method!r} with reference_dtype "
                 f"{self.reference_dtype!r}; allowed: {REFERENCE_DTYPES[self.reference_dtype]} "
                 "(32 with float32, 16 with bfloat16)")
         low = self.bits if self.quantized else 2
         _check_int("high_bits", self.high_bits, range(low, 9), f"integers {low}..8 (at least bits)")
         if not isinstance(self.high_share, float) or not 0.0 <= self.high_share <= 1.0:
             raise PaceError(f"high_share={self.high_share!r} is not allowed; allowed: a number in [0, 1]")
-        if self.high_share > 0 and self.method not in HIGH_SHARE_METHODS:
+        if self.high_share > 0 and not method.head_widths:
             raise PaceError(f"high_share={self.high_share} is not allowed for method {self.method!r}; "
                             f"allowed: 0 (high-bit heads exist for methods {', '.join(HIGH_SHARE_METHODS)})")
         _check_choice("symmetric", self.symmetric, (True, False))
-        if not self.symmetric and self.method in ("damp", "dsq"):
+        if not self.symmetric and method.symmetric_only:
             raise PaceError(f"symmetric=False is not allowed for method {self.method!r}; allowed: True")
         _check_choice("group_axis", self.group_axis, GROUP_AXES)
-        if self.method == "damp" and self.group_axis != "value":
-            raise PaceError("group_axis='key' is not allowed for method 'damp'; allowed: 'value' "
-                            "(DAMP groups the non-outlier rows along the value axis)")
+        if method.grouped and self.group_axis not in method.group_axes:
+            raise PaceError(f"group_axis={self.group_axis!r} is not allowed for method {self.method!r}; allowed: "
+                            f"{', '.join(map(repr, method.group_axes))} ({method.label} groups along "
+                            f"{' or '.join(method.group_axes)})")
         _check_int("group_size", self.group_size, GROUP_SIZES_NO_SHAPE,
                    "powers of two dividing 128: " + ", ".join(map(str, GROUP_SIZES_NO_SHAPE)))
         _check_choice("scale_dtype", self.scale_dtype, SCALE_DTYPES)
@@ -243,6 +263,16 @@ class PaceConfig:
                        + ", ".join(map(str, GROUP_SIZES_NO_SHAPE)))
             _check_choice(f"buffer_{part}_symmetric", getattr(self, f"buffer_{part}_symmetric"), (True, False))
         self._validate_high_heads()
+        if self.calibrated is not None and (not isinstance(self.calibrated, Calibrated) or method.calibration is None):
+            raise PaceError(f"calibrated is set for method {self.method!r}; allowed: None"
+                            + ("" if method.calibration is None else " or pace_core.methods.Calibrated"))
+        for name, value in self.options:
+            setting = METHOD_SETTINGS[name]
+            setting.check(value)
+            if _OWNER[name] != self.method:
+                raise PaceError(f"{name}={value!r} is not allowed for method {self.method!r}; allowed: its default "
+                                f"{setting.default!r} ({name} is a setting of method {_OWNER[name]!r})")
+        method.check(self)
         return self
 
     def _validate_high_heads(self) -> None:
@@ -264,7 +294,7 @@ class PaceConfig:
         outlier rows fit d_k (and d_v is a power of two for its Hadamard transform), and
         ``high_heads`` has one entry per GDN layer with ``num_high_heads(high_share, HV)`` valid head
         indices. Returns self."""
-        if self.method in ("rtn", "pace", "damp"):
+        if method_of(self).grouped:
             axis_len = shape.d_k if self.group_axis == "key" else shape.d_v
             axis_name = "d_k" if self.group_axis == "key" else "d_v"
             if axis_len % self.group_size:
@@ -278,13 +308,10 @@ class PaceConfig:
                 allowed = [0] + [d for d in GROUP_SIZES_NO_SHAPE if length % d == 0]
                 raise PaceError(f"buffer_{part}_group={group} does not divide the buffered {part}s of {shape.name} "
                                 f"({name}={length}); allowed: {', '.join(map(str, allowed))}")
-        if self.method == "damp":
-            if self.damp_outlier_rows > shape.d_k:
-                raise PaceError(f"damp_outlier_rows={self.damp_outlier_rows} exceeds d_k={shape.d_k} of "
-                                f"{shape.name}; allowed: 0..{shape.d_k}")
-            if self.damp_hadamard and shape.d_v & (shape.d_v - 1):
-                raise PaceError(f"damp_hadamard=True needs a power-of-two d_v; {shape.name} has "
-                                f"d_v={shape.d_v}; allowed: damp_hadamard=False")
+        if self.calibrated is not None and len(self.calibrated.layers) != shape.num_gdn_layers:
+            raise PaceError(f"calibrated holds {len(self.calibrated.layers)} layers; allowed: one per GDN layer of "
+                            f"{shape.name} ({shape.num_gdn_layers}): calibrate the configuration on this model")
+        method_of(self).check_for(self, shape)
         return self.validate_heads_for(shape)
 
     def validate_heads_for(self, shape: ModelShape) -> PaceConfig:
@@ -302,18 +329,45 @@ class PaceConfig:
                         f"distinct head indices in 0..{shape.num_v_heads - 1} (high_share={self.high_share})")
         return self
 
+    def uncalibrated(self) -> PaceConfig:
+        """This configuration without what a calibration chose on one model (8-bit heads, per-layer tensors): its
+        settings alone, e.g. to count its bits on another model's shape."""
+        return self.replace(high_heads=None, calibrated=None) if self.high_heads or self.calibrated else self
+
+    def for_layer(self, gdn_layer: int) -> PaceConfig:
+        """This configuration for GDN layer ``gdn_layer`` alone: its share of what is chosen per layer (8-bit
+        heads, calibrated tensors)."""
+        changes: dict[str, Any] = {}
+        if self.high_heads is not None:
+            changes["high_heads"] = (self.high_heads[gdn_layer],)
+        if self.calibrated is not None:
+            changes["calibrated"] = Calibrated([self.calibrated.layers[gdn_layer]])
+        return self.replace(**changes) if changes else self
+
     def replace(self, **changes: Any) -> PaceConfig:
-        """A validated copy with `changes` applied (unknown field names raise PaceError)."""
-        fields = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - fields)
+        """A validated copy with `changes` applied, fields and methods' settings alike (unknown names raise
+        PaceError)."""
+        fields = {f.name for f in dataclasses.fields(self)} - {"options"}
+        unknown = sorted(set(changes) - fields - set(METHOD_SETTINGS))
         if unknown:
-            raise PaceError(f"unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
-        return dataclasses.replace(self, **changes)
+            allowed = ", ".join(sorted(fields | set(METHOD_SETTINGS)))
+            raise PaceError(f"unknown setting(s) {', '.join(unknown)}; allowed: {allowed}")
+        options = {**dict(self.options), **{k: v for k, v in changes.items() if k in METHOD_SETTINGS}}
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if k in fields},
+                                   options=tuple(options.items()))
+
+    @classmethod
+    def make(cls, **values: Any) -> PaceConfig:
+        """A configuration of fields and methods' settings alike (``PaceConfig(...)`` takes fields only)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in fields},
+                   options=tuple((k, v) for k, v in values.items() if k not in fields))
 
     def quant_spec(self, bits: int | None = None) -> QuantSpec:
         """The group quantiser of this config at `bits` (default: the low bits ``self.bits``)."""
-        if self.method not in ("rtn", "pace", "damp"):
-            raise PaceError(f"method {self.method!r} has no group quantiser; allowed: rtn, pace, damp")
+        if not method_of(self).grouped:
+            grouped = ", ".join(name for name, m in _METHODS.items() if m.grouped)
+            raise PaceError(f"method {self.method!r} has no group quantiser; allowed: {grouped}")
         return QuantSpec(bits=self.bits if bits is None else bits, symmetric=self.symmetric,
                          axis=self.group_axis, group_size=self.group_size)
 
@@ -343,33 +397,131 @@ def _check_int(field: str, value: Any, allowed: range | tuple, text: str) -> Non
         raise PaceError(f"{field}={value!r} is not allowed; allowed: {text}")
 
 
-# The per-token baselines (dP = 1) carry buffer "int8": unused at dP = 1, it is the buffer of their
-# "every dP" variants (spec §6: "RTN-INTb, dP ... int8"), so raising decode_period gives that variant.
-def _rtn(bits: int) -> PaceConfig:
-    return PaceConfig(name=f"rtn-int{bits}", method="rtn", bits=bits, group_axis="value", group_size=32,
-                      symmetric=True, decode_period=1, buffer="int8")
+def _share(x: float) -> str:
+    return f"{x:.0%}" if x in (0.0, 1.0) else f"{x:.1%}".replace(".0%", "%")
 
 
-def _damp(bits: int) -> PaceConfig:
-    return PaceConfig(name=f"damp-int{bits}", method="damp", bits=bits, group_axis="value", group_size=32,
-                      symmetric=True, decode_period=1, buffer="int8", damp_outlier_rows=16, damp_hadamard=True)
+def _per_vector(g: int) -> str:
+    return "per vector" if g == 0 else str(g)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("name"),
+    Setting("method", url="method", label="Method", options=METHODS,
+            help="How the recurrent state is stored between roundings. " + "; ".join(
+                f"**{name}**: {m.description}" for name, m in _METHODS.items())),
+    Setting("reference_dtype", schema=1, url="ref", label="Reference dtype (method none)",
+            help="Storage dtype of the checkpoint when quantisation is off: the 'rounding' at each period end is the "
+                 "cast to this dtype (identity for float32).", options=tuple(REFERENCE_DTYPES)),
+    Setting("bits", json="num_bits", section="state_cache_scheme", url="bits", label="State bits (bits/value)",
+            help="Bit width b of the integer codes of the low-precision heads (spec §2). Symmetric codes lie in "
+                 "[−(2^(b−1)−1), 2^(b−1)−1]; zero-point codes in [0, 2^b−1]. 2–4 bits are packed two codes per "
+                 "byte.",
+            options=QUANT_BITS, cli="--bits", cli_help="state bits of the low-precision heads (2..8)"),
+    Setting("decode_period", url="dp", label="Decode period dP (tokens)", symbol="dP", options=tuple(range(1, 65)),
+            help="The state is rounded once every dP generated tokens (spec §3). In between, the rounded checkpoint "
+                 "Ŝ stays fixed and each token's (k_t, u_t, g_t) goes into the decode buffer [ours: u_t instead of v_t "
+                 "makes the buffered path exact]. dP = 1 is per-token rounding.",
+            cli="--dp", cli_help="decode period dP (1 = per-token rounding)"),
+    Setting("prefill_period", url="pp", label="Prefill period P (tokens)", symbol="P",
+            options=(16, 32, 64, 128, 256, 512, 1024, 2048),
+            help="The prompt is split into P-token segments; each segment runs from the dequantised state and its "
+                 "final state is rounded (spec §3; the paper fixes P = 256, the kernel chunk).",
+            cli="--prefill-period", cli_help="prefill period P"),
+    Setting("group_axis", url="axis", label="Group axis", options=GROUP_AXES,
+            help="**key** (from the paper): a group is g consecutive key rows of one value column S[k0:k0+g, j], so "
+                 "an outlier column widens only its own step. **value** (baseline): S[i, j0:j0+g].",
+            cli="--axis", cli_help="group axis"),
+    Setting("group_size", section="state_cache_scheme", url="g", label="Group size g (values)", symbol="g",
+            options=(8, 16, 32, 64, 128),
+            help="Entries sharing one fp16 scale (and zero point). Must divide the head dimension along the group "
+                 "axis (128 on Qwen3.5).", cli="--group-size", cli_help="scale group size g"),
+    Setting("symmetric", section="state_cache_scheme", url="sym", label="Symmetric (no zero point)",
+            options=(True, False),
+            help="On: scale = amax / qmax, no zero point. Off: scale = (max − min)/(2^b − 1) with an integer zero "
+                 "point stored in b bits (PACE-4/8 uses a zero point).",
+            cli="--symmetric", cli_help="symmetric codes (--no-symmetric: integer zero point)"),
+    Setting("scale_dtype", section="state_cache_scheme"),
+    Setting("buffer", json="buffer_precision", url="buf", label="Decode buffer precision", options=BUFFER_PRECISIONS,
+            help="Precision of the buffered (k_t, u_t) records between roundings: int8 (PACE-4, uniform configs), "
+                 "mixed = keys 4-bit + values bf16 (PACE-4/8), bf16/fp32 as references (from the paper). Integer "
+                 "parts have fp16 scales per group of each vector (the buffer group settings below; our choice).",
+            cli="--buffer", cli_help="decode-buffer precision"),
+    Setting("buffer_key_group", schema=3, before=0, url="bkg", label="Buffer key group (entries per scale)",
+            options=(0, 16, 32, 64, 128), fmt=_per_vector,
+            help="Our choice. Integer buffer keys (int8; mixed: 4-bit): entries of one buffered key vector that share "
+                 "one fp16 scale (and zero point). 'per vector' = one scale per key vector. Smaller groups cost 16/g "
+                 "bits per entry in the buffer term c · dP and follow outlier channels closer."),
+    Setting("buffer_key_symmetric", schema=3, before=True, url="bks", label="Buffer keys symmetric",
+            options=(True, False),
+            help="Off (our choice): each buffered key group gets an integer zero point (its bits per group count in "
+                 "c)."),
+    Setting("buffer_value_group", schema=3, before=0, url="bvg", label="Buffer value group (entries per scale)",
+            options=(0, 16, 32, 64, 128), fmt=_per_vector,
+            help="Our choice. Integer buffer values u_t (int8 only; mixed and float buffers keep values in "
+                 "bf16/fp32): entries per fp16 scale along each buffered value vector. 'per vector' = one scale per "
+                 "vector."),
+    Setting("buffer_value_symmetric", schema=3, before=True, url="bvs", label="Buffer values symmetric",
+            options=(True, False), help="Off (our choice): each buffered value group gets an integer zero point."),
+    Setting("exact_current_token", schema=3, before=False, url="cur", label="Exact current token",
+            options=(True, False),
+            help="On (our choice): a token's own output and its delta value use its exact k_t, u_t, which are at hand "
+                 "when it is processed; only the record stored for the later tokens is rounded (no memory cost). Off: "
+                 "the token reads back its own rounded record."),
+    Setting("prefill_after_decode", schema=2, before="flush", url="pad", label="Prompt after decoded tokens",
+            options=PREFILL_AFTER_DECODE,
+            help="Our choice (the spec is silent): How a prompt that follows decoded tokens starts, e.g. a user's "
+                 "next turn: **flush** folds the buffered records into the checkpoint and rounds it first (one extra "
+                 "rounding, off the dP grid); **carry** runs the prompt from the exact state (checkpoint plus buffer, "
+                 "not rounded), so its first rounding ends its first P-token segment. It is part of the exported "
+                 "configuration; this app's views run one prompt and then decode, so they do not change with it."),
+    Setting("high_share", url="hi", label="Share of 8-bit heads", options=(0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0),
+            fmt=_share,
+            help="PACE-4/8 (spec §4): in each layer this share of value heads, those with the largest retained error "
+                 "E_h = e_h / (1 − a_h^(2·dP)), keep high_bits (8). Our choice: a_h = mean decay on calibration "
+                 "text, e_h = mean rounding error energy of calibration states.",
+            cli="--high-share", cli_help="share of heads per layer at --high-bits (0..1)"),
+    Setting("high_bits", cli="--high-bits", cli_help="bits of the promoted heads"),
+    Setting("high_heads"),
+    Setting("damp_outlier_rows", cli="--outlier-rows", cli_help="DAMP outlier key rows in fp16"),
+    Setting("damp_hadamard"),
+    Setting("calibrated", schema=5, before=None),
+    *(st for method in _METHODS.values() for st in method.settings),
+)
+"""Every setting's :class:`~pace_core.settings.Setting`: PaceConfig's fields, then each method's own settings
+(held in ``options``); the app's controls in this order."""
+SETTING_OF: dict[str, Setting] = {s.field: s for s in SETTINGS}
+METHOD_SETTINGS: dict[str, Setting] = {st.field: st for method in _METHODS.values() for st in method.settings}
+"""The methods' own settings by name (:attr:`pace_core.methods.Method.settings`)."""
+
+
+_OWNER: dict[str, str] = {st.field: method.name for method in _METHODS.values() for st in method.settings}
+
+
+def _options(options: Any) -> tuple[tuple[str, Any], ...]:
+    """Methods' settings as ``options`` holds them: known names, sorted, defaults left out (so equal
+    configurations compare equal)."""
+    if not isinstance(options, tuple) or not all(isinstance(o, tuple) and len(o) == 2 for o in options):
+        raise PaceError(f"options={options!r} is not allowed; allowed: (name, value) pairs of methods' settings")
+    unknown = [name for name, _ in options if name not in METHOD_SETTINGS]
+    if unknown:
+        raise PaceError(f"option {unknown[0]!r} is unknown; allowed: {', '.join(METHOD_SETTINGS) or 'none'}")
+    return tuple(sorted((k, v) for k, v in dict(options).items() if v != METHOD_SETTINGS[k].default
+                        or type(v) is not type(METHOD_SETTINGS[k].default)))
+
+
+def default_of(field: str) -> Any:
+    """The default value of a setting (a PaceConfig field's, or a method setting's)."""
+    if field in METHOD_SETTINGS:
+        return METHOD_SETTINGS[field].default
+    return PaceConfig.__dataclass_fields__[field].default
 
 
 NAMED_CONFIGS: dict[str, PaceConfig] = {
-    "fp32": PaceConfig(name="fp32", method="none", bits=32, reference_dtype="float32", decode_period=1, buffer="fp32"),
-    "bf16": PaceConfig(name="bf16", method="none", bits=16, reference_dtype="bfloat16", decode_period=1, buffer="fp32"),
-    **{f"rtn-int{b}": _rtn(b) for b in QUANT_BITS},
-    "pace-4": PaceConfig(name="pace-4", method="pace", bits=4, group_axis="key", group_size=64, symmetric=True,
-                         decode_period=8, prefill_period=256, buffer="int8"),
-    "pace-4-8": PaceConfig(name="pace-4-8", method="pace", bits=4, high_bits=8, high_share=0.25, group_axis="key",
-                           group_size=32, symmetric=False, decode_period=8, prefill_period=256, buffer="mixed",
-                           buffer_key_group=16, buffer_key_symmetric=False),
-    "damp-int8": _damp(8),
-    "damp-int4": _damp(4),
-    "qmamba-dsq": PaceConfig(name="qmamba-dsq", method="dsq", bits=4, symmetric=True, group_axis="value",
-                             group_size=32, decode_period=1, buffer="int8"),
-}
-"""The named configurations of PACE_SPEC §6 (starting points; every field can be changed)."""
+    name: PaceConfig.make(name=name, method=method.name, **values)
+    for method in _METHODS.values() for name, values in method.named.items()}
+"""The named configurations of PACE_SPEC §6, each declared by its method (:mod:`pace_core.methods`); starting
+points: every field can be changed."""
 
 
 def get_config(name: str) -> PaceConfig:
@@ -380,8 +532,18 @@ def get_config(name: str) -> PaceConfig:
     return NAMED_CONFIGS[key]
 
 
+def _json_value(cfg: PaceConfig, field: str) -> Any:
+    """A field's value in the record (the high-bit heads keyed by GDN-layer ordinal)."""
+    value = getattr(cfg, field)
+    if field == "high_heads" and value is not None:
+        return {str(i): list(layer) for i, layer in enumerate(value)}
+    if field == "calibrated" and value is not None:
+        return value.to_json()
+    return value
+
+
 def _strategy(method: str) -> str | None:
-    return {"none": None, "dsq": "channel"}.get(method, "group")
+    return method_of(method).strategy
 
 
 def config_to_dict(cfg: PaceConfig, *, model: str | None = None, provenance: dict | None = None) -> dict:
@@ -405,41 +567,17 @@ def config_to_dict(cfg: PaceConfig, *, model: str | None = None, provenance: dic
             "scale_dtype": cfg.scale_dtype,
             "zp_dtype": None if cfg.symmetric or not cfg.quantized else f"int{cfg.bits}",
         },
-        "pace": {
-            "name": cfg.name,
-            "method": cfg.method,
-            "group_axis": cfg.group_axis,
-            "decode_period": cfg.decode_period,
-            "prefill_period": cfg.prefill_period,
-            "buffer_precision": cfg.buffer,
-            "high_bits": cfg.high_bits,
-            "high_share": cfg.high_share,
-            "high_heads": None if cfg.high_heads is None
-            else {str(i): list(layer) for i, layer in enumerate(cfg.high_heads)},
-            "reference_dtype": cfg.reference_dtype,
-            "damp_outlier_rows": cfg.damp_outlier_rows,
-            "damp_hadamard": cfg.damp_hadamard,
-            "prefill_after_decode": cfg.prefill_after_decode,
-            "exact_current_token": cfg.exact_current_token,
-            "buffer_key_group": cfg.buffer_key_group,
-            "buffer_value_group": cfg.buffer_value_group,
-            "buffer_key_symmetric": cfg.buffer_key_symmetric,
-            "buffer_value_symmetric": cfg.buffer_value_symmetric,
-        },
+        "pace": {st.json: _json_value(cfg, st.field) for st in SETTINGS if st.section == "pace"},
         "provenance": dict(provenance or {}),
     }
 
 
 _SCHEME_KEYS = ("num_bits", "type", "symmetric", "strategy", "group_size", "scale_dtype", "zp_dtype")
-_PACE_KEYS = ("name", "method", "group_axis", "decode_period", "prefill_period", "buffer_precision", "high_bits",
-              "high_share", "high_heads", "reference_dtype", "damp_outlier_rows", "damp_hadamard",
-              "prefill_after_decode", "exact_current_token", "buffer_key_group", "buffer_value_group",
-              "buffer_key_symmetric", "buffer_value_symmetric")
-_PACE_KEYS_BY_SCHEMA = {1: _PACE_KEYS[:12], 2: _PACE_KEYS[:13], 3: _PACE_KEYS}
-_OLDER_SCHEMA_VALUES = {"prefill_after_decode": "flush", "exact_current_token": False, "buffer_key_group": 0,
-                        "buffer_value_group": 0, "buffer_key_symmetric": True, "buffer_value_symmetric": True}
-"""What documents of an older schema were made with: schema 1 had no prefill_after_decode (flush), schemas 1
-and 2 no exact current token and one symmetric scale per buffered vector."""
+_PACE_KEYS_BY_SCHEMA = {v: tuple(st.json for st in SETTINGS if st.section == "pace" and st.schema <= v)
+                        for v in range(1, SCHEMA_VERSION + 1)}
+"""The ``pace`` keys of each record schema (:attr:`Setting.schema`)."""
+_OLDER_SCHEMA_VALUES = {st.json: st.before for st in SETTINGS if st.schema > 1}
+"""What documents of an older schema were made with (:attr:`Setting.before`)."""
 _TOP_KEYS = ("schema_version", "producer", "model", "state_cache_scheme", "pace", "provenance")
 
 
@@ -482,8 +620,8 @@ def config_from_dict(d: dict) -> PaceConfig:
 
 
 def document_from_dict(d: dict) -> ConfigDocument:
-    """A configuration document: a complete record made by :func:`config_to_dict` (schema 1..3) or a
-    deployable export (schema 4, :mod:`pace_core.export`).
+    """A configuration document: a complete record made by :func:`config_to_dict` (schema 1..3, 5) or a
+    deployable export (schema 4, 5 with ``kind``, :mod:`pace_core.export`).
 
     Malformed documents raise PaceError naming the field and what is allowed; a document of a newer
     schema version is rejected (written by a newer PACE Studio)."""
@@ -498,7 +636,7 @@ def document_from_dict(d: dict) -> ConfigDocument:
     if version > newest:
         raise PaceError(f"config JSON field schema_version={version} is newer than this PACE Studio "
                         f"understands; allowed: 1..{newest} (update pace-studio)")
-    if version == newest:
+    if version == 4 or (version >= 5 and "kind" in d):
         from pace_core.export import document_from_export
 
         return document_from_export(d)
@@ -511,6 +649,8 @@ def document_from_dict(d: dict) -> ConfigDocument:
     if d["model"] is not None and not isinstance(d["model"], str):
         raise PaceError(f"config JSON field model={d['model']!r} is not allowed; allowed: a string or null")
     pace = {**_OLDER_SCHEMA_VALUES, **_section(d, "pace", _PACE_KEYS_BY_SCHEMA[version])}
+    if pace["calibrated"] is not None:
+        pace["calibrated"] = Calibrated.from_json(pace["calibrated"], "pace.calibrated")
     cfg = config_from_sections(d["state_cache_scheme"], pace, high_heads=_high_heads_from_json(pace["high_heads"]))
     return ConfigDocument(cfg, d["model"], d["producer"], d["provenance"])
 
@@ -520,21 +660,18 @@ def config_from_sections(scheme: Any, pace: dict, *, high_heads: tuple[tuple[int
     object (every key of the current schema; ``high_heads`` already decoded), checked against each other."""
     scheme = _section({"state_cache_scheme": scheme}, "state_cache_scheme", _SCHEME_KEYS)
     _check_choice("config JSON field state_cache_scheme.type", scheme["type"], ("int", "float"))
-    if (scheme["type"] == "float") != (pace["method"] == "none"):
-        raise PaceError(f"config JSON field state_cache_scheme.type={scheme['type']!r} does not match "
-                        f"pace.method={pace['method']!r}; allowed: 'float' for method none, 'int' otherwise")
     try:
-        cfg = PaceConfig(
-            name=pace["name"], method=pace["method"], bits=scheme["num_bits"], high_bits=pace["high_bits"],
-            high_share=pace["high_share"], symmetric=scheme["symmetric"], group_axis=pace["group_axis"],
-            group_size=scheme["group_size"], scale_dtype=scheme["scale_dtype"],
-            decode_period=pace["decode_period"], prefill_period=pace["prefill_period"],
-            buffer=pace["buffer_precision"], reference_dtype=pace["reference_dtype"],
-            damp_outlier_rows=pace["damp_outlier_rows"], damp_hadamard=pace["damp_hadamard"],
-            high_heads=high_heads, prefill_after_decode=pace["prefill_after_decode"],
-            exact_current_token=pace["exact_current_token"], buffer_key_group=pace["buffer_key_group"],
-            buffer_value_group=pace["buffer_value_group"], buffer_key_symmetric=pace["buffer_key_symmetric"],
-            buffer_value_symmetric=pace["buffer_value_symmetric"])
+        quantized = method_of(pace["method"]).quantized
+    except PaceError as e:
+        raise PaceError(f"config JSON field pace.{e}") from None
+    if (scheme["type"] == "float") == quantized:
+        raise PaceError(f"config JSON field state_cache_scheme.type={scheme['type']!r} does not match "
+                        f"pace.method={pace['method']!r}; allowed: 'float' for the references (method none), "
+                        "'int' otherwise")
+    try:
+        cfg = PaceConfig.make(**{st.field: (high_heads if st.field == "high_heads" else
+                                            (scheme if st.section == "state_cache_scheme" else pace)[st.json])
+                                 for st in SETTINGS})
     except PaceError as e:
         raise PaceError(f"config JSON: {e}") from None
     expected = config_to_dict(cfg)["state_cache_scheme"]

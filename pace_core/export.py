@@ -44,6 +44,8 @@ from pace_core.buffer import BUFFER_LAYOUT
 from pace_core.config import (
     NAMED_CONFIGS,
     PRODUCER_NAME,
+    SETTING_OF,
+    SETTINGS,
     ConfigDocument,
     PaceConfig,
     config_from_sections,
@@ -52,12 +54,11 @@ from pace_core.config import (
     document_from_json,
 )
 from pace_core.errors import PaceError
+from pace_core.methods import Calibrated, method_of
 from pace_core.shapes import ModelShape
 
-EXPORT_SCHEMA_VERSION = 4
+EXPORT_SCHEMA_VERSION = 5
 EXPORT_KIND = "pace-state-config"
-_JSON_NAMES = {"buffer": "buffer_precision"}
-"""PaceConfig field -> its key in ``pace`` where they differ."""
 _MODEL_KEYS = ("source", "weights_fingerprint", "num_layers", "gdn_layers", "num_k_heads", "num_v_heads", "d_k",
                "d_v")
 _TOP_KEYS = ("schema_version", "kind", "producer", "model", "state_layout", "state_cache_scheme", "pace",
@@ -65,16 +66,12 @@ _TOP_KEYS = ("schema_version", "kind", "producer", "model", "state_layout", "sta
 
 
 def used_fields(cfg: PaceConfig) -> tuple[str, ...]:
-    """The PaceConfig fields besides the ``state_cache_scheme`` ones that ``cfg``'s method reads."""
+    """The PaceConfig fields besides the ``state_cache_scheme`` ones that ``cfg``'s method reads (its
+    :attr:`~pace_core.methods.Method.reads`; the high-bit heads' only with a share of them, the buffer's only
+    at dP > 1, an integer buffer part's groups and zero points only for that part)."""
     fields = ["name", "method", "decode_period", "prefill_period"]
-    if cfg.method == "none":
-        fields.append("reference_dtype")
-    if cfg.method in ("rtn", "pace", "damp"):
-        fields.append("group_axis")
-    if cfg.high_share > 0:
-        fields += ["high_bits", "high_share", "high_heads"]
-    if cfg.method == "damp":
-        fields += ["damp_outlier_rows", "damp_hadamard"]
+    fields += [f for f in method_of(cfg).reads
+               if cfg.high_share > 0 or f not in ("high_bits", "high_share", "high_heads")]
     if cfg.buffered:
         fields += ["buffer", "exact_current_token", "prefill_after_decode"]
         for part, kind in zip(("key", "value"), BUFFER_LAYOUT[cfg.buffer]):
@@ -83,8 +80,7 @@ def used_fields(cfg: PaceConfig) -> tuple[str, ...]:
     return tuple(fields)
 
 
-_SCHEME_FIELDS = {"bits": "num_bits", "symmetric": "symmetric", "group_size": "group_size",
-                  "scale_dtype": "scale_dtype"}
+_SCHEME_FIELDS = {st.field: st.json for st in SETTINGS if st.section == "state_cache_scheme"}
 """PaceConfig fields held by ``state_cache_scheme`` -> their key there (never in ``pace``)."""
 _LAYOUT_KEYS = ("rows", "columns", "groups_along", "group_size")
 """The ``state_layout`` entries that follow from the settings (the rest is explanation)."""
@@ -92,7 +88,7 @@ _LAYOUT_KEYS = ("rows", "columns", "groups_along", "group_size")
 
 def used_settings(cfg: PaceConfig) -> PaceConfig:
     """``cfg`` with every setting its method does not read at PaceConfig's default (same behaviour)."""
-    return PaceConfig(**{f: getattr(cfg, f) for f in (*_SCHEME_FIELDS, *used_fields(cfg))})
+    return PaceConfig.make(**{f: getattr(cfg, f) for f in (*_SCHEME_FIELDS, *used_fields(cfg))})
 
 
 def export_filename(cfg: PaceConfig) -> str:
@@ -113,9 +109,9 @@ def model_block(source: str, shape: ModelShape, weights_fingerprint: str | None 
 
 def state_layout(cfg: PaceConfig) -> dict[str, Any]:
     """How the stored state is laid out and which axis the scale groups run along."""
-    groups = {"none": None, "dsq": "rows and columns"}.get(cfg.method, cfg.group_axis)
+    method = method_of(cfg)
     return {"tensor": "S [HV, K, V] per GDN layer and sequence", "rows": "key", "columns": "value",
-            "groups_along": groups, "group_size": cfg.group_size if cfg.method in ("rtn", "pace", "damp") else None,
+            "groups_along": method.groups_along(cfg), "group_size": cfg.group_size if method.grouped else None,
             "update": "S_t = exp(g_t) S_{t-1} + k_t u_t^T, o_t = S_t^T q_t",
             "engines": "transformers stores [B, HV, K, V] (this layout); vLLM stores [slots, HV, V, K]: "
                        "transpose the last two axes, the groups stay along the named axis"}
@@ -126,7 +122,7 @@ def export_document(cfg: PaceConfig, *, shape: ModelShape | None = None, source:
     """The schema 4 document of ``cfg`` for the model ``source`` of ``shape`` (None when no model is known:
     then no 8-bit heads and no resident bits; with heads calibrated but no shape, PaceError)."""
     record = config_to_dict(cfg)
-    pace = {_JSON_NAMES.get(f, f): record["pace"][_JSON_NAMES.get(f, f)] for f in used_fields(cfg)}
+    pace = {SETTING_OF[f].json: record["pace"][SETTING_OF[f].json] for f in used_fields(cfg)}
     model = None if shape is None else model_block(source or shape.name, shape, weights_fingerprint)
     if shape is not None:
         cfg.validate_for(shape)
@@ -225,7 +221,7 @@ def document_from_export(d: dict) -> ConfigDocument:
     pace = d["pace"]
     if not isinstance(pace, dict):
         raise PaceError(f"the field pace must be an object; got {type(pace).__name__}")
-    names = {_JSON_NAMES.get(f, f) for f in PaceConfig.__dataclass_fields__ if f not in _SCHEME_FIELDS}
+    names = {st.json for st in SETTINGS if st.section == "pace"}
     misplaced = [k for k in pace if k in _SCHEME_FIELDS]
     if misplaced:
         raise PaceError(f"the field pace.{misplaced[0]} is not allowed: it is state_cache_scheme."
@@ -240,8 +236,10 @@ def document_from_export(d: dict) -> ConfigDocument:
                         "per decoder layer of one model; export the file with the model they were calibrated on")
     defaults = config_to_dict(PaceConfig())["pace"]
     full = {**defaults, **pace, "high_heads": None}
+    if full["calibrated"] is not None:
+        full["calibrated"] = Calibrated.from_json(full["calibrated"], "pace.calibrated")
     cfg = config_from_sections(d["state_cache_scheme"], full, high_heads=_high_heads(pace.get("high_heads"), model))
-    expected = {_JSON_NAMES.get(f, f) for f in used_fields(cfg)}
+    expected = {SETTING_OF[f].json for f in used_fields(cfg)}
     missing = sorted(expected - set(pace))
     if missing:
         raise PaceError(f"the field pace.{missing[0]} is missing; method {cfg.method!r} reads "
@@ -324,11 +322,11 @@ def read_config(config: ConfigSource) -> ConfigDocument:
 Calibrate = Callable[[PaceConfig], PaceConfig]
 """Completes a configuration on the model it is to run on: its 8-bit heads chosen (DAMP's outlier rows are
 kept by the caller, which runs them beside the configuration)."""
-ReadyFor = Literal["run", "export", "settings"]
-"""What an admitted configuration must be complete for: ``run`` (8-bit heads chosen and, for DAMP, its
-outlier rows calibrated), ``export`` (8-bit heads chosen: DAMP's rows are not part of a file) or
-``settings`` (nothing calibrated: the app's sidebar and import, which calibrate when a view runs, and
-``bits``, which counts the share)."""
+ReadyFor = Literal["run", "settings"]
+"""What an admitted configuration must be complete for: ``run`` (everything chosen on the model: 8-bit heads,
+a method's calibrated tensors such as DAMP's outlier rows; a run, an export) or ``settings`` (nothing
+calibrated: the app's sidebar and import, which calibrate when a view runs, and ``bits``, which counts the
+share)."""
 
 
 def admit(config: ConfigSource, shape: ModelShape | None = None, weights_fingerprint: str | None = None, *,
@@ -342,16 +340,15 @@ def admit(config: ConfigSource, shape: ModelShape | None = None, weights_fingerp
        count, GDN layers, head shape, and the weights fingerprint when both are known) is refused, and the
        settings must fit the model (group sizes, DAMP's rows, 8-bit heads).
     3. Complete for ``ready_for``: a configuration that needs a calibration on the model for it (8-bit
-       heads not chosen; for a run also DAMP) goes through ``calibrate``, or is refused without one."""
-    if ready_for not in ("run", "export", "settings"):
-        raise PaceError(f"ready_for={ready_for!r} is not allowed; allowed: 'run', 'export', 'settings'")
+       heads not chosen, a method's tensors not calibrated) goes through ``calibrate``, or is refused without
+       one."""
+    if ready_for not in ("run", "settings"):
+        raise PaceError(f"ready_for={ready_for!r} is not allowed; allowed: 'run', 'settings'")
     doc = read_config(config)
     if shape is not None:
         check_model(doc, shape, weights_fingerprint)
     cfg = doc.config
-    incomplete = {"run": cfg.needs_calibration, "export": cfg.needs_heads,
-                  "settings": False}[ready_for]
-    if incomplete:
+    if ready_for == "run" and cfg.needs_calibration:
         if calibrate is None:
             raise PaceError(_uncalibrated(cfg))
         cfg = calibrate(cfg)
@@ -361,11 +358,12 @@ def admit(config: ConfigSource, shape: ModelShape | None = None, weights_fingerp
 
 
 def _uncalibrated(cfg: PaceConfig) -> str:
-    if cfg.method == "damp":
-        return (f"configuration {cfg.name!r} (DAMP) keeps outlier rows chosen on the model, which no configuration "
-                "file carries: measure it with `python -m pace_core` or the app (which calibrate them), or in Python "
-                "use pace_core.model.patch.apply_pace(model, cfg, damp_rows=...) with pace_core.analysis.calibration's "
-                "rows")
+    method = method_of(cfg)
+    if method.calibration is not None and cfg.calibrated is None:
+        what = "; ".join(method.calibration.tensors.values())
+        return (f"configuration {cfg.name!r} ({method.label}) needs what is calibrated on the model ({what}): "
+                f"export it on this model (Export page, or `python -m pace_core export --config {cfg.name}`), which "
+                "calibrates it, and use the exported file")
     return (f"configuration {cfg.name!r} keeps {cfg.high_share:.0%} of the heads at {cfg.high_bits} bits but does not "
             "say which: export it on this model (Export page, or `python -m pace_core export --config "
             f"{cfg.name}`), which calibrates them, and use the exported file")

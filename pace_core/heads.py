@@ -11,11 +11,15 @@ heads = 12); ties go to the lower head index.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from pace_core.config import PaceConfig, num_high_heads
 from pace_core.errors import PaceError
 from pace_core.quant import QuantSpec, check_finite, fake_quantize
+
+if TYPE_CHECKING:
+    from pace_core.config import PaceConfig
 
 
 def head_decay(g: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,6 +104,8 @@ def allocate_high_heads(E: torch.Tensor, share: float) -> tuple[tuple[int, ...],
         raise PaceError("E holds NaN; allowed: retained errors >= 0 (inf allowed)")
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise PaceError(f"share={share!r} is not allowed; allowed: a number in [0, 1]")
+    from pace_core.config import num_high_heads
+
     n = num_high_heads(float(share), E.shape[1])
     heads = []
     for row in E.to(torch.float64).cpu():

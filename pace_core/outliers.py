@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,6 +62,19 @@ class DSQTensor:
     def nbytes(self) -> int:
         """Real bytes of codes + row scales + column scales."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.row_scale, self.col_scale))
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by name, batch axis first."""
+        return {"codes": self.codes, "row_scale": self.row_scale, "col_scale": self.col_scale}
+
+    def with_stored(self, tensors: dict[str, torch.Tensor]) -> DSQTensor:
+        """This structure holding ``tensors`` (named as :meth:`stored_tensors`)."""
+        return replace(self, **tensors, shape=(tensors["codes"].shape[0], *self.shape[1:]))
+
+    def split_bytes(self) -> tuple[int, int]:
+        """``(payload, metadata)`` bytes: the codes; the row and column scales."""
+        codes = self.codes.numel() * self.codes.element_size()
+        return codes, self.nbytes() - codes
 
 
 def _check_state(x: torch.Tensor, name: str, min_dim: int) -> None:
@@ -158,6 +171,22 @@ class DampTensor:
         return (self.outliers.numel() * self.outliers.element_size()
                 + self.rows.numel() * self.rows.element_size() + self.rest.nbytes())
 
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The fp16 outlier rows and the rest's stored tensors, batch axis first (the row indices are kept once)."""
+        return {"outliers": self.outliers, **self.rest.stored_tensors()}
+
+    def with_stored(self, tensors: dict[str, torch.Tensor]) -> DampTensor:
+        """This structure (and row indices) holding ``tensors`` (named as :meth:`stored_tensors`)."""
+        rest = self.rest.with_stored({k: t for k, t in tensors.items() if k != "outliers"})
+        return replace(self, outliers=tensors["outliers"], rest=rest,
+                       shape=(tensors["outliers"].shape[0], *self.shape[1:]))
+
+    def split_bytes(self) -> tuple[int, int]:
+        """``(payload, metadata)`` bytes: outlier rows and codes; scales and the row indices."""
+        payload, metadata = self.rest.split_bytes()
+        return (payload + self.outliers.numel() * self.outliers.element_size(),
+                metadata + self.rows.numel() * self.rows.element_size())
+
 
 def _rest_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending indices [HV, K - r] of the rows not in `rows [HV, r]`."""
@@ -184,7 +213,7 @@ class DampQuantizer:
         if rows.numel() and int(rows.max()) >= 2**15:
             raise PaceError(f"outlier_rows index {int(rows.max())} is out of range; allowed: at most 32767 (int16 "
                             "row indices)")
-        self.rows = rows.to(torch.int16)
+        self.rows = outlier_rows if outlier_rows.dtype == torch.int16 else rows.to(torch.int16)
         """The outlier rows as stored (int16 ``[HV, r]``, once per layer: the metadata the accounting counts)."""
         self.bits = bits
         self.hadamard = hadamard

@@ -154,6 +154,25 @@ class PackedTensor:
         parts = [self.codes, self.scale] + ([] if self.zero is None else [self.zero])
         return sum(t.numel() * t.element_size() for t in parts)
 
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by name (codes, scale, zero points), batch axis first."""
+        return {name: t for name, t in (("codes", self.codes), ("scale", self.scale), ("zero", self.zero))
+                if t is not None}
+
+    def with_stored(self, tensors: dict[str, torch.Tensor]) -> PackedTensor:
+        """This structure holding ``tensors`` (named as :meth:`stored_tensors`; any batch size)."""
+        n = tensors["codes"].shape[0]
+        return replace(self, codes=tensors["codes"], scale=tensors["scale"], zero=tensors.get("zero"),
+                       shape=(n, *self.shape[1:]))
+
+    def split_bytes(self) -> tuple[int, int]:
+        """``(payload, metadata)`` bytes: the codes, the scales and zero points."""
+        return _nb(self.codes), _nb(self.scale) + _nb(self.zero)
+
+
+def _nb(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
 
 def _group_dims(shape: Sequence[int], spec: QuantSpec) -> tuple[tuple[int, ...], int]:
     """Shape that puts each group on its own dim, and that dim (-2 key axis, -1 value axis)."""
@@ -395,6 +414,23 @@ class MixedPackedState:
     def nbytes(self) -> int:
         """Real bytes of all parts and the head map."""
         return sum(p.nbytes() for p in self.parts.values()) + self.map_nbytes()
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """Each part's stored tensors, named ``<name>@<bits>`` (the head map is kept once, not per sequence)."""
+        return {f"{name}@{bits}": t for bits, part in self.parts.items() for name, t in part.stored_tensors().items()}
+
+    def with_stored(self, tensors: dict[str, torch.Tensor]) -> MixedPackedState:
+        """This structure (and head map) holding ``tensors`` (named as :meth:`stored_tensors`)."""
+        parts = {bits: part.with_stored({name.split("@")[0]: t for name, t in tensors.items()
+                                         if name.endswith(f"@{bits}")})
+                 for bits, part in self.parts.items()}
+        n = next(iter(tensors.values())).shape[0]
+        return replace(self, parts=parts, shape=(n, *self.shape[1:]))
+
+    def split_bytes(self) -> tuple[int, int]:
+        """``(payload, metadata)`` bytes: every part's codes; scales, zero points and the head map."""
+        parts = [p.split_bytes() for p in self.parts.values()]
+        return sum(p for p, _ in parts), sum(m for _, m in parts) + self.map_nbytes()
 
 
 def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor, spec: QuantSpec, *,

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from pace_core.errors import PaceError
+from pace_core.methods import method_of
 
 REFERENCE = "fp32"
 """The name of the reference configuration every per-configuration command measures against."""
@@ -63,9 +64,9 @@ def state_error_bound(cfg: Any, roundings: int) -> float | None:
     :data:`FP32_ORDER`. The gated delta rule's transition ``exp(g) (I - beta k k^T)`` (unit keys, beta in
     [0, 1]) does not grow an error, so independent roundings add up at most as a random walk, r sqrt(n); times
     :data:`PROPAGATION` for the errors that arrive through the layer's inputs."""
-    if cfg.method == "none":
+    if not cfg.quantized:
         r = FP32_ORDER if cfg.reference_dtype == "float32" else BF16_ROUNDING
-    elif cfg.method in ("rtn", "pace", "damp") and cfg.bits >= 8:
+    elif method_of(cfg).grouped and cfg.bits >= 8:
         entries = cfg.group_size
         if cfg.buffered:
             if cfg.buffer not in ("fp32", "bf16", "int8"):
@@ -165,8 +166,8 @@ def _model_card(data: dict, table: pd.DataFrame | None) -> None:
 def _calibration(data: dict, table: pd.DataFrame | None) -> None:
     from pace_core.config import config_from_dict
 
-    _fields(data, ("config", "layers", "a", "e", "E", "tokens", "samples", "damp_rows"), "the data")
-    config_from_dict(data["config"])
+    _fields(data, ("config", "layers", "a", "e", "E", "tokens", "samples"), "the data")
+    cfg = config_from_dict(data["config"])
     shape = (len(data["layers"]),)
     for name, what, hi in (("a", "a head's decay a_h", 1), ("e", "a head's rounding error e_h", None),
                            ("E", "a head's retained error E_h", None)):
@@ -174,8 +175,9 @@ def _calibration(data: dict, table: pd.DataFrame | None) -> None:
         if values.ndim != 2 or values.shape[:1] != shape:
             raise PaceError(f"{name} has shape {values.shape}; allowed: one row of heads per layer of {data['layers']}")
         _values(values, what, lo=0, hi=hi)
-    if data["damp_rows"] is not None and len(data["damp_rows"]) != shape[0]:
-        raise PaceError(f"damp_rows has {len(data['damp_rows'])} layers; allowed: one per layer of {data['layers']}")
+    if cfg.calibrated is not None and len(cfg.calibrated.layers) != shape[0]:
+        raise PaceError(f"the configuration's calibrated tensors have {len(cfg.calibrated.layers)} layers; allowed: "
+                        f"one per layer of {data['layers']}")
     _values([data["tokens"], data["samples"]], "the calibration's tokens or samples", above=0)
     _columns(table, ("layer", "gdn_index", "head", "a", "e", "E", "high"))
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 import torch
 
 from pace_core.backend import backend_setting, capturing, select_steps
-from pace_core.checkpoint import StateFormat
+from pace_core.checkpoint import state_format
 from pace_core.errors import PaceError
 from pace_core.quant import all_finite
 from pace_core.schedule import Capture, PeriodicState
@@ -52,19 +52,20 @@ class LayerState:
     """One GDN layer's state for ``batch`` sequences (``cfg`` validated for the layer's shape).
 
     ``gdn_index``: the layer's position among the GDN layers (selects ``cfg.high_heads``);
-    ``damp_rows`` ``[HV, r]`` outlier rows (damp only); ``name`` is used in error messages;
+    ``name`` is used in error messages;
     ``backend``: ``auto`` / ``reference`` / ``triton`` (default ``$PACE_KERNELS``, see
     :mod:`pace_core.backend`).
     """
 
     def __init__(self, cfg: PaceConfig, batch: int, num_k_heads: int, num_v_heads: int, d_k: int, d_v: int,
-                 device: torch.device | str, gdn_index: int = 0, damp_rows: torch.Tensor | None = None,
+                 device: torch.device | str, gdn_index: int = 0,
                  name: str = "state", chunk_size: int = 64, backend: str | None = None) -> None:
         self.cfg, self.name, self.chunk_size = cfg, name, chunk_size
         self.setting = backend_setting(backend)
         self.shape = (batch, num_k_heads, num_v_heads, d_k, d_v)
         bits = cfg.head_bits(gdn_index, num_v_heads) if cfg.quantized else (cfg.bits,) * num_v_heads
-        self.fmt = StateFormat(cfg, bits, damp_rows, name)
+        layer = None if cfg.calibrated is None else cfg.calibrated.layers[gdn_index]
+        self.fmt = state_format(cfg, bits, layer, name)
         self._allocate(torch.device(device))
 
     def _allocate(self, device: torch.device) -> None:
@@ -175,7 +176,7 @@ class LayerState:
 class StateStore:
     """The recurrent state of one model: a :class:`LayerState` per GDN layer.
 
-    ``layers`` are the model's layer indices of the GDN layers (``cfg.high_heads`` and ``damp_rows`` are
+    ``layers`` are the model's layer indices of the GDN layers (``cfg.high_heads`` and ``cfg.calibrated`` are
     in the same order). ``device``: where the layers' states are first allocated, one device for all or one
     per layer (under ``device_map`` each layer's GPU, so that no GPU holds another's states even briefly).
     ``cfg`` is validated here for ``shape`` (the model's, or, when None, a shape of
@@ -186,7 +187,7 @@ class StateStore:
     def __init__(self, cfg: PaceConfig, shape: ModelShape | None, batch: int,
                  device: torch.device | str | Mapping[int, torch.device | str],
                  num_k_heads: int, num_v_heads: int, d_k: int, d_v: int, layers: list[int], *,
-                 damp_rows: Sequence[torch.Tensor] | None = None, chunk_size: int = 64,
+                 chunk_size: int = 64,
                  backend: str | None = None) -> None:
         layers = list(layers)
         if len(set(layers)) != len(layers):
@@ -203,9 +204,6 @@ class StateStore:
         if cfg.high_heads is not None and len(cfg.high_heads) != len(layers):
             raise PaceError(f"high_heads: {len(cfg.high_heads)} layers not allowed; allowed: one entry per GDN "
                             f"layer ({len(layers)})")
-        if damp_rows is not None and len(damp_rows) != len(layers):
-            raise PaceError(f"damp_rows: {len(damp_rows)} layers not allowed; allowed: one [HV, r] tensor per "
-                            f"GDN layer ({len(layers)})")
         devices = device if isinstance(device, Mapping) else dict.fromkeys(layers, device)
         if set(devices) != set(layers):
             raise PaceError(f"device: layers {sorted(devices)} not allowed; allowed: one device per GDN layer {layers}")
@@ -217,7 +215,6 @@ class StateStore:
         """``capture(layer)``: the states wanted from that layer's next core call (or None)."""
         self._states = {
             layer: LayerState(cfg, batch, num_k_heads, num_v_heads, d_k, d_v, devices[layer], gdn_index=i,
-                              damp_rows=None if damp_rows is None else damp_rows[i],
                               name=f"state of GDN layer {layer}", chunk_size=chunk_size, backend=backend)
             for i, layer in enumerate(layers)
         }

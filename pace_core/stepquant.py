@@ -69,7 +69,7 @@ rounding per forward call) or once per P-token segment (a setting). Each roundin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Sequence
 
@@ -295,9 +295,27 @@ class StepQuantState:
 
     def nbytes(self) -> int:
         """Real bytes of codes, row and column scales, pivots and the head map."""
-        parts = [*self.codes.values(), *self.row_scale.values(), *self.col_scale.values()]
-        parts += [] if self.pivots is None else [self.pivots]
-        return sum(t.numel() * t.element_size() for t in parts) + self.map_nbytes()
+        return sum(self.split_bytes())
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by name (``codes@<b>``, ``row_scale@<b>``, ``col_scale@<b>``, ``pivots``), batch axis
+        first (the head map is kept once)."""
+        out = {f"{name}@{b}": t for name, d in (("codes", self.codes), ("row_scale", self.row_scale),
+                                                 ("col_scale", self.col_scale)) for b, t in d.items()}
+        return out if self.pivots is None else {**out, "pivots": self.pivots}
+
+    def with_stored(self, tensors: dict[str, torch.Tensor]) -> StepQuantState:
+        """This structure (and head map) holding ``tensors`` (named as :meth:`stored_tensors`)."""
+        pick = lambda name: {b: tensors[f"{name}@{b}"] for b in getattr(self, name)}  # noqa: E731
+        n = next(iter(tensors.values())).shape[0]
+        return replace(self, codes=pick("codes"), row_scale=pick("row_scale"), col_scale=pick("col_scale"),
+                       pivots=tensors.get("pivots"), shape=(n, *self.shape[1:]))
+
+    def split_bytes(self) -> tuple[int, int]:
+        """``(payload, metadata)`` bytes: codes and pivots; row and column scales and the head map."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        payload = size(self.codes.values()) + (0 if self.pivots is None else size([self.pivots]))
+        return payload, size(self.row_scale.values()) + size(self.col_scale.values()) + self.map_nbytes()
 
 
 def _quantize(S: torch.Tensor, widths: Sequence[int] | torch.Tensor, w: torch.Tensor, name: str,

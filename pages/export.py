@@ -65,12 +65,12 @@ def _exported(cfg: PaceConfig, loaded) -> tuple[str, str] | None:
         if cfg.needs_heads:
             st.warning(f"Share of 8-bit heads is {cfg.high_share:.1%} but no model is loaded to choose them: "
                        "the export carries the share only.", icon=":material/leaderboard:")
-        text = export_json(cfg.replace(high_heads=None) if cfg.high_heads else cfg, provenance=provenance)
+        text = export_json(cfg.uncalibrated(), provenance=provenance)
         return export_filename(cfg), text
 
     def choose_heads(c: PaceConfig) -> PaceConfig:
         try:
-            chosen = compute.runnable(controls.model_source(), controls.runtime(), c)[0]
+            chosen = compute.runnable(controls.model_source(), controls.runtime(), c)
         except PaceError as err:
             st.warning(f"The 8-bit heads cannot be chosen here: {err}. The export carries the share only.",
                        icon=":material/leaderboard:")
@@ -80,7 +80,7 @@ def _exported(cfg: PaceConfig, loaded) -> tuple[str, str] | None:
         return chosen
 
     try:
-        cfg = admit(cfg, loaded.shape, loaded.fingerprint, calibrate=choose_heads, ready_for="export")
+        cfg = admit(cfg, loaded.shape, loaded.fingerprint, calibrate=choose_heads)
         text = export_json(cfg, shape=loaded.shape, source=loaded.source, weights_fingerprint=loaded.fingerprint,
                            provenance=provenance)
     except PaceError as err:

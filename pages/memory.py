@@ -15,7 +15,7 @@ from pace_core.shapes import BUILTIN_SHAPES
 
 def page(cfg: PaceConfig) -> None:
     """The page body for the sidebar's configuration `cfg`."""
-    cfg = cfg.replace(high_heads=None)  # bits follow the share of 8-bit heads; calibrated heads fit one model only
+    cfg = cfg.uncalibrated()  # bits follow the share of 8-bit heads; what is calibrated fits one model only
     st.title("Memory")
     st.caption("Resident bits per state value = payload + metadata + c · dP (spec §5), where "
                "c = (b_k·d_k/γ + b_v·d_v + 32) / (d_k·d_v) is the decode buffer's cost per value and "

@@ -4,7 +4,6 @@ import torch
 from pace_core.accounting import (
     buffer_c,
     capacity,
-    high_head_counts,
     resident_bits,
     sequences_that_fit,
     state_bytes,
@@ -12,6 +11,7 @@ from pace_core.accounting import (
 )
 from pace_core.buffer import DecodeBuffer
 from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
+from pace_core.methods.groups import high_head_counts
 from pace_core.errors import PaceError
 from pace_core.outliers import DampQuantizer, dsq_quantize
 from pace_core.quant import quantize, quantize_heads

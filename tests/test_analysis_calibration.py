@@ -19,7 +19,8 @@ def loaded(tiny_checkpoints):
 
 def test_samples_match_decode_path_and_decays_match_hidden_states(loaded):
     ids = torch.randint(3, 100, (1, 50))
-    states, g = reference_samples(loaded, ids, 16)
+    states, inputs = reference_samples(loaded, ids, 16)
+    g = {layer: x["g"] for layer, x in inputs.items()}
     run = run_with_states(loaded, get_config("fp32"), ids, decode_from=16, capture_steps=[16, 32, 48])
     for layer in loaded.gdn_layers:
         assert states[layer].shape == (3, 4, 64, 32)
@@ -34,6 +35,12 @@ def test_samples_match_decode_path_and_decays_match_hidden_states(loaded):
             want = -dec.linear_attn.A_log.double().exp() * torch.nn.functional.softplus(a + dec.linear_attn.dt_bias.double())
             assert g[layer].shape == (48, 4)
             torch.testing.assert_close(g[layer].double(), want[:48], rtol=1e-4, atol=1e-5)
+            b = dec.linear_attn.in_proj_b(dec.input_layernorm(hs[layer]))[0].double()
+            torch.testing.assert_close(inputs[layer]["beta"].double(), torch.sigmoid(b)[:48], rtol=1e-4, atol=1e-5)
+            q, k = inputs[layer]["q"], inputs[layer]["k"]  # prepared: unit keys, queries of norm K^-1/2
+            assert q.shape == k.shape == (48, 2, 64)
+            torch.testing.assert_close(k.norm(dim=-1), torch.ones(48, 2), rtol=1e-5, atol=0)
+            torch.testing.assert_close(q.norm(dim=-1), torch.full((48, 2), 64 ** -0.5), rtol=1e-5, atol=0)
 
 
 def test_calibrate_pace_4_8(loaded):
@@ -41,7 +48,8 @@ def test_calibrate_pace_4_8(loaded):
     cal = calibrate(loaded, cfg, tokens=96, sample_every=32)
     assert cal.tokens == 96 and cal.samples == 3
     ids = tokenize(loaded.tokenizer, read_text(CALIBRATION_TEXT), 96)
-    states, g = reference_samples(loaded, ids, 32)
+    states, inputs = reference_samples(loaded, ids, 32)
+    g = {layer: x["g"] for layer, x in inputs.items()}
     for i, layer in enumerate(loaded.gdn_layers):
         S = states[layer].double()
         e = (fake_quantize(states[layer], cfg.quant_spec()).double() - S).square().sum((-2, -1)).mean(0)
@@ -86,4 +94,5 @@ def test_calibrate_qwen3_next_and_damp(tiny_checkpoints):
     m = load_model(tiny_checkpoints["qwen3_next"])
     cal = calibrate(m, get_config("damp-int4").replace(damp_outlier_rows=4), tokens=64, sample_every=32)
     assert ((cal.a > 0) & (cal.a <= 1)).all()
-    assert [tuple(r.shape) for r in cal.damp_rows] == [(4, 4)] * len(m.gdn_layers)
+    rows = [layer["rows"] for layer in cal.config.calibrated.layers]
+    assert [tuple(r.shape) for r in rows] == [(4, 4)] * len(m.gdn_layers) and rows[0].dtype == torch.int16

@@ -59,11 +59,11 @@ def load_shape():
 
 def test_measure_claims_reports_what_it_measured(loaded, text):
     pace48 = calibrate(loaded, get_config("pace-4-8"), text, tokens=64, sample_every=32).config
-    rows = {n: calibrate(loaded, get_config(n), text, tokens=64, sample_every=32).damp_rows
-            for n in ("damp-int4", "damp-int8")}
+    calibrated = {n: calibrate(loaded, get_config(n), text, tokens=64, sample_every=32).config
+                  for n in ("damp-int4", "damp-int8")}
     done = []
     report = measure_claims(loaded, text, pace48, max_tokens=160, window=32, stride=16, batch=4, seeds=3,
-                            drift_tokens=64, damp_rows=rows, progress=done.append)
+                            drift_tokens=64, calibrated=calibrated, progress=done.append)
     n_tokens = tokenize(loaded.tokenizer, read_text(text), 160).shape[1]
     assert sum(done) == claims_progress_total(loaded, pace48, 3, n_tokens, 32, 16, 4, 64)  # the time-left estimate
     claims = {(c["claim"], c["what"]): c for c in report["claims"]}

@@ -51,16 +51,16 @@ def test_drift_bad_input(loaded):
         drift(loaded, [get_config("rtn-int4")], ids, decode_from=4, every=0)
 
 
-def test_drift_damp_rows_list_or_mapping(loaded):
+def test_drift_of_damp_runs_its_calibrated_rows(loaded):
     from pace_core.analysis.calibration import calibrate
 
     ids = torch.randint(3, 100, (1, 20))
     cfg = get_config("damp-int4").replace(damp_outlier_rows=4)
-    rows = calibrate(loaded, cfg, tokens=32, sample_every=16).damp_rows
-    a = drift(loaded, [cfg], ids, decode_from=12, damp_rows=rows).summary
-    b = drift(loaded, [cfg], ids, decode_from=12, damp_rows={cfg.name: rows}).summary
+    calibrated = calibrate(loaded, cfg, tokens=32, sample_every=16).config
+    a = drift(loaded, [calibrated], ids, decode_from=12).summary
+    b = drift(loaded, [cfg.replace(calibrated=calibrated.calibrated)], ids, decode_from=12).summary
     assert a.mean_rel_error[0] == b.mean_rel_error[0] > 0
-    with pytest.raises(PaceError, match="damp_rows"):
+    with pytest.raises(PaceError, match="not calibrated on the model"):
         drift(loaded, [cfg], ids, decode_from=12)
 
 

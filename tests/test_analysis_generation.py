@@ -2,6 +2,8 @@ import pandas as pd
 import pytest
 import torch
 
+from pace_core.methods import Calibrated
+
 from numerics import fp32_bound
 from pace_core.analysis.generation import first_divergence, generate_side_by_side
 from pace_core.config import get_config
@@ -91,13 +93,14 @@ def test_damp_side_by_side_uses_the_given_outlier_rows(loaded):
                          for _ in range(shape.num_v_heads)]) for _ in range(shape.num_gdn_layers)]
     # the reference generated apart, so the damp row runs alone in its batch: the same code as pace() below
     ref = generate_side_by_side(loaded, [], "The cat sat", max_new_tokens=10, modes=["greedy"])
-    t = generate_side_by_side(loaded, {"damp": cfg}, "The cat sat", max_new_tokens=10, modes=["greedy"],
-                              damp_rows={"damp": rows}, reference_rows=ref)
+    calibrated = cfg.replace(calibrated=Calibrated([{"rows": r.to(torch.int16)} for r in rows]))
+    t = generate_side_by_side(loaded, {"damp": calibrated}, "The cat sat", max_new_tokens=10, modes=["greedy"],
+                              reference_rows=ref)
     ids = loaded.tokenizer("The cat sat", return_tensors="pt", add_special_tokens=False)["input_ids"]
-    with pace(loaded.model, cfg, damp_rows=rows), torch.no_grad():
+    with pace(loaded.model, calibrated), torch.no_grad():
         out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
                                     do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id)
     assert list(t["config"]) == ["damp"]
     assert t.iloc[0].tokens == out[0, ids.shape[1]:].tolist()
-    with pytest.raises(PaceError, match="damp_rows"):
+    with pytest.raises(PaceError, match="not calibrated"):
         generate_side_by_side(loaded, {"damp": cfg}, "The cat sat", max_new_tokens=4, modes=["greedy"])

@@ -3,6 +3,8 @@ import math
 import pytest
 import torch
 
+from pace_core.methods import Calibrated
+
 from pace_core.analysis.quality import (MOST_WINDOWS_PER_BATCH, batched_windows, evaluate_quality, perplexity,
                                         scored_bytes, sliding_windows, windows_per_batch)
 from pace_core.analysis.text import tokenize
@@ -172,11 +174,11 @@ def test_damp_quality_runs_with_the_given_outlier_rows(loaded):
     rows = [torch.stack([torch.randperm(shape.d_k)[:cfg.damp_outlier_rows].sort().values
                          for _ in range(shape.num_v_heads)]) for _ in range(shape.num_gdn_layers)]
     ids = torch.randint(3, 100, (1, 48))
-    table = evaluate_quality(loaded, {"damp": cfg}, ids, window=48, stride=24, decode_from=24,
-                             damp_rows={"damp": rows}).set_index("config")
+    calibrated = cfg.replace(calibrated=Calibrated([{"rows": r.to(torch.int16)} for r in rows]))
+    table = evaluate_quality(loaded, {"damp": calibrated}, ids, window=48, stride=24, decode_from=24).set_index("config")
     # one window: the damp row's NLL is that of the same run made directly
-    logits = run_with_states(loaded, cfg, ids, decode_from=24, damp_rows=rows).logits[0, :-1].double()
+    logits = run_with_states(loaded, calibrated, ids, decode_from=24).logits[0, :-1].double()
     want = float(torch.nn.functional.cross_entropy(logits, ids[0, 1:]))
     assert table.loc["damp", "nll"] == pytest.approx(want, rel=1e-9)
-    with pytest.raises(PaceError, match="damp_rows"):
+    with pytest.raises(PaceError, match="not calibrated"):
         evaluate_quality(loaded, {"damp": cfg}, ids, window=48, stride=24, decode_from=24)

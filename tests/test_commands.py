@@ -158,7 +158,7 @@ def test_damp_results_follow_their_calibration(env, capsys, tmp_path):
     assert main([*argv, "--calibration-text", str(other)]) == 0
     printed = capsys.readouterr().out  # the fp32 reference does not depend on calibration; damp-int4 does
     assert "reusing stored perplexity of fp32 " in printed and "damp-int4 (" not in printed
-    rows = [r.data["damp_rows"] for r in list_results(env["model"], "calibration", root=out).results]
+    rows = [r.data["config"]["pace"]["calibrated"] for r in list_results(env["model"], "calibration", root=out).results]
     assert len(rows) == 2 and rows[0] != rows[1]  # two calibrations with different rows
     configs = [r.data["config"] for r in list_results(env["model"], "perplexity", root=out).results]
     assert sorted(configs) == ["damp-int4", "damp-int4", "fp32"]  # the reference once, damp per calibration
@@ -256,7 +256,8 @@ def test_a_file_for_another_model_or_with_disagreeing_sections_exits_2_and_store
     [ctx] = [c for key, c in commands._CONTEXTS.items() if key[0] == env["model"]]
     mine = _file_for(tmp_path, "mine", shape, ctx.loaded.fingerprint)
     assert _run(env, "perplexity", *small, "--configs", mine) == 0
-    [result] = [r for r in list_results(env["model"], "perplexity", root=str(out)) if r.data["config"] == "pace-4-8"]
+    [result] = [r for r in list_results(env["model"], "perplexity", root=str(out)).results
+                if r.data["config"] == "pace-4-8"]
     assert result.provenance["config_hashes"] == {"pace-4-8": config_hash(read_config(mine).config)}
     # a file that disagrees with itself is refused before the model loads
     monkeypatch.setattr(commands, "_CONTEXTS", {})

@@ -181,7 +181,7 @@ def test_quant_spec_and_head_bits():
 def test_json_document_is_shaped_like_a_kv_cache_scheme():
     cfg = get_config("pace-4-8").replace(high_heads=((2, 9), (0, 1)))
     d = config_to_dict(cfg, model="qwen3.5-27b", provenance={"calibration": "wikitext2-valid.txt"})
-    assert d["schema_version"] == SCHEMA_VERSION == 3
+    assert d["schema_version"] == SCHEMA_VERSION == 5
     assert d["producer"] == {"name": "pace-studio", "version": __version__}
     assert d["model"] == "qwen3.5-27b"
     assert d["state_cache_scheme"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
@@ -191,7 +191,7 @@ def test_json_document_is_shaped_like_a_kv_cache_scheme():
                          "high_heads": {"0": [2, 9], "1": [0, 1]}, "reference_dtype": "float32",
                          "damp_outlier_rows": 16, "damp_hadamard": True, "prefill_after_decode": "flush",
                          "exact_current_token": True, "buffer_key_group": 16, "buffer_value_group": 0,
-                         "buffer_key_symmetric": False, "buffer_value_symmetric": True}
+                         "buffer_key_symmetric": False, "buffer_value_symmetric": True, "calibrated": None}
     assert d["provenance"] == {"calibration": "wikitext2-valid.txt"}
     assert json.loads(json.dumps(d)) == d
     assert config_to_dict(get_config("pace-4"))["state_cache_scheme"]["zp_dtype"] is None
@@ -254,8 +254,8 @@ def _doc(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"schema_version": 5}, "schema_version=5 is newer than this PACE Studio understands; allowed: 1..4"),
-    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..4"),
+    ({"schema_version": 6}, "schema_version=6 is newer than this PACE Studio understands; allowed: 1..5"),
+    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..5"),
     ({"schema_version": 4}, "the document lacks kind"),  # a complete record labelled as an export
     ({"schema_version": "1"}, "schema_version='1' is not allowed"),
     ({"schema_version": KeyError}, "schema_version is missing"),
@@ -277,8 +277,9 @@ def _doc(**changes) -> dict:
     ({"pace__high_heads": []}, "pace.high_heads=\\[\\] is not allowed"),
     ({"pace__prefill_after_decode": "round"}, "prefill_after_decode='round' is not allowed; allowed: 'flush', 'carry'"),
     ({"pace__prefill_after_decode": KeyError}, "pace.prefill_after_decode is missing"),
-    ({"schema_version": 1}, "pace.prefill_after_decode, pace.exact_current_token, .*buffer_value_symmetric are unknown"),
-    ({"schema_version": 2}, "pace.exact_current_token, pace.buffer_key_group, .* are unknown"),
+    ({"schema_version": 1}, "pace.buffer_key_group, .*pace.exact_current_token, pace.prefill_after_decode, "
+                            "pace.calibrated are unknown"),
+    ({"schema_version": 2}, "pace.buffer_key_group, .*pace.exact_current_token, pace.calibrated are unknown"),
     ({"pace__buffer_key_group": 3}, "buffer_key_group=3"),
     ({"pace__exact_current_token": KeyError}, "pace.exact_current_token is missing"),
 ])
@@ -294,12 +295,12 @@ def test_older_documents_read_with_the_behaviour_they_were_made_with():
     before = dict(exact_current_token=False, buffer_key_group=0, buffer_key_symmetric=True)
     d = _doc(schema_version=1, pace__prefill_after_decode=KeyError, pace__exact_current_token=KeyError,
              pace__buffer_key_group=KeyError, pace__buffer_value_group=KeyError, pace__buffer_key_symmetric=KeyError,
-             pace__buffer_value_symmetric=KeyError)
+             pace__buffer_value_symmetric=KeyError, pace__calibrated=KeyError)
     cfg = config_from_dict(d)
     assert cfg == get_config("pace-4-8").replace(**before) and cfg.prefill_after_decode == "flush"
     d2 = _doc(schema_version=2, pace__exact_current_token=KeyError, pace__buffer_key_group=KeyError,
               pace__buffer_value_group=KeyError, pace__buffer_key_symmetric=KeyError,
-              pace__buffer_value_symmetric=KeyError)
+              pace__buffer_value_symmetric=KeyError, pace__calibrated=KeyError)
     assert config_from_dict(d2) == get_config("pace-4-8").replace(**before)
     with pytest.raises(PaceError, match="prefill_after_decode='later' is not allowed"):
         get_config("pace-4").replace(prefill_after_decode="later")

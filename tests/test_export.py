@@ -192,15 +192,15 @@ def test_admit_completes_what_needs_a_calibration_or_refuses():
     with pytest.raises(PaceError, match="does not say which"):
         admit("pace-4-8", EIGHT)
     with pytest.raises(PaceError, match="does not say which"):
-        admit("pace-4-8", EIGHT, ready_for="export")
+        admit("pace-4-8", EIGHT, ready_for="run")
     assert admit("pace-4-8", EIGHT, ready_for="settings") == pace48  # the share alone: the app's sidebar, bits
     chosen = admit("pace-4-8", EIGHT, calibrate=lambda c: c.replace(high_heads=_heads(EIGHT)))
     assert chosen == pace48.replace(high_heads=_heads(EIGHT))
     with pytest.raises(PaceError, match="high_heads has 9 layers"):  # what a calibration returns is checked too
         admit("pace-4-8", EIGHT, calibrate=lambda c: c.replace(high_heads=_heads(TWELVE)))
-    with pytest.raises(PaceError, match="outlier rows"):
+    with pytest.raises(PaceError, match="outlier key rows"):
         admit("damp-int4", EIGHT)
-    assert admit("damp-int4", EIGHT, ready_for="export") == get_config("damp-int4")  # rows are not in a file
+    assert admit("damp-int4", EIGHT, ready_for="settings") == get_config("damp-int4")
     seen = []
     assert admit("damp-int4", EIGHT, calibrate=lambda c: seen.append(c) or c) == get_config("damp-int4")
     assert seen == [get_config("damp-int4")]

@@ -15,7 +15,7 @@ from numerics import fp32_bound, rel
 from pace_core import quant
 from pace_core.backend import REFERENCE
 from pace_core.buffer import BufferFormat, DecodeBuffer
-from pace_core.checkpoint import StateFormat
+from pace_core.checkpoint import state_format
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.recurrence import RECURRENT_BELOW, gdn_recurrent, prepare_qk
@@ -71,7 +71,7 @@ def _states(name: str, hv: int, v_dim: int = V, group: int | None = None, S: tor
     """The same layer state ``(kernels, reference)``: checkpoint of ``S [B, HV, K, V]`` (random when None)
     in the configuration's format, empty buffers of dP records."""
     cfg = _config(name, hv, group)
-    fmt = StateFormat(cfg, cfg.head_bits(0, hv) if cfg.quantized else (cfg.bits,) * hv)
+    fmt = state_format(cfg, cfg.head_bits(0, hv) if cfg.quantized else (cfg.bits,) * hv)
     S = torch.randn(B, hv, K, v_dim) * 0.3 if S is None else S
     out = []
     for steps in (backend.TritonSteps(), REFERENCE):
@@ -243,7 +243,7 @@ def test_buffered_fp32_equals_plain_recurrence(gamma: int) -> None:
     tokens = _tokens(HV, T)
     o_ref, S_ref = gdn_recurrent(*(x.double() for x in tokens), initial_state=S0.double())
     cfg = get_config("fp32").replace(decode_period=2, buffer="fp32")
-    st = PeriodicState(StateFormat(cfg, (32,) * HV), backend.TritonSteps(), (B, H, HV, K, V), DEVICE,
+    st = PeriodicState(state_format(cfg, (32,) * HV), backend.TritonSteps(), (B, H, HV, K, V), DEVICE,
                        prefill_period=8, decode_period=2, buffer="fp32")
     st.set_checkpoint(S0.clone())
     o = st.decode(*tokens)
@@ -310,8 +310,8 @@ def test_kernels_cover_what_they_support() -> None:
     DSQ, DAMP, the float64 test buffer, or keys narrower than a tensor-core tile."""
     def covered(cfg, buffer, k_dim=K):
         bits = cfg.head_bits(0, 2 * H) if cfg.quantized else (cfg.bits,) * (2 * H)
-        rows = torch.zeros(2 * H, cfg.damp_outlier_rows, dtype=torch.long) if cfg.method == "damp" else None
-        return backend.TritonSteps.for_layer(StateFormat(cfg, bits, rows), buffer and BufferFormat(buffer), k_dim,
+        rows = {"rows": torch.arange(cfg.damp_outlier_rows).expand(2 * H, -1)} if cfg.method == "damp" else None
+        return backend.TritonSteps.for_layer(state_format(cfg, bits, rows), buffer and BufferFormat(buffer), k_dim,
                                              V) is not None
     assert covered(CONFIGS["pace-4"], "int8") and covered(CONFIGS["fp32"], "fp32") and covered(get_config("bf16"), None)
     assert covered(get_config("rtn-int4").replace(group_size=GROUP), None) and not covered(get_config("qmamba-dsq"), None)
@@ -381,7 +381,7 @@ def test_per_token_decode_backends_agree(dtype: torch.dtype) -> None:
     the schedule (dots of length K, then the state's own dtype)."""
     HV = 2 * H
     cfg = get_config("fp32" if dtype == torch.float32 else "bf16")
-    fmt = StateFormat(cfg, (cfg.bits,) * HV)
+    fmt = state_format(cfg, (cfg.bits,) * HV)
     S = torch.randn(B, HV, K, V) * 0.3
     states = []
     for steps in (backend.TritonSteps(), REFERENCE):
@@ -404,7 +404,7 @@ def test_per_token_rounding_backends_agree(name: str) -> None:
     the stored checkpoints within one code step (a state within float32 rounding of a rounding boundary)."""
     HV = 2 * H
     cfg = get_config(name).replace(decode_period=1, group_size=GROUP)
-    fmt = StateFormat(cfg, cfg.head_bits(0, HV))
+    fmt = state_format(cfg, cfg.head_bits(0, HV))
     st_k = PeriodicState(fmt, backend.TritonSteps(), (B, H, HV, K, V), DEVICE, prefill_period=8, decode_period=1)
     st_k.set_checkpoint(REFERENCE.store(fmt, torch.randn(B, HV, K, V) * 0.3)[0])
     for _ in range(3):
@@ -417,7 +417,7 @@ def test_per_token_rounding_backends_agree(name: str) -> None:
         assert type(st_k.checkpoint) is type(ref.checkpoint)
 
 
-def _run_and_single_tokens(fmt: StateFormat, S0, T: int, at: frozenset[int]):
+def _run_and_single_tokens(fmt, S0, T: int, at: frozenset[int]):
     """Two kernel states from the checkpoint ``S0`` in ``fmt``: ``T`` tokens in one decode call (one launch
     per run between the captures ``at``) and the same tokens one call each; returns both sides' outputs,
     captured states and final checkpoints."""
@@ -462,7 +462,7 @@ def test_per_token_run_is_its_tokens_one_by_one(name: str) -> None:
     cfg = (_config(name, HV) if name in CONFIGS else get_config(name)).replace(decode_period=1)
     if name == "rtn-int4":
         cfg = cfg.replace(group_size=GROUP)
-    fmt = StateFormat(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
+    fmt = state_format(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
     S0 = REFERENCE.store(fmt, torch.randn(B, HV, K, V) * 0.3)[0]
     (o_run, seen_run, c_run), (o_one, seen_one, c_one) = _run_and_single_tokens(fmt, S0, 5, frozenset({2}))
     _same_run(o_run, o_one)
@@ -481,7 +481,7 @@ def test_per_token_run_plan_serves_every_checkpoint_of_its_layout(name: str) -> 
     run = recurrent_step.recurrent_run
     HV = 2 * H
     cfg = _config(name, HV).replace(decode_period=1)
-    fmt = StateFormat(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
+    fmt = state_format(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
     first = REFERENCE.store(fmt, torch.randn(B, HV, K, V) * 0.3)[0]
     planned, fresh = copy.deepcopy(first), copy.deepcopy(first)
     plan = recurrent_step.plan_recurrent(first)
@@ -502,7 +502,7 @@ def test_per_token_run_refuses_a_state_as_a_store_does(poison: str) -> None:
     tokens, equal to the reference's (the kernel's run is discarded and the reference runs it again)."""
     HV = 2 * H
     cfg = get_config("pace-4").replace(decode_period=1, group_size=GROUP)
-    fmt = StateFormat(cfg, cfg.head_bits(0, HV))
+    fmt = state_format(cfg, cfg.head_bits(0, HV))
     S0 = REFERENCE.store(fmt, torch.randn(B, HV, K, V) * 0.3)[0]
     q, k, v, g, beta = _tokens(HV, 4)
     if poison == "overflow":

@@ -10,7 +10,7 @@ import torch
 
 from kernels_support import kernel_modules
 from pace_core.backend import REFERENCE
-from pace_core.checkpoint import StateFormat
+from pace_core.checkpoint import state_format
 from pace_core.config import get_config
 from pace_core.schedule import PeriodicState
 
@@ -23,7 +23,7 @@ def _state(name: str, **changes) -> PeriodicState:
     cfg = get_config(name).replace(**changes)
     if cfg.high_share:
         cfg = cfg.replace(high_heads=(tuple(range(1, HV, 4)),))
-    fmt = StateFormat(cfg, cfg.head_bits(0, HV))
+    fmt = state_format(cfg, cfg.head_bits(0, HV))
     st = PeriodicState(fmt, REFERENCE, (B, H, HV, K, K), torch.device("cpu"), prefill_period=256,
                        decode_period=cfg.decode_period, buffer=cfg.buffer_format, exact_current=cfg.exact_current_token)
     st.set_checkpoint(REFERENCE.store(fmt, torch.randn(B, HV, K, K) * 0.1)[0])

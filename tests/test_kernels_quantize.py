@@ -8,7 +8,7 @@ import torch
 
 from pace_core import quant
 from pace_core.backend import REFERENCE
-from pace_core.checkpoint import StateFormat
+from pace_core.checkpoint import state_format
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from kernels_support import SIZES, kernel_modules
@@ -166,7 +166,7 @@ def test_backend_stores_and_loads_like_the_reference(high_heads) -> None:
     x = _state((2, 4, *SIZES["QUANT_SHAPE"][2:]))
     cfg = get_config("pace-4-8" if high_heads else "pace-4").replace(group_size=SIZES["GROUP"], high_heads=(
         high_heads,) if high_heads else None)
-    fmt = StateFormat(cfg, cfg.head_bits(0, 4))
+    fmt = state_format(cfg, cfg.head_bits(0, 4))
     got, ref = steps.store(fmt, x)[0], REFERENCE.store(fmt, x)[0]
     assert type(got) is type(ref)
     for b, part in ({cfg.bits: ref} if high_heads is None else ref.parts).items():

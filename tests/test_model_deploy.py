@@ -75,7 +75,7 @@ def test_a_file_whose_sections_disagree_is_refused(loaded, tmp_path, section, ke
 def test_what_needs_calibration_or_cannot_be_read_is_refused(loaded, tmp_path):
     with pytest.raises(PaceError, match="does not say which"):
         pace_core.apply(loaded.model, "pace-4-8")
-    with pytest.raises(PaceError, match="outlier rows"):
+    with pytest.raises(PaceError, match="outlier key rows"):
         pace_core.apply(loaded.model, "damp-int4")
     with pytest.raises(PaceError, match="cannot be read"):
         pace_core.apply(loaded.model, tmp_path / "missing.json")

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 import torch
+
+from pace_core.methods import Calibrated
 from conftest import HYBRID_TYPES
 from numerics import assert_same_greedy, fp32_bound, rel
 
@@ -226,7 +228,7 @@ def test_cache_of_another_config_and_bad_input_are_refused(loaded_models):
             model(ids[:, :1], past_key_values=plain, use_cache=True)
     with pytest.raises(PaceError, match="cfg"):
         apply_pace(model, "pace-4")
-    with pytest.raises(PaceError, match="damp_rows"):
+    with pytest.raises(PaceError, match="not calibrated"):
         apply_pace(model, get_config("damp-int4"))
     with pytest.raises(PaceError, match="group_size"):  # key-axis groups of 128 do not divide d_k = 64
         apply_pace(model, get_config("pace-4").replace(group_size=128))
@@ -273,8 +275,9 @@ def test_forward_without_cache_equals_forward_with_cache(loaded_models, cfg):
     model = loaded_models["qwen3_5_text"].model
     ids = _prompt(8, length=20)
     rows = [torch.randperm(64, generator=torch.Generator().manual_seed(i))[:16].expand(4, 16) for i in range(3)]
-    damp_rows = rows if cfg.method == "damp" else None
-    with pace(model, cfg.replace(prefill_period=8), damp_rows=damp_rows), torch.no_grad():
+    if cfg.method == "damp":
+        cfg = cfg.replace(calibrated=Calibrated([{"rows": r.to(torch.int16)} for r in rows]))
+    with pace(model, cfg.replace(prefill_period=8)), torch.no_grad():
         cached = model(ids, use_cache=True)
         uncached = model(ids, use_cache=False)
         assert uncached.past_key_values is None

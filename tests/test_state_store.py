@@ -9,6 +9,7 @@ from pace_core.accounting import state_bytes, transient_bytes
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.errors import PaceError
 from pace_core.memory import PeakBytes, held_bytes
+from pace_core.methods import Calibrated
 from pace_core.outliers import dsq_dequantize, dsq_quantize
 from pace_core.recurrence import gdn_recurrent, prepare_qk
 from pace_core.shapes import ModelShape
@@ -37,6 +38,13 @@ def split(tokens, start, stop=None):
     return [x[:, start:stop] for x in tokens]
 
 
+def calibrated(cfg, seed=0):
+    """``cfg`` with random outlier rows as its calibration when it is DAMP's."""
+    if cfg.method != "damp":
+        return cfg
+    return cfg.replace(calibrated=Calibrated([{"rows": r.to(torch.int16)} for r in damp_rows(seed)]))
+
+
 def damp_rows(seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.stack([torch.randperm(K, generator=gen)[:16] for _ in range(HV)]) for _ in LAYERS]
@@ -44,8 +52,7 @@ def damp_rows(seed=0):
 
 def store_for(name, batch=B, **changes):
     cfg = get_config(name).replace(**changes) if changes else get_config(name)
-    rows = damp_rows() if cfg.method == "damp" else None
-    return StateStore(cfg, None, batch, "cpu", H, HV, K, V, LAYERS, damp_rows=rows)
+    return StateStore(calibrated(cfg), None, batch, "cpu", H, HV, K, V, LAYERS)
 
 
 def rel(a, b):
@@ -271,7 +278,7 @@ def test_byte_counts(name):
     if isinstance(checkpoint, torch.Tensor):
         assert payload == checkpoint.numel() * checkpoint.element_size()
     elif name == "damp-int4":
-        assert payload + metadata == checkpoint.nbytes() == layer.fmt.damp.nbytes((B, HV, K, V))
+        assert payload + metadata == checkpoint.nbytes() == layer.fmt.quantizer.nbytes((B, HV, K, V))
     else:
         assert payload + metadata == checkpoint.nbytes()
     if layer.buffer is not None:
@@ -325,7 +332,7 @@ def test_bad_input_raises():
     with pytest.raises(PaceError, match="v:"):
         q, k, v, g, beta = make_tokens(3, seed=0)
         store_for("pace-4").prefill(0, q, k, v[:, :, :2], g, beta)
-    with pytest.raises(PaceError, match="damp_rows"):
+    with pytest.raises(PaceError, match="not calibrated on the model"):
         StateStore(get_config("damp-int4"), None, B, "cpu", H, HV, K, V, LAYERS)
     with pytest.raises(PaceError, match="high_heads"):
         StateStore(get_config("pace-4-8").replace(high_heads=((1,),)), None, B, "cpu", H, HV, K, V, LAYERS)
@@ -442,8 +449,7 @@ def resident_store(name: str, backend: str) -> StateStore:
     cfg = get_config(name)
     if cfg.high_share > 0:
         cfg = cfg.replace(high_heads=((1,), (3,)))
-    rows = damp_rows() if cfg.method == "damp" else None
-    store = StateStore(cfg, RESIDENT_SHAPE, B, "cpu", H, HV, K, V, LAYERS, damp_rows=rows, backend=backend)
+    store = StateStore(calibrated(cfg), RESIDENT_SHAPE, B, "cpu", H, HV, K, V, LAYERS, backend=backend)
     tokens = make_tokens(5 + cfg.decode_period + 2, seed=3)
     for layer in LAYERS:
         store.prefill(layer, *split(tokens, 0, 5))
@@ -472,8 +478,7 @@ def test_peak_transient_is_within_the_stated_bound(name, tokens):
     cfg = get_config(name)
     if cfg.high_share > 0:
         cfg = cfg.replace(high_heads=((1,), (3,)))
-    store = StateStore(cfg, RESIDENT_SHAPE, B, "cpu", H, HV, K, V, LAYERS,
-                       damp_rows=damp_rows() if cfg.method == "damp" else None)
+    store = StateStore(calibrated(cfg), RESIDENT_SHAPE, B, "cpu", H, HV, K, V, LAYERS)
     tokens_ = make_tokens(tokens + cfg.decode_period + 1, seed=4)
     with PeakBytes() as prefill:
         store.prefill(0, *split(tokens_, 0, tokens))

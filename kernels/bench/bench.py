@@ -47,7 +47,7 @@ from kernels.flush import launch_flush  # noqa: E402
 from kernels.packed_step import launch_dots, launch_packed_step, launch_records  # noqa: E402
 from kernels.recurrent_step import dense_recurrent_step  # noqa: E402
 from pace_core.buffer import record_bytes  # noqa: E402
-from pace_core.checkpoint import StateFormat  # noqa: E402
+from pace_core.checkpoint import state_format  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
 from pace_core.recurrence import prepare_qk  # noqa: E402
 from pace_core.schedule import PeriodicState  # noqa: E402
@@ -119,7 +119,7 @@ def _layer_state(variant: str, S: torch.Tensor, steps=None) -> PeriodicState:
     """One layer's state of a checkpointed variant on ``steps`` (default: the Triton backend): ``S`` stored in its
     format, an empty buffer of dP records (none at dP = 1)."""
     cfg = buffered_config(variant)
-    fmt = StateFormat(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
+    fmt = state_format(cfg, cfg.head_bits(0, HV) if cfg.quantized else (cfg.bits,) * HV)
     steps = steps or TritonSteps()
     st = PeriodicState(fmt, steps, (S.shape[0], H, HV, K, V), S.device, prefill_period=256,
                        decode_period=cfg.decode_period,

@@ -1,11 +1,13 @@
-"""Head calibration for PACE-4/8 (spec §4) and DAMP outlier rows, on a calibration text.
+"""Calibration on a calibration text: PACE-4/8's 8-bit heads (spec §4) and what a method chooses per layer on
+the model (:attr:`pace_core.methods.Method.calibrate`: DAMP's outlier rows).
 
 The fp32 reference model reads the first ``tokens`` tokens of the calibration text in one forward; after
 every ``sample_every`` tokens every GDN layer's state is one calibration state. A tap on the GDN layers' core calls
-(:func:`pace_core.model.patch.tapped`) records the log decays ``g [T, HV]`` that transformers computes
-(``g = −exp(A_log) · softplus(a + dt_bias)``, spec §1). Then per GDN layer and value head: ``a_h`` (mean ``exp(g)``), ``e_h`` (mean
-``‖Q(S) − S‖²_F`` with the configuration's low-bit quantiser), ``E_h = e_h / (1 − a_h^{2 dP})``, and
-the top ``high_share`` of heads by ``E_h`` keep ``high_bits`` (:mod:`pace_core.heads`).
+(:func:`pace_core.model.patch.tapped`) records the recurrence's inputs as transformers computes them (``q, k``
+prepared, ``g = −exp(A_log) · softplus(a + dt_bias)``, ``beta``; spec §1). Then per GDN layer and value head:
+``a_h`` (mean ``exp(g)``), ``e_h`` (mean ``‖Q(S) − S‖²_F`` with the configuration's low-bit group quantiser),
+``E_h = e_h / (1 − a_h^{2 dP})``, and the top ``high_share`` of heads by ``E_h`` keep ``high_bits``
+(:mod:`pace_core.heads`); a method with per-layer tensors computes them from the same samples.
 
 The calibration text defaults to the WikiText-2 validation split; the test split is refused.
 """
@@ -20,21 +22,22 @@ import pandas as pd
 import torch
 
 from pace_core.analysis.text import CALIBRATION_TEXT, is_test_split, read_text, tokenize
-from pace_core.config import HIGH_SHARE_METHODS, PaceConfig, config_from_dict, config_to_dict, get_config
+from pace_core.config import PaceConfig, config_from_dict, config_to_dict, get_config
 from pace_core.errors import PaceError
 from pace_core.heads import head_decay, high_heads_for, retained_error, rounding_error
+from pace_core.methods import METHODS, Calibrated, method_of
 from pace_core.model.loading import LoadedModel
-from pace_core.model.patch import tapped
+from pace_core.model.patch import core_inputs, tapped
 from pace_core.model.teacher import Member, teacher_forced
-from pace_core.outliers import rank_outlier_rows
 
 
 @dataclass
 class Calibration:
     """Calibration of one configuration on one model.
 
-    a, e, E [L, HV] float64 (L = GDN layers in ``layers`` order); ``config`` carries ``high_heads``
-    when ``high_share > 0``; ``damp_rows`` one ``[HV, r]`` tensor per GDN layer for damp configs.
+    a, e, E [L, HV] float64 (L = GDN layers in ``layers`` order; ``e`` and ``E`` of the configuration's group
+    quantiser, zeros for a method without one); ``config`` carries ``high_heads`` when ``high_share > 0`` and its
+    method's calibrated tensors (``calibrated``) when it has them.
     """
 
     config: PaceConfig
@@ -44,22 +47,19 @@ class Calibration:
     E: torch.Tensor
     tokens: int
     samples: int
-    damp_rows: list[torch.Tensor] | None = None
 
     def to_data(self) -> dict:
         """The calibration as plain JSON data (``calibrate``'s stored result; :meth:`from_data` reads it)."""
         return {"config": config_to_dict(self.config), "layers": self.layers, "a": self.a.tolist(),
-                "e": self.e.tolist(), "E": self.E.tolist(), "tokens": self.tokens, "samples": self.samples,
-                "damp_rows": None if self.damp_rows is None else [r.tolist() for r in self.damp_rows]}
+                "e": self.e.tolist(), "E": self.E.tolist(), "tokens": self.tokens, "samples": self.samples}
 
     @classmethod
     def from_data(cls, d: dict) -> Calibration:
         """The calibration of :meth:`to_data`'s data; PaceError when fields are missing or malformed."""
         try:
-            rows = None if d["damp_rows"] is None else [torch.tensor(r, dtype=torch.long) for r in d["damp_rows"]]
             return cls(config_from_dict(d["config"]), list(d["layers"]), torch.tensor(d["a"], dtype=torch.float64),
                        torch.tensor(d["e"], dtype=torch.float64), torch.tensor(d["E"], dtype=torch.float64),
-                       int(d["tokens"]), int(d["samples"]), rows)
+                       int(d["tokens"]), int(d["samples"]))
         except (KeyError, TypeError, ValueError) as err:
             raise PaceError(f"stored calibration: {err!r} is missing or malformed; allowed: data written by "
                             "python -m pace_core calibrate") from None
@@ -94,43 +94,50 @@ class Calibration:
 @torch.no_grad()
 def reference_samples(
     loaded: LoadedModel, ids: torch.Tensor, sample_every: int, progress: Callable[[int], None] | None = None
-) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """fp32 reference states after every ``sample_every`` tokens and the log decays of all tokens, in one
-    forward (:func:`pace_core.model.teacher.teacher_forced`, the reference's prompt cut at the samples).
+) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """fp32 reference states after every ``sample_every`` tokens and the recurrence's inputs of all tokens, in
+    one forward (:func:`pace_core.model.teacher.teacher_forced`, the reference's prompt cut at the samples).
 
-    ids [1, T] -> (``{layer: S [N, HV, K, V]}`` with N = T // sample_every, ``{layer: g [T', HV]}``, T' the
-    N · sample_every tokens sampled), on each layer's device: kept there with no read-back per sample, so
-    that a calibration on them runs where the model runs.
+    ids [1, T] -> (``{layer: S [N, HV, K, V]}`` with N = T // sample_every, ``{layer: {"q", "k": [T', H, K]
+    prepared, "g", "beta": [T', HV]}}``, T' the N · sample_every tokens sampled), on each layer's device: kept
+    there with no read-back per sample, so that a calibration on them runs where the model runs.
     """
     model = loaded.model
     n = ids.shape[1] // sample_every * sample_every
-    decays: dict[int, torch.Tensor] = {}
+    inputs: dict[int, dict[str, torch.Tensor]] = {}
     states: dict[int, list[torch.Tensor]] = {layer: [] for layer in loaded.gdn_layers}
 
-    def record_decays(module, arguments: dict, decode: bool) -> None:
-        decays[int(module.layer_idx)] = arguments["g"][0].float()
+    def record(module, arguments: dict, decode: bool) -> None:
+        q, k, _, g, beta = core_inputs(module, arguments)
+        inputs[int(module.layer_idx)] = {"q": q[0], "k": k[0], "g": g[0], "beta": beta[0]}
 
     def keep(member: int, layer: int, step: int, S: torch.Tensor) -> None:
         states[layer].append(S[0].clone())
 
-    with tapped(model, record_decays):
+    with tapped(model, record):
         teacher_forced(loaded, [Member("fp32", get_config("fp32"))], ids[:, :n], n,
                        capture_steps=range(sample_every, n + 1, sample_every), on_state=keep, logits_from=n - 1,
                        progress=progress)
-    return {layer: torch.stack(s) for layer, s in states.items()}, decays
+    return {layer: torch.stack(s) for layer, s in states.items()}, inputs
 
 
 @dataclass
 class CalibrationSamples:
-    """What every calibration of one model on one text shares: the fp32 reference states and log decays
-    of :func:`reference_samples` (``states {layer: S [N, HV, K, V]}``, ``decays {layer: g [T', HV]}``, on
-    each layer's device) and the settings they were taken with. Calibrating another quantiser on them costs no forward."""
+    """What every calibration of one model on one text shares: the fp32 reference states and the recurrence's
+    inputs of :func:`reference_samples` (``states {layer: S [N, HV, K, V]}``, ``inputs {layer: {"q", "k", "g",
+    "beta"}}``, on each layer's device) and the settings they were taken with. Calibrating another quantiser on
+    them costs no forward."""
 
     text: str
     tokens: int
     sample_every: int
     states: dict[int, torch.Tensor]
-    decays: dict[int, torch.Tensor]
+    inputs: dict[int, dict[str, torch.Tensor]]
+
+    @property
+    def decays(self) -> dict[int, torch.Tensor]:
+        """The log decays ``{layer: g [T', HV]}``."""
+        return {layer: x["g"] for layer, x in self.inputs.items()}
 
 
 def calibration_samples(loaded: LoadedModel, text_path: str | os.PathLike | None = None, *, tokens: int = 2048,
@@ -150,8 +157,8 @@ def calibration_samples(loaded: LoadedModel, text_path: str | os.PathLike | None
     if tokens < sample_every:
         raise PaceError(f"tokens: must be >= sample_every={sample_every}, got {tokens}")
     ids = tokenize(loaded.tokenizer, read_text(path), tokens, min_tokens=sample_every)
-    states, decays = reference_samples(loaded, ids, sample_every, progress)
-    return CalibrationSamples(str(path), int(ids.shape[1]), sample_every, states, decays)
+    states, inputs = reference_samples(loaded, ids, sample_every, progress)
+    return CalibrationSamples(str(path), int(ids.shape[1]), sample_every, states, inputs)
 
 
 def calibration_progress_total(loaded: LoadedModel) -> int:
@@ -172,29 +179,29 @@ def calibrate(
     """Calibrate ``cfg`` on ``loaded`` with the text at ``text_path`` (default: WikiText-2 valid), or on the
     ``samples`` of an earlier :func:`calibration_samples` (then the text and its settings are theirs).
 
-    Every method gets ``a, e, E`` (``e`` with the config's group quantiser, for damp without its
-    outlier rows); rtn/pace with ``high_share > 0`` get ``high_heads``; damp gets its outlier rows (``damp_outlier_rows`` per head, :func:`pace_core.outliers.rank_outlier_rows`).
+    Every configuration gets ``a`` and, with a group quantiser, ``e, E`` (for DAMP without its outlier rows);
+    a share of high-bit heads gets ``high_heads``; a method with per-layer tensors
+    (:attr:`pace_core.methods.Method.calibrate`) gets them as ``calibrated``.
     """
-    if cfg.method not in (*HIGH_SHARE_METHODS, "damp"):
-        raise PaceError(f"config method {cfg.method!r} has nothing to calibrate; allowed: rtn, pace, damp")
+    method = method_of(cfg)
+    if not (method.head_widths or method.calibrate):
+        able = ", ".join(name for name, m in METHODS.items() if m.head_widths or m.calibrate)
+        raise PaceError(f"config method {cfg.method!r} has nothing to calibrate; allowed: {able}")
     if samples is None:
         samples = calibration_samples(loaded, text_path, tokens=tokens, sample_every=sample_every, progress=progress)
     states, decays = samples.states, samples.decays
     layers = list(loaded.gdn_layers)
-    a_of = {layer: head_decay(decays[layer]) for layer in layers}  # on each layer's device
-    spec = cfg.quant_spec()
-    a = torch.stack([a_of[layer].cpu() for layer in layers])
-    e = torch.stack([rounding_error(states[layer], spec).cpu() for layer in layers])
+    a = torch.stack([head_decay(decays[layer]).cpu() for layer in layers])
+    if method.grouped:
+        spec = cfg.quant_spec()
+        e = torch.stack([rounding_error(states[layer], spec).cpu() for layer in layers])
+    else:
+        e = torch.zeros_like(a)
     E = retained_error(e, a, cfg.decode_period)
-    damp_rows = None
-    if cfg.method == "damp":
-        damp_rows = [
-            rank_outlier_rows(states[layer], a_of[layer], cfg.damp_outlier_rows, bits=cfg.bits,
-                              hadamard=cfg.damp_hadamard, group_size=cfg.group_size).cpu()
-            for layer in layers
-        ]
-    calibration = Calibration(cfg, layers, a, e, E, samples.tokens, int(next(iter(states.values())).shape[0]),
-                              damp_rows)
-    if cfg.method != "damp" and cfg.high_share > 0:
-        calibration.config = calibration.allocate(cfg).validate_for(loaded.shape)
+    if method.calibrate is not None:
+        cfg = cfg.replace(calibrated=Calibrated(method.calibrate(cfg, samples, layers)))
+    calibration = Calibration(cfg, layers, a, e, E, samples.tokens, int(next(iter(states.values())).shape[0]))
+    if cfg.high_share > 0:
+        calibration.config = calibration.allocate(cfg)
+    calibration.config.validate_for(loaded.shape)
     return calibration

@@ -72,9 +72,11 @@ def _with_buffer_of(cfg: PaceConfig, other: PaceConfig) -> PaceConfig:
                        buffer_value_symmetric=other.buffer_value_symmetric)
 
 
-def claim_configs(calibrated_pace48: PaceConfig, random_heads: list[tuple[tuple[int, ...], ...]]) -> ClaimConfigs:
+def claim_configs(calibrated_pace48: PaceConfig, random_heads: list[tuple[tuple[int, ...], ...]],
+                  calibrated: Mapping[str, PaceConfig] | None = None) -> ClaimConfigs:
     """The configurations of the report. ``calibrated_pace48``: PACE-4/8 with its calibrated E_h heads;
-    ``random_heads``: the random allocations of claim (c) (:func:`random_allocations`)."""
+    ``random_heads``: the random allocations of claim (c) (:func:`random_allocations`); ``calibrated``: named
+    configurations of the main table calibrated on the model (the rest are taken as named)."""
     pace4 = get_config("pace-4")
     rtn = _with_buffer_of(get_config("rtn-int4").replace(group_axis="value", group_size=32), pace4)
     periodic = {}
@@ -95,7 +97,7 @@ def claim_configs(calibrated_pace48: PaceConfig, random_heads: list[tuple[tuple[
     for buf in MAIN_BUFFERS:
         main[f"pace-4-8 ({buf} buffer)"] = calibrated_pace48.replace(name=f"pace-4-8-{buf}", buffer=buf)
     for name in ("damp-int4", "damp-int8", "qmamba-dsq", "rtn-int4", "rtn-int8"):
-        main[name] = get_config(name)
+        main[name] = (calibrated or {}).get(name) or get_config(name)
     return ClaimConfigs(periodic, axis, allocation, drift_cfgs, main)
 
 
@@ -130,18 +132,21 @@ def _unique(configs: Mapping[str, PaceConfig]) -> tuple[dict[str, PaceConfig], d
     return run, alias
 
 
-def _configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int) -> ClaimConfigs:
+def _configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int,
+             calibrated: Mapping[str, PaceConfig] | None = None) -> ClaimConfigs:
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise PaceError(f"seeds: {seeds!r} not allowed; allowed: an integer >= 1")
     shape = loaded.shape
     return claim_configs(calibrated_pace48, random_allocations(calibrated_pace48, shape.num_gdn_layers,
-                                                               shape.num_v_heads, seeds))
+                                                               shape.num_v_heads, seeds), calibrated)
 
 
-def quality_configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int) -> dict[str, PaceConfig]:
+def quality_configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int,
+                    calibrated: Mapping[str, PaceConfig] | None = None) -> dict[str, PaceConfig]:
     """The configurations the report scores on its text, once each, each named by its label (so their
-    perplexity results can be stored and reused one by one; :func:`measure_claims`' ``quality``)."""
-    run, _ = _unique(_configs(loaded, calibrated_pace48, seeds).quality())
+    perplexity results can be stored and reused one by one; :func:`measure_claims`' ``quality``);
+    ``calibrated`` as in :func:`measure_claims`."""
+    run, _ = _unique(_configs(loaded, calibrated_pace48, seeds, calibrated).quality())
     return {label: cfg.replace(name=label) for label, cfg in run.items()}
 
 
@@ -169,20 +174,19 @@ def _margin(better: float, other: float) -> float:
 
 def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace48: PaceConfig, *,
                    max_tokens: int | None = None, window: int = 512, stride: int = 256, batch: int = 8,
-                   seeds: int = 5, drift_tokens: int = 512, damp_rows: Mapping[str, list[torch.Tensor]] | None = None,
+                   seeds: int = 5, drift_tokens: int = 512, calibrated: Mapping[str, PaceConfig] | None = None,
                    quality: pd.DataFrame | None = None, progress: Callable[[int], None] | None = None) -> dict:
     """The report (module docstring) as plain data: ``{"claims": [...], "main": [...], "quality": [...],
-    "drift": [...]}``. ``damp_rows``: the calibrated outlier rows of ``damp-int4`` and ``damp-int8``.
+    "drift": [...]}``. ``calibrated``: the named configurations of the main table calibrated on the model where
+    their method needs it (``damp-int4``, ``damp-int8``).
     ``quality``: the perplexity rows (:func:`pace_core.analysis.quality.perplexity`, same text and window)
     of every :func:`quality_configs` label, already measured; without it they are measured here."""
     shape = loaded.shape
-    cfgs = _configs(loaded, calibrated_pace48, seeds)
+    cfgs = _configs(loaded, calibrated_pace48, seeds, calibrated)
     run, alias = _unique(cfgs.quality())
-    rows = {"damp-int4", "damp-int8"}
     if quality is None:
         quality = perplexity(loaded, run, text, window=window, stride=stride, max_tokens=max_tokens, batch=batch,
                              decode_from=max(window - stride, 1),
-                             damp_rows={n: damp_rows[n] for n in rows if n in run} if damp_rows else None,
                              progress=progress)
     quality = quality.set_index("config")
     absent = [label for label in run if label not in quality.index]
@@ -234,7 +238,7 @@ def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace
     for label, cfg in cfgs.main.items():
         row = q[label]
         main.append({"config": label, "resident_bits": resident_bits(cfg, shape).resident_bits,
-                     "resident_bits_27b": resident_bits(cfg.replace(high_heads=None),  # 27B: the share, not the heads
+                     "resident_bits_27b": resident_bits(cfg.uncalibrated(),  # 27B: the share, not the heads
                                                         BUILTIN_SHAPES[REPORT_SHAPE]).resident_bits,
                      "bpb": float(row.bpb), "kl": float(row.kl), "agreement": float(row.agreement)})
     quality_rows = [{"label": label, "config": config_to_json(cfg), **{k: float(q[label][k]) for k in

@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 from pace_core.analysis.metrics import relative_error
-from pace_core.analysis.quality import config_map, damp_rows_of
+from pace_core.analysis.quality import config_map
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel
@@ -85,7 +85,6 @@ def drift(
     *,
     every: int = 1,
     reference: PaceConfig | DriftReference | None = None,
-    damp_rows: list[torch.Tensor] | Mapping[str, list[torch.Tensor]] | None = None,
     keep_reference: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> DriftResult:
@@ -98,10 +97,9 @@ def drift(
     same ids, decode_from and every, which is not run again. ``keep_reference``: the reference run in the
     batch is kept as the result's ``reference`` (its states stay on the device) to score further
     configurations later. States are compared every ``every`` decode
-    steps (and at the last step); the excess NLL is averaged over all decode steps in the summary.
-    ``damp_rows``: the calibrated outlier rows per GDN layer (:func:`pace_core.analysis.calibration.calibrate`)
-    for every damp configuration, or a mapping from damp configuration name to its rows. ``progress(n)``:
-    units of :func:`drift_progress_total`.
+    steps (and at the last step); the excess NLL is averaged over all decode steps in the summary. Each
+    configuration is calibrated on the model where its method needs it. ``progress(n)``: units of
+    :func:`drift_progress_total`.
     """
     cfgs = {} if keep_reference and not configs else config_map(configs)  # the reference alone, to keep
     steps = _captured_steps(ids, decode_from, every)
@@ -110,7 +108,7 @@ def drift(
         raise PaceError(f"reference: a run of decode_from {kept.decode_from}, {kept.T} tokens and {len(kept.steps)} "
                         f"captured steps does not match this one ({decode_from}, {ids.shape[1]}, {len(steps)}); "
                         "allowed: the drift_reference of the same ids, decode_from and every")
-    members = [Member(n, c, damp_rows_of(damp_rows, n) if c.method == "damp" else None) for n, c in cfgs.items()]
+    members = [Member(n, c) for n, c in cfgs.items()]
     if kept is None:
         members.insert(0, Member("reference", reference if reference is not None else get_config("fp32")))
     first = 0 if kept is not None else 1  # index of the first configuration among the members

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from pace_core.analysis.quality import config_map, damp_rows_of
+from pace_core.analysis.quality import config_map
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel
@@ -78,8 +78,7 @@ def _continuations(loaded: LoadedModel, members: list[Member], ids: torch.Tensor
         processors = [_Progress(progress)]
     else:
         processors = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p), _CommonGumbel(seed, progress)]
-    with stacked(model, [m.cfg for m in members], 1, damp_rows=[m.damp_rows for m in members],
-                 device=loaded.device) as (cache, _), torch.no_grad():
+    with stacked(model, [m.cfg for m in members], 1, device=loaded.device) as (cache, _), torch.no_grad():
         out = model.generate(input_ids=rows, attention_mask=torch.ones_like(rows), past_key_values=cache,
                              max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
                              logits_processor=LogitsProcessorList(processors), pad_token_id=tok.pad_token_id)
@@ -129,15 +128,13 @@ def generate_side_by_side(
     temperature: float = 0.8,
     top_p: float = 0.95,
     reference: PaceConfig | None = None,
-    damp_rows: Mapping[str, list[torch.Tensor]] | list[torch.Tensor] | None = None,
     reference_rows: pd.DataFrame | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
     """One row per (mode, configuration), the reference first in each mode: mode, config, tokens
     (new ids), pieces (their texts), text, first_divergence (Int64, <NA> when identical to the reference's continuation),
-    ref_nll (mean nats per generated token under the reference), ref_agreement. ``damp_rows``: the
-    calibrated outlier rows [HV, r] per GDN layer of the damp configurations (one list for all, or
-    a mapping by configuration name), as in :func:`pace_core.analysis.drift.drift`.
+    ref_nll (mean nats per generated token under the reference), ref_agreement. Each configuration is
+    calibrated on the model where its method needs it.
 
     ``reference_rows``: the reference's rows of an earlier call with the same prompt, modes and settings;
     the reference is then not generated again and the table holds only the configurations' rows."""
@@ -162,7 +159,7 @@ def generate_side_by_side(
             raise PaceError(f"reference_rows: hold the modes {sorted(kept)}, this call asks for {sorted(modes)}; "
                             "allowed: the reference rows of a call with the same prompt, modes and settings")
     run = {**({} if kept else {ref.name: ref}), **{n: c for n, c in cfgs.items() if n != ref.name}}
-    members = [Member(n, c, damp_rows_of(damp_rows, n) if c.method == "damp" else None) for n, c in run.items()]
+    members = [Member(n, c) for n, c in run.items()]
     rows = []
     for mode in modes:
         news = _continuations(loaded, members, ids, mode, max_new_tokens, seed, temperature, top_p,

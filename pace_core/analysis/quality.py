@@ -84,15 +84,6 @@ def config_map(configs: Mapping[str, PaceConfig] | list[PaceConfig]) -> dict[str
     return out
 
 
-def damp_rows_of(damp_rows, name: str) -> list[torch.Tensor]:
-    """The outlier rows of damp configuration ``name`` from a list (shared) or a mapping by name."""
-    rows = damp_rows.get(name) if isinstance(damp_rows, Mapping) else damp_rows
-    if rows is None:
-        raise PaceError(f"damp_rows: none for damp configuration {name!r}; allowed: calibrated outlier rows "
-                        "per GDN layer (a list, or a mapping by configuration name)")
-    return rows
-
-
 def prompt_tokens(decode_from: int | None, window: int) -> int:
     """The tokens of a ``window``-token window that are prefilled: ``decode_from`` when set and shorter, else
     all of them."""
@@ -144,14 +135,13 @@ def evaluate_quality(
     stride: int = 256,
     decode_from: int | None = None,
     reference: PaceConfig | None = None,
-    damp_rows: Mapping[str, list[torch.Tensor]] | list[torch.Tensor] | None = None,
     batch: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
     """Perplexity, NLL, top-1 agreement and KL(reference ‖ config) per configuration.
 
-    ids [1, T] int64; ``configs`` may be empty (the reference alone); ``damp_rows`` as in
-    :func:`pace_core.analysis.drift.drift`; ``batch``: at most this many windows of equal length run
+    ids [1, T] int64; ``configs`` may be empty (the reference alone), each calibrated on the model where its
+    method needs it; ``batch``: at most this many windows of equal length run
     together. The reference and every configuration run each group of windows in one teacher-forced batch
     (:func:`pace_core.model.teacher.teacher_forced`), their log-probabilities compared on the model's device.
     Returns one row per configuration (the reference first, named as given, with agreement 1 and KL 0):
@@ -168,8 +158,7 @@ def evaluate_quality(
     if ref.name in cfgs and cfgs[ref.name] != ref:
         raise PaceError(f"configs: {ref.name!r} names the reference; allowed: another name for a different config")
     names = [ref.name] + [n for n in cfgs if n != ref.name]
-    members = [Member(ref.name, ref)] + [Member(n, c, damp_rows_of(damp_rows, n) if c.method == "damp" else None)
-                                         for n, c in cfgs.items() if n != ref.name]
+    members = [Member(ref.name, ref)] + [Member(n, c) for n, c in cfgs.items() if n != ref.name]
     device = loaded.device
     # reduced where the logits appear (under device_map the last GPU, the ids go to the first)
     totals = torch.zeros(len(members), 3, dtype=torch.float64, device=loaded.output_device)  # nll, agreement, kl
@@ -237,7 +226,6 @@ def perplexity(
     max_tokens: int | None = None,
     decode_from: int | None = None,
     reference: PaceConfig | None = None,
-    damp_rows: Mapping[str, list[torch.Tensor]] | list[torch.Tensor] | None = None,
     batch: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
@@ -246,7 +234,7 @@ def perplexity(
     ids = tokenize(loaded.tokenizer, read_text(text_path), max_tokens)
     table = evaluate_quality(
         loaded, configs, ids.to(loaded.device), window=window, stride=stride, decode_from=decode_from,
-        reference=reference, damp_rows=damp_rows, batch=batch, progress=progress,
+        reference=reference, batch=batch, progress=progress,
     )
     n_bytes = scored_bytes(loaded.tokenizer, ids, sliding_windows(ids.shape[1], window, stride))
     if n_bytes == 0:

@@ -37,6 +37,8 @@ from pace_core.accounting import resident_bits
 from pace_core.analysis.metrics import relative_error, squared_norms
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
+from pace_core.methods import METHODS, method_of
+from pace_core.methods.groups import GroupFormat
 from pace_core.model.loading import LoadedModel
 from pace_core.backend import REFERENCE
 from pace_core.checkpoint import RoundingFormat
@@ -132,8 +134,10 @@ def sweep_states(
     if not 1 <= decode_tokens < T:
         raise PaceError(f"decode_tokens: must be in 1..{T - 1} (tokens T={T}), got {decode_tokens}")
     for cfg in configs:
-        if cfg.method not in ("rtn", "pace") or cfg.high_share > 0:
-            raise PaceError(f"configs: {cfg.name!r} not allowed in a sweep; allowed: rtn/pace without high-bit heads")
+        if method_of(cfg).format is not GroupFormat or cfg.high_share > 0:
+            allowed = ", ".join(name for name, m in METHODS.items() if m.format is GroupFormat)
+            raise PaceError(f"configs: {cfg.name!r} not allowed in a sweep; allowed: methods {allowed} (packed groups) "
+                            "without high-bit heads")
     periods = sorted({c.decode_period for c in configs})
     every = record_every if record_every is not None else min(math.lcm(*periods), decode_tokens)
     if every < 1 or (every < decode_tokens and any(every % p for p in periods)):

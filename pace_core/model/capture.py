@@ -76,14 +76,13 @@ def run_with_states(
     *,
     decode_from: int | None = None,
     capture_steps: Iterable[int] = (),
-    damp_rows: list[torch.Tensor] | None = None,
 ) -> RunResult:
     """Teacher-force ``input_ids [B, T]`` through ``loaded.model`` under ``cfg``.
 
     Prefill ``input_ids[:, :decode_from]`` (all of it when None), then decode the rest; capture every GDN
     layer's state at each step of ``capture_steps`` (token counts in ``decode_from..T``; see the module
-    docstring; the fp32 reference also inside its prompt, ``1..T``). ``damp_rows``: the calibrated outlier rows for method ``damp`` (see
-    :func:`pace_core.model.patch.apply_pace`). The model's PACE configuration is restored afterwards.
+    docstring; the fp32 reference also inside its prompt, ``1..T``). The model's PACE configuration is restored
+    afterwards.
     """
     start, steps = _check_inputs(input_ids, decode_from, capture_steps, cfg.exact)
     states: dict[int, dict[int, torch.Tensor]] = {s: {} for s in steps}
@@ -92,7 +91,7 @@ def run_with_states(
     def keep(member: int, layer: int, step: int, S: torch.Tensor) -> None:
         states[step][layer] = S.float().cpu()
 
-    nbytes = teacher_forced(loaded, [Member(cfg.name, cfg, damp_rows)], input_ids, start, capture_steps=steps,
+    nbytes = teacher_forced(loaded, [Member(cfg.name, cfg)], input_ids, start, capture_steps=steps,
                             on_state=keep, on_logits=lambda x, first: logits.append(x.cpu()))[0]
     return RunResult(config=cfg, logits=torch.cat(logits, dim=1), states=states, decode_from=start,
                      state_nbytes=nbytes)

@@ -95,10 +95,10 @@ class Context:
         print(f"saved {result.path}")
         return result
 
-    def per_config(self, kind: str, cfgs: list, damp_rows: dict[str, list], params: dict[str, Any],
+    def per_config(self, kind: str, cfgs: list, params: dict[str, Any],
                    compute: Callable[[list, dict], dict[str, tuple[dict, Any]]], *, text: str | None = None) -> dict:
         """Results of ``kind``, one per configuration, each stored under its own key (the configuration's
-        JSON and, for DAMP, its outlier rows, with ``params``): a stored one is reused, the missing ones are
+        JSON, its calibrated tensors included, with ``params``): a stored one is reused, the missing ones are
         computed :data:`CONFIG_GROUP` at a time by ``compute(group of missing configs, {name: stored Result})
         -> {name: (data, table)}`` and each group stored as soon as it is done (a stopped run keeps every
         group it finished; the stored results passed on include the groups before).
@@ -111,7 +111,7 @@ class Context:
         from pace_core.version import METHOD_VERSION
 
         params_key = result_key({**params, "method_version": METHOD_VERSION})
-        keys, found = self.stored(kind, cfgs, damp_rows, params)
+        keys, found = self.stored(kind, cfgs, params)
         missing = [c for c in cfgs if found[c.name] is None]
         _say_reused(kind, [c.name for c in cfgs if found[c.name] is not None])
         for group in config_groups(missing):
@@ -123,17 +123,14 @@ class Context:
                                         table, configs=[cfg], text=text)
         return {c.name: found[c.name] for c in cfgs}
 
-    def stored(self, kind: str, cfgs: list, damp_rows: dict[str, list], params: dict[str, Any]
-               ) -> tuple[dict[str, str], dict[str, Any]]:
+    def stored(self, kind: str, cfgs: list, params: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
         """``({name: key}, {name: stored Result or None})`` of each configuration's result of ``kind``
         (:meth:`per_config`'s keys)."""
         from pace_core.config import config_to_dict
 
         keys, found = {}, {}
         for cfg in cfgs:
-            rows = damp_rows.get(cfg.name)
-            keys[cfg.name], found[cfg.name] = self.cached(kind, {**params, "config": config_to_dict(cfg), "damp_rows": (
-                None if rows is None else [r.tolist() for r in rows])})
+            keys[cfg.name], found[cfg.name] = self.cached(kind, {**params, "config": config_to_dict(cfg)})
         return keys, found
 
     def calibration(self, cfg, text: str | None, tokens: int, sample_every: int):
@@ -168,19 +165,13 @@ class Context:
 
         return admit(config, self.loaded.shape, self.loaded.fingerprint, calibrate=calibrate, ready_for=ready_for)
 
-    def prepared(self, configs: list):
+    def prepared(self, configs: list) -> list:
         """Admit every configuration (:meth:`admit`), calibrating those that need it (PACE-4/8 high-bit
-        heads, DAMP outlier rows) on the calibration text. Returns (configs, {damp config name: outlier rows
-        per GDN layer})."""
-        damp_rows: dict[str, list] = {}
-
+        heads, a method's per-layer tensors such as DAMP's outlier rows) on the calibration text."""
         def calibrate(cfg):
-            cal = self.calibration(cfg, self.args.calibration_text, self.args.calibration_tokens, 64)
-            if cfg.method == "damp":
-                damp_rows[cfg.name] = [r.to(self.loaded.device) for r in cal.damp_rows]
-            return cal.config
+            return self.calibration(cfg, self.args.calibration_text, self.args.calibration_tokens, 64).config
 
-        return [self.admit(config, calibrate) for config in configs], damp_rows
+        return [self.admit(config, calibrate) for config in configs]
 
 
 def _read_configs(specs: list[str]) -> list:
@@ -298,7 +289,7 @@ def run_export(args: argparse.Namespace) -> int:
     [doc] = _read_configs([args.config])
     ctx = _context(args)
     cfg = ctx.admit(doc, lambda c: ctx.calibration(c, args.text, args.tokens, args.sample_every).config,
-                    ready_for="export")
+                    ready_for="run")
     prov = make_provenance(ctx.model_name, configs=[cfg], text_path=args.text or CALIBRATION_TEXT,
                            command=_command(), extra={"calibration_tokens": args.tokens})
     text = export_json(cfg, shape=ctx.loaded.shape, source=ctx.loaded.source, weights_fingerprint=ctx.loaded.fingerprint,
@@ -364,21 +355,21 @@ def run_drift(args: argparse.Namespace) -> int:
     docs = _read_configs(args.configs)
     ctx = _context(args)
     text = args.text or str(CALIBRATION_TEXT)
-    cfgs, damp_rows = ctx.prepared(docs)
+    cfgs = ctx.prepared(docs)
     ids = tokenize(ctx.loaded.tokenizer, read_text(text), args.tokens)
     decode_from = args.decode_from if args.decode_from is not None else ids.shape[1] // 2
     params = {"text": _sha(text), "tokens": args.tokens, "decode_from": args.decode_from, "every": args.every}
 
     def compute(group: list, stored: dict) -> dict:
         with ctx.bar(drift_progress_total(ctx.loaded, len(group), ids.shape[1], decode_from), "drift") as bar:
-            res = drift(ctx.loaded, group, ids, decode_from, every=args.every, damp_rows=damp_rows,
+            res = drift(ctx.loaded, group, ids, decode_from, every=args.every,
                         progress=bar.update)
         return {c.name: ({"summary": res.summary[res.summary.config == c.name].to_dict("records")[0],
                           "decode_from": decode_from, "tokens": int(ids.shape[1]),
                           "layer_table": res.layer_table[res.layer_table.config == c.name].to_dict("list")},
                          res.table[res.table.config == c.name].reset_index(drop=True)) for c in group}
 
-    results = ctx.per_config("drift", cfgs, damp_rows, params, compute, text=text)
+    results = ctx.per_config("drift", cfgs, params, compute, text=text)
     _print_table(pd.DataFrame([r.data["summary"] for r in results.values()]))
     return 0
 
@@ -420,7 +411,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     docs = _read_configs(args.configs)
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
-    cfgs, damp_rows = ctx.prepared(docs)
+    cfgs = ctx.prepared(docs)
     stride = args.stride if args.stride is not None else max(args.window // 2, 1)
     if args.prefill_only:
         decode_from = None
@@ -444,11 +435,11 @@ def run_perplexity(args: argparse.Namespace) -> int:
         total = quality_progress_total(ctx.loaded, len(others), n, args.window, stride, decode_from, batch)
         with ctx.bar(total, f"perplexity ({batch} windows per batch)") as bar:
             table = perplexity(ctx.loaded, others, text, window=args.window, stride=stride, max_tokens=max_tokens,
-                               decode_from=decode_from, damp_rows=damp_rows, batch=batch, progress=bar.update)
+                               decode_from=decode_from, batch=batch, progress=bar.update)
         return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
                 if row["config"] in {c.name for c in group}}
 
-    results = ctx.per_config("perplexity", members, damp_rows, params, compute, text=text)
+    results = ctx.per_config("perplexity", members, params, compute, text=text)
     _print_table(pd.DataFrame([r.data["row"] for r in results.values()]))
     return 0
 
@@ -461,7 +452,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     docs = _read_configs(args.configs)
     ctx = _context(args)
-    cfgs, damp_rows = ctx.prepared(docs)
+    cfgs = ctx.prepared(docs)
     params = {"prompt": args.prompt, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "temperature": args.temperature, "top_p": args.top_p, "modes": args.modes}
     reference = get_config("fp32")
@@ -473,12 +464,12 @@ def run_generate(args: argparse.Namespace) -> int:
         with ctx.bar(generation_progress_total(args.modes, args.max_new_tokens), "generate") as bar:
             table = generate_side_by_side(ctx.loaded, others, args.prompt, max_new_tokens=args.max_new_tokens,
                                           modes=args.modes, seed=args.seed, temperature=args.temperature,
-                                          top_p=args.top_p, damp_rows=damp_rows, reference_rows=kept,
+                                          top_p=args.top_p, reference_rows=kept,
                                           progress=bar.update)
         return {c.name: ({"prompt": args.prompt}, table[table.config == c.name].reset_index(drop=True))
                 for c in group}
 
-    results = ctx.per_config("generation", members, damp_rows, params, compute)
+    results = ctx.per_config("generation", members, params, compute)
     table = pd.concat([r.table for r in results.values()], ignore_index=True)
     _print_table(table, ["mode", "config", "first_divergence", "ref_nll", "ref_agreement", "text"])
     return 0
@@ -530,8 +521,10 @@ def run_claims(args: argparse.Namespace) -> int:
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
     params = {"text": _sha(text), "max_tokens": args.max_tokens, "window": args.window, "seeds": args.seeds, "drift_tokens": args.drift_tokens, "calibration_tokens": args.calibration_tokens}
-    (pace48, *_), damp_rows = ctx.prepared(["pace-4-8", "damp-int4", "damp-int8"])
-    key, found = ctx.cached("claims", {**params, "pace-4-8": config_to_dict(pace48)})
+    pace48, *damp = ctx.prepared(["pace-4-8", "damp-int4", "damp-int8"])
+    calibrated = {cfg.name: cfg for cfg in damp}
+    key, found = ctx.cached("claims", {**params, **{name: config_to_dict(c) for name, c in
+                                                    {"pace-4-8": pace48, **calibrated}.items()}})
     if _reuse(found, "claims"):
         return 0
     n = tokenize(ctx.loaded.tokenizer, read_text(text), args.max_tokens or None).shape[1]
@@ -539,24 +532,24 @@ def run_claims(args: argparse.Namespace) -> int:
     decode_from = max(args.window - stride, 1)
     ppl_params = {"text": _sha(text), "window": args.window, "stride": stride, "max_tokens": args.max_tokens,
                   "decode_from": decode_from}
-    cfgs = list(quality_configs(ctx.loaded, pace48, args.seeds).values())
-    _, found = ctx.stored("claims_quality", cfgs, damp_rows, ppl_params)
+    cfgs = list(quality_configs(ctx.loaded, pace48, args.seeds, calibrated).values())
+    _, found = ctx.stored("claims_quality", cfgs, ppl_params)
     groups = config_groups([c for c in cfgs if found[c.name] is None])
     batch = args.batch or windows_per_batch(ctx.loaded, CONFIG_GROUP + 1, args.window, decode_from)
     with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, stride, batch,
                                        args.drift_tokens, groups=[len(g) for g in groups]), "claims") as bar:
         def compute(group: list, stored: dict) -> dict:
             table = perplexity(ctx.loaded, group, text, window=args.window, stride=stride,
-                               max_tokens=args.max_tokens or None, decode_from=decode_from, damp_rows=damp_rows,
+                               max_tokens=args.max_tokens or None, decode_from=decode_from,
                                batch=batch, progress=bar.update)
             names = {c.name for c in group}
             return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
                     if row["config"] in names}
 
-        found = ctx.per_config("claims_quality", cfgs, damp_rows, ppl_params, compute, text=text)
+        found = ctx.per_config("claims_quality", cfgs, ppl_params, compute, text=text)
         report = measure_claims(ctx.loaded, text, pace48, max_tokens=args.max_tokens or None, window=args.window,
                                 stride=stride, batch=batch, seeds=args.seeds, drift_tokens=args.drift_tokens,
-                                damp_rows=damp_rows, quality=pd.DataFrame([found[c.name].data["row"] for c in cfgs]),
+                                calibrated=calibrated, quality=pd.DataFrame([found[c.name].data["row"] for c in cfgs]),
                                 progress=bar.update)
     table = claims_table(report)
     _print_table(table)

@@ -61,7 +61,6 @@ _STORE_ATTR = "_pace_state_store"
 _STORE_CONFIG_ATTR = "_pace_state_config"
 _CONFIG_ATTR = "_pace_config"
 _SHAPE_ATTR = "_pace_shape"
-_DAMP_ATTR = "_pace_damp_rows"
 _TAPS_ATTR = "_pace_taps"
 _ORIGINAL_ATTR = "_pace_original_forward"
 _CACHE_ARG_NAMES = ("cache_params", "cache", "past_key_values")
@@ -169,18 +168,13 @@ def layer_devices(modules: list[tuple[int, nn.Module]], default: torch.device) -
 
 def _new_store(model: nn.Module, cfg: PaceConfig, hidden_states: torch.Tensor, layer: int | None) -> StateStore:
     """A store for every GDN layer (``layer`` None: a cache's store), or for the one GDN layer
-    ``layer`` (a forward without a cache), with that layer's share of ``high_heads`` / DAMP rows."""
+    ``layer`` (a forward without a cache), with that layer's share of what is chosen per layer."""
     shape: ModelShape = model.__dict__[_SHAPE_ATTR]
-    damp_rows = model.__dict__.get(_DAMP_ATTR)
     modules = gdn_modules(model)
     layers = [i for i, _ in modules]
     if layer is not None:
-        ordinal = layers.index(layer)
+        cfg = cfg.for_layer(layers.index(layer))
         layers = [layer]
-        if cfg.high_heads is not None:
-            cfg = cfg.replace(high_heads=(cfg.high_heads[ordinal],))
-        if damp_rows is not None:
-            damp_rows = [damp_rows[ordinal]]
     return StateStore(
         cfg,
         shape if layer is None else None,  # the model shape counts every GDN layer
@@ -191,7 +185,6 @@ def _new_store(model: nn.Module, cfg: PaceConfig, hidden_states: torch.Tensor, l
         shape.d_k,
         shape.d_v,
         layers,
-        damp_rows=damp_rows,
     )
 
 
@@ -353,12 +346,11 @@ def _modules_or_refuse(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return modules
 
 
-def apply_pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tensor] | None = None) -> None:
+def apply_pace(model: nn.Module, cfg: PaceConfig) -> None:
     """Run ``model``'s GDN layers with PACE configuration ``cfg`` (idempotent; a new ``cfg``
     replaces the previous one). The reference (:func:`is_reference`) restores transformers' own
-    path. ``damp_rows``: for method ``damp``, the calibrated outlier key rows ``[HV, r]`` of each
-    GDN layer (GDN-layer order, :func:`pace_core.outliers.rank_outlier_rows`). A cache keeps the
-    configuration it was filled with: caches from before a change are refused."""
+    path. A configuration that needs what is calibrated on the model (:attr:`PaceConfig.needs_calibration`)
+    is refused. A cache keeps the configuration it was filled with: caches from before a change are refused."""
     if not isinstance(cfg, PaceConfig):
         raise PaceError(f"cfg: {type(cfg).__name__} not allowed; allowed: a PaceConfig")
     _modules_or_refuse(model)
@@ -368,17 +360,17 @@ def apply_pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tenso
     if is_reference(cfg):
         remove_pace(model)
         return
-    if cfg.method == "damp" and damp_rows is None:
-        raise PaceError("damp_rows: None not allowed for method 'damp'; allowed: one [HV, r] tensor per GDN layer")
+    if cfg.needs_calibration:
+        raise PaceError(f"configuration {cfg.name!r} is not calibrated on this model (8-bit heads or "
+                        f"{cfg.method}'s per-layer tensors); allowed: a configuration calibrated on it "
+                        "(pace_core.analysis.calibration.calibrate, or an exported file)")
     model.__dict__[_CONFIG_ATTR] = cfg
-    model.__dict__[_DAMP_ATTR] = damp_rows
     _hook(model)
 
 
 def remove_pace(model: nn.Module) -> None:
     """Restore ``model``'s original GDN layers (no-op when PACE is not applied; active taps stay)."""
     model.__dict__.pop(_CONFIG_ATTR, None)
-    model.__dict__.pop(_DAMP_ATTR, None)
     _unhook_if_idle(model)
 
 
@@ -391,12 +383,11 @@ class StackKey:
 
 
 @contextlib.contextmanager
-def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *,
-            damp_rows: list[list[torch.Tensor] | None] | None = None, device: torch.device | None = None
+def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *, device: torch.device | None = None
             ) -> Iterator[tuple[object, StoreStack]]:
     """Run several configurations in one batch inside the block: yields ``(cache, stack)``, a fresh
     transformers cache whose forwards give rows ``[i·rows, (i+1)·rows)`` to ``configs[i]`` (a
-    :class:`~pace_core.state_store.StoreStack`; ``damp_rows[i]``: member i's DAMP outlier rows). Feed the
+    :class:`~pace_core.state_store.StoreStack`). Feed the
     cache to the model's forwards; the model's previous PACE configuration comes back afterwards."""
     from transformers import DynamicCache
 
@@ -407,15 +398,14 @@ def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *,
     devices = layer_devices(modules, device if device is not None else next(model.parameters()).device)
     layers = [i for i, _ in modules]
     stores = [StateStore(cfg, shape, rows, devices, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v,
-                         layers, damp_rows=None if damp_rows is None else damp_rows[i])
-              for i, cfg in enumerate(configs)]
+                         layers) for cfg in configs]
     stack = StoreStack(stores, rows)
     key = StackKey(tuple(configs))
     cache = DynamicCache(config=model.config)
     setattr(cache, _STORE_ATTR, stack)
     setattr(cache, _STORE_CONFIG_ATTR, key)
     state_op.register(stack)
-    previous, previous_rows = model.__dict__.get(_CONFIG_ATTR), model.__dict__.get(_DAMP_ATTR)
+    previous = model.__dict__.get(_CONFIG_ATTR)
     model.__dict__[_CONFIG_ATTR] = key
     _hook(model)
     try:
@@ -425,7 +415,7 @@ def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *,
         if previous is None:
             remove_pace(model)
         else:
-            apply_pace(model, previous, damp_rows=previous_rows)
+            apply_pace(model, previous)
 
 
 @contextlib.contextmanager
@@ -451,15 +441,15 @@ def current_config(model: nn.Module) -> PaceConfig | None:
 
 
 @contextlib.contextmanager
-def pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tensor] | None = None) -> Iterator[nn.Module]:
+def pace(model: nn.Module, cfg: PaceConfig) -> Iterator[nn.Module]:
     """Apply ``cfg`` (see :func:`apply_pace`) for the ``with`` block, then restore the
     configuration that was there before."""
-    previous, previous_rows = current_config(model), model.__dict__.get(_DAMP_ATTR)
-    apply_pace(model, cfg, damp_rows=damp_rows)
+    previous = current_config(model)
+    apply_pace(model, cfg)
     try:
         yield model
     finally:
         if previous is None:
             remove_pace(model)
         else:
-            apply_pace(model, previous, damp_rows=previous_rows)
+            apply_pace(model, previous)

@@ -40,11 +40,10 @@ LogitsHook = Callable[[torch.Tensor, int], None]
 
 @dataclass(frozen=True)
 class Member:
-    """One configuration of a run: its name, configuration and, for DAMP, the calibrated outlier rows."""
+    """One configuration of a run: its name and configuration."""
 
     name: str
     cfg: PaceConfig
-    damp_rows: list[torch.Tensor] | None = None
 
 
 def _check(ids: torch.Tensor, decode_from: int, capture_steps: Collection[int]) -> list[int]:
@@ -105,8 +104,7 @@ def teacher_forced(loaded: LoadedModel, members: Sequence[Member], ids: torch.Te
             return None
         return lambda i, layer: Capture(wanted, lambda c, S, i=i, layer=layer: on_state(i, layer, lo + c, S))
 
-    with stacked(model, [m.cfg for m in members], N, damp_rows=[m.damp_rows for m in members],
-                 device=loaded.device) as (cache, stack):
+    with stacked(model, [m.cfg for m in members], N, device=loaded.device) as (cache, stack):
         stack.progress = progress
         stack.capture = hook(0, decode_from)
         out = model(input_ids=rows[:, :decode_from], past_key_values=cache, use_cache=True,

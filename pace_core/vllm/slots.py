@@ -32,9 +32,10 @@ from pace_core import quant
 from pace_core.checkpoint import Checkpoint, checkpoint_tensors, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.methods import METHODS
 from pace_core.state_store import LayerState
 
-SLOT_METHODS = ("none", "rtn", "pace")
+SLOT_METHODS = tuple(name for name, method in METHODS.items() if method.pool)
 """Methods whose per-sequence state a pool row can hold."""
 
 
