@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 
 from pace_core import __version__
 from pace_core.config import (
+    METHOD_SETTINGS,
     NAMED_CONFIGS,
     SCHEMA_VERSION,
+    SETTING_OF,
     PaceConfig,
     config_from_dict,
     config_from_json,
@@ -20,13 +22,15 @@ from pace_core.config import (
     num_high_heads,
 )
 from pace_core.errors import PaceError
+from pace_core.methods import METHODS
 from pace_core.quant import QuantSpec
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape
 
 
 def test_named_configurations_of_the_spec():
-    assert list(NAMED_CONFIGS) == ["fp32", "bf16", *[f"rtn-int{b}" for b in range(2, 9)], "pace-4", "pace-4-8",
-                                   "damp-int8", "damp-int4", "qmamba-dsq"]
+    assert list(NAMED_CONFIGS)[:14] == ["fp32", "bf16", *[f"rtn-int{b}" for b in range(2, 9)], "pace-4", "pace-4-8",
+                                        "damp-int8", "damp-int4", "qmamba-dsq"]
+    assert list(NAMED_CONFIGS) == [name for m in METHODS.values() for name in m.named]  # each method's, in order
     for name, cfg in NAMED_CONFIGS.items():
         assert cfg.name == name
     fp32, bf16 = get_config("fp32"), get_config("bf16")
@@ -191,7 +195,8 @@ def test_json_document_is_shaped_like_a_kv_cache_scheme():
                          "high_heads": {"0": [2, 9], "1": [0, 1]}, "reference_dtype": "float32",
                          "damp_outlier_rows": 16, "damp_hadamard": True, "prefill_after_decode": "flush",
                          "exact_current_token": True, "buffer_key_group": 16, "buffer_value_group": 0,
-                         "buffer_key_symmetric": False, "buffer_value_symmetric": True, "calibrated": None}
+                         "buffer_key_symmetric": False, "buffer_value_symmetric": True, "calibrated": None,
+                         **{SETTING_OF[name].json: st.default for name, st in METHOD_SETTINGS.items()}}
     assert d["provenance"] == {"calibration": "wikitext2-valid.txt"}
     assert json.loads(json.dumps(d)) == d
     assert config_to_dict(get_config("pace-4"))["state_cache_scheme"]["zp_dtype"] is None
@@ -240,7 +245,12 @@ def test_generated_configs_round_trip_exactly(cfg, model):
 
 
 def _doc(**changes) -> dict:
+    """PACE-4/8's record with ``changes`` (``section__key``: a value, or KeyError to remove it); a record of an
+    older ``schema_version`` lacks the methods' settings, which every method adds at schema 5 or later."""
     d = config_to_dict(get_config("pace-4-8"))
+    if changes.get("schema_version", 5) in (1, 2, 3):
+        for name in METHOD_SETTINGS:
+            del d["pace"][SETTING_OF[name].json]
     for path, value in changes.items():
         *head, last = path.split("__")
         target = d
