@@ -9,12 +9,12 @@ from pace_core.accounting import (
     state_bytes,
     state_share,
 )
+from calibration_support import calibrated
 from pace_core.buffer import DecodeBuffer
+from pace_core.checkpoint import state_format
 from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
 from pace_core.methods.groups import high_head_counts
 from pace_core.errors import PaceError
-from pace_core.outliers import DampQuantizer, dsq_quantize
-from pace_core.quant import quantize, quantize_heads
 from pace_core.shapes import BUILTIN_SHAPES, PAPER_BACKBONES, ModelShape, get_shape
 
 S4, S27 = BUILTIN_SHAPES["qwen3.5-4b"], BUILTIN_SHAPES["qwen3.5-27b"]
@@ -187,20 +187,12 @@ SMALL = ModelShape("small", 3, 2, 2, 4, 64, 64, 1000, gdn_layers=(0, 2))  # H = 
 
 
 def _real_layer_bytes(cfg: PaceConfig, S: torch.Tensor, layer: int) -> int:
-    """Bytes the library's own storage holds for one layer's states S [n, HV, K, V] (+ its decode buffer)."""
+    """Bytes the library's own storage holds for one layer's states S [n, HV, K, V] (+ its decode buffer): the
+    stored checkpoint of the method's format (pace_core.checkpoint), counted from its tensors."""
     n, hv = S.shape[:2]
-    if not cfg.quantized:
-        state = S.to(torch.float32 if cfg.bits == 32 else torch.bfloat16)
-        total = state.numel() * state.element_size()
-    elif cfg.method == "dsq":
-        total = dsq_quantize(S, cfg.bits).nbytes()
-    elif cfg.method == "damp":
-        rows = torch.stack([torch.randperm(SMALL.d_k)[:cfg.damp_outlier_rows] for _ in range(hv)])
-        total = DampQuantizer(rows, cfg.bits, cfg.damp_hadamard, cfg.group_size).quantize(S).nbytes()
-    elif cfg.high_share > 0:
-        total = quantize_heads(S, cfg.head_bits(layer, hv), cfg.quant_spec()).nbytes()
-    else:
-        total = quantize(S, cfg.quant_spec()).nbytes()
+    bits = cfg.head_bits(layer, hv) if cfg.quantized else (cfg.bits,) * hv
+    fmt = state_format(cfg, bits, None if cfg.calibrated is None else cfg.calibrated.layers[layer])
+    total = sum(fmt.nbytes(fmt.store(S)))
     if cfg.buffered:
         total += DecodeBuffer(n, SMALL.num_k_heads, hv, SMALL.d_k, SMALL.d_v, cfg.decode_period,
                               cfg.buffer_format).nbytes_allocated()
@@ -221,6 +213,7 @@ def _real_layer_bytes(cfg: PaceConfig, S: torch.Tensor, layer: int) -> int:
 def test_accounting_matches_real_packed_bytes(cfg):
     if cfg.high_share > 0 and cfg.high_heads is None:
         cfg = cfg.replace(high_heads=((3,), (0,)))
+    cfg = calibrated(cfg, SMALL.num_v_heads, SMALL.d_k, SMALL.num_gdn_layers)
     g = torch.Generator().manual_seed(7)
     for n in (3, 6):  # what is stored once per layer (DAMP's row indices, a head map) does not scale with n
         real = sum(_real_layer_bytes(cfg, torch.randn(n, 4, 64, 64, generator=g), layer) for layer in range(2))

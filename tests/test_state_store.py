@@ -9,11 +9,11 @@ from pace_core.accounting import state_bytes, transient_bytes
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.errors import PaceError
 from pace_core.memory import PeakBytes, held_bytes
-from pace_core.methods import Calibrated
 from pace_core.outliers import dsq_dequantize, dsq_quantize
 from pace_core.recurrence import gdn_recurrent, prepare_qk
 from pace_core.shapes import ModelShape
 from pace_core.state_store import StateStore
+from calibration_support import calibrated as random_calibration
 from references import per_token_decode, periodic_decode, segmented_prefill
 from numerics import fp32_bound
 
@@ -39,15 +39,8 @@ def split(tokens, start, stop=None):
 
 
 def calibrated(cfg, seed=0):
-    """``cfg`` with random outlier rows as its calibration when it is DAMP's."""
-    if cfg.method != "damp":
-        return cfg
-    return cfg.replace(calibrated=Calibrated([{"rows": r.to(torch.int16)} for r in damp_rows(seed)]))
-
-
-def damp_rows(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.stack([torch.randperm(K, generator=gen)[:16] for _ in range(HV)]) for _ in LAYERS]
+    """``cfg`` with a random calibration of its method's tensors for this file's store (tests/calibration_support)."""
+    return random_calibration(cfg, HV, K, len(LAYERS), seed)
 
 
 def store_for(name, batch=B, **changes):
