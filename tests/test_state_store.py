@@ -480,4 +480,4 @@ def test_peak_transient_is_within_the_stated_bound(name, tokens):
         with PeakBytes() as decode:
             store.decode(0, *split(tokens_, t, t + 1))
         assert 0 < decode.peak <= transient_bytes(cfg, RESIDENT_SHAPE, B)
-        assert held_bytes(store) == state_bytes(cfg, RESIDENT_SHAPE, B)
+        assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B)
