@@ -1,0 +1,121 @@
+"""pace_core.methods.stepquant: STEPQuant as a method of the studio, on a tiny checkpoint: its calibration wired to
+the model's own inputs, its allocation within the nominal budget, its bytes exact, and a calibrated configuration
+that runs, exports and applies like any other. (Its arithmetic against a float64 reference: tests/test_stepquant.py.)"""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+
+from pace_core import stepquant as sq
+from pace_core.accounting import resident_bits, state_bytes
+from pace_core.analysis.calibration import calibrate, calibration_samples
+from pace_core.analysis.drift import drift
+from pace_core.analysis.text import tokenize
+from pace_core.config import config_from_json, config_to_json, get_config
+from pace_core.errors import PaceError
+from pace_core.export import export_json, read_config
+from pace_core.memory import held_bytes
+from pace_core.model.deploy import apply
+from pace_core.model.loading import load_model
+from pace_core.model.patch import get_state_store, remove_pace
+
+TEXT = "The state of a gated delta net layer keeps what it has read. " * 20
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints):
+    return load_model(tiny_checkpoints["qwen3_5_text"])
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stepquant") / "calibration.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def samples(loaded, text):
+    return calibration_samples(loaded, text, tokens=96, sample_every=16)
+
+
+@pytest.mark.parametrize("name, share", [("stepquant-4", 1 / 72), ("stepquant-6", 1 / 18)])
+def test_calibration_allocates_every_head_within_the_nominal_budget(loaded, samples, name, share):
+    """Widths from the method's candidates (or pivots), the P = round(share · N) costliest heads as pivots, the
+    nominal budget kept (a pivot charged 8 bits), and the allocation the one of the model's own inputs: the
+    impact of each layer's recorded q, k, beta and exp(g), its lifetime from g's mean, its cost from its states."""
+    cfg = get_config(name).replace(stepquant_pivot_share=share)
+    cal = calibrate(loaded, cfg, samples=samples).config
+    widths = torch.stack([layer["widths"] for layer in cal.calibrated.layers]).long()
+    n_heads = widths.numel()
+    pivots = round(share * n_heads)
+    assert set(widths.flatten().tolist()) <= {*sq.CANDIDATES[cfg.bits], sq.PIVOT}
+    assert int((widths == sq.PIVOT).sum()) == pivots
+    charged = sum(sq.PIVOT_CHARGE if b == sq.PIVOT else b for b in widths.flatten().tolist())
+    assert charged <= n_heads * cfg.bits
+    costs, impact = [], []
+    for layer in loaded.gdn_layers:
+        x = samples.inputs[layer]
+        w = sq.impact_weights(sq.impact_omega(x["q"], x["k"], x["beta"], x["g"].exp()))
+        impact.append(w.float())
+        costs.append(sq.cost_table(samples.states[layer], w, sq.lifetime_weights(x["g"].double().mean(0)),
+                                   sq.CANDIDATES[cfg.bits]))
+    assert torch.equal(widths, sq.allocate(torch.stack(costs), cfg.bits, pivots, sq.CANDIDATES[cfg.bits]).long())
+    for layer, w in zip(cal.calibrated.layers, impact):
+        assert torch.equal(layer["impact"], w)
+
+
+def test_bytes_and_bits_are_those_of_the_calibrated_widths(loaded, samples):
+    cfg = calibrate(loaded, get_config("stepquant-4"), samples=samples).config
+    shape = loaded.shape
+    widths = [int(b) for layer in cfg.calibrated.layers for b in layer["widths"].tolist()]
+    exact = sq.resident_bits(widths, shape.d_k, shape.d_v)
+    bits = resident_bits(cfg, shape)
+    assert Fraction(bits.payload_bits).limit_denominator(1 << 20) == exact.resident_bits
+    per_layer = [sq.stepquant_nbytes((3, shape.num_v_heads, shape.d_k, shape.d_v), layer["widths"].tolist())
+                 + 2 * shape.num_v_heads + 4 * shape.num_v_heads * shape.d_k for layer in cfg.calibrated.layers]
+    assert state_bytes(cfg, shape, 3) == sum(per_layer)
+    # before a calibration: every head at the nominal width
+    assert resident_bits(get_config("stepquant-4"), shape).payload_bits == float(
+        sq.resident_bits([4] * shape.num_gdn_layers * shape.num_v_heads, shape.d_k, shape.d_v).resident_bits)
+
+
+def test_a_calibrated_configuration_runs_exports_and_applies(loaded, samples, tmp_path):
+    cfg = calibrate(loaded, get_config("stepquant-4"), samples=samples).config
+    combined = calibrate(loaded, get_config("pace-stepquant-4"), samples=samples).config
+    ids = tokenize(loaded.tokenizer, TEXT, 48)
+    res = drift(loaded, [cfg, combined], ids, decode_from=24, every=4).summary.set_index("config")
+    for name in (cfg.name, combined.name):  # 4-bit rounding of a state: a few to some tens of percent
+        assert 0.001 < res.loc[name, "mean_rel_error"] < 0.5
+    # the calibration travels with the configuration: the record and the export carry it
+    assert config_from_json(config_to_json(cfg)) == cfg
+    path = tmp_path / "stepquant-4.json"
+    path.write_text(export_json(cfg, shape=loaded.shape, source=loaded.source, weights_fingerprint=loaded.fingerprint))
+    doc = read_config(str(path))
+    assert doc.config == cfg and json.loads(path.read_text())["pace"]["calibrated"] is not None
+    apply(loaded.model, str(path))
+    try:
+        with torch.no_grad():
+            out = loaded.model.generate(ids[:, :16], max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        store = get_state_store(out.past_key_values)
+        assert held_bytes(store) == state_bytes(cfg, loaded.shape, 1)
+    finally:
+        remove_pace(loaded.model)
+
+
+def test_settings_are_checked():
+    with pytest.raises(PaceError, match="bits=5 is not allowed for method 'stepquant'"):
+        get_config("stepquant-4").replace(bits=5)
+    with pytest.raises(PaceError, match="stepquant_pivot_share=0.5 is not allowed"):
+        get_config("stepquant-4").replace(stepquant_pivot_share=0.5)
+    with pytest.raises(PaceError, match="is a setting of method 'stepquant'"):
+        get_config("pace-4").replace(stepquant_pivot_share=1 / 36)
+    with pytest.raises(PaceError, match="not calibrated on the model"):
+        from pace_core.checkpoint import state_format
+
+        state_format(get_config("stepquant-4"), (4,) * 4)
+    assert get_config("stepquant-4").needs_calibration and get_config("stepquant-4").prefill_period == 1 << 20
