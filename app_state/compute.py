@@ -40,18 +40,15 @@ def default_text() -> str:
     return FALLBACK_PROMPT
 
 
-def default_prompt(chars: int = 400, words: int = 6) -> str:
-    """The default text up to its last full sentence within `chars` characters and the first `words` words
-    of the next: a prompt that stops mid-sentence, so the configurations have something to continue (after
-    a full stop a small model often starts a heading, the same for every state)."""
-    text = default_text()
-    end = text[:chars].rfind(". ")
-    if end <= 0:
-        return text[:chars]
-    following = text[end + 2:].split()[:words]
-    while following and following[-1].endswith((".", "!", "?")):
-        following.pop()
-    return " ".join([text[:end + 1], *following])
+def default_prompt() -> str:
+    """The Generations page's prompt: plain prose that stops mid-sentence, so the configurations have something
+    to continue. Not the calibration text (it was, and gave "<unk>" text, the same for every configuration):
+    WikiText-2 is stored tokenised, every rare word replaced by the literal placeholder "<unk>" and spaces around
+    punctuation, and a model continues that form; the embedded model, which saw WikiText in training, wrote
+    "<unk>" after "<unk>" and phrases so likely that no state error moved them. On this prose it writes text,
+    and PACE-4's and RTN-INT4's greedy continuations part from fp32's within the page's default 32 tokens."""
+    return ("A dictionary maps keys to values. Keys must be hashable, and a value is found by its key in constant "
+            "time on average. When a key is not in the dictionary, the")
 
 
 def analysis_text() -> str:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -78,6 +79,43 @@ def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], 
                    + ("; the first option computes them now." if live else "."), icon=":material/history:")
     st.caption(f"Source: {provenance_label(result.provenance)}")
     return result
+
+
+@dataclass(frozen=True)
+class Quality:
+    """Stored quality figures of one configuration: ``which`` result they come from, ``row`` (tokens, nll, ppl,
+    agreement, kl, bpb against fp32) and that result (its provenance, staleness)."""
+
+    which: str
+    row: dict[str, Any]
+    result: Any
+
+
+def measured_quality(cfg: Any, weights: str) -> list[Quality]:
+    """The stored quality figures of the configuration ``cfg`` (the same settings, whatever its name) for the
+    sidebar's model with the weights ``weights``: ``python -m pace_core perplexity`` results (matched by their
+    configuration hash) and rows of ``python -m pace_core claims`` reports (matched by their configuration
+    JSON); current before stale, then the most scored tokens first."""
+    from pace_core.config import config_from_json
+    from pace_core.errors import PaceError
+    from pace_core.results import config_hash
+
+    def same(name: str, stored_hash: str | None) -> bool:
+        return stored_hash is not None and config_hash(cfg.replace(name=name)) == stored_hash
+
+    found = [Quality(f"the perplexity result of '{r.data['config']}'", r.data["row"], r)
+             for r in stored_results(model_source(), "perplexity", weights).results
+             if "row" in r.data and same(r.data["config"], r.provenance.get("config_hashes", {}).get(r.data["config"]))]
+    for report in stored_results(model_source(), "claims", weights).results:
+        for row in report.data.get("quality", []):
+            try:
+                stored = config_from_json(row["config"])
+            except PaceError:  # a configuration this code no longer reads: not this one
+                continue
+            if same("stored", config_hash(stored.replace(name="stored"))):
+                found.append(Quality(f"the row '{row['label']}' of the claims report",
+                                     {**row, "tokens": report.data["tokens"]}, report))
+    return sorted(found, key=lambda q: (q.result.stale, -int(q.row["tokens"])))
 
 
 def provenance_label(prov: dict[str, Any]) -> str:

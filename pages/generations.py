@@ -1,12 +1,20 @@
 """Generations: one prompt, up to four configurations side by side, first divergence marked; live, or
 stored by `python -m pace_core generate`."""
 
+import inspect
+
 import pandas as pd
 import streamlit as st
 
 from app_state import compute, controls, frame, session, stored
 from pace_core import figures
+from pace_core.analysis.generation import generate_side_by_side
 from pace_core.config import NAMED_CONFIGS, PaceConfig
+
+SAMPLING = {name: p.default for name, p in inspect.signature(generate_side_by_side).parameters.items()
+            if name in ("temperature", "top_p")}
+"""The temperature and top-p of the live view's sampled mode: generate_side_by_side's own (compute.generations
+passes none), shown beside its seed."""
 
 
 def page(cfg: PaceConfig) -> None:
@@ -26,6 +34,9 @@ def page(cfg: PaceConfig) -> None:
         "gen_source", live="live: the prompt and configurations below", per_config=True)
     if result is not None:
         st.markdown(f"**Prompt:** {result.results[0].data.get('prompt', '?')}")
+        st.caption("Greedy rows take the most likely token at each step (no seed or temperature); sampled rows use "
+                   "the stored command's `--seed`, `--temperature` and `--top-p` (the CLI's defaults where it names "
+                   "none), the same for every configuration.")
         _show(result.table)
         return
 
@@ -34,8 +45,16 @@ def page(cfg: PaceConfig) -> None:
     others = c1.multiselect("Compare with (up to 3)", [n for n in NAMED_CONFIGS if n != "fp32"],
                             default=["rtn-int4"], max_selections=3, key="gen_others",
                             help="The sidebar configuration is always shown; fp32 is the reference.")
-    max_new = c2.slider("New tokens", 4, 128, 16, key="gen_tokens")
-    mode = c3.radio("Decoding", ["greedy", "sampled"], key="gen_mode", horizontal=True)
+    max_new = c2.slider("New tokens", 4, 128, 32, key="gen_tokens")
+    mode = c3.radio("Decoding", ["greedy", "sampled"], key="gen_mode", horizontal=True,
+                    help="greedy: the most likely token at each step; sampled: a seeded draw from each "
+                         "configuration's own distribution, with the same random numbers for all.")
+    st.caption(f"Decoding: **{mode}**. " + (
+        "Greedy takes the most likely token at each step: no seed or temperature enter (sampled: seed "
+        f"{compute.GENERATION_SEED}, temperature {SAMPLING['temperature']:g}, top-p {SAMPLING['top_p']:g})."
+        if mode == "greedy" else
+        f"Seed {compute.GENERATION_SEED}, temperature {SAMPLING['temperature']:g}, top-p {SAMPLING['top_p']:g}, the "
+        "same for every configuration: their texts differ only where their states do."))
     if not prompt.strip():
         st.error("The prompt is empty: type a prompt to generate from.", icon=":material/edit:")
         st.stop()

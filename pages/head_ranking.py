@@ -6,7 +6,7 @@ import streamlit as st
 from app_state import compute, controls, frame, session
 from pace_core import figures
 from pace_core.heads import high_heads_for
-from pace_core.config import HIGH_SHARE_METHODS, PaceConfig
+from pace_core.config import HIGH_SHARE_METHODS, PaceConfig, get_config
 
 
 def page(cfg: PaceConfig) -> None:
@@ -37,6 +37,13 @@ def page(cfg: PaceConfig) -> None:
               help="round(share × value heads) per layer.")
     kept = float(sum(E[i, list(h)].sum() for i, h in enumerate(high)) / E.sum()) if high else 0.0
     c3.metric("share of total E_h in the 8-bit heads", f"{kept:.1%}")
+    if cfg.high_share == 0:
+        paper = get_config("pace-4-8")
+        st.info(f"No head keeps 8 bits: the sidebar's **Share of 8-bit heads** is 0%. To enable 8-bit heads, set "
+                f"**Share of 8-bit heads** (sidebar, under Configuration) to {paper.high_share:.0%}, PACE-4/8's share "
+                f"(in each layer that share of the heads, those with the largest E_h below, keep {paper.high_bits} "
+                f"bits), or choose **Start from** {paper.name}. The ranking below does not depend on the share.",
+                icon=":material/leaderboard:")
     st.plotly_chart(figures.head_ranking_figure(E, a, e, high, labels), key="heads_chart")
 
     table = pd.DataFrame([{"layer": layer, "head": h, "a_h": float(a[i, h]), "e_h": float(e[i, h]),

@@ -67,19 +67,22 @@ def page(cfg: PaceConfig) -> None:
 
     _measured()
 
-    _planner(cfg, shapes, shape_name)
+    weights, context = _planner(cfg, shapes, shape_name)
 
-    st.subheader("Sequences that fit beside the weights")
+    st.subheader("Sequences that fit, every model and GPU")
     custom_gb = st.number_input("Custom budget (GB, 10⁹ bytes)", min_value=1.0, max_value=10000.0, value=48.0,
-                                step=1.0, key="memory_budget",
-                                help="Accelerator memory for weights + recurrent states; attention KV of the "
-                                     "full-attention layers is not included.")
+                                step=1.0, key="memory_budget", help="One more memory size beside the GPUs'.")
+    st.caption(f"Counted as the capacity planner above counts: {weights} weights, then per sequence its recurrent "
+               f"state (exact stored bytes) and the full-attention layers' bf16 KV cache at {context:,} tokens of "
+               "context (the planner's settings; context 0 counts the states alone). The planner's model, "
+               "GPU and chosen configuration give the same number here.")
     budgets = dict(figures.GPU_BUDGETS_GB)
     budgets[f"{custom_gb:g} GB"] = custom_gb
     fit_models = {shape_name: shape}
     fit_models.update({k: v for k, v in shapes.items() if k != shape_name})
-    fits = figures.fit_table(configs, fit_models, budgets)
-    st.dataframe(fits.style.format({"state MiB / sequence": "{:.3f}"}), hide_index=True, key="memory_fit_table")
+    fits = figures.fit_table(configs, fit_models, budgets, weight_bits=WEIGHT_PRECISIONS[weights], context=context)
+    st.dataframe(fits.style.format({"state MiB / sequence": "{:.3f}", "KV MiB / sequence": "{:.2f}"}),
+                 hide_index=True, key="memory_fit_table")
 
 
 def _measured() -> None:
@@ -116,9 +119,10 @@ def _measured() -> None:
 WEIGHT_PRECISIONS = {"bf16 (16 bits)": 16, "fp8 (8 bits)": 8, "int4 (4 bits)": 4}
 
 
-def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> None:
+def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> tuple[str, int]:
     """Capacity planner: the most concurrent sequences in a GPU's memory with fp32, bf16 and the chosen
-    state (pace_core.accounting.capacity), the state's share of the memory, the gain, and a chart over N."""
+    state (pace_core.accounting.capacity), the state's share of the memory, the gain, and a chart over N.
+    Returns the chosen weight precision (a key of :data:`WEIGHT_PRECISIONS`) and context length."""
     st.subheader("Capacity planner")
     st.caption("How many sequences a GPU serves at once: weights + per sequence its recurrent states (exact "
                "stored bytes) and the full-attention layers' bf16 KV cache at the context length. Activations "
@@ -143,7 +147,7 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> None:
         st.warning(f"The weights of {name} in {weights} ({chosen.weight_bytes / figures.GB:.1f} GB) leave no room "
                    f"for a sequence in {gb:g} GB: choose more memory or lower-precision weights.",
                    icon=":material/memory:")
-        return
+        return weights, int(context)
     cols = st.columns(len(caps) + 1)
     for col, (label, cap) in zip(cols, caps.items()):
         col.metric(f"max sequences, {label}", f"{cap.sequences:,}",
@@ -155,6 +159,7 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> None:
     st.caption(f"At its maximum the chosen state takes {chosen.state_share:.1%} of the {gb:g} GB "
                f"(fp32 states: {caps['fp32'].state_share:.1%}).")
     st.plotly_chart(figures.capacity_figure(caps, budget), key="plan_chart")
+    return weights, int(context)
 
 
 frame.run_page(page)

@@ -1,6 +1,8 @@
 """Overview: the loaded model's architecture, its state memory, its measured quality (stored runs), and
 what each PACE part does."""
 
+from pathlib import Path
+
 import pandas as pd
 import streamlit as st
 
@@ -33,7 +35,7 @@ def page(cfg: PaceConfig) -> None:
         cols[5].metric("Parameters", f"{shape.weight_params / 1e6:.1f} M")
         with st.expander("Full architecture summary (from the checkpoint's config and weights)"):
             st.dataframe(pd.DataFrame({"value": {k: str(v) for k, v in card.summary.items()}}),
-                         key="overview_summary")
+                         key="overview_summary", column_config={"value": st.column_config.TextColumn(width="large")})
 
         st.subheader("Recurrent state memory")
         n_seq = st.slider("Concurrent sequences N", 1, 256, 64, key="overview_n",
@@ -68,28 +70,29 @@ def page(cfg: PaceConfig) -> None:
             st.caption("No stored perplexity run for the loaded model: `python -m pace_core perplexity` measures "
                        "the named configurations on held-out text, and this section then shows them.")
         else:
-            st.caption("Perplexity and bits per byte of the text (nll: nats per scored token); top-1 agreement "
-                       "and KL divergence (nats per token) of the next-token distribution against the fp32 "
-                       "reference (spec §7).")
+            st.caption(f"Table 1, {_scored(result.table['tokens'])} of {_text_name(result.provenance)} per "
+                       "configuration, from the command named above. Perplexity and bits per byte of the text (nll: "
+                       "nats per scored token); top-1 agreement and KL divergence (nats per token) of the "
+                       "next-token distribution against the fp32 reference (spec §7).")
             st.dataframe(result.table.style.format({"nll": "{:.4f}", "ppl": "{:.3f}", "agreement": "{:.2%}",
                                                     "kl": "{:.5f}", "bpb": "{:.4f}"}),
                          hide_index=True, key="overview_quality")
 
-        st.subheader("The seed's claims, measured")
+        st.subheader("The paper's claims, measured")
         claims = stored.choose_stored(
             "claims", "claims", card.fingerprint,
             lambda r: f"{r.provenance.get('date', '?')} · {r.data.get('tokens', '?')} tokens", "overview_claims_run",
             title="Stored claims report")
         if claims is None:
-            st.caption("No stored claims report for the loaded model: `python -m pace_core claims` measures the seed "
-                       "articles' claims (periodic rounding, key-axis groups, head allocation, drift against dP) and "
-                       "the paper's main table on held-out text, and this section then shows them.")
+            st.caption("No stored claims report for the loaded model: `python -m pace_core claims` measures the "
+                       "paper's claims (a)–(d) (periodic rounding, key-axis groups, head allocation, drift against dP) "
+                       "and its main table on held-out text, and this section then shows them.")
         else:
-            _claims(claims.data)
+            _claims(claims.data, claims.provenance, None if result is None else result.table)
 
     st.subheader("The parts of PACE")
-    st.caption("“From the paper”: stated by the seed articles about the paper; “our choice”: our reading where "
-               "they are silent (each is a setting you can change).")
+    st.caption("“From the paper”: what the PACE paper specifies; “our choice”: our reading where it is silent "
+               "(each is a setting you can change).")
     parts = pd.DataFrame([
         {"part": "Key-axis (channel-aligned) groups", "source": "from the paper", "setting": "Group axis, group size",
          "now": f"{cfg.group_axis}, g = {cfg.group_size}",
@@ -129,27 +132,100 @@ def page(cfg: PaceConfig) -> None:
          "what it does": "Codes are computed from the stored fp16 scale so dequantisation is exact; all-zero "
                          "groups stay zero."},
     ])
-    st.dataframe(parts, hide_index=True, key="overview_parts")
+    st.dataframe(parts, hide_index=True, key="overview_parts", row_height=TEXT_ROW_HEIGHT, height="content",
+                 column_config=_widths(part=180, source=140, setting=170, now=150, **{"what it does": 340}))
 
 
-def _claims(report: dict) -> None:
-    """The claims report of ``python -m pace_core claims`` (pace_core.analysis.claims): a verdict and margin per
-    claim, then the main table."""
-    rows = [{"claim": c["claim"], "what": c["what"], "holds": "yes" if c["holds"] else "no",
-             "margin": c["margin"],
+CLAIMS = {
+    "a": ("Periodic rounding",
+          "Rounding the state once every dP = 8 tokens, the tokens between kept in a decode buffer, loses less "
+          "accuracy than rounding after every token, at every bit width below 8.",
+          "RTN with value-axis groups of 32 at 3–6 bits, dP 8 against dP 1 (the same decode buffer): KL to fp32."),
+    "b": ("Channel-aligned (key-axis) groups",
+          "Large state entries gather in columns, so scale groups along the key axis (one value column each) give "
+          "a lower perplexity than value-axis groups of the same width.",
+          "4-bit groups of 32, key axis against value axis, rounded every token (only the grouping differs): KL."),
+    "c": ("Head-level precision (PACE-4/8)",
+          "Keeping the quarter of heads with the largest retained error E_h = e_h / (1 − a_h^(2·dP)) at 8 bits "
+          "gives a lower perplexity than DAMP INT4 at the same resident bits.",
+          "The E_h allocation against the best of several random allocations of the same share and against a "
+          "uniform 5-bit width of the same payload: KL."),
+    "d": ("Drift against dP",
+          "The state's drift from the full-precision state falls as dP grows, for every 4-bit quantiser.",
+          "Relative state error of PACE-4's and RTN-INT4's quantisers at dP 1, 2, 4, 8, 16, at the decode steps "
+          "where every dP has just rounded."),
+}
+"""The paper's claims (a)–(d) as the articles about it state them, and how ``python -m pace_core claims``
+(pace_core.analysis.claims) tests each on the loaded model: (name, the claim, the test)."""
+
+TEXT_ROW_HEIGHT = 96
+"""Row height (pixels) of the tables of sentences: four lines of text. Streamlit wraps a cell's text only in rows
+taller than 4rem (64 px); in shorter ones it cuts the text off."""
+
+
+def _widths(**pixels: int) -> dict:
+    """Column configuration giving each named column its width in pixels (a table of sentences: about 980 in
+    all, the width of the page's main column on a laptop screen, so that no column lies off screen)."""
+    return {name: st.column_config.Column(width=width) for name, width in pixels.items()}
+
+
+def _scored(tokens: pd.Series) -> str:
+    """'N scored tokens' of a quality table's token counts (one figure when every row scored the same)."""
+    counts = sorted({int(t) for t in tokens})
+    return (f"{counts[0]:,}" if len(counts) == 1 else f"{counts[0]:,}–{counts[-1]:,}") + " scored tokens"
+
+
+def _text_name(provenance: dict) -> str:
+    """The file name of a stored result's text ('its text' when none is recorded)."""
+    path = (provenance.get("text") or {}).get("path")
+    return f"`{Path(path).name}`" if path else "its text"
+
+
+def _claims(report: dict, provenance: dict, quality: pd.DataFrame | None) -> None:
+    """The claims report of ``python -m pace_core claims`` (pace_core.analysis.claims): what each claim says, a
+    verdict and margin per claim, then the main table, whose token count is set beside that of the Measured
+    quality table ``quality`` (None when there is none)."""
+    st.dataframe(pd.DataFrame([{"claim": f"({letter}) {name}", "the paper claims": claim, "tested here as": test}
+                               for letter, (name, claim, test) in CLAIMS.items()]),
+                 hide_index=True, key="overview_claim_names", row_height=TEXT_ROW_HEIGHT, height="content",
+                 column_config=_widths(claim=200, **{"the paper claims": 390, "tested here as": 390}))
+    rows = [{"claim": f"({c['claim']}) {CLAIMS[c['claim']][0]}" if c["claim"] in CLAIMS else c["claim"],
+             "what": c["what"], "holds": "yes" if c["holds"] else "no", "margin": c["margin"],
              "figures": ", ".join(f"{label}: KL {kl:.2e}" for label, kl in zip(c["labels"], c["kl"])) if "kl" in c
              else ", ".join(f"{label}: {e:.2%}" for label, e in zip(c["labels"], c["state_error"]))}
             for c in report["claims"]]
-    st.caption(f"{report['tokens']} held-out tokens scored (KL to fp32, nats per token); state errors on "
-               f"{report['drift_tokens']} tokens at the steps where every dP has just rounded. Margin: the relative "
-               "KL (or error) reduction of the claimed better configuration over the best it is compared with; "
-               "negative where the claim does not hold.")
-    st.dataframe(pd.DataFrame(rows).style.format({"margin": "{:+.1%}"}), hide_index=True, key="overview_claims")
-    st.caption("The paper's main table in shape: resident bits on the loaded model and on Qwen3.5-27B (the share "
-               "of 8-bit heads, not this model's heads), bits per byte, KL and top-1 agreement against fp32.")
-    st.dataframe(pd.DataFrame(report["main"]).style.format({"resident_bits": "{:.3f}", "resident_bits_27b": "{:.3f}",
-                                                            "bpb": "{:.4f}", "kl": "{:.2e}", "agreement": "{:.2%}"}),
-                 hide_index=True, key="overview_main_table")
+    st.caption(f"{report['tokens']:,} held-out tokens of {_text_name(provenance)} scored (KL to fp32, nats per token); "
+               f"state errors on {report['drift_tokens']:,} tokens at the steps where every dP has just rounded. "
+               "Margin: the relative KL (or error) reduction of the claimed better configuration over the best it is "
+               "compared with; negative where the claim does not hold.")
+    st.dataframe(pd.DataFrame(rows).style.format({"margin": "{:+.1%}"}), hide_index=True, key="overview_claims",
+                 row_height=TEXT_ROW_HEIGHT, height="content",
+                 column_config=_widths(claim=200, what=250, holds=55, margin=70, figures=405))
+    main = pd.DataFrame(report["main"])
+    st.caption(f"Table 2, the paper's main table in shape, over the claims report's {report['tokens']:,} tokens (its "
+               "command above): resident bits on the loaded model and on Qwen3.5-27B (the share of 8-bit heads, not "
+               "this model's heads), bits per byte, KL and top-1 agreement against fp32. " + _two_tables(report, main,
+                                                                                                  quality))
+    st.dataframe(main.style.format({"resident_bits": "{:.3f}", "resident_bits_27b": "{:.3f}", "bpb": "{:.4f}",
+                                    "kl": "{:.2e}", "agreement": "{:.2%}"}),
+                 hide_index=True, key="overview_main_table",
+                 column_config={"config": st.column_config.TextColumn(width=220)})
+
+
+def _two_tables(report: dict, main: pd.DataFrame, quality: pd.DataFrame | None) -> str:
+    """Why Table 2's KL of a configuration is not Table 1's: the token counts of each, with one configuration
+    that is in both as the example ('' without Table 1)."""
+    if quality is None:
+        return ""
+    both = [c for c in main["config"] if c in set(quality["config"])]
+    example = ""
+    if both:
+        name = both[0]
+        example = (f" ({name}: KL {float(quality.set_index('config').loc[name, 'kl']):.2e} in Table 1, "
+                   f"{float(main.set_index('config').loc[name, 'kl']):.2e} here)")
+    return (f"Table 1 above is over {_scored(quality['tokens'])}, this one over {report['tokens']:,}: the same "
+            f"configuration's figures differ between them{example}, and those over fewer tokens vary more with "
+            "the text.")
 
 
 frame.run_page(page)

@@ -51,11 +51,13 @@ def page(cfg: PaceConfig) -> None:
     S = states[position][layer]                      # [HV, K, V] fp32
     stats = structure_stats(S)
     outliers = [int(j) for j in torch.nonzero(stats.outlier_cols[head]).flatten()]
-    views = {}
+    views, groups = {}, {}
     for axis in ("key", "value"):
         spec = QuantSpec(bits=cfg.bits if cfg.quantized else st.session_state["bits"], symmetric=cfg.symmetric,
                          axis=axis, group_size=cfg.group_size)
-        views[f"{axis}-axis g={cfg.group_size}"] = fake_quantize(S[head], spec)
+        label = f"{axis}-axis g={cfg.group_size}"
+        views[label], groups[label] = fake_quantize(S[head], spec), (axis, cfg.group_size)
+    sidebar = f"{cfg.group_axis}-axis g={cfg.group_size}"
 
     errors = {label: float(torch.linalg.norm(q - S[head]) / torch.linalg.norm(S[head]).clamp_min(1e-30))
               for label, q in views.items()}
@@ -75,9 +77,17 @@ def page(cfg: PaceConfig) -> None:
                    f"({row_ratio:.1f}×) than its columns ({col_ratio:.1f}×{', no outlier column' if not outliers else ''}), "
                    "and a value-axis group lies inside one key row, so a large row sets only its own scales. "
                    "PACE's key-axis groups pay off on heads with outlier columns, which the page opens on.")
-    st.plotly_chart(figures.state_heatmaps(S[head], views, outlier_columns=outliers,
+    st.plotly_chart(figures.state_heatmaps(S[head], views, groups=groups, sidebar=sidebar, outlier_columns=outliers,
                                            title=f"layer {layer}, value head {head}, after {position} tokens"),
                     key="heat_chart")
+    inside = cfg.group_size < (S.shape[-2] if cfg.group_axis == "key" else S.shape[-1])
+    st.caption(f"Dotted lines: where one scale group ends and the next begins, on each grouping's quantised and error "
+               f"panels. Key-axis groups are {cfg.group_size} consecutive key rows of one value column (lines between "
+               f"rows), value-axis groups {cfg.group_size} consecutive value columns of one key row (lines between "
+               f"columns). The sidebar's grouping, {cfg.group_axis} axis (Group axis, Group size g), is the row marked "
+               "'(sidebar)'" + ("." if inside else f"; with g = {cfg.group_size} one group spans the whole "
+                                                    f"{'column' if cfg.group_axis == 'key' else 'row'}, so it has no "
+                                                    "line inside."))
     st.plotly_chart(figures.rms_profiles(stats.col_rms[head], stats.row_rms[head], float(stats.col_ratio[head]),
                                          float(stats.row_ratio[head]), outliers, stats.threshold),
                     key="heat_profiles")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -388,10 +389,10 @@ def test_benchmarks_lead_with_a_headline_table_in_units(params, tmp_path, monkey
     assert at.subheader[0].value.startswith("Decode step of 24 GDN layers")
     assert at.json[0].value == json.dumps({"device": "NVIDIA H200", "date": "2026-11-30"})
     assert any(c.value.startswith("Measured on device NVIDIA H200, date 2026-11-30") for c in at.caption)
-    headline = at.dataframe[0].value.set_index("variant")
+    headline = at.dataframe[1].value.set_index("variant")  # after the lead table of speed-ups
     assert headline.loc["bf16 per-token", "B = 8"] == "400.0 µs · 50% HBM"
     assert headline.loc["PACE-4 dP=8", "B = 8"] == "160.0 µs · 2.50× · 25% HBM"  # 400 / 160
-    table = at.dataframe[1].value
+    table = at.dataframe[2].value
     assert list(table["time per token (µs)"]) == pytest.approx([50.0, 400.0, 20.0, 160.0])
     fig = chart(at, "bench_bench_rows_seconds_per_token")
     assert [t["name"] for t in fig["data"]] == ["bf16 per-token", "PACE-4 dP=8"]
@@ -670,6 +671,10 @@ def test_drift_shows_stored_results_with_provenance(params, loaded, tmp_path, mo
     assert any("`python -m pace_core drift --tokens 1`" in c.value for c in at.caption)
     fig = chart(at, "drift_chart")
     assert [t["name"] for t in fig["data"]] == ["rtn-int4", "rtn-int4", "pace-4", "pace-4"]
+    # the state error's log axis is labelled in % (d3's percent type), and each panel's axis names its quantity
+    assert fig["layout"]["yaxis"]["type"] == "log" and fig["layout"]["yaxis"]["tickformat"].endswith("p")
+    assert fig["layout"]["yaxis"]["title"]["text"] == "relative state error (%, log scale)"
+    assert fig["layout"]["yaxis2"]["title"]["text"] == "excess NLL over fp32 (nats per token)"
     np.testing.assert_allclose(array(fig["data"][2]["y"]), table.rel_error[5:].to_numpy())
     assert list(at.dataframe[0].value["mean_rel_error"]) == [float(table.rel_error[:5].mean()),
                                                             float(table.rel_error[5:].mean())]
@@ -832,3 +837,235 @@ def test_kept_results_are_bounded_and_computed_once():
     work.per_config("test_kind", setting, (("d", "D"),), compute)  # a fourth: the least recently used goes
     work.per_config("test_kind", setting, (("b", "B"),), compute)
     assert calls[-1] == ["b"]
+
+
+def _shown_text(at: AppTest) -> str:
+    """Every text the page shows a reader: headings, paragraphs, captions, alerts, metric labels, and the column
+    names and text cells of its tables."""
+    parts = [e.value for kind in ("title", "header", "subheader", "markdown", "caption", "info", "warning",
+                                  "success", "error") for e in getattr(at.main, kind)]
+    parts += [m.label for m in at.main.metric]
+    for table in at.main.dataframe:
+        frame = table.value.data if hasattr(table.value, "data") else table.value  # a Styler or a DataFrame
+        parts += [str(c) for c in frame.columns] + [v for v in frame.to_numpy().ravel() if isinstance(v, str)]
+    return "\n".join(parts)
+
+
+def _shipped(kind: str):
+    """A result of ``kind`` shipped for the embedded model (data/results/pace-tiny-qwen35)."""
+    from pace_core.results import list_results
+
+    return list_results(str(REPO_ROOT / "data" / "models" / "pace-tiny-qwen35"), kind).results[0]
+
+
+def test_export_summarises_what_it_ships_with_a_portable_model(params, loaded, tmp_path, monkeypatch):
+    """Resident bits with their terms, KL and agreement of a stored result of the same configuration on these
+    weights (which result, its command), the sequences one H200 holds against fp32 and bf16 states; the file and
+    the vllm line name the embedded model by its repository path (another folder as the link gave it)."""
+    rng = np.random.default_rng(3)
+    table = pd.DataFrame({"config": ["fp32", "pace-4"], "tokens": [99, 99], "nll": [3.0, 3.1],
+                          "ppl": np.exp([3.0, 3.1]), "agreement": [1.0, 0.97], "kl": [0.0, float(rng.random() / 100)],
+                          "bpb": [1.5, 1.6]})
+    _store("perplexity", params, loaded, table, monkeypatch, tmp_path)
+    at = start(params, page="export", preset="pace-4")
+    cfg, shape = get_config("pace-4"), loaded.shape
+    rb = resident_bits(cfg, shape)
+    assert metric(at, "Resident bits per state value") == f"{rb.resident_bits:.3f}"
+    terms = next(c.value for c in at.caption if c.value.startswith("= payload"))
+    assert f"payload {rb.payload_bits:.3f}" in terms and f"metadata {rb.metadata_bits:.3f}" in terms
+    assert f"c·dP {rb.buffer_bits:.3f}" in terms
+    assert metric(at, "KL to fp32 (nats/token)") == f"{table.kl[1]:.2e}"
+    quality = next(c.value for c in at.caption if c.value.startswith("Top-1 agreement"))
+    assert "97.00%" in quality and "over 99 scored tokens" in quality and "the perplexity result of 'pace-4'" in quality
+    assert "`python -m pace_core perplexity --n 1`" in quality and "--n 2" not in quality  # not the other weights'
+    caps = {n: capacity(get_config(n), shape, int(141e9), weight_bits=16, context=8192) for n in ("fp32", "bf16", "pace-4")}
+    assert metric(at, "Sequences that fit") == f"{caps['pace-4'].sequences:,}"
+    gain = next(m for m in at.metric if m.label == "Sequences that fit").proto.delta
+    assert gain == f"{caps['pace-4'].sequences / caps['fp32'].sequences:.2f}× fp32 states"
+    fits = next(c.value for c in at.caption if c.value.startswith("On one H200 141 GB GPU, 16-bit weights, 8,192"))
+    assert f"fp32 states {caps['fp32'].sequences:,}, bf16 states {caps['bf16'].sequences:,}" in fits
+    source = document_from_json(at.code[0].value).model_info["source"]
+    expected = params.get("model", "data/models/pace-tiny-qwen35")  # a folder outside the repository: as given
+    assert source == expected and at.code[1].value.startswith(f"vllm serve {expected} ")
+    at.sidebar.select_slider(key="w_bits").set_value(5).run()  # no stored result of this one
+    check(at)
+    assert metric(at, "KL to fp32 (nats/token)") == "not measured yet"
+    run = next(c.value for c in at.caption if c.value.startswith("Not measured yet"))
+    model = f" --model {params['model']}" if params else ""
+    assert f"`python -m pace_core perplexity{model} --configs custom.json` with the file below" in run
+
+
+def test_export_quality_is_matched_by_the_settings_not_the_name(params, loaded, monkeypatch):
+    """A perplexity result stored under the name 'pace-4' for other settings is not pace-4's; a claims report's
+    row of pace-4's settings under another label is, and it is named."""
+    from pace_core.config import config_to_json
+    from pace_core.results import Listing, Result, config_hash
+    from pace_core.version import METHOD_VERSION
+
+    other = get_config("pace-4").replace(bits=5)
+    prov = {"weights": loaded.fingerprint, "method_version": METHOD_VERSION, "command": "cmd", "date": "d"}
+    row = {"config": "pace-4", "tokens": 500, "nll": 3.0, "ppl": float(np.exp(3.0)), "agreement": 0.5, "kl": 0.5,
+           "bpb": 1.0}
+    misnamed = Result("perplexity", "m", "k1", {"config": "pace-4", "row": row, "decode_from": 1},
+                      {**prov, "config_hashes": {"pace-4": config_hash(other.replace(name="pace-4"))}})
+    report = Result("claims", "m", "k2", {"tokens": 2047, "quality": [
+        {"label": "rtn5", "config": config_to_json(other), "kl": 0.25, "agreement": 0.75, "bpb": 1.0},
+        {"label": "the same settings", "config": config_to_json(get_config("pace-4").replace(name="x")),
+         "kl": 1.25e-3, "agreement": 0.875, "bpb": 1.5}]}, {**prov, "command": "python -m pace_core claims"})
+    found = {"perplexity": [misnamed], "claims": [report]}
+    monkeypatch.setattr(stored, "stored_results", lambda source, kind, weights: Listing(
+        [r for r in found.get(kind, []) if r.provenance["weights"] == weights], []))
+    at = start(params, page="export", preset="pace-4")
+    assert metric(at, "KL to fp32 (nats/token)") == "1.25e-03"
+    quality = next(c.value for c in at.caption if c.value.startswith("Top-1 agreement"))
+    assert "87.50%" in quality and "2,047 scored tokens: the row 'the same settings' of the claims report" in quality
+    assert "Also stored" not in quality  # neither the misnamed result nor the row of other settings
+
+
+def test_memory_fit_table_counts_as_the_planner(params, loaded):
+    """The table of every model and GPU gives the planner's number for the planner's model, GPU and configuration,
+    at the planner's weights and context (the KV cache counted), and follows them."""
+    at = start(params, page="memory", preset="pace-4")
+    model = at.selectbox(key="memory_shape").value
+
+    def shown_fit() -> int:
+        fits = next(d.value for d in at.dataframe if "KV MiB / sequence" in d.value.columns)
+        row = fits[(fits.model == model) & (fits.config == "sidebar: pace-4")].iloc[0]
+        return int(row["sequences in H200 141 GB"])
+
+    for weights, bits, context in (("bf16 (16 bits)", 16, 8192), ("fp8 (8 bits)", 8, 0), ("int4 (4 bits)", 4, 2048)):
+        at.selectbox(key="plan_weights").set_value(weights).run()
+        at.number_input(key="plan_context").set_value(context).run()
+        check(at)
+        planner = int(metric(at, "max sequences, chosen: pace-4").replace(",", ""))
+        expected = capacity(get_config("pace-4"), loaded.shape, int(141e9), weight_bits=bits, context=context).sequences
+        assert shown_fit() == planner == expected
+    assert any(f"at {2048:,} tokens of context" in c.value and "int4 (4 bits) weights" in c.value for c in at.caption)
+
+
+def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params, loaded, tmp_path, monkeypatch):
+    """No "seed" wording; claims (a)-(d) named with what the paper claims; the text tables wrap instead of cutting
+    their cells; each quality table says how many tokens it scores and the second sets its count beside the
+    first's."""
+    claims = _shipped("claims")
+    nll = np.array([3.0, 3.2])
+    table = pd.DataFrame({"config": ["fp32", "pace-4"], "tokens": [4096] * 2, "nll": nll, "ppl": np.exp(nll),
+                          "agreement": [1.0, 0.96], "kl": [0.0, 0.003], "bpb": [1.5, 1.6]})
+    _store("perplexity", params, loaded, table, monkeypatch, tmp_path)
+    _store("claims", params, loaded, claims.table, monkeypatch, tmp_path, claims.data)
+    at = start(params)
+    text = _shown_text(at)
+    assert not re.search(r"\bseeds?\b", text, re.IGNORECASE), re.findall(r".{40}\bseeds?\b.{40}", text, re.I)
+    assert "The paper's claims, measured" in [s.value for s in at.subheader]
+    names = next(d.value for d in at.dataframe if "the paper claims" in d.value.columns)
+    assert [c[:3] for c in names["claim"]] == ["(a)", "(b)", "(c)", "(d)"]
+    assert "every token" in names["the paper claims"][0] and "key axis" in names["the paper claims"][1]
+    assert "E_h" in names["the paper claims"][2] and "dP grows" in names["the paper claims"][3]
+    results = next(d.value for d in at.dataframe if "margin" in getattr(d.value, "data", d.value).columns)
+    assert set(getattr(results, "data", results)["claim"]) == {
+        "(a) Periodic rounding", "(b) Channel-aligned (key-axis) groups", "(c) Head-level precision (PACE-4/8)",
+        "(d) Drift against dP"}
+    for element in at.dataframe:  # the tables of sentences: wide text columns, rows tall enough to wrap their text
+        columns = json.loads(element.proto.columns) if element.proto.columns else {}
+        if any(c in columns for c in ("what it does", "the paper claims", "figures")):
+            assert element.proto.row_height > 64  # Streamlit wraps text only in rows taller than 4rem
+            assert all(spec.get("width") for name, spec in columns.items() if name != "_index")
+    first = next(c.value for c in at.caption if c.value.startswith("Table 1,"))
+    assert "4,096 scored tokens" in first
+    second = next(c.value for c in at.caption if c.value.startswith("Table 2,"))
+    kl = next(r["kl"] for r in claims.data["main"] if r["config"] == "pace-4")
+    assert f"over the claims report's {claims.data['tokens']:,} tokens" in second
+    assert f"Table 1 above is over 4,096 scored tokens, this one over {claims.data['tokens']:,}" in second
+    assert f"pace-4: KL 3.00e-03 in Table 1, {kl:.2e} here" in second
+    assert any("`python -m pace_core claims --n 1`" in c.value for c in at.caption)  # the command that made it
+
+
+def test_benchmarks_lead_with_the_servers_gain_and_keep_the_dashboards_times_last(params, tmp_path, monkeypatch):
+    """The first table is the PACE variants' speed-up over bf16 per-token of the decode step and, end to end under
+    torch.compile; the vLLM file says its engine and what it measured; the app's response times come last under
+    their own heading."""
+    step = [{"batch": b, "variant": v, "seconds_per_token": t * 1e-6} for v, ts in
+            (("bf16 per-token", (50, 400)), ("PACE-4 dP=8", (20, 100)), ("PACE-4/8 dP=8", (100, 200)))
+            for b, t in zip((1, 8), ts)]
+    e2e = [{"batch": 128, "variant": v, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.009), ("PACE-4 dP=8", 0.006))]
+    (tmp_path / "bench.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": step}))
+    (tmp_path / "bench_e2e_compiled.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": e2e}))
+    (tmp_path / "app_cpu.json").write_text(json.dumps({"kind": "app_responsiveness", "figures": [
+        {"figure": "first_page_s", "median_s": 2.0, "target_s": 10, "met": True}]}))
+    (tmp_path / "vllm_cpu.json").write_text((REPO_ROOT / "data" / "bench" / "vllm_cpu.json").read_text())
+    monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
+    at = start(params, page="benchmarks")
+    assert [h.value for h in at.header] == ["What the state kernels give a server",
+                                            "Every measurement, with its provenance", "This dashboard's own response times"]
+    lead = at.dataframe[0].value
+    lead = getattr(lead, "data", lead).set_index(["measured", "variant"])
+    step_label, e2e_label = "GDN decode step (24 layers, Qwen3.5-4B shapes)", "end to end under torch.compile (Qwen3.5-4B-sized model)"
+    assert lead.loc[(step_label, "PACE-4 dP=8"), "B = 1"] == pytest.approx(2.5)      # 50 / 20
+    assert lead.loc[(step_label, "PACE-4 dP=8"), "B = 8"] == pytest.approx(4.0)      # 400 / 100
+    assert lead.loc[(step_label, "PACE-4/8 dP=8"), "B = 1"] == pytest.approx(0.5)
+    assert lead.loc[(e2e_label, "PACE-4 dP=8"), "B = 128"] == pytest.approx(1.5)
+    assert np.isnan(lead.loc[(e2e_label, "PACE-4 dP=8"), "B = 1"])                   # not measured there
+    titles = [s.value for s in at.subheader]
+    order = [next(i for i, t in enumerate(titles) if t.startswith(p)) for p in
+             ("Decode step", "End to end under torch.compile", "vLLM serving the PACE state", "Dashboard responsiveness")]
+    assert order == sorted(order)
+    vllm = next(c.value for c in at.caption if c.value.startswith("Engine: vLLM 0.32.0"))
+    assert "Not a speed measurement" in vllm and "pace-tiny-qwen35" in vllm and "python -m pace_core.vllm.check" in vllm
+
+
+def test_state_heatmap_marks_the_sidebars_groups(params, loaded):
+    """The scale-group boundaries of each grouping are drawn on its panels and the sidebar's grouping is named;
+    moving the sidebar's axis moves the mark."""
+    at = start(params, page="state_heatmaps", preset="pace-4")  # key axis, g = 64
+
+    def lines() -> dict[str, dict]:
+        return {t["name"]: t for t in chart(at, "heat_chart")["data"] if t.get("mode") == "lines" and t.get("showlegend")}
+
+    K = loaded.shape.d_k
+    shown = lines()
+    key = shown["scale groups of key-axis g=64: 64 key rows (sidebar)"]
+    assert [y for y in key["y"] if y is not None] == [b - 0.5 for b in range(64, K, 64) for _ in range(2)]
+    assert "scale groups of value-axis g=64: 64 value columns" in shown
+    assert any("'(sidebar)'" in c.value and "key axis" in c.value for c in at.caption)
+    at.sidebar.selectbox(key="w_axis").set_value("value").run()
+    check(at)
+    assert "scale groups of value-axis g=64: 64 value columns (sidebar)" in lines()
+    titles = [a["text"] for a in chart(at, "heat_chart")["layout"]["annotations"]]
+    assert "quantised: value-axis g=64 (sidebar)" in titles and "quantised: key-axis g=64" in titles
+
+
+def test_generations_default_prompt_gives_text_and_shows_seed_and_temperature(params):
+    """The default prompt is prose without WikiText's "<unk>" placeholder, the continuations hold none, and on the
+    embedded model they are not all the same text; the decoding's seed and temperature are shown."""
+    at = start(params, page="generations")
+    prompt = at.text_area(key="gen_prompt").value
+    assert "<unk>" not in prompt and not prompt.rstrip().endswith(".")
+    bodies = [h.proto.body for h in at.get("html")]
+    assert bodies and not any("&lt;unk&gt;" in b for b in bodies)
+    decoding = next(c.value for c in at.caption if c.value.startswith("Decoding: **greedy**"))
+    assert f"seed {compute.GENERATION_SEED}, temperature 0.8, top-p 0.95" in decoding
+    if not params:  # the embedded model: a 4-bit state parts from fp32 within the default 32 tokens
+        assert set(at.dataframe[0].value["first divergence"][1:]) != {"none"}
+    at.radio(key="gen_mode").set_value("sampled").run()
+    check(at)
+    assert any(c.value.startswith(f"Decoding: **sampled**. Seed {compute.GENERATION_SEED}, temperature 0.8")
+               for c in at.caption)
+
+
+def test_pages_show_nothing_above_their_title(params):
+    """Streamlit's magic is off (.streamlit/config.toml): the strings that document a page's constants are not
+    printed above it."""
+    for page in (None, "memory", "benchmarks", "export"):
+        main = list(start(params, page=page).main)
+        title = next(i for i, e in enumerate(main) if type(e).__name__ == "Title")
+        assert not [e.value for e in main[:title] if type(e).__name__ == "Markdown"], page
+
+
+def test_head_ranking_says_how_to_enable_8_bit_heads_at_share_0(params):
+    at = start(params, page="head_ranking", preset="pace-4")
+    assert metric(at, "8-bit heads per layer").startswith("0 of")
+    [info] = [i.value for i in at.info if "No head keeps 8 bits" in i.value]
+    assert "**Share of 8-bit heads** (sidebar, under Configuration) to 25%" in info and "pace-4-8" in info
+    at.sidebar.select_slider(key="w_hi").set_value(0.25).run()
+    check(at)
+    assert not [i for i in at.info if "No head keeps 8 bits" in i.value]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pace_core import figures
-from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes
+from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_bytes_per_sequence
 from pace_core.config import get_config
 from pace_core.shapes import BUILTIN_SHAPES
 
@@ -41,6 +41,34 @@ def test_state_heatmaps_panels_hold_state_quantised_and_error(rng):
     assert f"error: key (rel. {rel_key:.2%})" in titles
     markers = [t for t in fig.data if t.type == "scatter"]
     assert len(markers) == 6 and list(markers[0].x) == [3, 7]
+
+
+def test_state_heatmaps_draw_each_groupings_boundaries_and_mark_the_sidebars(rng):
+    """Key-axis groups of 4 over 16 key rows: 3 horizontal lines between rows 3|4, 7|8, 11|12 across the 12
+    columns; value-axis groups of 4 over 12 columns: 2 vertical lines; on the quantised and error panels of
+    their own row only, the sidebar's row titled so; colour bars lie below the bottom row's axis title."""
+    ref = rng.standard_normal((16, 12))
+    views = {"key g4": ref + 0.01, "value g4": ref - 0.01}
+    fig = figures.state_heatmaps(ref, views, groups={"key g4": ("key", 4), "value g4": ("value", 4)},
+                                 sidebar="key g4")
+    lines = [t for t in fig.data if t.type == "scatter" and t.mode == "lines"]
+    assert len(lines) == 4 and [t.legendgroup for t in lines] == ["key g4", "key g4", "value g4", "value g4"]
+    assert [t.showlegend for t in lines] == [True, False, True, False]
+    key, value = lines[0], lines[2]
+    assert list(key.y) == [3.5, 3.5, None, 7.5, 7.5, None, 11.5, 11.5, None]
+    assert list(key.x) == [-0.5, 11.5, None] * 3
+    assert list(value.x) == [3.5, 3.5, None, 7.5, 7.5, None] and list(value.y) == [-0.5, 15.5, None] * 2
+    assert {(t.xaxis, t.yaxis) for t in lines} == {("x2", "y2"), ("x3", "y3"), ("x5", "y5"), ("x6", "y6")}
+    assert "(sidebar)" in key.name and "(sidebar)" not in value.name
+    titles = [a.text for a in fig.layout.annotations]
+    assert "quantised: key g4 (sidebar)" in titles and "quantised: value g4" in titles
+    plot_px = fig.layout.height - fig.layout.margin.t - fig.layout.margin.b
+    for bar in (fig.layout.coloraxis.colorbar, fig.layout.coloraxis2.colorbar):  # 95 px under the bottom row
+        assert bar.y * plot_px == pytest.approx(-95) and -bar.y * plot_px + 60 < fig.layout.margin.b
+    one = figures.state_heatmaps(ref, {"key g16": ref}, groups={"key g16": ("key", 16)})  # one group per column
+    assert not [t for t in one.data if t.type == "scatter"]
+    with pytest.raises(ValueError, match="not a grouping"):
+        figures.state_heatmaps(ref, views, sidebar="diagonal")
 
 
 def test_state_heatmaps_rejects_mismatched_shapes(rng):
@@ -104,6 +132,13 @@ def test_drift_figure_one_line_per_config_and_checks_columns(rng):
     b = 2 * order.index("b")
     np.testing.assert_allclose(np.asarray(fig.data[b].y), table[table.config == "b"]["rel_error"].to_numpy())
     np.testing.assert_allclose(np.asarray(fig.data[b + 1].y), table[table.config == "b"]["excess_nll"].to_numpy())
+    # the state error on a log axis labelled in %, each panel's y axis naming its quantity
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.tickformat.endswith("p")
+    assert list(fig.layout.yaxis.tickvals) == figures.log_ticks(table["rel_error"])
+    assert fig.layout.yaxis.title.text == "relative state error (%, log scale)"
+    assert fig.layout.yaxis2.title.text == "excess NLL over fp32 (nats per token)" and fig.layout.yaxis2.type != "log"
+    assert {(t.xaxis, t.yaxis) for t in fig.data[0::2]} == {("x", "y")}
+    assert {(t.xaxis, t.yaxis) for t in fig.data[1::2]} == {("x2", "y2")}
     with pytest.raises(ValueError, match="excess_nll"):
         figures.drift_figure(table.drop(columns=["excess_nll"]))
 
@@ -141,6 +176,9 @@ def test_dp_curve_is_the_accounting_at_each_dp_and_linear_beyond_one():
 
 
 def test_fit_table_uses_the_accounting():
+    """Without context and weight bits the table is sequences_that_fit (states beside the shape's own weights);
+    with them, the capacity planner's count: weights at those bits, then per sequence the state and the KV of
+    the context, counted here from the per-sequence bytes."""
     shapes = {k: BUILTIN_SHAPES[k] for k in ("qwen3.5-4b", "qwen3.5-27b")}
     configs = {"fp32": get_config("fp32"), "pace-4": get_config("pace-4")}
     table = figures.fit_table(configs, shapes, {"H200 141 GB": 141.0, "x": 33.5})
@@ -149,7 +187,15 @@ def test_fit_table_uses_the_accounting():
     assert row["sequences in H200 141 GB"] == sequences_that_fit(configs["pace-4"], shapes["qwen3.5-27b"], 141 * 10**9)
     assert row["sequences in x"] == sequences_that_fit(configs["pace-4"], shapes["qwen3.5-27b"], int(33.5e9))
     one = state_bytes(configs["pace-4"], shapes["qwen3.5-27b"], 1)
-    assert row["state MiB / sequence"] == pytest.approx(one / 2**20)
+    assert row["state MiB / sequence"] == pytest.approx(one / 2**20) and row["KV MiB / sequence"] == 0
+    shape, cfg = shapes["qwen3.5-27b"], configs["pace-4"]
+    table = figures.fit_table(configs, shapes, {"H200 141 GB": 141.0}, weight_bits=8, context=4096)
+    row = table[(table.model == "qwen3.5-27b") & (table.config == "pace-4")].iloc[0]
+    per_state = state_bytes_per_sequence(cfg, shape)
+    fixed = state_bytes(cfg, shape, 1) - per_state     # head maps etc., stored once
+    kv = shape.kv_bytes_per_token * 4096
+    assert kv > 0 and row["KV MiB / sequence"] == pytest.approx(kv / 2**20)
+    assert row["sequences in H200 141 GB"] == (141 * 10**9 - shape.weight_params - fixed) // (per_state + kv)
 
 
 def test_generation_html_marks_the_first_divergent_token():
@@ -181,3 +227,28 @@ def test_split_bench_document_and_plot_columns(rng):
     table = figures.bench_scalar_table(nested)
     assert list(table.columns) == ["batch", "variant", "step_time_us", "bytes", "hbm_fraction"]
     assert figures.bench_plot_columns(table) == ("batch", ["step_time_us", "hbm_fraction"], "variant")
+
+
+def test_bench_speedups_are_the_baseline_time_over_each_variants_at_the_same_batch(rng):
+    """Seeded random times; a batch the baseline did not measure is left out, one a variant did not measure is
+    empty; no baseline rows: None."""
+    times = {(v, b): float(t) for (v, b), t in zip([(v, b) for v in ("bf16 per-token", "A", "B") for b in (1, 8, 32)],
+                                                     rng.uniform(1e-5, 1e-3, 9))}
+    rows = [{"variant": v, "batch": b, "seconds_per_token": t} for (v, b), t in times.items() if (v, b) != ("B", 8)]
+    rows.append({"variant": "A", "batch": 64, "seconds_per_token": 1e-4})   # no baseline at 64
+    table = figures.bench_speedups(pd.DataFrame(rows)).set_index("variant")
+    assert list(table.columns) == ["B = 1", "B = 8", "B = 32"] and list(table.index) == ["A", "B"]
+    for v in ("A", "B"):
+        for b in (1, 8, 32):
+            expected = times[("bf16 per-token", b)] / times[(v, b)]
+            assert np.isnan(table.loc[v, f"B = {b}"]) if (v, b) == ("B", 8) else table.loc[v, f"B = {b}"] == expected
+    e2e = pd.DataFrame([{"variant": v, "batch": 16, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.2), ("A", 0.1))])
+    assert figures.bench_speedups(e2e).set_index("variant").loc["A", "B = 16"] == 2.0
+    assert figures.bench_speedups(pd.DataFrame(rows[3:])) is None  # no baseline
+
+
+def test_log_ticks_are_1_2_5_per_decade_spanning_the_values():
+    assert figures.log_ticks([0.023, 0.31]) == pytest.approx([0.02, 0.05, 0.1, 0.2, 0.5])
+    assert figures.log_ticks([0.1, 0.1]) == pytest.approx([0.1])
+    assert figures.log_ticks([0.0, -1.0, float("nan"), 3e-4, 1.5e-3]) == pytest.approx([2e-4, 5e-4, 1e-3, 2e-3])
+    assert figures.log_ticks([0.0]) == []

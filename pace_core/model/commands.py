@@ -292,8 +292,8 @@ def run_export(args: argparse.Namespace) -> int:
                     ready_for="run")
     prov = make_provenance(ctx.model_name, configs=[cfg], text_path=args.text or CALIBRATION_TEXT,
                            command=_command(), extra={"calibration_tokens": args.tokens})
-    text = export_json(cfg, shape=ctx.loaded.shape, source=ctx.loaded.source, weights_fingerprint=ctx.loaded.fingerprint,
-                       provenance=prov)
+    text = export_json(cfg, shape=ctx.loaded.shape, source=ctx.loaded.reference,
+                       weights_fingerprint=ctx.loaded.fingerprint, provenance=prov)
     out = Path(args.output) if args.output else results_dir(ctx.model_name, args.out) / f"config-{export_filename(cfg)}"
     if out.exists() and not args.force:
         differences = export_differences(out.read_bytes(), text)

@@ -21,6 +21,7 @@ from pace_core.accounting import state_bytes
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model import DEFAULT_MODEL_DIR
+from pace_core.results import REPO_ROOT
 from pace_core.shapes import GDN_LAYER_TYPE, SUPPORTED_MODEL_TYPES, ModelShape, shape_from_hf_config
 
 
@@ -51,6 +52,12 @@ class LoadedModel:
         head = self.model.get_output_embeddings()
         weight = getattr(head, "weight", None)
         return self.device if weight is None or weight.device.type == "meta" else weight.device
+
+    @property
+    def reference(self) -> str:
+        """The model as a file or command that leaves this machine names it: :func:`portable_reference` of
+        :attr:`source` (the embedded model: ``data/models/pace-tiny-qwen35``)."""
+        return portable_reference(self.source)
 
     @property
     def model_type(self) -> str:
@@ -107,6 +114,18 @@ def _looks_like_path(source: str) -> bool:
         or source.endswith(("/", os.sep))
         or Path(source).exists()
     )
+
+
+def portable_reference(source: str) -> str:
+    """``source`` as another machine can follow it: a folder inside this repository by its path relative to the
+    repository root (the embedded model: ``data/models/pace-tiny-qwen35``), a hub id or a folder elsewhere
+    as given (never this machine's absolute path of a repository folder)."""
+    if not _looks_like_path(source):
+        return source
+    try:
+        return Path(source).expanduser().resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:  # outside the repository: the user's own reference
+        return source
 
 
 def _resolve_source(source: str | os.PathLike | None) -> str:
