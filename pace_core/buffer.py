@@ -114,6 +114,17 @@ def _heads(p: quant.PackedTensor, heads: slice) -> quant.PackedTensor:
                               (*p.shape[:2], len(range(*heads.indices(p.shape[2]))), *p.shape[3:]))
 
 
+EMPTY = 1.0
+"""The log decay that marks a buffer slot holding no record (a record's log decay is <= 0), so that what a
+buffer holds can be read from its storage alone: a state pool's rows hold different counts (:func:`records_held`)."""
+
+
+def records_held(log_decays: torch.Tensor) -> torch.Tensor:
+    """The records each row holds: ``log_decays [N, capacity, HV]`` -> ``[N]`` long (records fill the first slots;
+    an empty slot's decay is :data:`EMPTY`)."""
+    return (log_decays[..., 0] <= 0).sum(-1)
+
+
 class _VectorStore:
     """Capacity-sized storage for vectors ``[B, heads, n]`` in a float dtype or as packed integers.
 
@@ -124,17 +135,28 @@ class _VectorStore:
     """
 
     def __init__(self, batch: int, capacity: int, heads: int, length: int, kind, spec: quant.QuantSpec | None,
-                 device) -> None:
-        self.kind, self.spec, self.length = kind, spec, length
+                 device, names: tuple[str, str, str], storage: dict[str, torch.Tensor] | None = None) -> None:
+        """``names``: the storage's names of the data (or codes), scales and zero points; ``storage``: existing
+        tensors of those names to hold the records in (a state pool's rows), else new zeros."""
+        self.kind, self.spec, self.length, self.names = kind, spec, length, names
+        if storage is None:
+            storage = {}
+            if spec is not None:
+                packed = quant.quantize(torch.zeros(1, 1, length, device=device), spec)
+                storage[names[0]] = torch.zeros(batch, capacity, heads, packed.codes.shape[-1], dtype=torch.uint8,
+                                                device=device)
+                storage[names[1]] = torch.zeros(batch, capacity, heads, packed.scale.shape[-1], dtype=torch.float16,
+                                                device=device)
+                if packed.zero is not None:
+                    storage[names[2]] = torch.zeros(batch, capacity, heads, packed.zero.shape[-1], dtype=torch.uint8,
+                                                    device=device)
+            else:
+                storage[names[0]] = torch.zeros(batch, capacity, heads, length, dtype=kind, device=device)
         if spec is not None:
-            packed = quant.quantize(torch.zeros(1, 1, length, device=device), spec)
-            self.codes = torch.zeros(batch, capacity, heads, packed.codes.shape[-1], dtype=torch.uint8, device=device)
-            self.scale = torch.zeros(batch, capacity, heads, packed.scale.shape[-1], dtype=torch.float16, device=device)
-            self.zero = None if packed.zero is None else torch.zeros(batch, capacity, heads, packed.zero.shape[-1],
-                                                                     dtype=torch.uint8, device=device)
+            self.codes, self.scale, self.zero = storage[names[0]], storage[names[1]], storage.get(names[2])
             self.tensors = [t for t in (self.codes, self.scale, self.zero) if t is not None]
         else:
-            self.data = torch.zeros(batch, capacity, heads, length, dtype=kind, device=device)
+            self.data = storage[names[0]]
             self.tensors = [self.data]
 
     def rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -181,12 +203,12 @@ class _VectorStore:
     def nbytes(self, n: int | None) -> int:
         return sum((t if n is None else t[:, :n]).numel() * t.element_size() for t in self.tensors)
 
-    def storage(self, name: str, scale_name: str, zero_name: str) -> dict[str, torch.Tensor]:
+    def storage(self) -> dict[str, torch.Tensor]:
         if self.spec is None:
-            return {name: self.data}
-        out = {name: self.codes, scale_name: self.scale}
+            return {self.names[0]: self.data}
+        out = {self.names[0]: self.codes, self.names[1]: self.scale}
         if self.zero is not None:
-            out[zero_name] = self.zero
+            out[self.names[2]] = self.zero
         return out
 
 
@@ -207,6 +229,7 @@ class DecodeBuffer:
         capacity: int,
         fmt: BufferFormat | str,
         device: torch.device | str = "cpu",
+        storage: dict[str, torch.Tensor] | None = None,
     ) -> None:
         fmt = as_format(fmt)
         precision = fmt.precision
@@ -223,10 +246,20 @@ class DecodeBuffer:
         self.dtype = torch.float64 if precision == "fp64" else torch.float32
         """dtype of the dequantised keys / values / log decays."""
         key_kind, value_kind = BUFFER_LAYOUT[precision]
-        self._keys = _VectorStore(batch, capacity, num_k_heads, d_k, key_kind, fmt.spec("key", d_k), device)
-        self._values = _VectorStore(batch, capacity, num_v_heads, d_v, value_kind, fmt.spec("value", d_v), device)
-        self._decays = torch.zeros(batch, capacity, num_v_heads, dtype=self.dtype, device=device)
-        self._len = 0
+        self._keys = _VectorStore(batch, capacity, num_k_heads, d_k, key_kind, fmt.spec("key", d_k), device,
+                                  ("keys", "key_scale", "key_zero"), storage)
+        self._values = _VectorStore(batch, capacity, num_v_heads, d_v, value_kind, fmt.spec("value", d_v), device,
+                                    ("values", "value_scale", "value_zero"), storage)
+        if storage is None:
+            self._decays = torch.full((batch, capacity, num_v_heads), EMPTY, dtype=self.dtype, device=device)
+            self._len = 0
+        else:
+            self._decays = storage["log_decays"]
+            held = records_held(self._decays)
+            self._len = int(held[0]) if held.numel() else 0
+            if not bool((held == self._len).all()):
+                raise PaceError(f"storage: rows holding {sorted(set(held.tolist()))} records not allowed in one buffer; "
+                                "allowed: rows holding the same number of records")
 
     def __len__(self) -> int:
         return self._len
@@ -305,16 +338,13 @@ class DecodeBuffer:
                 self._decays[:, :n])
 
     def storage(self) -> dict[str, torch.Tensor]:
-        """The live storage tensors (not copies), for kernels that write records in place:
+        """The live storage tensors (not copies), for kernels that write records in place (and a state pool's
+        rows):
         ``keys`` (``[B, capacity, H, K]`` float, or ``[B, capacity, H, m]`` uint8 codes), ``key_scale``
         (``[B, capacity, H, K/g]`` fp16) and ``key_zero`` (uint8, with zero points) for integer keys,
         ``values`` / ``value_scale`` / ``value_zero`` likewise with HV and V, ``log_decays [B, capacity,
         HV]``. Codes are :mod:`pace_core.quant`'s packed codes of value-axis groups along each vector."""
-        return {
-            **self._keys.storage("keys", "key_scale", "key_zero"),
-            **self._values.storage("values", "value_scale", "value_zero"),
-            "log_decays": self._decays,
-        }
+        return {**self._keys.storage(), **self._values.storage(), "log_decays": self._decays}
 
     def mark_appended(self, n: int = 1) -> None:
         """Count ``n`` records that a kernel wrote in place into slots ``len .. len + n - 1``."""
@@ -325,7 +355,8 @@ class DecodeBuffer:
         self._len += n
 
     def clear(self) -> None:
-        """Forget all records (storage stays allocated)."""
+        """Forget all records (storage stays allocated; their log decays marked :data:`EMPTY`)."""
+        self._decays[:, :self._len].fill_(EMPTY)
         self._len = 0
 
     def reorder(self, index: torch.Tensor) -> None:

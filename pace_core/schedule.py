@@ -57,23 +57,30 @@ class PeriodicState:
     are stored (:class:`pace_core.buffer.BufferFormat`, or a precision name); ``after_decode`` ``flush`` or
     ``carry``; ``exact_current``: the current token's output from its exact record
     (:func:`pace_core.recurrence.buffered_step`); ``chunk_size``: the chunked GDN's chunk length.
+
+    ``checkpoint`` and ``records``: a stored checkpoint of B sequences and the buffer's storage tensors
+    (:meth:`pace_core.buffer.DecodeBuffer.storage`) to run on as they are (a state pool's rows,
+    :class:`pace_core.pool.StatePool`), else a zero state of their own.
     """
 
     def __init__(self, fmt: StateFormat | RoundingFormat, steps: Steps, shape: tuple[int, int, int, int, int],
                  device: torch.device, *, prefill_period: int, decode_period: int,
                  buffer: BufferFormat | str = "fp32", after_decode: str = "flush", exact_current: bool = True,
-                 chunk_size: int = 64) -> None:
+                 chunk_size: int = 64, checkpoint: Checkpoint | None = None,
+                 records: dict[str, torch.Tensor] | None = None) -> None:
         self.fmt, self.steps, self.shape, self.device = fmt, steps, shape, device
         self.prefill_period, self.decode_period, self.after_decode = prefill_period, decode_period, after_decode
         self.exact_current, self.chunk_size = exact_current, chunk_size
         B, H, HV, K, V = shape
-        self.buffer = None if decode_period == 1 else DecodeBuffer(B, H, HV, K, V, decode_period, buffer, device)
-        self.checkpoint = fmt.zeros((B, HV, K, V), device)
+        self.buffer = None if decode_period == 1 else DecodeBuffer(B, H, HV, K, V, decode_period, buffer, device,
+                                                                   records)
+        self.checkpoint = fmt.zeros((B, HV, K, V), device) if checkpoint is None else checkpoint
         """The stored checkpoint: allocated once, every later store writes into its tensors (so a kernel's launch
         plan of it stays valid and no earlier checkpoint outlives a store)."""
         self._loaded: torch.Tensor | None = None
         self._calls = 0
-        self.reset()
+        if checkpoint is None:
+            self.reset()
 
     def reset(self) -> None:
         """Zero state, empty buffer."""

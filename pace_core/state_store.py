@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from pace_core.backend import backend_setting, capturing, select_steps
-from pace_core.checkpoint import state_format
+from pace_core.backend import backend_setting, capturing
 from pace_core.errors import PaceError
 from pace_core.quant import all_finite
-from pace_core.schedule import Capture, PeriodicState
+from pace_core.pool import StatePool
+from pace_core.schedule import Capture
 from pace_core.shapes import ModelShape
 
 if TYPE_CHECKING:
@@ -60,26 +60,20 @@ class LayerState:
     def __init__(self, cfg: PaceConfig, batch: int, num_k_heads: int, num_v_heads: int, d_k: int, d_v: int,
                  device: torch.device | str, gdn_index: int = 0,
                  name: str = "state", chunk_size: int = 64, backend: str | None = None) -> None:
-        self.cfg, self.name, self.chunk_size = cfg, name, chunk_size
+        self.cfg, self.name, self.chunk_size, self.gdn_index = cfg, name, chunk_size, gdn_index
         self.setting = backend_setting(backend)
         self.shape = (batch, num_k_heads, num_v_heads, d_k, d_v)
-        bits = cfg.head_bits(gdn_index, num_v_heads) if cfg.quantized else (cfg.bits,) * num_v_heads
-        layer = None if cfg.calibrated is None else cfg.calibrated.layers[gdn_index]
-        self.fmt = state_format(cfg, bits, layer, name)
         self._allocate(torch.device(device))
 
     def _allocate(self, device: torch.device) -> None:
-        """(Re-)create the empty layer state on ``device``: zero checkpoint, empty buffer, its backend."""
-        cfg = self.cfg
+        """(Re-)create the empty layer state on ``device``: a pool of the batch's slots (a zero state in each, its
+        backend) and the schedule over all of them."""
         B, H, HV, K, V = self.shape
         self.device = device
-        self.fmt.to(device)
-        buffer = cfg.buffer_format
-        steps = select_steps(self.fmt, buffer if cfg.buffered else None, K, V, device, self.setting)
-        self.state = PeriodicState(self.fmt, steps, self.shape, device, prefill_period=cfg.prefill_period,
-                                   decode_period=cfg.decode_period, buffer=buffer,
-                                   after_decode=cfg.prefill_after_decode, exact_current=cfg.exact_current_token,
-                                   chunk_size=self.chunk_size)
+        self.pool = StatePool(self.cfg, (H, HV, K, V), B, device, gdn_index=self.gdn_index, name=self.name,
+                              backend=self.setting, chunk_size=self.chunk_size)
+        self.fmt = self.pool.fmt
+        self.state = self.pool.state()
         self.used = False
 
     @property

@@ -1,5 +1,5 @@
-"""pace_core.vllm.slots: pool rows hold exactly what the accounting counts, and the schedule on pool rows
-keeps each sequence's checkpoint, buffer and flush points its own (no vLLM needed)."""
+"""pace_core.vllm.slots: pool rows hold exactly what the accounting counts, and the pool stepped in an engine's
+rows of bytes keeps each sequence's checkpoint, buffer and flush points its own (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pace_core.errors import PaceError
 from pace_core.recurrence import prepare_qk
 from pace_core.shapes import ModelShape
 from pace_core.state_store import LayerState
-from pace_core.vllm.slots import SlotLayout, SlotPool
+from pace_core.pool import StatePool
+from pace_core.vllm.slots import SlotLayout
 from kernels_support import kernel_modules
 from numerics import fp32_bound, rel
 
@@ -41,12 +42,24 @@ def test_row_bytes_are_the_accounting_per_sequence(name, heads):
     per_sequence = accounting.state_bytes_per_sequence(cfg, shape)
     assert layout.nbytes == per_sequence
     for f in layout.fields:  # every field starts aligned to its dtype
-        assert f.offset % torch.empty((), dtype=f.dtype).element_size() == 0
+        assert layout.offsets[f.name] % torch.empty((), dtype=f.dtype).element_size() == 0
 
 
 def test_methods_a_row_cannot_hold_are_refused():
     with pytest.raises(PaceError, match="cannot be served from a state pool"):
         SlotLayout(NAMED_CONFIGS["damp-int4"], 2, 4, 128, 128)
+
+
+def _pool(layout: SlotLayout, slots: int, backend: str | None = None) -> StatePool:
+    """A pool over an engine's rows of bytes (vLLM's pages) of ``layout``."""
+    H, HV, K, V = layout.dims
+    rows = torch.zeros(slots, layout.nbytes, dtype=torch.uint8)
+    return StatePool(layout.cfg, layout.dims, slots, "cpu", tensors=layout.views(rows), backend=backend)
+
+
+def _row(pool: StatePool, slot: int):
+    """The schedule over one slot of ``pool``."""
+    return pool.state({name: t[slot:slot + 1] for name, t in pool.tensors.items()})
 
 
 def _inputs(B: int, T: int, H: int, HV: int, K: int, V: int):
@@ -60,7 +73,7 @@ def _staggered(cfg, H: int, HV: int, K: int, V: int, backend: str | None = None)
     state, pool count, alone buffered count); the alone runs are one-sequence LayerStates on the reference."""
     P, T = 5, 19
     layout = SlotLayout(cfg, H, HV, K, V)
-    pool = SlotPool(layout, torch.zeros(7, layout.nbytes, dtype=torch.uint8), backend=backend)
+    pool = _pool(layout, 7, backend)
     slots, joins = [5, 0, 3], [0, 3, 6]
     x = _inputs(3, P + T, H, HV, K, V)
     outs: list[list[torch.Tensor]] = [[] for _ in slots]
@@ -80,9 +93,11 @@ def _staggered(cfg, H: int, HV: int, K: int, V: int, backend: str | None = None)
         alone = LayerState(cfg, 1, H, HV, K, V, "cpu", backend="reference")
         o_alone = torch.cat([alone.prefill(*(a[i:i + 1, :P] for a in x)), alone.decode(*(a[i:i + 1, P:] for a in x))],
                             1)[0]
-        count = int(pool.counts[slots[i]])
-        result.append((torch.cat([outs[i][0], torch.stack(outs[i][1:])]), o_alone,
-                       pool._state(torch.tensor([slots[i]]), count).effective_state(), alone.effective_state(),
+        count = int(pool.counts(torch.tensor([slots[i]]))[0])
+        row = _row(pool, slots[i])
+        with row.call():
+            state = row.effective_state()
+        result.append((torch.cat([outs[i][0], torch.stack(outs[i][1:])]), o_alone, state, alone.effective_state(),
                        count, 0 if alone.buffer is None else len(alone.buffer)))
     return result
 
@@ -111,8 +126,7 @@ def test_staggered_sequences_on_the_kernels():
     kernel_modules()
     cfg = NAMED_CONFIGS["pace-4"]
     layout = SlotLayout(cfg, 2, 4, 64, 64)
-    probe = SlotPool(layout, torch.zeros(1, layout.nbytes, dtype=torch.uint8), backend="triton")
-    assert probe._state(torch.tensor([0]), None).uses_kernels()
+    assert _pool(layout, 1, "triton").steps.name == "triton"
     for o_pool, o_alone, s_pool, s_alone, count, buffered in _staggered(cfg, 2, 4, 64, 64,
                                                                         backend="triton"):
         assert rel(o_pool, o_alone) <= 1e-2
@@ -127,10 +141,12 @@ def test_a_continued_prompt_starts_from_the_stored_state():
     H, HV, K, V = 2, 4, 64, 64
     cfg = NAMED_CONFIGS["pace-4"]
     layout = SlotLayout(cfg, H, HV, K, V)
-    pool = SlotPool(layout, torch.zeros(2, layout.nbytes, dtype=torch.uint8))
+    pool = _pool(layout, 2)
     x = _inputs(1, 30, H, HV, K, V)
     ref = LayerState(cfg, 1, H, HV, K, V, "cpu")
     for lo, hi, initial in ((0, 12, False), (12, 30, True)):
         o = pool.prefill(1, *(a[0, lo:hi] for a in x), initial=initial)
         assert torch.equal(o, ref.prefill(*(a[:, lo:hi] for a in x))[0])
-    assert torch.equal(pool._state(torch.tensor([1]), 0).effective_state(), ref.effective_state())
+    row = _row(pool, 1)
+    with row.call():
+        assert torch.equal(row.effective_state(), ref.effective_state())

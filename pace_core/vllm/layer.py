@@ -4,7 +4,7 @@ vLLM's own layer name, so every Qwen3.5 / Qwen3.6 / Qwen3-Next model builds this
 Without a served configuration (:func:`pace_core.vllm.settings.served`) the layer is vLLM's, unchanged.
 With one, its state pool holds, per sequence, vLLM's conv state and a row of bytes with the PACE state
 (:class:`pace_core.vllm.slots.SlotLayout`), and its forward is vLLM's projections, vLLM's causal conv
-(the CPU or the Triton one, by platform), then the state step of :class:`pace_core.vllm.slots.SlotPool`:
+(the CPU or the Triton one, by platform), then the state step of :class:`pace_core.pool.StatePool` over the pages:
 the same q, k, v, g, beta and the same schedule and arithmetic as the transformers path
 (:mod:`pace_core.model.patch`): the PyTorch reference on a CPU, the project's Triton kernels for CUDA
 tensors (:mod:`pace_core.backend`).
@@ -32,7 +32,7 @@ from pace_core.errors import PaceError
 from pace_core.vllm import ARCHITECTURES
 from pace_core.recurrence import prepare_qk
 from pace_core.vllm.settings import served
-from pace_core.vllm.slots import SlotPool
+from pace_core.pool import StatePool
 
 if current_platform.is_cpu():
     from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu as conv_prefill
@@ -50,7 +50,7 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def __init__(self, config: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
         super().__init__(config, vllm_config, prefix, **kwargs)
         self.served = served(vllm_config)
-        self.pool: SlotPool | None = None
+        self.pool: StatePool | None = None
         if self.served is not None:
             architecture = vllm_config.model_config.architecture
             if architecture not in ARCHITECTURES:
@@ -75,7 +75,10 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         super().bind_kv_cache(kv_cache)
         if self.served is None:
             return
-        self.pool = SlotPool(self.layout, self.kv_cache[1], name=f"state of GDN layer {self.layer_idx}")
+        rows = self.kv_cache[1]
+        self.pool = StatePool(self.layout.cfg, self.layout.dims, rows.shape[0], rows.device,
+                              gdn_index=self.layout.gdn_index, tensors=self.layout.views(rows),
+                              name=f"state of GDN layer {self.layer_idx}")
         if self.layer_idx == self.served.shape.gdn_layers[0]:
             self._log_pool(kv_cache)
 

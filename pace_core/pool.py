@@ -1,0 +1,180 @@
+"""One GDN layer's PACE state for N slots as fixed tensors: a serving engine's state pool, the rows of a
+transformers batch, the benchmark's layer. The one storage of the state (PACE_SPEC §2-§3) and the one place that
+steps it.
+
+- **Fields** (:func:`pool_fields`): per slot the checkpoint's stored tensors (:mod:`pace_core.checkpoint`: the
+  plain state of a reference; codes, fp16 scales and zero points of PACE / RTN, one packed part per width for
+  PACE-4/8; each method's own) and, at dP >= 2, the decode buffer's storage for dP records
+  (:meth:`pace_core.buffer.DecodeBuffer.storage`). Their bytes are exactly what
+  :func:`pace_core.accounting.state_bytes` counts per sequence; what is kept once per layer (head maps, DAMP's
+  rows, STEPQuant's widths) stays with the format. A slot's record count is read from its storage (a record's
+  log decay is <= 0, an empty slot's :data:`pace_core.buffer.EMPTY`), so rows at different positions of their
+  schedule share one pool with nothing beside it.
+- **Tensors**: allocated here (a zero state in every slot), or given as views into an engine's memory (vLLM's
+  pages: :class:`pace_core.vllm.slots.SlotLayout`); never reallocated, written in place.
+- **Steps**: :meth:`state` is the schedule (:class:`pace_core.schedule.PeriodicState`) over every slot at once,
+  all at the same position (a transformers batch: ``generate``, the analyses). :meth:`decode` steps the slots
+  ``slots [B]`` by one token each, whatever their positions: each row's record goes into its own buffer and a
+  row whose buffer this token fills is flushed, the others' checkpoints are left as they are; :meth:`prefill`
+  runs a prompt in one slot, from its stored state or from zero. The rows are gathered by their record count (a
+  pool step is one schedule step per count present, at most dP), run by the same schedule and backend as the
+  transformers path, and written back: the arithmetic is the same function on the same inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pace_core.backend import select_steps
+from pace_core.buffer import EMPTY, records_held
+from pace_core.checkpoint import checkpoint_tensors, state_format, with_tensors
+from pace_core.config import PaceConfig
+from pace_core.errors import PaceError
+from pace_core.schedule import PeriodicState
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-slot tensor of a pool: ``name``, ``shape`` (without the slot axis), ``dtype``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one slot's tensor."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class StatePool:
+    """The state of one GDN layer for ``slots`` sequences under ``cfg`` (module docstring).
+
+    ``dims = (H, HV, K, V)``; ``gdn_index``: the layer's position among the GDN layers (its 8-bit heads, its
+    calibrated tensors); ``tensors``: the pool's tensors by :func:`pool_fields` name, ``[slots, *shape]`` each (an
+    engine's memory), else allocated on ``device`` with a zero state in every slot; ``backend`` as
+    :func:`pace_core.backend.select_steps`; ``chunk_size``: the chunked GDN's chunk length.
+    """
+
+    def __init__(self, cfg: PaceConfig, dims: tuple[int, int, int, int], slots: int, device: torch.device | str,
+                 *, gdn_index: int = 0, tensors: dict[str, torch.Tensor] | None = None, name: str = "state",
+                 backend: str | None = None, chunk_size: int = 64) -> None:
+        H, HV, K, V = dims
+        self.cfg, self.dims, self.slots, self.name, self.chunk_size = cfg, dims, slots, name, chunk_size
+        self.device = torch.device(device)
+        bits = cfg.head_bits(gdn_index, HV) if cfg.quantized else (cfg.bits,) * HV
+        layer = None if cfg.calibrated is None else cfg.calibrated.layers[gdn_index]
+        self.fmt = state_format(cfg, bits, layer, name).to(self.device)
+        self.steps = select_steps(self.fmt, cfg.buffer_format if cfg.buffered else None, K, V, self.device, backend)
+        zero = self.fmt.zeros((1, HV, K, V), self.device)
+        self.checkpoint_names = tuple(checkpoint_tensors(zero))
+        fields = pool_fields(cfg, dims, gdn_index, zero)
+        if tensors is None:
+            tensors = {f.name: torch.zeros(slots, *f.shape, dtype=f.dtype, device=self.device) for f in fields}
+        want = {f.name: ((slots, *f.shape), f.dtype) for f in fields}
+        have = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+        if have != want:
+            raise PaceError(f"tensors: {have} not allowed for {name}; allowed: {want} (pace_core.pool.pool_fields)")
+        self.tensors = tensors
+        self.template = with_tensors(zero, {n: tensors[n][:1] for n in self.checkpoint_names})
+        """The checkpoint's structure (and what it keeps once per layer) that rows fill in, over the first slot (no
+        bytes of its own)."""
+        self.reset()
+
+    def state(self, rows: dict[str, torch.Tensor] | None = None) -> PeriodicState:
+        """The schedule over every slot of the pool at once (``rows``: over these gathered rows instead), all at the
+        same position of their schedule."""
+        tensors = self.tensors if rows is None else rows
+        n = next(iter(tensors.values())).shape[0]
+        H, HV, K, V = self.dims
+        cfg = self.cfg
+        checkpoint = with_tensors(self.template, {name: tensors[name] for name in self.checkpoint_names})
+        records = {name: t for name, t in tensors.items() if name not in self.checkpoint_names} or None
+        return PeriodicState(self.fmt, self.steps, (n, H, HV, K, V), self.device, prefill_period=cfg.prefill_period,
+                             decode_period=cfg.decode_period, buffer=cfg.buffer_format,
+                             after_decode=cfg.prefill_after_decode, exact_current=cfg.exact_current_token,
+                             chunk_size=self.chunk_size, checkpoint=checkpoint, records=records)
+
+    def reset(self, slots: torch.Tensor | None = None) -> None:
+        """The zero state in ``slots`` (long ``[n]``; None: every slot)."""
+        zero = checkpoint_tensors(self.fmt.zeros((1, *self.dims[1:]), self.device))
+        for name, t in self.tensors.items():
+            target = t if slots is None else t.index_select(0, slots)
+            if name in zero:
+                target.copy_(zero[name].expand_as(target))
+            else:
+                target.fill_(EMPTY if name == "log_decays" else 0)
+            if slots is not None:
+                t.index_copy_(0, slots, target)
+
+    def counts(self, slots: torch.Tensor) -> torch.Tensor:
+        """The records each of ``slots [n]`` holds in its buffer (zeros at dP = 1): ``[n]`` long."""
+        if "log_decays" not in self.tensors:
+            return torch.zeros(slots.shape[0], dtype=torch.long, device=slots.device)
+        return records_held(self.tensors["log_decays"].index_select(0, slots))
+
+    def _rows(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: t.index_select(0, slots) for name, t in self.tensors.items()}
+
+    def _write(self, slots: torch.Tensor, rows: dict[str, torch.Tensor], names) -> None:
+        for name in names:
+            self.tensors[name].index_copy_(0, slots, rows[name])
+
+    def decode(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor) -> torch.Tensor:
+        """One decode token for each slot of ``slots [B]`` (long, distinct): ``q, k [B, H, K]`` prepared,
+        ``v [B, HV, V]``, ``g, beta [B, HV]`` float32 (float64 computes in float64) -> ``o [B, HV, V]``. Each row's record goes into its
+        own buffer; a row whose buffer the token fills is flushed (its checkpoint written back, its buffer
+        emptied); the other rows' checkpoints are not written."""
+        out = torch.empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
+        counts = self.counts(slots)
+        for count in counts.unique().tolist():
+            pick = (counts == count).nonzero().squeeze(1)
+            sub = slots.index_select(0, pick)
+            rows = self._rows(sub)
+            state = self.state(rows)
+            with state.call():
+                o = state.decode(*(x.index_select(0, pick).unsqueeze(1) for x in (q, k, v, g, beta)))
+            out.index_copy_(0, pick, o[:, 0])
+            changed = rows if state.buffer is None or len(state.buffer) == 0 else (
+                name for name in rows if name not in self.checkpoint_names)
+            self._write(sub, rows, changed)
+        return out
+
+    def prefill(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, initial: bool) -> torch.Tensor:
+        """A prompt in ``slot``: ``q, k [T, H, K]`` prepared, ``v [T, HV, V]``, ``g, beta [T, HV]`` float32, from
+        the slot's stored state (``initial``: a prompt continued, e.g. a chunked prefill's next part) or from
+        zero -> ``o [T, HV, V]`` float32."""
+        sub = torch.tensor([slot], device=self.tensors[self.checkpoint_names[0]].device)
+        if not initial:
+            self.reset(sub)
+        rows = self._rows(sub)
+        state = self.state(rows)
+        with state.call():
+            o = state.prefill(*(x.unsqueeze(0) for x in (q, k, v, g, beta)))
+        self._write(sub, rows, rows)
+        return o[0]
+
+
+def pool_fields(cfg: PaceConfig, dims: tuple[int, int, int, int], gdn_index: int = 0,
+                template=None) -> tuple[Field, ...]:
+    """The per-slot tensors of one GDN layer's state under ``cfg`` (``dims = (H, HV, K, V)``): the checkpoint's
+    stored tensors and, at dP >= 2, the decode buffer's storage for dP records, in decreasing element size (so
+    that fields laid one after another in a row of bytes start aligned). ``template``: a one-slot checkpoint of
+    the layer, when at hand."""
+    H, HV, K, V = dims
+    if template is None:
+        bits = cfg.head_bits(gdn_index, HV) if cfg.quantized else (cfg.bits,) * HV
+        layer = None if cfg.calibrated is None else cfg.calibrated.layers[gdn_index]
+        template = state_format(cfg, bits, layer).zeros((1, HV, K, V), torch.device("cpu"))
+    tensors = dict(checkpoint_tensors(template))
+    if cfg.buffered:
+        from pace_core.buffer import DecodeBuffer
+
+        tensors.update(DecodeBuffer(1, H, HV, K, V, cfg.decode_period, cfg.buffer_format).storage())
+    order = sorted(tensors, key=lambda name: -tensors[name].element_size())
+    return tuple(Field(name, tuple(tensors[name].shape[1:]), tensors[name].dtype) for name in order)
