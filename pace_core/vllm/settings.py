@@ -48,11 +48,11 @@ class Served:
         return max(layout.nbytes for layout in self.layouts.values())
 
 
-def serve_command(model: str, config_file: str) -> str:
-    """The ``vllm serve`` command line that serves ``model`` with the exported ``config_file``."""
-    extra = json.dumps({CONFIG_KEY: config_file})
-    return (f"vllm serve {shlex.quote(model)} --enforce-eager --no-enable-prefix-caching "
-            f"--additional-config {shlex.quote(extra)}")
+def serve_command(model: str, config_file: str | None) -> str:
+    """The ``vllm serve`` command line that serves ``model`` with the exported ``config_file`` (None: the same
+    engine settings with vLLM's own state, as benchmarks compare)."""
+    line = f"vllm serve {shlex.quote(model)} --enforce-eager --no-enable-prefix-caching"
+    return line if config_file is None else f"{line} --additional-config {shlex.quote(json.dumps({CONFIG_KEY: config_file}))}"
 
 
 def config_source(additional_config: Any) -> str | None:
