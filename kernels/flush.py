@@ -11,9 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.plan import DecodePlan
-from kernels.primitives import bf16_split, biased, expand, operand, packed_head, quant_tile
-from kernels.records import RECORD_COUNT, load_vecs, vec_parts
+from .plan import DecodePlan
+from .primitives import bf16_split, biased, expand, operand, packed_head, quant_tile
+from .records import RECORD_COUNT, load_vecs, vec_parts
 from pace_core.buffer import DecodeBuffer
 
 
@@ -214,7 +214,7 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     bv = min(m["flush_columns"], V)
     for (args, common, heads), gluon in zip(plan.launches[m["per_part"]], plan.gluon_flush[m["per_part"]]):
         if gluon:  # decided once per plan (kernels.plan.gluon_flush_apply); imported only on a GPU
-            from kernels import gluon_flush
+            from . import gluon_flush
 
             gluon_flush.launch(plan, len(buf), args, common, heads)
             continue

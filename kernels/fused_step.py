@@ -9,9 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.plan import DecodePlan
-from kernels.primitives import ckpt_base, ckpt_store, ckpt_tile, head_slot
-from kernels.records import RECORD_COUNT, append_record, load_vecs, record_reads, stored_vec, token_output
+from .plan import DecodePlan
+from .primitives import ckpt_base, ckpt_store, ckpt_tile, head_slot
+from .records import RECORD_COUNT, append_record, load_vecs, record_reads, stored_vec, token_output
 from pace_core.buffer import DecodeBuffer
 
 

@@ -23,8 +23,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.plan import part_args
-from kernels.primitives import bf16_split, part_head
+from .plan import part_args
+from .primitives import bf16_split, part_head
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 """The accumulators' layout: ``mma.m16n8k16`` of one warp."""

@@ -29,10 +29,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.gluon_dots import LA, LB, MMA
-from kernels.packed_step import record_block
-from kernels.plan import part_args
-from kernels.primitives import (TWO23, asym_code_sum, asym_scale, bf16_split, biased, code_clamp, part_head,
+from .gluon_dots import LA, LB, MMA
+from .packed_step import record_block
+from .plan import part_args
+from .primitives import (TWO23, asym_code_sum, asym_scale, bf16_split, biased, code_clamp, part_head,
                                 sym_code_sum, sym_fits, sym_scale, sym_value)
 
 COLUMNS = gl.constexpr(32)

@@ -25,12 +25,12 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kernels.gluon_dots import head_dots, products
-from kernels.gluon_flush import record_log_decays
-from kernels.packed_step import record_block
-from kernels.plan import DecodePlan, part_args
-from kernels.primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
-from kernels.records import RECORD_COUNT
+from .gluon_dots import head_dots, products
+from .gluon_flush import record_log_decays
+from .packed_step import record_block
+from .plan import DecodePlan, part_args
+from .primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
+from .records import RECORD_COUNT
 from pace_core.buffer import DecodeBuffer
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.plan import DecodePlan
-from kernels.primitives import bf16_split, centred, nibbles_bf16, operand, packed_head
-from kernels.records import RECORD_COUNT, append_record, record_reads, token_output
+from .plan import DecodePlan
+from .primitives import bf16_split, centred, nibbles_bf16, operand, packed_head
+from .records import RECORD_COUNT, append_record, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
 
@@ -310,7 +310,7 @@ def launch_dots(plan: DecodePlan, q, k) -> None:
     per_part = m["dots_per_part"]
     for (args, common, heads), gluon in zip(plan.launches[per_part], plan.gluon_dots[per_part]):
         if gluon:
-            from kernels import gluon_dots  # GPU only: never imported under the interpreter
+            from . import gluon_dots  # GPU only: never imported under the interpreter
             gluon_dots.launch(plan, q, k, args, common, heads)
             continue
         _ckpt_dots_kernel[(B * heads, V // bv)](q, k, plan.workspace, *args, H, HV, BV=bv, num_warps=m["dots_warps"],
@@ -341,7 +341,7 @@ def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o)
         launch_records(plan, buf, q, k, v, g, beta, o)
         return
     if plan.gluon_step:
-        from kernels import gluon_step  # GPU only: never imported under the interpreter
+        from . import gluon_step  # GPU only: never imported under the interpreter
         gluon_step.launch(plan, buf, q, k, v, g, beta, o)
         return
     B, H, HV, K, V = plan.shape

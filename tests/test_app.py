@@ -409,6 +409,9 @@ def test_export_preview_import_and_load(params):
     measured = next(c.value for c in at.caption if "vllm_cpu.json" in c.value)  # the shipped vLLM figures
     assert f"pace-4-8 {json.loads((REPO_ROOT / 'data/bench/vllm_cpu.json').read_text())['rows'][-1]['teacher_forced']:.1%}" \
         in measured
+    served = next(d.value for d in at.dataframe if "burst wall time ×" in d.value.columns)  # vllm_serve_cpu.json
+    stored = json.loads((REPO_ROOT / "data/bench/vllm_serve_cpu.json").read_text())["ratios"]
+    assert list(served["burst wall time ×"]) == [round(r["wall_ratio"], 2) for r in stored if r["concurrency"] == 64]
     assert at.get("download_button")[0].proto.label == "Download pace-4.json"
     at.text_area(key="export_paste").set_value('{"schema_version": 99}').run()
     assert at.error and "schema_version" in at.error[0].value

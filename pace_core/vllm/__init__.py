@@ -7,7 +7,9 @@
 of its processes; it registers, by name and lazily (nothing of vLLM's model code is imported here):
 
 - :class:`pace_core.vllm.layer.PaceGatedDeltaNetAttention` for vLLM's ``QwenGatedDeltaNetAttention``,
-- the Qwen hybrid architectures' model classes of :mod:`pace_core.vllm.models`, which size the pool's pages.
+- the Qwen hybrid architectures' model classes of :mod:`pace_core.vllm.models`, which size the pool's pages,
+- :mod:`pace_core.vllm.startup`'s check of the configuration where vLLM builds its own (a refusal stops
+  ``vllm serve`` before an engine starts) and the metrics it publishes on ``/metrics``.
 
 Only the state changes; with no configuration asked for, both behave as vLLM's own.
 :mod:`pace_core.vllm.slots` (no vLLM needed) lays the state out in pool rows and runs the schedule on
@@ -29,8 +31,10 @@ def register() -> None:
 
     if "QwenGatedDeltaNetAttention" in op_registry_oot:
         return
+    from pace_core.vllm import startup
     from pace_core.vllm.layer import PaceGatedDeltaNetAttention
 
+    startup.install()
     PluggableLayer.register_oot(PaceGatedDeltaNetAttention, name="QwenGatedDeltaNetAttention")
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"pace_core.vllm.models:Pace{arch}")

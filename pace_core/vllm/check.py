@@ -25,6 +25,13 @@ configuration:
   a batch of another size changes vLLM's bf16 arithmetic.)
 
 Written to ``<out>/vllm_cpu.json`` with provenance. A measurement, not a test (tests/vllm_plugin uses it).
+
+``--own-state CONFIG`` measures instead how closely the plugin follows vLLM's own arithmetic: vLLM with its own
+state and vLLM with the plugin serving ``CONFIG`` (``fp32``: the plugin's unrounded path) decode the same prompts
+greedily (all submitted together, top-2 log-probabilities kept), and each prompt whose tokens differ is
+reported at its first differing step with vLLM's top-2 margin there and the largest change of a top-2 margin
+between the two engines at the steps before it (same text): a difference is a near tie when that margin is
+within that change (:func:`own_state_agreement`). Written to ``<out>/vllm_cpu_own.json``.
 """
 
 from __future__ import annotations
@@ -205,6 +212,49 @@ def measure(model: str | os.PathLike, configs: Sequence[str], n_prompts: int, to
     return results
 
 
+@dataclass(frozen=True)
+class OwnStateRow:
+    """One prompt of :func:`own_state_agreement`: the first step where the two engines chose differently (None:
+    all equal), vLLM's own top-2 margin there and the largest change of a top-2 margin before it."""
+
+    prompt: int
+    first_difference: int | None
+    margin: float | None
+    drift: float
+    near_tie: bool | None
+
+
+def _margins(step: dict) -> tuple[tuple[int, int], float]:
+    """The top-2 token ids of one step's log-probabilities (vLLM's ``{token: Logprob}``) and their margin."""
+    (a, la), (b, lb) = sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])[:2]
+    return (a, b), la - lb
+
+
+def own_state_agreement(model: str | os.PathLike, config: str, prompt_ids: Sequence[Sequence[int]],
+                        tokens: int) -> list[OwnStateRow]:
+    """vLLM's own state against the plugin serving ``config`` (module docstring), one row per prompt."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = []
+    for served in (None, config):
+        llm = vllm_engine(model, served)
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
+        runs.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+        del llm
+    rows = []
+    for i, ((own, own_lp), (pace, pace_lp)) in enumerate(zip(*runs)):
+        t = next((s for s, (a, b) in enumerate(zip(own, pace)) if a != b), None)
+        drift = 0.0
+        for s in range(tokens if t is None else t):
+            pair, margin = _margins(own_lp[s])
+            if set(pair) <= set(pace_lp[s]):
+                drift = max(drift, abs(margin - (pace_lp[s][pair[0]].logprob - pace_lp[s][pair[1]].logprob)))
+        margin = None if t is None else _margins(own_lp[t])[1]
+        rows.append(OwnStateRow(i, t, margin, drift, None if t is None else margin <= drift))
+    return rows
+
+
 def _label(config: str) -> str:
     """A configuration as reported: a name, or a file's path relative to the repository when inside it."""
     path = Path(config)
@@ -221,11 +271,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--join-every", dest="join_every", type=int, default=4)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "data" / "bench")
+    parser.add_argument("--own-state", dest="own_state", metavar="CONFIG",
+                        help="measure the plugin serving CONFIG against vLLM's own state instead (module docstring)")
     args = parser.parse_args(argv)
     import vllm
 
     from pace_core.analysis.text import CALIBRATION_TEXT
     from pace_core.results import atomic_write, make_provenance
+
+    provenance = make_provenance(str(args.model), text_path=CALIBRATION_TEXT,
+                                 command=" ".join(["python -m pace_core.vllm.check", *sys.argv[1:]]),
+                                 extra={"vllm": vllm.__version__, "platform": platform.platform(),
+                                        "cpu": platform.processor()})
+    if args.own_state:
+        from transformers import AutoTokenizer
+
+        ids = prompts(AutoTokenizer.from_pretrained(args.model), args.prompts)
+        own = own_state_agreement(args.model, args.own_state, ids, args.tokens)
+        equal = sum(r.first_difference is None for r in own)
+        print(f"{_label(args.own_state)}: {equal} of {len(own)} prompts equal over {args.tokens} greedy tokens")
+        for r in own:
+            if r.first_difference is not None:
+                print(f"  prompt {r.prompt}: step {r.first_difference}, vLLM's top-2 margin {r.margin:.4f}, "
+                      f"largest margin change before it {r.drift:.4f}: {'near tie' if r.near_tie else 'NOT a near tie'}")
+        doc = {"kind": "vllm-own-state", "config": _label(args.own_state), "prompts": args.prompts,
+               "tokens": args.tokens, "equal_prompts": equal, "rows": [r.__dict__ for r in own],
+               "provenance": provenance}
+        text = json.dumps(doc, indent=1) + "\n"
+        atomic_write(args.out / "vllm_cpu_own.json", lambda p: p.write_text(text))
+        return 0
 
     rows = measure(args.model, args.configs, args.prompts, args.tokens, args.join_every, staggered=args.configs)
     print(f"{'config':<48} {'free-running':>12} {'teacher-forced':>14} {'staggered':>10}")
@@ -233,11 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{_label(r.config):<48} {r.free_running:>12.4f} {r.teacher_forced:>14.4f} "
               f"{'-' if r.staggered is None else f'{r.staggered:.4f}':>10}")
     doc = {"kind": "vllm-agreement", "prompts": args.prompts, "tokens": args.tokens, "join_every": args.join_every,
-           "rows": [{**r.__dict__, "config": _label(r.config)} for r in rows],
-           "provenance": make_provenance(str(args.model), text_path=CALIBRATION_TEXT,
-                                         command=" ".join(["python -m pace_core.vllm.check", *sys.argv[1:]]),
-                                         extra={"vllm": vllm.__version__, "platform": platform.platform(),
-                                                "cpu": platform.processor()})}
+           "rows": [{**r.__dict__, "config": _label(r.config)} for r in rows], "provenance": provenance}
     text = json.dumps(doc, indent=1) + "\n"
     atomic_write(args.out / "vllm_cpu.json", lambda p: p.write_text(text))
     return 0

@@ -31,6 +31,7 @@ from pace_core import accounting
 from pace_core.errors import PaceError
 from pace_core.vllm import ARCHITECTURES
 from pace_core.recurrence import prepare_qk
+from pace_core.vllm.pages import padded_page, smallest_kernel_block
 from pace_core.vllm.settings import served
 from pace_core.pool import StatePool
 
@@ -57,6 +58,9 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 raise PaceError(f"PACE states are served for {', '.join(ARCHITECTURES)}; this model is "
                                 f"{architecture}: serve it without a PACE configuration")
             self.layout = self.served.layouts[self.layer_idx]
+            self.vllm_config = vllm_config
+            self.vllm_block_size = vllm_config.cache_config.block_size
+            """The attention block size before the plugin chose finer ones (pace_core.vllm.pages): vLLM's own."""
             self.chunked_prefill = bool(vllm_config.scheduler_config.enable_chunked_prefill)
             self._forward_method = self._forward_pace
 
@@ -83,19 +87,26 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             self._log_pool(kv_cache)
 
     def _log_pool(self, kv_cache: torch.Tensor) -> None:
-        """Say at start-up what a page holds and how many more sequences' states the memory holds."""
+        """Say at start-up how many sequences' states the pool holds, and how many vLLM's own state would in the
+        same memory, both after vLLM pads the pages to whole attention blocks (:mod:`pace_core.vllm.pages`)."""
         cfg, shape, row = self.served.cfg, self.served.shape, self.served.row_bytes
         base_shapes, base_dtypes = super().get_state_shape(), super().get_state_dtype()
         conv = self.kv_cache[0][0].numel() * self.kv_cache[0].element_size()
-        base = math.prod(base_shapes[1]) * base_dtypes[1].itemsize
-        page = kv_cache[0].numel() * kv_cache.element_size()
+        base = conv + math.prod(base_shapes[1]) * base_dtypes[1].itemsize
+        slots, page = kv_cache.shape[0], kv_cache.stride(0) * kv_cache.element_size()  # padded: vLLM's stride
+        block = self.vllm_config.cache_config.block_size
+        token_bytes, finest = page // block, smallest_kernel_block(self.vllm_config)
+        own = padded_page(base, token_bytes, max(finest, self.vllm_block_size))
+        own_finest = padded_page(base, token_bytes, finest)
         logger.info(
-            "PACE %s: %d state slots per GDN layer in pages of %d bytes (conv state %d + a PACE row of %d bytes, "
-            "the largest GDN layer's; pace_core.accounting: %d bytes per sequence over the %d GDN layers). "
-            "vLLM's %s state needs %d bytes (conv %d + state %d): %.2fx as many sequences in the same memory "
-            "before vLLM rounds pages up to whole attention blocks (%.2fx counting the recurrent state alone)",
-            cfg.name, kv_cache.shape[0], page, conv, row, accounting.state_bytes_per_sequence(cfg, shape),
-            shape.num_gdn_layers, base_dtypes[1], conv + base, conv, base, (conv + base) / (conv + row), base / row)
+            "PACE %s: %d state slots per GDN layer, in pages of %d bytes (conv state %d + a PACE row of %d bytes, "
+            "the largest GDN layer's, padded to an attention block of %d tokens; pace_core.accounting: %d bytes "
+            "per sequence over the %d GDN layers). vLLM's own %s state (%d bytes) in the same memory: %d slots "
+            "in pages of %d bytes (%.2fx as many with PACE), %d at attention blocks in steps of %d tokens "
+            "(--block-size %d: %.2fx)",
+            cfg.name, slots, page, conv, row, block, accounting.state_bytes_per_sequence(cfg, shape),
+            shape.num_gdn_layers, base_dtypes[1], base, slots * page // own, own, own / page,
+            slots * page // own_finest, finest, finest, own_finest / page)
         if self.chunked_prefill:
             logger.warning(
                 "PACE: chunked prefill is on: a prompt that vLLM splits into parts is rounded at the end of "

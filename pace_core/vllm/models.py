@@ -4,7 +4,9 @@ vLLM sizes a hybrid model's pages (and the attention block size that matches the
 class's ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config`` before any layer
 exists. These subclasses answer with the layout :class:`pace_core.vllm.layer.PaceGatedDeltaNetAttention`
 binds (vLLM's conv state and a uint8 row of ``Served.row_bytes``), so a smaller state means smaller pages
-and more of them; without a served configuration they answer as vLLM's.
+and more of them; without a served configuration they answer as vLLM's. vLLM asks for the shape only where it
+pads the state pages to whole attention blocks, and the plugin chooses those blocks there too
+(:func:`pace_core.vllm.pages.finest_blocks`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from vllm.model_executor.models.qwen3_5 import (
 )
 from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
+from pace_core.vllm.pages import finest_blocks
 from pace_core.vllm.settings import served
 
 
@@ -28,10 +31,14 @@ class PaceStatePages:
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> tuple[tuple[int, ...], ...]:
-        """vLLM's conv state shape and, when serving PACE, the pool row (else vLLM's state shape)."""
+        """vLLM's conv state shape and, when serving PACE, the pool row (else vLLM's state shape); when serving
+        PACE, the attention blocks the pages are padded to become the finest the backends take."""
         shapes = super().get_mamba_state_shape_from_config(vllm_config)
         s = served(vllm_config)
-        return shapes if s is None else (shapes[0], (s.row_bytes,))
+        if s is None:
+            return shapes
+        finest_blocks(vllm_config)
+        return shapes[0], (s.row_bytes,)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> tuple[torch.dtype, ...]:

@@ -21,13 +21,14 @@ import json
 import os
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from pace_core.config import PaceConfig
+from pace_core.config import NAMED_CONFIGS, ConfigDocument, PaceConfig
 from pace_core.errors import PaceError
 from pace_core.export import admit
 from pace_core.shapes import ModelShape, shape_from_hf_config
-from pace_core.vllm.slots import SlotLayout
+from pace_core.vllm.slots import SLOT_METHODS, SlotLayout
 
 CONFIG_ENV = "PACE_CONFIG"
 CONFIG_KEY = "pace_config"
@@ -47,11 +48,11 @@ class Served:
         return max(layout.nbytes for layout in self.layouts.values())
 
 
-def serve_command(model: str, config_file: str) -> str:
-    """The ``vllm serve`` command line that serves ``model`` with the exported ``config_file``."""
-    extra = json.dumps({CONFIG_KEY: config_file})
-    return (f"vllm serve {shlex.quote(model)} --enforce-eager --no-enable-prefix-caching "
-            f"--additional-config {shlex.quote(extra)}")
+def serve_command(model: str, config_file: str | None) -> str:
+    """The ``vllm serve`` command line that serves ``model`` with the exported ``config_file`` (None: the same
+    engine settings with vLLM's own state, as benchmarks compare)."""
+    line = f"vllm serve {shlex.quote(model)} --enforce-eager --no-enable-prefix-caching"
+    return line if config_file is None else f"{line} --additional-config {shlex.quote(json.dumps({CONFIG_KEY: config_file}))}"
 
 
 def config_source(additional_config: Any) -> str | None:
@@ -83,6 +84,17 @@ def _refuse_settings(vllm_config: Any) -> None:
                         "--pipeline-parallel-size or data parallelism to spread a model")
 
 
+def _refuse_unknown(source: str) -> None:
+    """Refuse a configuration that is no name, JSON text or file, offering only what a pool row holds."""
+    text = source.strip()
+    if text.lower() in NAMED_CONFIGS or text.startswith("{") or Path(text).expanduser().is_file():
+        return
+    names = [name for name, cfg in NAMED_CONFIGS.items() if cfg.method in SLOT_METHODS]
+    raise PaceError(f"the PACE configuration {text!r} is neither a file nor a configuration name; allowed: the path "
+                    "of a JSON file written by the Export page or `python -m pace_core export`, or one of "
+                    f"{', '.join(names)}")
+
+
 @functools.lru_cache(maxsize=8)
 def _served(source: str, hf_config_json: str) -> Served:
     shape = shape_from_hf_config(json.loads(hf_config_json))
@@ -98,6 +110,7 @@ def served(vllm_config: Any) -> Served | None:
     source = config_source(vllm_config.additional_config)
     if source is None:
         return None
+    _refuse_unknown(source)
     _refuse_settings(vllm_config)
     hf = vllm_config.model_config.hf_config
     return _served(source, hf.to_json_string(use_diff=False))

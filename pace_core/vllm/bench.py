@@ -1,0 +1,264 @@
+"""Serving benchmark: vLLM's own state against the plugin, through ``vllm serve`` and its OpenAI API, at one
+state and cache memory budget.
+
+    python -m pace_core.vllm.bench [--model data/models/pace-tiny-qwen35] [--configs vllm-own fp32 ... FILE]
+                                   [--memory-mib 64] [--concurrency 1 8 32 64] [--tokens 32] [--runs 2]
+                                   [--out data/bench/vllm_serve_cpu.json]
+
+(in the vLLM environment: ``make vllm-env``). Each run serves every configuration in turn (by default vLLM's
+own state, ``vllm-own``, and each named configuration a pool row holds, PACE-4/8 with the embedded model's
+exported heads) with the documented command (:func:`pace_core.vllm.settings.serve_command`; ``vllm-own``:
+the same engine settings without a configuration), ``--kv-cache-memory-bytes`` of ``--memory-mib`` and
+``--max-model-len 512``. At each concurrency ``c`` it sends ``max(c, 8)`` requests, at most ``c`` in flight,
+of ``--tokens`` greedy tokens each (``ignore_eos``) on the 24-token prompts of
+:func:`pace_core.vllm.check.prompts` in turn, and measures: output tokens per second (all output tokens over
+the wall time; one request before the first level warms the server up), mean and 99th-percentile latency of a request, peak running sequences (vLLM's
+``vllm:num_requests_running`` on ``/metrics``, polled every 0.1 s) and the wall time; ``c = 64`` is the burst
+of 64 requests. ``ratios``: each plugin row over ``vllm-own``'s row of the same run and concurrency. The
+machine may be shared: the one-minute load average is recorded beside each configuration, and the ratios
+within one run are the figures to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from pace_core.vllm.check import EMBEDDED, REPO_ROOT, VLLM_OWN, MAX_MODEL_LEN, _label
+from pace_core.vllm.settings import serve_command
+
+PACE_4_8 = REPO_ROOT / "data" / "results" / "pace-tiny-qwen35" / "config-pace-4-8.json"
+CONFIGS = (VLLM_OWN, "fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", str(PACE_4_8))
+"""vLLM's own state and every named configuration a pool row holds (PACE-4/8 as the embedded model's export)."""
+SHIPPED = REPO_ROOT / "data" / "bench" / "vllm_serve_cpu.json"
+"""The figures this project measured (``python -m pace_core.vllm.bench``), shown on the Benchmarks and Export pages."""
+READY_S = 300
+"""How long a server may take to answer ``/health`` (about 40 s on two shared cores)."""
+MIN_REQUESTS = 8
+
+
+@dataclass
+class VllmServer:
+    """A ``vllm serve`` subprocess (its own process group) on ``port`` of 127.0.0.1, its output in ``log``."""
+
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @classmethod
+    def start(cls, model: str | os.PathLike, config: str | None, log: Path, args: Sequence[str] = (),
+              env: Mapping[str, str | None] = {}) -> VllmServer:
+        """:func:`serve_command` for ``model`` and ``config`` (None: vLLM's own state) with ``args`` on a free
+        port, run by this environment's ``vllm``; ``env`` overrides the environment (None: removes a variable).
+        vLLM runs its engine in its own processes, as for a user (``VLLM_ENABLE_V1_MULTIPROCESSING`` removed)."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv = shlex.split(serve_command(str(model), config)) + ["--port", str(port), *args]
+        full = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        full["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full.get('PATH', '')}"
+        for key, value in env.items():
+            full.pop(key, None) if value is None else full.__setitem__(key, value)
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=full, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        return cls(proc, port, log)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> str:
+        """The text of ``GET path`` (e.g. ``/metrics``)."""
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return r.read().decode()
+
+    def wait_ready(self, timeout: float = READY_S) -> None:
+        """Return once ``/health`` answers; RuntimeError with the log's end if the server exits or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
+            try:
+                self.get("/health")
+                return
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"vllm serve not ready after {timeout} s:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> int:
+        """Ctrl-C to the server's process group, as a user stops it; its exit status (killed after 60 s)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def metric(text: str, name: str) -> float | None:
+    """The value of the first sample of metric ``name`` in a Prometheus text (None when absent)."""
+    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return None if found is None else float(found.group(1))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, linear between the closest ranks."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+async def _level(server: VllmServer, model: str, prompt_ids: Sequence[Sequence[int]], concurrency: int,
+                 tokens: int, requests: int | None = None) -> dict[str, Any]:
+    """One concurrency level's measurements (module docstring): ``requests`` (default ``max(concurrency,
+    MIN_REQUESTS)``) requests, at most ``concurrency`` in flight."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    gate, latencies, outputs, peak, done = asyncio.Semaphore(concurrency), [], [], 0, asyncio.Event()
+
+    async def request(ids: Sequence[int]) -> None:
+        async with gate:
+            start = time.perf_counter()
+            r = await client.completions.create(model=model, prompt=list(ids), max_tokens=tokens, temperature=0.0,
+                                                extra_body={"ignore_eos": True})
+            latencies.append(time.perf_counter() - start)
+            outputs.append(r.usage.completion_tokens)
+
+    async def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            text = await asyncio.to_thread(server.get, "/metrics")
+            peak = max(peak, int(metric(text, "vllm:num_requests_running") or 0))
+            await asyncio.sleep(0.1)
+
+    n = requests or max(concurrency, MIN_REQUESTS)
+    watcher = asyncio.create_task(watch())
+    start = time.perf_counter()
+    await asyncio.gather(*(request(prompt_ids[i % len(prompt_ids)]) for i in range(n)))
+    wall = time.perf_counter() - start
+    done.set()
+    await watcher
+    await client.close()
+    return {"concurrency": concurrency, "requests": n, "output_tokens": sum(outputs),
+            "output_tokens_per_s": sum(outputs) / wall, "latency_mean_s": sum(latencies) / n,
+            "latency_p99_s": percentile(latencies, 99), "peak_running": peak, "wall_s": wall}
+
+
+def measure(model: str, config: str, prompt_ids: Sequence[Sequence[int]], concurrency: Sequence[int], tokens: int,
+            memory_bytes: int, log: Path) -> list[dict[str, Any]]:
+    """Rows of one configuration (``vllm-own``: vLLM's own state) served by ``vllm serve``, one per level."""
+    args = ["--kv-cache-memory-bytes", str(memory_bytes), "--max-model-len", str(MAX_MODEL_LEN)]
+    server = VllmServer.start(model, None if config == VLLM_OWN else config, log, args,
+                              env={"VLLM_CPU_KVCACHE_SPACE": None})  # it would override the budget
+    try:
+        server.wait_ready()
+        served = json.loads(server.get("/v1/models"))["data"][0]["id"]
+        blocks = re.search(r'num_gpu_blocks="(\d+)"', server.get("/metrics"))
+        asyncio.run(_level(server, served, prompt_ids[:1], 1, tokens, requests=1))  # warm-up, not counted
+        rows = []
+        for c in concurrency:
+            load = os.getloadavg()[0]
+            row = asyncio.run(_level(server, served, prompt_ids, c, tokens))
+            rows.append({"config": _label(config), **row, "blocks": int(blocks.group(1)) if blocks else None,
+                         "load_avg_1m": load})
+    finally:
+        server.stop()
+    return rows
+
+
+def ratios(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each plugin row over ``vllm-own``'s of the same run and concurrency: output tokens/s, peak running
+    sequences and wall time."""
+    own = {(r["run"], r["concurrency"]): r for r in rows if r["config"] == VLLM_OWN}
+    out = []
+    for r in rows:
+        base = own.get((r["run"], r["concurrency"]))
+        if r["config"] == VLLM_OWN or base is None:
+            continue
+        out.append({"run": r["run"], "config": r["config"], "concurrency": r["concurrency"],
+                    "tokens_per_s_ratio": r["output_tokens_per_s"] / base["output_tokens_per_s"],
+                    "peak_running_ratio": r["peak_running"] / max(base["peak_running"], 1),
+                    "wall_ratio": r["wall_s"] / base["wall_s"]})
+    return out
+
+
+def shipped_table(path: Path = SHIPPED, concurrency: int = 64) -> list[dict[str, Any]] | None:
+    """The stored ratios at ``concurrency`` (the burst), one row per configuration and run: tokens/s, peak
+    running and wall time over vLLM's own (None when the file is missing or unreadable)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        return [{"configuration": Path(r["config"]).stem.removeprefix("config-"), "run": r["run"],
+                 "output tok/s ×": round(r["tokens_per_s_ratio"], 2),
+                 "peak running ×": round(r["peak_running_ratio"], 2), "burst wall time ×": round(r["wall_ratio"], 2)}
+                for r in doc["ratios"] if r["concurrency"] == concurrency]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(EMBEDDED))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--memory-mib", dest="memory_mib", type=int, default=64)
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=SHIPPED)
+    parser.add_argument("--logs", type=Path, default=None, help="folder for the servers' output (default: a new "
+                        "temporary folder, printed)")
+    args = parser.parse_args(argv)
+    import vllm
+    from transformers import AutoTokenizer
+
+    from pace_core.results import atomic_write, make_provenance
+    from pace_core.vllm.check import prompts
+
+    ids = prompts(AutoTokenizer.from_pretrained(args.model), args.prompts)
+    load_start, rows = os.getloadavg(), []
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="vllm-bench-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"servers' output in {logs}", flush=True)
+    for run in range(1, args.runs + 1):
+        for config in args.configs:
+            log = logs / f"run{run}-{Path(_label(config)).stem}.log"
+            for row in measure(args.model, config, ids, args.concurrency, args.tokens, args.memory_mib << 20, log):
+                rows.append({"run": run, **row})
+                print(f"run {run} {row['config']:<48} c={row['concurrency']:<3} {row['output_tokens_per_s']:8.1f} tok/s "
+                      f"mean {row['latency_mean_s']:6.2f} s p99 {row['latency_p99_s']:6.2f} s peak "
+                      f"{row['peak_running']:3d} wall {row['wall_s']:6.1f} s load {row['load_avg_1m']:.2f}", flush=True)
+    doc = {"kind": "vllm-serve-bench", "memory_mib": args.memory_mib, "tokens": args.tokens,
+           "prompt_tokens": len(ids[0]), "device": f"CPU {platform.processor() or platform.machine()}, "
+           f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "rows": rows, "ratios": ratios(rows),
+           "provenance": make_provenance(str(args.model), command=" ".join(["python -m pace_core.vllm.bench",
+                                                                            *sys.argv[1:]]),
+                                         extra={"vllm": vllm.__version__, "platform": platform.platform(),
+                                                "load_avg_start": load_start, "load_avg_end": os.getloadavg()})}
+    text = json.dumps(doc, indent=1) + "\n"
+    atomic_write(args.out, lambda p: p.write_text(text))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
