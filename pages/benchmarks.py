@@ -161,12 +161,10 @@ TITLES = {"bench": "Decode step of 24 GDN layers (Qwen3.5-4B shapes), per batch"
           "app_cpu": "Dashboard responsiveness on the CPU (scripts/measure_app.py)",
           "app_cuda": "Dashboard responsiveness on the GPU (scripts/measure_app.py)",
           "app_cuda_bfloat16": "Dashboard responsiveness on the GPU, bfloat16 weights (scripts/measure_app.py --weights bfloat16)",
-          "vllm_cpu": "vLLM plugin on the CPU: share of vLLM's greedy tokens the transformers path picks too "
-                      "(python -m pace_core.vllm.check)",
-          "vllm_cpu_own": "vLLM plugin on the CPU, unrounded fp32: greedy tokens against vLLM's own state "
-                          "(python -m pace_core.vllm.check --own-state fp32)",
-          "vllm_serve_cpu": "Serving with vllm serve on the CPU: vLLM's own state against the plugin at one memory "
-                            "budget, per concurrency (python -m pace_core.vllm.bench)"}
+          "vllm_cpu_own": "vLLM serving the PACE state, unrounded fp32 (vllm-cpu, embedded model): greedy tokens "
+                          "against vLLM's own state (python -m pace_core.vllm.check --own-state fp32)",
+          "vllm_serve_cpu": "vLLM serving the PACE state, throughput (vllm serve on vllm-cpu): vLLM's own state "
+                            "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)"}
 """Headings of the benchmark files this project writes (others show their file name)."""
 
 
