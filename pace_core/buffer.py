@@ -171,30 +171,39 @@ class _VectorStore:
         ``slot .. slot + n - 1``; each vector is quantised on its own, so writing records together or one
         by one stores the same codes. ``packed``: ``x``'s packed form (of shape ``[B, n, heads, 1, length]``),
         when the caller made it."""
-        end = slot + x.shape[1]
+        self._store((slice(None), slice(slot, slot + x.shape[1])), x, packed)
+
+    def write_at(self, rows: torch.Tensor, at: torch.Tensor, x: torch.Tensor) -> None:
+        """Store one record per row: ``x [n, heads, length]`` at record ``at[i]`` of row ``rows[i]`` (long ``[n]``)."""
+        self._store((rows, at), x[:, None], None, squeeze=True)
+
+    def _store(self, where: tuple, x: torch.Tensor, packed: quant.PackedTensor | None, squeeze: bool = False) -> None:
+        """``x [n_rows, n, heads, length]`` (packed: ``[.., 1, length]``) into the records ``where`` indexes."""
+        shape = (lambda t: t[:, 0]) if squeeze else (lambda t: t)
         if self.spec is None:
-            self.data[:, slot:end] = x.to(self.kind)
+            self.data[where] = shape(x.to(self.kind))
             return
         packed = packed or quant.quantize(x.unsqueeze(-2), self.spec, checked=True, name="decode buffer vector")
-        self.codes[:, slot:end] = packed.codes.squeeze(-2)
-        self.scale[:, slot:end] = packed.scale.squeeze(-2)
+        self.codes[where] = shape(packed.codes.squeeze(-2))
+        self.scale[where] = shape(packed.scale.squeeze(-2))
         if self.zero is not None:
-            self.zero[:, slot:end] = packed.zero.squeeze(-2)
+            self.zero[where] = shape(packed.zero.squeeze(-2))
 
-    def read(self, n: int, dtype: torch.dtype, copy: bool = True) -> torch.Tensor:
+    def read(self, n: int, dtype: torch.dtype, copy: bool = True, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The first ``n`` records, dequantised: ``[B, n, heads, length]`` (``copy=False``: a view of the
-        storage where it holds them as they are, valid until the next write)."""
+        storage where it holds them as they are, valid until the next write); ``rows``: of these rows only."""
+        pick = (lambda t: t[:, :n]) if rows is None else (lambda t: t[rows, :n])
         if self.spec is not None:
-            B, _, heads, _ = self.codes.shape
+            codes = pick(self.codes)
             packed = quant.PackedTensor(
-                codes=self.codes[:, :n].unsqueeze(-2),
-                scale=self.scale[:, :n].unsqueeze(-2),
-                zero=None if self.zero is None else self.zero[:, :n].unsqueeze(-2),
+                codes=codes.unsqueeze(-2),
+                scale=pick(self.scale).unsqueeze(-2),
+                zero=None if self.zero is None else pick(self.zero).unsqueeze(-2),
                 spec=self.spec,
-                shape=(B, n, heads, 1, self.length),
+                shape=(codes.shape[0], n, codes.shape[2], 1, self.length),
             )
             return quant.dequantize(packed, dtype).squeeze(-2)
-        return self.data[:, :n].to(dtype, copy=copy)
+        return pick(self.data).to(dtype, copy=copy)
 
     def reorder(self, index: torch.Tensor) -> None:
         for t in self.tensors:
@@ -230,6 +239,7 @@ class DecodeBuffer:
         fmt: BufferFormat | str,
         device: torch.device | str = "cpu",
         storage: dict[str, torch.Tensor] | None = None,
+        per_row: bool = False,
     ) -> None:
         fmt = as_format(fmt)
         precision = fmt.precision
@@ -253,6 +263,9 @@ class DecodeBuffer:
         if storage is None:
             self._decays = torch.full((batch, capacity, num_v_heads), EMPTY, dtype=self.dtype, device=device)
             self._len = 0
+        elif per_row:
+            self._decays = storage["log_decays"]
+            self._len = 0  # rows hold their own counts: the per-row methods below, not len()
         else:
             self._decays = storage["log_decays"]
             held = records_held(self._decays)
@@ -345,6 +358,26 @@ class DecodeBuffer:
         ``values`` / ``value_scale`` / ``value_zero`` likewise with HV and V, ``log_decays [B, capacity,
         HV]``. Codes are :mod:`pace_core.quant`'s packed codes of value-axis groups along each vector."""
         return {**self._keys.storage(), **self._values.storage(), "log_decays": self._decays}
+
+    def masked_records(self, rows: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        """The first ``n`` record slots of ``rows`` (long ``[B]``), each row holding ``counts[b]`` records: ``(keys
+        [B, n, H, K], delta values [B, n, HV, V], log decays [B, n, HV])`` in :attr:`dtype`, a slot beyond its
+        row's count read as ``u = 0``, ``g = 0`` (it writes and decays nothing: pace_core.recurrence.Records)."""
+        held = (torch.arange(n, device=counts.device)[None, :] < counts[:, None]).to(self.dtype)  # [B, n]
+        us = self._values.read(n, self.dtype, rows=rows) * held[..., None, None]
+        gs = self._decays[rows, :n].to(self.dtype) * held[..., None]
+        return self._keys.read(n, self.dtype, rows=rows), us, gs
+
+    def write_at(self, rows: torch.Tensor, at: torch.Tensor, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> None:
+        """One record per row (``rows``, ``at`` long ``[B]``): ``k [B, H, K]``, ``u [B, HV, V]``, ``g [B, HV]`` at
+        record ``at[b]`` of row ``rows[b]`` (finite; the caller checked them)."""
+        self._keys.write_at(rows, at, k)
+        self._values.write_at(rows, at, u)
+        self._decays[rows, at] = g.to(self.dtype)
+
+    def empty_rows(self, rows: torch.Tensor) -> None:
+        """Forget every record of ``rows`` (long ``[n]``)."""
+        self._decays[rows] = EMPTY
 
     def mark_appended(self, n: int = 1) -> None:
         """Count ``n`` records that a kernel wrote in place into slots ``len .. len + n - 1``."""

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from pace_core.backend import select_steps
-from pace_core.buffer import EMPTY, records_held
+from pace_core.buffer import EMPTY, DecodeBuffer, records_held
 from pace_core.checkpoint import checkpoint_tensors, state_format, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.quant import all_finite
+from pace_core.recurrence import fold_records, step_records
 from pace_core.schedule import PeriodicState
 
 
@@ -53,25 +55,25 @@ class Field:
 class StatePool:
     """The state of one GDN layer for ``slots`` sequences under ``cfg`` (module docstring).
 
-    ``dims = (H, HV, K, V)``; ``gdn_index``: the layer's position among the GDN layers (its 8-bit heads, its
-    calibrated tensors); ``tensors``: the pool's tensors by :func:`pool_fields` name, ``[slots, *shape]`` each (an
-    engine's memory), else allocated on ``device`` with a zero state in every slot; ``backend`` as
-    :func:`pace_core.backend.select_steps`; ``chunk_size``: the chunked GDN's chunk length.
+    ``dims = (H, HV, K, V)`` of the heads this pool holds; ``gdn_index``: the layer's position among the GDN
+    layers (its 8-bit heads, its calibrated tensors); ``tp = (rank, size)``: a tensor-parallel rank holds the
+    layer's value heads ``rank·HV`` to ``(rank + 1)·HV`` (and their key heads) of ``size·HV``; ``tensors``:
+    the pool's tensors by :func:`pool_fields` name, ``[slots, *shape]`` each (an engine's memory), else allocated
+    on ``device`` with a zero state in every slot; ``backend`` as :func:`pace_core.backend.select_steps`;
+    ``chunk_size``: the chunked GDN's chunk length.
     """
 
     def __init__(self, cfg: PaceConfig, dims: tuple[int, int, int, int], slots: int, device: torch.device | str,
-                 *, gdn_index: int = 0, tensors: dict[str, torch.Tensor] | None = None, name: str = "state",
-                 backend: str | None = None, chunk_size: int = 64) -> None:
+                 *, gdn_index: int = 0, tp: tuple[int, int] = (0, 1), tensors: dict[str, torch.Tensor] | None = None,
+                 name: str = "state", backend: str | None = None, chunk_size: int = 64) -> None:
         H, HV, K, V = dims
         self.cfg, self.dims, self.slots, self.name, self.chunk_size = cfg, dims, slots, name, chunk_size
         self.device = torch.device(device)
-        bits = cfg.head_bits(gdn_index, HV) if cfg.quantized else (cfg.bits,) * HV
-        layer = None if cfg.calibrated is None else cfg.calibrated.layers[gdn_index]
-        self.fmt = state_format(cfg, bits, layer, name).to(self.device)
+        self.fmt = layer_format(cfg, HV, gdn_index, tp, name).to(self.device)
         self.steps = select_steps(self.fmt, cfg.buffer_format if cfg.buffered else None, K, V, self.device, backend)
         zero = self.fmt.zeros((1, HV, K, V), self.device)
         self.checkpoint_names = tuple(checkpoint_tensors(zero))
-        fields = pool_fields(cfg, dims, gdn_index, zero)
+        fields = pool_fields(cfg, dims, gdn_index, tp, zero)
         if tensors is None:
             tensors = {f.name: torch.zeros(slots, *f.shape, dtype=f.dtype, device=self.device) for f in fields}
         want = {f.name: ((slots, *f.shape), f.dtype) for f in fields}
@@ -82,6 +84,10 @@ class StatePool:
         self.template = with_tensors(zero, {n: tensors[n][:1] for n in self.checkpoint_names})
         """The checkpoint's structure (and what it keeps once per layer) that rows fill in, over the first slot (no
         bytes of its own)."""
+        self.records = None if not cfg.buffered else DecodeBuffer(
+            slots, H, HV, K, V, cfg.decode_period, cfg.buffer_format, self.device,
+            {n: t for n, t in tensors.items() if n not in self.checkpoint_names}, per_row=True)
+        """The decode buffer over every slot's records, each row holding its own count (its per-row methods)."""
         self.reset()
 
     def state(self, rows: dict[str, torch.Tensor] | None = None) -> PeriodicState:
@@ -125,10 +131,18 @@ class StatePool:
 
     def decode(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor) -> torch.Tensor:
-        """One decode token for each slot of ``slots [B]`` (long, distinct): ``q, k [B, H, K]`` prepared,
-        ``v [B, HV, V]``, ``g, beta [B, HV]`` float32 (float64 computes in float64) -> ``o [B, HV, V]``. Each row's record goes into its
-        own buffer; a row whose buffer the token fills is flushed (its checkpoint written back, its buffer
-        emptied); the other rows' checkpoints are not written."""
+        """One decode token for each slot of ``slots [B]`` (integers, distinct): ``q, k [B, H, K]`` prepared,
+        ``v [B, HV, V]``, ``g, beta [B, HV]`` float32 (float64 computes in float64) -> ``o [B, HV, V]``. Each row's
+        record goes into its own buffer; a row whose buffer the token fills is flushed (its checkpoint written back,
+        its buffer emptied); the other rows' checkpoints are not written.
+
+        On the reference backend all rows step at once (:func:`pace_core.recurrence.step_records` on each row's
+        records, a slot beyond its count masked; the record written at each row's own position; the rows the token
+        fills folded and stored together); the kernels take rows of one count per launch, so there the rows run
+        in groups of equal count through the schedule."""
+        slots = slots.long()
+        if self.records is not None and self.steps.name == "reference":
+            return self._decode_rows(slots, q, k, v, g, beta)
         out = torch.empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
         counts = self.counts(slots)
         for count in counts.unique().tolist():
@@ -143,6 +157,28 @@ class StatePool:
                 name for name in rows if name not in self.checkpoint_names)
             self._write(sub, rows, changed)
         return out
+
+    def _decode_rows(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` of rows at any counts at once (the reference: the method's docstring)."""
+        if not all_finite(k, v, g):
+            raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
+        cfg, records = self.cfg, self.records
+        counts = records_held(self.tensors["log_decays"].index_select(0, slots))
+        checkpoint = with_tensors(self.template, {n: self.tensors[n].index_select(0, slots) for n in self.checkpoint_names})
+        S_hat = self.fmt.load(checkpoint)
+        o, u = step_records(S_hat, records.masked_records(slots, counts, int(counts.max())), q, k, v, g, beta,
+                            cfg.exact_current_token, records.rounded, records.dtype)
+        records.write_at(slots, counts, k, u, g)
+        full = (counts + 1 == cfg.decode_period).nonzero().squeeze(1)
+        if full.numel():  # these rows' buffers are full: fold, store, empty
+            rows = slots.index_select(0, full)
+            S = fold_records(S_hat.index_select(0, full), records.masked_records(rows, counts[full] + 1,
+                                                                                 cfg.decode_period), records.dtype)
+            for name, t in checkpoint_tensors(self.fmt.store(S)).items():
+                self.tensors[name].index_copy_(0, rows, t)
+            records.empty_rows(rows)
+        return o
 
     def prefill(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, initial: bool) -> torch.Tensor:
@@ -160,21 +196,33 @@ class StatePool:
         return o[0]
 
 
-def pool_fields(cfg: PaceConfig, dims: tuple[int, int, int, int], gdn_index: int = 0,
+def layer_format(cfg: PaceConfig, num_v_heads: int, gdn_index: int = 0, tp: tuple[int, int] = (0, 1),
+                 name: str = "state"):
+    """The checkpoint format of the ``num_v_heads`` value heads of GDN layer ``gdn_index`` that tensor-parallel
+    rank ``tp = (rank, size)`` holds (the layer's heads ``rank·num_v_heads`` onwards, of ``size·num_v_heads``):
+    their widths (:meth:`PaceConfig.head_bits`) and their share of the method's calibrated tensors (each
+    ``[HV, ...]``, the value head first)."""
+    rank, size = tp
+    if not 0 <= rank < size:
+        raise PaceError(f"tp: {tp} not allowed for {name}; allowed: (rank, size) with 0 <= rank < size")
+    heads = slice(rank * num_v_heads, (rank + 1) * num_v_heads)
+    total = size * num_v_heads
+    bits = cfg.head_bits(gdn_index, total) if cfg.quantized else (cfg.bits,) * total
+    layer = None if cfg.calibrated is None else {k: t[heads] for k, t in cfg.calibrated.layers[gdn_index].items()}
+    return state_format(cfg, bits[heads], layer, name)
+
+
+def pool_fields(cfg: PaceConfig, dims: tuple[int, int, int, int], gdn_index: int = 0, tp: tuple[int, int] = (0, 1),
                 template=None) -> tuple[Field, ...]:
-    """The per-slot tensors of one GDN layer's state under ``cfg`` (``dims = (H, HV, K, V)``): the checkpoint's
-    stored tensors and, at dP >= 2, the decode buffer's storage for dP records, in decreasing element size (so
-    that fields laid one after another in a row of bytes start aligned). ``template``: a one-slot checkpoint of
-    the layer, when at hand."""
+    """The per-slot tensors of one GDN layer's state under ``cfg`` (``dims = (H, HV, K, V)`` of the heads
+    tensor-parallel rank ``tp`` holds, as :class:`StatePool`): the checkpoint's stored tensors and, at dP >= 2,
+    the decode buffer's storage for dP records, in decreasing element size (so that fields laid one after another
+    in a row of bytes start aligned). ``template``: a one-slot checkpoint of them, when at hand."""
     H, HV, K, V = dims
     if template is None:
-        bits = cfg.head_bits(gdn_index, HV) if cfg.quantized else (cfg.bits,) * HV
-        layer = None if cfg.calibrated is None else cfg.calibrated.layers[gdn_index]
-        template = state_format(cfg, bits, layer).zeros((1, HV, K, V), torch.device("cpu"))
+        template = layer_format(cfg, HV, gdn_index, tp).zeros((1, HV, K, V), torch.device("cpu"))
     tensors = dict(checkpoint_tensors(template))
     if cfg.buffered:
-        from pace_core.buffer import DecodeBuffer
-
         tensors.update(DecodeBuffer(1, H, HV, K, V, cfg.decode_period, cfg.buffer_format).storage())
     order = sorted(tensors, key=lambda name: -tensors[name].element_size())
     return tuple(Field(name, tuple(tensors[name].shape[1:]), tensors[name].dtype) for name in order)

@@ -16,6 +16,8 @@ stay float64; bfloat16 / float16 inputs are computed in float32), and return tha
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from pace_core.buffer import DecodeBuffer
@@ -202,17 +204,23 @@ def _suffix_log_decays(gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return inclusive[:, 0], exclusive
 
 
-def _buffer_read(S_hat: torch.Tensor, buf: DecodeBuffer, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+Records = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""Buffered records ``(keys [B, n, H, K], us [B, n, HV, V], log decays [B, n, HV])``, dequantised. A row that
+holds fewer than ``n`` has ``u = 0`` and ``g = 0`` in the rest (:func:`pace_core.buffer.masked_records`): such a
+record writes nothing and decays nothing, so rows of different counts step together."""
+
+
+def _buffer_read(S_hat: torch.Tensor, records: Records, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(e^{G} Ŝ + Σ_i e^{G-G_i} k_i u_iᵀ)ᵀ x`` for queries ``x [B, H, m, K]`` (m per key head) without
-    forming the state; returns ``[B, H, γ, m, V]`` with ``G`` the buffer's total log decay."""
+    forming the state; returns ``[B, H, γ, m, V]`` with ``G`` the records' total log decay."""
     B, HV, K, V = S_hat.shape
-    H = buf.num_k_heads
+    keys, us, gs = records
+    H = x.shape[1]
     gamma = HV // H
     read = x[:, :, None] @ S_hat.to(dtype).view(B, H, gamma, K, V)  # [B, H, γ, m, V]
-    n = len(buf)
+    n = keys.shape[1]
     if n == 0:
         return read
-    keys, us, gs = buf.records()
     total, after = _suffix_log_decays(gs.to(dtype))  # [B, HV], [B, n, HV]
     dots = keys.to(dtype).transpose(1, 2) @ x.transpose(-1, -2)  # k_iᵀ x: [B, H, n, m]
     weights = after.exp().view(B, n, H, gamma).permute(0, 2, 3, 1)[..., None] * dots[:, :, None]  # [B, H, γ, n, m]
@@ -241,23 +249,40 @@ def buffered_step(
     included. Shapes are the caller's to get right (checked once per call at
     :class:`pace_core.state_store.LayerState`).
     """
-    dtype = torch.promote_types(_compute_dtype(S_hat, q_t, k_t, v_t, g_t, beta_t), buf.dtype)
+    o, u = step_records(S_hat, buf.records(), q_t, k_t, v_t, g_t, beta_t, exact_current, buf.rounded, buf.dtype)
+    buf.append(k_t.to(u.dtype), u, g_t.to(u.dtype))
+    return o
+
+
+def step_records(S_hat: torch.Tensor, records: Records, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
+                 g_t: torch.Tensor, beta_t: torch.Tensor, exact_current: bool,
+                 rounded: Callable[[str, torch.Tensor], torch.Tensor],
+                 record_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`buffered_step`'s arithmetic on given records (:data:`Records`, rows of any counts) without a buffer:
+    returns ``(o_t [B, HV, V], u_t [B, HV, V])``, the record to store being ``(k_t, u_t, g_t)``. ``rounded(part,
+    x)``: a key (``part`` "key") or delta value ("value") as the buffer stores and reads it back (the current
+    token's own record, which it reads without ``exact_current``); ``record_dtype``: the dtype the records are
+    read back in."""
+    dtype = torch.promote_types(_compute_dtype(S_hat, q_t, k_t, v_t, g_t, beta_t), record_dtype)
     q_t, k_t, v_t, g_t, beta_t = (x.to(dtype) for x in (q_t, k_t, v_t, g_t, beta_t))
     B, HV = g_t.shape
-    H = buf.num_k_heads
+    H = k_t.shape[1]
     gamma, V = HV // H, v_t.shape[-1]
     alpha = g_t.exp().view(B, H, gamma, 1)
     if exact_current:
-        previous = _buffer_read(S_hat, buf, torch.stack([k_t, q_t], 2), dtype)  # S_{t-1}ᵀ [k_t, q_t]
+        previous = _buffer_read(S_hat, records, torch.stack([k_t, q_t], 2), dtype)  # S_{t-1}ᵀ [k_t, q_t]
         previous_k, previous_q = previous[:, :, :, 0], previous[:, :, :, 1]
     else:
-        previous_k = _buffer_read(S_hat, buf, k_t[:, :, None], dtype)[:, :, :, 0]
+        previous_k = _buffer_read(S_hat, records, k_t[:, :, None], dtype)[:, :, :, 0]
     u_t = beta_t.view(B, H, gamma, 1) * (v_t.view(B, H, gamma, V) - alpha * previous_k)  # [B, H, γ, V]
-    buf.append(k_t, u_t.view(B, HV, V), g_t)
     if not exact_current:
-        return _buffer_read(S_hat, buf, q_t[:, :, None], dtype)[:, :, :, 0].reshape(B, HV, V)
+        keys, us, gs = records
+        stored = (torch.cat([keys.to(dtype), rounded("key", k_t)[:, None].to(dtype)], 1),
+                  torch.cat([us.to(dtype), rounded("value", u_t.reshape(B, HV, V))[:, None].to(dtype)], 1),
+                  torch.cat([gs.to(dtype), g_t.to(record_dtype).to(dtype)[:, None]], 1))
+        return _buffer_read(S_hat, stored, q_t[:, :, None], dtype)[:, :, :, 0].reshape(B, HV, V), u_t.reshape(B, HV, V)
     kq = (k_t * q_t).sum(-1).view(B, H, 1, 1)  # k_tᵀ q_t
-    return (alpha * previous_q + kq * u_t).reshape(B, HV, V)
+    return (alpha * previous_q + kq * u_t).reshape(B, HV, V), u_t.reshape(B, HV, V)
 
 
 def buffered_window(
@@ -335,17 +360,24 @@ def fold(S_hat: torch.Tensor, buf: DecodeBuffer) -> torch.Tensor:
     B, HV, K, V = buf.batch, buf.num_v_heads, buf.d_k, buf.d_v
     if tuple(S_hat.shape) != (B, HV, K, V):
         raise PaceError(f"S_hat: shape {tuple(S_hat.shape)} not allowed; allowed: {(B, HV, K, V)}")
-    dtype = torch.promote_types(_compute_dtype(S_hat), buf.dtype)
+    return fold_records(S_hat, (buf.keys(), buf.values(), buf.log_decays()), buf.dtype)
+
+
+def fold_records(S_hat: torch.Tensor, records: Records, record_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`fold` of given records (:data:`Records`, rows of any counts): ``S [B, HV, K, V]`` in the compute
+    dtype (a new tensor)."""
+    dtype = torch.promote_types(_compute_dtype(S_hat), record_dtype)
     S = S_hat.to(dtype)
-    if len(buf) == 0:
+    keys, us, gs = records
+    B, n, H, K = keys.shape
+    HV, V = S.shape[1], S.shape[-1]
+    if n == 0:
         return S.clone()
-    H = buf.num_k_heads
     gamma = HV // H
-    n = len(buf)
-    total, after = _suffix_log_decays(buf.log_decays().to(dtype))
-    us = buf.values().to(dtype).reshape(B, n, H, gamma, V)
+    total, after = _suffix_log_decays(gs.to(dtype))
+    us = us.to(dtype).reshape(B, n, H, gamma, V)
     weights = after.exp().reshape(B, n, H, gamma)
     wu = (weights[..., None] * us).permute(0, 2, 1, 3, 4).reshape(B, H, n, gamma * V)  # e^{G - G_i} u_i
-    keys = buf.keys().to(dtype).permute(0, 2, 3, 1)  # [B, H, K, n]
+    keys = keys.to(dtype).permute(0, 2, 3, 1)  # [B, H, K, n]
     writes = (keys @ wu).view(B, H, K, gamma, V).transpose(2, 3).reshape(B, HV, K, V)  # Σ_i k_i (w_i u_i)ᵀ
     return total.exp()[..., None, None] * S + writes

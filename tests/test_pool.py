@@ -138,3 +138,24 @@ def test_tensors_of_another_layout_are_refused():
     pool = pool_for("pace-4", 2)
     with pytest.raises(PaceError, match="not allowed for state"):
         StatePool(pool.cfg, (H, HV, K, V), 3, "cpu", tensors=pool.tensors)
+
+
+@pytest.mark.parametrize("name", ["pace-4-8", "damp-int4", "stepquant-4"])
+def test_tensor_parallel_ranks_hold_their_heads(name):
+    """Two ranks, each a pool of half the heads (its own widths and calibrated tensors), step as the whole layer's
+    pool does: their outputs side by side are the whole pool's, and their bytes add up to it."""
+    changes = {"high_heads": ((0, 3),), "high_share": 0.5} if name == "pace-4-8" else {}
+    whole = pool_for(name, 2, **changes)
+    ranks = [StatePool(whole.cfg, (H // 2, HV // 2, K, V), 2, "cpu", tp=(r, 2)) for r in range(2)]
+    x = tokens(2, 14, seed=5)
+    for s in range(2):  # the heads are axis 2 of every input [n, T, heads, ...]
+        want = whole.prefill(s, *(y[s, :5] for y in x), initial=False)
+        got = [rank.prefill(s, *(y.chunk(2, dim=2)[r][s, :5] for y in x), initial=False)
+               for r, rank in enumerate(ranks)]
+        assert rel(torch.cat(got, dim=1), want) < F64_TOL
+    for t in range(5, 14):
+        want = whole.decode(torch.arange(2), *(y[:, t] for y in x))
+        got = [rank.decode(torch.arange(2), *(y.chunk(2, dim=2)[r][:, t] for y in x)) for r, rank in enumerate(ranks)]
+        assert rel(torch.cat(got, dim=1), want) < F64_TOL
+    assert sum(f.nbytes for r in range(2) for f in pool_fields(whole.cfg, (H // 2, HV // 2, K, V), tp=(r, 2))) == \
+        sum(f.nbytes for f in pool_fields(whole.cfg, (H, HV, K, V)))

@@ -102,14 +102,15 @@ def prompts(tokenizer: Any, n: int, tokens: int = PROMPT_TOKENS) -> list[list[in
     raise ValueError(f"wikitext2-valid has fewer than {n} lines of {tokens} tokens")
 
 
-def vllm_engine(model: str | os.PathLike, config: str | None) -> Any:
-    """vLLM's offline engine on ``model`` (bf16, eager, no prefix caching) serving ``config`` (None: vLLM's
-    own state). The config is passed as ``additional_config``, as ``vllm serve --additional-config`` does."""
+def vllm_engine(model: str | os.PathLike, config: str | None, *, eager: bool = True, tp: int = 1) -> Any:
+    """vLLM's offline engine on ``model`` (bf16, no prefix caching; ``eager``, else compiled by torch.compile;
+    ``tp`` tensor-parallel ranks) serving ``config`` (None: vLLM's own state). The config is passed as
+    ``additional_config``, as ``vllm serve --additional-config`` does."""
     from vllm import LLM
 
     extra = {} if config is None else {"additional_config": {"pace_config": config}}
-    return LLM(model=str(model), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enforce_eager=True,
-               enable_prefix_caching=False, seed=0, **extra)
+    return LLM(model=str(model), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enforce_eager=eager,
+               enable_prefix_caching=False, seed=0, tensor_parallel_size=tp, **extra)
 
 
 def _params(tokens: int) -> Any:

@@ -9,8 +9,11 @@ the same q, k, v, g, beta and the same schedule and arithmetic as the transforme
 (:mod:`pace_core.model.patch`): the PyTorch reference on a CPU, the project's Triton kernels for CUDA
 tensors (:mod:`pace_core.backend`).
 
-The forward runs eagerly (settings refuse compiled or graph-captured engines), so the state step is a
-plain call that reads vLLM's forward context for the batch's metadata.
+The state step is one custom operator, ``torch.ops.vllm.pace_gdn_state`` (as vLLM's own GDN core is), which
+reads vLLM's forward context for the batch's metadata: torch.compile keeps it an opaque node of the compiled
+graph (``vllm serve`` without ``--enforce-eager``); CUDA graphs are refused (the pool gathers a step's rows by
+their record count on the host). Under tensor parallelism each rank's pool holds its own heads
+(:class:`pace_core.vllm.slots.SlotLayout`'s ``tp``).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.platforms import current_platform
+from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_layer_name, direct_register_custom_op
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 from pace_core import accounting
@@ -57,7 +62,7 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             if architecture not in ARCHITECTURES:
                 raise PaceError(f"PACE states are served for {', '.join(ARCHITECTURES)}; this model is "
                                 f"{architecture}: serve it without a PACE configuration")
-            self.layout = self.served.layouts[self.layer_idx]
+            self.layout = self.served.layouts[(self.layer_idx, get_tensor_model_parallel_rank())]
             self.vllm_config = vllm_config
             self.vllm_block_size = vllm_config.cache_config.block_size
             """The attention block size before the plugin chose finer ones (pace_core.vllm.pages): vLLM's own."""
@@ -79,10 +84,7 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         super().bind_kv_cache(kv_cache)
         if self.served is None:
             return
-        rows = self.kv_cache[1]
-        self.pool = StatePool(self.layout.cfg, self.layout.dims, rows.shape[0], rows.device,
-                              gdn_index=self.layout.gdn_index, tensors=self.layout.views(rows),
-                              name=f"state of GDN layer {self.layer_idx}")
+        self.pool = self.layout.pool(self.kv_cache[1], name=f"state of GDN layer {self.layer_idx}")
         if self.layer_idx == self.served.shape.gdn_layers[0]:
             self._log_pool(kv_cache)
 
@@ -121,11 +123,7 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         mixed_qkv, z, b, a = self.prepare_gdn_attention_core_inputs(mixed_qkvz, mixed_ba, n)
         out = torch.zeros(n, self.num_v_heads // self.tp_size, self.head_v_dim, dtype=hidden_states.dtype,
                           device=hidden_states.device)
-        context = get_forward_context()
-        if context.attn_metadata is not None:  # None in vLLM's profiling runs: nothing to store
-            meta = context.attn_metadata[self.prefix]
-            if meta.num_actual_tokens:
-                self.state_step(meta, mixed_qkv, b, a, out)
+        torch.ops.vllm.pace_gdn_state(mixed_qkv, b, a, out, _encode_layer_name(self.prefix))
         return self._output_projection(out, z)
 
     def _conv_weight(self) -> torch.Tensor:
@@ -169,3 +167,18 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 o = self.pool.prefill(int(rows[i]), q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], bool(initial[i]))
                 out[ndt + s:ndt + e] = o.to(out.dtype)
 
+
+
+def pace_gdn_state(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, out: torch.Tensor,
+                   layer_name: LayerNameType) -> None:
+    """The state step of the layer named ``layer_name`` (:meth:`PaceGatedDeltaNetAttention.state_step`) on this
+    forward's batch, writing ``out [T, HV, V]``; nothing in vLLM's profiling runs (no metadata, nothing stored)."""
+    context = get_forward_context()
+    layer = context.no_compile_layers[_resolve_layer_name(layer_name)]
+    if context.attn_metadata is not None:
+        meta = context.attn_metadata[layer.prefix]
+        if meta.num_actual_tokens:
+            layer.state_step(meta, mixed_qkv, b, a, out)
+
+
+direct_register_custom_op(op_name="pace_gdn_state", op_func=pace_gdn_state, mutates_args=["out"])

@@ -7,11 +7,12 @@ either, the plugin changes nothing.
 
 Refused at start-up with a :class:`~pace_core.errors.PaceError` saying what to change: whatever
 :func:`pace_core.export.admit` refuses against the engine's model (a file made for another model: layer
-count, GDN layers, head shape; sections that disagree; PACE-4/8 without chosen heads; DAMP, whose rows no
-file carries), a method a pool row cannot hold (:data:`pace_core.vllm.slots.SLOT_METHODS`), and
-engine settings the state pool does not follow yet (compiled or graph-captured forwards, prefix caching,
-speculative decoding, KV transfer, tensor parallelism). A chunked prefill is served, with a rounding at
-the end of each part of a prompt (logged at start-up).
+count, GDN layers, head shape; sections that disagree; PACE-4/8 without chosen heads), a method a pool row
+cannot hold (:data:`pace_core.vllm.slots.SLOT_METHODS`), and engine settings the state pool does not follow
+yet (CUDA graphs, prefix caching, speculative decoding, KV transfer, a tensor parallel size that does not divide
+the key heads). torch.compile is served (the state step is one custom operator), and tensor parallelism (each
+rank's pool holds its own heads). A chunked prefill is served, with a rounding at the end of each part of a
+prompt (logged at start-up).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ CONFIG_KEY = "pace_config"
 
 @dataclass(frozen=True)
 class Served:
-    """The configuration an engine serves: ``cfg`` for the model of ``shape``, one :class:`SlotLayout` per
-    GDN layer (model layer index -> layout) and the bytes of a pool row (the largest layout)."""
+    """The configuration an engine serves: ``cfg`` for the model of ``shape`` at tensor parallel size ``tp``, one
+    :class:`SlotLayout` per GDN layer and rank ((model layer index, rank) -> the layout of the rank's heads) and
+    the bytes of a pool row (the largest layout: vLLM's pages are one size on every rank)."""
 
     cfg: PaceConfig
     shape: ModelShape
-    layouts: dict[int, SlotLayout]
+    tp: int
+    layouts: dict[tuple[int, int], SlotLayout]
 
     @property
     def row_bytes(self) -> int:
@@ -67,10 +70,10 @@ def _refuse_settings(vllm_config: Any) -> None:
     if cache.enable_prefix_caching or cache.mamba_cache_mode != "none":
         raise PaceError("PACE states are not prefix-cached: start vLLM with --no-enable-prefix-caching "
                         "(LLM(..., enable_prefix_caching=False))")
-    if not vllm_config.model_config.enforce_eager:
-        raise PaceError("PACE states are served eagerly (the state step is Python around the kernels, which "
-                        "neither torch.compile nor CUDA graphs may capture): start vLLM with --enforce-eager "
-                        "(LLM(..., enforce_eager=True))")
+    if _graphs_captured(vllm_config):
+        raise PaceError("PACE states are not stepped inside CUDA graphs yet (the pool gathers each step's rows by "
+                        "their buffered-record count on the host); torch.compile is served (the step is one custom "
+                        "operator): start vLLM with --enforce-eager, or -cc.cudagraph_mode=NONE to keep compiling")
     if vllm_config.speculative_config is not None:
         raise PaceError("PACE states do not follow speculative decoding yet: start vLLM without "
                         "--speculative-config")
@@ -78,10 +81,19 @@ def _refuse_settings(vllm_config: Any) -> None:
         raise PaceError("PACE states do not travel through vLLM's KV connectors (their state layout is vLLM's, "
                         "and each row's buffered-record count stays beside the pool): start vLLM without "
                         "--kv-transfer-config")
-    if parallel.tensor_parallel_size != 1:
-        raise PaceError(f"PACE states are served at tensor parallel size 1 (this engine: "
-                        f"{parallel.tensor_parallel_size}); use --tensor-parallel-size 1 with "
-                        "--pipeline-parallel-size or data parallelism to spread a model")
+    tp, hf = parallel.tensor_parallel_size, vllm_config.model_config.hf_config
+    shape = shape_from_hf_config(json.loads(hf.to_json_string(use_diff=False)))
+    if shape.num_k_heads % tp:
+        raise PaceError(f"tensor parallel size {tp} does not divide the model's {shape.num_k_heads} key heads, "
+                        "which each rank's share of the PACE state follows; allowed: a divisor of it")
+
+
+def _graphs_captured(vllm_config: Any) -> bool:
+    """Whether the engine captures its forwards in CUDA graphs (never on a CPU)."""
+    from vllm.config import CUDAGraphMode
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return not vllm_config.model_config.enforce_eager and mode is not None and mode != CUDAGraphMode.NONE
 
 
 def _refuse_unknown(source: str) -> None:
@@ -96,12 +108,13 @@ def _refuse_unknown(source: str) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _served(source: str, hf_config_json: str) -> Served:
+def _served(source: str, hf_config_json: str, tp: int) -> Served:
     shape = shape_from_hf_config(json.loads(hf_config_json))
     cfg = admit(source, shape)  # no weights fingerprint here: the engine has not loaded them yet
-    layouts = {layer: SlotLayout(cfg, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v, i)
-               for i, layer in enumerate(shape.gdn_layers)}
-    return Served(cfg, shape, layouts)
+    layouts = {(layer, rank): SlotLayout(cfg, shape.num_k_heads // tp, shape.num_v_heads // tp, shape.d_k, shape.d_v,
+                                         i, (rank, tp))
+               for i, layer in enumerate(shape.gdn_layers) for rank in range(tp)}
+    return Served(cfg, shape, tp, layouts)
 
 
 def served(vllm_config: Any) -> Served | None:
@@ -113,4 +126,4 @@ def served(vllm_config: Any) -> Served | None:
     _refuse_unknown(source)
     _refuse_settings(vllm_config)
     hf = vllm_config.model_config.hf_config
-    return _served(source, hf.to_json_string(use_diff=False))
+    return _served(source, hf.to_json_string(use_diff=False), vllm_config.parallel_config.tensor_parallel_size)

@@ -21,7 +21,7 @@ import torch
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.methods import METHODS
-from pace_core.pool import pool_fields
+from pace_core.pool import StatePool, pool_fields
 
 SLOT_METHODS = tuple(name for name, method in METHODS.items() if method.pool)
 """Methods whose per-sequence state a pool row can hold."""
@@ -31,18 +31,19 @@ class SlotLayout:
     """Where one sequence's state of one GDN layer lies in a row of bytes (module docstring).
 
     ``cfg`` validated for the model; ``gdn_index``: the layer's position among the GDN layers (selects
-    ``cfg.high_heads``); heads and dims as :class:`~pace_core.pool.StatePool`. Fields are ordered by decreasing
-    element size, so each starts aligned to its dtype.
+    ``cfg.high_heads``); heads and dims of the heads tensor-parallel rank ``tp = (rank, size)`` holds, as
+    :class:`~pace_core.pool.StatePool`. Fields are ordered by decreasing element size, so each starts aligned to
+    its dtype.
     """
 
     def __init__(self, cfg: PaceConfig, num_k_heads: int, num_v_heads: int, d_k: int, d_v: int,
-                 gdn_index: int = 0) -> None:
+                 gdn_index: int = 0, tp: tuple[int, int] = (0, 1)) -> None:
         if cfg.method not in SLOT_METHODS:
             raise PaceError(f"method {cfg.method!r} ({cfg.name}) cannot be served from a state pool; allowed: "
                             f"{', '.join(SLOT_METHODS)}")
-        self.cfg, self.gdn_index = cfg, gdn_index
+        self.cfg, self.gdn_index, self.tp = cfg, gdn_index, tp
         self.dims = (num_k_heads, num_v_heads, d_k, d_v)
-        self.fields = pool_fields(cfg, self.dims, gdn_index)
+        self.fields = pool_fields(cfg, self.dims, gdn_index, tp)
         self.offsets = {}
         offset = 0
         for f in self.fields:
@@ -50,6 +51,11 @@ class SlotLayout:
             offset += f.nbytes
         self.nbytes = offset
         """Bytes of one sequence's state of this layer (checkpoint and buffer)."""
+
+    def pool(self, rows: torch.Tensor, name: str = "state") -> StatePool:
+        """The state pool over ``rows [N, >= nbytes]`` uint8 (an engine's pages), stepped in place."""
+        return StatePool(self.cfg, self.dims, rows.shape[0], rows.device, gdn_index=self.gdn_index, tp=self.tp,
+                         tensors=self.views(rows), name=name)
 
     def views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views ``[N, *shape]`` of every field into ``rows [N, >= nbytes]`` uint8 (a pool's pages)."""

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from pace_core import accounting  # noqa: E402
-from pace_core.model.deploy import load_document  # noqa: E402
+from pace_core.export import read_config  # noqa: E402
 from pace_core.model.loading import load_model  # noqa: E402
 from pace_core.vllm import check  # noqa: E402
 from pace_core.vllm.bench import PACE_4_8, VllmServer  # noqa: E402
@@ -50,7 +50,7 @@ def test_the_documented_command_serves_the_openai_client(tmp_path: Path):
     loaded = load_model(str(check.EMBEDDED), dtype="bfloat16")
     assert check.agreement(loaded, str(PACE_4_8), [choice.prompt_token_ids], [choice.token_ids]) >= 0.95
 
-    cfg = load_document(str(PACE_4_8)).config
+    cfg = read_config(str(PACE_4_8)).config
     text = log.read_text()
     found = re.search(r"PACE pace-4-8: (\d+) state slots .* in the same memory: (\d+) slots", text)
     assert found, text[-4000:]
