@@ -118,6 +118,12 @@ def measured_quality(cfg: Any, weights: str) -> list[Quality]:
     return sorted(found, key=lambda q: (q.result.stale, -int(q.row["tokens"])))
 
 
+def text_name(provenance: dict[str, Any]) -> str:
+    """The file name of a stored result's text, as code ('its text' when none is recorded)."""
+    path = (provenance.get("text") or {}).get("path")
+    return f"`{Path(path).name}`" if path else "its text"
+
+
 def provenance_label(prov: dict[str, Any]) -> str:
     """One line naming where a stored result comes from: command, date, device, text."""
     text = prov.get("text", {})

@@ -160,7 +160,9 @@ TITLES = {"bench": "Decode step of 24 GDN layers (Qwen3.5-4B shapes), per batch"
           "memory_cuda": "What pace_core.apply holds per configuration, measured on the GPU (scripts/measure_memory.py)",
           "app_cpu": "Dashboard responsiveness on the CPU (scripts/measure_app.py)",
           "app_cuda": "Dashboard responsiveness on the GPU (scripts/measure_app.py)",
-          "app_cuda_bfloat16": "Dashboard responsiveness on the GPU, bfloat16 weights (scripts/measure_app.py --weights bfloat16)"}
+          "app_cuda_bfloat16": "Dashboard responsiveness on the GPU, bfloat16 weights (scripts/measure_app.py --weights bfloat16)",
+          "app_cpu_compare": "The Compare page's answer from stored results on the CPU (scripts/measure_app.py "
+                             "--compare-only)"}
 """Headings of the benchmark files this project writes (others show their file name)."""
 
 

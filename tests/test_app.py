@@ -14,7 +14,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from app_state import compute, controls, frame, session, stored
+from app_state import compute, controls, exporting, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
 from numerics import fp32_bound, rel
 from pace_core.accounting import capacity, resident_bits, state_bytes
@@ -1069,3 +1069,93 @@ def test_head_ranking_says_how_to_enable_8_bit_heads_at_share_0(params):
     at.sidebar.select_slider(key="w_hi").set_value(0.25).run()
     check(at)
     assert not [i for i in at.info if "No head keeps 8 bits" in i.value]
+
+
+def _compare_stored(params, loaded, tmp_path, monkeypatch, rng: np.random.Generator) -> dict:
+    """A stored comparison of configurations that need no calibration, with random figures, for the loaded weights
+    (and one of other weights, which the page leaves out); the card stored beside it by one load."""
+    from pace_core.analysis.compare import comparison, point
+
+    names = ["fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "qmamba-dsq"]
+    kls = [0.0, *np.sort(rng.random(5))[::-1] * 1e-2]  # random KL, larger for the first (fewer bits) mostly
+    rng.shuffle(kls[2:])
+    points = [point(get_config(n), loaded.shape, {"kl": float(kl), "agreement": float(1 - kl), "bpb": 1.5,
+                                                  "ppl": 20.0, "tokens": 4095}) for n, kl in zip(names, kls)]
+    data, table = comparison(points)
+    data = {**data, "tokens": 4095, "window": 512}
+    _store("compare", params, loaded, table, monkeypatch, tmp_path, data)
+    return data
+
+
+def test_compare_says_which_command_makes_its_results(params, tmp_path, monkeypatch):
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    stored.stored_results.clear()
+    at = start(params, page="compare")
+    assert "python -m pace_core compare" in at.info[0].value and not at.get("plotly_chart")
+    assert not at.get("download_button")
+
+
+def test_compare_recommends_the_best_under_a_budget_and_exports_it_without_loading(params, loaded, tmp_path,
+                                                                                  monkeypatch):
+    from pace_core.analysis.compare import Point, budget_bits, recommendation
+    from pace_core.figures import CAPACITY_CONTEXT, CAPACITY_WEIGHT_BITS
+
+    rng = np.random.default_rng(int(np.random.default_rng().integers(2**31)))
+    data = _compare_stored(params, loaded, tmp_path, monkeypatch, rng)
+    session._load_model.clear()  # a load earlier in this process would not store a card here
+    session._stored_card.clear()
+    start(params)  # one load, which stores the card in this results folder
+    calls = []
+    real = session._load_model
+    real.clear()  # a restarted server: no model loaded
+    monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
+    session._stored_card.clear()
+    files = []  # what the Export page's function wrote for the page
+    write = exporting.export_file
+    monkeypatch.setattr(exporting, "export_file", lambda *a, **k: files.append(write(*a, **k)) or files[-1])
+    at = start(params, page="compare")
+    points = {p["config"]: p for p in data["points"]}
+
+    def expected(budget: float) -> str | None:  # the lowest KL that fits, ties: fewer bits
+        fits = sorted((p["kl"], p["resident_bits"], name) for name, p in points.items() if p["resident_bits"] <= budget)
+        return fits[0][2] if fits else None
+
+    for budget in (3.0, 4.6, 6.0, 9.0, 20.0, 40.0):
+        at.number_input(key="compare_bits").set_value(budget).run()
+        check(at)
+        best = expected(budget)
+        if best is None:
+            assert "No configuration fits" in at.warning[0].value and not at.success
+            continue
+        p = points[best]
+        assert at.success[0].value == recommendation(Point.of(p), get_config(best), loaded.shape, int(141e9),
+                                                     "an H200 141 GB", context=CAPACITY_CONTEXT,
+                                                     weight_bits=CAPACITY_WEIGHT_BITS)
+        assert at.get("download_button")[0].proto.label == f"Export {best}.json"
+        exported = document_from_json(files[-1][2])  # the configuration as measured, for the loaded model
+        assert exported.config == used_settings(get_config(best)) and files[-1][1] == f"{best}.json"
+        assert exported.model_info["weights_fingerprint"] == loaded.fingerprint
+        assert exported.model_info["source"] == (params.get("model") or "data/models/pace-tiny-qwen35")
+        fig = chart(at, "compare_chart")
+        ring = [t for t in fig["data"] if t["name"].startswith("best: ")]
+        assert [t["name"] for t in ring] == ([f"best: {best}"] if p["kl"] > 0 else [])
+    frontier = next(t for t in chart(at, "compare_chart")["data"] if t["name"] == "frontier")
+    on = [name for name in data["frontier"] if points[name]["kl"] > 0]  # fp32's KL 0 is off the log axis
+    np.testing.assert_allclose(array(frontier["x"]), [points[n]["resident_bits"] for n in on])
+    # a GPU, sequences and context: the budget the states of that many sequences may take
+    at.radio(key="compare_budget_kind").set_value("GPU, sequences and context").run()
+    at.selectbox(key="compare_gpu").set_value("custom").run()
+    at.number_input(key="compare_gb").set_value(1.0).run()
+    at.selectbox(key="compare_weights").set_value("fp8 (8 bits)").run()
+    at.number_input(key="compare_context").set_value(2048).run()
+    for sequences in (1, 50, 400, 5000):
+        at.number_input(key="compare_sequences").set_value(sequences).run()
+        check(at)
+        budget = budget_bits(loaded.shape, 10**9, sequences, context=2048, weight_bits=8)
+        assert any(c.value.startswith(f"{budget:.2f} bits per state value") for c in at.caption)
+        best = expected(budget)
+        shown = at.success[0].value if best is not None else at.warning[0].value
+        assert shown.startswith(f"{best}: ") if best is not None else "No configuration fits" in shown
+        if best is not None:
+            assert "on 1 GB at 2,048 tokens of context with 8-bit weights" in shown
+    assert calls == []  # the stored path: no model loaded
