@@ -407,7 +407,9 @@ def compare_figure(table: pd.DataFrame, best: str | None = None, budget_bits: fl
     fig.add_trace(go.Scatter(x=on["resident_bits"], y=on["kl"], mode="lines", name="frontier",
                              line=dict(color="#3aa675", width=2), hoverinfo="skip"))
     fig.add_trace(go.Scatter(x=shown["resident_bits"], y=shown["kl"], mode="markers+text", name="configurations",
-                             text=list(shown["config"]), textposition="top right", textfont=dict(size=11),
+                             text=list(shown["config"]), textfont=dict(size=11),
+                             # neighbours' labels above and below in turn: points of close bits crowd
+                             textposition=["top right" if i % 2 == 0 else "bottom right" for i in range(len(shown))],
                              marker=dict(size=9, color=np.where(shown["frontier"], "#3aa675", "#2f6fdf")),
                              customdata=shown["config"],
                              hovertemplate="%{customdata}<br>%{x:.3f} bits, KL %{y:.2e}<extra></extra>"))
@@ -416,11 +418,14 @@ def compare_figure(table: pd.DataFrame, best: str | None = None, budget_bits: fl
         fig.add_trace(go.Scatter(x=[row["resident_bits"]], y=[row["kl"]], mode="markers", name=f"best: {best}",
                                  marker=dict(size=20, color="rgba(0,0,0,0)", line=dict(color="#d62728", width=3)),
                                  hoverinfo="skip"))
+    bits = list(shown["resident_bits"])
     if budget_bits is not None and budget_bits > 0:
-        fig.add_vline(x=budget_bits, line_dash="dash", line_color="#d62728", annotation_text="budget",
-                      annotation_position="top left")
-    fig.update_xaxes(type="log", title="resident bits per state value (log scale)",
-                     tickvals=[2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32])
+        fig.add_vline(x=budget_bits, line_dash="dash", line_color="#d62728")
+        bits.append(budget_bits)
+    # the range set, not autoranged: on a log axis plotly would take a shape's or label's position for a log10
+    fig.update_xaxes(type="log", title="resident bits per state value (log scale; dashed: the budget)",
+                     tickvals=[2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64],
+                     range=[np.log10(min(bits) / 1.1), np.log10(max(bits) * 1.25)] if bits else None)
     fig.update_yaxes(type="log", title="KL to fp32 (nats per token, log scale)", tickvals=log_ticks(shown["kl"]),
                      tickformat=".0e")
     fig.update_layout(height=480, margin=dict(t=30, l=70, r=20, b=50), legend=dict(orientation="h", y=1.08))

@@ -31,7 +31,7 @@ def page(cfg: PaceConfig) -> None:
     if result is None:
         model = f" --model {controls.model_source()}" if controls.model_source() else ""
         st.info(f"No stored comparison for {session.model_label()}: `python -m pace_core compare{model}` measures every "
-                "named configuration on the first 4,096 tokens of the test split (about 10 minutes for the embedded "
+                "named configuration on the first 4,096 tokens of the test split (about 9 minutes for the embedded "
                 f"model on a 2-core CPU; `python -m pace_core compare{model} --max-tokens 0 --device cuda` the whole "
                 "split on a GPU), and this page then shows them.", icon=":material/query_stats:")
         return

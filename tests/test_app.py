@@ -956,15 +956,25 @@ def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params
     at = start(params)
     text = _shown_text(at)
     assert not re.search(r"\bseeds?\b", text, re.IGNORECASE), re.findall(r".{40}\bseeds?\b.{40}", text, re.I)
-    assert "The paper's claims, measured" in [s.value for s in at.subheader]
+    assert "The paper's claims and ours, measured, with their spread" in [s.value for s in at.subheader]
     names = next(d.value for d in at.dataframe if "the paper claims" in d.value.columns)
-    assert [c[:3] for c in names["claim"]] == ["(a)", "(b)", "(c)", "(d)"]
+    assert [c[:3] for c in names["claim"]] == ["(a)", "(b)", "(c)", "(d)", "(e)"]
     assert "every token" in names["the paper claims"][0] and "key axis" in names["the paper claims"][1]
     assert "E_h" in names["the paper claims"][2] and "dP grows" in names["the paper claims"][3]
+    assert "Ours, not the paper's" in names["the paper claims"][4] and "STEPQuant-4" in names["tested here as"][4]
     results = next(d.value for d in at.dataframe if "margin" in getattr(d.value, "data", d.value).columns)
-    assert set(getattr(results, "data", results)["claim"]) == {
+    results = getattr(results, "data", results)
+    assert set(results["claim"]) == {
         "(a) Periodic rounding", "(b) Channel-aligned (key-axis) groups", "(c) Head-level precision (PACE-4/8)",
-        "(d) Drift against dP"}
+        "(d) Drift against dP", "(e) PACE vs STEPQuant at equal bits"}
+    for claim, spread, shown in zip(claims.data["claims"], results["spread"], results["beyond the spread"]):
+        sp = claim["spread"]  # the shipped report's spread, as measured
+        assert spread == (f"[{sp['low']:+.1%}, {sp['high']:+.1%}] over {sp['n']} {sp['unit']}; holds in "
+                          f"{sp['holds_share']:.1%} of resamples")
+        assert shown in ("holds beyond the spread", "within the spread", "fails beyond the spread")
+    random = next(c["random"] for c in claims.data["claims"] if c["claim"] == "c")
+    assert any(c.value.startswith(f"Claim (c) over its {random['n']} random allocations: their KL "
+                                  f"{random['kl_mean']:.2e} ± {random['kl_sd']:.2e}") for c in at.caption)
     for element in at.dataframe:  # the tables of sentences: wide text columns, rows tall enough to wrap their text
         columns = json.loads(element.proto.columns) if element.proto.columns else {}
         if any(c in columns for c in ("what it does", "the paper claims", "figures")):

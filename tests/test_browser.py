@@ -152,8 +152,12 @@ def test_shipped_results_and_the_new_parts(server, page):
     page.screenshot(path=str(SHOTS / "benchmarks_headline.png"), full_page=True)
 
 
+SUCCESS_TEXT = '[data-testid="stAlertContentSuccess"] [data-testid="stMarkdownContainer"]'
+"""A success alert's text (without its icon's name)."""
+
+
 def _success(page) -> str:
-    alerts = page.locator('[data-testid="stAlertContentSuccess"]')
+    alerts = page.locator(SUCCESS_TEXT)
     return alerts.first.inner_text() if alerts.count() else ""
 
 
@@ -178,7 +182,7 @@ def test_compare_recommends_the_frontiers_best_under_a_budget_and_exports_it(ser
     assert len(frontier) >= 3
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    budget_box = page.get_by_label("Bits per state value")
+    budget_box = page.get_by_role("spinbutton", name="Bits per state value", exact=True)
     pairs = [(here, above, round((here["resident_bits"] + above["resident_bits"]) / 2, 3))
              for here, above in zip(frontier, frontier[1:])]
     pairs = [(here, budget) for here, above, budget in pairs if here["resident_bits"] <= budget < above["resident_bits"]]
@@ -188,8 +192,9 @@ def test_compare_recommends_the_frontiers_best_under_a_budget_and_exports_it(ser
         budget_box.fill(f"{budget:.3f}")
         budget_box.press("Enter")
         try:  # the rerun after the new budget: until its recommendation is shown (else the assertion names it)
-            page.wait_for_function("""want => { const a = document.querySelector('[data-testid="stAlertContentSuccess"]');
-                                                return a && a.innerText.startsWith(want); }""", arg=want, timeout=60_000)
+            page.wait_for_function("""([selector, want]) => { const a = document.querySelector(selector);
+                                                              return a && a.innerText.startsWith(want); }""",
+                                   arg=[SUCCESS_TEXT, want], timeout=60_000)
         except PlaywrightTimeout:
             pass
         _settle(page)

@@ -34,8 +34,8 @@ ALL_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8", "damp-int8"
 DEFAULT_PROMPT = "The history of the city begins in"
 
 COMPARE_TOKENS = 4096
-"""The default prefix of ``compare``: every named configuration of the embedded model on a 2-core CPU in about 10
-minutes (measured: README), well under 20."""
+"""The default prefix of ``compare``: the 17 named configurations of the embedded model in 9 minutes on this project's
+shared 2-core CPU (measured at a load average of 4.7: data/results/pace-tiny-qwen35/README.md), well under 20."""
 
 CONFIG_GROUP = 4
 """Configurations measured (and stored) together by a per-configuration command, each group with its own run
@@ -409,9 +409,9 @@ def run_structure(args: argparse.Namespace) -> int:
 
 def _decode_from(args: argparse.Namespace, stride: int) -> int | None:
     """The prompt tokens per window of --decode-from / --prefill-only (default: window - stride, at least 1)."""
-    if getattr(args, "prefill_only", False):
+    if args.prefill_only:
         return None
-    chosen = getattr(args, "decode_from", None)
+    chosen = args.decode_from
     if chosen is None:
         return max(args.window - stride, 1)
     if not 1 <= chosen < args.window:
@@ -421,7 +421,8 @@ def _decode_from(args: argparse.Namespace, stride: int) -> int | None:
 
 
 def measure_quality(ctx: Context, kind: str, cfgs: list, text: str, *, window: int, stride: int, max_tokens: int,
-                    decode_from: int | None, batch: int, params: dict[str, Any] | None = None, bar=None) -> dict:
+                    decode_from: int | None, batch: int, params: dict[str, Any] | None = None,
+                    bar: Any = None) -> dict:
     """Each configuration's perplexity, KL and agreement on ``text`` (:func:`pace_core.analysis.quality.perplexity_run`
     against fp32; the fp32 reference itself among ``cfgs`` gets its own row) as results of ``kind`` through
     :meth:`Context.per_config` (reused, stored group by group), each with its row (``data["row"]``) and its
@@ -790,7 +791,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=512, help="perplexity window, stride half of it (default 512)")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=COMPARE_TOKENS,
                    help=f"score the first this many tokens, 0 for the whole text (default {COMPARE_TOKENS:,}: every "
-                        "named configuration of the embedded model in about 10 minutes on a 2-core CPU; the GPU "
+                        "named configuration of the embedded model in about 9 minutes on a 2-core CPU; the GPU "
                         "host runs 0)")
     p.add_argument("--batch", type=int, default=8,
                    help="windows per batch (default 8; larger is faster on a GPU; 0: as perplexity's --batch 0)")
