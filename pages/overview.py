@@ -63,8 +63,9 @@ def page(cfg: PaceConfig) -> None:
         st.subheader("Measured quality")
         result = stored.choose_stored(
             "perplexity", "perplexity", card.fingerprint,
-            lambda r: f"{r.provenance.get('date', '?')} · {', '.join(r.configs)}", "overview_quality_run",
-            title="Stored perplexity run", per_config=True)
+            lambda r: f"{r.provenance.get('date', '?')} · {_scored(r.table['tokens'])} · {', '.join(r.configs)}",
+            "overview_quality_run", title="Stored perplexity run", per_config=True,
+            rank=lambda r: -int(r.table["tokens"].max()))  # the run over the most tokens first
         if result is None:
             st.caption("No stored perplexity run for the loaded model: `python -m pace_core perplexity` measures "
                        "the named configurations on held-out text, and this section then shows them.")
@@ -191,7 +192,7 @@ def _claims(report: dict, provenance: dict, quality: pd.DataFrame | None) -> Non
                  column_config=_widths(claim=200, **{"the paper claims": 390, "tested here as": 390}))
     rows = [{"claim": f"({c['claim']}) {CLAIMS[c['claim']][0]}" if c["claim"] in CLAIMS else c["claim"],
              "what": c["what"], "holds": "yes" if c["holds"] else "no", "margin": c["margin"],
-             "spread": _spread(c), "beyond the spread": verdict(c),
+             "spread": _spread(c), "verdict": verdict(c),
              "figures": ", ".join(f"{label}: KL {kl:.2e}" for label, kl in zip(c["labels"], c["kl"])) if "kl" in c
              else ", ".join(f"{label}: {e:.2%}" for label, e in zip(c["labels"], c["state_error"]))}
             for c in report["claims"]]
@@ -201,13 +202,14 @@ def _claims(report: dict, provenance: dict, quality: pd.DataFrame | None) -> Non
                f"compared with; negative where the claim does not hold. Spread: the margin's central {SPREAD_LEVEL:.0%} "
                "over bootstrap resamples of the scored windows (the compared configurations resampled together; "
                "claim (d): of the decode steps, which are correlated, so its interval is too narrow), and the share of "
-               "resamples in which the claim holds: beyond the spread at 97.5% or more. Claim (c) also varies with the "
+               "resamples in which the claim holds. Verdict: it holds beyond the spread in 97.5% of the resamples or "
+               "more, fails beyond it in 2.5% or fewer, else it is within the spread. Claim (c) also varies with the "
                "random allocations it is compared with (below the table). The whole test split: `python -m pace_core "
                "claims --max-tokens 0 --device cuda --batch 128` on a GPU host.")
     st.dataframe(pd.DataFrame(rows).style.format({"margin": "{:+.1%}"}), hide_index=True, key="overview_claims",
                  row_height=TEXT_ROW_HEIGHT, height="content",
-                 column_config=_widths(claim=170, what=220, holds=55, margin=70, spread=190,
-                                       **{"beyond the spread": 120}, figures=330))
+                 column_config=_widths(claim=150, what=190, holds=50, margin=65, spread=170,
+                                       verdict=110, figures=245))
     for c in report["claims"]:
         if "random" in c:
             drawn = c["random"]

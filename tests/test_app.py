@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import re
 
 import numpy as np
@@ -967,7 +968,7 @@ def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params
     assert set(results["claim"]) == {
         "(a) Periodic rounding", "(b) Channel-aligned (key-axis) groups", "(c) Head-level precision (PACE-4/8)",
         "(d) Drift against dP", "(e) PACE vs STEPQuant at equal bits"}
-    for claim, spread, shown in zip(claims.data["claims"], results["spread"], results["beyond the spread"]):
+    for claim, spread, shown in zip(claims.data["claims"], results["spread"], results["verdict"]):
         sp = claim["spread"]  # the shipped report's spread, as measured
         assert spread == (f"[{sp['low']:+.1%}, {sp['high']:+.1%}] over {sp['n']} {sp['unit']}; holds in "
                           f"{sp['holds_share']:.1%} of resamples")
@@ -1169,3 +1170,26 @@ def test_compare_recommends_the_best_under_a_budget_and_exports_it_without_loadi
         if best is not None:
             assert "on 1 GB at 2,048 tokens of context with 8-bit weights" in shown
     assert calls == []  # the stored path: no model loaded
+
+
+def test_overview_shows_the_perplexity_run_over_the_most_tokens_first(params, loaded, tmp_path, monkeypatch):
+    """A newer run over fewer tokens (a compare on a prefix) does not replace the run over the whole text as the
+    Overview's Table 1; both are offered."""
+    from pace_core.results import make_provenance, result_key, save_result
+
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    name = stored.results_model_name(params.get("model", ""))
+    for tokens, date in ((360_013, "2026-12-01T00:00:00+00:00"), (4_095, "2026-12-05T00:00:00+00:00")):
+        prov = {**make_provenance("m", configs=[get_config("fp32")], command=f"python -m pace_core x --t {tokens}",
+                                  extra={"weights": loaded.fingerprint}), "date": date}
+        row = {"config": "fp32", "tokens": tokens, "nll": 3.0, "ppl": math.exp(3.0), "agreement": 1.0, "kl": 0.0,
+               "bpb": 1.5}
+        save_result("perplexity", name, result_key({"t": tokens}), {"row": row, "decode_from": 1,
+                                                                     "params_key": f"set {tokens}", "config": "fp32"},
+                    prov, None)
+    stored.stored_sets.clear()
+    at = start(params)
+    box = at.selectbox(key="overview_quality_run")
+    assert [o.split(" · ")[:2] for o in box.options] == [["2026-12-01T00:00:00+00:00", "360,013 scored tokens"],
+                                                         ["2026-12-05T00:00:00+00:00", "4,095 scored tokens"]]
+    assert box.value == box.options[0]

@@ -125,7 +125,7 @@ def test_shipped_results_and_the_new_parts(server, page):
     text = _main_text(page)
     if not params:  # the embedded model: its results are shipped in data/results/pace-tiny-qwen35
         assert "No stored perplexity run" not in text and "No stored claims report" not in text
-        assert "pace_core all --device cuda" in text  # the stored run's provenance is shown
+        assert "Source: stored result of python -m pace_core " in text  # the stored run's provenance is shown
 
     page.goto(_url(base, "memory", dict(params, preset="pace-4")))
     _settle(page)

@@ -6,7 +6,7 @@ model), runs one analysis of :mod:`pace_core.analysis`, prints a short table and
 under ``<--out>/<model>/`` (default ``data/results/``) through :mod:`pace_core.results`, keyed by
 everything that defines it (method version, model, configurations, text hash, settings), so the app and
 later runs reuse it; ``--force`` recomputes a stored result, and a damaged one is named and recomputed.
-Per-configuration commands (drift, perplexity, generate, the claims' quality) store each group of
+Per-configuration commands (drift, perplexity, generate, compare's and the claims' quality) store each group of
 :data:`CONFIG_GROUP` configurations as it finishes; Ctrl-C exits with 130 naming what was stored and the
 command that resumes. Configurations are named ones or exported config JSON files; a configuration that
 needs calibration (PACE-4/8's high-bit heads, DAMP's outlier rows) is calibrated first on the
