@@ -10,6 +10,7 @@ import streamlit as st
 
 PAGES = [
     st.Page("pages/overview.py", title="Overview", default=True),
+    st.Page("pages/compare.py", title="Compare"),
     st.Page("pages/state_heatmaps.py", title="State heatmaps"),
     st.Page("pages/head_ranking.py", title="Head ranking"),
     st.Page("pages/drift.py", title="Drift"),

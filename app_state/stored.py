@@ -50,17 +50,19 @@ STALE = "stale · "
 
 
 def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], str], key: str, *,
-                  live: str | None = None, title: str = "Source", per_config: bool = False) -> Any | None:
+                  live: str | None = None, title: str = "Source", per_config: bool = False,
+                  rank: Callable[[Any], Any] | None = None) -> Any | None:
     """One result of `python -m pace_core <command>` stored as `kind` for the weights `weights`
     (:func:`stored_results`; with `per_config`, one set of per-configuration results, :func:`stored_sets`),
     labelled by `label` (a stale one, made by another method version, after "stale · "): with `live`, a radio
     whose first option is `live` (returns None for it); else a selectbox titled `title` (None, and nothing
-    shown, when none is stored). The chosen result's provenance is captioned, and a stale one's warning
-    says how to recompute it. Damaged files of `kind` are named in a warning each, with what to do."""
+    shown, when none is stored). The results are offered current ones first, then by `rank` (a sort key; the
+    newest first among equals). The chosen result's provenance is captioned, and a stale one's warning says how
+    to recompute it. Damaged files of `kind` are named in a warning each, with what to do."""
     listing = (stored_sets if per_config else stored_results)(model_source(), kind, weights)
     for damaged in listing.damaged:
         st.warning(f"A stored {kind} result is damaged and not shown: {damaged.message}", icon=":material/warning:")
-    stored = listing.results
+    stored = listing.results if rank is None else sorted(listing.results, key=lambda r: (r.stale, rank(r)))
     if not stored and live is None:
         return None
     options = ([live] if live else []) + [(STALE if r.stale else "") + label(r) for r in stored]
@@ -116,6 +118,12 @@ def measured_quality(cfg: Any, weights: str) -> list[Quality]:
                 found.append(Quality(f"the row '{row['label']}' of the claims report",
                                      {**row, "tokens": report.data["tokens"]}, report))
     return sorted(found, key=lambda q: (q.result.stale, -int(q.row["tokens"])))
+
+
+def text_name(provenance: dict[str, Any]) -> str:
+    """The file name of a stored result's text, as code ('its text' when none is recorded)."""
+    path = (provenance.get("text") or {}).get("path")
+    return f"`{Path(path).name}`" if path else "its text"
 
 
 def provenance_label(prov: dict[str, Any]) -> str:

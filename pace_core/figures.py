@@ -21,6 +21,13 @@ from pace_core.shapes import ModelShape
 MIB = 2**20
 GB = 10**9
 GPU_BUDGETS_GB: dict[str, float] = {"H100 80 GB": 80.0, "H200 141 GB": 141.0}
+WEIGHT_PRECISIONS: dict[str, int] = {"bf16 (16 bits)": 16, "fp8 (8 bits)": 8, "int4 (4 bits)": 4}
+"""The weight precisions the capacity views offer (bits per weight parameter)."""
+CAPACITY_GPU = "H200 141 GB"
+CAPACITY_CONTEXT = 8192
+CAPACITY_WEIGHT_BITS = 16
+"""The stated setting of a capacity summary (the Export page's, the Compare page's sentence for a budget in bits):
+one H200, bf16 weights, this many tokens of context a sequence."""
 _TERM_COLOURS = {"payload": "#2f6fdf", "metadata": "#f2a93b", "buffer c·dP": "#3aa675"}
 _STATE_SCALE = "RdBu_r"
 COLOUR_PERCENTILE = 99.0
@@ -386,6 +393,42 @@ def capacity_figure(capacities: Mapping[str, Any], budget_bytes: int) -> go.Figu
     fig.add_hline(y=weights / GB, line_dash="dot", annotation_text="weights", annotation_position="bottom right")
     fig.update_layout(height=400, xaxis_title="concurrent sequences N", yaxis_title="memory used (GB, 10⁹ bytes)",
                       margin=dict(t=30, l=60, r=20, b=50), legend=dict(orientation="h", y=1.1))
+    return fig
+
+
+def compare_figure(table: pd.DataFrame, best: str | None = None, budget_bits: float | None = None) -> go.Figure:
+    """Resident bits per state value against KL to fp32, both on log axes, one labelled point per configuration
+    (``table``: config, resident_bits, kl, frontier; :func:`pace_core.analysis.compare.comparison`), the Pareto
+    frontier as a line through its points, ``best`` ringed and ``budget_bits`` as a dashed vertical line. A point of
+    KL 0 (the fp32 reference) cannot sit on a log axis and is left out."""
+    shown = table[table["kl"] > 0].sort_values(["resident_bits", "kl"])
+    on = shown[shown["frontier"]]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=on["resident_bits"], y=on["kl"], mode="lines", name="frontier",
+                             line=dict(color="#3aa675", width=2), hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=shown["resident_bits"], y=shown["kl"], mode="markers+text", name="configurations",
+                             text=list(shown["config"]), textfont=dict(size=11),
+                             # neighbours' labels above and below in turn: points of close bits crowd
+                             textposition=["top right" if i % 2 == 0 else "bottom right" for i in range(len(shown))],
+                             marker=dict(size=9, color=np.where(shown["frontier"], "#3aa675", "#2f6fdf")),
+                             customdata=shown["config"],
+                             hovertemplate="%{customdata}<br>%{x:.3f} bits, KL %{y:.2e}<extra></extra>"))
+    if best is not None and best in set(shown["config"]):
+        row = shown[shown["config"] == best].iloc[0]
+        fig.add_trace(go.Scatter(x=[row["resident_bits"]], y=[row["kl"]], mode="markers", name=f"best: {best}",
+                                 marker=dict(size=20, color="rgba(0,0,0,0)", line=dict(color="#d62728", width=3)),
+                                 hoverinfo="skip"))
+    bits = list(shown["resident_bits"])
+    if budget_bits is not None and budget_bits > 0:
+        fig.add_vline(x=budget_bits, line_dash="dash", line_color="#d62728")
+        bits.append(budget_bits)
+    # the range set, not autoranged: on a log axis plotly would take a shape's or label's position for a log10
+    fig.update_xaxes(type="log", title="resident bits per state value (log scale; dashed: the budget)",
+                     tickvals=[2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64],
+                     range=[np.log10(min(bits) / 1.1), np.log10(max(bits) * 1.25)] if bits else None)
+    fig.update_yaxes(type="log", title="KL to fp32 (nats per token, log scale)", tickvals=log_ticks(shown["kl"]),
+                     tickformat=".0e")
+    fig.update_layout(height=480, margin=dict(t=30, l=70, r=20, b=50), legend=dict(orientation="h", y=1.08))
     return fig
 
 

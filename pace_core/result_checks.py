@@ -210,9 +210,36 @@ def _structure(data: dict, table: pd.DataFrame | None) -> None:
     _values(table["outlier_cols"], "a count of outlier columns", lo=0)
 
 
+WINDOW_SUM_TOLERANCE = 1e-9
+"""Relative difference allowed between a row's NLL or KL and its windows' sums: float64 sums of the same terms in
+another order (a few units of 2^-52 per term over up to ~10^6 tokens)."""
+
+
 def _perplexity(data: dict, table: pd.DataFrame | None) -> None:
+    """The row; and its table, where there is one (results since per-window sums were stored): a window's scored
+    tokens > 0, NLL and KL >= 0 (KL up to float rounding), agreeing tokens within its tokens, the windows adding up
+    to the row; the reference's KL 0 and all its tokens agreeing in every window."""
     _fields(data, ("config", "row", "decode_from"), "the data")
-    _quality_row(data["row"], "the row")
+    row = data["row"]
+    _quality_row(row, "the row")
+    if table is None:
+        return
+    table = _columns(table, ("config", "window", "tokens", "nll", "agreed", "kl"))
+    name, tokens = row["config"], table["tokens"].to_numpy()
+    _values(tokens, f"{name}'s scored tokens of a window", above=0)
+    _values(table["nll"], f"{name}'s NLL of a window", lo=0)
+    _values(table["agreed"], f"{name}'s agreeing tokens of a window", lo=0)
+    _values(table["kl"], f"{name}'s KL of a window", lo=-WINDOW_SUM_TOLERANCE * float(tokens.max()))
+    if (table["agreed"].to_numpy() > tokens).any():
+        raise PaceError(f"{name}: a window has more agreeing tokens than scored ones")
+    if int(tokens.sum()) != int(row["tokens"]):
+        raise PaceError(f"{name}: its windows score {int(tokens.sum())} tokens, its row {int(row['tokens'])}")
+    for field in ("nll", "kl"):
+        total, mean = float(table[field].sum()), float(row[field]) * int(row["tokens"])
+        if not math.isclose(max(total, 0.0), mean, rel_tol=WINDOW_SUM_TOLERANCE, abs_tol=WINDOW_SUM_TOLERANCE):
+            raise PaceError(f"{name}: its windows' {field} adds up to {total!r}, its row to {mean!r}")
+    if name == REFERENCE and ((table["kl"] != 0).any() or (table["agreed"].to_numpy() != tokens).any()):
+        raise PaceError(f"the reference {REFERENCE} differs from itself in a window; allowed: KL 0, every token agreeing")
 
 
 def _generation(data: dict, table: pd.DataFrame | None) -> None:
@@ -249,10 +276,20 @@ def _sweep(data: dict, table: pd.DataFrame | None) -> None:
 
 
 def _claims(data: dict, table: pd.DataFrame | None) -> None:
+    """Each claim's fields and figures; its spread (reports since spreads were measured): an interval in order
+    and a share of resamples in [0, 1]."""
     _fields(data, ("claims", "main", "tokens", "drift_tokens"), "the data")
     for claim in data["claims"]:
         _fields(claim, ("claim", "what", "labels", "holds", "margin"), "a claim")
         _values(claim["margin"], f"claim {claim['claim']}'s margin")
+        if "spread" in claim:
+            spread = _fields(claim["spread"], ("unit", "n", "low", "high", "holds_share"), "a claim's spread")
+            low, high = map(float, _values([spread["low"], spread["high"]],
+                                           f"claim {claim['claim']}'s margin interval"))
+            if low > high:
+                raise PaceError(f"claim {claim['claim']}'s margin interval [{low!r}, {high!r}] is not in order")
+            _values(spread["holds_share"], f"claim {claim['claim']}'s share of resamples", lo=0, hi=1)
+            _values(spread["n"], f"claim {claim['claim']}'s resampled units", above=0)
         if "kl" in claim:
             _values(claim["kl"], f"claim {claim['claim']}'s KL", lo=0)
         else:
@@ -266,9 +303,31 @@ def _claims(data: dict, table: pd.DataFrame | None) -> None:
     _columns(table, ("claim", "what", "holds", "margin"))
 
 
+def _compare(data: dict, table: pd.DataFrame | None) -> None:
+    """Every point's fields and figures (resident bits > 0, KL >= 0, agreement in [0, 1], bpb > 0), the reference's
+    KL 0, and the frontier the Pareto frontier of the points (:func:`pace_core.analysis.compare.frontier`)."""
+    from pace_core.analysis.compare import Point, frontier
+
+    _fields(data, ("points", "frontier", "tokens"), "the data")
+    points = []
+    for p in data["points"]:
+        _fields(p, ("config", "resident_bits", "kl", "agreement", "bpb", "configuration"), "a point")
+        _values(p["resident_bits"], f"{p['config']}'s resident bits", above=0)
+        _values(p["kl"], f"{p['config']}'s KL", lo=0)
+        _values(p["agreement"], f"{p['config']}'s top-1 agreement", lo=0, hi=1)
+        _values(p["bpb"], f"{p['config']}'s bits per byte", above=0)
+        if p["config"] == REFERENCE and p["kl"] != 0:
+            raise PaceError(f"the reference {REFERENCE} has KL {p['kl']!r} to itself; allowed: exactly 0")
+        points.append(Point.of(p))
+    want = [p.config for p in frontier(points)]
+    if list(data["frontier"]) != want:
+        raise PaceError(f"its frontier {list(data['frontier'])} is not its points' Pareto frontier {want}")
+    _columns(table, ("config", "resident_bits", "kl", "agreement", "bpb", "frontier"))
+
+
 _CHECKS: dict[str, Callable[[dict, pd.DataFrame | None], None]] = {
     "model_card": _model_card, "calibration": _calibration, "drift": _drift, "structure": _structure,
     "perplexity": _perplexity, "claims_quality": _perplexity, "generation": _generation, "sweep": _sweep,
-    "claims": _claims,
+    "claims": _claims, "compare": _compare,
 }
 """The check of each kind the CLI stores."""

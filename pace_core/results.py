@@ -524,8 +524,9 @@ class ResultSet:
 
     @property
     def table(self) -> pd.DataFrame:
-        """The results' tables one after the other, or, where a result has none, its ``data["row"]``."""
-        parts = [r.table if r.table is not None else pd.DataFrame([r.data["row"]]) for r in self.results]
+        """One part per result, one after the other: its ``data["row"]`` where it has one (a perplexity result,
+        whose table holds its per-window sums), else its table."""
+        parts = [pd.DataFrame([r.data["row"]]) if "row" in r.data else r.table for r in self.results]
         return pd.concat(parts, ignore_index=True)
 
     def rows(self, field: str) -> list[Any]:

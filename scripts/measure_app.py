@@ -1,7 +1,7 @@
 """How fast the dashboard answers: the figures of issue 16, medians of ``--repeats`` runs.
 
     python scripts/measure_app.py [--model PATH] [--device cpu|cuda] [--weights float32|bfloat16] [--repeats 3]
-                                  [--pages-only] [--out data/bench]
+                                  [--pages-only | --compare-only] [--out data/bench]
 
 Each scenario drives the app as a user would, through streamlit's AppTest (the page scripts, the
 caches and the computations exactly as ``streamlit run`` runs them, without a browser), timing one
@@ -17,7 +17,10 @@ interaction from the click to the finished page:
   changes (a new quantiser on the kept reference samples), the slower of the two;
 - ``heatmap_position_s`` / ``heatmap_new_text_s``: State heatmaps, another position / another text;
 - on cuda, ``page_<name>_s``: every page's first visit once the model is loaded (with ``--pages-only``
-  these and ``first_page_s`` alone).
+  these and ``first_page_s`` alone);
+- with ``--compare-only`` (into ``app_<device>_compare.json``): ``compare_page_s``, the Compare page's first visit
+  after the first page, its recommendation from the stored comparison (no model loaded), and
+  ``compare_budget_s``, the recommendation for another budget.
 
 Before each repeat the computed results are dropped (not the loaded model, except for ``first_page_s``,
 which starts a new process). With Debian's Chromium and Playwright installed, ``browser_first_page_s`` is
@@ -55,6 +58,8 @@ TARGETS_S = {"cpu": {"first_page_s": 10, "browser_first_page_s": 10, "cached_con
                                            "heatmap_new_text_s")}}
 """Issue 16's targets (seconds). On the GPU every page must answer in 5 s once the model is loaded."""
 TARGETS_S["cuda"].update({f"page_{p.stem}_s": 5 for p in (REPO_ROOT / "pages").glob("*.py")})
+COMPARE_TARGETS_S = {"compare_page_s": 1, "compare_budget_s": 1}
+"""Issue 38's target: the Compare page answers "best under budget" in under 1 s from stored results."""
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -139,6 +144,17 @@ def scenarios(query: dict[str, str], pages_only: bool = False) -> dict[str, floa
     _forget()
     if query["device"] == "cuda":
         out.update(every_page(query))
+    return out
+
+
+def compare_scenarios(query: dict[str, str]) -> dict[str, float]:
+    """One repeat of the Compare page's figures (seconds), from the stored comparison of the model."""
+    at = _app(query)
+    _checked(at.run())
+    out = {"compare_page_s": _timed(lambda: at.switch_page("pages/compare.py").run())}
+    if not at.success:
+        raise RuntimeError("the Compare page recommended nothing: no stored comparison of the model, or no budget fits")
+    out["compare_budget_s"] = _timed(lambda: at.number_input(key="compare_bits").set_value(5.0).run())
     return out
 
 
@@ -227,7 +243,7 @@ def browser_first_page(query: dict[str, str]) -> float | None:
 def _one_process(args: argparse.Namespace) -> dict[str, float]:
     """One repeat in a fresh Python process (a fresh server: the model is loaded again)."""
     cmd = [sys.executable, __file__, "--repeat-once", "--device", args.device, "--weights", args.weights,
-           *(["--pages-only"] if args.pages_only else [])]
+           *(["--pages-only"] if args.pages_only else []), *(["--compare-only"] if args.compare_only else [])]
     if args.model:
         cmd += ["--model", args.model]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
@@ -241,7 +257,8 @@ def provenance(args: argparse.Namespace) -> dict:
 
     return {**host_provenance(), "torch_threads": torch.get_num_threads(), "device": args.device, "weights": args.weights,
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-            "model": args.model or "embedded", "repeats": args.repeats, "pages_only": args.pages_only}
+            "model": args.model or "embedded", "repeats": args.repeats, "pages_only": args.pages_only,
+            "compare_only": args.compare_only}
 
 
 def main() -> None:
@@ -255,23 +272,27 @@ def main() -> None:
     parser.add_argument("--pages-only", dest="pages_only", action="store_true",
                         help="only the first page and (on cuda) every page's first visit: for models too large "
                              "to run every scenario in reasonable time")
+    parser.add_argument("--compare-only", dest="compare_only", action="store_true",
+                        help="only the Compare page's figures, into app_<device>_compare.json")
     parser.add_argument("--out", default=str(REPO_ROOT / "data" / "bench"))
     parser.add_argument("--repeat-once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     query = app_query(args.device, args.weights, args.model)
     if args.repeat_once:
-        print(json.dumps(scenarios(query, args.pages_only)))
+        print(json.dumps(compare_scenarios(query) if args.compare_only else scenarios(query, args.pages_only)))
         return
+    targets = COMPARE_TARGETS_S if args.compare_only else TARGETS_S[args.device]
     runs: list[dict[str, float]] = []
     for _ in range(args.repeats):  # the table is saved after every repeat: a stopped run keeps what it measured
         run = _one_process(args)
-        seconds = browser_first_page(query) if args.device == "cpu" and not args.pages_only else None
+        browser = args.device == "cpu" and not (args.pages_only or args.compare_only)
+        seconds = browser_first_page(query) if browser else None
         if seconds is not None:
             run["browser_first_page_s"] = seconds
         runs.append(run)
         print(json.dumps(run), flush=True)
-        path = _save(args, _rows(runs, TARGETS_S[args.device]))
-    rows = _rows(runs, TARGETS_S[args.device])
+        path = _save(args, _rows(runs, targets))
+    rows = _rows(runs, targets)
     print(f"{'figure':32} {'median s':>9} {'target s':>9}  met   runs")
     for r in rows:
         print(f"{r['figure']:32} {r['median_s']:9.2f} {str(r['target_s'] or '-'):>9}  "
@@ -292,12 +313,14 @@ def _rows(runs: list[dict[str, float]], targets: dict[str, float]) -> list[dict]
 
 
 def _save(args: argparse.Namespace, rows: list[dict]) -> Path:
-    """Write ``<out>/app_<device>[_<weights>].json`` atomically (no suffix for float32); returns its path."""
+    """Write ``<out>/app_<device>[_<weights>][_compare].json`` atomically (no weights suffix for float32); returns its
+    path."""
     from pace_core.results import atomic_write
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"app_{args.device}{'' if args.weights == 'float32' else '_' + args.weights}.json"
+    path = out / (f"app_{args.device}{'' if args.weights == 'float32' else '_' + args.weights}"
+                  f"{'_compare' if args.compare_only else ''}.json")
     doc = json.dumps({"kind": "app_responsiveness", "provenance": {**provenance(args), "repeats_done": len(rows[0]["runs_s"])},
                       "figures": rows}, indent=2)
     atomic_write(path, lambda p: Path(p).write_text(doc + "\n"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import re
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from app_state import compute, controls, frame, session, stored
+from app_state import compute, controls, exporting, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
 from numerics import fp32_bound, rel
 from pace_core.accounting import capacity, resident_bits, state_bytes
@@ -959,15 +960,25 @@ def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params
     at = start(params)
     text = _shown_text(at)
     assert not re.search(r"\bseeds?\b", text, re.IGNORECASE), re.findall(r".{40}\bseeds?\b.{40}", text, re.I)
-    assert "The paper's claims, measured" in [s.value for s in at.subheader]
+    assert "The paper's claims and ours, measured, with their spread" in [s.value for s in at.subheader]
     names = next(d.value for d in at.dataframe if "the paper claims" in d.value.columns)
-    assert [c[:3] for c in names["claim"]] == ["(a)", "(b)", "(c)", "(d)"]
+    assert [c[:3] for c in names["claim"]] == ["(a)", "(b)", "(c)", "(d)", "(e)"]
     assert "every token" in names["the paper claims"][0] and "key axis" in names["the paper claims"][1]
     assert "E_h" in names["the paper claims"][2] and "dP grows" in names["the paper claims"][3]
+    assert "Ours, not the paper's" in names["the paper claims"][4] and "STEPQuant-4" in names["tested here as"][4]
     results = next(d.value for d in at.dataframe if "margin" in getattr(d.value, "data", d.value).columns)
-    assert set(getattr(results, "data", results)["claim"]) == {
+    results = getattr(results, "data", results)
+    assert set(results["claim"]) == {
         "(a) Periodic rounding", "(b) Channel-aligned (key-axis) groups", "(c) Head-level precision (PACE-4/8)",
-        "(d) Drift against dP"}
+        "(d) Drift against dP", "(e) PACE vs STEPQuant at equal bits"}
+    for claim, spread, shown in zip(claims.data["claims"], results["spread"], results["verdict"]):
+        sp = claim["spread"]  # the shipped report's spread, as measured
+        assert spread == (f"[{sp['low']:+.1%}, {sp['high']:+.1%}] over {sp['n']} {sp['unit']}; holds in "
+                          f"{sp['holds_share']:.1%} of resamples")
+        assert shown in ("holds beyond the spread", "within the spread", "fails beyond the spread")
+    random = next(c["random"] for c in claims.data["claims"] if c["claim"] == "c")
+    assert any(c.value.startswith(f"Claim (c) over its {random['n']} random allocations: their KL "
+                                  f"{random['kl_mean']:.2e} ± {random['kl_sd']:.2e}") for c in at.caption)
     for element in at.dataframe:  # the tables of sentences: wide text columns, rows tall enough to wrap their text
         columns = json.loads(element.proto.columns) if element.proto.columns else {}
         if any(c in columns for c in ("what it does", "the paper claims", "figures")):
@@ -1072,3 +1083,116 @@ def test_head_ranking_says_how_to_enable_8_bit_heads_at_share_0(params):
     at.sidebar.select_slider(key="w_hi").set_value(0.25).run()
     check(at)
     assert not [i for i in at.info if "No head keeps 8 bits" in i.value]
+
+
+def _compare_stored(params, loaded, tmp_path, monkeypatch, rng: np.random.Generator) -> dict:
+    """A stored comparison of configurations that need no calibration, with random figures, for the loaded weights
+    (and one of other weights, which the page leaves out); the card stored beside it by one load."""
+    from pace_core.analysis.compare import comparison, point
+
+    names = ["fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "qmamba-dsq"]
+    kls = [0.0, *np.sort(rng.random(5))[::-1] * 1e-2]  # random KL, larger for the first (fewer bits) mostly
+    rng.shuffle(kls[2:])
+    points = [point(get_config(n), loaded.shape, {"kl": float(kl), "agreement": float(1 - kl), "bpb": 1.5,
+                                                  "ppl": 20.0, "tokens": 4095}) for n, kl in zip(names, kls)]
+    data, table = comparison(points)
+    data = {**data, "tokens": 4095, "window": 512}
+    _store("compare", params, loaded, table, monkeypatch, tmp_path, data)
+    return data
+
+
+def test_compare_says_which_command_makes_its_results(params, tmp_path, monkeypatch):
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    stored.stored_results.clear()
+    at = start(params, page="compare")
+    assert "python -m pace_core compare" in at.info[0].value and not at.get("plotly_chart")
+    assert not at.get("download_button")
+
+
+def test_compare_recommends_the_best_under_a_budget_and_exports_it_without_loading(params, loaded, tmp_path,
+                                                                                  monkeypatch):
+    from pace_core.analysis.compare import Point, budget_bits, recommendation
+    from pace_core.figures import CAPACITY_CONTEXT, CAPACITY_WEIGHT_BITS
+
+    rng = np.random.default_rng(int(np.random.default_rng().integers(2**31)))
+    data = _compare_stored(params, loaded, tmp_path, monkeypatch, rng)
+    session._load_model.clear()  # a load earlier in this process would not store a card here
+    session._stored_card.clear()
+    start(params)  # one load, which stores the card in this results folder
+    calls = []
+    real = session._load_model
+    real.clear()  # a restarted server: no model loaded
+    monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
+    session._stored_card.clear()
+    files = []  # what the Export page's function wrote for the page
+    write = exporting.export_file
+    monkeypatch.setattr(exporting, "export_file", lambda *a, **k: files.append(write(*a, **k)) or files[-1])
+    at = start(params, page="compare")
+    points = {p["config"]: p for p in data["points"]}
+
+    def expected(budget: float) -> str | None:  # the lowest KL that fits, ties: fewer bits
+        fits = sorted((p["kl"], p["resident_bits"], name) for name, p in points.items() if p["resident_bits"] <= budget)
+        return fits[0][2] if fits else None
+
+    for budget in (3.0, 4.6, 6.0, 9.0, 20.0, 40.0):
+        at.number_input(key="compare_bits").set_value(budget).run()
+        check(at)
+        best = expected(budget)
+        if best is None:
+            assert "No configuration fits" in at.warning[0].value and not at.success
+            continue
+        p = points[best]
+        assert at.success[0].value == recommendation(Point.of(p), get_config(best), loaded.shape, int(141e9),
+                                                     "an H200 141 GB", context=CAPACITY_CONTEXT,
+                                                     weight_bits=CAPACITY_WEIGHT_BITS)
+        assert at.get("download_button")[0].proto.label == f"Export {best}.json"
+        exported = document_from_json(files[-1][2])  # the configuration as measured, for the loaded model
+        assert exported.config == used_settings(get_config(best)) and files[-1][1] == f"{best}.json"
+        assert exported.model_info["weights_fingerprint"] == loaded.fingerprint
+        assert exported.model_info["source"] == (params.get("model") or "data/models/pace-tiny-qwen35")
+        fig = chart(at, "compare_chart")
+        ring = [t for t in fig["data"] if t["name"].startswith("best: ")]
+        assert [t["name"] for t in ring] == ([f"best: {best}"] if p["kl"] > 0 else [])
+    frontier = next(t for t in chart(at, "compare_chart")["data"] if t["name"] == "frontier")
+    on = [name for name in data["frontier"] if points[name]["kl"] > 0]  # fp32's KL 0 is off the log axis
+    np.testing.assert_allclose(array(frontier["x"]), [points[n]["resident_bits"] for n in on])
+    # a GPU, sequences and context: the budget the states of that many sequences may take
+    at.radio(key="compare_budget_kind").set_value("GPU, sequences and context").run()
+    at.selectbox(key="compare_gpu").set_value("custom").run()
+    at.number_input(key="compare_gb").set_value(1.0).run()
+    at.selectbox(key="compare_weights").set_value("fp8 (8 bits)").run()
+    at.number_input(key="compare_context").set_value(2048).run()
+    for sequences in (1, 50, 400, 5000):
+        at.number_input(key="compare_sequences").set_value(sequences).run()
+        check(at)
+        budget = budget_bits(loaded.shape, 10**9, sequences, context=2048, weight_bits=8)
+        assert any(c.value.startswith(f"{budget:.2f} bits per state value") for c in at.caption)
+        best = expected(budget)
+        shown = at.success[0].value if best is not None else at.warning[0].value
+        assert shown.startswith(f"{best}: ") if best is not None else "No configuration fits" in shown
+        if best is not None:
+            assert "on 1 GB at 2,048 tokens of context with 8-bit weights" in shown
+    assert calls == []  # the stored path: no model loaded
+
+
+def test_overview_shows_the_perplexity_run_over_the_most_tokens_first(params, loaded, tmp_path, monkeypatch):
+    """A newer run over fewer tokens (a compare on a prefix) does not replace the run over the whole text as the
+    Overview's Table 1; both are offered."""
+    from pace_core.results import make_provenance, result_key, save_result
+
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    name = stored.results_model_name(params.get("model", ""))
+    for tokens, date in ((360_013, "2026-12-01T00:00:00+00:00"), (4_095, "2026-12-05T00:00:00+00:00")):
+        prov = {**make_provenance("m", configs=[get_config("fp32")], command=f"python -m pace_core x --t {tokens}",
+                                  extra={"weights": loaded.fingerprint}), "date": date}
+        row = {"config": "fp32", "tokens": tokens, "nll": 3.0, "ppl": math.exp(3.0), "agreement": 1.0, "kl": 0.0,
+               "bpb": 1.5}
+        save_result("perplexity", name, result_key({"t": tokens}), {"row": row, "decode_from": 1,
+                                                                     "params_key": f"set {tokens}", "config": "fp32"},
+                    prov, None)
+    stored.stored_sets.clear()
+    at = start(params)
+    box = at.selectbox(key="overview_quality_run")
+    assert [o.split(" · ")[:2] for o in box.options] == [["2026-12-01T00:00:00+00:00", "360,013 scored tokens"],
+                                                         ["2026-12-05T00:00:00+00:00", "4,095 scored tokens"]]
+    assert box.value == box.options[0]

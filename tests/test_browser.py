@@ -17,7 +17,7 @@ import pytest
 
 from app_support import EMBEDDED_DIR, REPO_ROOT, app_model_param, outbound_attempts, served_app
 from pace_core.accounting import capacity
-from pace_core.config import config_from_json, get_config
+from pace_core.config import config_from_dict, config_from_json, get_config
 from pace_core.shapes import load_shape
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -25,7 +25,7 @@ SHOTS = REPO_ROOT / "artifacts" / "screenshots"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PAGE_TIMEOUT_MS = 300_000        # live analyses on a loaded 2-core CPU: calibration, drift, generation
-PAGES = ["", "state_heatmaps", "head_ranking", "drift", "memory", "generations", "benchmarks", "export"]
+PAGES = ["", "compare", "state_heatmaps", "head_ranking", "drift", "memory", "generations", "benchmarks", "export"]
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed at "
                                 "/usr/bin/chromium (apt-get install chromium; `make test` does it)")
@@ -125,7 +125,7 @@ def test_shipped_results_and_the_new_parts(server, page):
     text = _main_text(page)
     if not params:  # the embedded model: its results are shipped in data/results/pace-tiny-qwen35
         assert "No stored perplexity run" not in text and "No stored claims report" not in text
-        assert "pace_core all --device cuda" in text  # the stored run's provenance is shown
+        assert "Source: stored result of python -m pace_core " in text  # the stored run's provenance is shown
 
     page.goto(_url(base, "memory", dict(params, preset="pace-4")))
     _settle(page)
@@ -150,6 +150,61 @@ def test_shipped_results_and_the_new_parts(server, page):
     text = _main_text(page)
     assert "Decode step of 24 GDN layers" in text and "Each cell: time per token" in text
     page.screenshot(path=str(SHOTS / "benchmarks_headline.png"), full_page=True)
+
+
+SUCCESS_TEXT = '[data-testid="stAlertContentSuccess"] [data-testid="stMarkdownContainer"]'
+"""A success alert's text (without its icon's name)."""
+
+
+def _success(page) -> str:
+    alerts = page.locator(SUCCESS_TEXT)
+    return alerts.first.inner_text() if alerts.count() else ""
+
+
+def test_compare_recommends_the_frontiers_best_under_a_budget_and_exports_it(server, page):
+    """The Compare page's recommendation for budgets between the frontier's points is the frontier point of the most
+    bits within the budget, the frontier computed here from the stored points (sorted by bits, each point whose KL
+    is below every KL of fewer bits); its export button downloads that configuration."""
+    base, params, _ = server
+    page.goto(_url(base, "compare", params))
+    _settle(page)
+    if params:  # a random checkpoint made for this test: nothing stored, the page names the command
+        assert "python -m pace_core compare" in _main_text(page)
+        return
+    from pace_core.results import list_results
+
+    [result] = [r for r in list_results(str(EMBEDDED_DIR), "compare").results if not r.stale][:1]
+    points = sorted(result.data["points"], key=lambda p: (p["resident_bits"], p["kl"]))
+    frontier = []
+    for p in points:
+        if all(p["kl"] < q["kl"] for q in frontier):
+            frontier.append(p)
+    assert len(frontier) >= 3
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    budget_box = page.get_by_role("spinbutton", name="Bits per state value", exact=True)
+    pairs = [(here, above, round((here["resident_bits"] + above["resident_bits"]) / 2, 3))
+             for here, above in zip(frontier, frontier[1:])]
+    pairs = [(here, budget) for here, above, budget in pairs if here["resident_bits"] <= budget < above["resident_bits"]]
+    assert len(pairs) >= 2
+    for here, budget in pairs[:4]:  # a budget between two frontier points: the one of fewer bits is the best
+        want = f"{here['config']}: {here['resident_bits']:.2f} bits per state value, KL {here['kl']:.1e} to fp32"
+        budget_box.fill(f"{budget:.3f}")
+        budget_box.press("Enter")
+        try:  # the rerun after the new budget: until its recommendation is shown (else the assertion names it)
+            page.wait_for_function("""([selector, want]) => { const a = document.querySelector(selector);
+                                                              return a && a.innerText.startsWith(want); }""",
+                                   arg=[SUCCESS_TEXT, want], timeout=60_000)
+        except PlaywrightTimeout:
+            pass
+        _settle(page)
+        assert _success(page).startswith(want), (budget, _success(page))
+        _assert_no_error(page, "compare")
+    with page.expect_download() as info:
+        page.get_by_role("button", name=f"Export {here['config']}.json").click()
+    cfg = config_from_json(Path(info.value.path()).read_text(encoding="utf-8"))
+    assert cfg == config_from_dict(here["configuration"])  # the configuration measured, its calibration included
+    page.screenshot(path=str(SHOTS / "compare_budget.png"), full_page=True)
 
 
 def test_the_server_reached_nothing_outside(server, page):

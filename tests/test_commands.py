@@ -5,7 +5,7 @@ import torch
 from pace_core.analysis.text import TEST_TEXT
 from pace_core.cli import main
 from pace_core.model import commands
-from pace_core.config import config_from_dict, config_from_json
+from pace_core.config import NAMED_CONFIGS, config_from_dict, config_from_json
 from pace_core.results import config_hash, list_results, result_sets
 
 
@@ -120,6 +120,47 @@ def test_perplexity_whole_text_in_batches(env, tmp_path):
     # quantised rows that order can move a rounding boundary (see test_analysis_quality)
     assert p.table.nll[0] == pytest.approx(q.table.nll[0], rel=1e-6)
     assert p.table.nll.to_numpy() == pytest.approx(q.table.nll.to_numpy(), rel=1e-3)
+
+
+def test_compare_stores_every_point_the_frontier_and_reuses_perplexity(env, capsys, tmp_path):
+    from pace_core.accounting import resident_bits
+    from pace_core.shapes import load_shape
+
+    out = str(tmp_path / "results")
+    common = ["--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--window", "64",
+              "--max-tokens", "128"]
+    compare = ["compare", *common, "--calibration-text", env["text"], "--calibration-tokens", "64", "--configs",
+               "rtn-int4", "rtn-int8", "pace-4", "stepquant-4"]
+    assert main(compare) == 0
+    printed = capsys.readouterr().out
+    [cmp] = list_results(env["model"], "compare", root=out).results
+    [ppl] = result_sets(env["model"], "perplexity", root=out).results
+    rows = {r.data["config"]: r.data["row"] for r in ppl.results}
+    points = cmp.data["points"]
+    assert [p["config"] for p in points] == ["fp32", "rtn-int4", "rtn-int8", "pace-4", "stepquant-4"]
+    shape = load_shape(env["model"])
+    for p in points:  # the accounting's bits of the configuration as run, the perplexity command's figures
+        cfg = config_from_dict(p["configuration"])
+        assert p["resident_bits"] == resident_bits(cfg, shape).resident_bits
+        assert {k: p[k] for k in ("kl", "agreement", "bpb", "tokens")} == {
+            k: rows[p["config"]][k] for k in ("kl", "agreement", "bpb", "tokens")}
+    assert config_from_dict(points[-1]["configuration"]).calibrated is not None  # STEPQuant calibrated on the model
+    # the frontier, computed here: a point whose KL is below that of every point of fewer bits, lowest of its bits
+    on = [p["config"] for p in sorted(points, key=lambda p: p["resident_bits"])
+          if all(p["kl"] < q["kl"] for q in points if q["resident_bits"] < p["resident_bits"])
+          and p["kl"] == min(q["kl"] for q in points if q["resident_bits"] == p["resident_bits"])]
+    assert cmp.data["frontier"] == on and "fp32" in on
+    assert f"frontier (no configuration with fewer bits and lower KL): {', '.join(on)}" in printed
+    assert list(cmp.table.config) == [p["config"] for p in sorted(points, key=lambda p: (p["resident_bits"], p["kl"]))]
+    # each configuration's result holds its per-window sums
+    for r in ppl.results:
+        assert r.table.tokens.sum() == r.data["row"]["tokens"] and set(r.table.config) == {r.data["config"]}
+    # the perplexity command with the same settings reuses them; compare reuses its own result
+    assert main(["perplexity", *common, "--configs", "pace-4"]) == 0
+    printed = capsys.readouterr().out
+    assert "reusing stored perplexity of fp32, pace-4" in printed and "saved" not in printed
+    assert main(compare) == 0
+    assert "reusing stored compare" in capsys.readouterr().out
 
 
 def test_stored_results_belong_to_the_weights(env, capsys, tmp_path):
@@ -275,10 +316,14 @@ def test_all_small(env, tmp_path, capsys, bars, monkeypatch):
     _assert_filled(bars)
     assert {desc.split()[0] for desc, _ in bars} >= {"calibrate", "sweep", "drift", "perplexity", "generate", "claims"}
     kinds = sorted({r.kind for r in list_results(env["model"], root=out).results})
-    assert kinds == ["calibration", "claims", "claims_quality", "drift", "generation", "model_card", "perplexity",
-                     "structure", "sweep"]
+    assert kinds == ["calibration", "claims", "claims_quality", "compare", "drift", "generation", "model_card",
+                     "perplexity", "structure", "sweep"]
+    # compare: every named configuration, the perplexity step's results reused (the same settings)
+    [cmp] = list_results(env["model"], "compare", root=out).results
+    assert [p["config"] for p in cmp.data["points"]] == list(NAMED_CONFIGS)
+    assert "reusing stored perplexity of fp32, rtn-int4, pace-4-8, damp-int4 (--force" in capsys.readouterr().out
     [claims] = list_results(env["model"], "claims", root=out).results
-    assert {c["claim"] for c in claims.data["claims"]} == set("abcd")
+    assert {c["claim"] for c in claims.data["claims"]} == set("abcde")
     # the claims' perplexity is stored per configuration: a stopped run resumes, computing only what is missing
     quality = list_results(env["model"], "claims_quality", root=out).results
     reported = {row["label"]: row for row in claims.data["quality"]}

@@ -252,3 +252,18 @@ def test_log_ticks_are_1_2_5_per_decade_spanning_the_values():
     assert figures.log_ticks([0.1, 0.1]) == pytest.approx([0.1])
     assert figures.log_ticks([0.0, -1.0, float("nan"), 3e-4, 1.5e-3]) == pytest.approx([2e-4, 5e-4, 1e-3, 2e-3])
     assert figures.log_ticks([0.0]) == []
+
+
+def test_compare_figure_draws_the_points_the_frontier_the_best_and_the_budget(rng):
+    kl = np.sort(rng.random(4))[::-1] * 1e-2
+    table = pd.DataFrame({"config": ["a", "b", "c", "d", "fp32"], "resident_bits": [4.25, 5.0, 6.5, 8.5, 32.0],
+                          "kl": [*kl, 0.0], "frontier": [True, False, True, True, True]})
+    fig = figures.compare_figure(table, best="c", budget_bits=7.0)
+    frontier, points, ring = fig.data
+    assert list(points.text) == ["a", "b", "c", "d"]  # KL 0 is off the log axis
+    np.testing.assert_allclose(np.asarray(points.y), kl)
+    assert list(frontier.x) == [4.25, 6.5, 8.5] and frontier.name == "frontier"
+    assert ring.name == "best: c" and list(ring.x) == [6.5] and list(ring.y) == [kl[2]]
+    assert fig.layout.xaxis.type == fig.layout.yaxis.type == "log"
+    assert [s.x0 for s in fig.layout.shapes] == [7.0]
+    assert len(figures.compare_figure(table, best="fp32").data) == 2  # the reference: no ring off the axis

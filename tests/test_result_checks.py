@@ -152,6 +152,32 @@ CLAIMS = {"claims": [{"claim": "a", "what": "x", "labels": ["p", "q"], "holds": 
           "main": [{"config": "pace-4", "resident_bits": 5.03, "resident_bits_27b": 4.9, "bpb": 1.6, "kl": 2e-4,
                     "agreement": 0.99}], "tokens": 99, "drift_tokens": 64}
 CLAIMS_TABLE = pd.DataFrame({"claim": ["a", "d"], "what": ["x", "y"], "holds": [True, True], "margin": [0.5, 0.1]})
+SPREAD = {"unit": "windows", "n": 7, "low": 0.1, "high": 0.8, "holds_share": 0.99}
+WITH_SPREAD = {**CLAIMS, "claims": [{**c, "spread": dict(SPREAD)} for c in CLAIMS["claims"]]}
+
+
+def _windows(row: dict) -> pd.DataFrame:
+    """The per-window sums of ``row`` over three windows of 33 tokens (its 99)."""
+    share = np.array([0.2, 0.5, 0.3])
+    return pd.DataFrame({"config": row["config"], "window": [0, 1, 2], "begin": [0, 32, 64], "end": [64, 96, 128],
+                         "tokens": [33, 33, 33], "nll": share * row["nll"] * 99, "agreed": [33, 32, 33],
+                         "kl": share * row["kl"] * 99})
+
+
+def _compare() -> dict:
+    from pace_core.analysis.compare import comparison, point
+    from pace_core.shapes import BUILTIN_SHAPES
+
+    shape = BUILTIN_SHAPES["qwen3.5-4b"]
+    rows = {"fp32": (0.0, 1.0), "rtn-int4": (3e-3, 0.95), "pace-4": (1e-3, 0.97), "rtn-int8": (2e-3, 0.99)}
+    data, _ = comparison([point(get_config(n), shape, {"kl": kl, "agreement": a, "bpb": 1.5, "ppl": 12.0, "tokens": 99})
+                          for n, (kl, a) in rows.items()])
+    return {**data, "tokens": 99}
+
+
+COMPARE = _compare()
+COMPARE_TABLE = pd.DataFrame({"config": ["rtn-int4"], "resident_bits": [4.5], "kl": [3e-3], "agreement": [0.95],
+                              "bpb": [1.5], "frontier": [True]})
 
 # kind, a valid (data, table), a change that breaks it, what the refusal says
 CASES = [
@@ -180,6 +206,25 @@ CASES = [
      lambda d, t: d["main"][0].update(kl=float("inf")), "pace-4's KL is inf"),
     ("claims", CLAIMS, CLAIMS_TABLE,
      lambda d, t: d["claims"][1].pop("state_error"), "a claim without KL lacks the field state_error"),
+    ("perplexity", {"config": "rtn-int8", "row": ROW, "decode_from": 1}, _windows(ROW),
+     lambda d, t: t.__setitem__("kl", t["kl"] * 1.01), "rtn-int8: its windows' kl adds up to"),
+    ("claims_quality", {"config": "rtn-int8", "row": ROW, "decode_from": 1}, _windows(ROW),
+     lambda d, t: t.__setitem__("tokens", [33, 33, 34]), "rtn-int8: its windows score 100 tokens, its row 99"),
+    ("perplexity", {"config": "rtn-int8", "row": ROW, "decode_from": 1}, _windows(ROW),
+     lambda d, t: t.__setitem__("agreed", [33, 34, 33]), "rtn-int8: a window has more agreeing tokens than scored"),
+    ("perplexity", {"config": "fp32", "row": {**ROW, "config": "fp32", "agreement": 1.0, "kl": 0.0}, "decode_from": 1},
+     _windows({**ROW, "config": "fp32", "kl": 0.0}).assign(agreed=33),
+     lambda d, t: t.__setitem__("agreed", [33, 33, 32]), "the reference fp32 differs from itself in a window"),
+    ("claims", WITH_SPREAD, CLAIMS_TABLE,
+     lambda d, t: d["claims"][0]["spread"].update(low=0.9), "claim a's margin interval [0.9, 0.8] is not in order"),
+    ("claims", WITH_SPREAD, CLAIMS_TABLE,
+     lambda d, t: d["claims"][1]["spread"].update(holds_share=1.2), "claim d's share of resamples is 1.2"),
+    ("compare", COMPARE, COMPARE_TABLE,
+     lambda d, t: d["frontier"].append("rtn-int8"), "is not its points' Pareto frontier ['rtn-int4', 'pace-4', 'fp32']"),
+    ("compare", COMPARE, COMPARE_TABLE,
+     lambda d, t: d["points"][2].update(kl=-1.0), "pace-4's KL is -1.0"),
+    ("compare", COMPARE, COMPARE_TABLE,
+     lambda d, t: d["points"][0].update(kl=1e-4), "the reference fp32 has KL 0.0001 to itself"),
 ]
 
 

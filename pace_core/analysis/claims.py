@@ -15,11 +15,25 @@ Claims (the configurations are built here from the named ones, so the report fol
 - **(d) drift against dP**: the relative state error of the 4-bit quantisers (PACE-4's and RTN-INT4's)
   at dP = 1, 2, 4, 8, 16, compared at the steps where every dP has just rounded (multiples of 16).
   Holds for a quantiser when the error falls as dP grows.
+- **(e) PACE vs STEPQuant at equal resident bits** (ours, issue 38): STEPQuant-4 (calibrated on the model)
+  against the PACE-4 setting of the most resident bits not above STEPQuant-4's on the model
+  (:func:`equal_bits_pace`: PACE-4's quantiser and buffer, key-axis groups, dP and group size chosen). No PACE
+  setting has exactly STEPQuant's bits; "not above" means a PACE win is not bought with memory. Holds when the
+  PACE setting has the lower KL.
+
+**Spread.** Every margin comes with a 95% bootstrap interval (:data:`SPREAD_RESAMPLES` resamples, seeded):
+claims (a), (b), (c) and (e) resample the perplexity windows (each scores its own tokens; the configurations
+of a claim are resampled together, so the interval is that of their difference on the same text), claim (d)
+the decode steps where every dP has just rounded (consecutive steps of one sequence are correlated, so its
+interval is narrower than independent sequences would give). ``holds_share`` is the share of resamples in
+which the claim holds; it holds **beyond the spread** when that share is at least 97.5% and fails beyond it at
+2.5% or less (:func:`verdict`). Claim (c) also states its spread over the random allocations (``random``):
+their mean KL and standard deviation, and E_h's margin over their mean.
 
 The main table: PACE-4, PACE-4/8 with each buffer, DAMP INT4 / INT8, Q-Mamba DSQ, RTN-INT4 / INT8, each
 with its resident bits (loaded model and Qwen3.5-27B), bpb, KL and agreement.
 
-KL, agreement and bpb come from one :func:`pace_core.analysis.quality.perplexity` run of all
+KL, agreement and bpb come from one :func:`pace_core.analysis.quality.perplexity_run` of all
 configurations on the text (the fp32 reference shared; each window's scored tokens decoded, as the
 ``perplexity`` command does by default); state errors from one
 :func:`pace_core.analysis.drift.drift` run on its first ``drift_tokens`` tokens.
@@ -31,22 +45,32 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import torch
 
 from pace_core.accounting import resident_bits
 from pace_core.analysis.drift import drift, drift_progress_total
-from pace_core.analysis.quality import perplexity, quality_progress_total
+from pace_core.analysis.quality import QualityRun, perplexity_run, quality_progress_total
 from pace_core.analysis.text import read_text, tokenize
 from pace_core.config import PaceConfig, config_to_json, get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel
-from pace_core.shapes import BUILTIN_SHAPES
+from pace_core.shapes import BUILTIN_SHAPES, ModelShape
 
 CLAIM_BITS = (3, 4, 5, 6)
 DRIFT_PERIODS = (1, 2, 4, 8, 16)
 MAIN_BUFFERS = ("mixed", "int8", "bf16", "fp32")
 REPORT_SHAPE = "qwen3.5-27b"
+EQUAL_BITS_PERIODS = (2, 4, 8, 16)
+EQUAL_BITS_GROUPS = (32, 64, 128)
+"""The decode periods and group sizes :func:`equal_bits_pace` chooses from (dP >= 2: periodic rounding, PACE's
+own; group sizes that divide the model's key axis)."""
+STEPQUANT = "stepquant-4"
+SPREAD_RESAMPLES = 2000
+SPREAD_LEVEL = 0.95
+SPREAD_SEED = 0
+"""The bootstrap of every margin (module docstring): resamples, interval level, seed of the draws."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +83,11 @@ class ClaimConfigs:
     allocation: dict[str, PaceConfig]
     drift: dict[str, PaceConfig]
     main: dict[str, PaceConfig]
+    stepquant: dict[str, PaceConfig]
 
     def quality(self) -> dict[str, PaceConfig]:
         """Every configuration scored on the text, once each."""
-        return {**self.periodic, **self.axis, **self.allocation, **self.main}
+        return {**self.periodic, **self.axis, **self.allocation, **self.main, **self.stepquant}
 
 
 def _with_buffer_of(cfg: PaceConfig, other: PaceConfig) -> PaceConfig:
@@ -72,11 +97,24 @@ def _with_buffer_of(cfg: PaceConfig, other: PaceConfig) -> PaceConfig:
                        buffer_value_symmetric=other.buffer_value_symmetric)
 
 
-def claim_configs(calibrated_pace48: PaceConfig, random_heads: list[tuple[tuple[int, ...], ...]],
+def equal_bits_pace(bits: float, shape: ModelShape) -> PaceConfig:
+    """The PACE-4 setting of claim (e) for a rival of ``bits`` resident bits on ``shape``: PACE-4 (its quantiser,
+    key-axis groups and decode buffer) at the decode period of :data:`EQUAL_BITS_PERIODS` and the group size of
+    :data:`EQUAL_BITS_GROUPS` (those dividing the key axis) whose resident bits are the most not above ``bits``
+    (none: the fewest), named ``pace-4 dP<p> g<g>``."""
+    pace4 = get_config("pace-4")
+    options = [pace4.replace(name=f"pace-4 dP{p} g{g}", decode_period=p, group_size=g)
+               for p in EQUAL_BITS_PERIODS for g in EQUAL_BITS_GROUPS if shape.d_k % g == 0]
+    have = {cfg.name: resident_bits(cfg, shape).resident_bits for cfg in options}
+    return min(options, key=lambda cfg: (have[cfg.name] > bits, abs(have[cfg.name] - bits)))
+
+
+def claim_configs(calibrated_pace48: PaceConfig, random_heads: list[tuple[tuple[int, ...], ...]], shape: ModelShape,
                   calibrated: Mapping[str, PaceConfig] | None = None) -> ClaimConfigs:
-    """The configurations of the report. ``calibrated_pace48``: PACE-4/8 with its calibrated E_h heads;
-    ``random_heads``: the random allocations of claim (c) (:func:`random_allocations`); ``calibrated``: named
-    configurations of the main table calibrated on the model (the rest are taken as named)."""
+    """The configurations of the report on a model of ``shape``. ``calibrated_pace48``: PACE-4/8 with its
+    calibrated E_h heads; ``random_heads``: the random allocations of claim (c) (:func:`random_allocations`);
+    ``calibrated``: named configurations calibrated on the model (the main table's DAMP and claim (e)'s
+    STEPQuant-4; the rest are taken as named)."""
     pace4 = get_config("pace-4")
     rtn = _with_buffer_of(get_config("rtn-int4").replace(group_axis="value", group_size=32), pace4)
     periodic = {}
@@ -98,7 +136,9 @@ def claim_configs(calibrated_pace48: PaceConfig, random_heads: list[tuple[tuple[
         main[f"pace-4-8 ({buf} buffer)"] = calibrated_pace48.replace(name=f"pace-4-8-{buf}", buffer=buf)
     for name in ("damp-int4", "damp-int8", "qmamba-dsq", "rtn-int4", "rtn-int8"):
         main[name] = (calibrated or {}).get(name) or get_config(name)
-    return ClaimConfigs(periodic, axis, allocation, drift_cfgs, main)
+    rival = (calibrated or {}).get(STEPQUANT) or get_config(STEPQUANT)
+    pace = equal_bits_pace(resident_bits(rival, shape).resident_bits, shape)
+    return ClaimConfigs(periodic, axis, allocation, drift_cfgs, main, {pace.name: pace, STEPQUANT: rival})
 
 
 def random_allocations(cfg: PaceConfig, layers: int, heads: int, seeds: int) -> list[tuple[tuple[int, ...], ...]]:
@@ -138,7 +178,7 @@ def _configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int,
         raise PaceError(f"seeds: {seeds!r} not allowed; allowed: an integer >= 1")
     shape = loaded.shape
     return claim_configs(calibrated_pace48, random_allocations(calibrated_pace48, shape.num_gdn_layers,
-                                                               shape.num_v_heads, seeds), calibrated)
+                                                               shape.num_v_heads, seeds), shape, calibrated)
 
 
 def quality_configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int,
@@ -152,12 +192,12 @@ def quality_configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: i
 
 def claims_progress_total(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int, n_tokens: int,
                           window: int, stride: int, batch: int, drift_tokens: int,
-                          groups: Sequence[int] | None = None) -> int:
+                          groups: Sequence[int] | None = None, calibrated: Mapping[str, PaceConfig] | None = None) -> int:
     """The progress units of :func:`measure_claims` on ``n_tokens`` tokens of its text. ``groups``: the sizes of
-    the groups of configurations whose perplexity is measured in one :func:`perplexity` call each (each with its
-    own run of the reference; none when all are stored); None: all of them in one call, as
-    :func:`measure_claims` does without ``quality``."""
-    cfgs = _configs(loaded, calibrated_pace48, seeds)
+    the groups of configurations whose perplexity is measured in one :func:`perplexity_run` call each (each with
+    its own run of the reference; none when all are stored); None: all of them in one call, as
+    :func:`measure_claims` does without ``quality``; ``calibrated`` as there."""
+    cfgs = _configs(loaded, calibrated_pace48, seeds, calibrated)
     if groups is None:
         groups = [len(_unique(cfgs.quality())[0])]
     T = min(drift_tokens, n_tokens)
@@ -172,23 +212,78 @@ def _margin(better: float, other: float) -> float:
     return 1.0 - better / other if other > 0 else 0.0
 
 
+def resample_counts(n: int) -> np.ndarray:
+    """``[SPREAD_RESAMPLES, n]``: how often each of ``n`` units is drawn in each bootstrap resample (``n`` draws
+    with replacement; seeded by :data:`SPREAD_SEED`, so a report is reproducible)."""
+    if n < 1:
+        raise PaceError("spread: no units to resample; allowed: at least one window or decode step")
+    draws = np.random.default_rng(SPREAD_SEED).integers(0, n, size=(SPREAD_RESAMPLES, n))
+    counts = np.zeros((SPREAD_RESAMPLES, n))
+    np.add.at(counts, (np.arange(SPREAD_RESAMPLES)[:, None], draws), 1.0)
+    return counts
+
+
+def spread(margins: np.ndarray, holds: np.ndarray, unit: str, n: int) -> dict:
+    """The spread of a margin over ``SPREAD_RESAMPLES`` resamples of ``n`` ``unit`` (``margins [R]``, ``holds [R]``
+    whether the claim holds in each): the central :data:`SPREAD_LEVEL` interval ``low``, ``high`` and
+    ``holds_share``, the share of resamples in which it holds."""
+    tail = (1 - SPREAD_LEVEL) / 2
+    low, high = np.quantile(margins, [tail, 1 - tail])
+    return {"unit": unit, "n": int(n), "low": float(low), "high": float(high), "holds_share": float(np.mean(holds))}
+
+
+def verdict(claim: Mapping) -> str:
+    """A claim's verdict with its spread: "holds beyond the spread" (it holds in at least 97.5% of the
+    resamples), "fails beyond the spread" (in at most 2.5%), else "within the spread"; "no spread measured" for
+    a report made before spreads were."""
+    if "spread" not in claim:
+        return "no spread measured"
+    share, tail = claim["spread"]["holds_share"], (1 - SPREAD_LEVEL) / 2
+    return "holds beyond the spread" if share >= 1 - tail else "fails beyond the spread" if share <= tail else (
+        "within the spread")
+
+
+def _window_kl(windows: pd.DataFrame, names: Mapping[str, str]) -> tuple[np.ndarray, np.ndarray]:
+    """``(kl [windows, labels], tokens [windows])``: each label's KL sum per window (``names``: label -> the
+    configuration name its rows carry), in window order."""
+    kl = windows.pivot(index="window", columns="config", values="kl")
+    tokens = windows.pivot(index="window", columns="config", values="tokens")
+    run = list(dict.fromkeys(names.values()))
+    absent = [name for name in run if name not in kl.columns]
+    if absent:
+        raise PaceError(f"quality: no per-window rows for {', '.join(absent)}; allowed: the windows of every "
+                        "quality_configs label")
+    return kl[[names[label] for label in names]].to_numpy(), tokens[run[0]].to_numpy()
+
+
+def _kl_spread(windows: pd.DataFrame, better: str, others: Sequence[str], alias: Mapping[str, str]) -> dict:
+    """The spread over the windows of ``1 - KL(better) / min KL(others)``."""
+    labels = [better, *others]
+    kl, tokens = _window_kl(windows, {label: alias[label] for label in labels})
+    counts = resample_counts(len(tokens))
+    resampled = (counts @ kl) / (counts @ tokens)[:, None]  # [resamples, labels]: each label's KL
+    rival = resampled[:, 1:].min(axis=1)
+    margins = 1.0 - resampled[:, 0] / np.where(rival > 0, rival, np.inf)
+    return spread(margins, resampled[:, 0] < rival, "windows", len(tokens))
+
+
 def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace48: PaceConfig, *,
                    max_tokens: int | None = None, window: int = 512, stride: int = 256, batch: int = 8,
                    seeds: int = 5, drift_tokens: int = 512, calibrated: Mapping[str, PaceConfig] | None = None,
-                   quality: pd.DataFrame | None = None, progress: Callable[[int], None] | None = None) -> dict:
+                   quality: QualityRun | None = None, progress: Callable[[int], None] | None = None) -> dict:
     """The report (module docstring) as plain data: ``{"claims": [...], "main": [...], "quality": [...],
-    "drift": [...]}``. ``calibrated``: the named configurations of the main table calibrated on the model where
-    their method needs it (``damp-int4``, ``damp-int8``).
-    ``quality``: the perplexity rows (:func:`pace_core.analysis.quality.perplexity`, same text and window)
-    of every :func:`quality_configs` label, already measured; without it they are measured here."""
+    "drift": [...]}``. ``calibrated``: the named configurations calibrated on the model where their method
+    needs it (the main table's ``damp-int4``, ``damp-int8``; claim (e)'s ``stepquant-4``).
+    ``quality``: the perplexity rows and windows (:func:`pace_core.analysis.quality.perplexity_run`, same text
+    and window) of every :func:`quality_configs` label, already measured; without it they are measured here."""
     shape = loaded.shape
     cfgs = _configs(loaded, calibrated_pace48, seeds, calibrated)
     run, alias = _unique(cfgs.quality())
     if quality is None:
-        quality = perplexity(loaded, run, text, window=window, stride=stride, max_tokens=max_tokens, batch=batch,
-                             decode_from=max(window - stride, 1),
-                             progress=progress)
-    quality = quality.set_index("config")
+        quality = perplexity_run(loaded, run, text, window=window, stride=stride, max_tokens=max_tokens,
+                                 batch=batch, decode_from=max(window - stride, 1), progress=progress)
+    windows = quality.windows
+    quality = quality.table.set_index("config")
     absent = [label for label in run if label not in quality.index]
     if absent:
         raise PaceError(f"quality: no perplexity row for {', '.join(absent)}; allowed: a row per quality_configs label")
@@ -199,20 +294,22 @@ def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace
     state_cfgs = {**cfgs.drift, **cfgs.periodic, **cfgs.axis}
     dres = drift(loaded, state_cfgs, ids, decode_from, every=1, progress=progress)
     common = [j for j in dres.table.step.unique() if j > 0 and j % max(DRIFT_PERIODS) == 0]
-    err = {label: float(dres.table[(dres.table.config == label) & dres.table.step.isin(common)].rel_error.mean())
-           for label in state_cfgs}
+    at_common = dres.table[dres.table.step.isin(common)].pivot(index="step", columns="config", values="rel_error")
+    err = {label: float(at_common[label].mean()) for label in state_cfgs}
 
     claims = []
     for b in CLAIM_BITS:
         one, eight = f"rtn{b} value g32 dP1", f"rtn{b} value g32 dP8"
         claims.append({"claim": "a", "what": f"{b}-bit RTN (value g32): dP 8 vs dP 1", "labels": [eight, one],
                        "holds": bool(q[eight].kl < q[one].kl), "margin": _margin(q[eight].kl, q[one].kl),
+                       "spread": _kl_spread(windows, eight, [one], alias),
                        "kl": [float(q[eight].kl), float(q[one].kl)],
                        "agreement": [float(q[eight].agreement), float(q[one].agreement)],
                        "state_error": [err[eight], err[one]]})
     key, value = "4-bit key-axis g32", "4-bit value-axis g32"
     claims.append({"claim": "b", "what": "4-bit groups of 32: key axis vs value axis", "labels": [key, value],
                    "holds": bool(q[key].kl < q[value].kl), "margin": _margin(q[key].kl, q[value].kl),
+                   "spread": _kl_spread(windows, key, [value], alias),
                    "kl": [float(q[key].kl), float(q[value].kl)],
                    "agreement": [float(q[key].agreement), float(q[value].agreement)],
                    "state_error": [err[key], err[value]]})
@@ -220,19 +317,38 @@ def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace
     best_random = min(randoms, key=lambda label: q[label].kl)
     uniform = "uniform 5-bit (equal payload)"
     eh = "pace-4-8 E_h"
+    random_kl = np.array([float(q[label].kl) for label in randoms])
     claims.append({"claim": "c", "what": f"E_h allocation vs the best of {len(randoms)} random allocations and the "
                                          "uniform 5-bit width of equal payload", "labels": [eh, best_random, uniform],
                    "holds": bool(q[eh].kl < min(q[best_random].kl, q[uniform].kl)),
                    "margin": _margin(q[eh].kl, min(q[best_random].kl, q[uniform].kl)),
+                   "spread": _kl_spread(windows, eh, [*randoms, uniform], alias),
+                   "random": {"n": len(randoms), "kl_mean": float(random_kl.mean()),
+                             "kl_sd": float(random_kl.std(ddof=1)) if len(randoms) > 1 else 0.0,
+                             "margin_vs_mean": _margin(q[eh].kl, float(random_kl.mean())),
+                             "below_all": bool(q[eh].kl < random_kl.min())},
                    "kl": [float(q[eh].kl), float(q[best_random].kl), float(q[uniform].kl)],
-                   "random_kl": [float(q[label].kl) for label in randoms],
+                   "random_kl": random_kl.tolist(),
                    "agreement": [float(q[eh].agreement), float(q[best_random].agreement), float(q[uniform].agreement)]})
+    steps = resample_counts(len(common))
     for name in ("pace-4", "rtn-int4"):
-        errors = [err[f"{name} dP{p}"] for p in DRIFT_PERIODS]
+        labels = [f"{name} dP{p}" for p in DRIFT_PERIODS]
+        errors = [err[label] for label in labels]
         falls = all(later < earlier for earlier, later in zip(errors, errors[1:]))
+        resampled = steps @ at_common[labels].to_numpy() / len(common)  # [resamples, dPs]: each dP's mean error
         claims.append({"claim": "d", "what": f"{name}: state error at common flush points vs dP {list(DRIFT_PERIODS)}",
-                       "labels": [f"{name} dP{p}" for p in DRIFT_PERIODS],
-                       "holds": falls, "margin": _margin(errors[-1], errors[0]), "state_error": errors})
+                       "labels": labels, "holds": falls, "margin": _margin(errors[-1], errors[0]),
+                       "spread": spread(1.0 - resampled[:, -1] / resampled[:, 0],
+                                        (np.diff(resampled, axis=1) < 0).all(axis=1), "decode steps", len(common)),
+                       "state_error": errors})
+    pace, rival = cfgs.stepquant
+    bits = [resident_bits(cfgs.stepquant[label], shape).resident_bits for label in (pace, rival)]
+    claims.append({"claim": "e", "what": f"{pace} ({bits[0]:.3f} bits) vs {rival} ({bits[1]:.3f} bits), the PACE "
+                                         "setting of the most resident bits not above STEPQuant's",
+                   "labels": [pace, rival], "holds": bool(q[pace].kl < q[rival].kl),
+                   "margin": _margin(q[pace].kl, q[rival].kl), "spread": _kl_spread(windows, pace, [rival], alias),
+                   "resident_bits": bits, "kl": [float(q[pace].kl), float(q[rival].kl)],
+                   "agreement": [float(q[pace].agreement), float(q[rival].agreement)]})
 
     main = []
     for label, cfg in cfgs.main.items():
@@ -251,7 +367,11 @@ def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace
 
 
 def claims_table(report: dict) -> pd.DataFrame:
-    """One row per claim: claim, what, holds, margin (relative KL or error reduction). In every claim the
-    figure lists (``kl``, ``agreement``, ``state_error``) follow ``labels``: the claimed better one first,
-    then what it is compared with (claim (d): the dPs in ascending order)."""
-    return pd.DataFrame([{k: c[k] for k in ("claim", "what", "holds", "margin")} for c in report["claims"]])
+    """One row per claim: claim, what, holds, margin (relative KL or error reduction), low and high (its
+    interval over the resamples; NaN in a report made before spreads), verdict (:func:`verdict`). In every
+    claim the figure lists (``kl``, ``agreement``, ``state_error``, ``resident_bits``) follow ``labels``: the
+    claimed better one first, then what it is compared with (claim (d): the dPs in ascending order)."""
+    return pd.DataFrame([{**{k: c[k] for k in ("claim", "what", "holds", "margin")},
+                          "low": c["spread"]["low"] if "spread" in c else float("nan"),
+                          "high": c["spread"]["high"] if "spread" in c else float("nan"), "verdict": verdict(c)}
+                         for c in report["claims"]])

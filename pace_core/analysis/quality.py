@@ -19,6 +19,10 @@ buffer, so a batched run scores the same as window-by-window runs up to floating
 (tested); it only saves time, above all on a GPU.
 
 Bits per byte = total NLL in bits / UTF-8 bytes of the scored tokens' text.
+
+Every figure is also kept per window (:class:`QualityRun`: the sums over each window's scored tokens, which add
+up to the totals), so a difference between configurations can be given a spread over the windows
+(:mod:`pace_core.analysis.claims`).
 """
 
 from __future__ import annotations
@@ -126,6 +130,22 @@ def batched_windows(windows: list[Window], batch: int) -> list[list[Window]]:
     return groups
 
 
+@dataclass(frozen=True)
+class QualityRun:
+    """The quality of configurations on one text. ``table``: one row per configuration (the reference first):
+    config, tokens, nll (mean nats per scored token), ppl, agreement, kl (and bpb from :func:`perplexity_run`).
+    ``windows``: one row per configuration and window, in window order: config, window (its index), begin, end
+    (its tokens), tokens (scored), nll (nats), agreed (scored tokens whose top-1 is the reference's), kl (nats),
+    sums over the window's scored tokens whose totals are the table's (a window scores disjoint tokens)."""
+
+    table: pd.DataFrame
+    windows: pd.DataFrame
+
+
+WINDOW_COLUMNS = ("config", "window", "begin", "end", "tokens", "nll", "agreed", "kl")
+"""The columns of :attr:`QualityRun.windows`."""
+
+
 def evaluate_quality(
     loaded: LoadedModel,
     configs: Mapping[str, PaceConfig] | list[PaceConfig],
@@ -146,8 +166,26 @@ def evaluate_quality(
     (:func:`pace_core.model.teacher.teacher_forced`), their log-probabilities compared on the model's device.
     Returns one row per configuration (the reference first, named as given, with agreement 1 and KL 0):
     config, tokens, nll (mean nats per scored token), ppl, agreement, kl. ``progress(n)``: units of
-    :func:`quality_progress_total`.
+    :func:`quality_progress_total`. The table of :func:`quality_run`.
     """
+    return quality_run(loaded, configs, ids, window=window, stride=stride, decode_from=decode_from,
+                       reference=reference, batch=batch, progress=progress).table
+
+
+def quality_run(
+    loaded: LoadedModel,
+    configs: Mapping[str, PaceConfig] | list[PaceConfig],
+    ids: torch.Tensor,
+    *,
+    window: int = 512,
+    stride: int = 256,
+    decode_from: int | None = None,
+    reference: PaceConfig | None = None,
+    batch: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> QualityRun:
+    """:func:`evaluate_quality` (same arguments, ids [1, T] int64) with the figures of every window
+    (:class:`QualityRun`)."""
     cfgs = config_map(configs) if configs else {}
     ref = reference if reference is not None else get_config("fp32")
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -162,7 +200,8 @@ def evaluate_quality(
     device = loaded.device
     # reduced where the logits appear (under device_map the last GPU, the ids go to the first)
     totals = torch.zeros(len(members), 3, dtype=torch.float64, device=loaded.output_device)  # nll, agreement, kl
-    count = 0
+    per_window = torch.zeros(len(members), len(windows), 3, dtype=torch.float64, device=loaded.output_device)
+    count, done = 0, 0
     for group in batched_windows(windows, batch):
         chunk = torch.cat([ids[:, w.begin : w.end] for w in group]).to(device)
         n, W = chunk.shape
@@ -170,7 +209,8 @@ def evaluate_quality(
         first_scored = [w.first_target - w.begin for w in group]  # window positions of the first target
         count += sum(W - f for f in first_scored)
 
-        def on_logits(logits: torch.Tensor, first: int, chunk=chunk, n=n, first_scored=first_scored) -> None:
+        def on_logits(logits: torch.Tensor, first: int, chunk=chunk, n=n, first_scored=first_scored,
+                      done=done) -> None:
             for i, f in enumerate(first_scored):
                 lo, hi = max(f - 1, first), min(W - 1, first + logits.shape[1])  # positions predicting targets
                 if lo >= hi:
@@ -181,16 +221,23 @@ def evaluate_quality(
                     logp = torch.log_softmax(logits[m * n + i, lo - first:hi - first].double(), dim=-1)
                     if ref_logp is None:
                         ref_logp = logp
-                    totals[m, 0] -= logp.gather(1, targets[:, None]).sum()
-                    totals[m, 1] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum()
-                    totals[m, 2] += (ref_logp.exp() * (ref_logp - logp)).sum()
+                    sums = torch.stack([-logp.gather(1, targets[:, None]).sum(),
+                                        (logp.argmax(-1) == ref_logp.argmax(-1)).sum().double(),
+                                        (ref_logp.exp() * (ref_logp - logp)).sum()])
+                    totals[m] += sums
+                    per_window[m, done + i] += sums
 
         teacher_forced(loaded, members, chunk, d, on_logits=on_logits, logits_from=min(first_scored) - 1,
                        progress=progress)
-    totals = totals.cpu()
-    return pd.DataFrame([{"config": name, "tokens": count, "nll": float(totals[m, 0]) / count,
-                          "ppl": math.exp(float(totals[m, 0]) / count), "agreement": float(totals[m, 1]) / count,
-                          "kl": max(float(totals[m, 2]) / count, 0.0)} for m, name in enumerate(names)])
+        done += len(group)
+    totals, per_window = totals.cpu(), per_window.cpu()
+    table = pd.DataFrame([{"config": name, "tokens": count, "nll": float(totals[m, 0]) / count,
+                           "ppl": math.exp(float(totals[m, 0]) / count), "agreement": float(totals[m, 1]) / count,
+                           "kl": max(float(totals[m, 2]) / count, 0.0)} for m, name in enumerate(names)])
+    rows = [{"config": name, "window": j, "begin": w.begin, "end": w.end, "tokens": w.end - w.first_target,
+             "nll": float(per_window[m, j, 0]), "agreed": int(per_window[m, j, 1]), "kl": float(per_window[m, j, 2])}
+            for m, name in enumerate(names) for j, w in enumerate(windows)]
+    return QualityRun(table, pd.DataFrame(rows, columns=list(WINDOW_COLUMNS)))
 
 
 def quality_progress_total(loaded: LoadedModel, configs: int, n_tokens: int, window: int, stride: int,
@@ -230,14 +277,33 @@ def perplexity(
     progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
     """Quality table on a text file (first ``max_tokens`` tokens): the rows of
-    :func:`evaluate_quality` plus ``bpb`` (bits per UTF-8 byte of the scored text)."""
+    :func:`evaluate_quality` plus ``bpb`` (bits per UTF-8 byte of the scored text). The table of
+    :func:`perplexity_run`."""
+    return perplexity_run(loaded, configs, text_path, window=window, stride=stride, max_tokens=max_tokens,
+                          decode_from=decode_from, reference=reference, batch=batch, progress=progress).table
+
+
+def perplexity_run(
+    loaded: LoadedModel,
+    configs: Mapping[str, PaceConfig] | list[PaceConfig],
+    text_path: str | os.PathLike,
+    *,
+    window: int = 512,
+    stride: int = 256,
+    max_tokens: int | None = None,
+    decode_from: int | None = None,
+    reference: PaceConfig | None = None,
+    batch: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> QualityRun:
+    """:func:`perplexity` (same arguments) with the figures of every window (:class:`QualityRun`)."""
     ids = tokenize(loaded.tokenizer, read_text(text_path), max_tokens)
-    table = evaluate_quality(
+    run = quality_run(
         loaded, configs, ids.to(loaded.device), window=window, stride=stride, decode_from=decode_from,
         reference=reference, batch=batch, progress=progress,
     )
     n_bytes = scored_bytes(loaded.tokenizer, ids, sliding_windows(ids.shape[1], window, stride))
     if n_bytes == 0:
         raise PaceError(f"text: {str(text_path)!r} gives no scored bytes")
-    table["bpb"] = table["nll"] * table["tokens"] / (math.log(2) * n_bytes)
-    return table
+    run.table["bpb"] = run.table["nll"] * run.table["tokens"] / (math.log(2) * n_bytes)
+    return run

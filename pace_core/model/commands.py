@@ -1,11 +1,12 @@
-"""Model commands of ``python -m pace_core``: card, calibrate, drift, perplexity, generate, sweep, export, all.
+"""Model commands of ``python -m pace_core``: card, calibrate, drift, perplexity, generate, sweep, export, compare,
+claims, all.
 
 Each command loads a checkpoint (``--model``: a local folder or a hub id; default: the embedded
 model), runs one analysis of :mod:`pace_core.analysis`, prints a short table and stores the result
 under ``<--out>/<model>/`` (default ``data/results/``) through :mod:`pace_core.results`, keyed by
 everything that defines it (method version, model, configurations, text hash, settings), so the app and
 later runs reuse it; ``--force`` recomputes a stored result, and a damaged one is named and recomputed.
-Per-configuration commands (drift, perplexity, generate, the claims' quality) store each group of
+Per-configuration commands (drift, perplexity, generate, compare's and the claims' quality) store each group of
 :data:`CONFIG_GROUP` configurations as it finishes; Ctrl-C exits with 130 naming what was stored and the
 command that resumes. Configurations are named ones or exported config JSON files; a configuration that
 needs calibration (PACE-4/8's high-bit heads, DAMP's outlier rows) is calibrated first on the
@@ -19,6 +20,7 @@ Heavy imports (torch models, transformers) happen inside the commands, so ``bits
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -30,6 +32,10 @@ from pace_core.errors import PaceError
 DEFAULT_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8")
 ALL_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8", "damp-int8", "damp-int4", "qmamba-dsq")
 DEFAULT_PROMPT = "The history of the city begins in"
+
+COMPARE_TOKENS = 4096
+"""The default prefix of ``compare``: the 17 named configurations of the embedded model in 9 minutes on this project's
+shared 2-core CPU (measured at a load average of 4.7: data/results/pace-tiny-qwen35/README.md), well under 20."""
 
 CONFIG_GROUP = 4
 """Configurations measured (and stored) together by a per-configuration command, each group with its own run
@@ -401,11 +407,57 @@ def run_structure(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decode_from(args: argparse.Namespace, stride: int) -> int | None:
+    """The prompt tokens per window of --decode-from / --prefill-only (default: window - stride, at least 1)."""
+    if args.prefill_only:
+        return None
+    chosen = args.decode_from
+    if chosen is None:
+        return max(args.window - stride, 1)
+    if not 1 <= chosen < args.window:
+        raise PaceError(f"--decode-from: {chosen} not allowed; allowed: 1..{args.window - 1} "
+                        "(prompt tokens per window, fewer than --window)")
+    return chosen
+
+
+def measure_quality(ctx: Context, kind: str, cfgs: list, text: str, *, window: int, stride: int, max_tokens: int,
+                    decode_from: int | None, batch: int, params: dict[str, Any] | None = None,
+                    bar: Any = None) -> dict:
+    """Each configuration's perplexity, KL and agreement on ``text`` (:func:`pace_core.analysis.quality.perplexity_run`
+    against fp32; the fp32 reference itself among ``cfgs`` gets its own row) as results of ``kind`` through
+    :meth:`Context.per_config` (reused, stored group by group), each with its row (``data["row"]``) and its
+    per-window sums as its table. Their key: the text's sha256, window, stride, max_tokens (0: the whole text),
+    decode_from and ``params``. ``batch``: windows run together (0: :func:`windows_per_batch`); ``bar``: one
+    progress bar for every group (else one per group). Returns ``{name: Result}``."""
+    from pace_core.analysis.quality import perplexity_run, quality_progress_total, windows_per_batch
+    from pace_core.analysis.text import read_text, tokenize
+    from pace_core.config import get_config
+
+    reference = get_config("fp32")
+    keyed = {"text": _sha(text), "window": window, "stride": stride, "max_tokens": max_tokens,
+             "decode_from": decode_from, **(params or {})}
+    n = tokenize(ctx.loaded.tokenizer, read_text(text), max_tokens or None).shape[1]
+
+    def compute(group: list, stored: dict) -> dict:
+        others = [c for c in group if c.name != reference.name]
+        size = batch or windows_per_batch(ctx.loaded, len(others) + 1, window, decode_from)
+        total = quality_progress_total(ctx.loaded, len(others), n, window, stride, decode_from, size)
+        with contextlib.nullcontext(bar) if bar is not None else ctx.bar(
+                total, f"perplexity ({size} windows per batch)") as progress:
+            run = perplexity_run(ctx.loaded, others, text, window=window, stride=stride, max_tokens=max_tokens or None,
+                                 decode_from=decode_from, batch=size, progress=progress.update)
+        names = {c.name for c in group}
+        return {row["config"]: ({"row": row, "decode_from": decode_from},
+                                run.windows[run.windows.config == row["config"]].reset_index(drop=True))
+                for row in run.table.to_dict("records") if row["config"] in names}
+
+    return ctx.per_config(kind, cfgs, keyed, compute, text=text)
+
+
 def run_perplexity(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from pace_core.analysis.quality import perplexity, quality_progress_total, windows_per_batch
-    from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
+    from pace_core.analysis.text import TEST_TEXT
     from pace_core.config import get_config
 
     docs = _read_configs(args.configs)
@@ -413,34 +465,46 @@ def run_perplexity(args: argparse.Namespace) -> int:
     text = args.text or str(TEST_TEXT)
     cfgs = ctx.prepared(docs)
     stride = args.stride if args.stride is not None else max(args.window // 2, 1)
-    if args.prefill_only:
-        decode_from = None
-    elif args.decode_from is None:
-        decode_from = max(args.window - stride, 1)
-    elif not 1 <= args.decode_from < args.window:
-        raise PaceError(f"--decode-from: {args.decode_from} not allowed; allowed: 1..{args.window - 1} "
-                        "(prompt tokens per window, fewer than --window)")
-    else:
-        decode_from = args.decode_from
-    params = {"text": _sha(text), "window": args.window, "stride": stride, "max_tokens": args.max_tokens,
-              "decode_from": decode_from}
-    max_tokens = args.max_tokens or None
-    n = tokenize(ctx.loaded.tokenizer, read_text(text), max_tokens).shape[1]
+    decode_from = _decode_from(args, stride)
     reference = get_config("fp32")
     members = [reference] + [c for c in cfgs if c.name != reference.name]
-
-    def compute(group: list, stored: dict) -> dict:
-        others = [c for c in group if c.name != reference.name]
-        batch = args.batch or windows_per_batch(ctx.loaded, len(others) + 1, args.window, decode_from)
-        total = quality_progress_total(ctx.loaded, len(others), n, args.window, stride, decode_from, batch)
-        with ctx.bar(total, f"perplexity ({batch} windows per batch)") as bar:
-            table = perplexity(ctx.loaded, others, text, window=args.window, stride=stride, max_tokens=max_tokens,
-                               decode_from=decode_from, batch=batch, progress=bar.update)
-        return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
-                if row["config"] in {c.name for c in group}}
-
-    results = ctx.per_config("perplexity", members, params, compute, text=text)
+    results = measure_quality(ctx, "perplexity", members, text, window=args.window, stride=stride,
+                              max_tokens=args.max_tokens, decode_from=decode_from, batch=args.batch)
     _print_table(pd.DataFrame([r.data["row"] for r in results.values()]))
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Every named configuration (or --configs) as a point of resident bits against KL, agreement and bpb on the
+    loaded model (pace_core.analysis.compare), each configuration's perplexity stored as the ``perplexity``
+    command stores it (kind 'perplexity', the same key: either command reuses the other's), then the points and
+    their Pareto frontier as one result of kind 'compare'."""
+    from pace_core.analysis.compare import comparison, point
+    from pace_core.analysis.text import TEST_TEXT
+    from pace_core.config import NAMED_CONFIGS, config_to_dict, get_config
+
+    docs = _read_configs(args.configs or list(NAMED_CONFIGS))
+    ctx = _context(args)
+    text = args.text or str(TEST_TEXT)
+    reference = get_config("fp32")
+    cfgs = [reference] + [c for c in ctx.prepared(docs) if c.name != reference.name]
+    stride = max(args.window // 2, 1)
+    decode_from = max(args.window - stride, 1)
+    key, found = ctx.cached("compare", {"text": _sha(text), "window": args.window, "stride": stride,
+                                        "max_tokens": args.max_tokens, "decode_from": decode_from,
+                                        "configs": [config_to_dict(c) for c in cfgs]})
+    if _reuse(found, "compare"):
+        return 0
+    results = measure_quality(ctx, "perplexity", cfgs, text, window=args.window, stride=stride,
+                              max_tokens=args.max_tokens, decode_from=decode_from, batch=args.batch)
+    data, table = comparison([point(c, ctx.loaded.shape, results[c.name].data["row"]) for c in cfgs])
+    tokens = int(table.tokens.iloc[0])
+    _print_table(table)
+    print(f"frontier (no configuration with fewer bits and lower KL): {', '.join(data['frontier'])}")
+    print(f"(resident bits per state value on {ctx.loaded.reference}; KL to fp32 in nats per token and top-1 "
+          f"agreement over {tokens:,} scored tokens, bits per byte of their text)")
+    ctx.save("compare", key, {**data, "tokens": tokens, "max_tokens": args.max_tokens, "window": args.window,
+                              "stride": stride, "decode_from": decode_from}, table, configs=cfgs, text=text)
     return 0
 
 
@@ -508,21 +572,22 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def run_claims(args: argparse.Namespace) -> int:
-    """The seed's claims measured (pace_core.analysis.claims), stored as kind 'claims'. The perplexity of
-    each of its configurations is stored as it is measured (kind 'claims_quality', CONFIG_GROUP
-    configurations at a time), so a stopped run resumes where it stopped."""
+    """The paper's claims and ours measured with their spreads (pace_core.analysis.claims), stored as kind
+    'claims'. The perplexity of each of its configurations is stored as it is measured, with its per-window sums
+    (kind 'claims_quality', CONFIG_GROUP configurations at a time), so a stopped run resumes where it stopped.
+    ``--max-tokens 0`` (the default) scores the whole text: the GPU host's one command for the whole split."""
     import pandas as pd
 
     from pace_core.analysis.claims import claims_progress_total, claims_table, measure_claims, quality_configs
-    from pace_core.analysis.quality import perplexity, windows_per_batch
+    from pace_core.analysis.quality import QualityRun, windows_per_batch
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
     from pace_core.config import config_to_dict
 
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
     params = {"text": _sha(text), "max_tokens": args.max_tokens, "window": args.window, "seeds": args.seeds, "drift_tokens": args.drift_tokens, "calibration_tokens": args.calibration_tokens}
-    pace48, *damp = ctx.prepared(["pace-4-8", "damp-int4", "damp-int8"])
-    calibrated = {cfg.name: cfg for cfg in damp}
+    pace48, *others = ctx.prepared(["pace-4-8", "damp-int4", "damp-int8", "stepquant-4"])
+    calibrated = {cfg.name: cfg for cfg in others}
     key, found = ctx.cached("claims", {**params, **{name: config_to_dict(c) for name, c in
                                                     {"pace-4-8": pace48, **calibrated}.items()}})
     if _reuse(found, "claims"):
@@ -530,27 +595,24 @@ def run_claims(args: argparse.Namespace) -> int:
     n = tokenize(ctx.loaded.tokenizer, read_text(text), args.max_tokens or None).shape[1]
     stride = max(args.window // 2, 1)
     decode_from = max(args.window - stride, 1)
-    ppl_params = {"text": _sha(text), "window": args.window, "stride": stride, "max_tokens": args.max_tokens,
-                  "decode_from": decode_from}
+    per_window = {"tables": "per window"}  # results of before carry no per-window table: not reused
     cfgs = list(quality_configs(ctx.loaded, pace48, args.seeds, calibrated).values())
-    _, found = ctx.stored("claims_quality", cfgs, ppl_params)
+    _, found = ctx.stored("claims_quality", cfgs, {"text": _sha(text), "window": args.window, "stride": stride,
+                                                   "max_tokens": args.max_tokens, "decode_from": decode_from,
+                                                   **per_window})
     groups = config_groups([c for c in cfgs if found[c.name] is None])
     batch = args.batch or windows_per_batch(ctx.loaded, CONFIG_GROUP + 1, args.window, decode_from)
     with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, stride, batch,
-                                       args.drift_tokens, groups=[len(g) for g in groups]), "claims") as bar:
-        def compute(group: list, stored: dict) -> dict:
-            table = perplexity(ctx.loaded, group, text, window=args.window, stride=stride,
-                               max_tokens=args.max_tokens or None, decode_from=decode_from,
-                               batch=batch, progress=bar.update)
-            names = {c.name for c in group}
-            return {row["config"]: ({"row": row, "decode_from": decode_from}, None) for row in table.to_dict("records")
-                    if row["config"] in names}
-
-        found = ctx.per_config("claims_quality", cfgs, ppl_params, compute, text=text)
+                                       args.drift_tokens, groups=[len(g) for g in groups], calibrated=calibrated),
+                 "claims") as bar:
+        found = measure_quality(ctx, "claims_quality", cfgs, text, window=args.window, stride=stride,
+                                max_tokens=args.max_tokens, decode_from=decode_from, batch=batch, params=per_window,
+                                bar=bar)
+        quality = QualityRun(pd.DataFrame([found[c.name].data["row"] for c in cfgs]),
+                             pd.concat([found[c.name].table for c in cfgs], ignore_index=True))
         report = measure_claims(ctx.loaded, text, pace48, max_tokens=args.max_tokens or None, window=args.window,
                                 stride=stride, batch=batch, seeds=args.seeds, drift_tokens=args.drift_tokens,
-                                calibrated=calibrated, quality=pd.DataFrame([found[c.name].data["row"] for c in cfgs]),
-                                progress=bar.update)
+                                calibrated=calibrated, quality=quality, progress=bar.update)
     table = claims_table(report)
     _print_table(table)
     _print_table(pd.DataFrame(report["main"]))
@@ -560,8 +622,9 @@ def run_claims(args: argparse.Namespace) -> int:
 
 def all_steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]:
     """The steps of ``all`` in order, each ``(name, run)`` with its arguments bound: calibrate (pace-4-8),
-    export, structure, sweep, drift, perplexity, generate and claims with the given settings (the claims on
-    the perplexity text and tokens)."""
+    export, structure, sweep, drift, perplexity, generate, compare (every named configuration, on the
+    perplexity's text, window and tokens: it reuses the perplexity step's results) and claims with the given
+    settings (the claims on the perplexity text and tokens)."""
     steps: list[tuple[str, Callable[[argparse.Namespace], int], dict[str, Any]]] = [
         ("calibrate", run_calibrate, {"config": "pace-4-8", "text": args.calibration_text,
                                       "tokens": args.calibration_tokens, "sample_every": 64}),
@@ -577,6 +640,8 @@ def all_steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]:
                                         "decode_from": None, "prefill_only": False, "batch": args.ppl_batch}),
         ("generate", run_generate, {"configs": list(args.configs), "prompt": DEFAULT_PROMPT, "max_new_tokens": args.max_new_tokens,
                                     "seed": 0, "temperature": 0.8, "top_p": 0.95, "modes": ["greedy", "sampled"]}),
+        ("compare", run_compare, {"configs": None, "text": args.ppl_text, "window": args.ppl_window,
+                                  "max_tokens": args.ppl_tokens, "batch": args.ppl_batch}),
         ("claims", run_claims, {"text": args.ppl_text, "max_tokens": args.ppl_tokens, "window": 512,
                                 "batch": args.ppl_batch, "seeds": 5, "drift_tokens": 512}),
     ]
@@ -622,7 +687,7 @@ def _configs_arg(p: argparse.ArgumentParser, default=DEFAULT_CONFIGS) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add card, calibrate, export, drift, structure, perplexity, generate, sweep, claims and all."""
+    """Add card, calibrate, export, drift, structure, perplexity, generate, sweep, compare, claims and all."""
     p = subparsers.add_parser("card", help="the checkpoint's architecture and weights fingerprint, stored for "
                                            "the app's Overview (no model load there)")
     _common(p)
@@ -717,7 +782,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the last this many tokens are decoded, the rest prefilled (default 128)")
     p.set_defaults(func=_interruptible(run_sweep))
 
-    p = subparsers.add_parser("claims", help="the seed's claims measured, each with its margin, and the main table")
+    p = subparsers.add_parser("compare", help="every named configuration as a point of resident bits against KL, "
+                                              "agreement and bpb, and the Pareto frontier")
+    _common(p)
+    p.add_argument("--configs", nargs="+", help="named configurations or config JSON files (default: every named "
+                                               "configuration); the fp32 reference is always included")
+    p.add_argument("--text", help="held-out text (default wikitext2-test)")
+    p.add_argument("--window", type=int, default=512, help="perplexity window, stride half of it (default 512)")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=COMPARE_TOKENS,
+                   help=f"score the first this many tokens, 0 for the whole text (default {COMPARE_TOKENS:,}: every "
+                        "named configuration of the embedded model in about 9 minutes on a 2-core CPU; the GPU "
+                        "host runs 0)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="windows per batch (default 8; larger is faster on a GPU; 0: as perplexity's --batch 0)")
+    p.set_defaults(func=_interruptible(run_compare))
+
+    p = subparsers.add_parser("claims", help="the paper's claims (a)-(d) and ours (e) measured, each with its margin "
+                                             "and the margin's spread, and the main table")
     _common(p)
     p.add_argument("--text", help="held-out text (default wikitext2-test)")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=0,
@@ -731,7 +812,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_interruptible(run_claims))
 
     p = subparsers.add_parser("all", help="the full result set: calibrate, export, structure, sweep, drift, perplexity, "
-                                          "generate, claims")
+                                          "generate, compare, claims")
     _common(p)
     _configs_arg(p, ALL_CONFIGS)
     p.add_argument("--sweep-tokens", dest="sweep_tokens", type=int, default=2048, help="sweep tokens (default 2048)")

@@ -1,0 +1,31 @@
+"""The file a configuration exports to (the Export page's download and the Compare page's one-click export):
+the configuration admitted for the model as every configuration is (:func:`pace_core.export.admit`), written by
+:func:`pace_core.export.export_json` with the model's reference, shape and weights fingerprint and the app's
+provenance.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from app_state import session
+from pace_core.config import PaceConfig
+from pace_core.export import admit, export_filename, export_json
+from pace_core.results import make_provenance
+from pace_core.shapes import ModelShape
+
+
+def export_file(cfg: PaceConfig, shape: ModelShape | None = None, reference: str | None = None,
+                fingerprint: str | None = None,
+                calibrate: Callable[[PaceConfig], PaceConfig] | None = None) -> tuple[PaceConfig, str, str]:
+    """(configuration as exported, file name, JSON) of ``cfg`` for the model of ``shape`` (named ``reference``, its
+    weights ``fingerprint``): admitted for it, completed by ``calibrate`` where it needs a calibration (PACE-4/8's
+    8-bit heads, a method's per-layer tensors; PaceError when it cannot be). Without a ``shape`` (no model): its
+    settings alone, what a calibration would choose on a model left out."""
+    provenance = make_provenance(session.model_label(), configs=[cfg], command="PACE Studio export")
+    if shape is None:
+        cfg = cfg.uncalibrated()
+        return cfg, export_filename(cfg), export_json(cfg, provenance=provenance)
+    cfg = admit(cfg, shape, fingerprint, calibrate=calibrate)
+    return cfg, export_filename(cfg), export_json(cfg, shape=shape, source=reference, weights_fingerprint=fingerprint,
+                                                  provenance=provenance)

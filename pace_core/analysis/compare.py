@@ -1,0 +1,124 @@
+"""Every configuration as a point of resident bits against quality, the Pareto frontier, and the best
+configuration under a memory budget (issue 38: ``python -m pace_core compare`` and the Compare page).
+
+A point is one configuration measured on one model: its exact resident bits per state value on the model's
+shape (:func:`pace_core.accounting.resident_bits` of the configuration as calibrated on the model) and its
+quality against the fp32 reference on held-out text (:func:`pace_core.analysis.quality.perplexity`: KL, top-1
+agreement, bits per byte). The frontier holds the points no other point dominates: none has at most its bits
+and at most its KL with one of the two strictly less. :func:`best_under` picks, among the points whose bits fit
+a budget, the one of lowest KL (ties: fewer bits), which is always a frontier point. A budget is bits per state
+value, given directly or made by :func:`budget_bits` from a memory size, the model's shape, a context length and
+a number of sequences: the states' share of the memory left after the weights and the attention KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from pace_core.accounting import capacity, resident_bits
+from pace_core.config import PaceConfig, config_from_dict, config_to_dict, get_config
+from pace_core.errors import PaceError
+from pace_core.shapes import ModelShape
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration's cost and quality on one model: resident bits per state value, KL to fp32 (nats per
+    token), top-1 agreement with fp32 and bits per byte of the text."""
+
+    config: str
+    resident_bits: float
+    kl: float
+    agreement: float
+    bpb: float
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> Point:
+        """The point of a stored point (:func:`point`) or a row with the same fields."""
+        return cls(str(row["config"]), float(row["resident_bits"]), float(row["kl"]), float(row["agreement"]),
+                   float(row["bpb"]))
+
+
+def point(cfg: PaceConfig, shape: ModelShape, row: Mapping[str, Any]) -> dict[str, Any]:
+    """The stored point of ``cfg`` (as run on the model of ``shape``, calibrated where its method needs it) and its
+    perplexity ``row`` (:func:`pace_core.analysis.quality.perplexity`): config, method, resident_bits, kl,
+    agreement, bpb, ppl, tokens, and ``configuration``, the configuration's record (:func:`config_to_dict`,
+    its calibration included: what the Compare page exports and counts the capacity of)."""
+    return {"config": cfg.name, "method": cfg.method, "resident_bits": resident_bits(cfg, shape).resident_bits,
+            **{k: float(row[k]) for k in ("kl", "agreement", "bpb", "ppl")}, "tokens": int(row["tokens"]),
+            "configuration": config_to_dict(cfg)}
+
+
+def dominates(a: Point, b: Point) -> bool:
+    """True when ``a`` has at most ``b``'s bits and at most its KL, one of the two strictly less."""
+    return (a.resident_bits <= b.resident_bits and a.kl <= b.kl
+            and (a.resident_bits < b.resident_bits or a.kl < b.kl))
+
+
+def frontier(points: Sequence[Point]) -> list[Point]:
+    """The Pareto frontier of resident bits against KL: the points no other point dominates, fewest bits first."""
+    return sorted((p for p in points if not any(dominates(q, p) for q in points)),
+                  key=lambda p: (p.resident_bits, p.kl, p.config))
+
+
+def best_under(points: Sequence[Point], budget_bits: float) -> Point | None:
+    """The point of lowest KL whose resident bits fit ``budget_bits`` per state value (ties: fewer bits, then
+    the name); None when none fits."""
+    fits = [p for p in points if p.resident_bits <= budget_bits]
+    return min(fits, key=lambda p: (p.kl, p.resident_bits, p.config)) if fits else None
+
+
+def budget_bits(shape: ModelShape, memory_bytes: int, sequences: int, *, context: int = 0,
+                weight_bits: int | None = None) -> float:
+    """Bits per state value that ``sequences`` sequences' recurrent states may take in ``memory_bytes``: what is
+    left after the weights (``weight_bits`` per parameter, default the shape's own) and, at ``context`` tokens
+    each, the sequences' bf16 attention KV cache (the terms of :func:`pace_core.accounting.capacity`), divided by
+    their state values (0 when nothing is left). A configuration whose resident bits fit it holds ``sequences``
+    sequences by :func:`~pace_core.accounting.capacity` (exactly the budget when it stores nothing once per
+    layer)."""
+    if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1:
+        raise PaceError(f"sequences={sequences!r} is not allowed; allowed: an integer >= 1")
+    room = capacity(get_config("fp32"), shape, memory_bytes, weight_bits=weight_bits, context=context)
+    left = memory_bytes - room.weight_bytes - sequences * room.kv_bytes_per_sequence
+    return max(left, 0) * 8 / (sequences * shape.state_values)
+
+
+def comparison(points: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], pd.DataFrame]:
+    """The stored comparison of the stored points (:func:`point`): ``({"points": points, "frontier": names fewest
+    bits first}, table)``, the table one row per point (config, method, resident_bits, kl, agreement, bpb, ppl,
+    tokens, frontier), fewest bits first."""
+    on = [p.config for p in frontier([Point.of(p) for p in points])]
+    table = pd.DataFrame([{k: v for k, v in p.items() if k != "configuration"} | {"frontier": p["config"] in on}
+                          for p in points]).sort_values(["resident_bits", "kl"], kind="stable").reset_index(drop=True)
+    return {"points": [dict(p) for p in points], "frontier": on}, table
+
+
+def stored_config(data: Mapping[str, Any], name: str) -> PaceConfig:
+    """The configuration (as calibrated on the model) of the point ``name`` of a stored comparison."""
+    for p in data["points"]:
+        if p["config"] == name:
+            return config_from_dict(p["configuration"])
+    raise PaceError(f"config {name!r} is not a point of this comparison; allowed: "
+                    f"{', '.join(p['config'] for p in data['points'])}")
+
+
+def recommendation(p: Point, cfg: PaceConfig, shape: ModelShape, memory_bytes: int, where: str, *,
+                   context: int, weight_bits: int) -> str:
+    """One sentence on what the chosen point ``p`` (its configuration ``cfg``) costs and gains: its bits, KL and
+    agreement, and how many sequences ``memory_bytes`` (named ``where``) holds with its states against fp32 states
+    at ``context`` tokens of context and ``weight_bits``-bit weights (:func:`pace_core.accounting.capacity`)."""
+    n, fp32 = (capacity(c, shape, memory_bytes, weight_bits=weight_bits, context=context).sequences
+               for c in (cfg, get_config("fp32")))
+    setting = f"on {where} at {context:,} tokens of context with {weight_bits}-bit weights"
+    if n == 0:
+        gain = f"no sequence fits {setting}"
+    elif fp32 == 0:
+        gain = f"{n:,} sequence{'s' if n > 1 else ''} {setting}, where fp32 states fit none"
+    else:
+        gain = f"{n / fp32:.1f}× the sequences of fp32 states ({n:,} against {fp32:,}) {setting}"
+    return (f"{p.config}: {p.resident_bits:.2f} bits per state value, KL {p.kl:.1e} to fp32 (top-1 agreement "
+            f"{p.agreement:.1%}), {gain}.")
