@@ -505,3 +505,19 @@ def test_export_never_silently_replaces_another_calibration(env, capsys, tmp_pat
     assert config_from_json(path.read_text()) is not None and b'"calibration_tokens": 64' in path.read_bytes()
     assert commands.export_differences(first, path.read_text())[0] == "calibration.tokens 128 in the file, 64 now"
     assert commands.export_differences(b"[1]", path.read_text()) == ["it is not a configuration JSON (not an object)"]
+
+
+def test_results_are_keyed_by_the_reference_another_clone_names(env, capsys, monkeypatch, tmp_path):
+    """The embedded model given by its absolute path (this clone) and by its repository path (any clone): one key,
+    so a fresh clone reuses the shipped results instead of computing them again."""
+    from pace_core.results import REPO_ROOT
+
+    monkeypatch.setattr(commands, "_CONTEXTS", {})
+    out = str(tmp_path / "results")
+    args = ["calibrate", "--out", out, "--quiet", "--text", env["text"], "--tokens", "64", "--sample-every", "32"]
+    absolute = str(REPO_ROOT / "data" / "models" / "pace-tiny-qwen35")
+    assert main([args[0], "--model", absolute, *args[1:]]) == 0
+    assert "saved" in capsys.readouterr().out
+    monkeypatch.chdir(REPO_ROOT)
+    assert main([args[0], "--model", "data/models/pace-tiny-qwen35", *args[1:]]) == 0
+    assert "saved" not in capsys.readouterr().out

@@ -72,15 +72,16 @@ class Context:
 
     def cached(self, kind: str, params: dict[str, Any]):
         """(key, stored Result or None unless --force). The key holds the method version
-        (:data:`pace_core.version.METHOD_VERSION`: results of other numerics are never reused), the model, its
-        weights, dtype and device, and the ``--device-map`` when one is given (results differ a little between
-        devices; sampling draws other numbers) and ``params``. A damaged stored result is named on stdout
+        (:data:`pace_core.version.METHOD_VERSION`: results of other numerics are never reused), the model as another
+        machine names it (:attr:`LoadedModel.reference`: a clone elsewhere reuses the shipped results), its weights,
+        dtype and device, and the ``--device-map`` when one is given (results differ a little between devices;
+        sampling draws other numbers) and ``params``. A damaged stored result is named on stdout
         and computed again (the new one replaces it)."""
         from pace_core.results import DamagedResult, load_result, result_key
         from pace_core.version import METHOD_VERSION
 
         placement = {"device_map": self.args.device_map} if self.args.device_map else {}  # none: the keys of before
-        key = result_key({"kind": kind, "method_version": METHOD_VERSION, "model": self.model_name,
+        key = result_key({"kind": kind, "method_version": METHOD_VERSION, "model": self.loaded.reference,
                           "weights": self.loaded.fingerprint, "dtype": self.args.dtype,
                           "device": str(self.loaded.device), **placement, **params})
         try:
