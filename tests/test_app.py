@@ -641,3 +641,63 @@ def test_kept_results_are_bounded_and_computed_once():
     work.per_config("test_kind", setting, (("d", "D"),), compute)  # a fourth: the least recently used goes
     work.per_config("test_kind", setting, (("b", "B"),), compute)
     assert calls[-1] == ["b"]
+
+
+def test_a_drift_run_superseded_by_a_dp_change_leaves_nothing_behind(params):
+    """A dP change while Drift computes: streamlit (fast reruns) starts the new run in a new script thread at
+    once and stops the old one at its next progress update, so the two run at the same time on the one shared
+    model. Here session 1 computes; at its first progress update session 2 (the new run, dP 16) starts and
+    computes; session 1 is then stopped (StopException, as streamlit raises it) and unwinds while session 2 is
+    in the middle of its run. Session 2 finishes without an error (it failed with "Expected size for first two
+    dimensions of batch2 tensor to be: [8, 128] but got: [8, 0]"), and session 1 then computes with another dP."""
+    import threading
+
+    from streamlit.runtime.scriptrunner_utils.exceptions import StopException
+
+    from app_state import work
+
+    sessions = []
+    for dp in ("8", "16"):  # settings of their own (40 steps): nothing kept from other tests
+        at = start(params, preset="pace-4", dp=dp)
+        at.session_state["drift_prefill"], at.session_state["drift_steps"] = 24, 40
+        at.switch_page("pages/drift.py").run()
+        check(at)
+        sessions.append(at)
+    first, second = sessions
+    real, opened = work.progress, []
+    second_running, first_gone = threading.Event(), threading.Event()
+    superseding = threading.Thread(target=lambda: second.slider(key="drift_prefill").set_value(32).run())
+
+    @contextlib.contextmanager
+    def interleaved(total: int, text: str, key):
+        session = len(opened)
+        opened.append(key)
+        with real(total, text, key) as advance:
+            def step(n: int) -> None:
+                advance(n)
+                if session == 0:  # the superseded run: the new one starts, then this one is stopped
+                    superseding.start()
+                    assert second_running.wait(120)
+                    raise StopException()
+                second_running.set()  # the new run waits in its run until the old one has unwound
+                assert first_gone.wait(120)
+
+            try:
+                yield step
+            finally:
+                if session == 0:
+                    first_gone.set()
+
+    work.progress = interleaved
+    try:
+        first.slider(key="drift_prefill").set_value(32).run()
+        superseding.join(300)
+    finally:
+        work.progress = real
+    assert not superseding.is_alive() and len(opened) == 2
+    check(second)
+    assert array(chart(second, "drift_chart")["data"][0]["x"]).max() == 40
+    first.sidebar.select_slider(key="w_dp").set_value(4).run()  # dP 4 and 8 computed, dP 1 kept from session 2
+    check(first)
+    assert [t["name"] for t in chart(first, "drift_chart")["data"]][::2] == [
+        f"custom, 4-bit, dP {p}" for p in (1, 4, 8)]  # a setting changed: the configuration is custom

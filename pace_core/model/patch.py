@@ -28,6 +28,13 @@ transformers computes them) of a model's GDN layers, PACE applied or not, and th
 the layer-local sweep and the calibration record their inputs this way. PACE and taps share the one
 wrapper and the one dispatcher; both are removed once neither is in use.
 
+Scopes: :func:`apply_pace` sets the model's own configuration (every forward, every thread). The ``with``
+blocks :func:`pace`, :func:`stacked` and :func:`tapped` set theirs for the code that runs inside them only
+(a ``contextvars`` scope: this thread), over the model's own, and leave nothing on the model when they
+end, whatever ends them (``BaseException`` included). So runs of one shared model in several threads (a
+dashboard's sessions; a rerun that starts while the run it supersedes is still unwinding) never see each
+other's configuration, and an interrupted run leaves the model as it was.
+
 Limits: the store follows a cache through ``reorder_cache`` (beam search) and ``reset``;
 ``crop`` / batch reshaping of a PACE cache (assisted decoding, contrastive search) are not
 supported and raise. With left padding the P-token segments are counted over the padded positions.
@@ -41,6 +48,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 
@@ -62,7 +70,7 @@ _STORE_CONFIG_ATTR = "_pace_state_config"
 _CONFIG_ATTR = "_pace_config"
 _SHAPE_ATTR = "_pace_shape"
 _DAMP_ATTR = "_pace_damp_rows"
-_TAPS_ATTR = "_pace_taps"
+_SCOPES_ATTR = "_pace_open_scopes"
 _ORIGINAL_ATTR = "_pace_original_forward"
 _CACHE_ARG_NAMES = ("cache_params", "cache", "past_key_values")
 
@@ -88,6 +96,53 @@ constant (:mod:`pace_core.model.state_op`)."""
 
 # modeling module name -> (original functions by name, number of wrapped GDN modules using it)
 _DISPATCH: dict[str, tuple[dict[str, object], int]] = {}
+_LOCK = threading.RLock()
+"""Guards the wrapping and unwrapping of GDN modules, :data:`_DISPATCH` and the count of open scopes."""
+
+_OWN = object()
+"""A scope's configuration when it keeps the model's own (:func:`tapped`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """What a ``with`` block sets on one model for the code inside it: the configuration (a PaceConfig, a
+    :class:`StackKey`, None for transformers' own path, or :data:`_OWN`: the model's own), its DAMP rows
+    and the taps."""
+
+    config: object = _OWN
+    damp_rows: list[torch.Tensor] | None = None
+    taps: tuple[Tap, ...] = ()
+
+
+_SCOPES: contextvars.ContextVar[dict[int, _Scope]] = contextvars.ContextVar("pace_scopes", default={})
+"""The open scopes of this context by ``id(model)`` (a new dict for every change: contexts never share one)."""
+
+
+def _settings(model: nn.Module) -> tuple[object, list[torch.Tensor] | None, tuple[Tap, ...]]:
+    """``(configuration, DAMP rows, taps)`` the forwards of ``model`` run with in this context."""
+    scope = _SCOPES.get().get(id(model), _Scope())
+    if scope.config is _OWN:
+        return model.__dict__.get(_CONFIG_ATTR), model.__dict__.get(_DAMP_ATTR), scope.taps
+    return scope.config, scope.damp_rows, scope.taps
+
+
+@contextlib.contextmanager
+def _scoped(model: nn.Module, **change) -> Iterator[None]:
+    """Run the block with this context's scope of ``model`` changed by ``change`` (fields of :class:`_Scope`);
+    the previous scope comes back, and the layers are unwrapped once nothing uses them, on any exit."""
+    scopes = _SCOPES.get()
+    scope = dataclasses.replace(scopes.get(id(model), _Scope()), **change)
+    with _LOCK:
+        _hook(model)
+        model.__dict__[_SCOPES_ATTR] = model.__dict__.get(_SCOPES_ATTR, 0) + 1
+    token = _SCOPES.set({**scopes, id(model): scope})
+    try:
+        yield
+    finally:
+        _SCOPES.reset(token)
+        with _LOCK:
+            model.__dict__[_SCOPES_ATTR] -= 1
+            _unhook_if_idle(model)
 
 
 def is_reference(cfg: PaceConfig) -> bool:
@@ -167,11 +222,11 @@ def layer_devices(modules: list[tuple[int, nn.Module]], default: torch.device) -
     return devices
 
 
-def _new_store(model: nn.Module, cfg: PaceConfig, hidden_states: torch.Tensor, layer: int | None) -> StateStore:
+def _new_store(model: nn.Module, cfg: PaceConfig, damp_rows: list[torch.Tensor] | None, hidden_states: torch.Tensor,
+               layer: int | None) -> StateStore:
     """A store for every GDN layer (``layer`` None: a cache's store), or for the one GDN layer
     ``layer`` (a forward without a cache), with that layer's share of ``high_heads`` / DAMP rows."""
     shape: ModelShape = model.__dict__[_SHAPE_ATTR]
-    damp_rows = model.__dict__.get(_DAMP_ATTR)
     modules = gdn_modules(model)
     layers = [i for i, _ in modules]
     if layer is not None:
@@ -202,22 +257,21 @@ def _wrap_forward(model: nn.Module, module: nn.Module, original) -> None:
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        cfg: PaceConfig | None = model.__dict__.get(_CONFIG_ATTR)
-        taps = tuple(model.__dict__.get(_TAPS_ATTR, ()))
+        cfg, damp_rows, taps = _settings(model)
         store = None
         if cfg is not None:
             bound = signature.bind_partial(*args, **kwargs).arguments
             hidden_states = bound["hidden_states"] if "hidden_states" in bound else args[0]
             cache = bound.get(cache_name)
             if cache is None:
-                store = _new_store(model, cfg, hidden_states, layer_idx)
+                store = _new_store(model, cfg, damp_rows, hidden_states, layer_idx)
             else:
                 store = get_state_store(cache)
                 if store is None:
                     if cache.get_seq_length() > 0:
                         raise PaceError("cache: it already holds the state of tokens run without PACE (a full-"
                                         "precision state); allowed: a fresh cache after apply_pace")
-                    store = _new_store(model, cfg, hidden_states, None)
+                    store = _new_store(model, cfg, damp_rows, hidden_states, None)
                     _follow_cache(cache, store, cfg)
                 elif getattr(cache, _STORE_CONFIG_ATTR) != cfg:
                     raise PaceError("cache: it holds a PACE state of another configuration; allowed: a fresh "
@@ -328,7 +382,7 @@ def _wrapped(model: nn.Module) -> bool:
 
 
 def _hook(model: nn.Module) -> None:
-    """Wrap the GDN forwards and install the dispatcher (once per model)."""
+    """Wrap the GDN forwards and install the dispatcher (once per model; under :data:`_LOCK`)."""
     if _wrapped(model):
         return
     for _, module in gdn_modules(model):
@@ -337,8 +391,9 @@ def _hook(model: nn.Module) -> None:
 
 
 def _unhook_if_idle(model: nn.Module) -> None:
-    """Restore the original GDN layers once neither PACE nor a tap uses them."""
-    if model.__dict__.get(_CONFIG_ATTR) is not None or model.__dict__.get(_TAPS_ATTR):
+    """Restore the original GDN layers once neither the model's own configuration nor an open scope uses them
+    (under :data:`_LOCK`)."""
+    if model.__dict__.get(_CONFIG_ATTR) is not None or model.__dict__.get(_SCOPES_ATTR):
         return
     for _, module in gdn_modules(model):
         if _ORIGINAL_ATTR in module.__dict__:
@@ -353,33 +408,51 @@ def _modules_or_refuse(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return modules
 
 
-def apply_pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tensor] | None = None) -> None:
-    """Run ``model``'s GDN layers with PACE configuration ``cfg`` (idempotent; a new ``cfg``
-    replaces the previous one). The reference (:func:`is_reference`) restores transformers' own
-    path. ``damp_rows``: for method ``damp``, the calibrated outlier key rows ``[HV, r]`` of each
-    GDN layer (GDN-layer order, :func:`pace_core.outliers.rank_outlier_rows`). A cache keeps the
-    configuration it was filled with: caches from before a change are refused."""
+def _checked(model: nn.Module, cfg: PaceConfig, damp_rows: list[torch.Tensor] | None) -> PaceConfig | None:
+    """``cfg`` checked for ``model`` (see :func:`apply_pace`); None for transformers' own path
+    (:func:`is_reference`)."""
     if not isinstance(cfg, PaceConfig):
         raise PaceError(f"cfg: {type(cfg).__name__} not allowed; allowed: a PaceConfig")
     _modules_or_refuse(model)
-    if _SHAPE_ATTR not in model.__dict__:
-        model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
-    cfg.validate_for(model.__dict__[_SHAPE_ATTR])
+    cfg.validate_for(_shape(model))
     if is_reference(cfg):
-        remove_pace(model)
-        return
+        return None
     if cfg.method == "damp" and damp_rows is None:
         raise PaceError("damp_rows: None not allowed for method 'damp'; allowed: one [HV, r] tensor per GDN layer")
-    model.__dict__[_CONFIG_ATTR] = cfg
-    model.__dict__[_DAMP_ATTR] = damp_rows
-    _hook(model)
+    return cfg
+
+
+def _shape(model: nn.Module) -> ModelShape:
+    """The model's state geometry (read from its config once)."""
+    if _SHAPE_ATTR not in model.__dict__:
+        model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
+    return model.__dict__[_SHAPE_ATTR]
+
+
+def apply_pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tensor] | None = None) -> None:
+    """Run ``model``'s GDN layers with PACE configuration ``cfg`` (idempotent; a new ``cfg``
+    replaces the previous one): the model's own configuration, for every forward outside a :func:`pace` or
+    :func:`stacked` block. The reference (:func:`is_reference`) restores transformers' own
+    path. ``damp_rows``: for method ``damp``, the calibrated outlier key rows ``[HV, r]`` of each
+    GDN layer (GDN-layer order, :func:`pace_core.outliers.rank_outlier_rows`). A cache keeps the
+    configuration it was filled with: caches from before a change are refused."""
+    checked = _checked(model, cfg, damp_rows)
+    if checked is None:
+        remove_pace(model)
+        return
+    with _LOCK:
+        model.__dict__[_CONFIG_ATTR] = checked
+        model.__dict__[_DAMP_ATTR] = damp_rows
+        _hook(model)
 
 
 def remove_pace(model: nn.Module) -> None:
-    """Restore ``model``'s original GDN layers (no-op when PACE is not applied; active taps stay)."""
-    model.__dict__.pop(_CONFIG_ATTR, None)
-    model.__dict__.pop(_DAMP_ATTR, None)
-    _unhook_if_idle(model)
+    """Remove ``model``'s own configuration, restoring its original GDN layers unless a scope is open
+    (no-op when PACE is not applied)."""
+    with _LOCK:
+        model.__dict__.pop(_CONFIG_ATTR, None)
+        model.__dict__.pop(_DAMP_ATTR, None)
+        _unhook_if_idle(model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,13 +470,11 @@ def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *,
     """Run several configurations in one batch inside the block: yields ``(cache, stack)``, a fresh
     transformers cache whose forwards give rows ``[i·rows, (i+1)·rows)`` to ``configs[i]`` (a
     :class:`~pace_core.state_store.StoreStack`; ``damp_rows[i]``: member i's DAMP outlier rows). Feed the
-    cache to the model's forwards; the model's previous PACE configuration comes back afterwards."""
+    cache to the model's forwards inside the block (this context's scope: module docstring)."""
     from transformers import DynamicCache
 
     modules = _modules_or_refuse(model)
-    if _SHAPE_ATTR not in model.__dict__:
-        model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
-    shape: ModelShape = model.__dict__[_SHAPE_ATTR]
+    shape = _shape(model)
     devices = layer_devices(modules, device if device is not None else next(model.parameters()).device)
     layers = [i for i, _ in modules]
     stores = [StateStore(cfg, shape, rows, devices, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v,
@@ -415,51 +486,30 @@ def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *,
     setattr(cache, _STORE_ATTR, stack)
     setattr(cache, _STORE_CONFIG_ATTR, key)
     state_op.register(stack)
-    previous, previous_rows = model.__dict__.get(_CONFIG_ATTR), model.__dict__.get(_DAMP_ATTR)
-    model.__dict__[_CONFIG_ATTR] = key
-    _hook(model)
-    try:
+    with _scoped(model, config=key, damp_rows=None):
         yield cache, stack
-    finally:
-        model.__dict__.pop(_CONFIG_ATTR, None)
-        if previous is None:
-            remove_pace(model)
-        else:
-            apply_pace(model, previous, damp_rows=previous_rows)
 
 
 @contextlib.contextmanager
 def tapped(model: nn.Module, tap: Tap) -> Iterator[nn.Module]:
-    """Call ``tap`` (:data:`Tap`) with every core call of ``model``'s GDN layers inside the block, with
-    or without PACE; the calls then run as they would without the tap."""
+    """Call ``tap`` (:data:`Tap`) with every core call of ``model``'s GDN layers inside the block (this
+    context's scope), with or without PACE; the calls then run as they would without the tap."""
     _modules_or_refuse(model)
-    taps = model.__dict__.setdefault(_TAPS_ATTR, [])
-    taps.append(tap)
-    _hook(model)
-    try:
+    with _scoped(model, taps=_SCOPES.get().get(id(model), _Scope()).taps + (tap,)):
         yield model
-    finally:
-        taps.remove(tap)
-        if not taps:
-            del model.__dict__[_TAPS_ATTR]
-        _unhook_if_idle(model)
 
 
 def current_config(model: nn.Module) -> PaceConfig | None:
-    """The PACE configuration applied to ``model`` (None: transformers' own fp32 path)."""
-    return model.__dict__.get(_CONFIG_ATTR)
+    """The PACE configuration ``model``'s forwards run with here (inside a :func:`pace` block its
+    configuration, else the model's own; None: transformers' own fp32 path)."""
+    cfg = _settings(model)[0]
+    return cfg if isinstance(cfg, PaceConfig) else None
 
 
 @contextlib.contextmanager
 def pace(model: nn.Module, cfg: PaceConfig, *, damp_rows: list[torch.Tensor] | None = None) -> Iterator[nn.Module]:
-    """Apply ``cfg`` (see :func:`apply_pace`) for the ``with`` block, then restore the
-    configuration that was there before."""
-    previous, previous_rows = current_config(model), model.__dict__.get(_DAMP_ATTR)
-    apply_pace(model, cfg, damp_rows=damp_rows)
-    try:
+    """Run ``model``'s forwards inside the block with ``cfg`` (checked as :func:`apply_pace` does), in this
+    context's scope only (module docstring): the model's own configuration is untouched."""
+    checked = _checked(model, cfg, damp_rows)
+    with _scoped(model, config=checked, damp_rows=damp_rows if checked is not None else None):
         yield model
-    finally:
-        if previous is None:
-            remove_pace(model)
-        else:
-            apply_pace(model, previous, damp_rows=previous_rows)
