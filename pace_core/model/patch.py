@@ -116,11 +116,15 @@ class _Scope:
 
 _SCOPES: contextvars.ContextVar[dict[int, _Scope]] = contextvars.ContextVar("pace_scopes", default={})
 """The open scopes of this context by ``id(model)`` (a new dict for every change: contexts never share one)."""
+_TRACE_SCOPES: dict[int, _Scope] = {}
+"""The scopes as the last :func:`_scoped` left them, read while ``torch.compile`` traces (dynamo cannot trace a
+ContextVar; it guards on what it reads here): compiling one model in several threads at once is not supported."""
 
 
 def _settings(model: nn.Module) -> tuple[object, list[torch.Tensor] | None, tuple[Tap, ...]]:
     """``(configuration, DAMP rows, taps)`` the forwards of ``model`` run with in this context."""
-    scope = _SCOPES.get().get(id(model), _Scope())
+    scopes = _TRACE_SCOPES if torch.compiler.is_compiling() else _SCOPES.get()
+    scope = scopes.get(id(model), _Scope())
     if scope.config is _OWN:
         return model.__dict__.get(_CONFIG_ATTR), model.__dict__.get(_DAMP_ATTR), scope.taps
     return scope.config, scope.damp_rows, scope.taps
@@ -135,12 +139,18 @@ def _scoped(model: nn.Module, **change) -> Iterator[None]:
     with _LOCK:
         _hook(model)
         model.__dict__[_SCOPES_ATTR] = model.__dict__.get(_SCOPES_ATTR, 0) + 1
+        traced = _TRACE_SCOPES.get(id(model))
+        _TRACE_SCOPES[id(model)] = scope
     token = _SCOPES.set({**scopes, id(model): scope})
     try:
         yield
     finally:
         _SCOPES.reset(token)
         with _LOCK:
+            if traced is None:
+                _TRACE_SCOPES.pop(id(model), None)
+            else:
+                _TRACE_SCOPES[id(model)] = traced
             model.__dict__[_SCOPES_ATTR] -= 1
             _unhook_if_idle(model)
 
