@@ -701,3 +701,19 @@ def test_a_drift_run_superseded_by_a_dp_change_leaves_nothing_behind(params):
     check(first)
     assert [t["name"] for t in chart(first, "drift_chart")["data"]][::2] == [
         f"custom, 4-bit, dP {p}" for p in (1, 4, 8)]  # a setting changed: the configuration is custom
+
+
+def test_no_page_shows_its_docstrings(params):
+    """Streamlit's "magic" writes every bare string literal of a page script (a constant's docstring) into the
+    page; .streamlit/config.toml turns it off. Every page is visited and none of its bare strings is shown."""
+    import ast
+
+    at = start(params, preset="pace-4")
+    for path in sorted((REPO_ROOT / "pages").glob("*.py")):
+        literals = {node.value.value.strip() for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str)}
+        at.switch_page(f"pages/{path.name}").run()
+        check(at)
+        shown = {m.value.strip() for m in at.markdown}
+        assert literals and not literals & shown, (path.name, literals & shown)
