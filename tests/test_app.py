@@ -15,6 +15,7 @@ from streamlit.testing.v1 import AppTest
 
 from app_state import compute, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
+from conftest import BROKEN_CHECKPOINTS
 from numerics import fp32_bound, rel
 from pace_core.accounting import capacity, resident_bits, state_bytes
 from pace_core.analysis.structure import structure_stats
@@ -149,7 +150,7 @@ def test_weights_in_bfloat16_are_a_sidebar_choice_with_their_own_model_and_resul
 
 def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, monkeypatch):
     """A path or hub id that fails (offline, a hub id takes about 30 s to fail) is shown as failed on the
-    next changes and tried again only after LOAD_RETRY_S."""
+    next changes, tried again at once when its folder changes, and on "Try again"."""
     calls = []
     real = session._load_model
     monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
@@ -162,9 +163,46 @@ def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, mo
     (tmp_path / "nowhere").mkdir()  # the folder changed: tried at once (still not a checkpoint)
     at.sidebar.select_slider(key="w_bits").set_value(5).run()
     assert "Could not load model" in at.error[0].value and len(calls) == 2
-    monkeypatch.setattr(session, "LOAD_RETRY_S", 0)
+    (tmp_path / "nowhere" / "config.json").write_text("{")  # a file appears: tried again
     at.sidebar.select_slider(key="w_bits").set_value(6).run()
-    assert not at.exception and len(calls) == 3
+    assert "Could not load model" in at.error[0].value and len(calls) == 3
+    at.button(key="load_try_again").click().run()
+    assert not at.exception and len(calls) == 4
+
+
+def test_a_load_failure_of_any_kind_is_remembered(params, monkeypatch):
+    """Not only PaceErrors: whatever a load raises is shown and not retried on the next rerun."""
+    calls = []
+
+    def failing(source, where):
+        calls.append(source)
+        raise RuntimeError("the loader broke")
+
+    monkeypatch.setattr(session, "_load_model", failing)
+    at = AppTest.from_file(APP, default_timeout=180)
+    for key, value in params.items():
+        at.query_params[key] = value
+    at.switch_page("pages/state_heatmaps.py").run()
+    assert not at.exception and "RuntimeError: the loader broke" in at.error[0].value and len(calls) == 1
+    at.sidebar.select_slider(key="w_bits").set_value(3).run()
+    assert "RuntimeError: the loader broke" in at.error[0].value and len(calls) == 1
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_CHECKPOINTS))
+def test_a_broken_checkpoint_is_shown_once_and_not_loaded_again(broken_checkpoints, broken, monkeypatch):
+    """Every way a checkpoint breaks (tests/conftest.py) is one error naming the problem, whatever the exception
+    was; reruns and other pages show it without loading again (a 27B model would reload on every click)."""
+    folder, message = broken_checkpoints[broken]
+    calls = []
+    real = session._load_model
+    monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.query_params["model"] = str(folder)
+    at.run()
+    assert not at.exception and [message in e.value for e in at.error] == [True] and len(calls) == 1
+    at.sidebar.select_slider(key="w_bits").set_value(3).run()
+    at.switch_page("pages/drift.py").run()
+    assert not at.exception and [message in e.value for e in at.error] == [True] and len(calls) == 1
 
 
 def test_out_of_memory_is_recognised():
