@@ -137,6 +137,14 @@ def _resize_a_weight(folder: Path) -> None:
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
+def _drop_a_weight(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[sorted(k for k in tensors if k.endswith("in_proj_a.weight"))[0]]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 def _delete_the_tokenizer(folder: Path) -> None:
     for path in folder.glob("tokenizer*"):
         path.unlink()
@@ -145,6 +153,7 @@ def _delete_the_tokenizer(folder: Path) -> None:
 BROKEN_CHECKPOINTS = {
     "truncated weights": (_truncate_weights, "model.safetensors (Error while deserializing header"),
     "a resized weight": (_resize_a_weight, "in_proj_a.weight is [5, 64] in the weights file, [4, 64] by the config"),
+    "a missing weight": (_drop_a_weight, "lacks weights its config.json needs (model.layers.0.linear_attn.in_proj_a"),
     "short layer_types": (lambda f: _edit_config(f, layer_types=["linear_attention"] * 3),
                           "layer_types has 3 entries for num_hidden_layers = 4"),
     "no tokenizer": (_delete_the_tokenizer, "has no tokenizer"),
