@@ -20,21 +20,8 @@ from pace_core.analysis.calibration import Calibration, calibrate
 from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
 from pace_core.config import PaceConfig, config_from_json, config_to_json, get_config
 from pace_core.errors import PaceError
-from pace_core.host import free_threads
 
 PROMPT_CHARS = 1500
-
-DEFAULT_THREADS = torch.get_num_threads()
-"""torch's intra-op threads when the app started (its own choice for this host): what a quiet host gets."""
-
-
-def use_free_cores() -> int:
-    """Set this thread's torch intra-op threads for the computation about to run to the cores that nothing else
-    keeps busy now (pace_core.host.free_threads: a thread on a busy core makes every operator wait for it);
-    returns the count. Called where each live computation starts."""
-    threads = free_threads(DEFAULT_THREADS)
-    torch.set_num_threads(threads)
-    return threads
 
 
 FALLBACK_PROMPT = ("The recurrent state of a Gated DeltaNet layer is a matrix per head that every token "
@@ -94,7 +81,7 @@ def reference_states(source: str, where: Runtime, text: str) -> dict[int, dict[i
     if found is None:
         loaded = _load_model(source, where)
         ids = tokenize(loaded.tokenizer, text, min_tokens=1)
-        use_free_cores()
+        work.use_free_cores()
         with st.spinner(f"Reading {ids.shape[1]} tokens with the fp32 reference…"):
             run = run_with_states(loaded, get_config("fp32"), ids, capture_steps=heatmap_positions(ids.shape[1]))
         found = {pos: {layer: S[0] for layer, S in layers.items()} for pos, layers in run.states.items()}
@@ -125,7 +112,6 @@ def generations(source: str, where: Runtime, configs: tuple[tuple[str, str], ...
 
     def compute(missing: dict[str, str]) -> dict:
         ready = _ready(source, where, missing)
-        use_free_cores()
         names = ", ".join(missing if ref is not None else ["fp32", *missing])
         with work.progress(generation_progress_total((mode,), max_new_tokens),
                            f"Generating {max_new_tokens} tokens with {names}",
@@ -168,7 +154,6 @@ def drift(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], pre
 
     def compute(missing: dict[str, str]) -> dict:
         ready = _ready(source, where, missing)
-        use_free_cores()
         kept = reference.get(setting)
         names = ", ".join(missing if kept is not None else ["the fp32 reference", *missing])
         with work.progress(drift_progress_total(loaded, len(missing), T, prefill, with_reference=kept is None),
@@ -239,7 +224,6 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
                         "calibration of this quantiser is stored for the loaded weights; allowed: put the corpus "
                         "there, or store one with `python -m pace_core calibrate --text FILE` and these settings, "
                         "or set the share of 8-bit heads to 0 (DAMP always needs one)")
-    use_free_cores()
     samples = work.kept("calibration_samples", 2).get((source, where))
     if samples is None:
         with work.progress(calibration_progress_total(loaded),
@@ -248,6 +232,7 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
             samples = calibration_samples(loaded, tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
                                           progress=advance)
         work.kept("calibration_samples", 2).put((source, where), samples)
+    work.use_free_cores()
     cal = calibrate(loaded, config_from_json(key), samples=samples)
     found = {"calibration": cal,
              "provenance_label": f"{cal.tokens} tokens of {CALIBRATION_TEXT.name}, {cal.samples} states "

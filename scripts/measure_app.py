@@ -30,7 +30,7 @@ as another program on the host would, and saves ``app_<device>[_bfloat16]_busy.j
 quiet figures of the file without ``_busy``. Every file records the 1-minute load average at the start and end
 of each repeat (the competing processes included) and the CPUs other processes kept busy just before the
 measurement started (pace_core.host, the competing processes not yet started), and the torch intra-op threads
-the app chose for each figure's computations (app_state.compute.use_free_cores).
+the app chose for each figure's computations (app_state.work.use_free_cores).
 """
 
 from __future__ import annotations
@@ -87,20 +87,20 @@ def _checked(at):
 
 
 _CHOSEN: list[int] = []
-"""The intra-op threads app_state.compute.use_free_cores chose since the last _timed began."""
+"""The intra-op threads app_state.work.use_free_cores chose since the last _timed began."""
 
 
 def _record_threads() -> None:
-    """Record every choice of app_state.compute.use_free_cores in _CHOSEN."""
-    from app_state import compute
+    """Record every choice of app_state.work.use_free_cores in _CHOSEN."""
+    from app_state import work
 
-    choose = compute.use_free_cores
+    choose = work.use_free_cores
 
     def recording() -> int:
         _CHOSEN.append(choose())
         return _CHOSEN[-1]
 
-    compute.use_free_cores = recording
+    work.use_free_cores = recording
 
 
 def _timed(action: Callable[[], object]) -> float:
