@@ -147,11 +147,11 @@ def _scoped(model: nn.Module, **change) -> Iterator[None]:
     finally:
         _SCOPES.reset(token)
         with _LOCK:
-            if traced is None:
+            model.__dict__[_SCOPES_ATTR] -= 1
+            if traced is None or not model.__dict__[_SCOPES_ATTR]:  # none left open: none to trace
                 _TRACE_SCOPES.pop(id(model), None)
             else:
                 _TRACE_SCOPES[id(model)] = traced
-            model.__dict__[_SCOPES_ATTR] -= 1
             _unhook_if_idle(model)
 
 
