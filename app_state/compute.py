@@ -79,6 +79,7 @@ def reference_states(source: str, where: Runtime, text: str) -> dict[int, dict[i
     if found is None:
         loaded = _load_model(source, where)
         ids = tokenize(loaded.tokenizer, text, min_tokens=1)
+        work.use_free_cores()
         with st.spinner(f"Reading {ids.shape[1]} tokens with the fp32 reference…"):
             run = run_with_states(loaded, get_config("fp32"), ids, capture_steps=heatmap_positions(ids.shape[1]))
         found = {pos: {layer: S[0] for layer, S in layers.items()} for pos, layers in run.states.items()}
@@ -229,6 +230,7 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
             samples = calibration_samples(loaded, tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
                                           progress=advance)
         work.kept("calibration_samples", 2).put((source, where), samples)
+    work.use_free_cores()
     cal = calibrate(loaded, config_from_json(key), samples=samples)
     found = {"calibration": cal,
              "provenance_label": f"{cal.tokens} tokens of {CALIBRATION_TEXT.name}, {cal.samples} states "

@@ -1,19 +1,17 @@
 """The session's model: loading the sidebar's checkpoint once per source and device (cached), a failed
-load shown with what to do and tried again only after a while or once its folder changes, and the
-checkpoint's card (pace_core.model.card) for the pages that need no model, stored after every load.
+load shown with what to do and tried again only once the source, the runtime or the folder's files change (or
+on "Try again"), and the checkpoint's card (pace_core.model.card) for the pages that need no model, stored
+after every load.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import streamlit as st
 
 from app_state.controls import EMBEDDED, Runtime, model_source, runtime
 from pace_core.errors import PaceError
-
-LOAD_RETRY_S = 60  # a model that failed to load is tried again after this long (a hub id offline takes ~30 s)
 
 
 def model_label() -> str:
@@ -50,9 +48,9 @@ def results_model_name(source: str) -> str:
 
 
 @st.cache_data(show_spinner=False, ttl=30, max_entries=8)
-def _stored_card(folder: str, name: str, dtype: str, stamp: tuple[int | None, int | None], root: str):
+def _stored_card(folder: str, name: str, dtype: str, stamp: tuple, root: str):
     """The card of `folder` for weights in `dtype` stored under the results root `root` (re-read at most every
-    30 s, and at once when the folder or its config.json changes: ``stamp``, _folder_stamp)."""
+    30 s, and at once when the folder's files change: ``stamp``, _folder_stamp)."""
     from pace_core.model.card import load_card
 
     return load_card(folder, name, dtype, root=root)
@@ -87,21 +85,24 @@ def loaded_model(*, stop: bool = True):
     return loaded
 
 
-def _folder_stamp(source: str) -> tuple[int | None, int | None]:
-    """When a local folder and its config.json last changed (None where absent, e.g. a hub id): a folder
-    fixed after a failed load is loaded again at once."""
-    def stamp(path: Path) -> int | None:
-        try:
-            return path.stat().st_mtime_ns
-        except OSError:
-            return None
-
+def _folder_stamp(source: str) -> tuple:
+    """When a local folder last changed and the name, size and modification time of each of its files (empty for
+    a hub id or a folder that cannot be read): a checkpoint fixed after a failed load (a file copied again, a
+    config edited, the folder created) is loaded again at once."""
+    if not source:
+        return ()
     folder = Path(source).expanduser()
-    return (stamp(folder), stamp(folder / "config.json")) if source else (None, None)
+    try:
+        return (folder.stat().st_mtime_ns, *sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                                   for p in folder.iterdir() if p.is_file()))
+    except OSError:
+        return ()
 
 
 def _try_load_model():
-    """Load the sidebar's model, or show what to do and return None."""
+    """Load the sidebar's model, or show what to do and return None. A failure (of any kind) is remembered for
+    the source, runtime and folder files it happened with, so reruns do not load again (a 27B model takes
+    minutes): it is shown until one of them changes or the user asks to try again."""
     source, where = model_source(), runtime()
     if not source and st.session_state.get("model_kind") != EMBEDDED:
         st.info("Enter a local folder or hub id in the sidebar to load a model.", icon=":material/arrow_back:")
@@ -113,20 +114,18 @@ def _try_load_model():
         return None
     failures = st.session_state.setdefault("_load_failures", {})
     attempt = (source, where, _folder_stamp(source))
-    failed = failures.get(attempt)
-    if failed is not None and time.monotonic() - failed[1] < LOAD_RETRY_S:
-        st.error(failed[0], icon=":material/folder_open:")
-        return None
-    try:
-        with st.spinner(f"Loading {model_label()} on {where}…"):
-            return _load_model(source, where)
-    except (PaceError, OSError) as err:
-        message = (f"Could not load model {model_label()!r}: {err}\n\nCheck the path or hub id (no hub is "
-                   "reachable offline) or switch back to the embedded model. (The same source is tried again "
-                   f"after {LOAD_RETRY_S} s or once its folder changes, not on every change of a setting.)")
-        failures[attempt] = (message, time.monotonic())
-        st.error(message, icon=":material/folder_open:")
-        return None
+    if attempt not in failures:
+        try:
+            with st.spinner(f"Loading {model_label()} on {where}…"):
+                return _load_model(source, where)
+        except Exception as err:  # any failure: a PaceError says what to do, anything else is shown as it is
+            detail = str(err) if isinstance(err, PaceError) else f"{type(err).__name__}: {err}"
+            failures[attempt] = (f"Could not load model {model_label()!r}: {detail}\n\nCheck the path or hub id "
+                                 "(no hub is reachable offline) or switch back to the embedded model. It is tried "
+                                 "again when the source, the device, the weights or the folder's files change.")
+    st.error(failures[attempt], icon=":material/folder_open:")
+    st.button("Try again", key="load_try_again", on_click=failures.pop, args=(attempt, None))
+    return None
 
 
 def token_count(loaded, text: str) -> int:

@@ -7,10 +7,15 @@ kept as they are, on their device); a computation runs outside any ``st.cache_*`
 and button are live widgets. Stop asks streamlit for a rerun, which interrupts the running script at its
 next progress update; the rerun then shows that the work was stopped instead of starting it again, and
 what was finished before (other configurations, the reference) stays kept.
+
+Every computation runs with as many torch intra-op threads as cores that nothing else keeps busy
+(:func:`use_free_cores`), chosen when it starts and again at each of its progress updates, so a program that
+starts or stops on the host meanwhile is followed within a sampling window (pace_core.host).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
@@ -18,6 +23,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import streamlit as st
+import torch
+
+from pace_core.host import free_threads
 
 _STOPPED = "_work_stopped"
 
@@ -66,6 +74,22 @@ def per_config(kind: str, setting: Hashable, configs: tuple[tuple[str, str], ...
     return found
 
 
+@functools.cache
+def default_threads() -> int:
+    """torch's intra-op threads before the app's first computation (its own choice for this host, or what the
+    process set before): what a quiet host gets."""
+    return torch.get_num_threads()
+
+
+def use_free_cores() -> int:
+    """Set this thread's torch intra-op threads to the cores that nothing else keeps busy now
+    (pace_core.host.free_threads: a thread on a busy core makes every operator wait for it); returns the count."""
+    threads = free_threads(default_threads())
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return threads
+
+
 def _eta(seconds: float) -> str:
     return f"about {seconds:.0f} s left" if seconds < 90 else f"about {seconds / 60:.0f} min left"
 
@@ -80,7 +104,8 @@ def progress(total: int, text: str, work: Hashable) -> Iterator[Callable[[int], 
     """A progress bar of ``total`` units with the time left and a Stop button; yields ``advance(n)``.
 
     ``work`` names this computation (its inputs): once stopped, the same work is not started again on the
-    following reruns; the page shows that it was stopped and a button that runs it."""
+    following reruns; the page shows that it was stopped and a button that runs it. The computation's intra-op
+    threads are chosen at the start and at every ``advance`` (:func:`use_free_cores`)."""
     stopped, name = st.session_state.get(_STOPPED), f"{hash(work) & 0xFFFFFFFF:08x}"
     if stopped == work:
         st.info(f"Stopped: {text}. What was finished before is kept.", icon=":material/stop_circle:")
@@ -93,8 +118,10 @@ def progress(total: int, text: str, work: Hashable) -> Iterator[Callable[[int], 
         st.button("Stop", key=f"work_stop_{name}", on_click=st.session_state.__setitem__, args=(_STOPPED, work),
                   help="Stops this computation at its next step; the page then waits until you run it again.")
     done, start, shown = [0], time.monotonic(), [0.0]
+    use_free_cores()
 
     def advance(n: int) -> None:
+        use_free_cores()
         done[0] += n
         now = time.monotonic()
         if now - shown[0] < PROGRESS_EVERY_S and done[0] < total:

@@ -182,6 +182,69 @@ def get_shape(name: str) -> ModelShape:
     return BUILTIN_SHAPES[key]
 
 
+ATTENTION_LAYER_TYPE = "full_attention"
+
+SIZE_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 1024,            # Llama 3.1 405B: 126
+    "hidden_size": 131_072,               # Llama 3.1 405B: 16,384
+    "intermediate_size": 524_288,         # Llama 3.1 405B: 53,248
+    "moe_intermediate_size": 524_288,
+    "shared_expert_intermediate_size": 524_288,
+    "vocab_size": 2_097_152,              # Gemma 3: 262,144
+    "num_attention_heads": 1024,          # Llama 3.1 405B: 128
+    "num_key_value_heads": 1024,
+    "head_dim": 2048,                     # Gemma, Qwen3.5: 256
+    "linear_num_key_heads": 128,          # Qwen3.5, Qwen3-Next: 16
+    "linear_num_value_heads": 512,        # Qwen3.5-27B: 48
+    "linear_key_head_dim": 1024,          # Qwen3.5, Qwen3-Next: 128
+    "linear_value_head_dim": 1024,        # Qwen3.5, Qwen3-Next: 128
+    "linear_conv_kernel_dim": 32,         # Qwen3.5, Qwen3-Next: 4
+    "num_experts": 4096,                  # Qwen3-Next: 512
+    "num_experts_per_tok": 4096,
+}
+"""The largest value a config field may take: 8 times the largest in published configs (the comments; rounded up
+to a power of two). No real checkpoint comes near, while a damaged or hostile ``config.json`` is refused before
+transformers builds (a list per layer: 10^7 layers take minutes), allocates or multiplies anything from it (at
+the limits one sequence's fp32 GDN state is at most 2 TiB, where a head dim of 2^40 gave a number of 10^18 GiB)."""
+
+_MAY_BE_ZERO = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                          "shared_expert_intermediate_size"})
+
+
+def check_config_values(config: Any, label: str) -> None:
+    """Refuse a config (the ``config.json`` dict, or a PretrainedConfig) whose text part has a size field that is
+    not an integer in its range (:data:`SIZE_LIMITS`), or ``layer_types`` that are not one ``linear_attention`` /
+    ``full_attention`` entry per decoder layer; PaceError naming ``label``, the field and what is allowed."""
+    from transformers import PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        text = config.get_text_config(decoder=True)
+        fields = {name: getattr(text, name, None) for name in (*SIZE_LIMITS, "layer_types")}
+    elif isinstance(config, dict):
+        fields = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    else:
+        raise PaceError(f"config must be a dict or a transformers PretrainedConfig; got {type(config).__name__}")
+    for name, limit in SIZE_LIMITS.items():
+        value, low = fields.get(name), 0 if name in _MAY_BE_ZERO else 1
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= limit:
+            raise PaceError(f"{label}: {name} = {value!r} is not allowed; allowed: an integer in {low}..{limit:,} "
+                            "(8x the largest published model's; the file is damaged or not a model's config: use "
+                            "the checkpoint's original config.json)")
+    layer_types, layers = fields.get("layer_types"), fields.get("num_hidden_layers")
+    if layer_types is None:
+        return
+    if not isinstance(layer_types, (list, tuple)) or (layers is not None and len(layer_types) != layers):
+        count = f"{len(layer_types)} entries" if isinstance(layer_types, (list, tuple)) else repr(layer_types)
+        raise PaceError(f"{label}: layer_types has {count} for num_hidden_layers = {layers}; allowed: one entry per "
+                        "decoder layer (use the checkpoint's original config.json)")
+    bad = sorted({str(t) for t in layer_types} - {GDN_LAYER_TYPE, ATTENTION_LAYER_TYPE})
+    if bad:
+        raise PaceError(f"{label}: layer_types holds {', '.join(map(repr, bad))}; allowed: {GDN_LAYER_TYPE!r}, "
+                        f"{ATTENTION_LAYER_TYPE!r}")
+
+
 def _hf_config(config: Any):
     """A transformers PretrainedConfig of `config` (a dict or a PretrainedConfig); model_type checked."""
     from transformers import AutoConfig, PretrainedConfig
@@ -195,12 +258,13 @@ def _hf_config(config: Any):
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise PaceError(f"model_type {model_type!r} is not a hybrid Gated DeltaNet model; allowed model types: "
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    check_config_values(config, f"config of model_type {model_type!r}")
     if isinstance(config, PretrainedConfig):
         return config
     fields = {k: v for k, v in config.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # transformers' own validation: TypeError, ValueError, huggingface_hub's errors
         raise PaceError(f"config of model_type {model_type!r} is malformed: {e}") from None
 
 
@@ -264,5 +328,6 @@ def load_shape(source: str) -> ModelShape:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PaceError(f"{path} is not a readable JSON config: {e}; allowed: a Hugging Face config.json") from None
+    check_config_values(config, str(path))
     name = path.parent.name if path.name == "config.json" else path.stem
     return shape_from_hf_config(config, name=name)

@@ -1,7 +1,8 @@
 """How fast the dashboard answers: the figures of issue 16, medians of ``--repeats`` runs.
 
     python scripts/measure_app.py [--model PATH] [--device cpu|cuda] [--weights float32|bfloat16] [--repeats 3]
-                                  [--pages-only | --compare-only] [--out data/bench]
+                                  [--pages-only | --compare-only] [--busy N]
+                                  [--out data/bench]
 
 Each scenario drives the app as a user would, through streamlit's AppTest (the page scripts, the
 caches and the computations exactly as ``streamlit run`` runs them, without a browser), timing one
@@ -17,22 +18,27 @@ interaction from the click to the finished page:
   changes (a new quantiser on the kept reference samples), the slower of the two;
 - ``heatmap_position_s`` / ``heatmap_new_text_s``: State heatmaps, another position / another text;
 - on cuda, ``page_<name>_s``: every page's first visit once the model is loaded (with ``--pages-only``
-  these and ``first_page_s`` alone);
-- with ``--compare-only`` (into ``app_<device>_compare.json``): ``compare_page_s``, the Compare page's first visit
-  after the first page, its recommendation from the stored comparison (no model loaded), and
-  ``compare_budget_s``, the recommendation for another budget.
+  these and ``first_page_s`` alone).
 
 Before each repeat the computed results are dropped (not the loaded model, except for ``first_page_s``,
 which starts a new process). With Debian's Chromium and Playwright installed, ``browser_first_page_s`` is
 the time from ``streamlit run app.py`` to the first rendered page in a real browser. The table is printed
 and saved as JSON with provenance (``<out>/app_<device>.json``, ``app_<device>_bfloat16.json`` for bfloat16
 weights). Not a test: the numbers are the host's.
+
+``--busy N`` runs N competing processes (each a Python busy loop, one core's worth) for the whole measurement,
+as another program on the host would, and saves ``app_<device>[_bfloat16]_busy.json`` with the targets 2x the
+quiet figures of the file without ``_busy``. Every file records the 1-minute load average at the start and end
+of each repeat (the competing processes included) and the CPUs other processes kept busy just before the
+measurement started (pace_core.host, the competing processes not yet started), and the torch intra-op threads
+the app chose for each figure's computations (app_state.work.use_free_cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -83,7 +89,25 @@ def _checked(at):
     return at
 
 
+_CHOSEN: list[int] = []
+"""The intra-op threads app_state.work.use_free_cores chose since the last _timed began."""
+
+
+def _record_threads() -> None:
+    """Record every choice of app_state.work.use_free_cores in _CHOSEN."""
+    from app_state import work
+
+    choose = work.use_free_cores
+
+    def recording() -> int:
+        _CHOSEN.append(choose())
+        return _CHOSEN[-1]
+
+    work.use_free_cores = recording
+
+
 def _timed(action: Callable[[], object]) -> float:
+    _CHOSEN.clear()
     start = time.perf_counter()
     _checked(action())
     return time.perf_counter() - start
@@ -99,71 +123,81 @@ def _forget() -> None:
     st.cache_data.clear()
 
 
-def scenarios(query: dict[str, str], pages_only: bool = False) -> dict[str, float]:
-    """One repeat of every AppTest scenario (seconds); ``pages_only``: the first page and every page's
-    first visit (on cuda) alone."""
+def scenarios(query: dict[str, str], pages_only: bool = False) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """One repeat of every AppTest scenario: ``({figure: seconds}, {figure: intra-op threads chosen})``;
+    ``pages_only``: the first page and every page's first visit (on cuda) alone."""
     out: dict[str, float] = {}
+    threads: dict[str, list[int]] = {}
+
+    def measure(name: str, *actions: Callable[[], object]) -> None:
+        """``name``: the slowest of ``actions``, each timed, and the threads chosen in any of them."""
+        chosen = set()
+        seconds = []
+        for action in actions:
+            seconds.append(_timed(action))
+            chosen |= set(_CHOSEN)
+        out[name], threads[name] = max(seconds), sorted(chosen)
+
     at = _app(query)
-    out["first_page_s"] = _timed(at.run)
+    measure("first_page_s", at.run)  # app_state not imported before: the time includes the app's imports
+    _record_threads()
     _forget()
     if pages_only:
-        return {**out, **(every_page(query) if query["device"] == "cuda" else {})}
+        return {**out, **(every_page(query) if query["device"] == "cuda" else {})}, threads
 
     at = _app({**query, "preset": "pace-4-8"})
     _checked(at.run())
     _checked(at.switch_page("pages/head_ranking.py").run())
-    out["cached_control_change_s"] = _timed(lambda: at.sidebar.select_slider(key="w_dp").set_value(9).run())
-    recal = [_timed(lambda: at.sidebar.select_slider(key="w_bits").set_value(3).run()),
-             _timed(lambda: at.sidebar.selectbox(key="w_axis").set_value("value").run())]
-    out["head_ranking_recalibration_s"] = max(recal)
+    measure("cached_control_change_s", lambda: at.sidebar.select_slider(key="w_dp").set_value(9).run())
+    measure("head_ranking_recalibration_s", lambda: at.sidebar.select_slider(key="w_bits").set_value(3).run(),
+            lambda: at.sidebar.selectbox(key="w_axis").set_value("value").run())
 
     at = _app({**query, "preset": "pace-4"})
     _checked(at.run())
-    out["drift_first_s"] = _timed(lambda: at.switch_page("pages/drift.py").run())
+    measure("drift_first_s", lambda: at.switch_page("pages/drift.py").run())
     if len(at.get("plotly_chart")) != 1:
         raise RuntimeError("Drift showed no chart")
-    out["drift_recompute_s"] = _timed(lambda: at.sidebar.select_slider(key="w_bits").set_value(3).run())
+    measure("drift_recompute_s", lambda: at.sidebar.select_slider(key="w_bits").set_value(3).run())
 
     at = _app({**query, "preset": "pace-4"})
     _checked(at.run())
     _checked(at.switch_page("pages/generations.py").run())
     _forget()
     at.slider(key="gen_tokens").set_value(64)
-    out["generations_first_s"] = _timed(
-        lambda: at.multiselect(key="gen_others").set_value(["rtn-int4", "rtn-int8", "pace-4-8"]).run())
-    out["generations_recompute_s"] = _timed(lambda: at.sidebar.select_slider(key="w_bits").set_value(3).run())
+    measure("generations_first_s",
+            lambda: at.multiselect(key="gen_others").set_value(["rtn-int4", "rtn-int8", "pace-4-8"]).run())
+    measure("generations_recompute_s", lambda: at.sidebar.select_slider(key="w_bits").set_value(3).run())
 
     at = _app({**query, "preset": "pace-4"})
     _checked(at.run())
     _checked(at.switch_page("pages/state_heatmaps.py").run())
     positions = at.select_slider(key="heat_pos").options
-    out["heatmap_position_s"] = _timed(
-        lambda: at.select_slider(key="heat_pos").set_value(int(positions[len(positions) // 2])).run())
+    measure("heatmap_position_s",
+            lambda: at.select_slider(key="heat_pos").set_value(int(positions[len(positions) // 2])).run())
     text = at.text_area(key="heat_text").value
-    out["heatmap_new_text_s"] = _timed(lambda: at.text_area(key="heat_text").set_value(text[:len(text) // 2]).run())
+    measure("heatmap_new_text_s", lambda: at.text_area(key="heat_text").set_value(text[:len(text) // 2]).run())
     _forget()
     if query["device"] == "cuda":
         out.update(every_page(query))
-    return out
+    return out, threads
 
 
-def compare_scenarios(query: dict[str, str]) -> dict[str, float]:
-    """One repeat of the Compare page's figures (seconds), from the stored comparison of the model."""
+def compare_scenarios(query: dict[str, str]) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """One repeat of the Compare page's figures (seconds), from the stored comparison of the model, and the
+    threads chosen (none: the page computes nothing)."""
     at = _app(query)
     _checked(at.run())
     out = {"compare_page_s": _timed(lambda: at.switch_page("pages/compare.py").run())}
     if not at.success:
         raise RuntimeError("the Compare page recommended nothing: no stored comparison of the model, or no budget fits")
     out["compare_budget_s"] = _timed(lambda: at.number_input(key="compare_bits").set_value(5.0).run())
-    return out
+    return out, {}
 
 
 def app_query(device: str, weights: str, model: str | None) -> dict[str, str]:
     """The URL query of the app on ``model`` (None: the embedded one) with these sidebar choices. A link opens
     only what the operator offers (app_state.controls), so this process and the servers it starts offer the
     model: a local folder through its parent as the models folder, a hub id by allowing hub ids."""
-    import os
-
     if not model:
         return {"device": device, "weights": weights}
     if Path(model).expanduser().is_dir():
@@ -240,8 +274,9 @@ def browser_first_page(query: dict[str, str]) -> float | None:
     return seconds
 
 
-def _one_process(args: argparse.Namespace) -> dict[str, float]:
-    """One repeat in a fresh Python process (a fresh server: the model is loaded again)."""
+def _one_process(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """One repeat in a fresh Python process (a fresh server: the model is loaded again): seconds and threads
+    chosen per figure."""
     cmd = [sys.executable, __file__, "--repeat-once", "--device", args.device, "--weights", args.weights,
            *(["--pages-only"] if args.pages_only else []), *(["--compare-only"] if args.compare_only else [])]
     if args.model:
@@ -249,7 +284,8 @@ def _one_process(args: argparse.Namespace) -> dict[str, float]:
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"a repeat failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    seconds, threads = json.loads(done.stdout.strip().splitlines()[-1])
+    return seconds, threads
 
 
 def provenance(args: argparse.Namespace) -> dict:
@@ -258,7 +294,12 @@ def provenance(args: argparse.Namespace) -> dict:
     return {**host_provenance(), "torch_threads": torch.get_num_threads(), "device": args.device, "weights": args.weights,
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
             "model": args.model or "embedded", "repeats": args.repeats, "pages_only": args.pages_only,
-            "compare_only": args.compare_only}
+            "compare_only": args.compare_only, "competing_busy_processes": args.busy}
+
+
+def _competitors(n: int) -> list[subprocess.Popen]:
+    """``n`` busy-loop processes, each keeping one core's worth busy until killed."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
 def main() -> None:
@@ -274,6 +315,8 @@ def main() -> None:
                              "to run every scenario in reasonable time")
     parser.add_argument("--compare-only", dest="compare_only", action="store_true",
                         help="only the Compare page's figures, into app_<device>_compare.json")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="competing busy-loop processes during the measurement (default 0: a quiet host)")
     parser.add_argument("--out", default=str(REPO_ROOT / "data" / "bench"))
     parser.add_argument("--repeat-once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -281,47 +324,81 @@ def main() -> None:
     if args.repeat_once:
         print(json.dumps(compare_scenarios(query) if args.compare_only else scenarios(query, args.pages_only)))
         return
-    targets = COMPARE_TARGETS_S if args.compare_only else TARGETS_S[args.device]
+    from pace_core.host import busy_cpus_of_others
+
+    targets = _targets(args)
+    busy_cpus_of_others()
+    time.sleep(1.2)  # a full sampling window (pace_core.host.SAMPLE_S)
+    host = {"busy_cpus_of_others_before": round(busy_cpus_of_others(), 2), "load_average_1min": []}
+    competitors = _competitors(args.busy)
     runs: list[dict[str, float]] = []
-    for _ in range(args.repeats):  # the table is saved after every repeat: a stopped run keeps what it measured
-        run = _one_process(args)
-        browser = args.device == "cpu" and not (args.pages_only or args.compare_only)
-        seconds = browser_first_page(query) if browser else None
-        if seconds is not None:
-            run["browser_first_page_s"] = seconds
-        runs.append(run)
-        print(json.dumps(run), flush=True)
-        path = _save(args, _rows(runs, targets))
-    rows = _rows(runs, targets)
-    print(f"{'figure':32} {'median s':>9} {'target s':>9}  met   runs")
+    threads: dict[str, set[int]] = {}
+    try:
+        for _ in range(args.repeats):  # the table is saved after every repeat: a stopped run keeps what it measured
+            load = os.getloadavg()[0]
+            run, chosen = _one_process(args)
+            browser = args.device == "cpu" and not (args.pages_only or args.compare_only)
+            seconds = browser_first_page(query) if browser else None
+            if seconds is not None:
+                run["browser_first_page_s"] = seconds
+            runs.append(run)
+            for name, counts in chosen.items():
+                threads.setdefault(name, set()).update(counts)
+            host["load_average_1min"].append([round(load, 2), round(os.getloadavg()[0], 2)])
+            print(json.dumps(run), flush=True)
+            path = _save(args, _rows(runs, targets, threads), host)
+    finally:
+        for proc in competitors:
+            proc.kill()
+    rows = _rows(runs, targets, threads)
+    print(f"{'figure':32} {'median s':>9} {'target s':>9}  met   threads  runs")
     for r in rows:
         print(f"{r['figure']:32} {r['median_s']:9.2f} {str(r['target_s'] or '-'):>9}  "
-              f"{'-' if r['met'] is None else ('yes' if r['met'] else 'NO'):4}  {r['runs_s']}")
+              f"{'-' if r['met'] is None else ('yes' if r['met'] else 'NO'):4}  {str(r['threads']):7}  {r['runs_s']}")
+    print(f"load average (1 min) at the start and end of each repeat: {host['load_average_1min']}")
     print(f"saved {path}")
 
 
-def _rows(runs: list[dict[str, float]], targets: dict[str, float]) -> list[dict]:
-    """One row per figure: the median over ``runs``, every run, the target and whether it is met."""
+def _path(args: argparse.Namespace, busy: bool) -> Path:
+    """``<out>/app_<device>[_<weights>][_compare][_busy].json`` (no weights suffix for float32)."""
+    return Path(args.out) / (f"app_{args.device}{'' if args.weights == 'float32' else '_' + args.weights}"
+                             f"{'_compare' if args.compare_only else ''}{'_busy' if busy else ''}.json")
+
+
+def _targets(args: argparse.Namespace) -> dict[str, float]:
+    """Issue 16's targets; with competing processes, 2x each quiet figure of the quiet file (where there is one)."""
+    if not args.busy:
+        return COMPARE_TARGETS_S if args.compare_only else TARGETS_S[args.device]
+    quiet = _path(args, busy=False)
+    if not quiet.is_file():
+        return {}
+    return {row["figure"]: round(2 * row["median_s"], 3) for row in json.loads(quiet.read_text())["figures"]}
+
+
+def _rows(runs: list[dict[str, float]], targets: dict[str, float], threads: dict[str, set[int]]) -> list[dict]:
+    """One row per figure: the median over ``runs``, every run, the target and whether it is met, and the
+    intra-op threads the app chose for its computations (empty: it computed nothing)."""
     rows = []
     for name in runs[0]:
         values = [r[name] for r in runs if name in r]
         median = statistics.median(values)
         target = targets.get(name)
         rows.append({"figure": name, "median_s": round(median, 3), "runs_s": [round(v, 3) for v in values],
-                     "target_s": target, "met": None if target is None else median <= target})
+                     "target_s": target, "met": None if target is None else median <= target,
+                     "threads": sorted(threads.get(name, ()))})
     return rows
 
 
-def _save(args: argparse.Namespace, rows: list[dict]) -> Path:
-    """Write ``<out>/app_<device>[_<weights>][_compare].json`` atomically (no weights suffix for float32); returns its
-    path."""
+def _save(args: argparse.Namespace, rows: list[dict], host: dict) -> Path:
+    """Write the table (:func:`_path`) atomically with its provenance and the host's load; returns its path."""
     from pace_core.results import atomic_write
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / (f"app_{args.device}{'' if args.weights == 'float32' else '_' + args.weights}"
-                  f"{'_compare' if args.compare_only else ''}.json")
-    doc = json.dumps({"kind": "app_responsiveness", "provenance": {**provenance(args), "repeats_done": len(rows[0]["runs_s"])},
+    path = _path(args, busy=bool(args.busy))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = json.dumps({"kind": "app_responsiveness",
+                      "provenance": {**provenance(args), "repeats_done": len(rows[0]["runs_s"]), **host,
+                                     "targets": "2x the quiet figures of " + _path(args, busy=False).name
+                                                if args.busy else "issue 16"},
                       "figures": rows}, indent=2)
     atomic_write(path, lambda p: Path(p).write_text(doc + "\n"))
     return path

@@ -116,6 +116,69 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def _edit_config(folder: Path, **fields) -> None:
+    import json
+
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _truncate_weights(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _resize_a_weight(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    name = sorted(k for k in tensors if k.endswith("in_proj_a.weight"))[0]
+    tensors[name] = torch.zeros(tensors[name].shape[0] + 1, tensors[name].shape[1])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _drop_a_weight(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[sorted(k for k in tensors if k.endswith("in_proj_a.weight"))[0]]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _delete_the_tokenizer(folder: Path) -> None:
+    for path in folder.glob("tokenizer*"):
+        path.unlink()
+
+
+BROKEN_CHECKPOINTS = {
+    "truncated weights": (_truncate_weights, "model.safetensors (Error while deserializing header"),
+    "a resized weight": (_resize_a_weight, "in_proj_a.weight is [5, 64] in the weights file, [4, 64] by the config"),
+    "a missing weight": (_drop_a_weight, "lacks weights its config.json needs (model.layers.0.linear_attn.in_proj_a"),
+    "short layer_types": (lambda f: _edit_config(f, layer_types=["linear_attention"] * 3),
+                          "layer_types has 3 entries for num_hidden_layers = 4"),
+    "no tokenizer": (_delete_the_tokenizer, "has no tokenizer"),
+    "10^7 layers": (lambda f: _edit_config(f, num_hidden_layers=10**7, layer_types=None),
+                    "num_hidden_layers = 10000000 is not allowed; allowed: an integer in 1..1,024"),
+    "head dims 2^40": (lambda f: _edit_config(f, linear_key_head_dim=2**40, linear_value_head_dim=2**40),
+                       "linear_key_head_dim = 1099511627776 is not allowed; allowed: an integer in 1..1,024"),
+}
+"""Ways a checkpoint breaks: what is done to a copy of the tiny qwen3_5_text checkpoint, and the part of the
+load's PaceError that names the problem."""
+
+
+@pytest.fixture(scope="session")
+def broken_checkpoints(tiny_checkpoints, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """name -> (a broken copy of the tiny qwen3_5_text checkpoint, the part of its PaceError naming the problem)."""
+    root = tmp_path_factory.mktemp("broken_checkpoints")
+    out = {}
+    for i, (name, (breaks, message)) in enumerate(BROKEN_CHECKPOINTS.items()):
+        folder = root / f"broken{i}"
+        shutil.copytree(tiny_checkpoints["qwen3_5_text"], folder)
+        breaks(folder)
+        out[name] = (folder, message)
+    return out
+
+
 THREADS_ENV = "PACE_TEST_THREADS"
 
 

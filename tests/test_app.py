@@ -17,6 +17,7 @@ from streamlit.testing.v1 import AppTest
 
 from app_state import compute, controls, exporting, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
+from conftest import BROKEN_CHECKPOINTS
 from numerics import fp32_bound, rel
 from pace_core.accounting import capacity, resident_bits, state_bytes
 from pace_core.analysis.structure import structure_stats
@@ -158,7 +159,7 @@ def test_weights_in_bfloat16_are_a_sidebar_choice_with_their_own_model_and_resul
 
 def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, monkeypatch):
     """A path or hub id that fails (offline, a hub id takes about 30 s to fail) is shown as failed on the
-    next changes and tried again only after LOAD_RETRY_S."""
+    next changes, tried again at once when its folder changes, and on "Try again"."""
     calls = []
     real = session._load_model
     monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
@@ -172,9 +173,47 @@ def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, mo
     (tmp_path / "nowhere").mkdir()  # the folder changed: tried at once (still not a checkpoint)
     at.sidebar.select_slider(key="w_bits").set_value(5).run()
     assert "Could not load model" in at.error[0].value and len(calls) == 2
-    monkeypatch.setattr(session, "LOAD_RETRY_S", 0)
+    (tmp_path / "nowhere" / "config.json").write_text("{")  # a file appears: tried again
     at.sidebar.select_slider(key="w_bits").set_value(6).run()
-    assert not at.exception and len(calls) == 3
+    assert "Could not load model" in at.error[0].value and len(calls) == 3
+    at.button(key="load_try_again").click().run()
+    assert not at.exception and len(calls) == 4
+
+
+def test_a_load_failure_of_any_kind_is_remembered(params, monkeypatch):
+    """Not only PaceErrors: whatever a load raises is shown and not retried on the next rerun."""
+    calls = []
+
+    def failing(source, where):
+        calls.append(source)
+        raise RuntimeError("the loader broke")
+
+    monkeypatch.setattr(session, "_load_model", failing)
+    at = AppTest.from_file(APP, default_timeout=180)
+    for key, value in params.items():
+        at.query_params[key] = value
+    at.switch_page("pages/state_heatmaps.py").run()
+    assert not at.exception and "RuntimeError: the loader broke" in at.error[0].value and len(calls) == 1
+    at.sidebar.select_slider(key="w_bits").set_value(3).run()
+    assert "RuntimeError: the loader broke" in at.error[0].value and len(calls) == 1
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_CHECKPOINTS))
+def test_a_broken_checkpoint_is_shown_once_and_not_loaded_again(broken_checkpoints, broken, monkeypatch):
+    """Every way a checkpoint breaks (tests/conftest.py) is one error naming the problem, whatever the exception
+    was; reruns and other pages show it without loading again (a 27B model would reload on every click)."""
+    folder, message = broken_checkpoints[broken]
+    calls = []
+    real = session._load_model
+    monkeypatch.setattr(session, "_load_model", lambda source, device: calls.append(source) or real(source, device))
+    monkeypatch.setenv(controls.MODELS_DIR_ENV, str(folder.parent))  # a link opens folders of the models folder
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.query_params["model"] = str(folder)
+    at.run()
+    assert not at.exception and [message in e.value for e in at.error] == [True] and len(calls) == 1
+    at.sidebar.select_slider(key="w_bits").set_value(3).run()
+    at.switch_page("pages/drift.py").run()
+    assert not at.exception and [message in e.value for e in at.error] == [True] and len(calls) == 1
 
 
 def test_out_of_memory_is_recognised():
@@ -1066,15 +1105,6 @@ def test_generations_default_prompt_gives_text_and_shows_seed_and_temperature(pa
                for c in at.caption)
 
 
-def test_pages_show_nothing_above_their_title(params):
-    """Streamlit's magic is off (.streamlit/config.toml): the strings that document a page's constants are not
-    printed above it."""
-    for page in (None, "memory", "benchmarks", "export"):
-        main = list(start(params, page=page).main)
-        title = next(i for i, e in enumerate(main) if type(e).__name__ == "Title")
-        assert not [e.value for e in main[:title] if type(e).__name__ == "Markdown"], page
-
-
 def test_head_ranking_says_how_to_enable_8_bit_heads_at_share_0(params):
     at = start(params, page="head_ranking", preset="pace-4")
     assert metric(at, "8-bit heads per layer").startswith("0 of")
@@ -1196,3 +1226,79 @@ def test_overview_shows_the_perplexity_run_over_the_most_tokens_first(params, lo
     assert [o.split(" · ")[:2] for o in box.options] == [["2026-12-01T00:00:00+00:00", "360,013 scored tokens"],
                                                          ["2026-12-05T00:00:00+00:00", "4,095 scored tokens"]]
     assert box.value == box.options[0]
+
+
+def test_a_drift_run_superseded_by_a_dp_change_leaves_nothing_behind(params):
+    """A dP change while Drift computes: streamlit (fast reruns) starts the new run in a new script thread at
+    once and stops the old one at its next progress update, so the two run at the same time on the one shared
+    model. Here session 1 computes; at its first progress update session 2 (the new run, dP 16) starts and
+    computes; session 1 is then stopped (StopException, as streamlit raises it) and unwinds while session 2 is
+    in the middle of its run. Session 2 finishes without an error (it failed with "Expected size for first two
+    dimensions of batch2 tensor to be: [8, 128] but got: [8, 0]"), and session 1 then computes with another dP."""
+    import threading
+
+    from streamlit.runtime.scriptrunner_utils.exceptions import StopException
+
+    from app_state import work
+
+    sessions = []
+    for dp in ("8", "16"):  # settings of their own (40 steps): nothing kept from other tests
+        at = start(params, preset="pace-4", dp=dp)
+        at.session_state["drift_prefill"], at.session_state["drift_steps"] = 24, 40
+        at.switch_page("pages/drift.py").run()
+        check(at)
+        sessions.append(at)
+    first, second = sessions
+    real, opened = work.progress, []
+    second_running, first_gone = threading.Event(), threading.Event()
+    superseding = threading.Thread(target=lambda: second.slider(key="drift_prefill").set_value(32).run())
+
+    @contextlib.contextmanager
+    def interleaved(total: int, text: str, key):
+        session = len(opened)
+        opened.append(key)
+        with real(total, text, key) as advance:
+            def step(n: int) -> None:
+                advance(n)
+                if session == 0:  # the superseded run: the new one starts, then this one is stopped
+                    superseding.start()
+                    assert second_running.wait(120)
+                    raise StopException()
+                second_running.set()  # the new run waits in its run until the old one has unwound
+                assert first_gone.wait(120)
+
+            try:
+                yield step
+            finally:
+                if session == 0:
+                    first_gone.set()
+
+    work.progress = interleaved
+    try:
+        first.slider(key="drift_prefill").set_value(32).run()
+        superseding.join(300)
+    finally:
+        work.progress = real
+    assert not superseding.is_alive() and len(opened) == 2
+    check(second)
+    assert array(chart(second, "drift_chart")["data"][0]["x"]).max() == 40
+    first.sidebar.select_slider(key="w_dp").set_value(4).run()  # dP 4 and 8 computed, dP 1 kept from session 2
+    check(first)
+    assert [t["name"] for t in chart(first, "drift_chart")["data"]][::2] == [
+        f"custom, 4-bit, dP {p}" for p in (1, 4, 8)]  # a setting changed: the configuration is custom
+
+
+def test_no_page_shows_its_docstrings(params):
+    """Streamlit's "magic" writes every bare string literal of a page script (a constant's docstring) into the
+    page; .streamlit/config.toml turns it off. Every page is visited and none of its bare strings is shown."""
+    import ast
+
+    at = start(params, preset="pace-4")
+    for path in sorted((REPO_ROOT / "pages").glob("*.py")):
+        literals = {node.value.value.strip() for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str)}
+        at.switch_page(f"pages/{path.name}").run()
+        check(at)
+        shown = {m.value.strip() for m in at.markdown}
+        assert literals and not literals & shown, (path.name, literals & shown)

@@ -140,3 +140,16 @@ def test_subprocess_entry_point():
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: config 'nope' is unknown")
     assert "Traceback" not in bad.stderr and bad.stdout == ""
+
+
+def test_a_broken_checkpoint_exits_2_with_an_error_line(capsys, broken_checkpoints, tmp_path):
+    """`card --model DIR` on every broken checkpoint: README's `error: ...` line last and exit code 2, no traceback;
+    one of them through the real entry point (10^7 layers: it hung in transformers' config)."""
+    for folder, message in broken_checkpoints.values():
+        rc, out, err = run(capsys, "card", "--model", str(folder), "--out", str(tmp_path), "--quiet")
+        last = err.strip().splitlines()[-1]  # after transformers' own loading bar and report
+        assert rc == 2 and last.startswith("error: ") and message in last and "Traceback" not in err, err
+    folder, message = broken_checkpoints["10^7 layers"]
+    done = subprocess.run([sys.executable, "-m", "pace_core", "card", "--model", str(folder), "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and message in done.stderr, done.stderr

@@ -8,13 +8,13 @@ import re
 
 import pytest
 import torch
-from conftest import HYBRID_TYPES, build_model
+from conftest import BROKEN_CHECKPOINTS, HYBRID_TYPES, build_model
 from numerics import assert_same_parameters, fp32_bound, rel
 
 from pace_core.errors import PaceError
 from pace_core.model import loading
 from pace_core.model.loading import load_config, load_model
-from pace_core.shapes import SUPPORTED_MODEL_TYPES
+from pace_core.shapes import PUBLISHED_CONFIGS, SUPPORTED_MODEL_TYPES, check_config_values
 
 pytestmark = pytest.mark.numerics
 
@@ -166,3 +166,23 @@ def test_out_of_memory_while_moving_to_the_device_is_not_a_missing_device(tiny_c
     monkeypatch.setattr(torch.nn.Module, "to", full)
     with pytest.raises(torch.OutOfMemoryError):
         load_model(tiny_checkpoints["qwen3_5_text"])
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_CHECKPOINTS))
+def test_every_broken_checkpoint_is_a_clear_error(broken_checkpoints, broken):
+    """A damaged or inconsistent checkpoint is a PaceError naming the file or field and what to do, before
+    anything is built from an absurd config value (10^7 layers made transformers' config take minutes)."""
+    folder, message = broken_checkpoints[broken]
+    with pytest.raises(PaceError) as err:
+        load_model(folder)
+    assert message in str(err.value) and "allowed:" in str(err.value)
+
+
+def test_config_values_are_checked_for_every_published_shape():
+    """No published configuration is refused by the bounds (each is 8x the largest published value)."""
+    for name, config in PUBLISHED_CONFIGS.items():
+        check_config_values(config, name)
+    with pytest.raises(PaceError, match=r"linear_num_value_heads = 513 is not allowed; allowed: an integer in 1\.\.512"):
+        check_config_values({**PUBLISHED_CONFIGS["qwen3.5-27b"], "linear_num_value_heads": 513}, "qwen3.5-27b")
+    with pytest.raises(PaceError, match="hidden_size = True is not allowed"):
+        check_config_values({"text_config": {"hidden_size": True}}, "composite")

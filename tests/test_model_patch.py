@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import sys
+import threading
 
+import pandas as pd
 import pytest
 import torch
 
@@ -214,14 +216,16 @@ def test_pace_context_restores_the_previous_config(loaded_models):
 def test_cache_of_another_config_and_bad_input_are_refused(loaded_models):
     model = loaded_models["qwen3_5_moe_text"].model
     ids = _prompt(5)
-    with pace(model, get_config("pace-4")):
-        with torch.no_grad():
-            cache = model(ids, use_cache=True).past_key_values
-        apply_pace(model, get_config("rtn-int4"))
+    with pace(model, get_config("pace-4")), torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    apply_pace(model, get_config("rtn-int4"))
+    try:
         with pytest.raises(PaceError, match="another configuration"), torch.no_grad():
             model(ids[:, :1], past_key_values=cache, use_cache=True)
-        with pytest.raises(PaceError, match="crop"):
-            cache.crop(-1)
+    finally:
+        remove_pace(model)
+    with pytest.raises(PaceError, match="crop"):
+        cache.crop(-1)
     with torch.no_grad():  # a cache filled without PACE holds a full-precision state PACE cannot take over
         plain = model(ids, use_cache=True).past_key_values
         with pace(model, get_config("pace-4")), pytest.raises(PaceError, match="without PACE"):
@@ -306,3 +310,106 @@ def test_each_layer_state_is_allocated_on_its_module_device(loaded_models, monke
         out = model(input_ids=_prompt(0, batch=1), use_cache=True)
     store = get_state_store(out.past_key_values)
     assert {store.layer(i).device for i in store.layers} == {torch.device("cpu")}
+
+
+class _Interrupt(BaseException):
+    """What streamlit raises inside a script it stops or reruns (its StopException and RerunException are
+    not Exceptions either): here from a progress callback, i.e. inside a GDN core call or between steps."""
+
+
+def _model_is_unpatched(model) -> bool:
+    """No configuration in effect, no wrapped GDN forward, transformers' own core functions."""
+    modeling = sys.modules[type(gdn_modules(model)[0][1]).__module__]
+    originals = {name: getattr(modeling, name).__module__ for name in CORE_FUNCTIONS}
+    return (current_config(model) is None and all("forward" not in m.__dict__ for _, m in gdn_modules(model))
+            and set(originals.values()) == {modeling.__name__})
+
+
+def _drift(loaded, progress):
+    from pace_core.analysis.drift import drift
+
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(11))
+    return drift(loaded, {"pace-4": get_config("pace-4"), "rtn-int4": get_config("rtn-int4")}, ids, 16, every=4,
+                 progress=progress).table
+
+
+def _generation(loaded, progress):
+    from pace_core.analysis.generation import generate_side_by_side
+
+    return generate_side_by_side(loaded, {"pace-4": get_config("pace-4"), "rtn-int4": get_config("rtn-int4")},
+                                 "The state of", max_new_tokens=8, modes=("greedy", "sampled"), progress=progress)
+
+
+def _quality(loaded, progress):
+    from pace_core.analysis.quality import evaluate_quality
+
+    ids = torch.randint(3, 100, (1, 48), generator=torch.Generator().manual_seed(12))
+    return evaluate_quality(loaded, {"pace-4": get_config("pace-4")}, ids, window=32, stride=16, progress=progress)
+
+
+@pytest.mark.parametrize("run", [_drift, _generation, _quality], ids=lambda f: f.__name__.strip("_"))
+def test_an_interrupted_run_leaves_the_model_as_it_was(loaded_models, run):
+    """A run stopped by a BaseException from its progress callback (at the first unit, inside the prompt's
+    forward, and at the seventh, later in the run) leaves the shared model unpatched, and the next run on the
+    same LoadedModel gives the fresh run's result: the same code on the same inputs, bit for bit."""
+    loaded = loaded_models["qwen3_5_text"]
+    fresh = run(loaded, None)
+    for after in (1, 7):
+        done = []
+
+        def progress(n: int, done=done, after=after) -> None:
+            done.append(n)
+            if len(done) == after:
+                raise _Interrupt
+
+        with pytest.raises(_Interrupt):
+            run(loaded, progress)
+        assert _model_is_unpatched(loaded.model)
+        pd.testing.assert_frame_equal(run(loaded, None), fresh)
+
+
+def test_a_run_superseded_in_another_thread_keeps_its_configuration(loaded_models):
+    """Streamlit's fast reruns start the new run in a new thread while the run it supersedes goes on until its
+    next progress update, where it is stopped. Run A holds the model in its scope, run B starts, A is stopped
+    and unwinds while B is in the middle of its run: B sees only its own configuration (before the scopes, A's
+    exit unpatched the model under B, and B failed with "Expected size ... [8, 128] but got: [8, 0]") and gives
+    the result of B alone, bit for bit; afterwards the model is unpatched."""
+    from pace_core.analysis.drift import drift
+
+    loaded = loaded_models["qwen3_5_text"]
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(13))
+    configs_a, configs_b = {"a": get_config("pace-4")}, {"b": get_config("pace-4").replace(decode_period=16)}
+    alone = drift(loaded, configs_b, ids, 16, every=4).table
+    b_running, a_gone, outcome = threading.Event(), threading.Event(), {}
+
+    def progress_a(n: int) -> None:
+        assert b_running.wait(60)
+        raise _Interrupt
+
+    def progress_b(n: int) -> None:
+        b_running.set()
+        assert a_gone.wait(60)
+
+    def run_a() -> None:
+        try:
+            drift(loaded, configs_a, ids, 16, every=4, progress=progress_a)
+        except _Interrupt:
+            outcome["a"] = "stopped"
+        finally:
+            a_gone.set()
+
+    def run_b() -> None:
+        try:
+            outcome["b"] = drift(loaded, configs_b, ids, 16, every=4, progress=progress_b).table
+        except Exception as err:  # reported by the assertion below
+            outcome["b"] = err
+
+    threads = [threading.Thread(target=run_a), threading.Thread(target=run_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert outcome["a"] == "stopped"
+    assert isinstance(outcome["b"], pd.DataFrame), outcome["b"]
+    pd.testing.assert_frame_equal(outcome["b"], alone)
+    assert _model_is_unpatched(loaded.model)

@@ -22,7 +22,8 @@ from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model import DEFAULT_MODEL_DIR
 from pace_core.results import REPO_ROOT
-from pace_core.shapes import GDN_LAYER_TYPE, SUPPORTED_MODEL_TYPES, ModelShape, shape_from_hf_config
+from pace_core.shapes import (GDN_LAYER_TYPE, SUPPORTED_MODEL_TYPES, ModelShape, check_config_values,
+                              shape_from_hf_config)
 
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -177,18 +178,89 @@ def load_config(source: str | os.PathLike | None = None) -> tuple[str, Pretraine
     source or a model without GDN layers.
     """
     resolved = _resolve_source(source)
-    try:
-        config = AutoConfig.from_pretrained(resolved, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as err:
+    try:  # the file's values first: transformers builds lists per layer from them
+        values, _ = PretrainedConfig.get_config_dict(resolved)
+    except Exception as err:  # OSError (missing, offline), invalid JSON, ...: all the same to the user
         raise PaceError(
-            f"source: could not load a transformers config from {resolved!r} ({err}); "
+            f"source: could not read a transformers config from {resolved!r} ({err}); "
             "allowed: a local checkpoint directory with config.json or a reachable hub id"
         ) from err
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise _not_hybrid(resolved, f"model type {config.model_type!r}")
+    if values.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise _not_hybrid(resolved, f"model type {values.get('model_type')!r}")
+    check_config_values(values, f"config.json of {resolved!r}")
+    try:
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=False)
+    except Exception as err:  # transformers' own validation (ValueError, huggingface_hub's errors)
+        raise PaceError(
+            f"source: the config.json of {resolved!r} is not valid ({err}); allowed: the checkpoint's original "
+            "config.json"
+        ) from err
     if not gdn_layer_indices(config):
         raise _not_hybrid(resolved, f"model type {config.model_type!r} but no {GDN_LAYER_TYPE} layers")
     return resolved, config
+
+
+def _unreadable_weights(folder: str) -> list[str]:
+    """``name (why)`` of every safetensors file of a local ``folder`` whose header cannot be read."""
+    from safetensors import safe_open
+
+    found = []
+    for path in sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []:
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except Exception as err:  # safetensors raises its own SafetensorError, or OSError
+            found.append(f"{path.name} ({err})")
+    return found
+
+
+def _weights_error(resolved: str, err: Exception) -> PaceError:
+    """The PaceError of a failed ``from_pretrained`` of ``resolved``, naming the damaged file when there is one."""
+    damaged = _unreadable_weights(resolved)
+    if damaged:
+        return PaceError(f"source: a weights file of {resolved!r} cannot be read, it is damaged or incomplete: "
+                         f"{'; '.join(damaged)}; allowed: a complete copy of the checkpoint (copy or download it again)")
+    if isinstance(err, OSError):  # a hub id offline, a folder without weights
+        return PaceError(f"source: could not load the weights from {resolved!r} ({err}); allowed: a local "
+                         "checkpoint directory with config.json and its weights, or a reachable hub id")
+    return PaceError(f"source: could not load the model from {resolved!r} ({type(err).__name__}: {err}); allowed: "
+                     "the config.json and weights of one checkpoint of a supported model")
+
+
+def _refuse_incomplete(resolved: str, info: dict) -> None:
+    """PaceError when a weight of ``resolved`` has another size than its config gives, or one is missing (it
+    would be random): ``info`` is ``from_pretrained``'s loading info."""
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        key, stored, expected = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise PaceError(f"source: the weights of {resolved!r} do not fit its config.json: {key} is "
+                        f"{list(stored)} in the weights file, {list(expected)} by the config{more}; allowed: the "
+                        "config.json and the weights of one checkpoint")
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise PaceError(f"source: {resolved!r} lacks weights its config.json needs ({', '.join(missing[:3])}{more}); "
+                        "they would be random; allowed: a complete checkpoint (copy or download it again)")
+
+
+TOKENIZER_PROBE = "The state"
+"""A text every tokenizer of a language model turns into tokens (a checkpoint without tokenizer files gives none)."""
+
+
+def _load_tokenizer(resolved: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``resolved``; PaceError when it cannot be read or turns text into no tokens."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=False)
+    except Exception as err:
+        raise PaceError(f"source: the tokenizer of {resolved!r} cannot be read ({type(err).__name__}: {err}); "
+                        "allowed: a checkpoint with the tokenizer files of its release (e.g. tokenizer.json and "
+                        "tokenizer_config.json)") from err
+    if not tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]:
+        raise PaceError(f"source: {resolved!r} has no tokenizer (it turns text into no tokens: its tokenizer files, "
+                        "e.g. tokenizer.json and tokenizer_config.json, are missing); allowed: a checkpoint with the "
+                        "tokenizer files of its release (copy them into the folder)")
+    return tokenizer
 
 
 FINGERPRINT_VALUES = 64
@@ -234,10 +306,14 @@ def load_model(
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolved, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=False)
-    except (OSError, ValueError) as err:
-        raise PaceError(f"source: could not load the model or tokenizer from {resolved!r} ({err})") from err
+        model, info = AutoModelForCausalLM.from_pretrained(resolved, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **kwargs)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise  # too large for this host or device: not a broken checkpoint
+    except Exception as err:
+        raise _weights_error(resolved, err) from err
+    _refuse_incomplete(resolved, info)
+    tokenizer = _load_tokenizer(resolved)
     if target is not None:
         try:
             model = model.to(target)

@@ -28,6 +28,13 @@ transformers computes them) of a model's GDN layers, PACE applied or not, and th
 the layer-local sweep and the calibration record their inputs this way. PACE and taps share the one
 wrapper and the one dispatcher; both are removed once neither is in use.
 
+Scopes: :func:`apply_pace` sets the model's own configuration (every forward, every thread). The ``with``
+blocks :func:`pace`, :func:`stacked` and :func:`tapped` set theirs for the code that runs inside them only
+(a ``contextvars`` scope: this thread), over the model's own, and leave nothing on the model when they
+end, whatever ends them (``BaseException`` included). So runs of one shared model in several threads (a
+dashboard's sessions; a rerun that starts while the run it supersedes is still unwinding) never see each
+other's configuration, and an interrupted run leaves the model as it was.
+
 Limits: the store follows a cache through ``reorder_cache`` (beam search) and ``reset``;
 ``crop`` / batch reshaping of a PACE cache (assisted decoding, contrastive search) are not
 supported and raise. With left padding the P-token segments are counted over the padded positions.
@@ -41,6 +48,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 
@@ -61,7 +69,7 @@ _STORE_ATTR = "_pace_state_store"
 _STORE_CONFIG_ATTR = "_pace_state_config"
 _CONFIG_ATTR = "_pace_config"
 _SHAPE_ATTR = "_pace_shape"
-_TAPS_ATTR = "_pace_taps"
+_SCOPES_ATTR = "_pace_open_scopes"
 _ORIGINAL_ATTR = "_pace_original_forward"
 _CACHE_ARG_NAMES = ("cache_params", "cache", "past_key_values")
 
@@ -87,6 +95,61 @@ constant (:mod:`pace_core.model.state_op`)."""
 
 # modeling module name -> (original functions by name, number of wrapped GDN modules using it)
 _DISPATCH: dict[str, tuple[dict[str, object], int]] = {}
+_LOCK = threading.RLock()
+"""Guards the wrapping and unwrapping of GDN modules, :data:`_DISPATCH` and the count of open scopes."""
+
+_OWN = object()
+"""A scope's configuration when it keeps the model's own (:func:`tapped`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """What a ``with`` block sets on one model for the code inside it: the configuration (a PaceConfig, a
+    :class:`StackKey`, None for transformers' own path, or :data:`_OWN`: the model's own) and the taps."""
+
+    config: object = _OWN
+    taps: tuple[Tap, ...] = ()
+
+
+_SCOPES: contextvars.ContextVar[dict[int, _Scope]] = contextvars.ContextVar("pace_scopes", default={})
+"""The open scopes of this context by ``id(model)`` (a new dict for every change: contexts never share one)."""
+_TRACE_SCOPES: dict[int, _Scope] = {}
+"""The scopes as the last :func:`_scoped` left them, read while ``torch.compile`` traces (dynamo cannot trace a
+ContextVar; it guards on what it reads here): compiling one model in several threads at once is not supported."""
+
+
+def _settings(model: nn.Module) -> tuple[object, tuple[Tap, ...]]:
+    """``(configuration, taps)`` the forwards of ``model`` run with in this context."""
+    scopes = _TRACE_SCOPES if torch.compiler.is_compiling() else _SCOPES.get()
+    scope = scopes.get(id(model), _Scope())
+    if scope.config is _OWN:
+        return model.__dict__.get(_CONFIG_ATTR), scope.taps
+    return scope.config, scope.taps
+
+
+@contextlib.contextmanager
+def _scoped(model: nn.Module, **change) -> Iterator[None]:
+    """Run the block with this context's scope of ``model`` changed by ``change`` (fields of :class:`_Scope`);
+    the previous scope comes back, and the layers are unwrapped once nothing uses them, on any exit."""
+    scopes = _SCOPES.get()
+    scope = dataclasses.replace(scopes.get(id(model), _Scope()), **change)
+    with _LOCK:
+        _hook(model)
+        model.__dict__[_SCOPES_ATTR] = model.__dict__.get(_SCOPES_ATTR, 0) + 1
+        traced = _TRACE_SCOPES.get(id(model))
+        _TRACE_SCOPES[id(model)] = scope
+    token = _SCOPES.set({**scopes, id(model): scope})
+    try:
+        yield
+    finally:
+        _SCOPES.reset(token)
+        with _LOCK:
+            model.__dict__[_SCOPES_ATTR] -= 1
+            if traced is None or not model.__dict__[_SCOPES_ATTR]:  # none left open: none to trace
+                _TRACE_SCOPES.pop(id(model), None)
+            else:
+                _TRACE_SCOPES[id(model)] = traced
+            _unhook_if_idle(model)
 
 
 def is_reference(cfg: PaceConfig) -> bool:
@@ -195,8 +258,7 @@ def _wrap_forward(model: nn.Module, module: nn.Module, original) -> None:
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        cfg: PaceConfig | None = model.__dict__.get(_CONFIG_ATTR)
-        taps = tuple(model.__dict__.get(_TAPS_ATTR, ()))
+        cfg, taps = _settings(model)
         store = None
         if cfg is not None:
             bound = signature.bind_partial(*args, **kwargs).arguments
@@ -321,7 +383,7 @@ def _wrapped(model: nn.Module) -> bool:
 
 
 def _hook(model: nn.Module) -> None:
-    """Wrap the GDN forwards and install the dispatcher (once per model)."""
+    """Wrap the GDN forwards and install the dispatcher (once per model; under :data:`_LOCK`)."""
     if _wrapped(model):
         return
     for _, module in gdn_modules(model):
@@ -330,8 +392,9 @@ def _hook(model: nn.Module) -> None:
 
 
 def _unhook_if_idle(model: nn.Module) -> None:
-    """Restore the original GDN layers once neither PACE nor a tap uses them."""
-    if model.__dict__.get(_CONFIG_ATTR) is not None or model.__dict__.get(_TAPS_ATTR):
+    """Restore the original GDN layers once neither the model's own configuration nor an open scope uses them
+    (under :data:`_LOCK`)."""
+    if model.__dict__.get(_CONFIG_ATTR) is not None or model.__dict__.get(_SCOPES_ATTR):
         return
     for _, module in gdn_modules(model):
         if _ORIGINAL_ATTR in module.__dict__:
@@ -346,32 +409,50 @@ def _modules_or_refuse(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return modules
 
 
-def apply_pace(model: nn.Module, cfg: PaceConfig) -> None:
-    """Run ``model``'s GDN layers with PACE configuration ``cfg`` (idempotent; a new ``cfg``
-    replaces the previous one). The reference (:func:`is_reference`) restores transformers' own
-    path. A configuration that needs what is calibrated on the model (:attr:`PaceConfig.needs_calibration`)
-    is refused. A cache keeps the configuration it was filled with: caches from before a change are refused."""
+def _checked(model: nn.Module, cfg: PaceConfig) -> PaceConfig | None:
+    """``cfg`` checked for ``model`` (see :func:`apply_pace`); None for transformers' own path
+    (:func:`is_reference`)."""
     if not isinstance(cfg, PaceConfig):
         raise PaceError(f"cfg: {type(cfg).__name__} not allowed; allowed: a PaceConfig")
     _modules_or_refuse(model)
-    if _SHAPE_ATTR not in model.__dict__:
-        model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
-    cfg.validate_for(model.__dict__[_SHAPE_ATTR])
+    cfg.validate_for(_shape(model))
     if is_reference(cfg):
-        remove_pace(model)
-        return
+        return None
     if cfg.needs_calibration:
         raise PaceError(f"configuration {cfg.name!r} is not calibrated on this model (8-bit heads or "
                         f"{cfg.method}'s per-layer tensors); allowed: a configuration calibrated on it "
                         "(pace_core.analysis.calibration.calibrate, or an exported file)")
-    model.__dict__[_CONFIG_ATTR] = cfg
-    _hook(model)
+    return cfg
+
+
+def _shape(model: nn.Module) -> ModelShape:
+    """The model's state geometry (read from its config once)."""
+    if _SHAPE_ATTR not in model.__dict__:
+        model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
+    return model.__dict__[_SHAPE_ATTR]
+
+
+def apply_pace(model: nn.Module, cfg: PaceConfig) -> None:
+    """Run ``model``'s GDN layers with PACE configuration ``cfg`` (idempotent; a new ``cfg``
+    replaces the previous one): the model's own configuration, for every forward outside a :func:`pace` or
+    :func:`stacked` block. The reference (:func:`is_reference`) restores transformers' own
+    path. A configuration that needs what is calibrated on the model (:attr:`PaceConfig.needs_calibration`)
+    is refused. A cache keeps the configuration it was filled with: caches from before a change are refused."""
+    checked = _checked(model, cfg)
+    if checked is None:
+        remove_pace(model)
+        return
+    with _LOCK:
+        model.__dict__[_CONFIG_ATTR] = checked
+        _hook(model)
 
 
 def remove_pace(model: nn.Module) -> None:
-    """Restore ``model``'s original GDN layers (no-op when PACE is not applied; active taps stay)."""
-    model.__dict__.pop(_CONFIG_ATTR, None)
-    _unhook_if_idle(model)
+    """Remove ``model``'s own configuration, restoring its original GDN layers unless a scope is open
+    (no-op when PACE is not applied)."""
+    with _LOCK:
+        model.__dict__.pop(_CONFIG_ATTR, None)
+        _unhook_if_idle(model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,13 +469,11 @@ def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *, device: t
     """Run several configurations in one batch inside the block: yields ``(cache, stack)``, a fresh
     transformers cache whose forwards give rows ``[i·rows, (i+1)·rows)`` to ``configs[i]`` (a
     :class:`~pace_core.state_store.StoreStack`). Feed the
-    cache to the model's forwards; the model's previous PACE configuration comes back afterwards."""
+    cache to the model's forwards inside the block (this context's scope: module docstring)."""
     from transformers import DynamicCache
 
     modules = _modules_or_refuse(model)
-    if _SHAPE_ATTR not in model.__dict__:
-        model.__dict__[_SHAPE_ATTR] = shape_from_hf_config(model.config)
-    shape: ModelShape = model.__dict__[_SHAPE_ATTR]
+    shape = _shape(model)
     devices = layer_devices(modules, device if device is not None else next(model.parameters()).device)
     layers = [i for i, _ in modules]
     stores = [StateStore(cfg, shape, rows, devices, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v,
@@ -405,51 +484,29 @@ def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *, device: t
     setattr(cache, _STORE_ATTR, stack)
     setattr(cache, _STORE_CONFIG_ATTR, key)
     state_op.register(stack)
-    previous = model.__dict__.get(_CONFIG_ATTR)
-    model.__dict__[_CONFIG_ATTR] = key
-    _hook(model)
-    try:
+    with _scoped(model, config=key):
         yield cache, stack
-    finally:
-        model.__dict__.pop(_CONFIG_ATTR, None)
-        if previous is None:
-            remove_pace(model)
-        else:
-            apply_pace(model, previous)
 
 
 @contextlib.contextmanager
 def tapped(model: nn.Module, tap: Tap) -> Iterator[nn.Module]:
-    """Call ``tap`` (:data:`Tap`) with every core call of ``model``'s GDN layers inside the block, with
-    or without PACE; the calls then run as they would without the tap."""
+    """Call ``tap`` (:data:`Tap`) with every core call of ``model``'s GDN layers inside the block (this
+    context's scope), with or without PACE; the calls then run as they would without the tap."""
     _modules_or_refuse(model)
-    taps = model.__dict__.setdefault(_TAPS_ATTR, [])
-    taps.append(tap)
-    _hook(model)
-    try:
+    with _scoped(model, taps=_SCOPES.get().get(id(model), _Scope()).taps + (tap,)):
         yield model
-    finally:
-        taps.remove(tap)
-        if not taps:
-            del model.__dict__[_TAPS_ATTR]
-        _unhook_if_idle(model)
 
 
 def current_config(model: nn.Module) -> PaceConfig | None:
-    """The PACE configuration applied to ``model`` (None: transformers' own fp32 path)."""
-    return model.__dict__.get(_CONFIG_ATTR)
+    """The PACE configuration ``model``'s forwards run with here (inside a :func:`pace` block its
+    configuration, else the model's own; None: transformers' own fp32 path)."""
+    cfg = _settings(model)[0]
+    return cfg if isinstance(cfg, PaceConfig) else None
 
 
 @contextlib.contextmanager
 def pace(model: nn.Module, cfg: PaceConfig) -> Iterator[nn.Module]:
-    """Apply ``cfg`` (see :func:`apply_pace`) for the ``with`` block, then restore the
-    configuration that was there before."""
-    previous = current_config(model)
-    apply_pace(model, cfg)
-    try:
+    """Run ``model``'s forwards inside the block with ``cfg`` (checked as :func:`apply_pace` does), in this
+    context's scope only (module docstring): the model's own configuration is untouched."""
+    with _scoped(model, config=_checked(model, cfg)):
         yield model
-    finally:
-        if previous is None:
-            remove_pace(model)
-        else:
-            apply_pace(model, previous)
