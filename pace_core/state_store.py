@@ -65,7 +65,7 @@ class LayerState:
         self.shape = (batch, num_k_heads, num_v_heads, d_k, d_v)
         bits = cfg.head_bits(gdn_index, num_v_heads) if cfg.quantized else (cfg.bits,) * num_v_heads
         layer = None if cfg.calibrated is None else cfg.calibrated.layers[gdn_index]
-        self.fmt = state_format(cfg, bits, layer, name)
+        self.fmt = state_format(cfg, bits, layer, name, gdn_index)
         self._allocate(torch.device(device))
 
     def _allocate(self, device: torch.device) -> None:

@@ -18,7 +18,9 @@ arithmetic is therefore the reference's (or the kernels', by the backend setting
 batch, only the batch composition differs.
 
 Only the methods ``none``, ``rtn`` and ``pace`` are laid out here (DSQ and DAMP keep per-model
-calibration the engines do not carry).
+calibration the engines do not carry), without stochastic rounding (whose generator a per-step layer state would
+start again every step); static scales keep their calibrated ranges once per layer, beside the pool, as the head
+map.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class SlotLayout:
         if cfg.method not in SLOT_METHODS:
             raise PaceError(f"method {cfg.method!r} ({cfg.name}) cannot be served from a state pool; allowed: "
                             f"{', '.join(SLOT_METHODS)}")
+        if cfg.rounding == "stochastic":  # the pool makes a layer state per step: its generator would start again
+            raise PaceError(f"rounding='stochastic' ({cfg.name}) cannot be served from a state pool: its generator "
+                            "belongs to one layer state, which the pool makes anew for every step (each step would draw "
+                            "the same numbers); allowed: rounding='nearest'")
         self.cfg, self.gdn_index = cfg, gdn_index
         self.dims = (num_k_heads, num_v_heads, d_k, d_v)
         one = self.state(1, torch.device("cpu")).state
