@@ -72,7 +72,8 @@ ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SCALES: tuple[str, ...] = ("dynamic", "static")
 MAX_ROUNDING_SEED = 2**16 - 1
 """Seeds 0..65535: a layer's generator is seeded with ``seed · 2^16 + GDN layer`` (torch's CPU generator keeps 32 bits)."""
-MAX_STATIC_MARGIN = 16.0
+STATIC_MARGINS = (0.25, 16.0)
+"""The static scales' margins allowed: a factor on the calibrated ranges (below 1 it clips them)."""
 REFERENCE_DTYPES: dict[str, int] = {"float32": 32, "bfloat16": 16}
 """Reference dtype -> its bits (the ``bits`` of a method ``none`` config)."""
 SCALE_DTYPES: tuple[str, ...] = ("float16",)
@@ -140,7 +141,7 @@ class PaceConfig:
       those in its ``composes``, :mod:`pace_core.methods.groups`): ``rounding`` (``nearest``: half to even;
       ``stochastic``: ``floor(x/s + u)``) with ``rounding_seed`` (0..65535); ``key_hadamard`` (store ``Q(H S)``,
       H the Sylvester Hadamard along the key axis); ``scales`` (``dynamic``: each checkpoint's own; ``static``:
-      calibrated once per layer) with ``static_margin`` (the calibrated ranges' widening, 1..16).
+      calibrated once per layer) with ``static_margin`` (the calibrated ranges' factor, 0.25..16: below 1 it clips them).
     - ``buffer_key_group``, ``buffer_value_group`` **[ours]**: entries per fp16 scale along each buffered
       key / value vector of an integer buffer part (0: one scale per vector); ``buffer_key_symmetric``,
       ``buffer_value_symmetric``: False gives each group an integer zero point. Float parts ignore them.
@@ -310,9 +311,10 @@ class PaceConfig:
                    f"integers 0..{MAX_ROUNDING_SEED}")
         _check_choice("key_hadamard", self.key_hadamard, (True, False))
         _check_choice("scales", self.scales, SCALES)
-        if not isinstance(self.static_margin, float) or not 1.0 <= self.static_margin <= MAX_STATIC_MARGIN:
+        low, high = STATIC_MARGINS
+        if not isinstance(self.static_margin, float) or not low <= self.static_margin <= high:
             raise PaceError(f"static_margin={self.static_margin!r} is not allowed; allowed: a number in "
-                            f"[1, {MAX_STATIC_MARGIN:g}] (the calibrated ranges' widening)")
+                            f"[{low:g}, {high:g}] (a factor on the calibrated ranges)")
         method = method_of(self)
         for name in self.combined:
             if name not in method.composes:
@@ -547,9 +549,10 @@ SETTINGS: tuple[Setting, ...] = (
                  "calibrated range (times the margin) saturate. RTN and PACE.",
             cli="--scales", cli_help="dynamic (per checkpoint) or static (calibrated per layer) scales"),
     Setting("static_margin", schema=6, before=STATIC_MARGIN, url="mg", label="Static scales' margin",
-            options=(1.0, 1.1, 1.25, 1.5, 2.0), fmt=lambda m: f"{m:g}×", read_if=lambda cfg: cfg.scales != "dynamic",
-            help="Our choice: the calibrated ranges are widened by this factor before the static scales are taken "
-                 "from them (1.25 by default): a wider margin saturates less and rounds coarser."),
+            options=(0.5, 0.625, 0.75, 1.0, 1.25), fmt=lambda m: f"{m:g}×", read_if=lambda cfg: cfg.scales != "dynamic",
+            help="Our choice: the factor on the calibrated ranges the static scales are taken from. Below 1 it clips "
+                 "the calibration's rare extremes: a smaller margin rounds finer and saturates more. 0.625 by default, "
+                 "measured best on held-out text (KL 6.6e-4 on the embedded model; 1.0: 1.3e-3)."),
     Setting("high_share", url="hi", label="Share of 8-bit heads", options=(0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0),
             fmt=_share, read_if=lambda cfg: cfg.high_share > 0,
             help="PACE-4/8 (spec §4): in each layer this share of value heads, those with the largest retained error "

@@ -142,7 +142,7 @@ def test_combinations_only_for_the_methods_that_take_them():
     for changes, field, allowed in [(dict(rounding="dithered"), "rounding", "'nearest', 'stochastic'"),
                                     (dict(rounding_seed=2**16), "rounding_seed", "0..65535"),
                                     (dict(scales="fixed"), "scales", "'dynamic', 'static'"),
-                                    (dict(static_margin=0.5), "static_margin", "[1, 16]"),
+                                    (dict(static_margin=0.2), "static_margin", "[0.25, 16]"),
                                     (dict(key_hadamard=1), "key_hadamard", "True, False")]:
         with pytest.raises(PaceError, match=f"^{field}=.*allowed: .*{allowed}"):
             get_config("pace-4").replace(**changes)
@@ -242,7 +242,7 @@ def test_json_document_is_shaped_like_a_kv_cache_scheme():
                          "exact_current_token": True, "buffer_key_group": 16, "buffer_value_group": 0,
                          "buffer_key_symmetric": False, "buffer_value_symmetric": True, "calibrated": None,
                          "rounding": "nearest", "rounding_seed": 0, "key_hadamard": False, "scales": "dynamic",
-                         "static_margin": 1.25,
+                         "static_margin": 0.625,
                          **{SETTING_OF[name].json: st.default for name, st in METHOD_SETTINGS.items()}}
     assert d["provenance"] == {"calibration": "wikitext2-valid.txt"}
     assert json.loads(json.dumps(d)) == d
@@ -284,7 +284,7 @@ def configs(draw) -> PaceConfig:
         rounding_seed=draw(st.integers(0, 2**16 - 1)),
         key_hadamard=draw(st.booleans()) if method in ("rtn", "pace", "dsq") else False,
         scales=draw(st.sampled_from(["dynamic", "static"])) if method in ("rtn", "pace") else "dynamic",
-        static_margin=draw(st.floats(1, 16, allow_nan=False)))
+        static_margin=draw(st.floats(0.25, 16, allow_nan=False)))
 
 
 @settings(max_examples=150, deadline=None)

@@ -337,3 +337,27 @@ def test_stochastic_rounding_of_dsq_and_damp_codes():
     s = t.rest.scale.double().repeat_interleave(32, -1)  # value-axis groups of 32
     assert _sides(unpack_codes(t.rest.codes, 4, 32).double() - 8, rest / s, 7)
     assert torch.equal(quantizer.quantize_with_values(x, generator=gen(1))[0].rest.codes, t.rest.codes)
+
+
+def test_dsq_of_the_key_rotated_state():
+    """DSQ with ``key_hadamard`` (pace_core.methods.dsq) stores DSQ of ``fl32(H S)`` (H along the key axis) and loads
+    ``Hᵀ`` of its values: against the numpy DSQ reference on the rotated state, written with a Kronecker Hadamard,
+    to one float32 rounding of the loaded value, DSQ's float32 rounding of each ``q · r · c`` carried through ``Hᵀ``
+    (2^-24 of the terms' magnitudes) and the float64 sums' order (K · 2^-53 of them)."""
+    from pace_core.checkpoint import state_format
+    from pace_core.config import get_config
+
+    k = 16
+    x = _state((2, 3, k, 32), seed=7)
+    h = np.ones((1, 1))
+    while h.shape[0] < k:
+        h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+    h = h / np.sqrt(k)
+    y = np.einsum("ij,bhjv->bhiv", h, x.double().numpy()).astype(np.float32)
+    deq = ref_dsq(y, 4)[3]
+    want = np.einsum("ji,bhjv->bhiv", h, deq)
+    terms = np.einsum("ji,bhjv->bhiv", np.abs(h), np.abs(deq))
+    fmt = state_format(get_config("qmamba-dsq").replace(key_hadamard=True), (4,) * 3)
+    c, values = fmt.store_loaded(x)
+    assert torch.equal(values, fmt.load(c))
+    assert np.all(np.abs(values.double().numpy() - want) <= 2.0**-24 * (np.abs(want) + terms) + k * 2.0**-53 * terms)
