@@ -23,10 +23,11 @@ from typing import Any, Callable, NamedTuple
 import streamlit as st
 import torch
 
-from pace_core.config import METHOD_SETTINGS, NAMED_CONFIGS, SETTINGS, PaceConfig, config_to_json, get_config
+from pace_core.config import (METHOD_SETTINGS, NAMED_CONFIGS, SETTINGS, PaceConfig, config_to_json, default_of,
+                               get_config)
 from pace_core.errors import PaceError
 from pace_core.export import admit
-from pace_core.methods import method_of
+from pace_core.methods import COMBINATIONS, method_of
 
 DEFAULT_PRESET = "pace-4"
 
@@ -91,15 +92,19 @@ def url_aliases() -> dict[str, str]:
 
 
 QUANT_ONLY_KEYS = frozenset({"bits", "axis", "g", "sym", "hi"})
+READERS_ONLY = frozenset(METHOD_SETTINGS) | {f for fields in COMBINATIONS.values() for f in fields}
+"""Settings that only the methods reading them take (a method's own; a combination's, for the methods that compose
+with it): for another method they stay at their defaults."""
 
 
 def enabled(control: Control, method: str) -> bool:
     """Whether ``control`` applies to ``method``: the reference dtype only to the references, the quantiser's
-    settings only to quantised methods, a method's own setting only to that method."""
+    settings only to quantised methods, a method's own setting and a combination's only to the methods that read
+    them."""
     quantised = method_of(method).quantized
     if control.key == "ref":
         return not quantised
-    if control.field in METHOD_SETTINGS:
+    if control.field in READERS_ONLY:
         return control.field in method_of(method).reads
     return quantised or control.key not in QUANT_ONLY_KEYS
 
@@ -318,9 +323,9 @@ def _control_fields() -> dict:
     method = method_of(fields["method"])
     if not method.quantized:
         fields["bits"] = 32 if fields["reference_dtype"] == "float32" else 16
-    for name, setting in METHOD_SETTINGS.items():  # another method's own settings stay at their defaults
+    for name in READERS_ONLY:  # another method's own settings and the combinations it does not take: defaults
         if name in fields and name not in method.reads:
-            fields[name] = setting.default
+            fields[name] = default_of(name)
     return fields
 
 

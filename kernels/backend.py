@@ -63,11 +63,12 @@ class TritonSteps:
     @classmethod
     def for_layer(cls, fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> TritonSteps | None:
         """A backend for a layer of format ``fmt`` with that buffer format (None at dP = 1) and head dims, or
-        None where the kernels do not cover it: other methods (DSQ, DAMP, a rounding function), the float64
-        test buffer, integer buffer groups that are not powers of two, heads that are not powers of two or
-        narrower than :data:`kernels.plan.DECODE_MIN_K`."""
+        None where the kernels do not cover it: other methods (DSQ, DAMP, a rounding function), a configuration
+        with a combination on (:attr:`pace_core.config.PaceConfig.combined`: stochastic rounding, the key rotation,
+        static scales), the float64 test buffer, integer buffer groups that are not powers of two, heads that are
+        not powers of two or narrower than :data:`kernels.plan.DECODE_MIN_K`."""
         cfg = getattr(fmt, "cfg", None)
-        if cfg is None or not method_of(cfg).kernels:
+        if cfg is None or not method_of(cfg).kernels or cfg.combined:
             return None
         if buffer is not None and (buffer.precision == "fp64" or any(
                 spec is not None and not is_pow2(spec.group_size)

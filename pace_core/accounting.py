@@ -82,7 +82,8 @@ class ResidentBits:
     payload_bits + metadata_bits + buffer_bits = resident_bits = exact_bits (the bits actually
     stored); payload_bits = code_bits + scale_bits; ``c`` is the buffer cost per state value per
     buffered token (with the stored scale shares); formula_bits = payload_bits + paper_c · dP is the
-    paper's formula alone (:func:`paper_c`).
+    paper's formula alone (:func:`paper_c`); sequence_bits: the bits each further sequence adds
+    (:func:`state_bytes_per_sequence`: what is kept once per layer left out, e.g. static scales' ranges).
     """
 
     code_bits: float
@@ -95,6 +96,7 @@ class ResidentBits:
     exact_bits: float
     paper_c: float
     formula_bits: float
+    sequence_bits: float
 
 
 def _check(cfg: PaceConfig, shape: ModelShape) -> None:
@@ -198,7 +200,8 @@ def resident_bits(cfg: PaceConfig, shape: ModelShape) -> ResidentBits:
     formula = codes + scales + (paper * cfg.decode_period if cfg.buffered else 0)
     return ResidentBits(code_bits=float(codes), scale_bits=float(scales), payload_bits=float(codes + scales),
                         metadata_bits=float(metadata), buffer_bits=float(buffer), resident_bits=float(exact),
-                        c=float(c), exact_bits=float(exact), paper_c=float(paper), formula_bits=float(formula))
+                        c=float(c), exact_bits=float(exact), paper_c=float(paper), formula_bits=float(formula),
+                        sequence_bits=8 * state_bytes_per_sequence(cfg, shape) / shape.state_values)
 
 
 def state_share(cfg: PaceConfig, shape: ModelShape, n_seq: int, *, weight_bytes_per_param: int | None = None) -> float:

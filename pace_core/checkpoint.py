@@ -71,15 +71,26 @@ class StateFormat(ABC):
 
     ``bits_per_head`` ``[HV]``: the layer's per-head widths (:meth:`PaceConfig.head_bits`, the reference's
     bits for method ``none``); ``layer`` the layer's calibrated tensors for a method that has them
-    (:attr:`pace_core.methods.Method.calibration`), else None; ``name`` names the state in errors.
+    (:attr:`pace_core.methods.Method.calibration`), else None; ``name`` names the state in errors;
+    ``gdn_index`` the layer's position among the GDN layers.
+
+    The combinations a method composes with (:data:`pace_core.methods.COMBINATIONS`) are applied by its format
+    with these helpers: :attr:`generator` for stochastic rounding (``rounding`` "stochastic"), one per layer
+    state, seeded with ``rounding_seed · 2^16 + gdn_index`` on the layer's device when the state starts
+    (:meth:`restart`) and advanced by each rounding, so the same configuration, seed, inputs (batch included)
+    and device give the same codes; :meth:`rotate` and :meth:`unrotate` for the Hadamard rotation along the key
+    axis (``key_hadamard``).
     """
 
     dtype: torch.dtype | None = None
     """The dtype of a plain-tensor checkpoint (method ``none``), else None."""
 
     def __init__(self, cfg: PaceConfig, bits_per_head: tuple[int, ...], layer: dict[str, torch.Tensor] | None = None,
-                 name: str = "state") -> None:
+                 name: str = "state", gdn_index: int = 0) -> None:
         self.cfg, self.bits_per_head, self.layer, self.name = cfg, tuple(bits_per_head), layer, name
+        self.gdn_index, self.device = gdn_index, torch.device("cpu")
+        self.generator: torch.Generator | None = None
+        self.restart()
 
     @property
     def exact(self) -> bool:
@@ -92,10 +103,31 @@ class StateFormat(ABC):
         return None
 
     def to(self, device: torch.device) -> StateFormat:
-        """This format with its calibrated tensors on ``device``."""
+        """This format with its calibrated tensors (and its rounding's generator, started again) on ``device``."""
         if self.layer is not None:
             self.layer = {k: t.to(device) for k, t in self.layer.items()}
+        self.device = torch.device(device)
+        self.restart()
         return self
+
+    def restart(self) -> None:
+        """The start of the layer's sequences (:meth:`pace_core.schedule.PeriodicState.reset`): stochastic
+        rounding's generator seeded again (class docstring)."""
+        if self.cfg.rounding == "stochastic":
+            self.generator = torch.Generator(self.device).manual_seed(self.cfg.rounding_seed * 2**16 + self.gdn_index)
+
+    def rotate(self, S: torch.Tensor) -> torch.Tensor:
+        """``S [B, HV, K, V]`` in the basis the format quantises: ``H S`` along the key axis with ``key_hadamard``
+        (:func:`pace_core.outliers.rotate_keys`), else ``S`` itself."""
+        from pace_core.outliers import rotate_keys
+
+        return rotate_keys(S) if self.cfg.key_hadamard else S
+
+    def unrotate(self, Y: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`rotate` (``Hᵀ Y`` with ``key_hadamard``, else ``Y``)."""
+        from pace_core.outliers import unrotate_keys
+
+        return unrotate_keys(Y) if self.cfg.key_hadamard else Y
 
     def store(self, S: torch.Tensor) -> Checkpoint:
         """``S [B, HV, K, V]`` in this format (non-finite values raise PaceError naming the state)."""
@@ -118,11 +150,11 @@ class StateFormat(ABC):
 
 
 def state_format(cfg: PaceConfig, bits_per_head: tuple[int, ...], layer: dict[str, torch.Tensor] | None = None,
-                 name: str = "state") -> StateFormat:
-    """The :class:`StateFormat` of ``cfg``'s method for one layer (:attr:`pace_core.methods.Method.format`)."""
+                 name: str = "state", gdn_index: int = 0) -> StateFormat:
+    """The :class:`StateFormat` of ``cfg``'s method for GDN layer ``gdn_index`` (:attr:`pace_core.methods.Method.format`)."""
     from pace_core.methods import method_of
 
-    return method_of(cfg).format(cfg, bits_per_head, layer, name)
+    return method_of(cfg).format(cfg, bits_per_head, layer, name, gdn_index)
 
 
 class RoundingFormat:
@@ -138,6 +170,9 @@ class RoundingFormat:
 
     def to(self, device: torch.device) -> RoundingFormat:
         return self
+
+    def restart(self) -> None:
+        """Nothing to start again (:meth:`StateFormat.restart`)."""
 
     def store(self, S: torch.Tensor) -> torch.Tensor:
         quant.check_finite(S, self.name)

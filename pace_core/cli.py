@@ -71,6 +71,7 @@ def _row(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> dict[str, Any]:
         "decode_period": cfg.decode_period,
         "exact_bits": rb.exact_bits,
         "formula_bits": rb.formula_bits,
+        "sequence_bits": rb.sequence_bits,
         "paper_c": rb.paper_c,
         "sequences": n_seq,
         "state_bytes": state_bytes(cfg, shape, n_seq),
@@ -91,6 +92,8 @@ def _print_one(row: dict[str, Any], shape: ModelShape, budget: int | None, fits:
     print(f"  metadata  {row['metadata_bits']:9.5f}  (stored beyond payload and buffer: row indices, head map, padding)")
     print(f"  buffer    {row['buffer_bits']:9.5f}  (c = {row['c']:.6f} x dP {row['decode_period']}, buffer scales included)")
     print(f"  resident  {row['resident_bits']:9.5f}  (= the bits stored per state value, one sequence)")
+    print(f"  per seq.  {row['sequence_bits']:9.5f}  (what each further sequence adds: resident without what is kept "
+          "once per layer)")
     print(f"  formula   {row['formula_bits']:9.5f}  (the paper's payload + c·dP, c = {row['paper_c']:.6f} from the "
           "buffer's code bits alone)")
     print(f"  state of {row['sequences']} sequences: {row['state_bytes'] / GIB:.3f} GiB, "
@@ -102,13 +105,14 @@ def _print_one(row: dict[str, Any], shape: ModelShape, budget: int | None, fits:
 def _print_table(rows: list[dict[str, Any]], shape: ModelShape) -> None:
     print(_shape_line(shape))
     fit = "sequences_that_fit" in rows[0]
-    head = f"{'config':<12} {'payload':>8} {'metadata':>9} {'buffer':>8} {'resident':>9} {'formula':>8} {'dP':>4} " \
+    head = f"{'config':<16} {'payload':>8} {'metadata':>9} {'buffer':>8} {'resident':>9} {'per seq':>8} {'formula':>8} " \
+           f"{'dP':>4} " \
            f"{'state GiB':>10} {'share':>6}" + (f" {'fit':>8}" if fit else "")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['config']:<12} {r['payload_bits']:8.4f} {r['metadata_bits']:9.4f} {r['buffer_bits']:8.4f} "
-              f"{r['resident_bits']:9.4f} {r['formula_bits']:8.4f} {r['decode_period']:4d} "
+        print(f"{r['config']:<16} {r['payload_bits']:8.4f} {r['metadata_bits']:9.4f} {r['buffer_bits']:8.4f} "
+              f"{r['resident_bits']:9.4f} {r['sequence_bits']:8.4f} {r['formula_bits']:8.4f} {r['decode_period']:4d} "
               f"{r['state_bytes'] / GIB:10.3f} {100 * r['state_share']:5.1f}%"
               + (f" {r['sequences_that_fit']:8d}" if fit else ""))
     note = f"(bits per state value; state and share at {rows[0]['sequences']} sequences"

@@ -50,8 +50,9 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 from pace_core import __version__
 from pace_core.buffer import BufferFormat
 from pace_core.errors import PaceError
+from pace_core.methods import COMBINATIONS, Calibrated, method_of
 from pace_core.methods import METHODS as _METHODS
-from pace_core.methods import Calibrated, method_of
+from pace_core.methods.groups import STATIC_MARGIN
 from pace_core.quant import GROUP_AXES, GroupAxis, QuantSpec
 from pace_core.settings import Setting
 
@@ -60,11 +61,19 @@ if TYPE_CHECKING:
 
 BufferPrecision = Literal["fp32", "bf16", "int8", "mixed"]  # mixed: keys 4-bit, values bf16
 PrefillAfterDecode = Literal["flush", "carry"]
+Rounding = Literal["nearest", "stochastic"]
+Scales = Literal["dynamic", "static"]
 
 METHODS: tuple[str, ...] = tuple(_METHODS)
 """The methods' names (:mod:`pace_core.methods`), ``none`` the full-precision references."""
 BUFFER_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8", "mixed")
 PREFILL_AFTER_DECODE: tuple[str, ...] = ("flush", "carry")
+ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
+SCALES: tuple[str, ...] = ("dynamic", "static")
+MAX_ROUNDING_SEED = 2**16 - 1
+"""Seeds 0..65535: a layer's generator is seeded with ``seed · 2^16 + GDN layer`` (torch's CPU generator keeps 32 bits)."""
+STATIC_MARGINS = (0.25, 16.0)
+"""The static scales' margins allowed: a factor on the calibrated ranges (below 1 it clips them)."""
 REFERENCE_DTYPES: dict[str, int] = {"float32": 32, "bfloat16": 16}
 """Reference dtype -> its bits (the ``bits`` of a method ``none`` config)."""
 SCALE_DTYPES: tuple[str, ...] = ("float16",)
@@ -77,10 +86,11 @@ MAX_DAMP_OUTLIER_ROWS = 128
 HIGH_SHARE_METHODS: tuple[str, ...] = tuple(name for name, m in _METHODS.items() if m.head_widths)
 """Methods whose heads may be split into low- and high-bit heads."""
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The schema of the complete record (:func:`config_to_dict`), which result caches key on: 1-3, then 5 (4 is the
-first deployable export's; from 5 on records and exports share the numbers and differ by the export's ``kind``)."""
-READ_SCHEMA_VERSION = 5
+first deployable export's; from 5 on records and exports share the numbers and differ by the export's ``kind``);
+6 adds the combinations (stochastic rounding, key rotation, static scales)."""
+READ_SCHEMA_VERSION = 6
 """The newest schema read, of records and of exports (:mod:`pace_core.export`)."""
 PRODUCER_NAME = "pace-studio"
 
@@ -125,7 +135,13 @@ class PaceConfig:
       for the later tokens and the fold either way. False: the current token reads its own stored record
       (PACE Studio before schema 3).
     - ``calibrated``: the method's per-layer tensors calibrated on one model (:attr:`Method.calibration
-      <pace_core.methods.Method.calibration>`: DAMP's outlier rows), None until a calibration on the model.
+      <pace_core.methods.Method.calibration>`: DAMP's outlier rows, static scales' ranges), None until a
+      calibration on the model.
+    - the combinations the PACE paper did not test (:data:`pace_core.methods.COMBINATIONS`; each method takes
+      those in its ``composes``, :mod:`pace_core.methods.groups`): ``rounding`` (``nearest``: half to even;
+      ``stochastic``: ``floor(x/s + u)``) with ``rounding_seed`` (0..65535); ``key_hadamard`` (store ``Q(H S)``,
+      H the Sylvester Hadamard along the key axis); ``scales`` (``dynamic``: each checkpoint's own; ``static``:
+      calibrated once per layer) with ``static_margin`` (the calibrated ranges' factor, 0.25..16: below 1 it clips them).
     - ``buffer_key_group``, ``buffer_value_group`` **[ours]**: entries per fp16 scale along each buffered
       key / value vector of an integer buffer part (0: one scale per vector); ``buffer_key_symmetric``,
       ``buffer_value_symmetric``: False gives each group an integer zero point. Float parts ignore them.
@@ -160,12 +176,18 @@ class PaceConfig:
     buffer_value_group: int = 0
     buffer_key_symmetric: bool = True
     buffer_value_symmetric: bool = True
+    rounding: Rounding = "nearest"
+    rounding_seed: int = 0
+    key_hadamard: bool = False
+    scales: Scales = "dynamic"
+    static_margin: float = STATIC_MARGIN
     calibrated: Calibrated | None = None
     options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        if _is_int(self.high_share):
-            object.__setattr__(self, "high_share", float(self.high_share))
+        for name in ("high_share", "static_margin"):
+            if _is_int(getattr(self, name)):
+                object.__setattr__(self, name, float(getattr(self, name)))
         if isinstance(self.high_heads, (list, tuple)):
             object.__setattr__(self, "high_heads", tuple(
                 tuple(layer) if isinstance(layer, (list, tuple)) else layer for layer in self.high_heads))
@@ -199,9 +221,15 @@ class PaceConfig:
     @property
     def needs_calibration(self) -> bool:
         """True when running this configuration needs a calibration on the model first: :attr:`needs_heads`,
-        or a method with per-layer tensors calibrated on the model (:attr:`pace_core.methods.Method.calibration`:
-        DAMP's outlier rows)."""
-        return self.needs_heads or (method_of(self).calibration is not None and self.calibrated is None)
+        or per-layer tensors its method calibrates on the model for these settings
+        (:attr:`pace_core.methods.Method.calibration`: DAMP's outlier rows, static scales' ranges)."""
+        return self.needs_heads or (method_of(self).calibration(self) is not None and self.calibrated is None)
+
+    @property
+    def combined(self) -> tuple[str, ...]:
+        """The combinations (:data:`pace_core.methods.COMBINATIONS`) this configuration turns on, e.g.
+        ``("rounding",)`` for stochastic rounding; ``()`` for the plain storage (what the Triton kernels cover)."""
+        return tuple(name for name in COMBINATIONS if getattr(self, name) != default_of(name))
 
     @property
     def buffered(self) -> bool:
@@ -263,9 +291,11 @@ class PaceConfig:
                        + ", ".join(map(str, GROUP_SIZES_NO_SHAPE)))
             _check_choice(f"buffer_{part}_symmetric", getattr(self, f"buffer_{part}_symmetric"), (True, False))
         self._validate_high_heads()
-        if self.calibrated is not None and (not isinstance(self.calibrated, Calibrated) or method.calibration is None):
-            raise PaceError(f"calibrated is set for method {self.method!r}; allowed: None"
-                            + ("" if method.calibration is None else " or pace_core.methods.Calibrated"))
+        self._validate_combinations()
+        calibration = method.calibration(self)
+        if self.calibrated is not None and (not isinstance(self.calibrated, Calibrated) or calibration is None):
+            raise PaceError(f"calibrated is set for method {self.method!r} with these settings; allowed: None"
+                            + ("" if calibration is None else " or pace_core.methods.Calibrated"))
         for name, value in self.options:
             setting = METHOD_SETTINGS[name]
             setting.check(value)
@@ -274,6 +304,24 @@ class PaceConfig:
                                 f"{setting.default!r} ({name} is a setting of method {_OWNER[name]!r})")
         method.check(self)
         return self
+
+    def _validate_combinations(self) -> None:
+        _check_choice("rounding", self.rounding, ROUNDINGS)
+        _check_int("rounding_seed", self.rounding_seed, range(MAX_ROUNDING_SEED + 1),
+                   f"integers 0..{MAX_ROUNDING_SEED}")
+        _check_choice("key_hadamard", self.key_hadamard, (True, False))
+        _check_choice("scales", self.scales, SCALES)
+        low, high = STATIC_MARGINS
+        if not isinstance(self.static_margin, float) or not low <= self.static_margin <= high:
+            raise PaceError(f"static_margin={self.static_margin!r} is not allowed; allowed: a number in "
+                            f"[{low:g}, {high:g}] (a factor on the calibrated ranges)")
+        method = method_of(self)
+        for name in self.combined:
+            if name not in method.composes:
+                able = [m for m, spec in _METHODS.items() if name in spec.composes]
+                raise PaceError(f"{name}={getattr(self, name)!r} is not allowed for method {self.method!r}; allowed: "
+                                f"{default_of(name)!r} (the methods that take {name}={getattr(self, name)!r}: "
+                                f"{', '.join(able)})")
 
     def _validate_high_heads(self) -> None:
         heads = self.high_heads
@@ -291,7 +339,8 @@ class PaceConfig:
 
     def validate_for(self, shape: ModelShape) -> PaceConfig:
         """Check the settings that depend on a model: the group size divides the grouped axis, DAMP's
-        outlier rows fit d_k (and d_v is a power of two for its Hadamard transform), and
+        outlier rows fit d_k (and d_v is a power of two for its Hadamard transform), d_k is a power of two for
+        the key rotation, the calibrated tensors fit the model (the method's ``check_for``), and
         ``high_heads`` has one entry per GDN layer with ``num_high_heads(high_share, HV)`` valid head
         indices. Returns self."""
         if method_of(self).grouped:
@@ -308,6 +357,9 @@ class PaceConfig:
                 allowed = [0] + [d for d in GROUP_SIZES_NO_SHAPE if length % d == 0]
                 raise PaceError(f"buffer_{part}_group={group} does not divide the buffered {part}s of {shape.name} "
                                 f"({name}={length}); allowed: {', '.join(map(str, allowed))}")
+        if self.key_hadamard and shape.d_k & (shape.d_k - 1):
+            raise PaceError(f"key_hadamard=True needs a power-of-two d_k; {shape.name} has d_k={shape.d_k}; "
+                            "allowed: key_hadamard=False")
         if self.calibrated is not None and len(self.calibrated.layers) != shape.num_gdn_layers:
             raise PaceError(f"calibrated holds {len(self.calibrated.layers)} layers; allowed: one per GDN layer of "
                             f"{shape.name} ({shape.num_gdn_layers}): calibrate the configuration on this model")
@@ -475,17 +527,44 @@ SETTINGS: tuple[Setting, ...] = (
                  "rounding, off the dP grid); **carry** runs the prompt from the exact state (checkpoint plus buffer, "
                  "not rounded), so its first rounding ends its first P-token segment. It is part of the exported "
                  "configuration; this app's views run one prompt and then decode, so they do not change with it."),
+    Setting("rounding", schema=6, before="nearest", url="rnd", label="Rounding of the state codes",
+            options=ROUNDINGS, read_if=lambda cfg: cfg.rounding != "nearest",
+            help="Not tested by the PACE paper. **nearest**: codes round half to even. **stochastic**: codes are "
+                 "floor(x/s + u) with u uniform in [0, 1), unbiased on average; one generator per layer state, seeded "
+                 "from the seed and the GDN layer, advanced by each rounding (the same settings, seed and inputs give "
+                 "the same codes). The decode buffer's records keep round to nearest. RTN, PACE, DSQ and DAMP."),
+    Setting("rounding_seed", schema=6, before=0, url="seed", label="Stochastic rounding seed",
+            options=tuple(range(8)), read_if=lambda cfg: cfg.rounding != "nearest",
+            help="The seed of stochastic rounding (0..65535): layer i's generator starts from seed · 65536 + i."),
+    Setting("key_hadamard", schema=6, before=False, url="kh", label="Hadamard rotation along the key axis",
+            options=(True, False), read_if=lambda cfg: cfg.key_hadamard,
+            help="Not tested by the PACE paper: store Q(H S), H the orthonormal Hadamard matrix of size d_k applied "
+                 "to each head's key axis, and load Hᵀ Q(H S): an outlier key row is spread over all rows before "
+                 "grouping. Same bytes; d_k must be a power of two. RTN, PACE and DSQ."),
+    Setting("scales", schema=6, before="dynamic", url="sc", label="Scales", options=SCALES,
+            read_if=lambda cfg: cfg.scales != "dynamic",
+            help="Not tested by the PACE paper. **dynamic**: each checkpoint's groups get their own fp16 scales. "
+                 "**static**: each group's range is calibrated once per layer on calibration text and kept once per "
+                 "layer, so a sequence stores its codes alone (no scale bits per sequence); values beyond the "
+                 "calibrated range (times the margin) saturate. RTN and PACE.",
+            cli="--scales", cli_help="dynamic (per checkpoint) or static (calibrated per layer) scales"),
+    Setting("static_margin", schema=6, before=STATIC_MARGIN, url="mg", label="Static scales' margin",
+            options=(0.5, 0.625, 0.75, 1.0, 1.25), fmt=lambda m: f"{m:g}×", read_if=lambda cfg: cfg.scales != "dynamic",
+            help="Our choice: the factor on the calibrated ranges the static scales are taken from. Below 1 it clips "
+                 "the calibration's rare extremes: a smaller margin rounds finer and saturates more. 0.625 by default, "
+                 "measured best on held-out text (KL 6.6e-4 on the embedded model; 1.0: 1.3e-3)."),
     Setting("high_share", url="hi", label="Share of 8-bit heads", options=(0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0),
-            fmt=_share,
+            fmt=_share, read_if=lambda cfg: cfg.high_share > 0,
             help="PACE-4/8 (spec §4): in each layer this share of value heads, those with the largest retained error "
                  "E_h = e_h / (1 − a_h^(2·dP)), keep high_bits (8). Our choice: a_h = mean decay on calibration "
                  "text, e_h = mean rounding error energy of calibration states.",
             cli="--high-share", cli_help="share of heads per layer at --high-bits (0..1)"),
-    Setting("high_bits", cli="--high-bits", cli_help="bits of the promoted heads"),
-    Setting("high_heads"),
+    Setting("high_bits", cli="--high-bits", cli_help="bits of the promoted heads",
+            read_if=lambda cfg: cfg.high_share > 0),
+    Setting("high_heads", read_if=lambda cfg: cfg.high_share > 0),
     Setting("damp_outlier_rows", cli="--outlier-rows", cli_help="DAMP outlier key rows in fp16"),
     Setting("damp_hadamard"),
-    Setting("calibrated", schema=5, before=None),
+    Setting("calibrated", schema=5, before=None, read_if=lambda cfg: method_of(cfg).calibration(cfg) is not None),
     *(st for method in _METHODS.values() for st in method.settings),
 )
 """Every setting's :class:`~pace_core.settings.Setting`: PaceConfig's fields, then each method's own settings

@@ -1,7 +1,7 @@
 """The deployable export: one PACE configuration as a JSON document a serving engine can apply.
 
-Schema 4 (``config_to_dict`` in :mod:`pace_core.config` stays the complete record the result caches key
-on; this is what leaves the project)::
+Schema 6 (4 and 5 are read: their settings of later schemas are the defaults; ``config_to_dict`` in
+:mod:`pace_core.config` stays the complete record the result caches key on; this is what leaves the project)::
 
     {"schema_version": 4, "kind": "pace-state-config",
      "producer": {"name": "pace-studio", "version": "0.1.0"},
@@ -57,7 +57,7 @@ from pace_core.errors import PaceError
 from pace_core.methods import Calibrated, method_of
 from pace_core.shapes import ModelShape
 
-EXPORT_SCHEMA_VERSION = 5
+EXPORT_SCHEMA_VERSION = 6
 EXPORT_KIND = "pace-state-config"
 _MODEL_KEYS = ("source", "weights_fingerprint", "num_layers", "gdn_layers", "num_k_heads", "num_v_heads", "d_k",
                "d_v")
@@ -67,11 +67,11 @@ _TOP_KEYS = ("schema_version", "kind", "producer", "model", "state_layout", "sta
 
 def used_fields(cfg: PaceConfig) -> tuple[str, ...]:
     """The PaceConfig fields besides the ``state_cache_scheme`` ones that ``cfg``'s method reads (its
-    :attr:`~pace_core.methods.Method.reads`; the high-bit heads' only with a share of them, the buffer's only
-    at dP > 1, an integer buffer part's groups and zero points only for that part)."""
+    :attr:`~pace_core.methods.Method.reads` where their :attr:`~pace_core.settings.Setting.read_if` holds: the
+    high-bit heads' only with a share of them, a combination's only when it is on; the buffer's only at dP > 1, an
+    integer buffer part's groups and zero points only for that part)."""
     fields = ["name", "method", "decode_period", "prefill_period"]
-    fields += [f for f in method_of(cfg).reads
-               if cfg.high_share > 0 or f not in ("high_bits", "high_share", "high_heads")]
+    fields += [f for f in method_of(cfg).reads if SETTING_OF[f].read_if is None or SETTING_OF[f].read_if(cfg)]
     if cfg.buffered:
         fields += ["buffer", "exact_current_token", "prefill_after_decode"]
         for part, kind in zip(("key", "value"), BUFFER_LAYOUT[cfg.buffer]):
@@ -359,8 +359,9 @@ def admit(config: ConfigSource, shape: ModelShape | None = None, weights_fingerp
 
 def _uncalibrated(cfg: PaceConfig) -> str:
     method = method_of(cfg)
-    if method.calibration is not None and cfg.calibrated is None:
-        what = "; ".join(method.calibration.tensors.values())
+    calibration = method.calibration(cfg)
+    if calibration is not None and cfg.calibrated is None:
+        what = "; ".join(calibration.tensors.values())
         return (f"configuration {cfg.name!r} ({method.label}) needs what is calibrated on the model ({what}): "
                 f"export it on this model (Export page, or `python -m pace_core export --config {cfg.name}`), which "
                 "calibrates it, and use the exported file")

@@ -43,6 +43,7 @@ from pace_core.quant import (
     packed_nbytes,
     quantize,
     quantize_with_values,
+    round_codes,
     safe_divisor,
     unpack_codes,
     work_dtype,
@@ -101,13 +102,16 @@ def dsq_quantize(x: torch.Tensor, bits: int = 4, *, name: str = "state") -> DSQT
     return _dsq(x, bits, name, with_values=False)[0]
 
 
-def dsq_quantize_with_values(x: torch.Tensor, bits: int = 4, *, name: str = "state") -> tuple[DSQTensor, torch.Tensor]:
+def dsq_quantize_with_values(x: torch.Tensor, bits: int = 4, *, name: str = "state",
+                             generator: torch.Generator | None = None) -> tuple[DSQTensor, torch.Tensor]:
     """:func:`dsq_quantize` and its float32 values at once (bit-identical to ``dsq_dequantize`` of it: the
-    same integer codes times the same float32 step, without packing and unpacking them)."""
-    return _dsq(x, bits, name, with_values=True)
+    same integer codes times the same float32 step, without packing and unpacking them). ``generator``:
+    stochastic rounding of the codes (:func:`pace_core.quant.round_codes`), else round half to even."""
+    return _dsq(x, bits, name, with_values=True, generator=generator)
 
 
-def _dsq(x: torch.Tensor, bits: int, name: str, with_values: bool) -> tuple[DSQTensor, torch.Tensor | None]:
+def _dsq(x: torch.Tensor, bits: int, name: str, with_values: bool,
+         generator: torch.Generator | None = None) -> tuple[DSQTensor, torch.Tensor | None]:
     check_bits(bits)
     _check_state(x, name, 2)
     qmax = 2 ** (bits - 1) - 1
@@ -119,7 +123,7 @@ def _dsq(x: torch.Tensor, bits: int, name: str, with_values: bool) -> tuple[DSQT
     col_amax = (xw / safe_divisor(r, w).unsqueeze(-1)).abs().amax(-2)
     c = fp16_scale(div_by_int(col_amax.float(), qmax), col_amax > 0)
     step = r.to(w).unsqueeze(-1) * c.to(w).unsqueeze(-2)
-    q = torch.round(xw / safe_divisor(step, w)).clamp_(-qmax, qmax)
+    q = round_codes(xw / safe_divisor(step, w), generator).clamp_(-qmax, qmax)
     values = None
     if with_values:  # dsq_dequantize's arithmetic in float32
         values = q.to(torch.float32) * (r.float().unsqueeze(-1) * c.float().unsqueeze(-2))
@@ -138,8 +142,8 @@ def hadamard(n: int, *, dtype: torch.dtype = torch.float64, device: torch.device
     """Normalised Sylvester Hadamard matrix H [n, n] (n a power of two): H = Hᵀ, H Hᵀ = I. Kept per size,
     dtype and device (a decode step rotates with it twice per layer): shared, never to be written."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
-        raise PaceError(f"hadamard size (the value dim V)={n!r} is not supported; allowed: powers of two "
-                        "1, 2, 4, ..., or hadamard=False")
+        raise PaceError(f"hadamard size (the rotated head dim)={n!r} is not supported; allowed: powers of two "
+                        "1, 2, 4, ..., or no rotation")
     return _hadamard(n, dtype, torch.device("cpu") if device is None else torch.device(device))
 
 
@@ -149,6 +153,18 @@ def _hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / math.sqrt(n)).to(dtype)
+
+
+def rotate_keys(S: torch.Tensor) -> torch.Tensor:
+    """``H S`` along the key axis of ``S [..., K, V]`` (H the orthonormal Sylvester Hadamard of size K, a power of
+    two), computed in float64 and rounded once to float32: the state a key-rotated format quantises."""
+    return torch.matmul(hadamard(S.shape[-2], device=S.device), S.to(torch.float64)).to(torch.float32)
+
+
+def unrotate_keys(Y: torch.Tensor) -> torch.Tensor:
+    """``Hᵀ Y`` along the key axis of ``Y [..., K, V]`` (the inverse of :func:`rotate_keys`; ``Hᵀ = H``), computed
+    in float64 and rounded once to float32."""
+    return torch.matmul(hadamard(Y.shape[-2], device=Y.device).T, Y.to(torch.float64)).to(torch.float32)
 
 
 @dataclass
@@ -250,12 +266,15 @@ class DampQuantizer:
         """Quantise `S [..., HV, K, V]` (any float dtype)."""
         return self._quantize(S, name, with_values=False)[0]
 
-    def quantize_with_values(self, S: torch.Tensor, *, name: str = "state") -> tuple[DampTensor, torch.Tensor]:
+    def quantize_with_values(self, S: torch.Tensor, *, name: str = "state",
+                             generator: torch.Generator | None = None) -> tuple[DampTensor, torch.Tensor]:
         """:meth:`quantize` and the float32 state it stores (bit-identical to :meth:`dequantize` of it,
-        without unpacking the codes again)."""
-        return self._quantize(S, name, with_values=True)
+        without unpacking the codes again). ``generator``: stochastic rounding of the rest's codes
+        (:func:`pace_core.quant.round_codes`; the fp16 outlier rows are a cast), else round half to even."""
+        return self._quantize(S, name, with_values=True, generator=generator)
 
-    def _quantize(self, S: torch.Tensor, name: str, with_values: bool) -> tuple[DampTensor, torch.Tensor | None]:
+    def _quantize(self, S: torch.Tensor, name: str, with_values: bool,
+                  generator: torch.Generator | None = None) -> tuple[DampTensor, torch.Tensor | None]:
         _check_state(S, name, 3)
         self._check_shape(tuple(S.shape), name)
         rows16 = self.rows if self.rows.device == S.device else self.rows.to(S.device)
@@ -267,7 +286,7 @@ class DampQuantizer:
             rest = rest.to(torch.float64) @ hadamard(S.shape[-1], device=S.device)
         rest_name = f"{name} (non-outlier rows)"
         if with_values:
-            packed, values = quantize_with_values(rest, self.spec, name=rest_name,
+            packed, values = quantize_with_values(rest, self.spec, name=rest_name, generator=generator,
                                                   dtype=torch.float64 if self.hadamard else torch.float32)
         else:
             packed, values = quantize(rest, self.spec, name=rest_name), None

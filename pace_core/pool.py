@@ -105,7 +105,8 @@ class StatePool:
                              chunk_size=self.chunk_size, checkpoint=checkpoint, records=records)
 
     def reset(self, slots: torch.Tensor | None = None) -> None:
-        """The zero state in ``slots`` (long ``[n]``; None: every slot)."""
+        """The zero state in ``slots`` (long ``[n]``; None: every slot, and the format started again:
+        :meth:`pace_core.checkpoint.StateFormat.restart`)."""
         zero = checkpoint_tensors(self.fmt.zeros((1, *self.dims[1:]), self.device))
         for name, t in self.tensors.items():
             target = t if slots is None else t.index_select(0, slots)
@@ -115,6 +116,8 @@ class StatePool:
                 target.fill_(EMPTY if name == "log_decays" else 0)
             if slots is not None:
                 t.index_copy_(0, slots, target)
+        if slots is None:
+            self.fmt.restart()
 
     def counts(self, slots: torch.Tensor) -> torch.Tensor:
         """The records each of ``slots [n]`` holds in its buffer (zeros at dP = 1): ``[n]`` long."""
@@ -209,7 +212,7 @@ def layer_format(cfg: PaceConfig, num_v_heads: int, gdn_index: int = 0, tp: tupl
     total = size * num_v_heads
     bits = cfg.head_bits(gdn_index, total) if cfg.quantized else (cfg.bits,) * total
     layer = None if cfg.calibrated is None else {k: t[heads] for k, t in cfg.calibrated.layers[gdn_index].items()}
-    return state_format(cfg, bits[heads], layer, name)
+    return state_format(cfg, bits[heads], layer, name, gdn_index)
 
 
 def pool_fields(cfg: PaceConfig, dims: tuple[int, int, int, int], gdn_index: int = 0, tp: tuple[int, int] = (0, 1),

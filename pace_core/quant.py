@@ -33,6 +33,12 @@ Arithmetic (exact, reproducible on CPU and CUDA and by an fp32 kernel):
   saturated code. Resulting bounds per element: symmetric `|x - x̂| <= scale/2`; zero point
   `|x - x̂| <= scale * (1/2 + (2^b - 1) * 2^-11)` (the last term from rounding the scale to fp16).
 - non-finite input raises PaceError naming the tensor.
+
+Two variants the methods compose with (:mod:`pace_core.methods.groups`): **stochastic rounding** of the codes,
+``floor(x/s + u)`` with ``u ~ U[0, 1)`` from a given generator (:func:`round_codes`; scales and zero points as
+above), and **fixed scales**: each group's range calibrated once (:func:`group_ranges`), the scales and zero
+points derived from it (:func:`static_scales`) and the codes of a state saturating where it lies beyond them
+(:func:`quantize_fixed`, :func:`dequantize_fixed`; the codes stored alone).
 """
 
 from __future__ import annotations
@@ -235,38 +241,56 @@ def _check_scale_range(ratio: torch.Tensor, span: torch.Tensor, shape: Sequence[
                     "another quantiser, or inputs that keep the state in range)")
 
 
-def _quantize_codes(x: torch.Tensor, spec: QuantSpec, name: str = "x", values: torch.dtype | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Unpacked codes uint8 [..., K, V], fp16 scale and uint8 zero points (or None) of checked `x`, and
-    with `values` the dequantised values in that dtype (from the signed codes: no second pass over the
-    uint8 codes), else None."""
+def round_codes(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Integer-valued ``y`` of the same shape and dtype: round half to even (``generator`` None), or stochastic
+    rounding ``floor(y + u)``, ``u ~ U[0, 1)`` drawn from ``generator`` as one ``torch.rand`` of ``y``'s shape in
+    its dtype (row-major order), so that ``E[code] = y`` up to the dtype's rounding of ``y + u``."""
+    if generator is None:
+        return torch.round(y)
+    return torch.floor(y + torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device))
+
+
+def _quantize_codes(x: torch.Tensor, spec: QuantSpec, name: str = "x", values: torch.dtype | None = None, *,
+                    generator: torch.Generator | None = None,
+                    fixed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Unpacked codes uint8 [..., K, V], fp16 scale and uint8 zero points (or None) of checked `x`, with `values`
+    the dequantised values in that dtype (from the signed codes: no second pass over the uint8 codes), else None,
+    and the number of saturated values (int64, 0-dim) under ``fixed`` scales, else None. ``generator``: stochastic
+    rounding of the codes (:func:`round_codes`; zero points always round to nearest). ``fixed``: given fp16 scales
+    and zero points (float, integer-valued; None when symmetric) shaped like :func:`scale_shape` or broadcasting to
+    it, instead of each group's own (:func:`static_scales`); codes beyond the range saturate."""
     w = work_dtype(x.dtype)
     grouped, dim = _group_dims(x.shape, spec)
     xg = x.to(w).reshape(grouped)
-    if spec.symmetric:
+    if fixed is not None:
+        scale, z = fixed[0].unsqueeze(dim), None if fixed[1] is None else fixed[1].unsqueeze(dim).to(w)
+    elif spec.symmetric:
         amax = xg.abs().amax(dim, keepdim=True)
         ratio = div_by_int(amax.float(), spec.qmax)
         _check_scale_range(ratio, amax, x.shape, spec, name)
-        scale = fp16_scale(ratio, amax > 0)
-        step = scale.to(w)
-        q = torch.round(xg / torch.where(step == 0, 1.0, step)).clamp_(-spec.qmax, spec.qmax)
-        deq = None if values is None else (q * step).reshape(x.shape).to(values)
-        codes = (q + (spec.qmax + 1)).to(torch.uint8)
-        zero = None
+        scale, z = fp16_scale(ratio, amax > 0), None
     else:
         lo = xg.amin(dim, keepdim=True).clamp(max=0)
         hi = xg.amax(dim, keepdim=True).clamp(min=0)
         ratio = div_by_int(hi.float() - lo.float(), spec.levels)
         _check_scale_range(ratio, hi - lo, x.shape, spec, name)
         scale = fp16_scale(ratio, hi > lo)
-        step = scale.to(w)
-        div = torch.where(step == 0, 1.0, step)
-        z = torch.round(-lo / div).clamp_(0, spec.levels)
-        q = (torch.round(xg / div) + z).clamp_(0, spec.levels)
+        z = torch.round(-lo / safe_divisor(scale, w)).clamp_(0, spec.levels)
+    step = scale.to(w)
+    q = round_codes(xg / torch.where(step == 0, 1.0, step), generator)
+    low, high = (-spec.qmax, spec.qmax) if z is None else (0, spec.levels)
+    if z is not None:
+        q = q + z
+    saturated = None if fixed is None else ((q < low) | (q > high)).sum()
+    q.clamp_(low, high)
+    if z is None:
+        deq = None if values is None else (q * step).reshape(x.shape).to(values)
+        codes, zero = (q + (spec.qmax + 1)).to(torch.uint8), None
+    else:
         deq = None if values is None else ((q - z) * step).reshape(x.shape).to(values)
-        codes = q.to(torch.uint8)
-        zero = z.squeeze(dim).to(torch.uint8)
-    return codes.reshape(x.shape), scale.squeeze(dim), zero, deq
+        codes, zero = q.to(torch.uint8), z.squeeze(dim).to(torch.uint8)
+    return codes.reshape(x.shape), scale.squeeze(dim), zero, deq, saturated
 
 
 def _dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
@@ -329,26 +353,29 @@ def unpack_codes(packed: torch.Tensor, bits: int, last_dim: int) -> torch.Tensor
     return _unpack(packed, bits, last_dim)
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec, *, name: str = "x", checked: bool = False) -> PackedTensor:
-    """Quantise and pack `x [..., K, V]` (any float dtype, any device). `name` is used in errors; ``checked`` as
-    :func:`quantize_with_values`."""
+def quantize(x: torch.Tensor, spec: QuantSpec, *, name: str = "x", checked: bool = False,
+             generator: torch.Generator | None = None) -> PackedTensor:
+    """Quantise and pack `x [..., K, V]` (any float dtype, any device). `name` is used in errors; ``checked`` and
+    ``generator`` as :func:`quantize_with_values`."""
     if not checked:
         _check_input(x, spec, name)
-    codes, scale, zero, _ = _quantize_codes(x, spec, name)
+    codes, scale, zero, _, _ = _quantize_codes(x, spec, name, generator=generator)
     if zero is not None and zero_packed(spec.bits, zero.shape[-1]):
         zero = _pack(zero, spec.bits)
     return PackedTensor(_pack(codes, spec.bits), scale, zero, spec, tuple(x.shape))
 
 
-def quantize_with_values(x: torch.Tensor, spec: QuantSpec, *, name: str = "x",
-                         dtype: torch.dtype = torch.float32, checked: bool = False) -> tuple[PackedTensor, torch.Tensor]:
+def quantize_with_values(x: torch.Tensor, spec: QuantSpec, *, name: str = "x", dtype: torch.dtype = torch.float32,
+                         checked: bool = False, generator: torch.Generator | None = None
+                         ) -> tuple[PackedTensor, torch.Tensor]:
     """:func:`quantize` and the dequantised values in `dtype` at once (bit-identical to
     ``dequantize(quantize(x, spec), dtype)``, without unpacking the codes again). ``checked``: the caller
     has validated `x` already (a float tensor, finite, `spec`'s groups divide it), e.g. once for a
-    decode buffer's record; the scale range is checked in any case."""
+    decode buffer's record; the scale range is checked in any case. ``generator``: stochastic rounding of the
+    codes (:func:`round_codes`), else round half to even."""
     if not checked:
         _check_input(x, spec, name)
-    codes, scale, zero, values = _quantize_codes(x, spec, name, dtype)
+    codes, scale, zero, values, _ = _quantize_codes(x, spec, name, dtype, generator=generator)
     if zero is not None and zero_packed(spec.bits, zero.shape[-1]):
         zero = _pack(zero, spec.bits)
     return PackedTensor(_pack(codes, spec.bits), scale, zero, spec, tuple(x.shape)), values
@@ -371,6 +398,72 @@ def fake_quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = 
     if not checked:
         _check_input(x, spec, name)
     return _quantize_codes(x, spec, name, x.dtype if dtype is None else dtype)[3]
+
+
+RANGE_NAMES = {True: ("amax",), False: ("low", "high")}
+"""The calibrated range of a group (:func:`group_ranges`), by ``symmetric``."""
+
+
+def _fp16_outward(t: torch.Tensor) -> torch.Tensor:
+    """``t >= 0`` (float) in fp16, rounded up (never below ``t``), at most 65504."""
+    t = t.float().clamp(max=FP16_MAX)
+    h = t.to(torch.float16)
+    return torch.where(h.float() < t, torch.nextafter(h, torch.full_like(h, math.inf)), h)
+
+
+def group_ranges(states: torch.Tensor, spec: QuantSpec, name: str = "states") -> dict[str, torch.Tensor]:
+    """The range of each group of ``spec`` over ``states [N, ..., K, V]`` (N snapshots of one layer's state): symmetric
+    ``{"amax": max |x|}``, zero point ``{"low": min(min x, 0), "high": max(max x, 0)}`` (0 included, as the
+    per-checkpoint scales include it), each ``[..., K/g, V]`` or ``[..., K, V/g]`` float16 rounded outward (never
+    inside the observed range; at most 65504 in magnitude)."""
+    _check_input(states, spec, name)
+    grouped, dim = _group_dims(states.shape, spec)
+    xg = states.to(work_dtype(states.dtype)).reshape(grouped)
+    if spec.symmetric:
+        return {"amax": _fp16_outward(xg.abs().amax(dim).amax(0))}
+    return {"low": -_fp16_outward(-xg.amin(dim).amin(0).clamp(max=0)),
+            "high": _fp16_outward(xg.amax(dim).amax(0).clamp(min=0))}
+
+
+def static_scales(ranges: dict[str, torch.Tensor], spec: QuantSpec, margin: float
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fixed fp16 scales and zero points (float, integer-valued; None when symmetric) of groups whose range was
+    calibrated (:func:`group_ranges`), widened by ``margin``: symmetric ``scale = fp16(fl32(margin · amax) / qmax)``;
+    zero point ``scale = fp16((fl32(margin · high) − fl32(margin · low)) / (2^b − 1))`` and
+    ``z = clamp(round(−fl32(margin · low) / scale), 0, 2^b − 1)``, as :func:`quantize` computes them from a
+    group's own range. The scales are clamped into fp16's [2^-14, 65504]: a group calibrated at 0 keeps the finest
+    step, and values beyond a scale's range saturate (:func:`quantize_fixed`)."""
+    m = torch.tensor(margin, dtype=torch.float32, device=next(iter(ranges.values())).device)
+    if spec.symmetric:
+        amax = ranges["amax"].float() * m
+        return fp16_scale(div_by_int(amax, spec.qmax), torch.ones_like(amax, dtype=torch.bool)), None
+    lo, hi = ranges["low"].float() * m, ranges["high"].float() * m
+    scale = fp16_scale(div_by_int(hi - lo, spec.levels), torch.ones_like(hi, dtype=torch.bool))
+    return scale, torch.round(-lo / scale.float()).clamp_(0, spec.levels)
+
+
+def quantize_fixed(x: torch.Tensor, spec: QuantSpec, scale: torch.Tensor, zero: torch.Tensor | None, *,
+                   name: str = "x", dtype: torch.dtype = torch.float32, checked: bool = False,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes of `x [..., K, V]` under fixed scales (:func:`static_scales`, shaped like :func:`scale_shape` or
+    broadcasting to it): ``q = clamp(round(x / scale) (+ z))`` with round half to even (or ``generator``'s
+    stochastic rounding), saturating where ``|x|`` lies beyond the range. Returns the packed codes (uint8, as
+    :class:`PackedTensor`'s), the dequantised values in ``dtype`` and the number of saturated values (int64,
+    0-dim, on ``x``'s device). ``checked`` as :func:`quantize_with_values`."""
+    if not checked:
+        _check_input(x, spec, name)
+    codes, _, _, values, saturated = _quantize_codes(x, spec, name, dtype, generator=generator, fixed=(scale, zero))
+    return _pack(codes, spec.bits), values, saturated
+
+
+def dequantize_fixed(codes: torch.Tensor, spec: QuantSpec, scale: torch.Tensor, zero: torch.Tensor | None,
+                     shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(q − z) · scale`` [..., K, V] (``shape``) of packed codes under fixed scales (:func:`quantize_fixed`)."""
+    grouped, dim = _group_dims(shape, spec)
+    w = work_dtype(dtype)
+    q = _unpack(codes, spec.bits, shape[-1]).reshape(grouped).to(w)
+    q = q - (spec.qmax + 1 if zero is None else zero.unsqueeze(dim).to(w))
+    return (q * scale.unsqueeze(dim).to(w)).reshape(shape).to(dtype)
 
 
 def packed_nbytes(shape: Sequence[int], spec: QuantSpec) -> int:
@@ -434,9 +527,10 @@ class MixedPackedState:
 
 
 def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor, spec: QuantSpec, *,
-                   name: str = "state") -> MixedPackedState:
+                   name: str = "state", generator: torch.Generator | None = None) -> MixedPackedState:
     """Quantise `S [..., HV, K, V]` with head h at `bits_per_head[h]` bits (2..8); the other
-    settings come from `spec` (its own `bits` is not used)."""
+    settings come from `spec` (its own `bits` is not used). ``generator``: stochastic rounding
+    (:func:`round_codes`), one draw per width, in ascending order of the widths."""
     if not isinstance(S, torch.Tensor) or S.dim() < 3:
         raise PaceError(f"{name} must be a tensor [..., HV, K, V]; got shape {tuple(getattr(S, 'shape', ()))}")
     bits = [int(b) for b in (bits_per_head.tolist() if isinstance(bits_per_head, torch.Tensor) else bits_per_head)]
@@ -449,5 +543,6 @@ def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor,
     for b in sorted(set(bits)):
         idx = torch.tensor([h for h in range(hv) if bits[h] == b], dtype=torch.int16, device=S.device)
         heads[b] = idx
-        parts[b] = quantize(S.index_select(S.dim() - 3, idx.long()), replace(spec, bits=b), name=name)
+        parts[b] = quantize(S.index_select(S.dim() - 3, idx.long()), replace(spec, bits=b), name=name,
+                            generator=generator)
     return MixedPackedState(parts, heads, tuple(S.shape))

@@ -63,16 +63,21 @@ def state_error_bound(cfg: Any, roundings: int) -> float | None:
     int8 record of up to 256 entries per scale: 3.6 %. bf16: :data:`BF16_ROUNDING`; an unrounded fp32 state:
     :data:`FP32_ORDER`. The gated delta rule's transition ``exp(g) (I - beta k k^T)`` (unit keys, beta in
     [0, 1]) does not grow an error, so independent roundings add up at most as a random walk, r sqrt(n); times
-    :data:`PROPAGATION` for the errors that arrive through the layer's inputs."""
+    :data:`PROPAGATION` for the errors that arrive through the layer's inputs. The key rotation keeps the bound
+    (orthonormal: the rotated groups obey it and the error keeps its norm), stochastic rounding's error variance
+    p (1 - p) step^2 <= step^2 / 4 is three times round to nearest's step^2 / 12 (r sqrt(3)); static scales give
+    none (values beyond the calibrated range saturate)."""
     if not cfg.quantized:
         r = FP32_ORDER if cfg.reference_dtype == "float32" else BF16_ROUNDING
-    elif method_of(cfg).grouped and cfg.bits >= 8:
+    elif method_of(cfg).grouped and cfg.bits >= 8 and cfg.scales == "dynamic":
         entries = cfg.group_size
         if cfg.buffered:
             if cfg.buffer not in ("fp32", "bf16", "int8"):
                 return None
             entries = max(entries, RECORD_ENTRIES if cfg.buffer == "int8" else 0)
         r = math.sqrt(entries) / ((2 ** (cfg.bits - 1) - 1) * math.sqrt(12))
+        if cfg.rounding == "stochastic":
+            r *= math.sqrt(3)
     else:
         return None
     return PROPAGATION * r * math.sqrt(max(roundings, 1))

@@ -83,9 +83,10 @@ class PeriodicState:
             self.reset()
 
     def reset(self) -> None:
-        """Zero state, empty buffer."""
+        """Zero state, empty buffer, the format started again (:meth:`pace_core.checkpoint.StateFormat.restart`)."""
         B, _, HV, K, V = self.shape
         self.set_checkpoint(self.fmt.zeros((B, HV, K, V), self.device))
+        self.fmt.restart()
         if self.buffer is not None:
             self.buffer.clear()
 

@@ -17,9 +17,11 @@ class Setting:
     ``pace``; an export writes the same keys), the record schema that added it and the value documents of older
     schemas were made with; the app's control (its URL key ``url``, also taking the field's name and the
     ``symbol`` of its label, its label, help, choices and how a choice is shown; no ``url``: no control); the
-    CLI's flag of the configuration overrides. A method's own setting also has its ``default`` and ``allowed``
-    (its values: a range or a tuple, checked when a configuration is made, with ``allowed_text`` in the
-    message)."""
+    CLI's flag of the configuration overrides; ``read_if``: where a method reads it only under some settings (the
+    8-bit heads' with a share of them, a combination's when it is on), that condition, else None (always, for the
+    methods whose ``reads`` name it): an export writes the setting where it holds. A method's own setting also has
+    its ``default`` and ``allowed`` (its values: a range or a tuple, checked when a configuration is made, with
+    ``allowed_text`` in the message)."""
 
     field: str
     json: str = ""
@@ -37,6 +39,7 @@ class Setting:
     default: Any = None
     allowed: Any = None
     allowed_text: str = ""
+    read_if: Callable[[Any], bool] | None = None
 
     def __post_init__(self) -> None:
         if not self.json:

@@ -96,3 +96,32 @@ def test_calibrate_qwen3_next_and_damp(tiny_checkpoints):
     assert ((cal.a > 0) & (cal.a <= 1)).all()
     rows = [layer["rows"] for layer in cal.config.calibrated.layers]
     assert [tuple(r.shape) for r in rows] == [(4, 4)] * len(m.gdn_layers) and rows[0].dtype == torch.int16
+
+
+def test_calibrate_static_scales(loaded):
+    """Static scales are calibrated per layer from the same samples (the method's hook, for these settings): each
+    group's max |x| over the reference states (in the key-rotated basis with key_hadamard), rounded up to fp16;
+    with 8-bit heads the heads are chosen as well. The result needs no further calibration."""
+    from pace_core.outliers import hadamard
+
+    samples = calibration_samples(loaded, tokens=96, sample_every=32)
+    for cfg in (get_config("pace-4-static").replace(group_size=32),
+                get_config("pace-4-8").replace(scales="static", key_hadamard=True)):
+        assert cfg.needs_calibration
+        cal = calibrate(loaded, cfg, samples=samples)
+        assert not cal.config.needs_calibration and (cal.config.high_heads is not None) == (cfg.high_share > 0)
+        for i, layer in enumerate(loaded.gdn_layers):
+            S = samples.states[layer].double()
+            if cfg.key_hadamard:
+                S = (hadamard(S.shape[-2]) @ S).float().double()
+            n, hv, k, v = S.shape
+            grouped = S.reshape(n, hv, k // cfg.group_size, cfg.group_size, v)
+            got = cal.config.calibrated.layers[i]
+            if cfg.symmetric:
+                want = {"amax": grouped.abs().amax(3).amax(0)}
+            else:
+                want = {"low": grouped.amin(3).amin(0).clamp(max=0), "high": grouped.amax(3).amax(0).clamp(min=0)}
+            assert set(got) == {("rotated_" if cfg.key_hadamard else "") + name for name in want}
+            for name, t in got.items():
+                ref = want[name.removeprefix("rotated_")]
+                assert (t.double().abs() >= ref.abs()).all() and (t.double() - ref).abs().max() <= 2.0**-10 * ref.abs().max()

@@ -63,6 +63,9 @@ def test_sweep_ordering_on_long_decays():
         sweep_states(inp, cfgs, decode_tokens=64, record_every=12)
     with pytest.raises(PaceError, match="not allowed in a sweep"):
         sweep_states(inp, [get_config("pace-4-8")], decode_tokens=8)
+    for name in ("pace-4-sr", "pace-4-hadamard", "pace-4-static"):  # its rounding function is the plain quantiser's
+        with pytest.raises(PaceError, match="not allowed in a sweep.*without combinations"):
+            sweep_states(inp, [get_config(name)], decode_tokens=8)
 
 
 def test_recorded_inputs_reproduce_the_model_state(tiny_checkpoints):

@@ -26,6 +26,7 @@ from pace_core.config import config_to_json, document_from_json, get_config, num
 from pace_core.errors import PaceError
 from pace_core.export import used_settings
 from pace_core.figures import MIB
+from pace_core.methods import METHODS
 from pace_core.model.capture import run_with_states
 from pace_core.model.loading import load_model
 from pace_core.quant import QuantSpec, fake_quantize
@@ -123,6 +124,21 @@ def test_url_values_are_validated_and_fall_back(params):
     assert at.sidebar.select_slider(key="w_bits").value == 4
     assert at.sidebar.selectbox(key="w_axis").value == "key"
     assert at.query_params["bits"] == ["4"] or at.query_params["bits"] == "4"
+
+
+def test_combination_controls_follow_the_methods_that_take_them(params):
+    """The combinations' controls (stochastic rounding, key rotation, static scales) are enabled for the methods
+    that compose with them; a method that does not take one gets its default, so the sidebar stays valid."""
+    takes = {"rnd": {"rtn", "pace", "dsq", "damp"}, "seed": {"rtn", "pace", "dsq", "damp"},
+             "kh": {"rtn", "pace", "dsq"}, "sc": {"rtn", "pace"}, "mg": {"rtn", "pace"}}
+    for key, methods in takes.items():
+        assert {m for m in METHODS if controls.enabled(controls.CONTROL_BY_KEY[key], m)} == methods
+    at = start(params, preset="pace-4-sr", kh="1", method="stepquant")
+    assert at.sidebar.selectbox(key="w_rnd").value == "stochastic" and at.sidebar.toggle(key="w_kh").value
+    assert at.sidebar.selectbox(key="w_rnd").disabled and "**custom**" in at.sidebar.caption[0].value
+    at.sidebar.select_slider(key="w_method").set_value("pace").run()
+    check(at)
+    assert str(at.query_params["rnd"]).strip("[]'") == "stochastic" and not at.sidebar.selectbox(key="w_rnd").disabled
 
 
 def test_url_sets_the_controls_and_controls_write_the_url(params):

@@ -12,7 +12,7 @@ from pace_core.config import NAMED_CONFIGS, config_to_json, get_config
 from pace_core.shapes import BUILTIN_SHAPES, load_shape
 
 KEYS = {"model", "config", "code_bits", "scale_bits", "formula_bits", "payload_bits", "metadata_bits", "buffer_bits", "resident_bits", "c", "exact_bits",
-        "paper_c", "decode_period", "sequences", "state_bytes", "state_share"}
+        "paper_c", "decode_period", "sequences", "state_bytes", "state_share", "sequence_bits"}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -34,6 +34,21 @@ def test_bits_json_for_one_config(capsys):
     assert (row["model"], row["config"], row["decode_period"], row["sequences"]) == ("qwen3.5-27b", "pace-4-8", 8, 64)
     assert row["state_bytes"] == state_bytes(get_config("pace-4-8"), BUILTIN_SHAPES["qwen3.5-27b"], 64)
     assert row["payload_bits"] == 5.65625
+
+
+def test_bits_of_static_scales_per_sequence(capsys):
+    """Static scales keep their ranges once per layer: a sequence's bits drop by the scales' 16/g, which the
+    per-sequence figure shows (one sequence's resident bits count the ranges too)."""
+    shape = BUILTIN_SHAPES["qwen3.5-4b"]
+    rc, out, _ = run(capsys, "bits", "--config", "pace-4", "--model", "qwen3.5-4b", "--scales", "static", "--json")
+    row = json.loads(out)
+    plain = resident_bits(get_config("pace-4"), shape)
+    assert rc == 0 and row["scale_bits"] == 0 and row["resident_bits"] == plain.resident_bits
+    assert row["sequence_bits"] == plain.sequence_bits - 16 / 64 == 8 * (
+        state_bytes(get_config("pace-4-static"), shape, 2) - state_bytes(get_config("pace-4-static"), shape, 1)
+    ) / shape.state_values
+    rc, out, _ = run(capsys, "bits", "--config", "pace-4-static", "--model", "qwen3.5-4b")
+    assert rc == 0 and f"per seq.  {row['sequence_bits']:9.5f}" in out
 
 
 def test_bits_text_for_one_config_with_overrides_and_budget(capsys):
@@ -66,11 +81,11 @@ def test_bits_table_of_all_named_configs(capsys):
     rc, out, _ = run(capsys, "bits", "--model", "qwen3.5-27b", "--dp", "16", "--budget-gb", "141")
     lines = out.splitlines()
     assert rc == 0 and lines[0].startswith("qwen3.5-27b: 48 GDN layers")
-    assert lines[1].split() == ["config", "payload", "metadata", "buffer", "resident", "formula", "dP", "state",
-                                "GiB", "share", "fit"]
+    assert lines[1].split() == ["config", "payload", "metadata", "buffer", "resident", "per", "seq", "formula", "dP",
+                                "state", "GiB", "share", "fit"]
     body = {line.split()[0]: line.split() for line in lines[3:3 + len(NAMED_CONFIGS)]}
     assert set(body) == set(NAMED_CONFIGS)
-    assert body["fp32"][6] == "1" and body["pace-4"][6] == "16"  # overrides apply to the quantised configs
+    assert body["fp32"][7] == "1" and body["pace-4"][7] == "16"  # overrides apply to the quantised configs
     pace = get_config("pace-4").replace(decode_period=16)
     assert body["pace-4"][4] == f"{resident_bits(pace, BUILTIN_SHAPES['qwen3.5-27b']).resident_bits:.4f}"
     assert body["pace-4"][-1] == str(sequences_that_fit(pace, BUILTIN_SHAPES["qwen3.5-27b"], 141 * 10**9))

@@ -12,6 +12,7 @@ from pace_core.config import (
     NAMED_CONFIGS,
     SCHEMA_VERSION,
     SETTING_OF,
+    SETTINGS,
     PaceConfig,
     config_from_dict,
     config_from_json,
@@ -22,14 +23,15 @@ from pace_core.config import (
     num_high_heads,
 )
 from pace_core.errors import PaceError
-from pace_core.methods import METHODS
+from pace_core.methods import COMBINATIONS, METHODS
 from pace_core.quant import QuantSpec
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape
 
 
 def test_named_configurations_of_the_spec():
-    assert list(NAMED_CONFIGS)[:14] == ["fp32", "bf16", *[f"rtn-int{b}" for b in range(2, 9)], "pace-4", "pace-4-8",
-                                        "damp-int8", "damp-int4", "qmamba-dsq"]
+    spec = ["fp32", "bf16", *[f"rtn-int{b}" for b in range(2, 9)], "pace-4", "pace-4-8", "damp-int8", "damp-int4",
+            "qmamba-dsq"]
+    assert [name for name in NAMED_CONFIGS if name in spec] == spec
     assert list(NAMED_CONFIGS) == [name for m in METHODS.values() for name in m.named]  # each method's, in order
     for name, cfg in NAMED_CONFIGS.items():
         assert cfg.name == name
@@ -117,6 +119,49 @@ def test_method_specific_rules():
         get_config("pace-4").replace(dp=8)
 
 
+def test_combinations_only_for_the_methods_that_take_them():
+    """Stochastic rounding (RTN, PACE, DSQ, DAMP), the key rotation (RTN, PACE, DSQ) and static scales (RTN, PACE) are
+    each a setting the methods that compose with them take; elsewhere a PaceError names the methods that do."""
+    takes = {name: [m for m, method in METHODS.items() if name in method.composes] for name in COMBINATIONS}
+    assert takes == {"rounding": ["rtn", "pace", "damp", "dsq"], "key_hadamard": ["rtn", "pace", "dsq"],
+                     "scales": ["rtn", "pace"]}
+    on = {"rounding": "stochastic", "key_hadamard": True, "scales": "static"}
+    for name, value in on.items():
+        for cfg in NAMED_CONFIGS.values():
+            if cfg.method in takes[name]:
+                assert set(cfg.replace(**{name: value}).combined) == {*cfg.combined, name}
+            else:
+                with pytest.raises(PaceError, match=f"{name}={value!r} is not allowed for method {cfg.method!r}; "
+                                                    f"allowed: .*the methods that take.*{', '.join(takes[name])}"):
+                    cfg.replace(**{name: value})
+    assert [get_config(n).combined for n in ("pace-4", "pace-4-sr", "pace-4-hadamard", "pace-4-static")] == [
+        (), ("rounding",), ("key_hadamard",), ("scales",)]
+    for name in ("pace-4-sr", "pace-4-hadamard", "pace-4-static"):  # PACE-4 and one combination
+        assert get_config(name).replace(name="pace-4", rounding="nearest", key_hadamard=False,
+                                        scales="dynamic") == get_config("pace-4")
+    for changes, field, allowed in [(dict(rounding="dithered"), "rounding", "'nearest', 'stochastic'"),
+                                    (dict(rounding_seed=2**16), "rounding_seed", "0..65535"),
+                                    (dict(scales="fixed"), "scales", "'dynamic', 'static'"),
+                                    (dict(static_margin=0.2), "static_margin", "[0.25, 16]"),
+                                    (dict(key_hadamard=1), "key_hadamard", "True, False")]:
+        with pytest.raises(PaceError, match=f"^{field}=.*allowed: .*{allowed}"):
+            get_config("pace-4").replace(**changes)
+    assert get_config("pace-4").replace(static_margin=2).static_margin == 2.0
+    get_config("pace-4-hadamard").validate_for(_shape(d_v=96))
+    with pytest.raises(PaceError, match="key_hadamard=True needs a power-of-two d_k; test has d_k=96"):
+        get_config("pace-4-hadamard").replace(group_size=32).validate_for(_shape(d_k=96))
+
+
+def test_records_of_schema_5_read_without_the_combinations():
+    """A schema 5 record (before the combinations) reads as their defaults: the plain storage it was made with."""
+    d = _doc(schema_version=5)
+    assert not {"rounding", "rounding_seed", "key_hadamard", "scales", "static_margin"} & set(d["pace"])
+    assert config_from_dict(d) == get_config("pace-4-8")
+    sr = config_to_dict(get_config("pace-4-sr").replace(rounding_seed=9))
+    assert (sr["pace"]["rounding"], sr["pace"]["rounding_seed"]) == ("stochastic", 9)
+    assert config_from_dict(sr) == get_config("pace-4-sr").replace(rounding_seed=9)
+
+
 def test_frozen_validated_copy_and_list_normalisation():
     cfg = get_config("pace-4-8")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -185,7 +230,7 @@ def test_quant_spec_and_head_bits():
 def test_json_document_is_shaped_like_a_kv_cache_scheme():
     cfg = get_config("pace-4-8").replace(high_heads=((2, 9), (0, 1)))
     d = config_to_dict(cfg, model="qwen3.5-27b", provenance={"calibration": "wikitext2-valid.txt"})
-    assert d["schema_version"] == SCHEMA_VERSION == 5
+    assert d["schema_version"] == SCHEMA_VERSION == 6
     assert d["producer"] == {"name": "pace-studio", "version": __version__}
     assert d["model"] == "qwen3.5-27b"
     assert d["state_cache_scheme"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
@@ -196,6 +241,8 @@ def test_json_document_is_shaped_like_a_kv_cache_scheme():
                          "damp_outlier_rows": 16, "damp_hadamard": True, "prefill_after_decode": "flush",
                          "exact_current_token": True, "buffer_key_group": 16, "buffer_value_group": 0,
                          "buffer_key_symmetric": False, "buffer_value_symmetric": True, "calibrated": None,
+                         "rounding": "nearest", "rounding_seed": 0, "key_hadamard": False, "scales": "dynamic",
+                         "static_margin": 0.625,
                          **{SETTING_OF[name].json: st.default for name, st in METHOD_SETTINGS.items()}}
     assert d["provenance"] == {"calibration": "wikitext2-valid.txt"}
     assert json.loads(json.dumps(d)) == d
@@ -232,7 +279,12 @@ def configs(draw) -> PaceConfig:
         decode_period=draw(st.integers(1, 4096)), prefill_period=draw(st.integers(1, 1 << 20)),
         buffer=draw(st.sampled_from(["fp32", "bf16", "int8", "mixed"])),
         damp_outlier_rows=draw(st.integers(0, 128)), damp_hadamard=draw(st.booleans()), high_heads=heads,
-        prefill_after_decode=draw(st.sampled_from(["flush", "carry"])))
+        prefill_after_decode=draw(st.sampled_from(["flush", "carry"])),
+        rounding=draw(st.sampled_from(["nearest", "stochastic"])) if method != "none" else "nearest",
+        rounding_seed=draw(st.integers(0, 2**16 - 1)),
+        key_hadamard=draw(st.booleans()) if method in ("rtn", "pace", "dsq") else False,
+        scales=draw(st.sampled_from(["dynamic", "static"])) if method in ("rtn", "pace") else "dynamic",
+        static_margin=draw(st.floats(0.25, 16, allow_nan=False)))
 
 
 @settings(max_examples=150, deadline=None)
@@ -246,11 +298,13 @@ def test_generated_configs_round_trip_exactly(cfg, model):
 
 def _doc(**changes) -> dict:
     """PACE-4/8's record with ``changes`` (``section__key``: a value, or KeyError to remove it); a record of an
-    older ``schema_version`` lacks the methods' settings, which every method adds at schema 5 or later."""
+    older ``schema_version`` lacks the methods' settings, which every method adds at schema 5 or later, and before
+    schema 6 the combinations' settings."""
     d = config_to_dict(get_config("pace-4-8"))
-    if changes.get("schema_version", 5) in (1, 2, 3):
-        for name in METHOD_SETTINGS:
-            del d["pace"][SETTING_OF[name].json]
+    version = changes.get("schema_version", SCHEMA_VERSION)
+    for setting in SETTINGS:
+        if (setting.field in METHOD_SETTINGS and version in (1, 2, 3)) or (setting.schema == 6 and version in (1, 2, 3, 5)):
+            del d["pace"][setting.json]
     for path, value in changes.items():
         *head, last = path.split("__")
         target = d
@@ -264,8 +318,8 @@ def _doc(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"schema_version": 6}, "schema_version=6 is newer than this PACE Studio understands; allowed: 1..5"),
-    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..5"),
+    ({"schema_version": 7}, "schema_version=7 is newer than this PACE Studio understands; allowed: 1..6"),
+    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..6"),
     ({"schema_version": 4}, "the document lacks kind"),  # a complete record labelled as an export
     ({"schema_version": "1"}, "schema_version='1' is not allowed"),
     ({"schema_version": KeyError}, "schema_version is missing"),

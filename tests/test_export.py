@@ -42,6 +42,18 @@ def test_only_the_fields_the_method_reads():
     # what is left out does not change behaviour: its defaults are what the method ignores
     custom = get_config("pace-4").replace(damp_outlier_rows=3, damp_hadamard=False)
     assert used_settings(custom) == get_config("pace-4")
+    # a combination is written where it is on, with the settings read with it
+    combined = {"rounding", "rounding_seed", "key_hadamard", "scales", "static_margin", "calibrated"}
+    assert not combined & set(used_fields(get_config("pace-4"))) and combined & set(damp) == {"calibrated"}  # its rows
+    assert {"rounding", "rounding_seed"} == combined & set(used_fields(get_config("pace-4-sr")))
+    assert {"key_hadamard"} == combined & set(used_fields(get_config("pace-4-hadamard")))
+    assert {"scales", "static_margin", "calibrated"} == combined & set(used_fields(get_config("pace-4-static")))
+    assert used_settings(get_config("pace-4-sr").replace(static_margin=2.0)) == get_config("pace-4-sr")
+    sr = export_document(get_config("pace-4-sr"), shape=SHAPE)
+    assert sr["schema_version"] == 6 and (sr["pace"]["rounding"], sr["pace"]["rounding_seed"]) == ("stochastic", 0)
+    older = export_document(get_config("pace-4"), shape=SHAPE)
+    older["schema_version"] = 5  # an export made before the combinations: the same keys, read as their defaults
+    assert document_from_json(json.dumps(older)).config == get_config("pace-4")
 
 
 def test_high_heads_keyed_by_decoder_layer_with_the_gdn_ordinal():

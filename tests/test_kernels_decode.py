@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from calibration_support import calibrated
 from kernels_support import DEVICE, ON_GPU, SIZES, kernel_modules
 from numerics import fp32_bound, rel
 from pace_core import quant
@@ -307,15 +308,20 @@ def test_prefill_matches_reference(name: str, gamma: int) -> None:
 
 def test_kernels_cover_what_they_support() -> None:
     """The Triton backend serves rtn / pace (with a buffer or rounding every token) and method none; not
-    DSQ, DAMP, the float64 test buffer, or keys narrower than a tensor-core tile."""
+    DSQ, DAMP, the combinations (stochastic rounding, the key rotation, static scales), the float64 test buffer,
+    or keys narrower than a tensor-core tile."""
     def covered(cfg, buffer, k_dim=K):
         bits = cfg.head_bits(0, 2 * H) if cfg.quantized else (cfg.bits,) * (2 * H)
-        rows = {"rows": torch.arange(cfg.damp_outlier_rows).expand(2 * H, -1)} if cfg.method == "damp" else None
-        return backend.TritonSteps.for_layer(state_format(cfg, bits, rows), buffer and BufferFormat(buffer), k_dim,
-                                             V) is not None
+        cal = calibrated(cfg, 2 * H, k_dim, 1, d_v=V).calibrated
+        return backend.TritonSteps.for_layer(state_format(cfg, bits, None if cal is None else cal.layers[0]),
+                                             buffer and BufferFormat(buffer), k_dim, V) is not None
     assert covered(CONFIGS["pace-4"], "int8") and covered(CONFIGS["fp32"], "fp32") and covered(get_config("bf16"), None)
     assert covered(get_config("rtn-int4").replace(group_size=GROUP), None) and not covered(get_config("qmamba-dsq"), None)
     assert not covered(CONFIGS["pace-4"], "fp64") and not covered(CONFIGS["pace-4"].replace(group_size=8), "int8", 8)
+    assert not covered(get_config("damp-int4"), None)
+    for combination in (dict(rounding="stochastic"), dict(key_hadamard=True), dict(scales="static")):
+        cfg = CONFIGS["pace-4"].replace(**combination)  # covered without it
+        assert not covered(cfg, "int8") and not covered(cfg.replace(decode_period=1), None)
 
 
 @pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3)])

@@ -259,7 +259,7 @@ def test_damp_bad_input():
         DampQuantizer(torch.tensor([[1], [16], [0]]), 4).quantize(x)
     with pytest.raises(PaceError, match=r"3 value heads but outlier_rows has 2"):
         DampQuantizer(torch.tensor([[1], [2]]), 4).quantize(x)
-    with pytest.raises(PaceError, match=r"V\)=48 .*allowed: powers of two"):
+    with pytest.raises(PaceError, match=r"head dim\)=48 .*allowed: powers of two"):
         DampQuantizer(torch.tensor([[1], [2], [3]]), 4).quantize(torch.randn(2, 3, 16, 48))
     with pytest.raises(PaceError, match=r"group_size=32 does not divide the value axis"):
         DampQuantizer(torch.tensor([[1], [2], [3]]), 4, hadamard=False).quantize(torch.randn(2, 3, 16, 48))
@@ -292,3 +292,72 @@ def test_cuda_matches_cpu():
         assert torch.allclose(deq_gpu, deq_cpu, rtol=0, atol=1e-12)
         ranked = rank_outlier_rows(x.cuda(), torch.rand(8).cuda(), 16)
         assert ranked.device.type == "cuda" and ranked.shape == (8, 16)
+
+
+# ---------------------------------------------------------------- stochastic rounding (pace_core.methods: dsq, damp)
+
+
+def _sides(q: torch.Tensor, y: torch.Tensor, qmax: int) -> bool:
+    """Every signed code ``q`` is ``floor(y)`` or ``ceil(y)`` (clamped to ±qmax), and both sides occur."""
+    lo, hi = y.floor().clamp(-qmax, qmax), y.ceil().clamp(-qmax, qmax)
+    return bool(((q == lo) | (q == hi)).all()) and 0.2 < float((q == hi).double().mean()) < 0.8
+
+
+def test_stochastic_rounding_of_dsq_and_damp_codes():
+    """With a generator, DSQ's codes and DAMP's rest codes are ``floor(y + u)`` of their quotients ``y`` under the
+    same scales as round to nearest (so one of the two sides), the fp16 outlier rows unchanged; the same seed gives
+    the same codes. DSQ's mean over N roundings converges to x within 5 step / (2 √N) plus float32's ``y + u``
+    rounding (2^-20 step) and a clamped code at ±qmax (the fp16 scales' rounding, 7 · 2^-10 step)."""
+    x = _state((2, 3, 16, 32), seed=5)
+
+    def gen(seed):
+        return torch.Generator().manual_seed(seed)
+
+    near = dsq_quantize(x, 4)
+    t, values = dsq_quantize_with_values(x, 4, generator=gen(1))
+    assert torch.equal(t.row_scale, near.row_scale) and torch.equal(t.col_scale, near.col_scale)
+    assert torch.equal(values, dsq_dequantize(t))
+    step = t.row_scale.double()[..., :, None] * t.col_scale.double()[..., None, :]
+    assert _sides(unpack_codes(t.codes, 4, 32).double() - 8, x.double() / step, 7)
+    assert torch.equal(dsq_quantize_with_values(x, 4, generator=gen(1))[0].codes, t.codes)
+    assert not torch.equal(dsq_quantize_with_values(x, 4, generator=gen(2))[0].codes, t.codes)
+    n, g = 2000, gen(3)
+    mean = sum(dsq_quantize_with_values(x, 4, generator=g)[1].double() for _ in range(n)) / n
+    assert float(((mean - x.double()).abs() / step).max()) <= 5 / (2 * n ** 0.5) + 2.0**-20 + 7 * 2.0**-10
+
+    rows = _rows(3, 16, 4, seed=6)
+    quantizer = DampQuantizer(rows, 4, hadamard=True)
+    near = quantizer.quantize(x)
+    t, values = quantizer.quantize_with_values(x, generator=gen(1))
+    assert torch.equal(t.outliers, near.outliers) and torch.equal(t.rest.scale, near.rest.scale)
+    assert torch.equal(values, quantizer.dequantize(t))
+    keep = torch.ones(3, 16, dtype=torch.bool)
+    keep[torch.arange(3)[:, None], rows] = False
+    rest = torch.stack([x[:, h, keep[h]] for h in range(3)], 1).double() @ hadamard(32)
+    s = t.rest.scale.double().repeat_interleave(32, -1)  # value-axis groups of 32
+    assert _sides(unpack_codes(t.rest.codes, 4, 32).double() - 8, rest / s, 7)
+    assert torch.equal(quantizer.quantize_with_values(x, generator=gen(1))[0].rest.codes, t.rest.codes)
+
+
+def test_dsq_of_the_key_rotated_state():
+    """DSQ with ``key_hadamard`` (pace_core.methods.dsq) stores DSQ of ``fl32(H S)`` (H along the key axis) and loads
+    ``Hᵀ`` of its values: against the numpy DSQ reference on the rotated state, written with a Kronecker Hadamard,
+    to one float32 rounding of the loaded value, DSQ's float32 rounding of each ``q · r · c`` carried through ``Hᵀ``
+    (2^-24 of the terms' magnitudes) and the float64 sums' order (K · 2^-53 of them)."""
+    from pace_core.checkpoint import state_format
+    from pace_core.config import get_config
+
+    k = 16
+    x = _state((2, 3, k, 32), seed=7)
+    h = np.ones((1, 1))
+    while h.shape[0] < k:
+        h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+    h = h / np.sqrt(k)
+    y = np.einsum("ij,bhjv->bhiv", h, x.double().numpy()).astype(np.float32)
+    deq = ref_dsq(y, 4)[3]
+    want = np.einsum("ji,bhjv->bhiv", h, deq)
+    terms = np.einsum("ji,bhjv->bhiv", np.abs(h), np.abs(deq))
+    fmt = state_format(get_config("qmamba-dsq").replace(key_hadamard=True), (4,) * 3)
+    c, values = fmt.store_loaded(x)
+    assert torch.equal(values, fmt.load(c))
+    assert np.all(np.abs(values.double().numpy() - want) <= 2.0**-24 * (np.abs(want) + terms) + k * 2.0**-53 * terms)

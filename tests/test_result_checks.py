@@ -73,6 +73,23 @@ def test_the_bound_grows_as_a_random_walk_and_exists_only_where_derived():
     assert C.state_error_bound(get_config("pace-4-8").replace(bits=8), 100) is None  # 4-bit buffer keys
 
 
+def test_the_bound_under_the_combinations():
+    """The key rotation keeps the bound, stochastic rounding widens it by sqrt(3) (checked as above: one stochastic
+    rounding, floor(x / step + u), of every distribution's groups stays within r sqrt(3)), static scales have
+    none."""
+    rtn8 = get_config("rtn-int8")
+    r8 = C.state_error_bound(rtn8, 1)
+    assert C.state_error_bound(rtn8.replace(key_hadamard=True), 1) == r8
+    assert C.state_error_bound(rtn8.replace(rounding="stochastic"), 1) == pytest.approx(math.sqrt(3) * r8, rel=1e-12)
+    assert C.state_error_bound(rtn8.replace(scales="static"), 1) is None
+    rng = np.random.default_rng(10)
+    for name, x in _groups(rng, 32).items():
+        step = np.abs(x).max(axis=1, keepdims=True) / 127
+        err = np.floor(x / step + rng.uniform(size=x.shape)) * step - x
+        rel = math.sqrt((err ** 2).sum() / (x ** 2).sum())
+        assert rel <= math.sqrt(3) * r8 / C.PROPAGATION, f"{name}: {rel}"
+
+
 def test_a_correct_drift_passes_and_the_shipped_error_in_it_is_refused(correct_drift, tmp_path):
     """The drift of bf16 and rtn-int8 that the CLI makes now reads below its bound (0.1 to 0.15 of it here);
     the same file with the shipped results' error (every step 1.21) is refused, naming the file and the bound."""

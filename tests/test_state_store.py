@@ -40,7 +40,7 @@ def split(tokens, start, stop=None):
 
 def calibrated(cfg, seed=0):
     """``cfg`` with a random calibration of its method's tensors for this file's store (tests/calibration_support)."""
-    return random_calibration(cfg, HV, K, len(LAYERS), seed)
+    return random_calibration(cfg, HV, K, len(LAYERS), seed, d_v=V)
 
 
 def store_for(name, batch=B, **changes):

@@ -17,19 +17,20 @@ from pace_core.shapes import ModelShape
 from pace_core.state_store import LayerState
 from pace_core.pool import StatePool
 from pace_core.vllm.slots import SlotLayout
+from calibration_support import calibrated
 from kernels_support import kernel_modules
 from numerics import fp32_bound, rel
 
-SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8")
+SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8", "pace-4-hadamard", "pace-4-static")
 
 
-def _config(name: str, num_v_heads: int, layers: int = 1):
+def _config(name: str, num_v_heads: int, layers: int = 1, d_k: int = 128, d_v: int = 128):
     cfg = NAMED_CONFIGS[name]
     if cfg.high_share > 0:
         high = max(1, round(cfg.high_share * num_v_heads))
         cfg = dataclasses.replace(cfg, high_heads=tuple(tuple(sorted(random.sample(range(num_v_heads), high)))
                                                         for _ in range(layers)))
-    return cfg
+    return calibrated(cfg, num_v_heads, d_k, layers, d_v=d_v)
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -48,6 +49,8 @@ def test_row_bytes_are_the_accounting_per_sequence(name, heads):
 def test_methods_a_row_cannot_hold_are_refused():
     with pytest.raises(PaceError, match="cannot be served from a state pool"):
         SlotLayout(NAMED_CONFIGS["damp-int4"], 2, 4, 128, 128)
+    with pytest.raises(PaceError, match="rounding='stochastic' .*cannot be served from a state pool"):
+        SlotLayout(NAMED_CONFIGS["pace-4-sr"], 2, 4, 128, 128)
 
 
 def _pool(layout: SlotLayout, slots: int, backend: str | None = None) -> StatePool:
@@ -111,7 +114,7 @@ def test_staggered_sequences_keep_their_own_state(name):
     K-term dot products); a quantised state may move a few codes by one step where such a difference
     crosses a rounding boundary (|ΔS| / |S| well under 1e-2), while a sequence given another's state or
     flush point is off by several 1e-2 (measured: 0.05-0.08 with every row's count taken as the largest)."""
-    cfg = _config(name, 4)
+    cfg = _config(name, 4, d_k=64, d_v=64)
     limit = fp32_bound(24 * 4 * 64) if cfg.exact else 1e-2
     for o_pool, o_alone, s_pool, s_alone, count, buffered in _staggered(cfg, 2, 4, 64, 64):
         assert rel(o_pool, o_alone) <= limit

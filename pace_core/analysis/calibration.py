@@ -1,5 +1,6 @@
 """Calibration on a calibration text: PACE-4/8's 8-bit heads (spec §4) and what a method chooses per layer on
-the model (:attr:`pace_core.methods.Method.calibrate`: DAMP's outlier rows).
+the model for the configuration's settings (:attr:`pace_core.methods.Method.calibrate`: DAMP's outlier rows,
+static scales' ranges).
 
 The fp32 reference model reads the first ``tokens`` tokens of the calibration text in one forward; after
 every ``sample_every`` tokens every GDN layer's state is one calibration state. A tap on the GDN layers' core calls
@@ -180,8 +181,8 @@ def calibrate(
     ``samples`` of an earlier :func:`calibration_samples` (then the text and its settings are theirs).
 
     Every configuration gets ``a`` and, with a group quantiser, ``e, E`` (for DAMP without its outlier rows);
-    a share of high-bit heads gets ``high_heads``; a method with per-layer tensors
-    (:attr:`pace_core.methods.Method.calibrate`) gets them as ``calibrated``.
+    a share of high-bit heads gets ``high_heads``; per-layer tensors its method calibrates for these settings
+    (:attr:`pace_core.methods.Method.calibration`) come as ``calibrated``.
     """
     method = method_of(cfg)
     if not (method.head_widths or method.calibrate):
@@ -198,7 +199,7 @@ def calibrate(
     else:
         e = torch.zeros_like(a)
     E = retained_error(e, a, cfg.decode_period)
-    if method.calibrate is not None:
+    if method.calibration(cfg) is not None:
         cfg = cfg.replace(calibrated=Calibrated(method.calibrate(cfg, samples, layers)))
     calibration = Calibration(cfg, layers, a, e, E, samples.tokens, int(next(iter(states.values())).shape[0]))
     if cfg.high_share > 0:

@@ -124,7 +124,7 @@ def sweep_states(
     record_every: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Layer-local state errors of ``configs`` (methods rtn/pace, no high-bit heads) on ``inputs``.
+    """Layer-local state errors of ``configs`` (methods rtn/pace, no high-bit heads, no combinations) on ``inputs``.
 
     The last ``decode_tokens`` tokens are decoded, the rest prefilled. ``record_every`` (default:
     the lcm of the decode periods, capped to ``decode_tokens``) must be a multiple of every dP.
@@ -134,10 +134,11 @@ def sweep_states(
     if not 1 <= decode_tokens < T:
         raise PaceError(f"decode_tokens: must be in 1..{T - 1} (tokens T={T}), got {decode_tokens}")
     for cfg in configs:
-        if method_of(cfg).format is not GroupFormat or cfg.high_share > 0:
+        if method_of(cfg).format is not GroupFormat or cfg.high_share > 0 or cfg.combined:
             allowed = ", ".join(name for name, m in METHODS.items() if m.format is GroupFormat)
             raise PaceError(f"configs: {cfg.name!r} not allowed in a sweep; allowed: methods {allowed} (packed groups) "
-                            "without high-bit heads")
+                            "without high-bit heads and without combinations (stochastic rounding, key rotation, "
+                            "static scales)")
     periods = sorted({c.decode_period for c in configs})
     every = record_every if record_every is not None else min(math.lcm(*periods), decode_tokens)
     if every < 1 or (every < decode_tokens and any(every % p for p in periods)):

@@ -99,6 +99,16 @@ class Calibrated:
         return cls(layers)
 
 
+COMBINATIONS: dict[str, tuple[str, ...]] = {
+    "rounding": ("rounding", "rounding_seed"),
+    "key_hadamard": ("key_hadamard",),
+    "scales": ("scales", "static_margin", "calibrated"),
+}
+"""The settings that combine with a method's storage, as the PACE paper lists them untested (stochastic rounding,
+a Hadamard rotation of the state along the key axis, static scales), each with the settings read with it
+(:class:`pace_core.config.PaceConfig`'s fields; off at their defaults). A method takes those in its ``composes``."""
+
+
 @dataclass(frozen=True)
 class Method:
     """One state quantiser.
@@ -111,11 +121,14 @@ class Method:
     - ``group_axes``: the axes its scale groups may run along (``()``: no groups), ``symmetric_only``,
       ``head_widths``: a share of heads may be kept at ``high_bits``; ``strategy``: compressed-tensors'
       ``QuantizationArgs.strategy`` of its scales;
-    - ``calibration``: the per-layer tensors it needs calibrated on the model (None: none);
+    - ``calibration``: ``(cfg) -> LayerCalibration | None``, the per-layer tensors ``cfg`` needs calibrated on the
+      model (None: none; RTN and PACE need them only with static scales);
+    - ``composes``: the combinations of :data:`COMBINATIONS` it takes (its ``reads`` then include their settings);
+      a configuration of another method keeps them at their defaults;
     - ``kernels``: the Triton kernels store and step it; ``pool``: a serving engine's pool row holds it;
     - ``per_token_only``: it rounds after every token (dP = 1) by definition;
     - ``named``: its named configurations, as PaceConfig field values;
-    - ``format``: ``(cfg, bits_per_head, layer tensors or None, name) -> StateFormat``, how a layer's
+    - ``format``: ``(cfg, bits_per_head, layer tensors or None, name, gdn_index) -> StateFormat``, how a layer's
       checkpoint is stored (:mod:`pace_core.checkpoint`);
     - ``payload``: ``(cfg, shape) -> (code bits, scale bits)`` per state value, the accounting's payload
       (:mod:`pace_core.accounting`), and ``layer_bytes``: ``(cfg, shape, sequences, GDN layer) -> bytes`` of
@@ -143,7 +156,8 @@ class Method:
     symmetric_only: bool = False
     head_widths: bool = False
     strategy: str | None = "group"
-    calibration: LayerCalibration | None = None
+    calibration: Callable[[PaceConfig], LayerCalibration | None] = lambda cfg: None
+    composes: tuple[str, ...] = ()
     kernels: bool = False
     pool: bool = False
     per_token_only: bool = False
@@ -154,6 +168,13 @@ class Method:
     check_for: Callable[[PaceConfig, ModelShape], None] = lambda cfg, shape: None
     groups_along: Callable[[PaceConfig], str | None] = lambda cfg: None
     calibrate: Callable[..., list[dict[str, torch.Tensor]]] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.composes if c not in COMBINATIONS]
+        if unknown:
+            raise PaceError(f"method {self.name!r}: composes={unknown!r} is not allowed; allowed: {', '.join(COMBINATIONS)}")
+        extra = [f for c in self.composes for f in COMBINATIONS[c] if f not in self.reads]
+        object.__setattr__(self, "reads", (*self.reads, *dict.fromkeys(extra)))
 
     @property
     def grouped(self) -> bool:

@@ -23,8 +23,8 @@ class DampFormat(StateFormat):
     """fp16 outlier rows plus the INT-b rest (:class:`pace_core.outliers.DampTensor`); the layer's calibrated
     ``rows [HV, damp_outlier_rows]``."""
 
-    def __init__(self, cfg, bits_per_head, layer=None, name="state") -> None:
-        super().__init__(cfg, bits_per_head, layer, name)
+    def __init__(self, cfg, bits_per_head, layer=None, name="state", gdn_index=0) -> None:
+        super().__init__(cfg, bits_per_head, layer, name, gdn_index)
         expected = (len(bits_per_head), cfg.damp_outlier_rows)
         rows = None if layer is None else layer.get("rows")
         if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != expected:
@@ -45,10 +45,17 @@ class DampFormat(StateFormat):
         return self
 
     def store_loaded(self, S: torch.Tensor) -> tuple[DampTensor, torch.Tensor]:
-        return self.quantizer.quantize_with_values(S, name=self.name)
+        return self.quantizer.quantize_with_values(S, name=self.name, generator=self.generator)
 
     def load(self, c: DampTensor) -> torch.Tensor:
         return self.quantizer.dequantize(c)
+
+
+CALIBRATION = LayerCalibration({"rows": "the outlier key rows of each value head, int16 [HV, damp_outlier_rows]"})
+"""What DAMP calibrates per layer. Of the combinations (pace_core.methods.COMBINATIONS) it takes stochastic rounding
+(of its INT-b rest); a rotation along the key axis would mix its fp16 outlier rows (key rows chosen in the
+unrotated basis) into the rest, and its own rotation runs along the value axis (``damp_hadamard``); static scales
+would fix the scales of rows whose set it calibrates per head, which it keeps per checkpoint by definition."""
 
 
 def payload(cfg, shape) -> tuple[Fraction, Fraction]:
@@ -98,7 +105,7 @@ METHOD = register(Method(
     description="DAMP-style: 16 outlier key rows in fp16, Hadamard on the rest (our choice)",
     reads=("group_axis", "damp_outlier_rows", "damp_hadamard", "calibrated"), group_axes=("value",),
     symmetric_only=True,
-    calibration=LayerCalibration({"rows": "the outlier key rows of each value head, int16 [HV, damp_outlier_rows]"}),
+    calibration=lambda cfg: CALIBRATION, composes=("rounding",),
     format=DampFormat, payload=payload, layer_bytes=layer_bytes,
     fixed_bytes=lambda cfg, shape, layer: 2 * shape.num_v_heads * cfg.damp_outlier_rows,
     check_for=check_for, groups_along=lambda cfg: cfg.group_axis, calibrate=calibrate,

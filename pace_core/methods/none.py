@@ -15,8 +15,8 @@ from pace_core.methods.base import Method, register
 class DenseFormat(StateFormat):
     """The plain tensor in ``cfg.reference_dtype``."""
 
-    def __init__(self, cfg, bits_per_head, layer=None, name="state") -> None:
-        super().__init__(cfg, bits_per_head, layer, name)
+    def __init__(self, cfg, bits_per_head, layer=None, name="state", gdn_index=0) -> None:
+        super().__init__(cfg, bits_per_head, layer, name, gdn_index)
         self.dtype = getattr(torch, cfg.reference_dtype)
 
     def store_loaded(self, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

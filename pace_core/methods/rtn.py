@@ -14,6 +14,7 @@ METHOD = register(Method(
     description="round-to-nearest integer state (the paper's uniform baseline)",
     reads=groups.READS, group_axes=("key", "value"), head_widths=True, kernels=True, pool=True,
     format=groups.GroupFormat, payload=groups.payload, layer_bytes=groups.layer_bytes,
-    fixed_bytes=groups.fixed_bytes, groups_along=groups.groups_along,
+    fixed_bytes=groups.fixed_bytes, groups_along=groups.groups_along, composes=groups.COMPOSES,
+    calibration=groups.calibration, calibrate=groups.calibrate, check_for=groups.check_for,
     named={f"rtn-int{b}": dict(bits=b, group_axis="value", group_size=32, symmetric=True, decode_period=1,
                                buffer="int8") for b in range(2, 9)}))

@@ -42,8 +42,8 @@ class StepQuantFormat(StateFormat):
     """Per-head widths with row x column scales (:class:`pace_core.stepquant.StepQuantState`), of the layer's
     calibrated ``widths`` and ``impact``."""
 
-    def __init__(self, cfg, bits_per_head, layer=None, name="state") -> None:
-        super().__init__(cfg, bits_per_head, layer, name)
+    def __init__(self, cfg, bits_per_head, layer=None, name="state", gdn_index=0) -> None:
+        super().__init__(cfg, bits_per_head, layer, name, gdn_index)
         if layer is None or set(layer) != {"widths", "impact"}:
             raise PaceError(f"STEPQuant's head widths and impact weights for {name} are not calibrated on the model; "
                             "allowed: a configuration calibrated on it (pace_core.analysis.calibration.calibrate, or "
@@ -126,6 +126,15 @@ def calibrate(cfg, samples, layers: list[int]) -> list[dict[str, torch.Tensor]]:
     return [{"widths": widths[i].to(torch.int16), "impact": impact[i]} for i in range(len(layers))]
 
 
+CALIBRATION = LayerCalibration({
+    "widths": "each value head's width, int16 [HV] (16: an fp16 pivot)",
+    "impact": "the impact weight of each key row of each head, float32 [HV, d_k]"})
+"""What STEPQuant calibrates per layer. It takes none of the combinations (pace_core.methods.COMBINATIONS): its column
+scales are a least-squares refit to its first codes and its 2-bit levels are odd integers (stochastic codes would
+change the fit it is defined by), its impact weights belong to the unrotated key rows, and its scales are fitted to
+each checkpoint by definition."""
+
+
 def _share(x: float) -> str:
     return "0" if x == 0 else f"{x:.2%} (1/{round(1 / x)})"
 
@@ -137,9 +146,7 @@ METHOD = register(Method(
     symmetric_only=True, strategy="channel", format=StepQuantFormat, payload=payload, layer_bytes=layer_bytes,
     fixed_bytes=fixed_bytes, check=check, check_for=check_for, calibrate=calibrate,
     groups_along=lambda cfg: "rows and columns", reads=("calibrated", "stepquant_pivot_share"),
-    calibration=LayerCalibration({
-        "widths": "each value head's width, int16 [HV] (16: an fp16 pivot)",
-        "impact": "the impact weight of each key row of each head, float32 [HV, d_k]"}),
+    calibration=lambda cfg: CALIBRATION,
     settings=(Setting("stepquant_pivot_share", schema=5, before=1 / 72, default=1 / 72, allowed=PIVOT_SHARES,
                       allowed_text=", ".join(map(_share, PIVOT_SHARES)), url="piv",
                       label="STEPQuant pivot share (heads in fp16)", options=PIVOT_SHARES, fmt=_share,

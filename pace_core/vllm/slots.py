@@ -11,7 +11,9 @@ engine's slot indices (:meth:`pace_core.pool.StatePool.decode` / ``prefill``): t
 path's (the reference, or the kernels by the backend setting), only the batch composition differs.
 
 Only the methods whose :attr:`pace_core.methods.Method.pool` is set are laid out here (DSQ, DAMP and STEPQuant keep
-per-model calibration the engines do not carry, or have not been served yet).
+per-model calibration the engines do not carry, or have not been served yet), without stochastic rounding (its
+generator draws for the whole pool, so a sequence's codes would depend on the sequences that share its steps);
+static scales keep their calibrated ranges once per layer, with the pool's format, as the head map.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class SlotLayout:
         if cfg.method not in SLOT_METHODS:
             raise PaceError(f"method {cfg.method!r} ({cfg.name}) cannot be served from a state pool; allowed: "
                             f"{', '.join(SLOT_METHODS)}")
+        if cfg.rounding == "stochastic":  # one generator per pool: a row's draws would follow the batch it shares
+            raise PaceError(f"rounding='stochastic' ({cfg.name}) cannot be served from a state pool: its generator "
+                            "draws for the whole pool, so a sequence's codes would depend on which other sequences "
+                            "share its steps; allowed: rounding='nearest'")
         self.cfg, self.gdn_index, self.tp = cfg, gdn_index, tp
         self.dims = (num_k_heads, num_v_heads, d_k, d_v)
         self.fields = pool_fields(cfg, self.dims, gdn_index, tp)
