@@ -3,11 +3,15 @@
 - :func:`held_storages`: the storage of every tensor reachable from an object (a
   :class:`~pace_core.state_store.StateStore`, a cache), each counted once, whatever views share it;
 - :class:`PeakBytes`: while active, the bytes of the tensors that torch operations allocate and are still
-  alive, and their peak (the transient workspace of a call: what it needs beyond the state it started with).
+  alive, and their peak (the transient workspace of a call: what it needs beyond the state it started with);
+- :func:`keep_freed_memory`: the process's C allocator told to reuse freed memory (a CPU step's workspace).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import platform
 import types
 import weakref
 from typing import Any
@@ -92,3 +96,31 @@ class PeakBytes(TorchDispatchMode):
         if self._refs[key] == 0:
             del self._refs[key]
             self.live -= self._sizes.pop(key)
+
+
+MALLOC_SETTINGS = {"M_MMAP_THRESHOLD": (-3, 32 << 20), "M_TRIM_THRESHOLD": (-1, 512 << 20), "M_TOP_PAD": (-2, 64 << 20)}
+"""glibc ``mallopt`` parameters (number, value) of :func:`keep_freed_memory`: blocks up to 32 MiB (glibc's largest
+mmap threshold) from the heap, freed memory kept until 512 MiB of it sit unused at the heap's top, the heap grown
+64 MiB beyond a request."""
+_KEPT: list[bool] = []
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's ``malloc`` keep freed memory for the next allocation instead of returning it to the kernel
+    (:data:`MALLOC_SETTINGS`), once per process; True when set (False off glibc, e.g. macOS, or where ``mallopt``
+    refuses).
+
+    By default glibc serves every block above a dynamic threshold (128 KiB at first) with a fresh ``mmap`` and
+    returns it on ``free``, and trims the heap's top beyond twice that: on the CPU, a PACE step's float32
+    temporaries (a layer's dequantised state for the batch: megabytes) then cost a page fault per 4 KiB page on
+    every step, more than their arithmetic. tcmalloc, which vLLM preloads where it finds it, keeps them; this is
+    the same for processes that run without it. The memory kept is bounded by the largest workspace a step needs
+    plus the trim threshold."""
+    if _KEPT:
+        return _KEPT[0]
+    ok = False
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = all(libc.mallopt(number, value) == 1 for number, value in MALLOC_SETTINGS.values())
+    _KEPT.append(ok)
+    return ok

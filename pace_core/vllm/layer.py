@@ -34,6 +34,7 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 from pace_core import accounting
 from pace_core.errors import PaceError
+from pace_core.memory import keep_freed_memory
 from pace_core.vllm import ARCHITECTURES
 from pace_core.recurrence import prepare_qk
 from pace_core.vllm.pages import padded_page, smallest_kernel_block
@@ -67,6 +68,7 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             self.vllm_block_size = vllm_config.cache_config.block_size
             """The attention block size before the plugin chose finer ones (pace_core.vllm.pages): vLLM's own."""
             self.chunked_prefill = bool(vllm_config.scheduler_config.enable_chunked_prefill)
+            self.kept_freed_memory = current_platform.is_cpu() and keep_freed_memory()
             self._forward_method = self._forward_pace
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
@@ -109,6 +111,8 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             cfg.name, slots, page, conv, row, block, accounting.state_bytes_per_sequence(cfg, shape),
             shape.num_gdn_layers, base_dtypes[1], base, slots * page // own, own, own / page,
             slots * page // own_finest, finest, finest, own_finest / page)
+        if self.kept_freed_memory:
+            logger.info("PACE: glibc malloc keeps freed memory for the next step (pace_core.memory.keep_freed_memory)")
         if self.chunked_prefill:
             logger.warning(
                 "PACE: chunked prefill is on: a prompt that vLLM splits into parts is rounded at the end of "
