@@ -7,8 +7,8 @@ either, the plugin changes nothing.
 
 Refused at start-up with a :class:`~pace_core.errors.PaceError` saying what to change: whatever
 :func:`pace_core.export.admit` refuses against the engine's model (a file made for another model: layer
-count, GDN layers, head shape; sections that disagree; PACE-4/8 without chosen heads), a method a pool row
-cannot hold (:data:`pace_core.vllm.slots.SLOT_METHODS`), and engine settings the state pool does not follow
+count, GDN layers, head shape; sections that disagree; PACE-4/8 without chosen heads), a state a pool row
+cannot hold (:func:`pace_core.vllm.slots.pool_refusal`), and engine settings the state pool does not follow
 yet (CUDA graphs, prefix caching, speculative decoding, KV transfer, a tensor parallel size that does not divide
 the key heads). torch.compile is served (the state step is one custom operator), and tensor parallelism (each
 rank's pool holds its own heads). A chunked prefill is served, with a rounding at the end of each part of a
@@ -29,7 +29,7 @@ from pace_core.config import NAMED_CONFIGS, ConfigDocument, PaceConfig
 from pace_core.errors import PaceError
 from pace_core.export import admit
 from pace_core.shapes import ModelShape, shape_from_hf_config
-from pace_core.vllm.slots import SLOT_METHODS, SlotLayout
+from pace_core.vllm.slots import SlotLayout, pool_refusal
 
 CONFIG_ENV = "PACE_CONFIG"
 CONFIG_KEY = "pace_config"
@@ -101,7 +101,7 @@ def _refuse_unknown(source: str) -> None:
     text = source.strip()
     if text.lower() in NAMED_CONFIGS or text.startswith("{") or Path(text).expanduser().is_file():
         return
-    names = [name for name, cfg in NAMED_CONFIGS.items() if cfg.method in SLOT_METHODS]
+    names = [name for name, cfg in NAMED_CONFIGS.items() if pool_refusal(cfg) is None]
     raise PaceError(f"the PACE configuration {text!r} is neither a file nor a configuration name; allowed: the path "
                     "of a JSON file written by the Export page or `python -m pace_core export`, or one of "
                     f"{', '.join(names)}")

@@ -29,6 +29,18 @@ SLOT_METHODS = tuple(name for name, method in METHODS.items() if method.pool)
 """Methods whose per-sequence state a pool row can hold."""
 
 
+def pool_refusal(cfg: PaceConfig) -> str | None:
+    """Why a pool row cannot hold ``cfg``'s state, in the user's words (None: it can)."""
+    if cfg.method not in SLOT_METHODS:
+        return (f"method {cfg.method!r} ({cfg.name}) cannot be served from a state pool; allowed: "
+                f"{', '.join(SLOT_METHODS)}")
+    if cfg.rounding == "stochastic":  # one generator per pool: a row's draws would follow the batch it shares
+        return (f"rounding='stochastic' ({cfg.name}) cannot be served from a state pool: its generator draws for "
+                "the whole pool, so a sequence's codes would depend on which other sequences share its steps; "
+                "allowed: rounding='nearest'")
+    return None
+
+
 class SlotLayout:
     """Where one sequence's state of one GDN layer lies in a row of bytes (module docstring).
 
@@ -40,13 +52,9 @@ class SlotLayout:
 
     def __init__(self, cfg: PaceConfig, num_k_heads: int, num_v_heads: int, d_k: int, d_v: int,
                  gdn_index: int = 0, tp: tuple[int, int] = (0, 1)) -> None:
-        if cfg.method not in SLOT_METHODS:
-            raise PaceError(f"method {cfg.method!r} ({cfg.name}) cannot be served from a state pool; allowed: "
-                            f"{', '.join(SLOT_METHODS)}")
-        if cfg.rounding == "stochastic":  # one generator per pool: a row's draws would follow the batch it shares
-            raise PaceError(f"rounding='stochastic' ({cfg.name}) cannot be served from a state pool: its generator "
-                            "draws for the whole pool, so a sequence's codes would depend on which other sequences "
-                            "share its steps; allowed: rounding='nearest'")
+        refused = pool_refusal(cfg)
+        if refused:
+            raise PaceError(refused)
         self.cfg, self.gdn_index, self.tp = cfg, gdn_index, tp
         self.dims = (num_k_heads, num_v_heads, d_k, d_v)
         self.fields = pool_fields(cfg, self.dims, gdn_index, tp)
