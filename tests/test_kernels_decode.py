@@ -753,18 +753,18 @@ def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: in
 KERNEL_RESIDENT = ("fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8")
 
 
-@pytest.mark.skipif(ON_GPU, reason="the CPU store's shape (tests/test_state_store.py); the GPU check runs it on CUDA")
 @pytest.mark.parametrize("name", KERNEL_RESIDENT)
 def test_kernel_path_holds_the_accounted_bytes(name):
     """The Triton backend's store (kernels.backend.TritonSteps: its launch plans, packed checkpoints updated in
-    place, records written by the kernels) holds after a prefill and decode exactly what
+    place, records written by the kernels; interpreted here, compiled on CUDA in the GPU check) holds after a
+    prefill and decode exactly what
     pace_core.accounting.state_bytes counts; the launch plans' head tables are process-wide (kernels.plan's
     table per head layout, shared by every layer and store of it) and their scratch is not any store's."""
     from test_state_store import RESIDENT_SHAPE, resident_store
     from pace_core.accounting import state_bytes
     from pace_core.memory import held_bytes, held_storages
 
-    store = resident_store(name, "triton")
+    store = resident_store(name, "triton", DEVICE)
     assert all(store.layer(layer).uses_kernels() for layer in store.layers)
     tables = set(held_storages(plan_mod._TABLES))
     assert held_bytes(store, skip=tables) == state_bytes(store.cfg, RESIDENT_SHAPE, store.batch) == store.nbytes()

@@ -26,11 +26,11 @@ LAYERS = [0, 2]
 
 def make_tokens(T, seed, batch=B, alpha=(0.9, 0.999)):
     """Prepared GDN inputs in float32: q, k [b, T, H, K], v [b, T, HV, V], g, beta [b, T, HV]."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k = prepare_qk(torch.randn(batch, T, H, K, generator=gen), torch.randn(batch, T, H, K, generator=gen))
-    v = torch.randn(batch, T, HV, V, generator=gen)
-    g = torch.empty(batch, T, HV).uniform_(*alpha, generator=gen).log()
-    beta = torch.rand(batch, T, HV, generator=gen)
+    gen, cpu = torch.Generator().manual_seed(seed), dict(device="cpu")  # CPU draws, also where CUDA is the default
+    q, k = prepare_qk(torch.randn(batch, T, H, K, generator=gen, **cpu), torch.randn(batch, T, H, K, generator=gen, **cpu))
+    v = torch.randn(batch, T, HV, V, generator=gen, **cpu)
+    g = torch.empty(batch, T, HV, **cpu).uniform_(*alpha, generator=gen).log()
+    beta = torch.rand(batch, T, HV, generator=gen, **cpu)
     return q, k, v, g, beta
 
 
@@ -40,7 +40,8 @@ def split(tokens, start, stop=None):
 
 def calibrated(cfg, seed=0):
     """``cfg`` with a random calibration of its method's tensors for this file's store (tests/calibration_support)."""
-    return random_calibration(cfg, HV, K, len(LAYERS), seed, d_v=V)
+    with torch.device("cpu"):  # seeded CPU draws, also where CUDA is the default device (the GPU check)
+        return random_calibration(cfg, HV, K, len(LAYERS), seed, d_v=V)
 
 
 def store_for(name, batch=B, **changes):
@@ -436,14 +437,14 @@ def test_kernel_backend_setting(monkeypatch):
 RESIDENT_SHAPE = ModelShape("residency", 3, 2, H, HV, K, V, 0, gdn_layers=(0, 2))
 
 
-def resident_store(name: str, backend: str) -> StateStore:
+def resident_store(name: str, backend: str, device: str | torch.device = "cpu") -> StateStore:
     """A store of named configuration ``name`` at :data:`RESIDENT_SHAPE` (PACE-4/8 with one 8-bit head per layer,
     DAMP with random outlier rows) after a prefill and decode tokens through a flush and into the next buffer."""
     cfg = get_config(name)
     if cfg.high_share > 0:
         cfg = cfg.replace(high_heads=((1,), (3,)))
-    store = StateStore(calibrated(cfg), RESIDENT_SHAPE, B, "cpu", H, HV, K, V, LAYERS, backend=backend)
-    tokens = make_tokens(5 + cfg.decode_period + 2, seed=3)
+    store = StateStore(calibrated(cfg), RESIDENT_SHAPE, B, device, H, HV, K, V, LAYERS, backend=backend)
+    tokens = [t.to(device) for t in make_tokens(5 + cfg.decode_period + 2, seed=3)]
     for layer in LAYERS:
         store.prefill(layer, *split(tokens, 0, 5))
         store.decode(layer, *split(tokens, 5, 7))

@@ -183,7 +183,10 @@ class _Decoder:
                 continue
             seen.add(id(obj))
             if isinstance(obj, torch.Tensor):
-                found.append(obj)
+                view = (obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride())
+                if view not in seen:  # the same memory reached through two objects is one state tensor
+                    seen.add(view)
+                    found.append(obj)
             elif isinstance(obj, dict):
                 todo.extend(obj.values())
             elif isinstance(obj, (list, tuple)):

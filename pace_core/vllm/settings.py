@@ -90,16 +90,22 @@ def _refuse_settings(vllm_config: Any) -> None:
 
 def _graphs_captured(vllm_config: Any) -> bool:
     """Whether the engine captures its forwards in CUDA graphs (never on a CPU)."""
-    from vllm.config import CUDAGraphMode
-
-    mode = vllm_config.compilation_config.cudagraph_mode
-    return not vllm_config.model_config.enforce_eager and mode is not None and mode != CUDAGraphMode.NONE
+    if vllm_config.model_config.enforce_eager:
+        return False
+    mode = vllm_config.compilation_config.cudagraph_mode  # vllm.config.CUDAGraphMode, compared by name
+    return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
 
 
 def _refuse_unknown(source: str) -> None:
-    """Refuse a configuration that is no name, JSON text or file, offering only what a pool row holds."""
+    """Refuse a configuration that is no name, JSON text or file, or a name a pool row cannot hold (before
+    asking for its calibration), offering only what a pool row holds."""
     text = source.strip()
-    if text.lower() in NAMED_CONFIGS or text.startswith("{") or Path(text).expanduser().is_file():
+    if text.lower() in NAMED_CONFIGS:
+        refused = pool_refusal(NAMED_CONFIGS[text.lower()])
+        if refused:
+            raise PaceError(refused)
+        return
+    if text.startswith("{") or Path(text).expanduser().is_file():
         return
     names = [name for name, cfg in NAMED_CONFIGS.items() if pool_refusal(cfg) is None]
     raise PaceError(f"the PACE configuration {text!r} is neither a file nor a configuration name; allowed: the path "

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU correctness call of issue 40 on one CUDA machine, from the repository root:
+#   scripts/gpu_call.sh [checks] [results]
+# checks:  the kernels' tests compiled at full Qwen3.5 shapes (kernels/bench/gpu_check.py) and GPU = CPU for every
+#          analysis (tests/test_analysis_backends.py with PACE_KERNEL_TESTS=cuda), logs in $OUT;
+# results: `python -m pace_core all --device cuda --ppl-tokens 0` (the embedded model's stored results on the whole
+#          test split: calibration, export, structure, sweep, drift, perplexity, generations, compare, claims) into
+#          $RESULTS (default /tmp/results), resuming from .gpu_results/results.tar.gz where an earlier call left one,
+#          packed into $OUT/results.tar.gz at the end or when $BUDGET_S seconds (default 560) are spent.
+# The corpus is read from ../shared/corpus, or from .corpus/ (a copy carried to a machine without ../shared).
+set -u
+OUT=${OUT:-/tmp/out}
+RESULTS=${RESULTS:-/tmp/results}
+BUDGET_S=${BUDGET_S:-560}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$OUT" "$RESULTS"
+if [ ! -f ../shared/corpus/wikitext2-test.txt ] && [ -d .corpus ]; then
+  mkdir -p ../shared && ln -sfn "$PWD/.corpus" ../shared/corpus
+fi
+left() { echo $((BUDGET_S - SECONDS)); }
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+  "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee "$OUT/versions.txt"
+git rev-parse HEAD 2>/dev/null | tee -a "$OUT/versions.txt"
+stages=("$@"); [ $# -gt 0 ] || stages=(checks results)
+for stage in "${stages[@]}"; do
+  case $stage in
+    checks)
+      timeout "$(left)" python3 kernels/bench/gpu_check.py > "$OUT/gpu_check_log.txt" 2>&1
+      echo "gpu_check exit $? after ${SECONDS}s"; tail -3 "$OUT/gpu_check_log.txt"
+      PACE_KERNEL_TESTS=cuda timeout "$(left)" python3 -m pytest -p no:cacheprovider -rfE tests/test_analysis_backends.py \
+        > "$OUT/analysis_backends_log.txt" 2>&1
+      echo "analysis backends exit $? after ${SECONDS}s"; tail -3 "$OUT/analysis_backends_log.txt" ;;
+    results)
+      [ -f .gpu_results/results.tar.gz ] && tar -xzf .gpu_results/results.tar.gz -C "$RESULTS"
+      timeout "$(left)" python3 -m pace_core all --device cuda --ppl-tokens 0 --quiet --out "$RESULTS" \
+        > "$OUT/all_log.txt" 2>&1
+      echo "all exit $? after ${SECONDS}s"; grep '^==' "$OUT/all_log.txt" | tail -3
+      tar -czf "$OUT/results.tar.gz" -C "$RESULTS" . ;;
+    *) echo "unknown stage $stage (allowed: checks, results)"; exit 2 ;;
+  esac
+done
