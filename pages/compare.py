@@ -27,7 +27,7 @@ def page(cfg: PaceConfig) -> None:
     result = stored.choose_stored(
         "compare", "compare", card.fingerprint,
         lambda r: f"{r.provenance.get('date', '?')} · {len(r.data['points'])} configurations · "
-                  f"{r.data['tokens']:,} tokens", "compare_run", title="Stored comparison")
+                  f"{r.data['tokens']:,} tokens in windows of {r.data['window']:,}", "compare_run", title="Stored comparison")
     if result is None:
         model = f" --model {controls.model_source()}" if controls.model_source() else ""
         st.info(f"No stored comparison for {session.model_label()}: `python -m pace_core compare{model}` measures every "

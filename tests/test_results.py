@@ -364,9 +364,6 @@ def test_keys_names_and_provenance(tmp_path, monkeypatch):
 SHIPPED = REPO / "data" / "results"
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped results were made before method versions (all stale) and the "
-                   "shipped drift of bf16, rtn-int8 and damp-int8 fails its check: regenerate data/results/"
-                   "pace-tiny-qwen35 (README, 'Where results live'), then remove this mark")
 def test_the_shipped_results_are_current_and_sane():
     """Every result shipped in data/results reads, passes its checks and was made by this method version."""
     for folder in sorted(p for p in SHIPPED.iterdir() if p.is_dir()):
@@ -376,16 +373,16 @@ def test_the_shipped_results_are_current_and_sane():
         assert not stale, f"{len(stale)} stale results in {folder}, e.g. {stale[:3]}"
 
 
-def test_the_shipped_drift_of_unquantised_and_8_bit_states_is_refused(tmp_path):
-    """The shipped drift results (a median relative state error of 1.21 for every configuration) are refused
-    for bf16, rtn-int8 and damp-int8, whose state error the arithmetic bounds; those of 4-bit states have no
-    such bound and read, as stale."""
+def test_the_drift_shipped_before_method_versions_is_refused_where_the_arithmetic_bounds_it(tmp_path):
+    """The drift results shipped until 2026-12-04 (tests/data/drift-2026-12-01: made on cuda by the first wave's
+    code, a median relative state error of 1.21 for every configuration) are refused for bf16, rtn-int8 and
+    damp-int8, whose state error the arithmetic bounds; that of a 4-bit state has no such bound and reads, as
+    stale."""
     folder = tmp_path / "pace-tiny-qwen35"
-    shutil.copytree(SHIPPED / "pace-tiny-qwen35", folder)
+    shutil.copytree(Path(__file__).parent / "data" / "drift-2026-12-01" / "pace-tiny-qwen35", folder)
     listing = R.list_results(folder.name, "drift", root=tmp_path)
     refused = {json.loads(d.path.read_text())["data"]["config"]: d.reason for d in listing.damaged}
     assert sorted(refused) == ["bf16", "damp-int8", "rtn-int8"]
     assert "bf16's median relative state error is 1.208" in refused["bf16"]
-    assert sorted(r.data["config"] for r in listing.results) == ["damp-int4", "pace-4", "pace-4-8", "qmamba-dsq",
-                                                                 "rtn-int4"]
+    assert [r.data["config"] for r in listing.results] == ["pace-4"]
     assert all(r.stale for r in listing.results)
