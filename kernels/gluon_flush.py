@@ -30,7 +30,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .gluon_dots import LA, LB, MMA
-from .packed_step import record_block
 from .plan import part_args
 from .primitives import (TWO23, asym_code_sum, asym_scale, bf16_split, biased, code_clamp, part_head,
                                 sym_code_sum, sym_fits, sym_scale, sym_value)
@@ -303,7 +302,7 @@ def launch(plan, n: int, args: list, common: dict, heads: int) -> None:
     table, codes, scale, zero = part_args(args)
     bk, bks, bkz, bv, bvs, _, bg = plan.records
     r = plan.record_meta
-    RB = max(record_block(plan), 8)  # the layouts' 8 or 16 slots
+    RB = max(plan.record_block, 8)  # the layouts' 8 or 16 slots
     _flush_kernel[(B * heads, V // COLUMNS.value)](
         codes, scale, zero, table, bk, bks, bkz, bv, bvs, bg, n, plan.capacity, H=H, HV=HV, HP=heads,
         MAPPED=common["MAPPED"], K=K, V=V, G=common["G"], SYM=common["SYM"], SS=common["SS0"], ZS=common["ZS0"], RB=RB,

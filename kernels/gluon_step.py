@@ -27,7 +27,6 @@ from triton.experimental.gluon import language as gl
 
 from .gluon_dots import head_dots, products
 from .gluon_flush import record_log_decays
-from .packed_step import record_block
 from .plan import DecodePlan, part_args
 from .primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
 from .records import RECORD_COUNT
@@ -123,4 +122,4 @@ def launch(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor
     bk, bks, _, bv, bvs, _, bg = plan.records
     _step_kernel[(B * HV,)](q, k, v, g, beta, o, codes, scale, bk, bks, bv, bvs, bg, len(buf),
                             plan.capacity, H=H, HV=HV, K=K, V=V, G=common["G"], SS=common["SS0"],
-                            NB=record_block(plan), num_warps=1)
+                            NB=plan.record_block, num_warps=1)

@@ -295,11 +295,6 @@ def _ckpt_window_kernel(
         tl.debug_barrier()
 
 
-def record_block(plan: DecodePlan) -> int:
-    """Records read per block by :func:`kernels.records.record_reads`: the buffer's capacity, at most 16."""
-    return min(triton.next_power_of_2(plan.capacity), 16)
-
-
 def launch_dots(plan: DecodePlan, q, k) -> None:
     """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]``
     float32, contiguous); a launch of one 4-bit part on a GPU runs :mod:`kernels.gluon_dots` where it applies
@@ -325,7 +320,7 @@ def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> 
     _record_step_kernel[(B * HV,)](
         q, k, v, g, beta, o, plan.workspace, *plan.records, len(buf), plan.capacity, H, HV, K=K, V=V,
         EXACT=m["EXACT"], **plan.record_meta,
-        NB=record_block(plan),
+        NB=plan.record_block,
         num_warps=m["record_warps"],
     )
 
@@ -349,7 +344,7 @@ def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o)
     _ckpt_step_kernel[(B * HV,)](
         q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, EXACT=m["EXACT"],
         **plan.record_meta,
-        NB=record_block(plan),
+        NB=plan.record_block,
         num_warps=m["step_warps"], **common,
     )
 
@@ -368,6 +363,6 @@ def launch_window(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> N
         _ckpt_window_kernel[(B * heads,)](
             q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, q.shape[0],
             EXACT=m["EXACT"], **plan.record_meta,
-            NB=record_block(plan),
+            NB=plan.record_block,
             num_warps=m["step_warps"], **common,
         )

@@ -211,6 +211,12 @@ class DecodePlan:
         """The split step's workspace (``workspace_size`` float32 entries of :func:`scratch`)."""
         return scratch(self.device, self.workspace_size)
 
+    @property
+    def record_block(self) -> int:
+        """Records read per block by :func:`kernels.records.record_reads`: the buffer's capacity rounded up to a
+        power of two, at most 16."""
+        return min(1 << max(self.capacity - 1, 0).bit_length(), 16)
+
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # kept alive: a CUDA graph captured on one may still be replayed
