@@ -195,5 +195,5 @@ def test_a_single_width_checkpoint_maps_its_heads_by_the_kept_table():
     bits, hv = int(torch.randint(2, 9, ())), int(torch.randint(1, 8, ()))
     p = quant.quantize(torch.randn(2, hv, 16, 32), quant.QuantSpec(bits, True, "key", 8))
     heads = as_mixed(p).heads
-    assert list(heads) == [bits] and heads[bits] is head_table([bits] * hv, torch.device("cpu"))[1].heads[bits]
+    assert list(heads) == [bits] and heads[bits] is head_table([bits] * hv, p.codes.device)[1].heads[bits]
     assert heads[bits].tolist() == list(range(hv))

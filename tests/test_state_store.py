@@ -40,8 +40,7 @@ def split(tokens, start, stop=None):
 
 def calibrated(cfg, seed=0):
     """``cfg`` with a random calibration of its method's tensors for this file's store (tests/calibration_support)."""
-    with torch.device("cpu"):  # seeded CPU draws, also where CUDA is the default device (the GPU check)
-        return random_calibration(cfg, HV, K, len(LAYERS), seed, d_v=V)
+    return random_calibration(cfg, HV, K, len(LAYERS), seed, d_v=V)
 
 
 def store_for(name, batch=B, **changes):
