@@ -31,6 +31,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import torch
@@ -263,24 +264,10 @@ def scored_bytes(tokenizer, ids: torch.Tensor, windows: list[Window]) -> int:
     return sum(len(tokenizer.decode(ids[0, a:b].tolist()).encode("utf-8")) for a, b in spans)
 
 
-def perplexity(
-    loaded: LoadedModel,
-    configs: Mapping[str, PaceConfig] | list[PaceConfig],
-    text_path: str | os.PathLike,
-    *,
-    window: int = 512,
-    stride: int = 256,
-    max_tokens: int | None = None,
-    decode_from: int | None = None,
-    reference: PaceConfig | None = None,
-    batch: int = 1,
-    progress: Callable[[int], None] | None = None,
-) -> pd.DataFrame:
-    """Quality table on a text file (first ``max_tokens`` tokens): the rows of
-    :func:`evaluate_quality` plus ``bpb`` (bits per UTF-8 byte of the scored text). The table of
-    :func:`perplexity_run`."""
-    return perplexity_run(loaded, configs, text_path, window=window, stride=stride, max_tokens=max_tokens,
-                          decode_from=decode_from, reference=reference, batch=batch, progress=progress).table
+def perplexity(loaded: LoadedModel, configs: Mapping[str, PaceConfig] | list[PaceConfig],
+               text_path: str | os.PathLike, **options: Any) -> pd.DataFrame:
+    """The table of :func:`perplexity_run` (same arguments)."""
+    return perplexity_run(loaded, configs, text_path, **options).table
 
 
 def perplexity_run(
@@ -296,7 +283,8 @@ def perplexity_run(
     batch: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> QualityRun:
-    """:func:`perplexity` (same arguments) with the figures of every window (:class:`QualityRun`)."""
+    """Quality on a text file (first ``max_tokens`` tokens): the rows of :func:`evaluate_quality` plus ``bpb``
+    (bits per UTF-8 byte of the scored text) as its table, with the figures of every window (:class:`QualityRun`)."""
     ids = tokenize(loaded.tokenizer, read_text(text_path), max_tokens)
     run = quality_run(
         loaded, configs, ids.to(loaded.device), window=window, stride=stride, decode_from=decode_from,
