@@ -27,7 +27,7 @@ def bench(monkeypatch):
     module = importlib.reload(module)
     for name, value in (("LAYERS", 2), ("H", 2), ("HV", 4), ("K", 64), ("V", 32)):
         monkeypatch.setattr(module, name, value)
-    monkeypatch.setattr(module, "time_graph", lambda work, reps: [work(), 1e-3][1:] * reps)
+    monkeypatch.setattr(module, "time_graph", lambda work, reps, layers: [work(), 1e-3][1:] * reps)
     every = module.configs
     monkeypatch.setattr(module, "configs", lambda variant: every(variant)[:2])  # two settings: the interpreter is slow
     return module
@@ -82,6 +82,37 @@ def test_per_token_pace_variant_rounds_every_token(bench):
     assert float((out.double() - o[:, 0]).norm() / o.norm()) < 1e-2
     assert st.buffer is None
     assert nbytes == bench.LAYERS * (2 * st.checkpoint.nbytes() + bench._io_bytes(2))
+
+
+@pytest.mark.parametrize("variant", ["bf16 per-token", "PACE-4 dP=8", "PACE-4 dP=1"])
+def test_each_replay_starts_from_the_kept_state(bench, variant):
+    """keep_memory: after a period and the restore, a second period computes exactly the first one's output and
+    state (the same kernels on the same inputs), where without the restore it starts from the state the first
+    left (and a state rounded every token drifts on: the overflow the bench once stopped at)."""
+    layers, _ = bench.build(variant, 2, torch.device("cpu"))
+    _, state, _, out = layers[0]
+    loaded = (lambda: state.clone()) if variant == "bf16 per-token" else state.loaded
+    restore = bench.keep_memory(layers)
+    config = bench.configs(variant)[0]
+    bench.run_period(layers, config)
+    first_out, first_state = out.clone(), loaded()
+    restore()
+    bench.run_period(layers, config)
+    assert torch.equal(out, first_out) and torch.equal(loaded(), first_state)
+    bench.run_period(layers, config)
+    assert not torch.equal(loaded(), first_state)
+
+
+def test_a_variant_that_cannot_run_gets_a_row_that_says_why(bench, monkeypatch):
+    from pace_core.errors import PaceError
+
+    def refuse(variant, B, device, reps):
+        raise PaceError("a group's fp16 scale overflows (sequence 138)")
+
+    monkeypatch.setattr(bench, "time_variant", refuse)
+    row = bench.measure(bench.DP1, 16, torch.device("cpu"), 2, 1e12)
+    assert row == {"variant": bench.DP1, "batch": 16, "error": "PaceError: a group's fp16 scale overflows (sequence 138)"}
+    assert "did not run: PaceError" in bench.row_line(row)
 
 
 @pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8"])

@@ -36,6 +36,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ from kernels.recurrent_step import dense_recurrent_step  # noqa: E402
 from pace_core.buffer import record_bytes  # noqa: E402
 from pace_core.checkpoint import state_format  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
+from pace_core.memory import reachable_tensors  # noqa: E402
 from pace_core.recurrence import prepare_qk  # noqa: E402
 from pace_core.schedule import PeriodicState  # noqa: E402
 
@@ -206,14 +208,34 @@ def run_period(layers: list, config: dict) -> None:
                     state.steps.step(state, q, k, v, g, beta, flush=state.fills_buffer(1), out=out)
 
 
-def time_graph(work, reps: int) -> list[float]:
-    """Seconds of each of ``reps`` CUDA-graph replays of ``work()`` (captured after a warm-up run)."""
+def keep_memory(layers: list) -> Callable[[], None]:
+    """What the ``layers``' states, checkpoints and buffers hold now, kept: the returned function writes it back
+    in place. Each timed replay decodes one period from the same state, as a real decode's state stays in its
+    range: replayed over and over on one period's inputs, a state rounded every token random-walks its rounding
+    noise in the directions no key erases (a head whose decay is near 1) until a scale overflows."""
+    held = [t for _, state, _, _ in layers for t in reachable_tensors(state)]
+    saved = [t.clone() for t in held]
+
+    def restore() -> None:
+        for t, s in zip(held, saved):
+            t.copy_(s)
+
+    return restore
+
+
+def time_graph(work, reps: int, layers: list) -> list[float]:
+    """Seconds of each of ``reps`` CUDA-graph replays of ``work()`` (captured after a warm-up run), the
+    ``layers``' memory restored to what it held at the call (:func:`keep_memory`) before the warm-up, the
+    capture and every replay."""
+    restore = keep_memory(layers)
+    restore()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         work()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    restore()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         work()
@@ -221,6 +243,7 @@ def time_graph(work, reps: int) -> list[float]:
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        restore()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         graph.replay()
@@ -228,12 +251,13 @@ def time_graph(work, reps: int) -> list[float]:
         e1.synchronize()
         times.append(e0.elapsed_time(e1) / 1e3)
     del graph
+    restore()
     return times
 
 
 def time_config(layers: list, config: dict, reps: int) -> list[float]:
     """Seconds per token of ``reps`` CUDA-graph replays of one period."""
-    return [t / PERIOD for t in time_graph(lambda: run_period(layers, config), reps)]
+    return [t / PERIOD for t in time_graph(lambda: run_period(layers, config), reps, layers)]
 
 
 def fill_buffers(layers: list, n: int) -> None:
@@ -271,11 +295,11 @@ def split_breakdown(layers: list, config: dict, reps: int) -> dict:
 
     fill_buffers(layers, PERIOD // 2)
     fusable = all(plan.meta["fusable"] for plan in tuned)
-    out = {"step_seconds": statistics.median(time_graph(step, reps)) if fusable else None,
-           "dots_seconds": statistics.median(time_graph(dots, reps)),
-           "records_seconds": statistics.median(time_graph(records, reps))}
+    out = {"step_seconds": statistics.median(time_graph(step, reps, layers)) if fusable else None,
+           "dots_seconds": statistics.median(time_graph(dots, reps, layers)),
+           "records_seconds": statistics.median(time_graph(records, reps, layers))}
     fill_buffers(layers, PERIOD)
-    out["flush_seconds"] = statistics.median(time_graph(flushes, reps))
+    out["flush_seconds"] = statistics.median(time_graph(flushes, reps, layers))
     fill_buffers(layers, 0)
     return {**out, "records_at_step": PERIOD // 2}
 
@@ -326,6 +350,32 @@ def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
             "bytes_per_second": nbytes / t, "outputs_finite": finite, "split_breakdown": breakdown}
 
 
+def measure(variant: str, B: int, device: torch.device, reps: int, bandwidth: float) -> dict:
+    """:func:`time_variant`'s row with its share of the copy ``bandwidth``; a variant that cannot run at this
+    batch (out of memory, a refusal of the library, a launch that fails) gets a row that says why instead."""
+    try:
+        row = time_variant(variant, B, device, reps)
+    except Exception as err:  # noqa: BLE001 - every failure becomes the row's reason, the bench goes on
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"variant": variant, "batch": B, "error": f"{type(err).__name__}: {err}"}
+    return {**row, "hbm_fraction": row["bytes_per_second"] / bandwidth}
+
+
+def row_line(row: dict) -> str:
+    """One printed line of a row."""
+    if "error" in row:
+        return f"B={row['batch']:4d} {row['variant']:20s} did not run: {row['error']}"
+    split = row["split_breakdown"]
+    step = "-" if split is None or split["step_seconds"] is None else f"{split['step_seconds'] * 1e6:.1f}"
+    parts = "" if split is None else (f" step {step} us, dots {split['dots_seconds'] * 1e6:.1f} us, records "
+                                      f"{split['records_seconds'] * 1e6:.1f} us, flush "
+                                      f"{split['flush_seconds'] * 1e6:.1f} us")
+    return (f"B={row['batch']:4d} {row['variant']:20s} {row['seconds_per_token'] * 1e6:9.1f} us/token "
+            f"{row['bytes_per_token'] / 1e6:9.2f} MB {row['hbm_fraction'] * 100:5.1f}% HBM {row['config']} "
+            f"finite={row['outputs_finite']}{parts}")
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -334,7 +384,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for variant in results["variants"]:
-        rows = [r for r in results["rows"] if r["variant"] == variant]
+        rows = [r for r in results["rows"] if r["variant"] == variant and "error" not in r]
         xs = [r["batch"] for r in rows]
         ax1.plot(xs, [r["seconds_per_token"] * 1e6 for r in rows], marker="o", label=variant)
         ax2.plot(xs, [r["hbm_fraction"] * 100 for r in rows], marker="o", label=variant)
@@ -387,33 +437,24 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     for B in (int(b) for b in args.batches.split(",")):
         for variant in variants:
-            row = time_variant(variant, B, device, args.reps)
-            row["hbm_fraction"] = row["bytes_per_second"] / bw
+            row = measure(variant, B, device, args.reps, bw)
             results["rows"].append(row)
-            split = row["split_breakdown"]
-            step = "-" if split is None or split["step_seconds"] is None else f"{split['step_seconds'] * 1e6:.1f}"
-            parts = "" if split is None else (f" step {step} us, dots "
-                                              f"{split['dots_seconds'] * 1e6:.1f} us, records "
-                                              f"{split['records_seconds'] * 1e6:.1f} us, flush "
-                                              f"{split['flush_seconds'] * 1e6:.1f} us")
-            print(f"B={B:4d} {variant:20s} {row['seconds_per_token'] * 1e6:9.1f} us/token "
-                  f"{row['bytes_per_token'] / 1e6:9.2f} MB {row['hbm_fraction'] * 100:5.1f}% HBM {row['config']} "
-                  f"finite={row['outputs_finite']}{parts}", flush=True)
+            print(row_line(row), flush=True)
         (args.out / "bench.json").write_text(json.dumps(results, indent=1))  # partial results survive a timeout
-    by = {(r["variant"], r["batch"]): r for r in results["rows"]}
+    by = {(r["variant"], r["batch"]): r for r in results["rows"] if "error" not in r}
     batches = sorted({r["batch"] for r in results["rows"]})
-    for B in batches:
-        base = by[("bf16 per-token", B)]["seconds_per_token"]
-        for variant in variants:
-            by[(variant, B)]["speedup_vs_bf16_per_token"] = base / by[(variant, B)]["seconds_per_token"]
+    for (variant, B), row in by.items():
+        base = by.get(("bf16 per-token", B))
+        if base is not None:
+            row["speedup_vs_bf16_per_token"] = base["seconds_per_token"] / row["seconds_per_token"]
     (args.out / "bench.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "bench.png")
     header = f"{'batch':>5} " + " ".join(f"{v:>20}" for v in variants) + f" {'PACE-4 vs bf16':>15}"
-    print("\nµs per token (24 GDN layers) [% of HBM copy bandwidth]")
+    print("\nµs per token (24 GDN layers) [% of HBM copy bandwidth]; - : the variant did not run (its row says why)")
     print(header)
     for B in batches:
         cells = " ".join(f"{by[(v, B)]['seconds_per_token'] * 1e6:11.1f} [{by[(v, B)]['hbm_fraction'] * 100:4.0f}%]"
-                         for v in variants)
+                         if (v, B) in by else f"{'-':>20}" for v in variants)
         speed = by.get(("PACE-4 dP=8", B), {}).get("speedup_vs_bf16_per_token")
         print(f"{B:5d} {cells} " + (f"{speed:14.2f}x" if speed else f"{'-':>15}"))
     return 0
