@@ -19,7 +19,9 @@ import ast
 import functools
 import hashlib
 import json
+import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 METHOD_VERSION = 1
@@ -86,15 +88,29 @@ def record(root: Path = REPO_ROOT) -> dict[str, object]:
     return {"method_version": METHOD_VERSION, "numerics_hash": numerics_hash(root)}
 
 
+COMMIT_ENV, TREE_ENV = "PACE_COMMIT", "PACE_TREE"
+"""For a copy of the tree without its own history (a GPU machine's copy, whose ``.git`` may be another's): the
+commit it was copied from and that commit's tree hash (``git rev-parse HEAD HEAD^{tree}`` where it was copied)."""
+
+
 @functools.cache
 def code_commit() -> dict[str, object] | None:
-    """``{"commit": sha, "dirty": bool}`` of the repository's checkout (dirty: tracked files differ from the
-    commit), or None without git or outside a checkout. Read once per process."""
-    def git(*args: str) -> str:
+    """``{"commit": sha, "dirty": bool}`` of the code (dirty: its files differ from the commit's), or None without
+    git or outside a checkout. With :data:`COMMIT_ENV` set, the commit is that one, and the files are compared
+    with :data:`TREE_ENV`'s tree by hashing them (the files git would commit: tracked and untracked, not
+    ignored), so a copy whose ``.git`` is stale still names its own commit. Read once per process."""
+    def git(*args: str, env: dict[str, str] | None = None) -> str:
         return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip()
+                              timeout=60, env=env).stdout.strip()
 
     try:
+        given = os.environ.get(COMMIT_ENV)
+        if given:
+            with tempfile.TemporaryDirectory() as tmp:
+                env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+                git("add", "--all", ".", env=env)
+                tree = git("write-tree", env=env)
+            return {"commit": given, "dirty": tree != os.environ.get(TREE_ENV)}
         commit = git("rev-parse", "HEAD")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):

@@ -8,6 +8,9 @@
 #          $RESULTS (default /tmp/results), resuming from .gpu_results/results.tar.gz where an earlier call left one,
 #          packed into $OUT/results.tar.gz at the end or when $BUDGET_S seconds (default 560) are spent.
 # The corpus is read from ../shared/corpus, or from .corpus/ (a copy carried to a machine without ../shared).
+# A copy of the tree whose .git is another's names its own commit in every result's provenance when the caller
+# passes it: PACE_COMMIT=<sha> PACE_TREE=<tree sha> scripts/gpu_call.sh (`git rev-parse HEAD HEAD^{tree}` where the
+# copy was made; pace_core.version.code_commit compares the files with that tree).
 set -u
 OUT=${OUT:-/tmp/out}
 RESULTS=${RESULTS:-/tmp/results}
