@@ -43,6 +43,7 @@ from .recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
 from pace_core import quant
 from pace_core.backend import REFERENCE, capturing, token_by_token
 from pace_core.buffer import BufferFormat
+from pace_core.deferred import defer
 from pace_core.errors import PaceError
 from pace_core.methods import method_of
 from pace_core.recurrence import RECURRENT_BELOW, fold
@@ -160,8 +161,8 @@ class TritonSteps:
         in place; a packed checkpoint is replaced by the kernel's, unless a token's state was not finite or
         would overflow a group's fp16 scale: then the reference runs the tokens again from the checkpoint
         (untouched), so that the state is refused at the token and with the message a store gives. That check
-        reads the device, so it is skipped while a CUDA graph is being captured (its replays do not check,
-        as :func:`pace_core.state_store.refuse_non_finite`). ``launch``'s ``block_v`` and ``num_warps`` reach
+        reads the device: recorded while checks are deferred (:mod:`pace_core.deferred`), skipped while another
+        CUDA graph is being captured (its replays do not check, as :func:`pace_core.state_store.refuse_non_finite`). ``launch``'s ``block_v`` and ``num_warps`` reach
         the kernel; its plan and the overflow bound are made on the first run (the layer's layout does not
         change)."""
         if self._recurrent is None:  # the layer's layout: every run's checkpoint has it
@@ -170,7 +171,8 @@ class TritonSteps:
             self._recurrent = (plan_recurrent(st.checkpoint, **settings), bound)
         plan, bound = self._recurrent
         o, new, peak = recurrent_run(st.checkpoint, q, k, v, g, beta, plan=plan)
-        if peak is not None and not capturing(q) and not float(peak) <= bound:
+        if (peak is not None and not defer(lambda: ~(peak <= bound)) and not capturing(q)
+                and not float(peak) <= bound):
             return REFERENCE.recurrent_run(st, q, k, v, g, beta)
         st.set_checkpoint(new)
         return o

@@ -19,6 +19,7 @@ from .plan import (bits_of_heads, check_kernel_shape, head_table, layout_args, p
                           row_block)
 from .primitives import ckpt_store, ckpt_tile, packed_head, store_as
 from pace_core import quant
+from pace_core.deferred import defer
 from pace_core.errors import PaceError
 
 
@@ -71,10 +72,13 @@ def _check_values(S: torch.Tensor, spec: quant.QuantSpec, bits_per_head: list[in
     """PaceError like pace_core.quant's where ``S`` holds NaN or inf, or where a group's fp16 scale would
     overflow (the kernels would saturate it): one reduction (and one device read) decides, since the
     largest magnitude is NaN or inf when any value is; only then is the state counted, or quantised by the
-    reference to name the group."""
+    reference to name the group. Recorded instead while checks are deferred (:mod:`pace_core.deferred`)."""
     if not S.numel():
         return
-    largest = float(S.abs().amax())
+    peak = S.abs().amax()
+    if defer(lambda: ~(peak <= overflow_free(spec, bits_per_head))):  # NaN fails the comparison too
+        return
+    largest = float(peak)
     if not math.isfinite(largest):
         quant.check_finite(S, name)
     if largest > overflow_free(spec, bits_per_head):

@@ -387,6 +387,13 @@ class DecodeBuffer:
             )
         self._len += n
 
+    def recount(self, n: int) -> None:
+        """The count of records in the storage, set from outside: what a recorded CUDA graph's call left after
+        its replay wrote them (:mod:`pace_core.graphs`)."""
+        if not isinstance(n, int) or not 0 <= n <= self.capacity:
+            raise PaceError(f"n: {n!r} not allowed; allowed: an integer 0..{self.capacity}")
+        self._len = n
+
     def clear(self) -> None:
         """Forget all records (storage stays allocated; their log decays marked :data:`EMPTY`)."""
         self._decays[:, :self._len].fill_(EMPTY)

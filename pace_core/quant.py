@@ -49,6 +49,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from pace_core.deferred import defer
 from pace_core.errors import PaceError
 
 GroupAxis = Literal["key", "value"]
@@ -67,8 +68,11 @@ def check_bits(bits: int, field: str = "bits") -> None:
 def all_finite(*tensors: torch.Tensor) -> bool:
     """True when no tensor holds NaN or inf: one float64 sum per tensor and one read of their total (a NaN or
     an inf makes it non-finite; finite float32/bfloat16 values cannot overflow it). ``torch.isfinite`` over
-    the tensors would launch several kernels each, on every decode token of every layer."""
+    the tensors would launch several kernels each, on every decode token of every layer. While checks are
+    deferred (:mod:`pace_core.deferred`) the total's check is recorded and this returns True."""
     total = sum(t.sum(dtype=torch.float64) for t in tensors)
+    if defer(lambda: ~torch.isfinite(total)):
+        return True
     return math.isfinite(float(total))
 
 
@@ -218,9 +222,10 @@ def check_divides(group_size: int, length: int, axis: str, name: str) -> None:
 def _check_scale_range(ratio: torch.Tensor, span: torch.Tensor, shape: Sequence[int], spec: QuantSpec,
                        name: str) -> None:
     """PaceError naming the first group whose scale ``ratio`` (float32, one per group, grouped shape with
-    the group's dim kept) exceeds fp16's largest value; ``span`` is the group's max |x| or range."""
+    the group's dim kept) exceeds fp16's largest value; ``span`` is the group's max |x| or range. Recorded
+    instead while checks are deferred (:mod:`pace_core.deferred`)."""
     over = ratio > FP16_MAX
-    if not bool(over.any()):
+    if defer(lambda: over) or not bool(over.any()):
         return
     at = [int(i) for i in torch.nonzero(over)[0]]
     *lead, k, v = shape

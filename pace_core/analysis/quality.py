@@ -203,6 +203,7 @@ def quality_run(
     totals = torch.zeros(len(members), 3, dtype=torch.float64, device=loaded.output_device)  # nll, agreement, kl
     per_window = torch.zeros(len(members), len(windows), 3, dtype=torch.float64, device=loaded.output_device)
     count, done = 0, 0
+    stacks: dict = {}  # batches of one shape run on one store stack (its CUDA graphs recorded once)
     for group in batched_windows(windows, batch):
         chunk = torch.cat([ids[:, w.begin : w.end] for w in group]).to(device)
         n, W = chunk.shape
@@ -229,7 +230,7 @@ def quality_run(
                     per_window[m, done + i] += sums
 
         teacher_forced(loaded, members, chunk, d, on_logits=on_logits, logits_from=min(first_scored) - 1,
-                       progress=progress)
+                       progress=progress, stacks=stacks)
         done += len(group)
     totals, per_window = totals.cpu(), per_window.cpu()
     table = pd.DataFrame([{"config": name, "tokens": count, "nll": float(totals[m, 0]) / count,
