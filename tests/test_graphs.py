@@ -29,7 +29,7 @@ def _recorded(run) -> list[bool]:
 
 def test_checks_record_their_failures_while_deferred():
     spec = QuantSpec(4, True, "key", 4)
-    fine = torch.randn(2, 3, 8, 4, generator=torch.Generator().manual_seed(0))
+    fine = torch.randn(2, 3, 8, 4, generator=torch.Generator().manual_seed(0), device="cpu")
     huge = fine.clone()
     huge[1, 2, 5, 3] = 1e9  # a group's scale 1e9 / 7 > 65504
     nan = fine.clone()
@@ -50,7 +50,7 @@ def test_checks_record_their_failures_while_deferred():
 def test_the_kernels_state_check_records_while_deferred():
     quantize_kernels = kernel_modules()["quantize"]
     spec = QuantSpec(4, True, "key", 4)
-    S = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    S = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(1), device="cpu").to(DEVICE)
     S[0, 1, 3, 2] = 1e9
     assert _recorded(lambda: quantize_kernels._check_values(S, spec, [4, 4], "S")) == [True]
     assert _recorded(lambda: quantize_kernels._check_values(S / 1e9, spec, [4, 4], "S")) == [False]
