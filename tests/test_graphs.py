@@ -134,7 +134,8 @@ def test_graphed_quality_is_the_run_without_graphs(embedded, monkeypatch, names)
             if get_config(n).needs_calibration else get_config(n) for n in names]
 
     def run():
-        return perplexity(embedded, cfgs, TEST_TEXT, window=256, stride=128, max_tokens=256 + 128 * 15, batch=4)
+        return perplexity(embedded, cfgs, TEST_TEXT, window=256, stride=128, max_tokens=256 + 128 * 15, batch=4,
+                          decode_from=128)
 
     recorded = []
     record = DecodeGraphs._record
