@@ -18,8 +18,9 @@ set to what the recorded call left after each replay.
 - A call that cannot be recorded (an operation a graph does not allow) runs as it is from then on, and
   :attr:`DecodeGraphs.refused` says why.
 
-Graphs are used on CUDA devices unless :data:`GRAPHS_ENV` is ``off``, and only for configurations whose rounding
-draws no random numbers (a graph would replay the same draws).
+Graphs are used on CUDA devices unless :data:`GRAPHS_ENV` is ``off``, and only for configurations whose formats
+keep no state on the host between stores (:data:`pace_core.methods.HOST_STATE_COMBINATIONS`: a graph would replay
+the same random draws, and count nothing).
 """
 
 from __future__ import annotations

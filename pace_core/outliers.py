@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pace_core.deferred import defer
 from pace_core.errors import PaceError
 from pace_core.heads import retained_error
 from pace_core.quant import (
@@ -88,9 +89,9 @@ def _check_state(x: torch.Tensor, name: str, min_dim: int) -> None:
 
 def _check_fp16(amax: torch.Tensor, name: str, what: str) -> None:
     """PaceError naming the first entry of ``amax [..., n]`` (a row's max |x|, stored in fp16) beyond fp16's
-    largest value 65504 (never saturated)."""
+    largest value 65504 (never saturated). Recorded instead while checks are deferred (:mod:`pace_core.deferred`)."""
     over = amax > FP16_MAX
-    if bool(over.any()):
+    if not defer(lambda: over) and bool(over.any()):
         at = [int(i) for i in torch.nonzero(over)[0]]
         raise PaceError(f"{name}: a {what} scale overflows fp16 (index {tuple(at)}): |x| up to "
                         f"{float(amax[tuple(at)]):.4g} > 65504; allowed: values within fp16's range (another "

@@ -340,7 +340,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     check_bits(bits)
     if not isinstance(codes, torch.Tensor) or codes.is_floating_point() or codes.is_complex() or codes.dim() < 1:
         raise PaceError("codes must be an integer tensor [..., n]; allowed: integer dtypes")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 2**bits - 1):
+    if codes.numel() and not defer(lambda: (codes.min() < 0) | (codes.max() > 2**bits - 1)) and (
+            int(codes.min()) < 0 or int(codes.max()) > 2**bits - 1):
         raise PaceError(f"codes hold values outside [0, {2**bits - 1}] for bits={bits}; "
                         f"allowed: integers 0..{2**bits - 1}")
     return _pack(codes, bits)

@@ -76,6 +76,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from pace_core.deferred import defer
 from pace_core.errors import PaceError
 from pace_core.quant import FP16_MAX, check_finite, div_by_int, fp16_scale, safe_divisor, work_dtype
 
@@ -132,7 +133,7 @@ def _check_weights(w: torch.Tensor, hv: int, k: int) -> torch.Tensor:
         raise PaceError(f"w must be a float tensor [HV, K] = [{hv}, {k}] of impact weights; got "
                         f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
     check_finite(w, "w")
-    if bool((w <= 0).any()):
+    if not defer(lambda: w <= 0) and bool((w <= 0).any()):
         raise PaceError("w holds weights <= 0; allowed: positive impact weights (impact_weights gives them)")
     return w
 
@@ -244,7 +245,7 @@ def _fit(x: torch.Tensor, w: torch.Tensor, bits: int, heads: Sequence[int], name
     amax = (ax / safe_divisor(r, x.dtype)).amax(-2)
     first = div_by_int(amax.float(), qmax(bits))
     over = first > FP16_MAX
-    if bool(over.any()):
+    if not defer(lambda: over) and bool(over.any()):
         at = [int(i) for i in torch.nonzero(over)[0]]
         raise PaceError(
             f"{name}: a column scale overflows fp16 ({_where(x.shape[:-3], at[:-2])}value head {heads[at[-2]]}, "
