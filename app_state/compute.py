@@ -18,7 +18,8 @@ from app_state.session import _load_model, model_label_of
 from app_state.stored import provenance_label, stored_results
 from pace_core.analysis.calibration import Calibration, calibrate
 from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
-from pace_core.config import PaceConfig, config_from_json, config_to_json, get_config
+from pace_core.config import PaceConfig, get_config
+from pace_core.export import config_from_json, config_to_json
 from pace_core.errors import PaceError
 from pace_core.export import admit
 

@@ -23,8 +23,8 @@ from typing import Any, Callable, NamedTuple
 import streamlit as st
 import torch
 
-from pace_core.config import (METHOD_SETTINGS, NAMED_CONFIGS, SETTINGS, PaceConfig, config_to_json, default_of,
-                               get_config)
+from pace_core.config import METHOD_SETTINGS, NAMED_CONFIGS, SETTINGS, PaceConfig, default_of, get_config
+from pace_core.export import config_to_json
 from pace_core.errors import PaceError
 from pace_core.export import admit
 from pace_core.methods import COMBINATIONS, method_of

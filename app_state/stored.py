@@ -98,7 +98,7 @@ def measured_quality(cfg: Any, weights: str) -> list[Quality]:
     sidebar's model with the weights ``weights``: ``python -m pace_core perplexity`` results (matched by their
     configuration hash) and rows of ``python -m pace_core claims`` reports (matched by their configuration
     JSON); current before stale, then the most scored tokens first."""
-    from pace_core.config import config_from_json
+    from pace_core.export import config_from_json
     from pace_core.errors import PaceError
     from pace_core.results import config_hash
 

@@ -19,7 +19,8 @@ import sys
 from typing import Any, Callable, Sequence
 
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_share
-from pace_core.config import NAMED_CONFIGS, SETTINGS, PaceConfig, Setting, default_of
+from pace_core.config import NAMED_CONFIGS, SETTINGS, PaceConfig, default_of
+from pace_core.settings import Setting
 from pace_core.errors import PaceError
 from pace_core.export import admit
 from pace_core.model import commands as model_commands

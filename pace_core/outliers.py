@@ -22,12 +22,13 @@ of `group_size` = 32, symmetric) and rotated back after dequantisation, `X̂ = �
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
+import math
+
+from pace_core.checkpoint import hadamard
 from pace_core.errors import PaceError
 from pace_core.heads import retained_error
 from pace_core.quant import (
@@ -136,35 +137,6 @@ def dsq_dequantize(t: DSQTensor, dtype: torch.dtype = torch.float32) -> torch.Te
     q = unpack_codes(t.codes, t.bits, t.shape[-1]).to(w) - 2 ** (t.bits - 1)
     step = t.row_scale.to(w).unsqueeze(-1) * t.col_scale.to(w).unsqueeze(-2)
     return (q * step).to(dtype)
-
-
-def hadamard(n: int, *, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> torch.Tensor:
-    """Normalised Sylvester Hadamard matrix H [n, n] (n a power of two): H = Hᵀ, H Hᵀ = I. Kept per size,
-    dtype and device (a decode step rotates with it twice per layer): shared, never to be written."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
-        raise PaceError(f"hadamard size (the rotated head dim)={n!r} is not supported; allowed: powers of two "
-                        "1, 2, 4, ..., or no rotation")
-    return _hadamard(n, dtype, torch.device("cpu") if device is None else torch.device(device))
-
-
-@functools.lru_cache(maxsize=16)
-def _hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64, device=device)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).to(dtype)
-
-
-def rotate_keys(S: torch.Tensor) -> torch.Tensor:
-    """``H S`` along the key axis of ``S [..., K, V]`` (H the orthonormal Sylvester Hadamard of size K, a power of
-    two), computed in float64 and rounded once to float32: the state a key-rotated format quantises."""
-    return torch.matmul(hadamard(S.shape[-2], device=S.device), S.to(torch.float64)).to(torch.float32)
-
-
-def unrotate_keys(Y: torch.Tensor) -> torch.Tensor:
-    """``Hᵀ Y`` along the key axis of ``Y [..., K, V]`` (the inverse of :func:`rotate_keys`; ``Hᵀ = H``), computed
-    in float64 and rounded once to float32."""
-    return torch.matmul(hadamard(Y.shape[-2], device=Y.device).T, Y.to(torch.float64)).to(torch.float32)
 
 
 @dataclass

@@ -30,9 +30,10 @@ import torch
 
 from pace_core.backend import select_steps
 from pace_core.buffer import EMPTY, DecodeBuffer, records_held
-from pace_core.checkpoint import checkpoint_tensors, state_format, with_tensors
+from pace_core.checkpoint import checkpoint_tensors, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.methods import state_format
 from pace_core.quant import all_finite
 from pace_core.recurrence import fold_records, step_records
 from pace_core.schedule import PeriodicState

@@ -8,7 +8,8 @@ import streamlit as st
 from app_state import compute, controls, exporting, frame, session, stored
 from pace_core import figures
 from pace_core.accounting import capacity, resident_bits
-from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config, parse_json
+from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
+from pace_core.export import parse_json
 from pace_core.errors import PaceError
 from pace_core.export import admit, export_filename
 from pace_core.figures import CAPACITY_CONTEXT, CAPACITY_GPU, CAPACITY_WEIGHT_BITS

@@ -11,7 +11,7 @@ from pace_core.accounting import (
 )
 from calibration_support import calibrated
 from pace_core.buffer import DecodeBuffer
-from pace_core.checkpoint import state_format
+from pace_core.methods import state_format
 from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
 from pace_core.methods.groups import high_head_counts
 from pace_core.errors import PaceError

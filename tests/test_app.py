@@ -22,7 +22,9 @@ from numerics import fp32_bound, rel
 from pace_core.accounting import capacity, resident_bits, state_bytes
 from pace_core.analysis.structure import structure_stats
 from pace_core.analysis.text import tokenize
-from pace_core.config import config_to_json, document_from_json, get_config, num_high_heads
+from pace_core.config import get_config
+from pace_core.export import config_to_json, document_from_json
+from pace_core.heads import num_high_heads
 from pace_core.errors import PaceError
 from pace_core.export import used_settings
 from pace_core.figures import MIB
@@ -957,7 +959,7 @@ def test_export_summarises_what_it_ships_with_a_portable_model(params, loaded, t
 def test_export_quality_is_matched_by_the_settings_not_the_name(params, loaded, monkeypatch):
     """A perplexity result stored under the name 'pace-4' for other settings is not pace-4's; a claims report's
     row of pace-4's settings under another label is, and it is named."""
-    from pace_core.config import config_to_json
+    from pace_core.export import config_to_json
     from pace_core.results import Listing, Result, config_hash
     from pace_core.version import METHOD_VERSION
 

@@ -17,7 +17,8 @@ import pytest
 
 from app_support import EMBEDDED_DIR, REPO_ROOT, app_model_param, outbound_attempts, served_app
 from pace_core.accounting import capacity
-from pace_core.config import config_from_dict, config_from_json, get_config
+from pace_core.config import get_config
+from pace_core.export import config_from_dict, config_from_json
 from pace_core.shapes import load_shape
 
 CHROMIUM = Path("/usr/bin/chromium")

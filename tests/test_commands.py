@@ -5,7 +5,8 @@ import torch
 from pace_core.analysis.text import TEST_TEXT
 from pace_core.cli import main
 from pace_core.model import commands
-from pace_core.config import NAMED_CONFIGS, config_from_dict, config_from_json
+from pace_core.config import NAMED_CONFIGS
+from pace_core.export import config_from_dict, config_from_json
 from pace_core.results import config_hash, list_results, result_sets
 
 

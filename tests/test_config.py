@@ -7,21 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pace_core import __version__
-from pace_core.config import (
-    METHOD_SETTINGS,
-    NAMED_CONFIGS,
+from pace_core.config import METHOD_SETTINGS, NAMED_CONFIGS, SETTING_OF, SETTINGS, PaceConfig, get_config
+from pace_core.export import (
     SCHEMA_VERSION,
-    SETTING_OF,
-    SETTINGS,
-    PaceConfig,
     config_from_dict,
     config_from_json,
     config_to_dict,
     config_to_json,
     document_from_json,
-    get_config,
-    num_high_heads,
 )
+from pace_core.heads import num_high_heads
 from pace_core.errors import PaceError
 from pace_core.methods import COMBINATIONS, METHODS
 from pace_core.quant import QuantSpec

@@ -6,7 +6,9 @@ import json
 import pytest
 
 from pace_core.accounting import resident_bits
-from pace_core.config import NAMED_CONFIGS, PaceConfig, config_to_json, document_from_json, get_config, num_high_heads
+from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
+from pace_core.export import config_to_json, document_from_json
+from pace_core.heads import num_high_heads
 from pace_core.errors import PaceError
 from pace_core.export import (
     admit,

@@ -16,7 +16,7 @@ from numerics import fp32_bound, rel
 from pace_core import quant
 from pace_core.backend import REFERENCE
 from pace_core.buffer import BufferFormat, DecodeBuffer
-from pace_core.checkpoint import state_format
+from pace_core.methods import state_format
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.recurrence import RECURRENT_BELOW, gdn_recurrent, prepare_qk

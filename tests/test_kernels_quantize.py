@@ -8,7 +8,7 @@ import torch
 
 from pace_core import quant
 from pace_core.backend import REFERENCE
-from pace_core.checkpoint import state_format
+from pace_core.methods import state_format
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from kernels_support import SIZES, kernel_modules

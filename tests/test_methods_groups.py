@@ -12,7 +12,7 @@ import torch
 
 from pace_core import quant
 from pace_core.accounting import resident_bits, state_bytes, state_bytes_per_sequence
-from pace_core.checkpoint import state_format
+from pace_core.methods import state_format
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.memory import held_bytes

@@ -344,7 +344,7 @@ def test_dsq_of_the_key_rotated_state():
     ``Hᵀ`` of its values: against the numpy DSQ reference on the rotated state, written with a Kronecker Hadamard,
     to one float32 rounding of the loaded value, DSQ's float32 rounding of each ``q · r · c`` carried through ``Hᵀ``
     (2^-24 of the terms' magnitudes) and the float64 sums' order (K · 2^-53 of them)."""
-    from pace_core.checkpoint import state_format
+    from pace_core.methods import state_format
     from pace_core.config import get_config
 
     k = 16

@@ -47,7 +47,7 @@ from kernels.flush import launch_flush  # noqa: E402
 from kernels.packed_step import launch_dots, launch_packed_step, launch_records  # noqa: E402
 from kernels.recurrent_step import dense_recurrent_step  # noqa: E402
 from pace_core.buffer import record_bytes  # noqa: E402
-from pace_core.checkpoint import state_format  # noqa: E402
+from pace_core.methods import state_format  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
 from pace_core.recurrence import prepare_qk  # noqa: E402
 from pace_core.schedule import PeriodicState  # noqa: E402

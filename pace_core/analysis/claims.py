@@ -53,7 +53,8 @@ from pace_core.accounting import resident_bits
 from pace_core.analysis.drift import drift, drift_progress_total
 from pace_core.analysis.quality import QualityRun, perplexity_run, quality_progress_total
 from pace_core.analysis.text import read_text, tokenize
-from pace_core.config import PaceConfig, config_to_json, get_config
+from pace_core.config import PaceConfig, get_config
+from pace_core.export import config_to_json
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape

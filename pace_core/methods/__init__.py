@@ -9,11 +9,20 @@ its named configurations; the rest of the code asks :func:`method_of`. Adding a 
 import importlib
 import pkgutil
 
-from pace_core.methods.base import COMBINATIONS, METHODS, Calibrated, LayerCalibration, Method, method_of, register
+from pace_core.methods.base import (
+    COMBINATIONS,
+    METHODS,
+    Calibrated,
+    LayerCalibration,
+    Method,
+    method_of,
+    register,
+    state_format,
+)
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 for _method in sorted(METHODS.values(), key=lambda m: m.order):
     METHODS[_method.name] = METHODS.pop(_method.name)
 
-__all__ = ["COMBINATIONS", "METHODS", "Calibrated", "LayerCalibration", "Method", "method_of", "register"]
+__all__ = ["COMBINATIONS", "METHODS", "Calibrated", "LayerCalibration", "Method", "method_of", "register", "state_format"]

@@ -2,7 +2,7 @@
 :mod:`pace_core.methods`, declaring everything the rest of the code asks of a method (its settings, its
 capabilities, how it stores a checkpoint and what that costs), and the registry of them.
 
-A configuration names its method (``PaceConfig.method``); every other module asks :func:`method_of` instead
+A configuration names its method (``Configuration.method``); every other module asks :func:`method_of` instead
 of comparing method names, so adding a method is adding one module.
 """
 
@@ -20,10 +20,10 @@ import torch
 
 from pace_core.errors import PaceError
 
+from pace_core.checkpoint import StateFormat
+from pace_core.settings import Configuration, Setting
+
 if TYPE_CHECKING:
-    from pace_core.checkpoint import StateFormat
-    from pace_core.config import PaceConfig
-    from pace_core.settings import Setting
     from pace_core.shapes import ModelShape
 
 
@@ -106,17 +106,17 @@ COMBINATIONS: dict[str, tuple[str, ...]] = {
 }
 """The settings that combine with a method's storage, as the PACE paper lists them untested (stochastic rounding,
 a Hadamard rotation of the state along the key axis, static scales), each with the settings read with it
-(:class:`pace_core.config.PaceConfig`'s fields; off at their defaults). A method takes those in its ``composes``."""
+(:class:`pace_core.config.Configuration`'s fields; off at their defaults). A method takes those in its ``composes``."""
 
 
 @dataclass(frozen=True)
 class Method:
     """One state quantiser.
 
-    - ``name`` (``PaceConfig.method``), ``order`` (where the app and the named configurations list it),
+    - ``name`` (``Configuration.method``), ``order`` (where the app and the named configurations list it),
       ``label``, ``description`` (the app's help);
     - ``quantized``: False for the full-precision references;
-    - ``reads``: the PaceConfig settings it reads beyond those every configuration has (bits, the periods,
+    - ``reads``: the Configuration settings it reads beyond those every configuration has (bits, the periods,
       the buffer's): what an export writes and the app enables;
     - ``group_axes``: the axes its scale groups may run along (``()``: no groups), ``symmetric_only``,
       ``head_widths``: a share of heads may be kept at ``high_bits``; ``strategy``: compressed-tensors'
@@ -127,14 +127,14 @@ class Method:
       a configuration of another method keeps them at their defaults;
     - ``kernels``: the Triton kernels store and step it; ``pool``: a serving engine's pool row holds it;
     - ``per_token_only``: it rounds after every token (dP = 1) by definition;
-    - ``named``: its named configurations, as PaceConfig field values;
+    - ``named``: its named configurations, as Configuration field values;
     - ``format``: ``(cfg, bits_per_head, layer tensors or None, name, gdn_index) -> StateFormat``, how a layer's
       checkpoint is stored (:mod:`pace_core.checkpoint`);
     - ``payload``: ``(cfg, shape) -> (code bits, scale bits)`` per state value, the accounting's payload
       (:mod:`pace_core.accounting`), and ``layer_bytes``: ``(cfg, shape, sequences, GDN layer) -> bytes`` of
       one layer's stored checkpoints, ``fixed_bytes``: ``(cfg, shape, GDN layer) -> bytes`` kept once per
       layer (head maps, row indices);
-    - ``settings``: its own settings beyond PaceConfig's fields (:class:`pace_core.settings.Setting`, with their
+    - ``settings``: its own settings beyond Configuration's fields (:class:`pace_core.settings.Setting`, with their
       defaults), which configurations hold in ``options`` and every other module reads like fields;
     - ``check``: ``(cfg) -> None``, ``check_for``: ``(cfg, shape) -> None``, the method's own validation
       (PaceError naming the field);
@@ -148,25 +148,25 @@ class Method:
     label: str
     description: str
     format: Callable[..., StateFormat]
-    payload: Callable[[PaceConfig, ModelShape], tuple[Fraction, Fraction]]
-    layer_bytes: Callable[[PaceConfig, ModelShape, int, int], int]
+    payload: Callable[[Configuration, ModelShape], tuple[Fraction, Fraction]]
+    layer_bytes: Callable[[Configuration, ModelShape, int, int], int]
     quantized: bool = True
     reads: tuple[str, ...] = ()
     group_axes: tuple[str, ...] = ()
     symmetric_only: bool = False
     head_widths: bool = False
     strategy: str | None = "group"
-    calibration: Callable[[PaceConfig], LayerCalibration | None] = lambda cfg: None
+    calibration: Callable[[Configuration], LayerCalibration | None] = lambda cfg: None
     composes: tuple[str, ...] = ()
     kernels: bool = False
     pool: bool = False
     per_token_only: bool = False
     named: dict[str, dict[str, Any]] = field(default_factory=dict)
     settings: tuple[Setting, ...] = ()
-    fixed_bytes: Callable[[PaceConfig, ModelShape, int], int] = lambda cfg, shape, layer: 0
-    check: Callable[[PaceConfig], None] = lambda cfg: None
-    check_for: Callable[[PaceConfig, ModelShape], None] = lambda cfg, shape: None
-    groups_along: Callable[[PaceConfig], str | None] = lambda cfg: None
+    fixed_bytes: Callable[[Configuration, ModelShape, int], int] = lambda cfg, shape, layer: 0
+    check: Callable[[Configuration], None] = lambda cfg: None
+    check_for: Callable[[Configuration, ModelShape], None] = lambda cfg, shape: None
+    groups_along: Callable[[Configuration], str | None] = lambda cfg: None
     calibrate: Callable[..., list[dict[str, torch.Tensor]]] | None = None
 
     def __post_init__(self) -> None:
@@ -192,6 +192,13 @@ def register(method: Method) -> Method:
         raise PaceError(f"method {method.name!r} is registered twice")
     METHODS[method.name] = method
     return method
+
+
+def state_format(cfg: Configuration, bits_per_head: tuple[int, ...], layer: dict[str, torch.Tensor] | None = None,
+                 name: str = "state", gdn_index: int = 0) -> StateFormat:
+    """The :class:`~pace_core.checkpoint.StateFormat` of ``cfg``'s method for GDN layer ``gdn_index``
+    (:attr:`Method.format`)."""
+    return method_of(cfg).format(cfg, bits_per_head, layer, name, gdn_index)
 
 
 def method_of(name_or_cfg: Any) -> Method:

@@ -11,6 +11,7 @@ import torch
 
 from pace_core.checkpoint import StateFormat
 from pace_core.errors import PaceError
+from pace_core.heads import head_decay
 from pace_core.methods.base import LayerCalibration, Method, register
 from pace_core.outliers import DampQuantizer, DampTensor, rank_outlier_rows
 from pace_core.quant import QuantSpec, packed_nbytes
@@ -75,8 +76,6 @@ def calibrate(cfg, samples, layers: list[int]) -> list[dict[str, torch.Tensor]]:
     """Per GDN layer the ``damp_outlier_rows`` rows of each head with the largest retained error of per-token
     rounding (:func:`pace_core.outliers.rank_outlier_rows` on the calibration states and the heads' mean decays),
     as int16 ``[HV, r]``."""
-    from pace_core.heads import head_decay
-
     return [{"rows": rank_outlier_rows(samples.states[layer], head_decay(samples.decays[layer]),
                                        cfg.damp_outlier_rows, bits=cfg.bits, hadamard=cfg.damp_hadamard,
                                        group_size=cfg.group_size).to(torch.int16).cpu()}

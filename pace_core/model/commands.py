@@ -113,7 +113,7 @@ class Context:
         version, so a listing can put them side by side), ``config`` (the name) and ``configuration`` (its
         JSON form, which the checks of a stored result read). Returns ``{name: Result}`` in the order of
         ``cfgs``."""
-        from pace_core.config import config_to_dict
+        from pace_core.export import config_to_dict
         from pace_core.results import result_key
         from pace_core.version import METHOD_VERSION
 
@@ -133,7 +133,7 @@ class Context:
     def stored(self, kind: str, cfgs: list, params: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
         """``({name: key}, {name: stored Result or None})`` of each configuration's result of ``kind``
         (:meth:`per_config`'s keys)."""
-        from pace_core.config import config_to_dict
+        from pace_core.export import config_to_dict
 
         keys, found = {}, {}
         for cfg in cfgs:
@@ -144,7 +144,7 @@ class Context:
         """The calibration of ``cfg`` (cached in memory and on disk as kind 'calibration')."""
         from pace_core.analysis.calibration import Calibration, calibrate
         from pace_core.analysis.text import CALIBRATION_TEXT
-        from pace_core.config import config_to_dict
+        from pace_core.export import config_to_dict
         from pace_core.results import text_sha256
 
         path = str(text or CALIBRATION_TEXT)
@@ -482,7 +482,8 @@ def run_compare(args: argparse.Namespace) -> int:
     their Pareto frontier as one result of kind 'compare'."""
     from pace_core.analysis.compare import comparison, point
     from pace_core.analysis.text import TEST_TEXT
-    from pace_core.config import NAMED_CONFIGS, config_to_dict, get_config
+    from pace_core.config import NAMED_CONFIGS, get_config
+    from pace_core.export import config_to_dict
 
     docs = _read_configs(args.configs or list(NAMED_CONFIGS))
     ctx = _context(args)
@@ -582,7 +583,7 @@ def run_claims(args: argparse.Namespace) -> int:
     from pace_core.analysis.claims import claims_progress_total, claims_table, measure_claims, quality_configs
     from pace_core.analysis.quality import QualityRun, windows_per_batch
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
-    from pace_core.config import config_to_dict
+    from pace_core.export import config_to_dict
 
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)

@@ -19,9 +19,7 @@ but has not been run (README).
 
 from __future__ import annotations
 
-ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-                 "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
-"""The vLLM architectures served with PACE pages (:mod:`pace_core.vllm.models` has one class each)."""
+from pace_core.vllm.architectures import ARCHITECTURES
 
 
 def register() -> None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pace_core.config import NAMED_CONFIGS, ConfigDocument, PaceConfig
+from pace_core.config import NAMED_CONFIGS, PaceConfig
+from pace_core.export import ConfigDocument
 from pace_core.errors import PaceError
 from pace_core.export import admit
 from pace_core.shapes import ModelShape, shape_from_hf_config

@@ -1,7 +1,7 @@
 """The deployable export: one PACE configuration as a JSON document a serving engine can apply.
 
 Schema 6 (4 and 5 are read: their settings of later schemas are the defaults; ``config_to_dict`` in
-:mod:`pace_core.config` stays the complete record the result caches key on; this is what leaves the project)::
+:mod:`pace_core.export.record` stays the complete record the result caches key on; this is what leaves the project)::
 
     {"schema_version": 4, "kind": "pace-state-config",
      "producer": {"name": "pace-studio", "version": "0.1.0"},
@@ -33,27 +33,17 @@ by a calibration on that model or refused when it needs one.
 
 from __future__ import annotations
 
+import json
 import math
-import os
 import re
-from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any
 
-from pace_core import __version__
+from pace_core._version import __version__
+from pace_core.accounting import resident_bits
 from pace_core.buffer import BUFFER_LAYOUT
-from pace_core.config import (
-    NAMED_CONFIGS,
-    PRODUCER_NAME,
-    SETTING_OF,
-    SETTINGS,
-    ConfigDocument,
-    PaceConfig,
-    config_from_sections,
-    config_to_dict,
-    document_from_dict,
-    document_from_json,
-)
+from pace_core.config import SETTING_OF, SETTINGS, PaceConfig
 from pace_core.errors import PaceError
+from pace_core.export.record import PRODUCER_NAME, ConfigDocument, config_from_sections, config_to_dict
 from pace_core.methods import Calibrated, method_of
 from pace_core.shapes import ModelShape
 
@@ -124,8 +114,6 @@ def export_document(cfg: PaceConfig, *, shape: ModelShape | None = None, source:
     record = config_to_dict(cfg)
     pace = {SETTING_OF[f].json: record["pace"][SETTING_OF[f].json] for f in used_fields(cfg)}
     model = None if shape is None else model_block(source or shape.name, shape, weights_fingerprint)
-    if shape is not None:
-        cfg.validate_for(shape)
     if cfg.high_heads is not None:
         if model is None:
             raise PaceError("the 8-bit heads are chosen per decoder layer of a model; export them with the model "
@@ -143,8 +131,6 @@ def _resident_block(cfg: PaceConfig, shape: ModelShape) -> dict[str, Any]:
     """The ``resident_bits`` object of ``cfg`` on ``shape`` (each term of :func:`pace_core.accounting.resident_bits`).
     An export records those of the settings it writes (:func:`used_settings`: at dP = 1 the ``c`` of a buffer
     it does not use is the default buffer's), so that a reader recomputes the same."""
-    from pace_core.accounting import resident_bits
-
     r = resident_bits(cfg, shape)
     return {"payload_bits": r.payload_bits, "metadata_bits": r.metadata_bits, "c": r.c,
             "decode_period": cfg.decode_period, "buffer_bits": r.buffer_bits, "resident_bits": r.resident_bits,
@@ -250,7 +236,7 @@ def document_from_export(d: dict) -> ConfigDocument:
                         f"{cfg.decode_period}, buffer {cfg.buffer}); allowed in pace: {', '.join(sorted(expected))}. "
                         f"Remove it, or change the settings that would read it")
     _check_sections(d, cfg, shape)
-    return ConfigDocument(cfg, model["source"] if model else None, d["producer"], d["provenance"], model)
+    return ConfigDocument(cfg, model["source"] if model else None, d["provenance"], model)
 
 
 def _check_sections(d: dict, cfg: PaceConfig, shape: ModelShape | None) -> None:
@@ -285,113 +271,8 @@ def _check_sections(d: dict, cfg: PaceConfig, shape: ModelShape | None) -> None:
             raise _disagree(f"resident_bits.{key}", have, value)
 
 
-ConfigSource = str | os.PathLike | dict | PaceConfig | ConfigDocument
-"""Whatever a configuration arrives as: see :func:`read_config`."""
-
-
-def read_config(config: ConfigSource) -> ConfigDocument:
-    """The configuration document named by ``config``: a configuration name (``pace-4``, any case), the path
-    of a JSON file (an export or a complete record), JSON text, a parsed JSON object, a PaceConfig or a
-    document already read. Every field is checked, and the sections against each other (PaceError naming
-    the field and what to do)."""
-    if isinstance(config, ConfigDocument):
-        return config
-    if isinstance(config, PaceConfig):
-        return ConfigDocument(config, None, {}, {})
-    if isinstance(config, dict):
-        return document_from_dict(config)
-    if not isinstance(config, (str, os.PathLike)):
-        raise PaceError(f"config: {type(config).__name__} is not allowed; allowed: a configuration name, the path "
-                        "of a JSON file, JSON text or a PaceConfig")
-    text = str(config).strip()
-    if text.lower() in NAMED_CONFIGS:
-        return ConfigDocument(NAMED_CONFIGS[text.lower()], None, {}, {})
-    if text.startswith("{"):
-        return document_from_json(text)
-    path = Path(text).expanduser()
-    if path.suffix.lower() != ".json" and not path.is_file():
-        raise PaceError(f"config {text!r} is unknown; allowed: {', '.join(NAMED_CONFIGS)} or the path of a config "
-                        "JSON file")
-    try:
-        return document_from_json(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise PaceError(f"config {text!r} cannot be read ({e}); allowed: {', '.join(NAMED_CONFIGS)} or the path of "
-                        "a JSON file written by the Export page or `python -m pace_core export`") from None
-
-
-Calibrate = Callable[[PaceConfig], PaceConfig]
-"""Completes a configuration on the model it is to run on: its 8-bit heads chosen (DAMP's outlier rows are
-kept by the caller, which runs them beside the configuration)."""
-ReadyFor = Literal["run", "settings"]
-"""What an admitted configuration must be complete for: ``run`` (everything chosen on the model: 8-bit heads,
-a method's calibrated tensors such as DAMP's outlier rows; a run, an export) or ``settings`` (nothing
-calibrated: the app's sidebar and import, which calibrate when a view runs, and ``bits``, which counts the
-share)."""
-
-
-def admit(config: ConfigSource, shape: ModelShape | None = None, weights_fingerprint: str | None = None, *,
-          calibrate: Calibrate | None = None, ready_for: ReadyFor = "run") -> PaceConfig:
-    """The one admission of a configuration, whichever way it arrives (:data:`ConfigSource`): returns it
-    ready to run on the model of ``shape`` and ``weights_fingerprint``, or raises PaceError in the user's
-    words naming the field and what to do.
-
-    1. Read (:func:`read_config`): every field, and the sections against each other.
-    2. When ``shape`` is given, the model (:func:`check_model`): a file made for another model (layer
-       count, GDN layers, head shape, and the weights fingerprint when both are known) is refused, and the
-       settings must fit the model (group sizes, DAMP's rows, 8-bit heads).
-    3. Complete for ``ready_for``: a configuration that needs a calibration on the model for it (8-bit
-       heads not chosen, a method's tensors not calibrated) goes through ``calibrate``, or is refused without
-       one."""
-    if ready_for not in ("run", "settings"):
-        raise PaceError(f"ready_for={ready_for!r} is not allowed; allowed: 'run', 'settings'")
-    doc = read_config(config)
-    if shape is not None:
-        check_model(doc, shape, weights_fingerprint)
-    cfg = doc.config
-    if ready_for == "run" and cfg.needs_calibration:
-        if calibrate is None:
-            raise PaceError(_uncalibrated(cfg))
-        cfg = calibrate(cfg)
-        if shape is not None:
-            cfg.validate_for(shape)
-    return cfg
-
-
-def _uncalibrated(cfg: PaceConfig) -> str:
-    method = method_of(cfg)
-    calibration = method.calibration(cfg)
-    if calibration is not None and cfg.calibrated is None:
-        what = "; ".join(calibration.tensors.values())
-        return (f"configuration {cfg.name!r} ({method.label}) needs what is calibrated on the model ({what}): "
-                f"export it on this model (Export page, or `python -m pace_core export --config {cfg.name}`), which "
-                "calibrates it, and use the exported file")
-    return (f"configuration {cfg.name!r} keeps {cfg.high_share:.0%} of the heads at {cfg.high_bits} bits but does not "
-            "say which: export it on this model (Export page, or `python -m pace_core export --config "
-            f"{cfg.name}`), which calibrates them, and use the exported file")
-
-
 def export_json(cfg: PaceConfig, **kwargs: Any) -> str:
     """JSON text of :func:`export_document` (same arguments), indented."""
-    import json
-
     return json.dumps(export_document(cfg, **kwargs), indent=2)
 
 
-def check_model(doc: ConfigDocument, shape: ModelShape, weights_fingerprint: str | None = None) -> None:
-    """Refuse to apply ``doc`` to a model it was not made for: its layer count, GDN layers (where the shape
-    knows them) or head shape differ, or (when both are known) its weights fingerprint; and settings that do
-    not fit the model (:meth:`PaceConfig.validate_for`). PaceError naming what differs."""
-    model = doc.model_info
-    if model is not None:
-        have = {"num_layers": shape.num_layers,
-                "gdn_layers": None if shape.gdn_layers is None else list(shape.gdn_layers), "num_k_heads": shape.num_k_heads, "num_v_heads": shape.num_v_heads, "d_k": shape.d_k, "d_v": shape.d_v}
-        wrong = [f"{k} {model[k]} in the file, {v} in the model" for k, v in have.items()
-                 if v is not None and model[k] != v]
-        if wrong:
-            raise PaceError(f"this configuration was made for {model['source']!r} and does not fit this model: "
-                            + "; ".join(wrong) + ". Export it again on this model.")
-        if weights_fingerprint and model["weights_fingerprint"] and weights_fingerprint != model["weights_fingerprint"]:
-            raise PaceError(f"this configuration was calibrated on other weights than the model's (fingerprint "
-                            f"{model['weights_fingerprint']} in the file, {weights_fingerprint} here); export it "
-                            "again on these weights")
-    doc.config.validate_for(shape)
