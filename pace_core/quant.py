@@ -546,3 +546,24 @@ def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor,
         parts[b] = quantize(S.index_select(S.dim() - 3, idx.long()), replace(spec, bits=b), name=name,
                             generator=generator)
     return MixedPackedState(parts, heads, tuple(S.shape))
+
+
+def check_state(x: torch.Tensor, name: str, min_dim: int) -> None:
+    """PaceError unless ``x`` is a finite floating-point tensor of at least ``min_dim`` dims (a matrix
+    ``[..., K, V]`` or a state ``[..., HV, K, V]``)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < min_dim:
+        layout = "[..., K, V]" if min_dim == 2 else "[..., HV, K, V]"
+        raise PaceError(f"{name} must be a floating-point tensor {layout}; got "
+                        f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}")
+    check_finite(x, name)
+
+
+def check_fp16(amax: torch.Tensor, name: str, what: str) -> None:
+    """PaceError naming the first entry of ``amax [..., n]`` (a row's max |x|, stored in fp16) beyond fp16's
+    largest value 65504 (never saturated)."""
+    over = amax > FP16_MAX
+    if bool(over.any()):
+        at = [int(i) for i in torch.nonzero(over)[0]]
+        raise PaceError(f"{name}: a {what} scale overflows fp16 (index {tuple(at)}): |x| up to "
+                        f"{float(amax[tuple(at)]):.4g} > 65504; allowed: values within fp16's range (another "
+                        "quantiser, or inputs that keep the state in range)")

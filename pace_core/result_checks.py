@@ -156,7 +156,7 @@ def _bounded(name: str, cfg: Any, errors: Any, roundings: int, what: str) -> Non
     median = float(np.median(errors))
     if bound is not None and median > bound:
         raise PaceError(f"{name}'s median {what} is {median:.4g}; allowed for {cfg.method} "
-                        f"{cfg.reference_dtype if cfg.method == 'none' else f'{cfg.bits}-bit'} over {roundings} "
+                        f"{cfg.reference_dtype if not cfg.quantized else f'{cfg.bits}-bit'} over {roundings} "
                         f"roundings: at most {bound:.3g} (pace_core.result_checks.state_error_bound)")
 
 

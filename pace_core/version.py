@@ -29,8 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 NUMERICS_MODULES = (
     "pace_core/quant.py", "pace_core/recurrence.py", "pace_core/schedule.py", "pace_core/buffer.py",
-    "pace_core/checkpoint.py", "pace_core/outliers.py", "pace_core/stepquant.py", "pace_core/heads.py",
-    "pace_core/backend.py", "pace_core/state_store.py", "pace_core/methods/*.py", "pace_core/analysis/*.py",
+    "pace_core/checkpoint.py", "pace_core/heads.py",
+    "pace_core/backend.py", "pace_core/state_store.py", "pace_core/methods/*.py", "pace_core/methods/*/*.py", "pace_core/analysis/*.py",
     "pace_core/model/teacher.py", "pace_core/model/capture.py", "pace_core/model/patch.py", "kernels/*.py",
 )
 """The modules whose code makes the numbers of a stored result (paths or globs under the repository)."""

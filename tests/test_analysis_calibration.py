@@ -102,7 +102,7 @@ def test_calibrate_static_scales(loaded):
     """Static scales are calibrated per layer from the same samples (the method's hook, for these settings): each
     group's max |x| over the reference states (in the key-rotated basis with key_hadamard), rounded up to fp16;
     with 8-bit heads the heads are chosen as well. The result needs no further calibration."""
-    from pace_core.outliers import hadamard
+    from pace_core.checkpoint import hadamard
 
     samples = calibration_samples(loaded, tokens=96, sample_every=32)
     for cfg in (get_config("pace-4-static").replace(group_size=32),

@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from pace_core import stepquant as sq
+from pace_core.methods.stepquant import algorithm as sq
 from pace_core.accounting import resident_bits, state_bytes
 from pace_core.analysis.calibration import calibrate, calibration_samples
 from pace_core.analysis.drift import drift

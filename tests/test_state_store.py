@@ -9,7 +9,7 @@ from pace_core.accounting import state_bytes, transient_bytes
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.errors import PaceError
 from pace_core.memory import PeakBytes, held_bytes
-from pace_core.outliers import dsq_dequantize, dsq_quantize
+from pace_core.methods.dsq import dsq_dequantize, dsq_quantize
 from pace_core.recurrence import gdn_recurrent, prepare_qk
 from pace_core.shapes import ModelShape
 from pace_core.state_store import StateStore

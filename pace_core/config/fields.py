@@ -49,7 +49,6 @@ GROUP_SIZES_NO_SHAPE: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 """Group sizes allowed before a model is known: powers of two dividing 128 (Qwen's d_k = d_v)."""
 MAX_DECODE_PERIOD = 4096
 MAX_PREFILL_PERIOD = 1 << 20
-MAX_DAMP_OUTLIER_ROWS = 128
 HIGH_SHARE_METHODS: tuple[str, ...] = tuple(name for name, m in _METHODS.items() if m.head_widths)
 """Methods whose heads may be split into low- and high-bit heads."""
 
@@ -78,7 +77,6 @@ class PaceConfig:
       ``scale_dtype`` (float16).
     - ``decode_period`` dP in 1..4096 (1 = per-token rounding, no decode buffer),
       ``prefill_period`` P in 1..2^20, ``buffer``: decode-buffer precision.
-    - ``damp_outlier_rows`` (0..128, at most d_k), ``damp_hadamard``.
     - ``prefill_after_decode`` **[ours]** (the spec does not say how a prompt continues after
       decoded tokens, e.g. a user's next turn): ``flush`` folds the buffered records into the
       checkpoint and rounds it (one extra rounding, at a point that need not be a multiple of dP),
@@ -122,8 +120,6 @@ class PaceConfig:
     prefill_period: int = 256
     buffer: BufferPrecision = "int8"
     reference_dtype: str = "float32"
-    damp_outlier_rows: int = 16
-    damp_hadamard: bool = True
     high_heads: tuple[tuple[int, ...], ...] | None = None
     prefill_after_decode: PrefillAfterDecode = "flush"
     exact_current_token: bool = True
@@ -235,9 +231,6 @@ class PaceConfig:
         check_int("prefill_period", self.prefill_period, range(1, MAX_PREFILL_PERIOD + 1),
                    f"integers 1..{MAX_PREFILL_PERIOD}")
         check_choice("buffer", self.buffer, BUFFER_PRECISIONS)
-        check_int("damp_outlier_rows", self.damp_outlier_rows, range(MAX_DAMP_OUTLIER_ROWS + 1),
-                   f"integers 0..{MAX_DAMP_OUTLIER_ROWS} (at most d_k)")
-        check_choice("damp_hadamard", self.damp_hadamard, (True, False))
         check_choice("prefill_after_decode", self.prefill_after_decode, PREFILL_AFTER_DECODE)
         check_choice("exact_current_token", self.exact_current_token, (True, False))
         for part in ("key", "value"):

@@ -134,8 +134,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("high_bits", cli="--high-bits", cli_help="bits of the promoted heads",
             read_if=lambda cfg: cfg.high_share > 0),
     Setting("high_heads", read_if=lambda cfg: cfg.high_share > 0),
-    Setting("damp_outlier_rows", cli="--outlier-rows", cli_help="DAMP outlier key rows in fp16"),
-    Setting("damp_hadamard"),
     Setting("calibrated", schema=5, before=None, read_if=lambda cfg: method_of(cfg).calibration(cfg) is not None),
     *(st for method in _METHODS.values() for st in method.settings),
 )

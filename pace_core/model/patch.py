@@ -156,7 +156,7 @@ def is_reference(cfg: PaceConfig) -> bool:
     """True for the configuration that is transformers' own fp32 path (no store, no wrapping):
     method ``none``, ``float32``, ``decode_period`` 1. (``none`` + ``float32`` with dP > 1 runs the
     decode buffer without any rounding: the "quantisation off, buffering on" check.)"""
-    return cfg.method == "none" and cfg.reference_dtype == "float32" and cfg.decode_period == 1
+    return cfg.exact and cfg.decode_period == 1
 
 
 def gdn_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:

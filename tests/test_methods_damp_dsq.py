@@ -1,4 +1,4 @@
-"""Tests of pace_core.outliers (Q-Mamba DSQ, DAMP) against independent numpy references."""
+"""Tests of the quantisers of pace_core.methods.dsq (Q-Mamba DSQ) and pace_core.methods.damp (DAMP) against independent numpy references."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from pace_core.errors import PaceError
-from pace_core.outliers import (DampQuantizer, dsq_dequantize, dsq_quantize, dsq_quantize_with_values, hadamard,
-                                rank_outlier_rows)
+from pace_core.checkpoint import hadamard
+from pace_core.methods.damp import DampQuantizer, rank_outlier_rows
+from pace_core.methods.dsq import dsq_dequantize, dsq_quantize, dsq_quantize_with_values
 from pace_core.quant import QuantSpec, fake_quantize, unpack_codes
 from test_quant import F16_MAX, F16_TINY, ref_quantize
 
