@@ -8,7 +8,7 @@ import streamlit as st
 from app_state import compute, controls, exporting, frame, session, stored
 from pace_core import figures
 from pace_core.accounting import capacity, resident_bits
-from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
+from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config, tagged
 from pace_core.export import parse_json
 from pace_core.errors import PaceError
 from pace_core.export import admit, export_filename
@@ -126,7 +126,7 @@ def _capacity(col, cfg: PaceConfig, shape) -> None:
     at :data:`CAPACITY_GPU`, :data:`CAPACITY_CONTEXT` and :data:`CAPACITY_WEIGHT_BITS`."""
     budget = int(figures.GPU_BUDGETS_GB[CAPACITY_GPU] * figures.GB)
     caps = {label: capacity(c, shape, budget, weight_bits=CAPACITY_WEIGHT_BITS, context=CAPACITY_CONTEXT)
-            for label, c in (("fp32", get_config("fp32")), ("bf16", get_config("bf16")), ("this", cfg))}
+            for label, c in (*((n, get_config(n)) for n in tagged("capacity-baseline")), ("this", cfg))}
     this = caps["this"]
     where = f"one {CAPACITY_GPU} GPU, {CAPACITY_WEIGHT_BITS}-bit weights, {CAPACITY_CONTEXT:,} tokens of context"
     if this.sequences == 0:

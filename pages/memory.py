@@ -9,7 +9,7 @@ import streamlit as st
 from app_state import frame, session, stored
 from pace_core import figures
 from pace_core.accounting import capacity
-from pace_core.config import NAMED_CONFIGS, PaceConfig
+from pace_core.config import NAMED_CONFIGS, PaceConfig, tagged
 from pace_core.shapes import BUILTIN_SHAPES
 
 
@@ -29,10 +29,8 @@ def page(cfg: PaceConfig) -> None:
     shape_name = col_shape.selectbox("Model shape", list(shapes), key="memory_shape",
                                      help="The sidebar model's shape, or a built-in Qwen shape (no download).")
     shape = shapes[shape_name]
-    default_named = ["fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8", "damp-int8", "damp-int4",
-                     "qmamba-dsq"]
-    chosen = col_cfgs.multiselect("Configurations to compare", list(NAMED_CONFIGS),
-                                  default=[n for n in default_named if n in NAMED_CONFIGS], key="memory_cfgs")
+    chosen = col_cfgs.multiselect("Configurations to compare", list(NAMED_CONFIGS), default=list(tagged("memory-page")),
+                                  key="memory_cfgs")
     configs = {"sidebar: " + cfg.name: cfg}
     configs.update({n: NAMED_CONFIGS[n] for n in chosen})
 
@@ -47,7 +45,7 @@ def page(cfg: PaceConfig) -> None:
     st.caption("Rounding less often shrinks the rounding error's growth but the buffer holds dP records: "
                "the buffer term grows linearly with dP.")
     curve_cfgs = {"sidebar: " + cfg.name: cfg}
-    curve_cfgs.update({n: NAMED_CONFIGS[n] for n in ("pace-4", "pace-4-8") if n in NAMED_CONFIGS and n != cfg.name})
+    curve_cfgs.update({n: NAMED_CONFIGS[n] for n in tagged("dp-curve") if n != cfg.name})
     st.plotly_chart(figures.dp_curve_figure(curve_cfgs, shape), key="memory_dp_chart")
 
     st.subheader("Measured error against resident bits")
@@ -137,7 +135,7 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> tuple[str, in
     shape, budget = shapes[name], int(gb * figures.GB)
     if not shape.kv_bytes_per_token:
         st.caption(f"{name}: the attention layers' head shape is unknown, so their KV cache is not counted.")
-    configs = {"fp32": NAMED_CONFIGS["fp32"], "bf16": NAMED_CONFIGS["bf16"], f"chosen: {cfg.name}": cfg}
+    configs = {**{n: NAMED_CONFIGS[n] for n in tagged("capacity-baseline")}, f"chosen: {cfg.name}": cfg}
     caps = {label: capacity(c, shape, budget, weight_bits=figures.WEIGHT_PRECISIONS[weights], context=int(context))
             for label, c in configs.items()}
     chosen = caps[f"chosen: {cfg.name}"]

@@ -28,13 +28,13 @@ from pace_core.config.fields import (
     default_of,
     is_int,
 )
-from pace_core.config.named import NAMED_CONFIGS, get_config
+from pace_core.config.named import NAMED_CONFIGS, TAGGED, TAGS, get_config, tagged
 from pace_core.config.table import SETTING_OF, SETTINGS
 
 __all__ = [
     "BUFFER_PRECISIONS", "GROUP_SIZES_NO_SHAPE", "HIGH_SHARE_METHODS", "MAX_DECODE_PERIOD",
     "MAX_PREFILL_PERIOD", "MAX_ROUNDING_SEED", "METHODS", "METHOD_SETTINGS", "NAMED_CONFIGS", "PREFILL_AFTER_DECODE",
     "QUANT_BITS", "REFERENCE_DTYPES", "ROUNDINGS", "SCALES", "SCALE_DTYPES", "SETTINGS", "SETTING_OF",
-    "STATIC_MARGINS", "BufferPrecision", "PaceConfig", "PrefillAfterDecode", "Rounding", "Scales", "check_choice",
-    "check_int", "default_of", "get_config", "is_int",
+    "STATIC_MARGINS", "TAGGED", "TAGS", "BufferPrecision", "PaceConfig", "PrefillAfterDecode", "Rounding", "Scales", "check_choice",
+    "check_int", "default_of", "get_config", "is_int", "tagged",
 ]

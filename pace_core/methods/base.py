@@ -2,7 +2,7 @@
 :mod:`pace_core.methods`, declaring everything the rest of the code asks of a method (its settings, its
 capabilities, how it stores a checkpoint and what that costs), and the registry of them.
 
-A configuration names its method (``Configuration.method``); every other module asks :func:`method_of` instead
+A configuration names its method (``PaceConfig.method``); every other module asks :func:`method_of` instead
 of comparing method names, so adding a method is adding one module.
 """
 
@@ -106,17 +106,17 @@ COMBINATIONS: dict[str, tuple[str, ...]] = {
 }
 """The settings that combine with a method's storage, as the PACE paper lists them untested (stochastic rounding,
 a Hadamard rotation of the state along the key axis, static scales), each with the settings read with it
-(:class:`pace_core.config.Configuration`'s fields; off at their defaults). A method takes those in its ``composes``."""
+(:class:`pace_core.config.PaceConfig`'s fields; off at their defaults). A method takes those in its ``composes``."""
 
 
 @dataclass(frozen=True)
 class Method:
     """One state quantiser.
 
-    - ``name`` (``Configuration.method``), ``order`` (where the app and the named configurations list it),
+    - ``name`` (``PaceConfig.method``), ``order`` (where the app and the named configurations list it),
       ``label``, ``description`` (the app's help);
     - ``quantized``: False for the full-precision references;
-    - ``reads``: the Configuration settings it reads beyond those every configuration has (bits, the periods,
+    - ``reads``: the PaceConfig settings it reads beyond those every configuration has (bits, the periods,
       the buffer's): what an export writes and the app enables;
     - ``group_axes``: the axes its scale groups may run along (``()``: no groups), ``symmetric_only``,
       ``head_widths``: a share of heads may be kept at ``high_bits``; ``strategy``: compressed-tensors'
@@ -127,14 +127,16 @@ class Method:
       a configuration of another method keeps them at their defaults;
     - ``kernels``: the Triton kernels store and step it; ``pool``: a serving engine's pool row holds it;
     - ``per_token_only``: it rounds after every token (dP = 1) by definition;
-    - ``named``: its named configurations, as Configuration field values;
+    - ``named``: its named configurations, as PaceConfig field values; ``tags``: each named configuration's tags
+      (:data:`pace_core.config.named.TAGS`: the lists of configurations the study, the CLI, the app and the serving
+      checks take are those of a tag);
     - ``format``: ``(cfg, bits_per_head, layer tensors or None, name, gdn_index) -> StateFormat``, how a layer's
       checkpoint is stored (:mod:`pace_core.checkpoint`);
     - ``payload``: ``(cfg, shape) -> (code bits, scale bits)`` per state value, the accounting's payload
       (:mod:`pace_core.accounting`), and ``layer_bytes``: ``(cfg, shape, sequences, GDN layer) -> bytes`` of
       one layer's stored checkpoints, ``fixed_bytes``: ``(cfg, shape, GDN layer) -> bytes`` kept once per
       layer (head maps, row indices);
-    - ``settings``: its own settings beyond Configuration's fields (:class:`pace_core.settings.Setting`, with their
+    - ``settings``: its own settings beyond PaceConfig's fields (:class:`pace_core.settings.Setting`, with their
       defaults), which configurations hold in ``options`` and every other module reads like fields;
     - ``check``: ``(cfg) -> None``, ``check_for``: ``(cfg, shape) -> None``, the method's own validation
       (PaceError naming the field);
@@ -162,6 +164,7 @@ class Method:
     pool: bool = False
     per_token_only: bool = False
     named: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tags: dict[str, tuple[str, ...]] = field(default_factory=dict)
     settings: tuple[Setting, ...] = ()
     fixed_bytes: Callable[[Configuration, ModelShape, int], int] = lambda cfg, shape, layer: 0
     check: Callable[[Configuration], None] = lambda cfg: None
@@ -173,6 +176,10 @@ class Method:
         unknown = [c for c in self.composes if c not in COMBINATIONS]
         if unknown:
             raise PaceError(f"method {self.name!r}: composes={unknown!r} is not allowed; allowed: {', '.join(COMBINATIONS)}")
+        untagged = [name for name in self.tags if name not in self.named]
+        if untagged:
+            raise PaceError(f"method {self.name!r}: tags for {untagged!r}, which it does not name; allowed: "
+                            f"{', '.join(self.named)}")
         extra = [f for c in self.composes for f in COMBINATIONS[c] if f not in self.reads]
         object.__setattr__(self, "reads", (*self.reads, *dict.fromkeys(extra)))
 

@@ -321,4 +321,5 @@ METHOD = register(Method(
     fixed_bytes=lambda cfg, shape, layer: 2 * shape.num_v_heads * cfg.damp_outlier_rows,
     check_for=check_for, groups_along=lambda cfg: cfg.group_axis, calibrate=calibrate, settings=SETTINGS,
     named={f"damp-int{b}": dict(bits=b, group_axis="value", group_size=32, symmetric=True, decode_period=1,
-                                buffer="int8", damp_outlier_rows=16, damp_hadamard=True) for b in (8, 4)}))
+                                buffer="int8", damp_outlier_rows=16, damp_hadamard=True) for b in (8, 4)},
+    tags={f"damp-int{b}": ("all", "paper-table", "memory-page") for b in (8, 4)}))

@@ -138,4 +138,5 @@ METHOD = register(Method(
         shape.d_k * packed_last_dim(cfg.bits, shape.d_v) + 2 * shape.d_k + 2 * shape.d_v),
     groups_along=lambda cfg: "rows and columns",
     named={"qmamba-dsq": dict(bits=4, symmetric=True, group_axis="value", group_size=32, decode_period=1,
-                              buffer="int8")}))
+                              buffer="int8")},
+    tags={"qmamba-dsq": ("all", "paper-table", "memory-page")}))

@@ -25,4 +25,5 @@ METHOD = register(Method(
                             buffer_key_symmetric=False),
            "pace-4-sr": dict(PACE_4, rounding="stochastic", rounding_seed=0),
            "pace-4-hadamard": dict(PACE_4, key_hadamard=True),
-           "pace-4-static": dict(PACE_4, scales="static", static_margin=groups.STATIC_MARGIN)}))
+           "pace-4-static": dict(PACE_4, scales="static", static_margin=groups.STATIC_MARGIN)},
+    tags={name: ("cli-default", "all", "memory-page", "dp-curve", "pool", "serve-check") for name in ("pace-4", "pace-4-8")}))

@@ -17,4 +17,5 @@ METHOD = register(Method(
     fixed_bytes=groups.fixed_bytes, groups_along=groups.groups_along, composes=groups.COMPOSES,
     calibration=groups.calibration, calibrate=groups.calibrate, check_for=groups.check_for,
     named={f"rtn-int{b}": dict(bits=b, group_axis="value", group_size=32, symmetric=True, decode_period=1,
-                               buffer="int8") for b in range(2, 9)}))
+                               buffer="int8") for b in range(2, 9)},
+    tags={f"rtn-int{b}": ("cli-default", "all", "paper-table", "memory-page", "pool") for b in (4, 8)}))

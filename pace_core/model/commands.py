@@ -27,10 +27,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from pace_core.config import BUFFER_PRECISIONS, tagged
 from pace_core.errors import PaceError
 
-DEFAULT_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8")
-ALL_CONFIGS = ("bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8", "damp-int8", "damp-int4", "qmamba-dsq")
+DEFAULT_CONFIGS = tagged("cli-default")
+ALL_CONFIGS = tagged("all")
 DEFAULT_PROMPT = "The history of the city begins in"
 
 COMPARE_TOKENS = 4096
@@ -580,7 +581,7 @@ def run_claims(args: argparse.Namespace) -> int:
     ``--max-tokens 0`` (the default) scores the whole text: the GPU host's one command for the whole split."""
     import pandas as pd
 
-    from pace_core.analysis.claims import claims_progress_total, claims_table, measure_claims, quality_configs
+    from pace_core.analysis.claims import CALIBRATED, claims_progress_total, claims_table, measure_claims, quality_configs
     from pace_core.analysis.quality import QualityRun, windows_per_batch
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
     from pace_core.export import config_to_dict
@@ -588,7 +589,7 @@ def run_claims(args: argparse.Namespace) -> int:
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
     params = {"text": _sha(text), "max_tokens": args.max_tokens, "window": args.window, "seeds": args.seeds, "drift_tokens": args.drift_tokens, "calibration_tokens": args.calibration_tokens}
-    pace48, *others = ctx.prepared(["pace-4-8", "damp-int4", "damp-int8", "stepquant-4"])
+    pace48, *others = ctx.prepared(list(CALIBRATED))
     calibrated = {cfg.name: cfg for cfg in others}
     key, found = ctx.cached("claims", {**params, **{name: config_to_dict(c) for name, c in
                                                     {"pace-4-8": pace48, **calibrated}.items()}})
@@ -772,7 +773,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--axis", nargs="+", default=d["axis"], choices=["key", "value"], help="group axes")
     p.add_argument("--group-size", dest="group_size", nargs="+", type=int, default=d["group_size"],
                    help="group sizes (default 32)")
-    p.add_argument("--buffer", default=d["buffer"], choices=["fp32", "bf16", "int8", "mixed"],
+    p.add_argument("--buffer", default=d["buffer"], choices=BUFFER_PRECISIONS,
                    help="decode buffer precision for dP > 1 (default int8)")
     p.add_argument("--prefill-period", dest="prefill_period", type=int, default=d["prefill_period"],
                    help="prefill period P (default: the whole prompt, i.e. the fp32 prefill state rounded once, "

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pace_core.vllm.check import EMBEDDED, REPO_ROOT, VLLM_OWN, MAX_MODEL_LEN, _label
+from pace_core.vllm.check import EMBEDDED, MAX_MODEL_LEN, REPO_ROOT, VLLM_OWN, _label, served_configs
 from pace_core.vllm.settings import serve_command
 
-PACE_4_8 = REPO_ROOT / "data" / "results" / "pace-tiny-qwen35" / "config-pace-4-8.json"
-CONFIGS = (VLLM_OWN, "fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", str(PACE_4_8))
-"""vLLM's own state and every named configuration a pool row holds (PACE-4/8 as the embedded model's export)."""
+CONFIGS = (VLLM_OWN, *served_configs("pool"))
+"""vLLM's own state and the named configurations served from a pool row (tag ``pool``; PACE-4/8 as the embedded
+model's export)."""
 SHIPPED = REPO_ROOT / "data" / "bench" / "vllm_serve_cpu.json"
 """The figures this project measured (``python -m pace_core.vllm.bench``), shown on the Benchmarks and Export pages."""
 READY_S = 300

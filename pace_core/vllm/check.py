@@ -47,8 +47,12 @@ from typing import Any, Sequence
 
 import torch
 
+from pace_core.config import get_config, tagged
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = REPO_ROOT / "data" / "models" / "pace-tiny-qwen35"
+SHIPPED_RESULTS = REPO_ROOT / "data" / "results" / "pace-tiny-qwen35"
+"""The embedded model's shipped results, with the exports of its calibrated configurations."""
 PROMPT_TOKENS = 24
 VLLM_OWN = "vllm-own"
 """The configuration name that runs vLLM without the plugin's state (its own fp32 state), compared with the
@@ -263,11 +267,17 @@ def _label(config: str) -> str:
         else config
 
 
+def served_configs(tag: str) -> list[str]:
+    """The named configurations of ``tag`` as vLLM is given them: by name, or as the embedded model's shipped export
+    (``data/results/pace-tiny-qwen35/config-<name>.json``) where a configuration needs a calibration on it."""
+    return [str(SHIPPED_RESULTS / f"config-{name}.json") if get_config(name).needs_calibration else name
+            for name in tagged(tag)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(EMBEDDED))
-    parser.add_argument("--configs", nargs="+", default=[VLLM_OWN, "fp32", "bf16", "pace-4", str(
-        REPO_ROOT / "data" / "results" / "pace-tiny-qwen35" / "config-pace-4-8.json")])
+    parser.add_argument("--configs", nargs="+", default=[VLLM_OWN, *served_configs("serve-check")])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--join-every", dest="join_every", type=int, default=4)
