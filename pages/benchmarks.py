@@ -7,9 +7,9 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from app_state.library import PaceConfig
 from app_state import frame, stored
 from pace_core import figures
-from pace_core.config import PaceConfig
 
 
 def page(cfg: PaceConfig) -> None:

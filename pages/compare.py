@@ -4,10 +4,9 @@ one sentence, and its file in one click. Read from stored results only: no model
 
 import streamlit as st
 
+from app_state.library import PaceConfig, Point, best_under, budget_bits, portable_reference, recommendation, stored_config
 from app_state import controls, exporting, frame, session, stored
 from pace_core import figures
-from pace_core.analysis.compare import Point, best_under, budget_bits, recommendation, stored_config
-from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 
 BITS, GPU = "Bits per state value", "GPU, sequences and context"
@@ -95,7 +94,6 @@ def _budget(shape) -> tuple[float, int, str, int, int]:
 def _export(best: Point, data: dict, card) -> None:
     """The chosen configuration's file in one click: the Export page's file (app_state.exporting) of the
     configuration as it was measured, its calibration on these weights included."""
-    from pace_core.model.loading import portable_reference
 
     def calibrate(c: PaceConfig) -> PaceConfig:  # only for a stored configuration lacking its calibration
         from app_state import compute

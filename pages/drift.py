@@ -3,9 +3,9 @@
 import pandas as pd
 import streamlit as st
 
+from app_state.library import PaceConfig
 from app_state import compute, controls, frame, session, stored
 from pace_core import figures
-from pace_core.config import PaceConfig
 
 
 DEFAULT_PREFILL, DEFAULT_STEPS = 256, 256

@@ -5,17 +5,11 @@ from pathlib import Path
 
 import streamlit as st
 
+from app_state.library import NAMED_CONFIGS, PaceConfig, admit, capacity, export_filename, get_config, parse_json, resident_bits, serve_command, tagged, vllm_bench, vllm_check
 from app_state import compute, controls, exporting, frame, session, stored
 from pace_core import figures
-from pace_core.accounting import capacity, resident_bits
-from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config, tagged
-from pace_core.export import parse_json
 from pace_core.errors import PaceError
-from pace_core.export import admit, export_filename
 from pace_core.figures import CAPACITY_CONTEXT, CAPACITY_GPU, CAPACITY_WEIGHT_BITS
-from pace_core.vllm import bench as vllm_bench
-from pace_core.vllm import check as vllm_check
-from pace_core.vllm.settings import serve_command
 
 
 def serving_figures() -> None:

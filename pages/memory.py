@@ -6,11 +6,9 @@ import json
 import pandas as pd
 import streamlit as st
 
+from app_state.library import BUILTIN_SHAPES, NAMED_CONFIGS, PaceConfig, capacity, tagged
 from app_state import frame, session, stored
 from pace_core import figures
-from pace_core.accounting import capacity
-from pace_core.config import NAMED_CONFIGS, PaceConfig, tagged
-from pace_core.shapes import BUILTIN_SHAPES
 
 
 def page(cfg: PaceConfig) -> None:

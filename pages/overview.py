@@ -4,10 +4,8 @@ what each PACE part does."""
 import pandas as pd
 import streamlit as st
 
+from app_state.library import PaceConfig, SPREAD_LEVEL, get_config, state_bytes, state_share, verdict
 from app_state import frame, session, stored
-from pace_core.accounting import state_bytes, state_share
-from pace_core.analysis.claims import SPREAD_LEVEL, verdict
-from pace_core.config import PaceConfig, get_config
 from pace_core.figures import MIB
 
 

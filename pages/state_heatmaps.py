@@ -3,11 +3,9 @@
 import streamlit as st
 import torch
 
+from app_state.library import PaceConfig, QuantSpec, fake_quantize, strongest_outlier_head, structure_stats
 from app_state import compute, controls, frame, session
 from pace_core import figures
-from pace_core.analysis.structure import strongest_outlier_head, structure_stats
-from pace_core.quant import QuantSpec, fake_quantize
-from pace_core.config import PaceConfig
 
 
 def page(cfg: PaceConfig) -> None:

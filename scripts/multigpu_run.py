@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from pace_core.cli import build_parser
-    from pace_core.model import commands
+    from pace_core.cli import study
     from pace_core.results import atomic_write
 
     doc: dict[str, Any] = {"kind": "multigpu_run", "status": "running", "label": args.label, "shape": args.shape,
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     step("load", load)
     code = 0
-    for name, action in commands.all_steps(pace_args):
+    for name, action in study.all_steps(pace_args):
         code = step(name, action)
         if code:
             break

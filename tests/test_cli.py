@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from pace_core import cli
+from pace_core.cli import bits
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_share
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.export import config_to_json
@@ -141,9 +142,9 @@ def test_argparse_usage_errors_exit_2(capsys):
 def test_commands_register_on_the_parser():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert "bits" in sub.choices and cli.register in cli.REGISTRARS
+    assert "bits" in sub.choices and bits.register in cli.REGISTRARS
     args = parser.parse_args(["bits", "--model", "qwen3.5-4b"])
-    assert args.func is cli.run_bits and args.config is None and args.sequences == 64
+    assert args.func is bits.run_bits and args.config is None and args.sequences == 64
 
 
 def test_subprocess_entry_point():

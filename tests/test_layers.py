@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PAGE_IMPORTS = ("app_state", "pace_core.figures", "pace_core.errors")
 spec = importlib.util.spec_from_file_location("import_graph", REPO / "scripts" / "import_graph.py")
 import_graph = importlib.util.module_from_spec(spec)
 sys.modules["import_graph"] = import_graph
@@ -38,3 +39,10 @@ def test_no_import_cycle():
     graph = {m: {b for a, b, _, _ in found if a == m} for m in files}
     assert import_graph.cycles(graph) == []
 
+
+
+def test_pages_import_only_app_state_figures_and_errors():
+    _, found = _graph()
+    wrong = [f"{a}:{line} -> {b}" for a, b, line, _ in found if a.startswith("pages.") or a == "app"
+             if not any(b == p or b.startswith(p + ".") for p in PAGE_IMPORTS) and b != "pace_core"]
+    assert wrong == []

@@ -1,12 +1,4 @@
-"""``python -m pace_core <command>``: the command line of PACE Studio.
-
-Commands register themselves on the argparse sub-parsers: a module exposing
-``register(subparsers)`` adds its parsers, each with ``set_defaults(func=run)`` where
-``run(args) -> int`` is the exit code. :func:`build_parser` calls every registrar; a new group of
-commands is one import and one call there. A :class:`~pace_core.errors.PaceError` from any command
-is printed as ``error: <message>`` on stderr with exit code 2, without a traceback.
-
-``bits``: the resident-bit breakdown of one configuration (``--config``: a named configuration or
+"""``bits``: the resident-bit breakdown of one configuration (``--config``: a named configuration or
 an exported config JSON file) or, without ``--config``, a table of every named configuration, on a
 built-in shape, a ``config.json`` or a checkpoint folder (``--model``; default: the embedded model).
 """
@@ -15,15 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_share
 from pace_core.config import NAMED_CONFIGS, SETTINGS, PaceConfig, default_of
 from pace_core.settings import Setting
 from pace_core.errors import PaceError
 from pace_core.export import admit
-from pace_core.model import commands as model_commands
+from pace_core.model import DEFAULT_MODEL_DIR
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape, load_shape
 
 DEFAULT_SEQUENCES = 64
@@ -44,8 +35,6 @@ _OVERRIDES: tuple[Setting, ...] = tuple(st for st in SETTINGS if st.cli)
 
 
 def _default_model() -> str:
-    from pace_core.model import DEFAULT_MODEL_DIR
-
     if not DEFAULT_MODEL_DIR.joinpath("config.json").is_file():
         raise PaceError(f"no --model given and the embedded model {DEFAULT_MODEL_DIR} is missing; allowed "
                         f"--model: {', '.join(BUILTIN_SHAPES)}, a config.json or a checkpoint folder")
@@ -170,30 +159,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for st in _OVERRIDES:
         p.add_argument(st.cli, dest=st.field, **_override_kwargs(st))
     p.set_defaults(func=run_bits)
-
-
-REGISTRARS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (register, model_commands.register)
-"""Command registrars, called in order by build_parser."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser with every registered command."""
-    parser = argparse.ArgumentParser(prog="python -m pace_core",
-                                     description="PACE Studio: 4-bit recurrent states for Gated DeltaNet hybrids.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_commands in REGISTRARS:
-        add_commands(subparsers)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (2 with a message on stderr for bad input)."""
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except PaceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a path that cannot be written or read (a file where a folder belongs, no permission)
-        print(f"error: {e}; allowed: a path this process can write (--out, --output) and read", file=sys.stderr)
-        return 2
