@@ -43,9 +43,10 @@ app: $(VENV)/.app
 # here instead of on another CPU (tests/numerics.py says what may be compared how).
 NUMERICS_GUARD := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41 PACE_TEST_THREADS=2
 
-# The import layers of docs/ARCHITECTURE.md (pyproject's import-linter contracts).
+# The import layers of docs/ARCHITECTURE.md (pyproject's import-linter contracts) and ruff (pyproject's [tool.ruff]).
 lint: $(VENV)/.dev
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
 
 test: lint
 	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \

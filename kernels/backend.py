@@ -3,7 +3,8 @@ on the kernels of this package (CUDA tensors; CPU tensors only under ``TRITON_IN
 
 - store / load: :mod:`kernels.quantize` for rtn / pace checkpoints (bit-identical to pace_core.quant), a
   cast for method none;
-- a prefill chunk: :mod:`kernels.chunk`, a short one (a decode token of the fp32 reference) :mod:`kernels.recurrent_step`;
+- a prefill chunk: :mod:`kernels.chunk`, a short one (a decode token of the fp32 reference)
+  :mod:`kernels.recurrent_step`;
 - a buffered token: packed key-axis checkpoints (PACE-4, PACE-4/8) run :mod:`kernels.packed_step` (a window
   of tokens in one launch) and, when the schedule asks, :mod:`kernels.flush`, both on the checkpoint in place;
   dense (method none) and value-axis checkpoints run :mod:`kernels.fused_step`, which flushes in the same
@@ -33,6 +34,13 @@ from __future__ import annotations
 
 import torch
 
+from pace_core import quant
+from pace_core.backend import REFERENCE, capturing, token_by_token
+from pace_core.buffer import BufferFormat
+from pace_core.errors import PaceError
+from pace_core.methods import method_of
+from pace_core.recurrence import RECURRENT_BELOW, fold
+
 from . import chunk as _chunk
 from . import quantize as _quantize
 from .flush import launch_flush
@@ -40,12 +48,6 @@ from .fused_step import launch_fused
 from .packed_step import launch_packed_step, launch_window
 from .plan import DecodePlan, check_kernel_shape, is_pow2, output_tensor, plan_decode
 from .recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
-from pace_core import quant
-from pace_core.backend import REFERENCE, capturing, token_by_token
-from pace_core.buffer import BufferFormat
-from pace_core.errors import PaceError
-from pace_core.methods import method_of
-from pace_core.recurrence import RECURRENT_BELOW, fold
 
 
 class TritonSteps:

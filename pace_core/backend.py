@@ -33,8 +33,7 @@ from pace_core.errors import PaceError
 from pace_core.recurrence import buffered_step, buffered_window, fold, gdn_recurrent, gdn_segment
 
 if TYPE_CHECKING:
-    from pace_core.buffer import BufferFormat
-    from pace_core.buffer import DecodeBuffer
+    from pace_core.buffer import BufferFormat, DecodeBuffer
     from pace_core.checkpoint import Checkpoint, RoundingFormat, StateFormat
 
 KERNELS_ENV = "PACE_KERNELS"

@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

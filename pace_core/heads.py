@@ -87,7 +87,9 @@ def retained_error(e: torch.Tensor, a: torch.Tensor, dP: int) -> torch.Tensor:
     return e / (1.0 - a.clamp(max=MAX_DECAY).pow(2 * dP))
 
 
-def high_heads_for(a: torch.Tensor, e: torch.Tensor, cfg: Configuration) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
+def high_heads_for(
+    a: torch.Tensor, e: torch.Tensor, cfg: Configuration
+) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
     """The allocation of PACE-4/8 (spec §4) from a calibration: ``E [L, HV]`` (:func:`retained_error` at the
     config's dP) and the heads per layer that keep ``cfg.high_bits`` (:func:`allocate_high_heads` at its
     share). ``a, e [L, HV]``."""

@@ -169,7 +169,9 @@ class StatePool:
             raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
         cfg, records = self.cfg, self.records
         counts = records_held(self.tensors["log_decays"].index_select(0, slots))
-        checkpoint = with_tensors(self.template, {n: self.tensors[n].index_select(0, slots) for n in self.checkpoint_names})
+        checkpoint = with_tensors(
+            self.template, {n: self.tensors[n].index_select(0, slots) for n in self.checkpoint_names}
+        )
         S_hat = self.fmt.load(checkpoint)
         o, u = step_records(S_hat, records.masked_records(slots, counts, int(counts.max())), q, k, v, g, beta,
                             cfg.exact_current_token, records.rounded, records.dtype)

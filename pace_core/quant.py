@@ -44,8 +44,9 @@ points derived from it (:func:`static_scales`) and the codes of a state saturati
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
@@ -250,10 +251,15 @@ def round_codes(y: torch.Tensor, generator: torch.Generator | None = None) -> to
     return torch.floor(y + torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device))
 
 
-def _quantize_codes(x: torch.Tensor, spec: QuantSpec, name: str = "x", values: torch.dtype | None = None, *,
-                    generator: torch.Generator | None = None,
-                    fixed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def _quantize_codes(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    name: str = "x",
+    values: torch.dtype | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    fixed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Unpacked codes uint8 [..., K, V], fp16 scale and uint8 zero points (or None) of checked `x`, with `values`
     the dequantised values in that dtype (from the signed codes: no second pass over the uint8 codes), else None,
     and the number of saturated values (int64, 0-dim) under ``fixed`` scales, else None. ``generator``: stochastic

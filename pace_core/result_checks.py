@@ -12,7 +12,8 @@ checks of the document.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -243,7 +244,9 @@ def _perplexity(data: dict, table: pd.DataFrame | None) -> None:
         if not math.isclose(max(total, 0.0), mean, rel_tol=WINDOW_SUM_TOLERANCE, abs_tol=WINDOW_SUM_TOLERANCE):
             raise PaceError(f"{name}: its windows' {field} adds up to {total!r}, its row to {mean!r}")
     if name == REFERENCE and ((table["kl"] != 0).any() or (table["agreed"].to_numpy() != tokens).any()):
-        raise PaceError(f"the reference {REFERENCE} differs from itself in a window; allowed: KL 0, every token agreeing")
+        raise PaceError(
+            f"the reference {REFERENCE} differs from itself in a window; allowed: KL 0, every token agreeing"
+        )
 
 
 def _generation(data: dict, table: pd.DataFrame | None) -> None:

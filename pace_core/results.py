@@ -45,17 +45,18 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
+from pace_core._version import __version__
 from pace_core.config import NAMED_CONFIGS
 from pace_core.errors import PaceError
 from pace_core.export import config_to_dict
 from pace_core.result_checks import check_result
-from pace_core._version import __version__
 from pace_core.version import METHOD_VERSION, code_commit
 
 SCHEMA_VERSION = 2

@@ -6,8 +6,9 @@ its own (:attr:`pace_core.methods.Method.settings`), which :class:`~pace_core.co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from pace_core.errors import PaceError
 

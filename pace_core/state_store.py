@@ -21,15 +21,16 @@ All batch rows step together (as in HF ``generate``). Computation is float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from pace_core.backend import backend_setting, capturing
 from pace_core.errors import PaceError
-from pace_core.quant import all_finite
 from pace_core.pool import StatePool
+from pace_core.quant import all_finite
 from pace_core.schedule import Capture
 from pace_core.shapes import ModelShape
 

@@ -5,8 +5,21 @@ from pathlib import Path
 
 import streamlit as st
 
-from app_state.library import NAMED_CONFIGS, PaceConfig, admit, capacity, export_filename, get_config, parse_json, resident_bits, serve_command, tagged, vllm_bench, vllm_check
 from app_state import compute, controls, exporting, frame, session, stored
+from app_state.library import (
+    NAMED_CONFIGS,
+    PaceConfig,
+    admit,
+    capacity,
+    export_filename,
+    get_config,
+    parse_json,
+    resident_bits,
+    serve_command,
+    tagged,
+    vllm_bench,
+    vllm_check,
+)
 from pace_core import figures
 from pace_core.errors import PaceError
 from pace_core.figures import CAPACITY_CONTEXT, CAPACITY_GPU, CAPACITY_WEIGHT_BITS

@@ -6,8 +6,8 @@ import inspect
 import pandas as pd
 import streamlit as st
 
-from app_state.library import NAMED_CONFIGS, PaceConfig, generate_side_by_side
 from app_state import compute, controls, frame, session, stored
+from app_state.library import NAMED_CONFIGS, PaceConfig, generate_side_by_side
 from pace_core import figures
 
 SAMPLING = {name: p.default for name, p in inspect.signature(generate_side_by_side).parameters.items()

@@ -3,8 +3,8 @@
 import pandas as pd
 import streamlit as st
 
-from app_state.library import HIGH_SHARE_METHODS, PaceConfig, get_config, high_heads_for
 from app_state import compute, controls, frame, session
+from app_state.library import HIGH_SHARE_METHODS, PaceConfig, get_config, high_heads_for
 from pace_core import figures
 
 

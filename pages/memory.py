@@ -6,8 +6,8 @@ import json
 import pandas as pd
 import streamlit as st
 
-from app_state.library import BUILTIN_SHAPES, NAMED_CONFIGS, PaceConfig, capacity, tagged
 from app_state import frame, session, stored
+from app_state.library import BUILTIN_SHAPES, NAMED_CONFIGS, PaceConfig, capacity, tagged
 from pace_core import figures
 
 
@@ -35,9 +35,11 @@ def page(cfg: PaceConfig) -> None:
     table = figures.resident_bits_table(configs, shape)
     st.subheader(f"Resident bits per state value on {shape_name}")
     st.plotly_chart(figures.resident_bits_figure(table), key="memory_bits_chart")
-    st.dataframe(table.style.format({c: "{:.4f}" for c in ["payload", "metadata", "buffer c·dP", "resident",
-                                                            "exact", "c"]}),
-                 hide_index=True, key="memory_bits_table")
+    st.dataframe(
+        table.style.format(dict.fromkeys(["payload", "metadata", "buffer c·dP", "resident", "exact", "c"], "{:.4f}")),
+        hide_index=True,
+        key="memory_bits_table",
+    )
 
     st.subheader("Resident bits against the decode period dP")
     st.caption("Rounding less often shrinks the rounding error's growth but the buffer holds dP records: "
@@ -104,12 +106,18 @@ def _measured() -> None:
                    "the generation's state keeps (equal to the accounted bytes); *cache* adds the attention KV and "
                    "conv states; *step peak* is the largest workspace of one further decode step (freed after it).")
         mib = 1 << 20
-        table = pd.DataFrame({
-            "configuration": rows["config"], "resident bits": rows["resident_bits"],
-            "state MiB (accounted)": rows["state_bytes_accounted"] / mib, "state MiB (held)": rows["state_bytes_held"] / mib,
-            "× fewer than fp32": rows["saving_vs_fp32"], "whole cache MiB": rows["cache_bytes_held"] / mib,
-            "step peak MiB": rows["decode_step_peak_bytes"] / mib})
-        st.dataframe(table.style.format({c: "{:.3f}" for c in table.columns[1:]}), hide_index=True,
+        table = pd.DataFrame(
+            {
+                "configuration": rows["config"],
+                "resident bits": rows["resident_bits"],
+                "state MiB (accounted)": rows["state_bytes_accounted"] / mib,
+                "state MiB (held)": rows["state_bytes_held"] / mib,
+                "× fewer than fp32": rows["saving_vs_fp32"],
+                "whole cache MiB": rows["cache_bytes_held"] / mib,
+                "step peak MiB": rows["decode_step_peak_bytes"] / mib,
+            }
+        )
+        st.dataframe(table.style.format(dict.fromkeys(table.columns[1:], "{:.3f}")), hide_index=True,
                      key=f"memory_measured_{path.stem}")
 
 

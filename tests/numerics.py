@@ -57,7 +57,9 @@ def assert_same_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, logits: t
     for b in range(tokens.shape[0]):
         for t in range(tokens.shape[1]):
             step, ref_step = logits[t][b].double(), ref_logits[t][b].double()
-            assert rel(step, ref_step) <= tol, f"row {b}, step {t}: logits differ by {rel(step, ref_step):.3g} > {tol:.3g}"
+            assert rel(step, ref_step) <= tol, (
+                f"row {b}, step {t}: logits differ by {rel(step, ref_step):.3g} > {tol:.3g}"
+            )
             if tokens[b, t] != ref_tokens[b, t]:
                 top2 = ref_step.topk(2).values
                 margin = float(top2[0] - top2[1])

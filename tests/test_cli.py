@@ -7,14 +7,31 @@ from pathlib import Path
 import pytest
 
 from pace_core import cli
-from pace_core.cli import bits
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_share
+from pace_core.cli import bits
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.export import config_to_json
 from pace_core.shapes import BUILTIN_SHAPES, load_shape
 
-KEYS = {"model", "config", "code_bits", "scale_bits", "formula_bits", "payload_bits", "metadata_bits", "buffer_bits", "resident_bits", "c", "exact_bits",
-        "paper_c", "decode_period", "sequences", "state_bytes", "state_share", "sequence_bits"}
+KEYS = {
+    "model",
+    "config",
+    "code_bits",
+    "scale_bits",
+    "formula_bits",
+    "payload_bits",
+    "metadata_bits",
+    "buffer_bits",
+    "resident_bits",
+    "c",
+    "exact_bits",
+    "paper_c",
+    "decode_period",
+    "sequences",
+    "state_bytes",
+    "state_share",
+    "sequence_bits",
+}
 REPO = Path(__file__).resolve().parents[1]
 
 

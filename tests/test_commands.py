@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from pace_core.analysis.text import TEST_TEXT
-from pace_core.cli import main
 from pace_core.cli import context as commands
+from pace_core.cli import main
 from pace_core.cli.calibration import export_differences
 from pace_core.config import NAMED_CONFIGS
 from pace_core.export import config_from_dict, config_from_json
@@ -335,8 +335,29 @@ def test_all_small(env, tmp_path, capsys, bars, monkeypatch):
     quality[0].path.unlink()
     capsys.readouterr()
     bars.clear()
-    assert main(["claims", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--max-tokens", "64",
-                 "--window", "512", "--calibration-text", env["text"], "--calibration-tokens", "64"]) == 0
+    assert (
+        main(
+            [
+                "claims",
+                "--model",
+                env["model"],
+                "--out",
+                out,
+                "--quiet",
+                "--text",
+                env["text"],
+                "--max-tokens",
+                "64",
+                "--window",
+                "512",
+                "--calibration-text",
+                env["text"],
+                "--calibration-tokens",
+                "64",
+            ]
+        )
+        == 0
+    )
     _assert_filled(bars)  # the resumed run announces only the configuration it measures
     printed = capsys.readouterr().out
     assert "reusing stored claims_quality" in printed

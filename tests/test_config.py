@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pace_core import __version__
 from pace_core.config import METHOD_SETTINGS, NAMED_CONFIGS, SETTING_OF, SETTINGS, PaceConfig, get_config
+from pace_core.errors import PaceError
 from pace_core.export import (
     SCHEMA_VERSION,
     config_from_dict,
@@ -17,7 +18,6 @@ from pace_core.export import (
     document_from_json,
 )
 from pace_core.heads import num_high_heads
-from pace_core.errors import PaceError
 from pace_core.methods import COMBINATIONS, METHODS
 from pace_core.quant import QuantSpec
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape
@@ -265,7 +265,9 @@ def configs(draw) -> PaceConfig:
     if share > 0 and draw(st.booleans()):
         layers = draw(st.lists(st.sets(st.integers(0, 63), max_size=6), min_size=1, max_size=4))
         heads = tuple(tuple(sorted(layer)) for layer in layers)
-    damp = dict(damp_outlier_rows=draw(st.integers(0, 128)), damp_hadamard=draw(st.booleans())) if method == "damp" else {}
+    damp = (
+        dict(damp_outlier_rows=draw(st.integers(0, 128)), damp_hadamard=draw(st.booleans())) if method == "damp" else {}
+    )
     return PaceConfig.make(
         **damp, name=draw(st.text("abcxyz-_.0123 ", min_size=1, max_size=12).filter(str.strip)),
         method=method, bits=bits, reference_dtype=ref,
@@ -295,12 +297,15 @@ def test_generated_configs_round_trip_exactly(cfg, model):
 
 def _doc(**changes) -> dict:
     """PACE-4/8's record with ``changes`` (``section__key``: a value, or KeyError to remove it); a record of an
-    older ``schema_version`` lacks the methods' settings added at schema 5 or later (STEPQuant's; DAMP's are schema 1's),
+    older ``schema_version`` lacks the methods' settings added at schema 5 or later (STEPQuant's; DAMP's are schema
+    1's),
     and before schema 6 the combinations' settings."""
     d = config_to_dict(get_config("pace-4-8"))
     version = changes.get("schema_version", SCHEMA_VERSION)
     for setting in SETTINGS:
-        if (setting.field in METHOD_SETTINGS and setting.schema >= 5 and version in (1, 2, 3)) or (setting.schema == 6 and version in (1, 2, 3, 5)):
+        if (setting.field in METHOD_SETTINGS and setting.schema >= 5 and version in (1, 2, 3)) or (
+            setting.schema == 6 and version in (1, 2, 3, 5)
+        ):
             del d["pace"][setting.json]
     for path, value in changes.items():
         *head, last = path.split("__")

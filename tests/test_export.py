@@ -7,12 +7,12 @@ import pytest
 
 from pace_core.accounting import resident_bits
 from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
-from pace_core.export import config_to_json, document_from_json
-from pace_core.heads import num_high_heads
 from pace_core.errors import PaceError
 from pace_core.export import (
     admit,
     check_model,
+    config_to_json,
+    document_from_json,
     export_document,
     export_filename,
     export_json,
@@ -20,6 +20,7 @@ from pace_core.export import (
     used_fields,
     used_settings,
 )
+from pace_core.heads import num_high_heads
 from pace_core.shapes import ModelShape, get_shape
 
 SHAPE = get_shape("qwen3.5-27b")  # γ = 3: GDN ordinals and decoder layers differ from layer 3 on

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kernels_support import kernel_modules
+
 from pace_core.recurrence import gdn_recurrent
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,5 @@
-"""Tests of the quantisers of pace_core.methods.dsq (Q-Mamba DSQ) and pace_core.methods.damp (DAMP) against independent numpy references."""
+"""Tests of the quantisers of pace_core.methods.dsq (Q-Mamba DSQ) and pace_core.methods.damp (DAMP) against
+independent numpy references."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from test_quant import F16_MAX, F16_TINY, ref_quantize
 
-from pace_core.errors import PaceError
 from pace_core.checkpoint import hadamard
+from pace_core.errors import PaceError
 from pace_core.methods.damp import DampQuantizer, rank_outlier_rows
 from pace_core.methods.dsq import dsq_dequantize, dsq_quantize, dsq_quantize_with_values
 from pace_core.quant import QuantSpec, fake_quantize, unpack_codes
-from test_quant import F16_MAX, F16_TINY, ref_quantize
 
 pytestmark = pytest.mark.numerics
 
@@ -345,8 +346,8 @@ def test_dsq_of_the_key_rotated_state():
     ``Hᵀ`` of its values: against the numpy DSQ reference on the rotated state, written with a Kronecker Hadamard,
     to one float32 rounding of the loaded value, DSQ's float32 rounding of each ``q · r · c`` carried through ``Hᵀ``
     (2^-24 of the terms' magnitudes) and the float64 sums' order (K · 2^-53 of them)."""
-    from pace_core.methods import state_format
     from pace_core.config import get_config
+    from pace_core.methods import state_format
 
     k = 16
     x = _state((2, 3, k, 32), seed=7)

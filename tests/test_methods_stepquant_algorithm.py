@@ -1,4 +1,5 @@
-"""Tests of pace_core.methods.stepquant.algorithm against an independent float64 numpy reference written from issue 38's text
+"""Tests of pace_core.methods.stepquant.algorithm against an independent float64 numpy reference written from issue
+38's text
 (and the repository facts the module docstring marks [repo]).
 
 How the fit is compared. The reference computes each quantity in float64; the module computes in float32 for
@@ -31,8 +32,8 @@ import numpy as np
 import pytest
 import torch
 
-from pace_core.methods.stepquant import algorithm as sq
 from pace_core.errors import PaceError
+from pace_core.methods.stepquant import algorithm as sq
 from pace_core.quant import pack_codes
 
 pytestmark = pytest.mark.numerics

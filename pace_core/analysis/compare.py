@@ -22,7 +22,7 @@ from pace_core.accounting import capacity, resident_bits
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.export import config_from_dict, config_to_dict
-from pace_core.frontier import Point, best_under, dominates, frontier
+from pace_core.frontier import Point, frontier
 from pace_core.shapes import ModelShape
 
 

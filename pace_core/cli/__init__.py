@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from pace_core.cli import analyses, bits, calibration, study
 from pace_core.errors import PaceError

@@ -3,17 +3,27 @@
 
 from __future__ import annotations
 
-from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
-from pace_core.analysis.text import TEST_TEXT
-from pace_core.cli.context import DEFAULT_PROMPT, Context, _common, _configs_arg, _context, _interruptible, _print_table, _read_configs, _reuse, _sha
-from pace_core.config import BUFFER_PRECISIONS
-from pace_core.errors import PaceError
-from pace_core.config import get_config
-from typing import Any
 import argparse
 import contextlib
+from typing import Any
+
 import pandas as pd
 
+from pace_core.analysis.text import CALIBRATION_TEXT, TEST_TEXT, read_text, tokenize
+from pace_core.cli.context import (
+    DEFAULT_PROMPT,
+    Context,
+    _common,
+    _configs_arg,
+    _context,
+    _interruptible,
+    _print_table,
+    _read_configs,
+    _reuse,
+    _sha,
+)
+from pace_core.config import BUFFER_PRECISIONS, get_config
+from pace_core.errors import PaceError
 
 _SWEEP_DEFAULTS: dict[str, Any] = {"bits": [3, 4, 5, 6, 8], "dp": [1, 8, 32], "axis": ["key", "value"],
                                    "group_size": [32], "buffer": "int8", "prefill_period": None, "symmetric": True,

@@ -11,10 +11,10 @@ from typing import Any
 
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_share
 from pace_core.config import NAMED_CONFIGS, SETTINGS, PaceConfig, default_of
-from pace_core.settings import Setting
 from pace_core.errors import PaceError
 from pace_core.export import admit
 from pace_core.model import DEFAULT_MODEL_DIR
+from pace_core.settings import Setting
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape, load_shape
 
 DEFAULT_SEQUENCES = 64
@@ -79,8 +79,13 @@ def _print_one(row: dict[str, Any], shape: ModelShape, budget: int | None, fits:
     print(f"{row['config']} on {_shape_line(shape)}")
     print(f"  payload   {row['payload_bits']:9.5f} bits per state value "
           f"(codes {row['code_bits']:.5f} + scales/zero points {row['scale_bits']:.5f})")
-    print(f"  metadata  {row['metadata_bits']:9.5f}  (stored beyond payload and buffer: row indices, head map, padding)")
-    print(f"  buffer    {row['buffer_bits']:9.5f}  (c = {row['c']:.6f} x dP {row['decode_period']}, buffer scales included)")
+    print(
+        f"  metadata  {row['metadata_bits']:9.5f}  (stored beyond payload and buffer: row indices, head map, padding)"
+    )
+    print(
+        f"  buffer    {row['buffer_bits']:9.5f}  (c = {row['c']:.6f} x dP {row['decode_period']}, "
+        "buffer scales included)"
+    )
     print(f"  resident  {row['resident_bits']:9.5f}  (= the bits stored per state value, one sequence)")
     print(f"  per seq.  {row['sequence_bits']:9.5f}  (what each further sequence adds: resident without what is kept "
           "once per layer)")
@@ -95,9 +100,11 @@ def _print_one(row: dict[str, Any], shape: ModelShape, budget: int | None, fits:
 def _print_table(rows: list[dict[str, Any]], shape: ModelShape) -> None:
     print(_shape_line(shape))
     fit = "sequences_that_fit" in rows[0]
-    head = f"{'config':<16} {'payload':>8} {'metadata':>9} {'buffer':>8} {'resident':>9} {'per seq':>8} {'formula':>8} " \
-           f"{'dP':>4} " \
-           f"{'state GiB':>10} {'share':>6}" + (f" {'fit':>8}" if fit else "")
+    head = (
+        f"{'config':<16} {'payload':>8} {'metadata':>9} {'buffer':>8} {'resident':>9} {'per seq':>8} {'formula':>8} "
+        f"{'dP':>4} "
+        f"{'state GiB':>10} {'share':>6}" + (f" {'fit':>8}" if fit else "")
+    )
     print(head)
     print("-" * len(head))
     for r in rows:

@@ -3,15 +3,16 @@ calibrated on the model)."""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+from typing import Any
+
 from pace_core.analysis.text import CALIBRATION_TEXT
-from pace_core.errors import PaceError
 from pace_core.cli.context import _SAVED, _command, _common, _context, _interruptible, _print_table, _read_configs
+from pace_core.errors import PaceError
 from pace_core.export import export_filename, export_json
 from pace_core.model.card import card_of
 from pace_core.results import atomic_write, make_provenance, results_dir
-from typing import Any
-import argparse
-from pathlib import Path
 
 
 def run_card(args: argparse.Namespace) -> int:

@@ -4,26 +4,23 @@ reused)."""
 
 from __future__ import annotations
 
-from pace_core.analysis.text import CALIBRATION_TEXT
-from pace_core.analysis.text import read_text
-from pace_core.config import tagged
-from pace_core.errors import PaceError
-from pace_core.export import admit
-from pace_core.export import config_to_dict
-from pace_core.export import read_config
-from pace_core.model.card import checkpoint_stamp, save_card
-from pace_core.results import DamagedResult, load_result, result_key
-from pace_core.results import make_provenance, save_result
-from pace_core.results import text_sha256
-from pace_core import version
-from tqdm import tqdm
-from typing import Any, Callable
 import argparse
 import functools
 import os
-import pandas as pd
 import sys
+from collections.abc import Callable
+from typing import Any
 
+import pandas as pd
+from tqdm import tqdm
+
+from pace_core import version
+from pace_core.analysis.text import CALIBRATION_TEXT, read_text
+from pace_core.config import tagged
+from pace_core.errors import PaceError
+from pace_core.export import admit, config_to_dict, read_config
+from pace_core.model.card import checkpoint_stamp, save_card
+from pace_core.results import DamagedResult, load_result, make_provenance, result_key, save_result, text_sha256
 
 DEFAULT_CONFIGS = tagged("cli-default")
 
@@ -230,7 +227,9 @@ def _say_reused(kind: str, names: list[str]) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint folder or hub id (default: the embedded model data/models/pace-tiny-qwen35)")
+    p.add_argument(
+        "--model", help="checkpoint folder or hub id (default: the embedded model data/models/pace-tiny-qwen35)"
+    )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps (default cpu)")
     p.add_argument("--device-map", dest="device_map", help="transformers device_map, e.g. auto (overrides --device)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],

@@ -4,17 +4,41 @@ command)."""
 
 from __future__ import annotations
 
-from pace_core.analysis.text import TEST_TEXT
-from pace_core.analysis.text import read_text, tokenize
-from pace_core.cli.analyses import _SWEEP_DEFAULTS, measure_quality, run_drift, run_generate, run_perplexity, run_structure, run_sweep
-from pace_core.cli.calibration import run_calibrate, run_export
-from pace_core.cli.context import ALL_CONFIGS, COMPARE_TOKENS, CONFIG_GROUP, _read_configs, config_groups, DEFAULT_PROMPT, _common, _configs_arg, _context, _interruptible, _print_table, _reuse, _sha
-from pace_core.config import NAMED_CONFIGS, get_config
-from pace_core.export import config_to_dict
-from typing import Any, Callable
 import argparse
 import functools
+from collections.abc import Callable
+from typing import Any
+
 import pandas as pd
+
+from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
+from pace_core.cli.analyses import (
+    _SWEEP_DEFAULTS,
+    measure_quality,
+    run_drift,
+    run_generate,
+    run_perplexity,
+    run_structure,
+    run_sweep,
+)
+from pace_core.cli.calibration import run_calibrate, run_export
+from pace_core.cli.context import (
+    ALL_CONFIGS,
+    COMPARE_TOKENS,
+    CONFIG_GROUP,
+    DEFAULT_PROMPT,
+    _common,
+    _configs_arg,
+    _context,
+    _interruptible,
+    _print_table,
+    _read_configs,
+    _reuse,
+    _sha,
+    config_groups,
+)
+from pace_core.config import NAMED_CONFIGS, get_config
+from pace_core.export import config_to_dict
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -54,12 +78,25 @@ def run_claims(args: argparse.Namespace) -> int:
     'claims'. The perplexity of each of its configurations is stored as it is measured, with its per-window sums
     (kind 'claims_quality', CONFIG_GROUP configurations at a time), so a stopped run resumes where it stopped.
     ``--max-tokens 0`` (the default) scores the whole text: the GPU host's one command for the whole split."""
-    from pace_core.analysis.claims import CALIBRATED, claims_progress_total, claims_table, measure_claims, quality_configs
+    from pace_core.analysis.claims import (
+        CALIBRATED,
+        claims_progress_total,
+        claims_table,
+        measure_claims,
+        quality_configs,
+    )
     from pace_core.analysis.quality import QualityRun, windows_per_batch
 
     ctx = _context(args)
     text = args.text or str(TEST_TEXT)
-    params = {"text": _sha(text), "max_tokens": args.max_tokens, "window": args.window, "seeds": args.seeds, "drift_tokens": args.drift_tokens, "calibration_tokens": args.calibration_tokens}
+    params = {
+        "text": _sha(text),
+        "max_tokens": args.max_tokens,
+        "window": args.window,
+        "seeds": args.seeds,
+        "drift_tokens": args.drift_tokens,
+        "calibration_tokens": args.calibration_tokens,
+    }
     pace48, *others = ctx.prepared(list(CALIBRATED))
     calibrated = {cfg.name: cfg for cfg in others}
     key, found = ctx.cached("claims", {**params, **{name: config_to_dict(c) for name, c in
@@ -100,24 +137,94 @@ def all_steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]:
     perplexity's text, window and tokens: it reuses the perplexity step's results) and claims with the given
     settings (the claims on the perplexity text and tokens)."""
     steps: list[tuple[str, Callable[[argparse.Namespace], int], dict[str, Any]]] = [
-        ("calibrate", run_calibrate, {"config": "pace-4-8", "text": args.calibration_text,
-                                      "tokens": args.calibration_tokens, "sample_every": 64}),
-        ("export", run_export, {"config": "pace-4-8", "text": args.calibration_text,
-                                "tokens": args.calibration_tokens, "sample_every": 64, "output": None}),
+        (
+            "calibrate",
+            run_calibrate,
+            {
+                "config": "pace-4-8",
+                "text": args.calibration_text,
+                "tokens": args.calibration_tokens,
+                "sample_every": 64,
+            },
+        ),
+        (
+            "export",
+            run_export,
+            {
+                "config": "pace-4-8",
+                "text": args.calibration_text,
+                "tokens": args.calibration_tokens,
+                "sample_every": 64,
+                "output": None,
+            },
+        ),
         ("structure", run_structure, {"text": None, "tokens": 1024, "threshold": 4.0}),
-        ("sweep", run_sweep, {**_SWEEP_DEFAULTS, "text": None, "tokens": args.sweep_tokens,
-                              "decode_tokens": args.sweep_decode_tokens}),
-        ("drift", run_drift, {"configs": list(args.configs), "text": None, "tokens": args.drift_tokens,
-                              "decode_from": None, "every": args.drift_every}),
-        ("perplexity", run_perplexity, {"configs": list(args.configs), "text": args.ppl_text, "window": args.ppl_window,
-                                        "stride": args.ppl_window // 2, "max_tokens": args.ppl_tokens,
-                                        "decode_from": None, "prefill_only": False, "batch": args.ppl_batch}),
-        ("generate", run_generate, {"configs": list(args.configs), "prompt": DEFAULT_PROMPT, "max_new_tokens": args.max_new_tokens,
-                                    "seed": 0, "temperature": 0.8, "top_p": 0.95, "modes": ["greedy", "sampled"]}),
-        ("compare", run_compare, {"configs": None, "text": args.ppl_text, "window": args.ppl_window,
-                                  "max_tokens": args.ppl_tokens, "batch": args.ppl_batch}),
-        ("claims", run_claims, {"text": args.ppl_text, "max_tokens": args.ppl_tokens, "window": 512,
-                                "batch": args.ppl_batch, "seeds": 5, "drift_tokens": 512}),
+        (
+            "sweep",
+            run_sweep,
+            {**_SWEEP_DEFAULTS, "text": None, "tokens": args.sweep_tokens, "decode_tokens": args.sweep_decode_tokens},
+        ),
+        (
+            "drift",
+            run_drift,
+            {
+                "configs": list(args.configs),
+                "text": None,
+                "tokens": args.drift_tokens,
+                "decode_from": None,
+                "every": args.drift_every,
+            },
+        ),
+        (
+            "perplexity",
+            run_perplexity,
+            {
+                "configs": list(args.configs),
+                "text": args.ppl_text,
+                "window": args.ppl_window,
+                "stride": args.ppl_window // 2,
+                "max_tokens": args.ppl_tokens,
+                "decode_from": None,
+                "prefill_only": False,
+                "batch": args.ppl_batch,
+            },
+        ),
+        (
+            "generate",
+            run_generate,
+            {
+                "configs": list(args.configs),
+                "prompt": DEFAULT_PROMPT,
+                "max_new_tokens": args.max_new_tokens,
+                "seed": 0,
+                "temperature": 0.8,
+                "top_p": 0.95,
+                "modes": ["greedy", "sampled"],
+            },
+        ),
+        (
+            "compare",
+            run_compare,
+            {
+                "configs": None,
+                "text": args.ppl_text,
+                "window": args.ppl_window,
+                "max_tokens": args.ppl_tokens,
+                "batch": args.ppl_batch,
+            },
+        ),
+        (
+            "claims",
+            run_claims,
+            {
+                "text": args.ppl_text,
+                "max_tokens": args.ppl_tokens,
+                "window": 512,
+                "batch": args.ppl_batch,
+                "seeds": 5,
+                "drift_tokens": 512,
+            },
+        ),
     ]
     return [(name, functools.partial(run, argparse.Namespace(**{**vars(args), **extra}))) for name, run, extra in steps]
 
@@ -164,8 +271,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens of the drift sequence for the state errors, the second half decoded (default 512)")
     p.set_defaults(func=_interruptible(run_claims))
 
-    p = subparsers.add_parser("all", help="the full result set: calibrate, export, structure, sweep, drift, perplexity, "
-                                          "generate, compare, claims")
+    p = subparsers.add_parser(
+        "all",
+        help="the full result set: calibrate, export, structure, sweep, drift, perplexity, generate, compare, claims",
+    )
     _common(p)
     _configs_arg(p, ALL_CONFIGS)
     p.add_argument("--sweep-tokens", dest="sweep_tokens", type=int, default=2048, help="sweep tokens (default 2048)")
@@ -182,5 +291,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ppl-batch", dest="ppl_batch", type=int, default=0,
                    help="perplexity windows run together (default 0: as perplexity's --batch 0; the claims' "
                         "--batch then takes the same default)")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64, help="generated tokens (default 64)")
+    p.add_argument(
+        "--max-new-tokens", dest="max_new_tokens", type=int, default=64, help="generated tokens (default 64)"
+    )
     p.set_defaults(func=_interruptible(run_all))

@@ -22,6 +22,7 @@ from pace_core.methods import COMBINATIONS, Calibrated, method_of
 from pace_core.methods import METHODS as _METHODS
 from pace_core.methods.groups import STATIC_MARGIN
 from pace_core.quant import GROUP_AXES, GroupAxis, QuantSpec
+from pace_core.settings import Setting
 
 if TYPE_CHECKING:
     from pace_core.shapes import ModelShape
@@ -38,7 +39,8 @@ PREFILL_AFTER_DECODE: tuple[str, ...] = ("flush", "carry")
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SCALES: tuple[str, ...] = ("dynamic", "static")
 MAX_ROUNDING_SEED = 2**16 - 1
-"""Seeds 0..65535: a layer's generator is seeded with ``seed · 2^16 + GDN layer`` (torch's CPU generator keeps 32 bits)."""
+"""Seeds 0..65535: a layer's generator is seeded with ``seed · 2^16 + GDN layer`` (torch's CPU generator keeps 32
+bits)."""
 STATIC_MARGINS = (0.25, 16.0)
 """The static scales' margins allowed: a factor on the calibrated ranges (below 1 it clips them)."""
 REFERENCE_DTYPES: dict[str, int] = {"float32": 32, "bfloat16": 16}
@@ -94,7 +96,8 @@ class PaceConfig:
       those in its ``composes``, :mod:`pace_core.methods.groups`): ``rounding`` (``nearest``: half to even;
       ``stochastic``: ``floor(x/s + u)``) with ``rounding_seed`` (0..65535); ``key_hadamard`` (store ``Q(H S)``,
       H the Sylvester Hadamard along the key axis); ``scales`` (``dynamic``: each checkpoint's own; ``static``:
-      calibrated once per layer) with ``static_margin`` (the calibrated ranges' factor, 0.25..16: below 1 it clips them).
+      calibrated once per layer) with ``static_margin`` (the calibrated ranges' factor, 0.25..16: below 1 it clips
+      them).
     - ``buffer_key_group``, ``buffer_value_group`` **[ours]**: entries per fp16 scale along each buffered
       key / value vector of an integer buffer part (0: one scale per vector); ``buffer_key_symmetric``,
       ``buffer_value_symmetric``: False gives each group an integer zero point. Float parts ignore them.

@@ -7,8 +7,9 @@ it needs one."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from pace_core.config import NAMED_CONFIGS, PaceConfig, is_int
 from pace_core.errors import PaceError
@@ -146,8 +147,14 @@ def check_model(doc: ConfigDocument, shape: ModelShape, weights_fingerprint: str
     not fit the model (:meth:`PaceConfig.validate_for`). PaceError naming what differs."""
     model = doc.model_info
     if model is not None:
-        have = {"num_layers": shape.num_layers,
-                "gdn_layers": None if shape.gdn_layers is None else list(shape.gdn_layers), "num_k_heads": shape.num_k_heads, "num_v_heads": shape.num_v_heads, "d_k": shape.d_k, "d_v": shape.d_v}
+        have = {
+            "num_layers": shape.num_layers,
+            "gdn_layers": None if shape.gdn_layers is None else list(shape.gdn_layers),
+            "num_k_heads": shape.num_k_heads,
+            "num_v_heads": shape.num_v_heads,
+            "d_k": shape.d_k,
+            "d_v": shape.d_v,
+        }
         wrong = [f"{k} {model[k]} in the file, {v} in the model" for k, v in have.items()
                  if v is not None and model[k] != v]
         if wrong:

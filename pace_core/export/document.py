@@ -156,7 +156,9 @@ def _high_heads(value: Any, model: dict | None) -> tuple[tuple[int, ...], ...] |
                             f"model's GDN layers are the decoder layers {model['gdn_layers']}; {allowed}")
         by_gdn[entry["gdn_layer"]] = tuple(entry["heads"])
     if sorted(by_gdn) != list(range(len(by_gdn))):
-        raise PaceError(f"the field pace.high_heads covers GDN layers {sorted(by_gdn)}; {allowed} (0..{len(by_gdn) - 1})")
+        raise PaceError(
+            f"the field pace.high_heads covers GDN layers {sorted(by_gdn)}; {allowed} (0..{len(by_gdn) - 1})"
+        )
     return tuple(by_gdn[i] for i in range(len(by_gdn)))
 
 
@@ -196,8 +198,10 @@ def document_from_export(d: dict) -> ConfigDocument:
     missing = [k for k in _TOP_KEYS if k not in d]
     unknown = [k for k in d if k not in _TOP_KEYS]
     if missing or unknown:
-        raise PaceError(f"the document {'lacks ' + ', '.join(missing) if missing else 'has unknown fields ' + ', '.join(unknown)}"
-                        f"; a PACE configuration has exactly: {', '.join(_TOP_KEYS)}")
+        raise PaceError(
+            f"the document {'lacks ' + ', '.join(missing) if missing else 'has unknown fields ' + ', '.join(unknown)}"
+            f"; a PACE configuration has exactly: {', '.join(_TOP_KEYS)}"
+        )
     if d["kind"] != EXPORT_KIND:
         raise PaceError(f"the field kind={d['kind']!r} is not allowed; allowed: {EXPORT_KIND!r}")
     for key in ("producer", "provenance"):

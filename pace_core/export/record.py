@@ -100,8 +100,10 @@ def _section(d: dict, key: str, keys: tuple[str, ...]) -> dict:
     if missing:
         raise PaceError(f"config JSON field {key}.{missing[0]} is missing; required: {', '.join(keys)}")
     if unknown:
-        raise PaceError(f"config JSON field{'s' if len(unknown) > 1 else ''} {', '.join(f'{key}.{u}' for u in unknown)} "
-                        f"{'are' if len(unknown) > 1 else 'is'} unknown; allowed: {', '.join(keys)}")
+        raise PaceError(
+            f"config JSON field{'s' if len(unknown) > 1 else ''} {', '.join(f'{key}.{u}' for u in unknown)} "
+            f"{'are' if len(unknown) > 1 else 'is'} unknown; allowed: {', '.join(keys)}"
+        )
     return sec
 
 

@@ -24,4 +24,13 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
 for _method in sorted(METHODS.values(), key=lambda m: m.order):
     METHODS[_method.name] = METHODS.pop(_method.name)
 
-__all__ = ["COMBINATIONS", "METHODS", "Calibrated", "LayerCalibration", "Method", "method_of", "register", "state_format"]
+__all__ = [
+    "COMBINATIONS",
+    "METHODS",
+    "Calibrated",
+    "LayerCalibration",
+    "Method",
+    "method_of",
+    "register",
+    "state_format",
+]

@@ -11,16 +11,15 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pace_core.errors import PaceError
-
 from pace_core.checkpoint import StateFormat
+from pace_core.errors import PaceError
 from pace_core.settings import Configuration, Setting
 
 if TYPE_CHECKING:
@@ -126,7 +125,6 @@ class Method:
     - ``composes``: the combinations of :data:`COMBINATIONS` it takes (its ``reads`` then include their settings);
       a configuration of another method keeps them at their defaults;
     - ``kernels``: the Triton kernels store and step it; ``pool``: a serving engine's pool row holds it;
-    - ``per_token_only``: it rounds after every token (dP = 1) by definition;
     - ``named``: its named configurations, as PaceConfig field values; ``tags``: each named configuration's tags
       (:data:`pace_core.config.named.TAGS`: the lists of configurations the study, the CLI, the app and the serving
       checks take are those of a tag);
@@ -162,7 +160,6 @@ class Method:
     composes: tuple[str, ...] = ()
     kernels: bool = False
     pool: bool = False
-    per_token_only: bool = False
     named: dict[str, dict[str, Any]] = field(default_factory=dict)
     tags: dict[str, tuple[str, ...]] = field(default_factory=dict)
     settings: tuple[Setting, ...] = ()
@@ -175,7 +172,9 @@ class Method:
     def __post_init__(self) -> None:
         unknown = [c for c in self.composes if c not in COMBINATIONS]
         if unknown:
-            raise PaceError(f"method {self.name!r}: composes={unknown!r} is not allowed; allowed: {', '.join(COMBINATIONS)}")
+            raise PaceError(
+                f"method {self.name!r}: composes={unknown!r} is not allowed; allowed: {', '.join(COMBINATIONS)}"
+            )
         untagged = [name for name in self.tags if name not in self.named]
         if untagged:
             raise PaceError(f"method {self.name!r}: tags for {untagged!r}, which it does not name; allowed: "

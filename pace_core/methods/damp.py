@@ -23,7 +23,6 @@ from pace_core.checkpoint import StateFormat, hadamard
 from pace_core.errors import PaceError
 from pace_core.heads import head_decay, retained_error
 from pace_core.methods.base import LayerCalibration, Method, register
-from pace_core.settings import Setting
 from pace_core.quant import (
     PackedTensor,
     QuantSpec,
@@ -36,6 +35,7 @@ from pace_core.quant import (
     quantize,
     quantize_with_values,
 )
+from pace_core.settings import Setting
 
 OUTLIER_ROW_BITS = 16
 MAX_OUTLIER_ROWS = 128
@@ -105,7 +105,9 @@ class DampQuantizer:
             raise PaceError(f"hadamard={hadamard!r} is not supported; allowed: True, False")
         if (not isinstance(outlier_rows, torch.Tensor) or outlier_rows.dim() != 2
                 or outlier_rows.is_floating_point() or outlier_rows.dtype == torch.bool):
-            raise PaceError("outlier_rows must be an integer tensor [HV, r]; allowed: a LongTensor of row indices per head")
+            raise PaceError(
+                "outlier_rows must be an integer tensor [HV, r]; allowed: a LongTensor of row indices per head"
+            )
         rows = outlier_rows.long()
         if rows.numel() and (int(rows.min()) < 0 or (rows.sort(1).values.diff(dim=1) == 0).any()):
             raise PaceError("outlier_rows must hold distinct non-negative row indices per head; "
@@ -312,7 +314,7 @@ def check_for(cfg, shape) -> None:
 
 
 METHOD = register(Method(
-    name="damp", order=30, label="DAMP", 
+    name="damp", order=30, label="DAMP",
     description="DAMP-style: 16 outlier key rows in fp16, Hadamard on the rest (our choice)",
     reads=("group_axis", "damp_outlier_rows", "damp_hadamard", "calibrated"), group_axes=("value",),
     symmetric_only=True,

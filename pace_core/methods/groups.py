@@ -34,8 +34,8 @@ from pace_core.checkpoint import StateFormat, checkpoint_bytes, rotate_keys
 from pace_core.errors import PaceError
 from pace_core.heads import num_high_heads
 from pace_core.methods.base import LayerCalibration
-from pace_core.settings import Configuration
 from pace_core.quant import QuantSpec, packed_last_dim, packed_nbytes, scale_shape
+from pace_core.settings import Configuration
 
 if TYPE_CHECKING:
     from pace_core.shapes import ModelShape
@@ -258,7 +258,9 @@ def calibrate(cfg: Configuration, samples, layers: list[int]) -> list[dict[str, 
     out = []
     for layer in layers:
         states = samples.states[layer]
-        ranges = quant.group_ranges(rotate_keys(states) if cfg.key_hadamard else states, spec, name="calibration states")
+        ranges = quant.group_ranges(
+            rotate_keys(states) if cfg.key_hadamard else states, spec, name="calibration states"
+        )
         out.append({("rotated_" if cfg.key_hadamard else "") + n: t.cpu() for n, t in ranges.items()})
     return out
 
@@ -271,7 +273,9 @@ def check_for(cfg: Configuration, shape: ModelShape) -> None:
     want = (shape.num_v_heads, *scale_shape((shape.d_k, shape.d_v), cfg.quant_spec()))
     for i, layer in enumerate(cfg.calibrated.layers):
         ok = set(layer) == set(range_names(cfg)) and all(
-            t.dtype == torch.float16 and tuple(t.shape) == want and bool(torch.isfinite(t).all()) for t in layer.values())
+            t.dtype == torch.float16 and tuple(t.shape) == want and bool(torch.isfinite(t).all())
+            for t in layer.values()
+        )
         signs = {"amax": 1, "high": 1, "low": -1}
         if ok and not all(bool((signs[n.removeprefix("rotated_")] * t >= 0).all()) for n, t in layer.items()):
             ok = False

@@ -20,7 +20,6 @@ _EXPORTS: dict[str, str] = {
     "pace": "patch",
     "remove_pace": "patch",
     "RunResult": "capture",
-    "cache_states": "capture",
     "run_with_states": "capture",
 }
 

@@ -111,7 +111,7 @@ class _Scope:
     taps: tuple[Tap, ...] = ()
 
 
-_SCOPES: contextvars.ContextVar[dict[int, _Scope]] = contextvars.ContextVar("pace_scopes", default={})
+_SCOPES: contextvars.ContextVar[dict[int, _Scope]] = contextvars.ContextVar("pace_scopes", default={})  # noqa: B039 (never mutated)
 """The open scopes of this context by ``id(model)`` (a new dict for every change: contexts never share one)."""
 _TRACE_SCOPES: dict[int, _Scope] = {}
 """The scopes as the last :func:`_scoped` left them, read while ``torch.compile`` traces (dynamo cannot trace a

@@ -1,7 +1,8 @@
 """Serving PACE states in vLLM: a general plugin (entry point ``vllm.general_plugins``: ``pace``).
 
     pip install "pace-studio[vllm]"
-    vllm serve <model> --enforce-eager --no-enable-prefix-caching --additional-config '{"pace_config": "my-config.json"}'
+    vllm serve <model> --enforce-eager --no-enable-prefix-caching \\
+        --additional-config '{"pace_config": "my-config.json"}'
 
 (or ``PACE_CONFIG=my-config.json``; :mod:`pace_core.vllm.settings`). vLLM loads :func:`register` in each
 of its processes; it registers, by name and lazily (nothing of vLLM's model code is imported here):

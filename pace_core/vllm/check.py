@@ -41,9 +41,10 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -176,7 +177,7 @@ def teacher_forced_margins(loaded: Any, config: str, prompt_ids: Sequence[Sequen
         ids = torch.tensor([list(p) + list(c)], device=loaded.device)
         chunks: list[torch.Tensor] = []
         teacher_forced(loaded, [member], ids, len(p), logits_from=len(p) - 1,
-                       on_logits=lambda logits, first: chunks.append(logits[0]))
+                       on_logits=lambda logits, first, chunks=chunks: chunks.append(logits[0]))
         logits = torch.cat(chunks)[: len(c)]
         top = logits.max(-1).values
         out.append((top - logits[torch.arange(len(c)), torch.tensor(list(c))], top))
@@ -303,8 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{_label(args.own_state)}: {equal} of {len(own)} prompts equal over {args.tokens} greedy tokens")
         for r in own:
             if r.first_difference is not None:
-                print(f"  prompt {r.prompt}: step {r.first_difference}, vLLM's top-2 margin {r.margin:.4f}, "
-                      f"largest margin change before it {r.drift:.4f}: {'near tie' if r.near_tie else 'NOT a near tie'}")
+                print(
+                    f"  prompt {r.prompt}: step {r.first_difference}, vLLM's top-2 margin {r.margin:.4f}, "
+                    f"largest margin change before it {r.drift:.4f}: {'near tie' if r.near_tie else 'NOT a near tie'}"
+                )
         doc = {"kind": "vllm-own-state", "config": _label(args.own_state), "prompts": args.prompts,
                "tokens": args.tokens, "equal_prompts": equal, "rows": [r.__dict__ for r in own],
                "provenance": provenance}

@@ -2,11 +2,13 @@
 head, from {2, 4, 6, 8} bits (stepquant-4) or {4, 6, 8} (stepquant-6), or an fp16 "pivot" head; integer heads
 store ``x̂ = r[k] · c[v] · z`` with a row scale weighted by the key row's impact and a least-squares column
 scale; the widths are allocated over all heads of all layers by an exact knapsack under the nominal budget,
-the costliest heads becoming pivots. Its arithmetic is :mod:`pace_core.methods.stepquant.algorithm`; this module makes it a
+the costliest heads becoming pivots. Its arithmetic is :mod:`pace_core.methods.stepquant.algorithm`; this module makes
+it a
 method: the layer's storage, its bytes, its calibration and its settings.
 
 - **Calibrated per layer** on the model: ``widths`` int16 ``[HV]`` (16: a pivot) and ``impact`` float32
-  ``[HV, K]`` (the impact weights w of :func:`pace_core.methods.stepquant.algorithm.impact_weights`), from the calibration's
+  ``[HV, K]`` (the impact weights w of :func:`pace_core.methods.stepquant.algorithm.impact_weights`), from the
+  calibration's
   recorded ``q, k, beta, g`` and its states (:func:`calibrate`).
 - **Schedule**: STEPQuant rounds after every decode token (dP = 1, the token's output read from the unrounded
   state, PACE's own per-token step) and prefill once at the prompt's end (P = 2^20); both are settings, so
@@ -39,7 +41,8 @@ ONCE = 1 << 20
 
 
 class StepQuantFormat(StateFormat):
-    """Per-head widths with row x column scales (:class:`pace_core.methods.stepquant.algorithm.StepQuantState`), of the layer's
+    """Per-head widths with row x column scales (:class:`pace_core.methods.stepquant.algorithm.StepQuantState`), of
+    the layer's
     calibrated ``widths`` and ``impact``."""
 
     def __init__(self, cfg, bits_per_head, layer=None, name="state", gdn_index=0) -> None:

@@ -69,9 +69,9 @@ rounding per forward call) or once per P-token segment (a setting). Each roundin
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -186,7 +186,9 @@ def unpack_dense(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
                         f"allowed: uint8 [..., {n * bits // 8}]")
     shifts = torch.arange(nbytes, device=packed.device, dtype=torch.int32) * 8
     word = (packed.to(torch.int32).unflatten(-1, (-1, nbytes)) << shifts).sum(-1)
-    codes = (word.unsqueeze(-1) >> (torch.arange(per, device=packed.device, dtype=torch.int32) * bits)) & ((1 << bits) - 1)
+    codes = (word.unsqueeze(-1) >> (torch.arange(per, device=packed.device, dtype=torch.int32) * bits)) & (
+        (1 << bits) - 1
+    )
     return codes.to(torch.uint8).flatten(-2)
 
 
@@ -361,8 +363,14 @@ def quantize(S: torch.Tensor, widths: Sequence[int] | torch.Tensor, w: torch.Ten
     return _quantize(S, widths, w, name, None)[0]
 
 
-def quantize_with_values(S: torch.Tensor, widths: Sequence[int] | torch.Tensor, w: torch.Tensor, *,
-                         name: str = "state", dtype: torch.dtype = torch.float32) -> tuple[StepQuantState, torch.Tensor]:
+def quantize_with_values(
+    S: torch.Tensor,
+    widths: Sequence[int] | torch.Tensor,
+    w: torch.Tensor,
+    *,
+    name: str = "state",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[StepQuantState, torch.Tensor]:
     """:func:`quantize` and the dequantised state ``[..., HV, K, V]`` in ``dtype`` at once (bit-identical to
     :func:`dequantize` of it: the same values function on the same codes and scales)."""
     return _quantize(S, widths, w, name, dtype)
@@ -445,7 +453,13 @@ def impact_omega(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, alpha: to
     for t, label in ((q, "q"), (k, "k"), (beta, "beta"), (alpha, "alpha")):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise PaceError(f"{label} must be a float tensor; got {type(t).__name__}")
-    if q.dim() != 3 or q.shape != k.shape or beta.dim() != 2 or alpha.shape != beta.shape or beta.shape[0] != q.shape[0]:
+    if (
+        q.dim() != 3
+        or q.shape != k.shape
+        or beta.dim() != 2
+        or alpha.shape != beta.shape
+        or beta.shape[0] != q.shape[0]
+    ):
         raise PaceError(f"q, k must be [T, H, K] and beta, alpha [T, HV] with the same T; got q {tuple(q.shape)}, "
                         f"k {tuple(k.shape)}, beta {tuple(beta.shape)}, alpha {tuple(alpha.shape)}")
     t_len, h, _ = q.shape
