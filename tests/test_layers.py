@@ -46,3 +46,15 @@ def test_pages_import_only_app_state_figures_and_errors():
     wrong = [f"{a}:{line} -> {b}" for a, b, line, _ in found if a.startswith("pages.") or a == "app"
              if not any(b == p or b.startswith(p + ".") for p in PAGE_IMPORTS) and b != "pace_core"]
     assert wrong == []
+
+
+def test_the_architecture_draws_the_contract():
+    """docs/ARCHITECTURE.md's layer diagram lists pyproject's layers of pace_core in the contract's order."""
+    import tomllib
+
+    contract = next(c for c in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+                    if c["type"] == "layers")
+    doc = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    diagram = doc[doc.index("─ pace_core ─"):].split("```")[0]
+    drawn = [line.split("  ")[0].strip().split(" ◀")[0].strip() for line in diagram.splitlines()[1:] if line.strip()]
+    assert drawn == contract["layers"]
