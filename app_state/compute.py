@@ -18,9 +18,9 @@ from app_state.session import _load_model, model_label_of
 from app_state.stored import provenance_label, stored_results
 from pace_core.analysis.calibration import Calibration, calibrate
 from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
-from pace_core.config import PaceConfig, config_from_json, config_to_json, get_config
+from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
-from pace_core.export import admit
+from pace_core.export import admit, config_from_json, config_to_json
 
 PROMPT_CHARS = 1500
 
@@ -139,7 +139,8 @@ def drift(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], pre
     tokens of the analysis text: {"table", "summary", "every", "provenance_label"}. The fp32 reference run
     is kept per (model, runtime, length) and every configuration's result apart: changing one configuration
     teacher-forces only that one; without a kept reference, the reference runs in the same batch."""
-    from pace_core.analysis.drift import drift as run_drift, drift_progress_total
+    from pace_core.analysis.drift import drift as run_drift
+    from pace_core.analysis.drift import drift_progress_total
 
     loaded = _load_model(source, where)
     ids = tokenize(loaded.tokenizer, analysis_text(), max_tokens=prefill + steps + 1, min_tokens=prefill + 3)

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import streamlit as st
 import torch
 
-from pace_core.config import (METHOD_SETTINGS, NAMED_CONFIGS, SETTINGS, PaceConfig, config_to_json, default_of,
-                               get_config)
+from pace_core.config import METHOD_SETTINGS, NAMED_CONFIGS, SETTINGS, PaceConfig, default_of, get_config
 from pace_core.errors import PaceError
-from pace_core.export import admit
+from pace_core.export import admit, config_to_json
 from pace_core.methods import COMBINATIONS, method_of
 
 DEFAULT_PRESET = "pace-4"

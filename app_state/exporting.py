@@ -6,7 +6,7 @@ provenance.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from app_state import session
 from pace_core.config import PaceConfig

@@ -4,15 +4,30 @@ and every setting), and the page body run so that a failure is shown as a messag
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import streamlit as st
 import torch
 
-from app_state.controls import (CONTROLS, MODEL_KINDS, NAMED_CONFIGS, EMBEDDED, LOCAL, enabled,
-                                WEIGHT_DTYPES, bind, current_config, device_options, fallback_config,
-                                on_model_change, on_preset_change, read_url_once, sync, write_url)
+from app_state.controls import (
+    CONTROLS,
+    EMBEDDED,
+    LOCAL,
+    MODEL_KINDS,
+    NAMED_CONFIGS,
+    WEIGHT_DTYPES,
+    bind,
+    current_config,
+    device_options,
+    enabled,
+    fallback_config,
+    on_model_change,
+    on_preset_change,
+    read_url_once,
+    sync,
+    write_url,
+)
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 

@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import streamlit as st
 
@@ -98,8 +99,8 @@ def measured_quality(cfg: Any, weights: str) -> list[Quality]:
     sidebar's model with the weights ``weights``: ``python -m pace_core perplexity`` results (matched by their
     configuration hash) and rows of ``python -m pace_core claims`` reports (matched by their configuration
     JSON); current before stale, then the most scored tokens first."""
-    from pace_core.config import config_from_json
     from pace_core.errors import PaceError
+    from pace_core.export import config_from_json
     from pace_core.results import config_hash
 
     def same(name: str, stored_hash: str | None) -> bool:

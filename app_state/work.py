@@ -109,7 +109,9 @@ def progress(total: int, text: str, work: Hashable) -> Iterator[Callable[[int], 
     stopped, name = st.session_state.get(_STOPPED), f"{hash(work) & 0xFFFFFFFF:08x}"
     if stopped == work:
         st.info(f"Stopped: {text}. What was finished before is kept.", icon=":material/stop_circle:")
-        st.button("Run it", key=f"work_resume_{name}", type="primary", on_click=st.session_state.pop, args=(_STOPPED, None))
+        st.button(
+            "Run it", key=f"work_resume_{name}", type="primary", on_click=st.session_state.pop, args=(_STOPPED, None)
+        )
         st.stop()
     st.session_state.pop(_STOPPED, None)  # other work starts: a stop of earlier work is forgotten
     box = st.empty()

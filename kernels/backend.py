@@ -3,7 +3,8 @@ on the kernels of this package (CUDA tensors; CPU tensors only under ``TRITON_IN
 
 - store / load: :mod:`kernels.quantize` for rtn / pace checkpoints (bit-identical to pace_core.quant), a
   cast for method none;
-- a prefill chunk: :mod:`kernels.chunk`, a short one (a decode token of the fp32 reference) :mod:`kernels.recurrent_step`;
+- a prefill chunk: :mod:`kernels.chunk`, a short one (a decode token of the fp32 reference)
+  :mod:`kernels.recurrent_step`;
 - a buffered token: packed key-axis checkpoints (PACE-4, PACE-4/8) run :mod:`kernels.packed_step` (a window
   of tokens in one launch) and, when the schedule asks, :mod:`kernels.flush`, both on the checkpoint in place;
   dense (method none) and value-axis checkpoints run :mod:`kernels.fused_step`, which flushes in the same
@@ -33,13 +34,6 @@ from __future__ import annotations
 
 import torch
 
-from . import chunk as _chunk
-from . import quantize as _quantize
-from .flush import launch_flush
-from .fused_step import launch_fused
-from .packed_step import launch_packed_step, launch_window
-from .plan import DecodePlan, check_kernel_shape, is_pow2, output_tensor, plan_decode
-from .recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
 from pace_core import quant
 from pace_core.backend import REFERENCE, capturing, token_by_token
 from pace_core.buffer import BufferFormat
@@ -47,6 +41,14 @@ from pace_core.deferred import defer
 from pace_core.errors import PaceError
 from pace_core.methods import method_of
 from pace_core.recurrence import RECURRENT_BELOW, fold
+
+from . import chunk as _chunk
+from . import quantize as _quantize
+from .flush import launch_flush
+from .fused_step import launch_fused
+from .packed_step import launch_packed_step, launch_window
+from .plan import DecodePlan, check_kernel_shape, is_pow2, output_tensor, plan_decode
+from .recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
 
 
 class TritonSteps:
@@ -162,9 +164,9 @@ class TritonSteps:
         would overflow a group's fp16 scale: then the reference runs the tokens again from the checkpoint
         (untouched), so that the state is refused at the token and with the message a store gives. That check
         reads the device: recorded while checks are deferred (:mod:`pace_core.deferred`), skipped while another
-        CUDA graph is being captured (its replays do not check, as :func:`pace_core.state_store.refuse_non_finite`). ``launch``'s ``block_v`` and ``num_warps`` reach
-        the kernel; its plan and the overflow bound are made on the first run (the layer's layout does not
-        change)."""
+        CUDA graph is being captured (its replays do not check, as :func:`pace_core.state_store.refuse_non_finite`).
+        ``launch``'s ``block_v`` and ``num_warps`` reach the kernel; its plan and the overflow bound are made on the
+        first run (the layer's layout does not change)."""
         if self._recurrent is None:  # the layer's layout: every run's checkpoint has it
             settings = {key: self.launch[key] for key in ("block_v", "num_warps") if key in self.launch}
             bound = None if st.fmt.spec is None else _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head))

@@ -11,10 +11,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pace_core.buffer import DecodeBuffer
+
 from .plan import DecodePlan
 from .primitives import bf16_split, biased, expand, operand, packed_head, quant_tile
 from .records import RECORD_COUNT, load_vecs, vec_parts
-from pace_core.buffer import DecodeBuffer
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def _fold_records(acc_a, acc_b, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_p
     later = ridx[None, :] > ridx[:, None]
     in_group = (tl.arange(0, T) // KGR)[None, :]  # the key group (within the tile) of each row
     run = tl.sum(tl.zeros((NB,), tl.float32))  # Σ of the log decays of the newer blocks
-    for blk in range(0, tl.cdiv(n, NB)):
+    for blk in range(tl.cdiv(n, NB)):
         i = n - (blk + 1) * NB + ridx
         valid = i >= 0
         gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
@@ -111,7 +112,8 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
     """The flush of one head's columns ``c0 .. c0+BV``, ``c0 = cb BV`` (see :func:`_flush_kernel`),
     ``T = max(G, 16)`` key rows (whole groups) at a time and transposed: a tile is
     ``[N, T]``, value columns by key rows, so each group's range is a reduction along a row, inside a
-    thread and its quad of the dot's layout (no shared memory). 4-bit codes are two half tiles, the low nibbles (even columns) and
+    thread and its quad of the dot's layout (no shared memory). 4-bit codes are two half tiles, the low nibbles (even
+    columns) and
     the high nibbles (odd columns), each folded, dequantised and requantised on its own (key-axis
     groups never mix columns) and packed back into the same bytes without any shuffle."""
     HALVES: tl.constexpr = BITS <= 4
@@ -122,7 +124,7 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
     cbyte = cb * (BV // 2) if HALVES else c0  # first byte of the columns in a row (alignment visible)
     ridx = tl.arange(0, NB)
     total = tl.sum(tl.zeros((NB,), tl.float32))  # Σ of the n records' log decays
-    for blk in range(0, tl.cdiv(n, NB)):
+    for blk in range(tl.cdiv(n, NB)):
         i = blk * NB + ridx
         total += tl.sum(tl.load(bg_ptr + (b * cap + i) * HV + h, mask=i < n, other=0.0))
     decay = tl.exp(total)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pace_core.buffer import DecodeBuffer
+
 from .plan import DecodePlan
 from .primitives import ckpt_base, ckpt_store, ckpt_tile, head_slot
 from .records import RECORD_COUNT, append_record, load_vecs, record_reads, stored_vec, token_output
-from pace_core.buffer import DecodeBuffer
 
 
 @triton.jit(do_not_specialize=RECORD_COUNT)
@@ -79,7 +80,7 @@ def _decode_kernel(
             kc = tl.sum(tl.where(rows[:, None] == kidx[None, :], khat[None, :], 0.0), axis=1)  # the stored key's rows
             acc = tl.exp(run_o) * S + kc[:, None] * uhat[None, :]
             run = g_t * 0.0
-            for blk in range(0, tl.cdiv(n, NB2)):
+            for blk in range(tl.cdiv(n, NB2)):
                 i = n - (blk + 1) * NB2 + ridx2
                 valid = i >= 0
                 gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)

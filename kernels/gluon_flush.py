@@ -31,8 +31,19 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .gluon_dots import LA, LB, MMA
 from .plan import part_args
-from .primitives import (TWO23, asym_code_sum, asym_scale, bf16_split, biased, code_clamp, part_head,
-                                sym_code_sum, sym_fits, sym_scale, sym_value)
+from .primitives import (
+    TWO23,
+    asym_code_sum,
+    asym_scale,
+    bf16_split,
+    biased,
+    code_clamp,
+    part_head,
+    sym_code_sum,
+    sym_fits,
+    sym_scale,
+    sym_value,
+)
 
 COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
@@ -280,7 +291,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
         gl.store(at, _words(c.to(gl.int32, bitcast=True), LW))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layouts(G: int, RB: int) -> dict:
     """The host-built layouts of :func:`_flush_kernel` for key groups of ``G`` rows and ``RB`` record slots: ``LW``,
     a ``[G, 4]`` block of code words as the threads of the ``[G, 32]`` accumulator hold them (row ``r``: lanes

@@ -25,12 +25,13 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from pace_core.buffer import DecodeBuffer
+
 from .gluon_dots import head_dots, products
 from .gluon_flush import record_log_decays
 from .plan import DecodePlan, part_args
 from .primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
 from .records import RECORD_COUNT
-from pace_core.buffer import DecodeBuffer
 
 
 @gluon.jit

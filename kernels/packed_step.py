@@ -21,11 +21,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pace_core.buffer import DecodeBuffer
+from pace_core.errors import PaceError
+
 from .plan import DecodePlan
 from .primitives import bf16_split, centred, nibbles_bf16, operand, packed_head
 from .records import RECORD_COUNT, append_record, record_reads, token_output
-from pace_core.buffer import DecodeBuffer
-from pace_core.errors import PaceError
 
 
 @triton.jit

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .records import record_args, record_layout
 from pace_core import quant
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
 
+from .records import record_args, record_layout
 
 Checkpoint = torch.Tensor | quant.PackedTensor | quant.MixedPackedState
 
@@ -111,7 +111,11 @@ def bits_of_heads(heads: dict[int, torch.Tensor], hv: int) -> list[int]:
     """Bits of each of the ``hv`` value heads of a head map (bits -> head indices): from the kept table
     whose map it is (no device read), else read from the device."""
     for (bits, _), (_, table) in _TABLES.items():
-        if len(bits) == hv and table.heads.keys() == heads.keys() and all(table.heads[b] is t for b, t in heads.items()):
+        if (
+            len(bits) == hv
+            and table.heads.keys() == heads.keys()
+            and all(table.heads[b] is t for b, t in heads.items())
+        ):
             return list(bits)
     out = [0] * hv
     for b, t in heads.items():
@@ -258,7 +262,7 @@ on a GPU (off: the Triton kernel). ``gluon_step``: the one-kernel step of PACE-4
 (off: the Triton kernels)."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """SMs of CUDA ``device`` (read once per device: the dense step asks on every token)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -393,7 +397,8 @@ def ckpt_launches(plan: DecodePlan, per_part: bool) -> list[tuple[list, dict, in
     heads only (``MAPPED``: slot ``i`` of the part is value head ``heads[i]``), so each launch is compiled
     for one width: compiled for both, a kernel branches on the head's width and pays the larger register
     count and code size in every program (at B = 128 the per-width flush took 288 us against 377, the
-    window 406 against 460, the dots 55 against 57, ``data/bench/v8_ncu``); in one wave two launches take
+    window 406 against 460, the dots 55 against 57, ``git show 5dab257:data/bench/v8_ncu/ncu_summary.json``); in one
+    wave two launches take
     longer than one. Otherwise one launch over all heads (``plan.ckpt_args[1:]``, the head table read where
     there are two widths)."""
     common = ckpt_common(plan.meta)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 FP16_TINY = tl.constexpr(6.103515625e-05)  # 2^-14, pace_core.quant.FP16_TINY
 
 

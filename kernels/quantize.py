@@ -15,12 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import (bits_of_heads, check_kernel_shape, head_table, layout_args, part_layout, part_pointers,
-                          row_block)
-from .primitives import ckpt_store, ckpt_tile, packed_head, store_as
 from pace_core import quant
 from pace_core.deferred import defer
 from pace_core.errors import PaceError
+
+from .plan import bits_of_heads, check_kernel_shape, head_table, layout_args, part_layout, part_pointers, row_block
+from .primitives import ckpt_store, ckpt_tile, packed_head, store_as
 
 
 @triton.jit

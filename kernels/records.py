@@ -9,9 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .primitives import expand, quant_tile, round_bf16, store_as, sym_value
 from pace_core import quant
 from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
+
+from .primitives import expand, quant_tile, round_bf16, store_as, sym_value
 
 RECORD_COUNT = ["n"]
 """``do_not_specialize`` of the kernels that take the buffered record count ``n``: it changes every token, and
@@ -158,7 +159,7 @@ def record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, 
     run = g_t * 0.0  # Σ of the log decays of the records after the current block
     rk = tl.zeros((BV,), tl.float32)
     rq = tl.zeros((BV,), tl.float32)
-    for blk in range(0, tl.cdiv(n, NB)):
+    for blk in range(tl.cdiv(n, NB)):
         i = n - (blk + 1) * NB + ridx
         valid = i >= 0
         gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)

@@ -22,12 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import (as_mixed, layout_args, output_tensor, packed_args, part_layout, part_pointers, sm_count,
-                          whole_groups)
-from .primitives import ckpt_base, ckpt_round, ckpt_store, ckpt_tile, head_slot, round_bf16, store_as
-from .quantize import empty_part
 from pace_core import quant
 from pace_core.errors import PaceError
+
+from .plan import as_mixed, layout_args, output_tensor, packed_args, part_layout, part_pointers, sm_count, whole_groups
+from .primitives import ckpt_base, ckpt_round, ckpt_store, ckpt_tile, head_slot, round_bf16, store_as
+from .quantize import empty_part
 
 
 @triton.jit

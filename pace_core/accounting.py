@@ -28,7 +28,7 @@
 storage code itself: :func:`pace_core.quant.packed_nbytes` (2..4-bit codes two per byte, so a 3-bit
 code occupies 4 bits; 5..8-bit codes one byte; fp16 scales; zero points packed two per byte when
 b <= 4, else one byte), separate packed parts for the low- and high-bit heads (the head map is part
-of the configuration, not of a sequence), :meth:`pace_core.outliers.DampQuantizer.nbytes` (fp16
+of the configuration, not of a sequence), :meth:`pace_core.methods.damp.DampQuantizer.nbytes` (fp16
 outlier rows, INT-b rest with fp16 scales, and the int16 outlier-row indices ``[HV, r]`` once per
 layer), DSQ's packed codes with fp16 row scales ``[K]`` and column scales ``[V]`` per head, and
 :func:`pace_core.buffer.record_bytes` times dP records (int8 / mixed buffers add one fp16 scale per

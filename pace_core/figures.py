@@ -7,7 +7,8 @@ a pandas DataFrame or an HTML string, so each can be unit-tested without a brows
 from __future__ import annotations
 
 import html
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -161,7 +162,7 @@ def rms_profiles(col_rms: Any, row_rms: Any, col_ratio: float, row_ratio: float,
     col, row = _np(col_rms), _np(row_rms)
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
         f"column RMS (max/median {col_ratio:.2f})", f"row RMS (max/median {row_ratio:.2f})"))
-    outliers = set(int(j) for j in outlier_columns)
+    outliers = {int(j) for j in outlier_columns}
     for c, prof, axis_name, marked in ((1, col, "value column j", outliers), (2, row, "key row i", set())):
         med = float(np.median(prof))
         colours = ["#d62728" if j in marked else "#4a78c2" for j in range(len(prof))]

@@ -30,9 +30,10 @@ import torch
 
 from pace_core.backend import select_steps
 from pace_core.buffer import EMPTY, DecodeBuffer, records_held
-from pace_core.checkpoint import checkpoint_tensors, state_format, with_tensors
+from pace_core.checkpoint import checkpoint_tensors, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.methods import state_format
 from pace_core.quant import all_finite
 from pace_core.recurrence import fold_records, step_records
 from pace_core.schedule import PeriodicState
@@ -168,7 +169,9 @@ class StatePool:
             raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
         cfg, records = self.cfg, self.records
         counts = records_held(self.tensors["log_decays"].index_select(0, slots))
-        checkpoint = with_tensors(self.template, {n: self.tensors[n].index_select(0, slots) for n in self.checkpoint_names})
+        checkpoint = with_tensors(
+            self.template, {n: self.tensors[n].index_select(0, slots) for n in self.checkpoint_names}
+        )
         S_hat = self.fmt.load(checkpoint)
         o, u = step_records(S_hat, records.masked_records(slots, counts, int(counts.max())), q, k, v, g, beta,
                             cfg.exact_current_token, records.rounded, records.dtype)

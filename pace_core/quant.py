@@ -44,8 +44,9 @@ points derived from it (:func:`static_scales`) and the codes of a state saturati
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
@@ -255,10 +256,15 @@ def round_codes(y: torch.Tensor, generator: torch.Generator | None = None) -> to
     return torch.floor(y + torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device))
 
 
-def _quantize_codes(x: torch.Tensor, spec: QuantSpec, name: str = "x", values: torch.dtype | None = None, *,
-                    generator: torch.Generator | None = None,
-                    fixed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def _quantize_codes(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    name: str = "x",
+    values: torch.dtype | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    fixed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Unpacked codes uint8 [..., K, V], fp16 scale and uint8 zero points (or None) of checked `x`, with `values`
     the dequantised values in that dtype (from the signed codes: no second pass over the uint8 codes), else None,
     and the number of saturated values (int64, 0-dim) under ``fixed`` scales, else None. ``generator``: stochastic
@@ -552,3 +558,24 @@ def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor,
         parts[b] = quantize(S.index_select(S.dim() - 3, idx.long()), replace(spec, bits=b), name=name,
                             generator=generator)
     return MixedPackedState(parts, heads, tuple(S.shape))
+
+
+def check_state(x: torch.Tensor, name: str, min_dim: int) -> None:
+    """PaceError unless ``x`` is a finite floating-point tensor of at least ``min_dim`` dims (a matrix
+    ``[..., K, V]`` or a state ``[..., HV, K, V]``)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < min_dim:
+        layout = "[..., K, V]" if min_dim == 2 else "[..., HV, K, V]"
+        raise PaceError(f"{name} must be a floating-point tensor {layout}; got "
+                        f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}")
+    check_finite(x, name)
+
+
+def check_fp16(amax: torch.Tensor, name: str, what: str) -> None:
+    """PaceError naming the first entry of ``amax [..., n]`` (a row's max |x|, stored in fp16) beyond fp16's
+    largest value 65504 (never saturated). Recorded instead while checks are deferred (:mod:`pace_core.deferred`)."""
+    over = amax > FP16_MAX
+    if not defer(lambda: over) and bool(over.any()):
+        at = [int(i) for i in torch.nonzero(over)[0]]
+        raise PaceError(f"{name}: a {what} scale overflows fp16 (index {tuple(at)}): |x| up to "
+                        f"{float(amax[tuple(at)]):.4g} > 65504; allowed: values within fp16's range (another "
+                        "quantiser, or inputs that keep the state in range)")

@@ -21,8 +21,9 @@ All batch rows step together (as in HF ``generate``). Computation is float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 

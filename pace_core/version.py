@@ -30,10 +30,21 @@ METHOD_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 NUMERICS_MODULES = (
-    "pace_core/quant.py", "pace_core/recurrence.py", "pace_core/schedule.py", "pace_core/buffer.py",
-    "pace_core/checkpoint.py", "pace_core/outliers.py", "pace_core/stepquant.py", "pace_core/heads.py",
-    "pace_core/backend.py", "pace_core/state_store.py", "pace_core/methods/*.py", "pace_core/analysis/*.py",
-    "pace_core/model/teacher.py", "pace_core/model/capture.py", "pace_core/model/patch.py", "kernels/*.py",
+    "pace_core/quant.py",
+    "pace_core/recurrence.py",
+    "pace_core/schedule.py",
+    "pace_core/buffer.py",
+    "pace_core/checkpoint.py",
+    "pace_core/heads.py",
+    "pace_core/backend.py",
+    "pace_core/state_store.py",
+    "pace_core/methods/*.py",
+    "pace_core/methods/*/*.py",
+    "pace_core/analysis/*.py",
+    "pace_core/model/teacher.py",
+    "pace_core/model/capture.py",
+    "pace_core/model/patch.py",
+    "kernels/*.py",
 )
 """The modules whose code makes the numbers of a stored result (paths or globs under the repository)."""
 
@@ -79,7 +90,7 @@ def numerics_hash(root: Path = REPO_ROOT) -> str:
     h = hashlib.sha256()
     for path in numerics_files(root):
         tree = _strip_docstrings(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
-        h.update(f"{path.relative_to(root).as_posix()}\n{_canonical(tree)}\n".encode("utf-8"))
+        h.update(f"{path.relative_to(root).as_posix()}\n{_canonical(tree)}\n".encode())
     return h.hexdigest()
 
 

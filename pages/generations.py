@@ -7,9 +7,8 @@ import pandas as pd
 import streamlit as st
 
 from app_state import compute, controls, frame, session, stored
+from app_state.library import NAMED_CONFIGS, PaceConfig, generate_side_by_side
 from pace_core import figures
-from pace_core.analysis.generation import generate_side_by_side
-from pace_core.config import NAMED_CONFIGS, PaceConfig
 
 SAMPLING = {name: p.default for name, p in inspect.signature(generate_side_by_side).parameters.items()
             if name in ("temperature", "top_p")}

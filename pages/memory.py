@@ -7,10 +7,8 @@ import pandas as pd
 import streamlit as st
 
 from app_state import frame, session, stored
+from app_state.library import BUILTIN_SHAPES, NAMED_CONFIGS, PaceConfig, capacity, tagged
 from pace_core import figures
-from pace_core.accounting import capacity
-from pace_core.config import NAMED_CONFIGS, PaceConfig
-from pace_core.shapes import BUILTIN_SHAPES
 
 
 def page(cfg: PaceConfig) -> None:
@@ -29,25 +27,25 @@ def page(cfg: PaceConfig) -> None:
     shape_name = col_shape.selectbox("Model shape", list(shapes), key="memory_shape",
                                      help="The sidebar model's shape, or a built-in Qwen shape (no download).")
     shape = shapes[shape_name]
-    default_named = ["fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8", "damp-int8", "damp-int4",
-                     "qmamba-dsq"]
-    chosen = col_cfgs.multiselect("Configurations to compare", list(NAMED_CONFIGS),
-                                  default=[n for n in default_named if n in NAMED_CONFIGS], key="memory_cfgs")
+    chosen = col_cfgs.multiselect("Configurations to compare", list(NAMED_CONFIGS), default=list(tagged("memory-page")),
+                                  key="memory_cfgs")
     configs = {"sidebar: " + cfg.name: cfg}
     configs.update({n: NAMED_CONFIGS[n] for n in chosen})
 
     table = figures.resident_bits_table(configs, shape)
     st.subheader(f"Resident bits per state value on {shape_name}")
     st.plotly_chart(figures.resident_bits_figure(table), key="memory_bits_chart")
-    st.dataframe(table.style.format({c: "{:.4f}" for c in ["payload", "metadata", "buffer c·dP", "resident",
-                                                            "exact", "c"]}),
-                 hide_index=True, key="memory_bits_table")
+    st.dataframe(
+        table.style.format(dict.fromkeys(["payload", "metadata", "buffer c·dP", "resident", "exact", "c"], "{:.4f}")),
+        hide_index=True,
+        key="memory_bits_table",
+    )
 
     st.subheader("Resident bits against the decode period dP")
     st.caption("Rounding less often shrinks the rounding error's growth but the buffer holds dP records: "
                "the buffer term grows linearly with dP.")
     curve_cfgs = {"sidebar: " + cfg.name: cfg}
-    curve_cfgs.update({n: NAMED_CONFIGS[n] for n in ("pace-4", "pace-4-8") if n in NAMED_CONFIGS and n != cfg.name})
+    curve_cfgs.update({n: NAMED_CONFIGS[n] for n in tagged("dp-curve") if n != cfg.name})
     st.plotly_chart(figures.dp_curve_figure(curve_cfgs, shape), key="memory_dp_chart")
 
     st.subheader("Measured error against resident bits")
@@ -108,12 +106,18 @@ def _measured() -> None:
                    "the generation's state keeps (equal to the accounted bytes); *cache* adds the attention KV and "
                    "conv states; *step peak* is the largest workspace of one further decode step (freed after it).")
         mib = 1 << 20
-        table = pd.DataFrame({
-            "configuration": rows["config"], "resident bits": rows["resident_bits"],
-            "state MiB (accounted)": rows["state_bytes_accounted"] / mib, "state MiB (held)": rows["state_bytes_held"] / mib,
-            "× fewer than fp32": rows["saving_vs_fp32"], "whole cache MiB": rows["cache_bytes_held"] / mib,
-            "step peak MiB": rows["decode_step_peak_bytes"] / mib})
-        st.dataframe(table.style.format({c: "{:.3f}" for c in table.columns[1:]}), hide_index=True,
+        table = pd.DataFrame(
+            {
+                "configuration": rows["config"],
+                "resident bits": rows["resident_bits"],
+                "state MiB (accounted)": rows["state_bytes_accounted"] / mib,
+                "state MiB (held)": rows["state_bytes_held"] / mib,
+                "× fewer than fp32": rows["saving_vs_fp32"],
+                "whole cache MiB": rows["cache_bytes_held"] / mib,
+                "step peak MiB": rows["decode_step_peak_bytes"] / mib,
+            }
+        )
+        st.dataframe(table.style.format(dict.fromkeys(table.columns[1:], "{:.3f}")), hide_index=True,
                      key=f"memory_measured_{path.stem}")
 
 
@@ -137,7 +141,7 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> tuple[str, in
     shape, budget = shapes[name], int(gb * figures.GB)
     if not shape.kv_bytes_per_token:
         st.caption(f"{name}: the attention layers' head shape is unknown, so their KV cache is not counted.")
-    configs = {"fp32": NAMED_CONFIGS["fp32"], "bf16": NAMED_CONFIGS["bf16"], f"chosen: {cfg.name}": cfg}
+    configs = {**{n: NAMED_CONFIGS[n] for n in tagged("capacity-baseline")}, f"chosen: {cfg.name}": cfg}
     caps = {label: capacity(c, shape, budget, weight_bits=figures.WEIGHT_PRECISIONS[weights], context=int(context))
             for label, c in configs.items()}
     chosen = caps[f"chosen: {cfg.name}"]

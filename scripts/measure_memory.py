@@ -103,8 +103,10 @@ def main() -> None:
     tmp.replace(out)
     print(f"{'config':12} {'bits':>7} {'accounted':>12} {'held':>12} {'x fp32':>7} {'cache':>12} {'step peak':>11}")
     for r in rows:
-        print(f"{r['config']:12} {r['resident_bits']:7.3f} {r['state_bytes_accounted']:12,} {r['state_bytes_held']:12,} "
-              f"{r['saving_vs_fp32']:7.2f} {r['cache_bytes_held']:12,} {r['decode_step_peak_bytes']:11,}")
+        print(
+            f"{r['config']:12} {r['resident_bits']:7.3f} {r['state_bytes_accounted']:12,} {r['state_bytes_held']:12,} "
+            f"{r['saving_vs_fp32']:7.2f} {r['cache_bytes_held']:12,} {r['decode_step_peak_bytes']:11,}"
+        )
     print(f"wrote {out}")
 
 

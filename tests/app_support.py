@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DIR = REPO_ROOT / "data" / "models" / "pace-tiny-qwen35"

@@ -50,10 +50,10 @@ def assert_same_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, logits: t
     ``generate(output_logits=True)`` gives them).
 
     Row by row and step by step, until the rows' tokens first differ: the logits agree to ``tol``
-    (relative; one for all, or ``[N, B]`` one per step and row), and a differing token is allowed only where the reference's top-1
-    margin is at most twice the largest measured logit difference (a near tie that float32 rounding can
-    swap). After that step the continuations have different prefixes and are not compared. Returns the
-    number of rows that parted."""
+    (relative; one for all, or ``[N, B]`` one per step and row), and a differing token is allowed only where the
+    reference's top-1 margin is at most twice the largest measured logit difference (a near tie that float32
+    rounding can swap). After that step the continuations have different prefixes and are not compared. Returns
+    the number of rows that parted."""
     parted = 0
     for b in range(tokens.shape[0]):
         for t in range(tokens.shape[1]):

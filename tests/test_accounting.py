@@ -1,5 +1,6 @@
 import pytest
 import torch
+from calibration_support import calibrated
 
 from pace_core.accounting import (
     buffer_c,
@@ -9,12 +10,11 @@ from pace_core.accounting import (
     state_bytes,
     state_share,
 )
-from calibration_support import calibrated
 from pace_core.buffer import DecodeBuffer
-from pace_core.checkpoint import state_format
 from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
-from pace_core.methods.groups import high_head_counts
 from pace_core.errors import PaceError
+from pace_core.methods import state_format
+from pace_core.methods.groups import high_head_counts
 from pace_core.shapes import BUILTIN_SHAPES, PAPER_BACKBONES, ModelShape, get_shape
 
 S4, S27 = BUILTIN_SHAPES["qwen3.5-4b"], BUILTIN_SHAPES["qwen3.5-27b"]

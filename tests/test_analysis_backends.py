@@ -34,9 +34,9 @@ import math
 
 import pytest
 import torch
-
 from kernels_support import DEVICE, ON_GPU, kernel_modules
 from numerics import assert_same_greedy, fp32_bound, mean_difference_bound, rel
+
 from pace_core.analysis.calibration import calibrate
 from pace_core.analysis.drift import drift
 from pace_core.analysis.quality import perplexity

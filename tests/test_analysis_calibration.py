@@ -32,7 +32,9 @@ def test_samples_match_decode_path_and_decays_match_hidden_states(loaded):
         for layer in loaded.gdn_layers:
             dec = loaded.model.model.layers[layer]
             a = dec.linear_attn.in_proj_a(dec.input_layernorm(hs[layer]))[0].double()
-            want = -dec.linear_attn.A_log.double().exp() * torch.nn.functional.softplus(a + dec.linear_attn.dt_bias.double())
+            want = -dec.linear_attn.A_log.double().exp() * torch.nn.functional.softplus(
+                a + dec.linear_attn.dt_bias.double()
+            )
             assert g[layer].shape == (48, 4)
             torch.testing.assert_close(g[layer].double(), want[:48], rtol=1e-4, atol=1e-5)
             b = dec.linear_attn.in_proj_b(dec.input_layernorm(hs[layer]))[0].double()
@@ -102,7 +104,7 @@ def test_calibrate_static_scales(loaded):
     """Static scales are calibrated per layer from the same samples (the method's hook, for these settings): each
     group's max |x| over the reference states (in the key-rotated basis with key_hadamard), rounded up to fp16;
     with 8-bit heads the heads are chosen as well. The result needs no further calibration."""
-    from pace_core.outliers import hadamard
+    from pace_core.checkpoint import hadamard
 
     samples = calibration_samples(loaded, tokens=96, sample_every=32)
     for cfg in (get_config("pace-4-static").replace(group_size=32),
@@ -124,4 +126,6 @@ def test_calibrate_static_scales(loaded):
             assert set(got) == {("rotated_" if cfg.key_hadamard else "") + name for name in want}
             for name, t in got.items():
                 ref = want[name.removeprefix("rotated_")]
-                assert (t.double().abs() >= ref.abs()).all() and (t.double() - ref).abs().max() <= 2.0**-10 * ref.abs().max()
+                assert (t.double().abs() >= ref.abs()).all() and (
+                    t.double() - ref
+                ).abs().max() <= 2.0**-10 * ref.abs().max()

@@ -5,10 +5,23 @@ import torch
 
 from pace_core.accounting import resident_bits
 from pace_core.analysis.calibration import calibrate
-from pace_core.analysis.claims import (CLAIM_BITS, DRIFT_PERIODS, EQUAL_BITS_GROUPS, EQUAL_BITS_PERIODS,
-                                       SPREAD_RESAMPLES, SPREAD_SEED, claim_configs, claims_progress_total,
-                                       claims_table, equal_bits_pace, measure_claims, random_allocations,
-                                       resample_counts, spread, verdict)
+from pace_core.analysis.claims import (
+    CLAIM_BITS,
+    DRIFT_PERIODS,
+    EQUAL_BITS_GROUPS,
+    EQUAL_BITS_PERIODS,
+    SPREAD_RESAMPLES,
+    SPREAD_SEED,
+    claim_configs,
+    claims_progress_total,
+    claims_table,
+    equal_bits_pace,
+    measure_claims,
+    random_allocations,
+    resample_counts,
+    spread,
+    verdict,
+)
 from pace_core.analysis.quality import perplexity
 from pace_core.analysis.text import read_text, tokenize
 from pace_core.config import get_config

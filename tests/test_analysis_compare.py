@@ -2,10 +2,16 @@ import numpy as np
 import pytest
 
 from pace_core.accounting import capacity, resident_bits, state_bytes, state_bytes_per_sequence
-from pace_core.analysis.compare import (Point, best_under, budget_bits, comparison, dominates, frontier, point,
-                                        recommendation, stored_config)
+from pace_core.analysis.compare import (
+    budget_bits,
+    comparison,
+    point,
+    recommendation,
+    stored_config,
+)
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.errors import PaceError
+from pace_core.frontier import Point, best_under, dominates, frontier
 from pace_core.shapes import BUILTIN_SHAPES
 
 
@@ -61,7 +67,7 @@ def test_budget_bits_is_what_capacity_lets_the_states_take():
     """A configuration whose resident bits fit the budget holds the sequences (accounting.capacity); one that
     stores nothing once per layer holds them exactly when it fits."""
     rng = np.random.default_rng(int(np.random.default_rng().integers(2**31)))
-    configs = [c for c in NAMED_CONFIGS.values()]
+    configs = list(NAMED_CONFIGS.values())
     for name, shape in BUILTIN_SHAPES.items():
         for _ in range(10):
             memory = int(rng.uniform(1.0, 3.0) * shape.weight_bytes)

@@ -25,9 +25,9 @@ def _layer_state_final(inp, cfg, D):
     L, T, H, K = inp.q.shape
     HV, V = inp.v.shape[2:]
     out = []
-    for l in range(L):
+    for layer in range(L):
         st = LayerState(cfg, 1, H, HV, K, V, "cpu")
-        x = [t[l : l + 1] for t in (inp.q, inp.k, inp.v, inp.g, inp.beta)]
+        x = [t[layer : layer + 1] for t in (inp.q, inp.k, inp.v, inp.g, inp.beta)]
         st.prefill(*(t[:, :D] for t in x))
         st.decode(*(t[:, D:] for t in x))
         out.append(st.effective_state())

@@ -13,19 +13,20 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from streamlit.testing.v1 import AppTest
-
-from app_state import compute, controls, exporting, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
 from conftest import BROKEN_CHECKPOINTS
 from numerics import fp32_bound, rel
+from streamlit.testing.v1 import AppTest
+
+from app_state import compute, controls, exporting, frame, session, stored
 from pace_core.accounting import capacity, resident_bits, state_bytes
 from pace_core.analysis.structure import structure_stats
 from pace_core.analysis.text import tokenize
-from pace_core.config import config_to_json, document_from_json, get_config, num_high_heads
+from pace_core.config import get_config
 from pace_core.errors import PaceError
-from pace_core.export import used_settings
+from pace_core.export import config_to_json, document_from_json, used_settings
 from pace_core.figures import MIB
+from pace_core.heads import num_high_heads
 from pace_core.methods import METHODS
 from pace_core.model.capture import run_with_states
 from pace_core.model.loading import load_model
@@ -315,7 +316,9 @@ def test_capacity_planner_numbers_are_the_accounting(params):
     at.number_input(key="plan_context").set_value(4096).run()
     check(at)
     shape = BUILTIN_SHAPES["qwen3.5-27b"]
-    caps = {n: capacity(get_config(n), shape, int(141e9), weight_bits=8, context=4096) for n in ("fp32", "bf16", "pace-4")}
+    caps = {
+        n: capacity(get_config(n), shape, int(141e9), weight_bits=8, context=4096) for n in ("fp32", "bf16", "pace-4")
+    }
     assert metric(at, "max sequences, fp32") == f"{caps['fp32'].sequences:,}"
     assert metric(at, "max sequences, bf16") == f"{caps['bf16'].sequences:,}"
     assert metric(at, "max sequences, chosen: pace-4") == f"{caps['pace-4'].sequences:,}"
@@ -463,8 +466,10 @@ def test_export_preview_import_and_load(params):
     assert serve.startswith(f"vllm serve {exported.model_info['source']} --enforce-eager --no-enable-prefix-caching")
     assert json.loads(serve.split("--additional-config ")[1].strip("'")) == {"pace_config": "pace-4.json"}
     measured = next(c.value for c in at.caption if "vllm_cpu.json" in c.value)  # the shipped vLLM figures
-    assert f"pace-4-8 {json.loads((REPO_ROOT / 'data/bench/vllm_cpu.json').read_text())['rows'][-1]['teacher_forced']:.1%}" \
+    assert (
+        f"pace-4-8 {json.loads((REPO_ROOT / 'data/bench/vllm_cpu.json').read_text())['rows'][-1]['teacher_forced']:.1%}"
         in measured
+    )
     served = next(d.value for d in at.dataframe if "burst wall time ×" in d.value.columns)  # vllm_serve_cpu.json
     stored = json.loads((REPO_ROOT / "data/bench/vllm_serve_cpu.json").read_text())["ratios"]
     assert list(served["burst wall time ×"]) == [round(r["wall_ratio"], 2) for r in stored if r["concurrency"] == 64]
@@ -937,7 +942,9 @@ def test_export_summarises_what_it_ships_with_a_portable_model(params, loaded, t
     quality = next(c.value for c in at.caption if c.value.startswith("Top-1 agreement"))
     assert "97.00%" in quality and "over 99 scored tokens" in quality and "the perplexity result of 'pace-4'" in quality
     assert "`python -m pace_core perplexity --n 1`" in quality and "--n 2" not in quality  # not the other weights'
-    caps = {n: capacity(get_config(n), shape, int(141e9), weight_bits=16, context=8192) for n in ("fp32", "bf16", "pace-4")}
+    caps = {
+        n: capacity(get_config(n), shape, int(141e9), weight_bits=16, context=8192) for n in ("fp32", "bf16", "pace-4")
+    }
     assert metric(at, "Sequences that fit") == f"{caps['pace-4'].sequences:,}"
     gain = next(m for m in at.metric if m.label == "Sequences that fit").proto.delta
     assert gain == f"{caps['pace-4'].sequences / caps['fp32'].sequences:.2f}× fp32 states"
@@ -957,7 +964,7 @@ def test_export_summarises_what_it_ships_with_a_portable_model(params, loaded, t
 def test_export_quality_is_matched_by_the_settings_not_the_name(params, loaded, monkeypatch):
     """A perplexity result stored under the name 'pace-4' for other settings is not pace-4's; a claims report's
     row of pace-4's settings under another label is, and it is named."""
-    from pace_core.config import config_to_json
+    from pace_core.export import config_to_json
     from pace_core.results import Listing, Result, config_hash
     from pace_core.version import METHOD_VERSION
 
@@ -1056,7 +1063,9 @@ def test_benchmarks_lead_with_the_servers_gain_and_keep_the_dashboards_times_las
     step = [{"batch": b, "variant": v, "seconds_per_token": t * 1e-6} for v, ts in
             (("bf16 per-token", (50, 400)), ("PACE-4 dP=8", (20, 100)), ("PACE-4/8 dP=8", (100, 200)))
             for b, t in zip((1, 8), ts)]
-    e2e = [{"batch": 128, "variant": v, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.009), ("PACE-4 dP=8", 0.006))]
+    e2e = [
+        {"batch": 128, "variant": v, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.009), ("PACE-4 dP=8", 0.006))
+    ]
     (tmp_path / "bench.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": step}))
     (tmp_path / "bench_e2e_compiled.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": e2e}))
     (tmp_path / "app_cpu.json").write_text(json.dumps({"kind": "app_responsiveness", "figures": [
@@ -1064,19 +1073,32 @@ def test_benchmarks_lead_with_the_servers_gain_and_keep_the_dashboards_times_las
     (tmp_path / "vllm_cpu.json").write_text((REPO_ROOT / "data" / "bench" / "vllm_cpu.json").read_text())
     monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
     at = start(params, page="benchmarks")
-    assert [h.value for h in at.header] == ["What the state kernels give a server",
-                                            "Every measurement, with its provenance", "This dashboard's own response times"]
+    assert [h.value for h in at.header] == [
+        "What the state kernels give a server",
+        "Every measurement, with its provenance",
+        "This dashboard's own response times",
+    ]
     lead = at.dataframe[0].value
     lead = getattr(lead, "data", lead).set_index(["measured", "variant"])
-    step_label, e2e_label = "GDN decode step (24 layers, Qwen3.5-4B shapes)", "end to end under torch.compile (Qwen3.5-4B-sized model)"
+    step_label, e2e_label = (
+        "GDN decode step (24 layers, Qwen3.5-4B shapes)",
+        "end to end under torch.compile (Qwen3.5-4B-sized model)",
+    )
     assert lead.loc[(step_label, "PACE-4 dP=8"), "B = 1"] == pytest.approx(2.5)      # 50 / 20
     assert lead.loc[(step_label, "PACE-4 dP=8"), "B = 8"] == pytest.approx(4.0)      # 400 / 100
     assert lead.loc[(step_label, "PACE-4/8 dP=8"), "B = 1"] == pytest.approx(0.5)
     assert lead.loc[(e2e_label, "PACE-4 dP=8"), "B = 128"] == pytest.approx(1.5)
     assert np.isnan(lead.loc[(e2e_label, "PACE-4 dP=8"), "B = 1"])                   # not measured there
     titles = [s.value for s in at.subheader]
-    order = [next(i for i, t in enumerate(titles) if t.startswith(p)) for p in
-             ("Decode step", "End to end under torch.compile", "vLLM serving the PACE state", "Dashboard responsiveness")]
+    order = [
+        next(i for i, t in enumerate(titles) if t.startswith(p))
+        for p in (
+            "Decode step",
+            "End to end under torch.compile",
+            "vLLM serving the PACE state",
+            "Dashboard responsiveness",
+        )
+    ]
     assert order == sorted(order)
     vllm = next(c.value for c in at.caption if c.value.startswith("Engine: vLLM 0.32.0"))
     assert "Not a speed measurement" in vllm and "pace-tiny-qwen35" in vllm and "python -m pace_core.vllm.check" in vllm
@@ -1088,7 +1110,9 @@ def test_state_heatmap_marks_the_sidebars_groups(params, loaded):
     at = start(params, page="state_heatmaps", preset="pace-4")  # key axis, g = 64
 
     def lines() -> dict[str, dict]:
-        return {t["name"]: t for t in chart(at, "heat_chart")["data"] if t.get("mode") == "lines" and t.get("showlegend")}
+        return {
+            t["name"]: t for t in chart(at, "heat_chart")["data"] if t.get("mode") == "lines" and t.get("showlegend")
+        }
 
     K = loaded.shape.d_k
     shown = lines()

@@ -5,10 +5,10 @@ records and refuses every one)."""
 
 from __future__ import annotations
 
-import tomllib
 import urllib.request
 from pathlib import Path
 
+import tomllib
 from app_support import REPO_ROOT, outbound_attempts, served_app
 
 LISTEN = "0A"  # the TCP state LISTEN in /proc/net/tcp{,6}

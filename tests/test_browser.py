@@ -14,10 +14,11 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-
 from app_support import EMBEDDED_DIR, REPO_ROOT, app_model_param, outbound_attempts, served_app
+
 from pace_core.accounting import capacity
-from pace_core.config import config_from_dict, config_from_json, get_config
+from pace_core.config import get_config
+from pace_core.export import config_from_dict, config_from_json
 from pace_core.shapes import load_shape
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -185,7 +186,9 @@ def test_compare_recommends_the_frontiers_best_under_a_budget_and_exports_it(ser
     budget_box = page.get_by_role("spinbutton", name="Bits per state value", exact=True)
     pairs = [(here, above, round((here["resident_bits"] + above["resident_bits"]) / 2, 3))
              for here, above in zip(frontier, frontier[1:])]
-    pairs = [(here, budget) for here, above, budget in pairs if here["resident_bits"] <= budget < above["resident_bits"]]
+    pairs = [
+        (here, budget) for here, above, budget in pairs if here["resident_bits"] <= budget < above["resident_bits"]
+    ]
     assert len(pairs) >= 2
     for here, budget in pairs[:4]:  # a budget between two frontier points: the one of fewer bits is the best
         want = f"{here['config']}: {here['resident_bits']:.2f} bits per state value, KL {here['kl']:.1e} to fp32"

@@ -3,9 +3,11 @@ import pytest
 import torch
 
 from pace_core.analysis.text import TEST_TEXT
+from pace_core.cli import context as commands
 from pace_core.cli import main
-from pace_core.model import commands
-from pace_core.config import NAMED_CONFIGS, config_from_dict, config_from_json
+from pace_core.cli.calibration import export_differences
+from pace_core.config import NAMED_CONFIGS
+from pace_core.export import config_from_dict, config_from_json
 from pace_core.results import config_hash, list_results, result_sets
 
 
@@ -333,8 +335,29 @@ def test_all_small(env, tmp_path, capsys, bars, monkeypatch):
     quality[0].path.unlink()
     capsys.readouterr()
     bars.clear()
-    assert main(["claims", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--max-tokens", "64",
-                 "--window", "512", "--calibration-text", env["text"], "--calibration-tokens", "64"]) == 0
+    assert (
+        main(
+            [
+                "claims",
+                "--model",
+                env["model"],
+                "--out",
+                out,
+                "--quiet",
+                "--text",
+                env["text"],
+                "--max-tokens",
+                "64",
+                "--window",
+                "512",
+                "--calibration-text",
+                env["text"],
+                "--calibration-tokens",
+                "64",
+            ]
+        )
+        == 0
+    )
     _assert_filled(bars)  # the resumed run announces only the configuration it measures
     printed = capsys.readouterr().out
     assert "reusing stored claims_quality" in printed
@@ -503,8 +526,8 @@ def test_export_never_silently_replaces_another_calibration(env, capsys, tmp_pat
     assert "--force replaces it" in err and path.read_bytes() == first
     assert main([*argv, "--tokens", "64", "--force"]) == 0
     assert config_from_json(path.read_text()) is not None and b'"calibration_tokens": 64' in path.read_bytes()
-    assert commands.export_differences(first, path.read_text())[0] == "calibration.tokens 128 in the file, 64 now"
-    assert commands.export_differences(b"[1]", path.read_text()) == ["it is not a configuration JSON (not an object)"]
+    assert export_differences(first, path.read_text())[0] == "calibration.tokens 128 in the file, 64 now"
+    assert export_differences(b"[1]", path.read_text()) == ["it is not a configuration JSON (not an object)"]
 
 
 def test_results_are_keyed_by_the_reference_another_clone_names(env, capsys, monkeypatch, tmp_path):

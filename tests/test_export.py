@@ -6,11 +6,13 @@ import json
 import pytest
 
 from pace_core.accounting import resident_bits
-from pace_core.config import NAMED_CONFIGS, PaceConfig, config_to_json, document_from_json, get_config, num_high_heads
+from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.export import (
     admit,
     check_model,
+    config_to_json,
+    document_from_json,
     export_document,
     export_filename,
     export_json,
@@ -18,6 +20,7 @@ from pace_core.export import (
     used_fields,
     used_settings,
 )
+from pace_core.heads import num_high_heads
 from pace_core.shapes import ModelShape, get_shape
 
 SHAPE = get_shape("qwen3.5-27b")  # γ = 3: GDN ordinals and decoder layers differ from layer 3 on
@@ -40,7 +43,7 @@ def test_only_the_fields_the_method_reads():
     mixed = used_fields(get_config("pace-4-8"))
     assert "buffer_key_group" in mixed and "buffer_value_group" not in mixed  # mixed: bf16 values
     # what is left out does not change behaviour: its defaults are what the method ignores
-    custom = get_config("pace-4").replace(damp_outlier_rows=3, damp_hadamard=False)
+    custom = get_config("pace-4").replace(high_bits=6, reference_dtype="bfloat16")  # read with a share; by method none
     assert used_settings(custom) == get_config("pace-4")
     # a combination is written where it is on, with the settings read with it
     combined = {"rounding", "rounding_seed", "key_hadamard", "scales", "static_margin", "calibrated"}
@@ -163,7 +166,7 @@ def _exported(**changes) -> dict:
 @pytest.mark.parametrize("changes, message", [
     ({"pace.bits": 99}, "pace.bits is not allowed: it is state_cache_scheme.num_bits"),
     ({"pace.group_size": 16}, "pace.group_size is not allowed: it is state_cache_scheme.group_size"),
-    ({"pace.damp_outlier_rows": 4}, "pace.damp_outlier_rows is not read by these settings"),
+    ({"pace.damp_outlier_rows": 4}, "damp_outlier_rows=4 is not allowed for method 'pace'.*a setting of method 'damp'"),
     ({"state_cache_scheme.type": "float"}, "state_cache_scheme.type='float' does not match pace.method='pace'"),
     ({"state_cache_scheme.zp_dtype": None}, "state_cache_scheme.zp_dtype=None does not match"),
     ({"state_layout.groups_along": "value"}, "state_layout.groups_along='value' contradicts"),

@@ -242,7 +242,9 @@ def test_bench_speedups_are_the_baseline_time_over_each_variants_at_the_same_bat
         for b in (1, 8, 32):
             expected = times[("bf16 per-token", b)] / times[(v, b)]
             assert np.isnan(table.loc[v, f"B = {b}"]) if (v, b) == ("B", 8) else table.loc[v, f"B = {b}"] == expected
-    e2e = pd.DataFrame([{"variant": v, "batch": 16, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.2), ("A", 0.1))])
+    e2e = pd.DataFrame(
+        [{"variant": v, "batch": 16, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.2), ("A", 0.1))]
+    )
     assert figures.bench_speedups(e2e).set_index("variant").loc["A", "B = 16"] == 2.0
     assert figures.bench_speedups(pd.DataFrame(rows[3:])) is None  # no baseline
 

@@ -13,8 +13,8 @@ import math
 
 import pytest
 import torch
-
 from kernels_support import DEVICE, ON_GPU, kernel_modules
+
 from pace_core import deferred
 from pace_core.config import get_config
 from pace_core.errors import PaceError
@@ -99,8 +99,8 @@ class _FailingGraphs:
 def test_a_run_whose_graphs_failed_a_check_runs_again_without_them(embedded, monkeypatch):
     """The rerun without graphs passes its checks here (nothing overflows), so the disagreement itself is the
     error; where the state does fail, the rerun raises that failure's own error before (GPU test below)."""
-    from pace_core.model import patch, teacher
     from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
+    from pace_core.model import patch, teacher
 
     graphs = _FailingGraphs()
     made = []

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kernels_support import kernel_modules
+
 from pace_core.recurrence import gdn_recurrent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,8 @@ def test_a_variant_that_cannot_run_gets_a_row_that_says_why(bench, monkeypatch):
 
     monkeypatch.setattr(bench, "time_variant", refuse)
     row = bench.measure(bench.DP1, 16, torch.device("cpu"), 2, 1e12)
-    assert row == {"variant": bench.DP1, "batch": 16, "error": "PaceError: a group's fp16 scale overflows (sequence 138)"}
+    assert row == {"variant": bench.DP1, "batch": 16,
+                   "error": "PaceError: a group's fp16 scale overflows (sequence 138)"}
     assert "did not run: PaceError" in bench.row_line(row)
 
 

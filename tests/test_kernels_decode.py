@@ -9,16 +9,16 @@ import copy
 
 import pytest
 import torch
-
 from calibration_support import calibrated
-from kernels_support import DEVICE, ON_GPU, SIZES, kernel_modules
+from kernels_support import DEVICE, SIZES, kernel_modules
 from numerics import fp32_bound, rel
+
 from pace_core import quant
 from pace_core.backend import REFERENCE
 from pace_core.buffer import BufferFormat, DecodeBuffer
-from pace_core.checkpoint import state_format
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
+from pace_core.methods import state_format
 from pace_core.recurrence import RECURRENT_BELOW, gdn_recurrent, prepare_qk
 from pace_core.schedule import Capture, PeriodicState
 
@@ -316,7 +316,9 @@ def test_kernels_cover_what_they_support() -> None:
         return backend.TritonSteps.for_layer(state_format(cfg, bits, None if cal is None else cal.layers[0]),
                                              buffer and BufferFormat(buffer), k_dim, V) is not None
     assert covered(CONFIGS["pace-4"], "int8") and covered(CONFIGS["fp32"], "fp32") and covered(get_config("bf16"), None)
-    assert covered(get_config("rtn-int4").replace(group_size=GROUP), None) and not covered(get_config("qmamba-dsq"), None)
+    assert covered(get_config("rtn-int4").replace(group_size=GROUP), None) and not covered(
+        get_config("qmamba-dsq"), None
+    )
     assert not covered(CONFIGS["pace-4"], "fp64") and not covered(CONFIGS["pace-4"].replace(group_size=8), "int8", 8)
     assert not covered(get_config("damp-int4"), None)
     for combination in (dict(rounding="stochastic"), dict(key_hadamard=True), dict(scales="static")):
@@ -434,7 +436,7 @@ def _run_and_single_tokens(fmt, S0, T: int, at: frozenset[int]):
         st = PeriodicState(fmt, backend.TritonSteps(), (B, H, HV, K, V), DEVICE, prefill_period=8, decode_period=1)
         st.set_checkpoint(copy.deepcopy(S0))
         seen = {}
-        capture = Capture(at, lambda n, S: seen.setdefault(n, S.clone()))
+        capture = Capture(at, lambda n, S, seen=seen: seen.setdefault(n, S.clone()))
         if single:
             o = []
             for t in range(T):
@@ -761,6 +763,7 @@ def test_kernel_path_holds_the_accounted_bytes(name):
     pace_core.accounting.state_bytes counts; the launch plans' head tables are process-wide (kernels.plan's
     table per head layout, shared by every layer and store of it) and their scratch is not any store's."""
     from test_state_store import RESIDENT_SHAPE, resident_store
+
     from pace_core.accounting import state_bytes
     from pace_core.memory import held_bytes, held_storages
 

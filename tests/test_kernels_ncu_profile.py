@@ -28,9 +28,17 @@ def test_raw_page_to_summary() -> None:
     for i in range(3):
         ns, read, write = rng.uniform(5e3, 1e5), rng.uniform(1e6, 1e8), rng.uniform(1e5, 1e7)
         stalls = {s: rng.uniform(0, 6) for s in ncu_profile.STALLS}
-        kernels.append({"ID": str(i), "Kernel Name": f"_kernel_{i}(float *, int)", "gpu__time_duration.sum": f"{ns:,.2f}",
-                        "dram__bytes_read.sum": f"{read:.0f}", "dram__bytes_write.sum": f"{write:.0f}",
-                        "launch__registers_per_thread": "128", **{k: f"{v:.3f}" for k, v in stalls.items()}})
+        kernels.append(
+            {
+                "ID": str(i),
+                "Kernel Name": f"_kernel_{i}(float *, int)",
+                "gpu__time_duration.sum": f"{ns:,.2f}",
+                "dram__bytes_read.sum": f"{read:.0f}",
+                "dram__bytes_write.sum": f"{write:.0f}",
+                "launch__registers_per_thread": "128",
+                **{k: f"{v:.3f}" for k, v in stalls.items()},
+            }
+        )
     rows = ncu_profile._rows(_raw_page(kernels))
     assert [r["ID"] for r in rows] == ["0", "1", "2"]  # the units row and the warning are not kernels
     for row, given in zip(rows, kernels):

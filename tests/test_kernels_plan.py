@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernels_support import kernel_modules
+
 from pace_core.backend import REFERENCE
-from pace_core.checkpoint import state_format
 from pace_core.config import get_config
+from pace_core.methods import state_format
 from pace_core.schedule import PeriodicState
 
 plan_mod = kernel_modules()["plan"]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernels_support import SIZES, kernel_modules
 
 from pace_core import quant
 from pace_core.backend import REFERENCE
-from pace_core.checkpoint import state_format
 from pace_core.config import get_config
 from pace_core.errors import PaceError
-from kernels_support import SIZES, kernel_modules
+from pace_core.methods import state_format
 
 pytestmark = pytest.mark.numerics
 
@@ -139,7 +139,9 @@ def test_rounding_boundaries_match_reference(axis: str, symmetric: bool, bits: i
     if axis == "key":
         x = _at_rounding_boundaries(shape, bits, symmetric, spec.group_size)
     else:
-        x = _at_rounding_boundaries((*shape[:-2], shape[-1], shape[-2]), bits, symmetric, spec.group_size).mT.contiguous()
+        x = _at_rounding_boundaries(
+            (*shape[:-2], shape[-1], shape[-2]), bits, symmetric, spec.group_size
+        ).mT.contiguous()
     ref = quant.quantize(x, spec)
     assert (ref.codes != quant.quantize(torch.nextafter(x, x + 1), spec).codes).any()  # values on boundaries
     _assert_packed_equal(qp.quantize(x, spec), ref)

@@ -10,15 +10,15 @@ from fractions import Fraction
 import pytest
 import torch
 
-from pace_core import stepquant as sq
 from pace_core.accounting import resident_bits, state_bytes
 from pace_core.analysis.calibration import calibrate, calibration_samples
 from pace_core.analysis.drift import drift
 from pace_core.analysis.text import tokenize
-from pace_core.config import config_from_json, config_to_json, get_config
+from pace_core.config import get_config
 from pace_core.errors import PaceError
-from pace_core.export import export_json, read_config
+from pace_core.export import config_from_json, config_to_json, export_json, read_config
 from pace_core.memory import held_bytes
+from pace_core.methods.stepquant import algorithm as sq
 from pace_core.model.deploy import apply
 from pace_core.model.loading import load_model
 from pace_core.model.patch import get_state_store, remove_pace
@@ -115,7 +115,7 @@ def test_settings_are_checked():
     with pytest.raises(PaceError, match="is a setting of method 'stepquant'"):
         get_config("pace-4").replace(stepquant_pivot_share=1 / 36)
     with pytest.raises(PaceError, match="not calibrated on the model"):
-        from pace_core.checkpoint import state_format
+        from pace_core.methods import state_format
 
         state_format(get_config("stepquant-4"), (4,) * 4)
     assert get_config("stepquant-4").needs_calibration and get_config("stepquant-4").prefill_period == 1 << 20

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from calibration_support import calibrated
 from numerics import rel
+
 from pace_core.accounting import state_bytes
 from pace_core.config import get_config
 from pace_core.errors import PaceError

@@ -214,7 +214,9 @@ def test_huge_values_are_refused_not_saturated(case):
     if spec.symmetric:
         ratio = xg.abs().amax(dim).float() / torch.tensor(float(spec.qmax))
     else:
-        ratio = (xg.amax(dim).clamp(min=0).float() - xg.amin(dim).clamp(max=0).float()) / torch.tensor(float(spec.levels))
+        ratio = (xg.amax(dim).clamp(min=0).float() - xg.amin(dim).clamp(max=0).float()) / torch.tensor(
+            float(spec.levels)
+        )
     if bool((ratio > F16_MAX).any()):
         with pytest.raises(PaceError, match="fp16 scale overflows"):
             quantize(x, spec, name="state")
@@ -312,7 +314,9 @@ def test_group_size_not_dividing():
     with pytest.raises(PaceError, match=r"group_size=48 does not divide the key axis of state \(length 128\); "
                                         r"allowed: 1, 2, 4, 8, 16, 32, 64, 128"):
         quantize(x, QuantSpec(4, True, "key", 48), name="state")
-    with pytest.raises(PaceError, match=r"group_size=64 .* value axis .*allowed: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96"):
+    with pytest.raises(
+        PaceError, match=r"group_size=64 .* value axis .*allowed: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96"
+    ):
         fake_quantize(x, QuantSpec(4, True, "value", 64))
     with pytest.raises(PaceError, match="group_size=5"):
         packed_nbytes((128, 96), QuantSpec(4, True, "key", 5))
@@ -353,9 +357,12 @@ def test_quantize_heads_mixed(symmetric):
     for h, b in enumerate(bits):
         expected = fake_quantize(S[:, h], QuantSpec(b, symmetric, "key", 8))
         assert torch.equal(deq[:, h], expected)
-    assert mixed.nbytes() == 2 * 5 + sum(packed_nbytes((2, len(mixed.heads[b]), 16, 8), QuantSpec(b, symmetric, "key", 8))
-                                 for b in (2, 4, 8))
-    assert torch.equal(quantize_heads(S, [4] * 5, spec).dequantize(torch.float64), fake_quantize(S, spec, torch.float64))
+    assert mixed.nbytes() == 2 * 5 + sum(
+        packed_nbytes((2, len(mixed.heads[b]), 16, 8), QuantSpec(b, symmetric, "key", 8)) for b in (2, 4, 8)
+    )
+    assert torch.equal(
+        quantize_heads(S, [4] * 5, spec).dequantize(torch.float64), fake_quantize(S, spec, torch.float64)
+    )
 
 
 def test_quantize_heads_bad_input():
@@ -390,7 +397,11 @@ def test_all_finite_finds_any_nan_or_inf_and_no_false_alarm_at_float32_max():
     base = [torch.randn(s, generator=g) for s in shapes]
     assert all_finite(*base)
     big = torch.finfo(torch.float32).max
-    assert all_finite(torch.full((1000,), big), torch.full((10,), -big), torch.full((7, 3), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16))
+    assert all_finite(
+        torch.full((1000,), big),
+        torch.full((10,), -big),
+        torch.full((7, 3), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16),
+    )
     for bad in (float("nan"), float("inf"), -float("inf")):
         for which in range(len(base)):
             poisoned = [t.clone() for t in base]

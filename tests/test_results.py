@@ -127,7 +127,7 @@ def test_concurrent_writers_and_readers_never_see_a_mixed_pair(tmp_path):
             for i in range(25):
                 n, rows = 1000 * w + i, int(rng.integers(1, 400))
                 R.save_result(KIND, "m", key, {"n": n, "rows": rows}, _prov(), _table(rng, n, rows), root=tmp_path)
-        except BaseException as err:  # noqa: BLE001 - reported by the test thread
+        except BaseException as err:
             errors.append(err)
 
     def reader(r: int) -> None:
@@ -138,7 +138,7 @@ def test_concurrent_writers_and_readers_never_see_a_mixed_pair(tmp_path):
                 assert set(found.table.n) == {found.data["n"]} and len(found.table) == found.data["rows"], \
                     f"mixed pair: JSON of {found.data}, table of {set(found.table.n)} ({len(found.table)} rows)"
                 reads.append(found.data["n"])
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
 
     writers = [threading.Thread(target=writer, args=(w,)) for w in range(3)]

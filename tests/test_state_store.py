@@ -3,19 +3,19 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from calibration_support import calibrated as random_calibration
+from numerics import fp32_bound
+from references import per_token_decode, periodic_decode, segmented_prefill
 
 from pace_core import quant
 from pace_core.accounting import state_bytes, transient_bytes
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.errors import PaceError
 from pace_core.memory import PeakBytes, held_bytes
-from pace_core.outliers import dsq_dequantize, dsq_quantize
+from pace_core.methods.dsq import dsq_dequantize, dsq_quantize
 from pace_core.recurrence import gdn_recurrent, prepare_qk
 from pace_core.shapes import ModelShape
 from pace_core.state_store import StateStore
-from calibration_support import calibrated as random_calibration
-from references import per_token_decode, periodic_decode, segmented_prefill
-from numerics import fp32_bound
 
 pytestmark = pytest.mark.numerics
 
@@ -27,7 +27,9 @@ LAYERS = [0, 2]
 def make_tokens(T, seed, batch=B, alpha=(0.9, 0.999)):
     """Prepared GDN inputs in float32: q, k [b, T, H, K], v [b, T, HV, V], g, beta [b, T, HV]."""
     gen, cpu = torch.Generator().manual_seed(seed), dict(device="cpu")  # CPU draws, also where CUDA is the default
-    q, k = prepare_qk(torch.randn(batch, T, H, K, generator=gen, **cpu), torch.randn(batch, T, H, K, generator=gen, **cpu))
+    q, k = prepare_qk(
+        torch.randn(batch, T, H, K, generator=gen, **cpu), torch.randn(batch, T, H, K, generator=gen, **cpu)
+    )
     v = torch.randn(batch, T, HV, V, generator=gen, **cpu)
     g = torch.empty(batch, T, HV, **cpu).uniform_(*alpha, generator=gen).log()
     beta = torch.rand(batch, T, HV, generator=gen, **cpu)
@@ -453,7 +455,7 @@ def resident_store(name: str, backend: str, device: str | torch.device = "cpu") 
     return store
 
 
-@pytest.mark.parametrize("name", [n for n in NAMED_CONFIGS])
+@pytest.mark.parametrize("name", list(NAMED_CONFIGS))
 def test_resident_bytes_are_the_accounted_bytes(name):
     """Every tensor a store holds after a prefill and decode (the reference backend) is what
     pace_core.accounting.state_bytes counts: no dequantised checkpoint, fp32 copy of the buffer or earlier
@@ -462,7 +464,7 @@ def test_resident_bytes_are_the_accounted_bytes(name):
     assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B) == store.nbytes()
 
 
-@pytest.mark.parametrize("name", [n for n in NAMED_CONFIGS])
+@pytest.mark.parametrize("name", list(NAMED_CONFIGS))
 @pytest.mark.parametrize("tokens", [5, 40, 300])
 def test_peak_transient_is_within_the_stated_bound(name, tokens):
     """The workspace of a prefill of ``tokens`` tokens and of single-token decode calls (their peak allocation

@@ -35,7 +35,8 @@ def _tree(root: Path, quant: str, drift: str = "def drift(x):\n    return x\n") 
 
 
 def test_the_hash_follows_code_and_ignores_comments_docstrings_and_formatting(tmp_path):
-    base = '"""Quantiser."""\n\nSTEP = 2 ** -8\n"""The step."""\n\n\ndef scale(x):\n    """Scale."""\n    return x * STEP\n'
+    base = ('"""Quantiser."""\n\nSTEP = 2 ** -8\n"""The step."""\n\n\n'
+            'def scale(x):\n    """Scale."""\n    return x * STEP\n')
     same = ('"""Another module docstring."""\n# a comment\nSTEP = 2**-8  # the step\n\n'
             'def scale(x):\n    """Another docstring,\n    two lines."""\n    # why\n    return (x * STEP)\n')
     other = base.replace("x * STEP", "x / STEP")

@@ -8,18 +8,18 @@ import random
 
 import pytest
 import torch
+from calibration_support import calibrated
+from kernels_support import kernel_modules
+from numerics import fp32_bound, rel
 
 from pace_core import accounting
 from pace_core.config import NAMED_CONFIGS
 from pace_core.errors import PaceError
+from pace_core.pool import StatePool
 from pace_core.recurrence import prepare_qk
 from pace_core.shapes import ModelShape
 from pace_core.state_store import LayerState
-from pace_core.pool import StatePool
 from pace_core.vllm.slots import SlotLayout
-from calibration_support import calibrated
-from kernels_support import kernel_modules
-from numerics import fp32_bound, rel
 
 SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8", "pace-4-hadamard", "pace-4-static")
 

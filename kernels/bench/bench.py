@@ -18,7 +18,8 @@
 Timing: each layer has its own state, buffer and inputs; one dP = 8 token period over all layers
 (8 x 24 launches) is captured in a CUDA graph, replayed ``--reps`` times after a warm-up, timed by
 CUDA events; the median replay / 8 is the time per token. Each variant tries a few launch
-configurations (:func:`configs`, the same number for the baselines) and reports its fastest. The state does not depend on the context
+configurations (:func:`configs`, the same number for the baselines) and reports its fastest. The state does not depend
+on the context
 length (512 tokens in the issue), so none is built.
 
 Bytes per token: see ``BYTES_MODEL``. Achieved bandwidth over the device-to-device copy bandwidth
@@ -43,16 +44,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels.backend import TritonSteps  # noqa: E402
-from kernels.flush import launch_flush  # noqa: E402
-from kernels.packed_step import launch_dots, launch_packed_step, launch_records  # noqa: E402
-from kernels.recurrent_step import dense_recurrent_step  # noqa: E402
-from pace_core.buffer import record_bytes  # noqa: E402
-from pace_core.checkpoint import state_format  # noqa: E402
-from pace_core.config import get_config  # noqa: E402
-from pace_core.memory import reachable_tensors  # noqa: E402
-from pace_core.recurrence import prepare_qk  # noqa: E402
-from pace_core.schedule import PeriodicState  # noqa: E402
+from kernels.backend import TritonSteps
+from kernels.flush import launch_flush
+from kernels.packed_step import launch_dots, launch_packed_step, launch_records
+from kernels.recurrent_step import dense_recurrent_step
+from pace_core.buffer import record_bytes
+from pace_core.config import get_config
+from pace_core.memory import reachable_tensors
+from pace_core.methods import state_format
+from pace_core.recurrence import prepare_qk
+from pace_core.schedule import PeriodicState
 
 LAYERS, H, HV, K, V, PERIOD = 24, 16, 32, 128, 128, 8
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -355,7 +356,7 @@ def measure(variant: str, B: int, device: torch.device, reps: int, bandwidth: fl
     batch (out of memory, a refusal of the library, a launch that fails) gets a row that says why instead."""
     try:
         row = time_variant(variant, B, device, reps)
-    except Exception as err:  # noqa: BLE001 - every failure becomes the row's reason, the bench goes on
+    except Exception as err:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return {"variant": variant, "batch": B, "error": f"{type(err).__name__}: {err}"}
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "bench.json").write_text(json.dumps(results, indent=1))  # partial results survive a timeout
     by = {(r["variant"], r["batch"]): r for r in results["rows"] if "error" not in r}
     batches = sorted({r["batch"] for r in results["rows"]})
-    for (variant, B), row in by.items():
+    for (_, B), row in by.items():
         base = by.get(("bf16 per-token", B))
         if base is not None:
             row["speedup_vs_bf16_per_token"] = base["seconds_per_token"] / row["seconds_per_token"]

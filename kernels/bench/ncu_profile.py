@@ -58,8 +58,8 @@ def launch(variant: str, B: int) -> None:
     the profiler's range (its buffer filled before the range opens, so ncu sees only the kernel)."""
     import torch
 
-    from kernels.bench import bench
     from kernels.backend import TritonSteps
+    from kernels.bench import bench
     from kernels.flush import launch_flush
     from kernels.packed_step import launch_dots, launch_packed_step, launch_records, launch_window
     from kernels.recurrent_step import dense_recurrent_step

@@ -31,9 +31,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels.bench.bench import HV, K, V, _inputs, _layer_state  # noqa: E402
-from kernels.plan import DecodePlan, plan_decode  # noqa: E402
-from pace_core.backend import REFERENCE  # noqa: E402
+from kernels.bench.bench import HV, K, V, _inputs, _layer_state
+from kernels.plan import DecodePlan, plan_decode
+from pace_core.backend import REFERENCE
 
 TARGET = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages")

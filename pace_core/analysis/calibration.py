@@ -23,8 +23,9 @@ import pandas as pd
 import torch
 
 from pace_core.analysis.text import CALIBRATION_TEXT, is_test_split, read_text, tokenize
-from pace_core.config import PaceConfig, config_from_dict, config_to_dict, get_config
+from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
+from pace_core.export import config_from_dict, config_to_dict
 from pace_core.heads import head_decay, high_heads_for, retained_error, rounding_error
 from pace_core.methods import METHODS, Calibrated, method_of
 from pace_core.model.loading import LoadedModel
@@ -204,5 +205,4 @@ def calibrate(
     calibration = Calibration(cfg, layers, a, e, E, samples.tokens, int(next(iter(states.values())).shape[0]))
     if cfg.high_share > 0:
         calibration.config = calibration.allocate(cfg)
-    calibration.config.validate_for(loaded.shape)
     return calibration

@@ -35,13 +35,13 @@ import torch
 
 from pace_core.accounting import resident_bits
 from pace_core.analysis.metrics import relative_error, squared_norms
+from pace_core.backend import REFERENCE
+from pace_core.checkpoint import RoundingFormat
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.methods import METHODS, method_of
 from pace_core.methods.groups import GroupFormat
 from pace_core.model.loading import LoadedModel
-from pace_core.backend import REFERENCE
-from pace_core.checkpoint import RoundingFormat
 from pace_core.model.patch import core_inputs, gdn_modules, pace, tapped
 from pace_core.quant import fake_quantize
 from pace_core.recurrence import gdn_chunked
@@ -67,7 +67,9 @@ class GDNInputs:
 
     def part(self, sl: slice, repeat: int = 1) -> tuple[torch.Tensor, ...]:
         """(q, k, v, g, beta) of tokens ``sl``, repeated ``repeat`` times along the batch."""
-        return tuple(x[:, sl].repeat(repeat, *([1] * (x.dim() - 1))) for x in (self.q, self.k, self.v, self.g, self.beta))
+        return tuple(
+            x[:, sl].repeat(repeat, *([1] * (x.dim() - 1))) for x in (self.q, self.k, self.v, self.g, self.beta)
+        )
 
 
 @torch.no_grad()
@@ -241,7 +243,9 @@ def sweep(
     return summary_table(summary, loaded.shape), steps
 
 
-def sweep_progress_total(configs: Sequence[PaceConfig], T: int, decode_tokens: int, record_every: int | None = None) -> int:
+def sweep_progress_total(
+    configs: Sequence[PaceConfig], T: int, decode_tokens: int, record_every: int | None = None
+) -> int:
     """Number of progress ticks :func:`sweep` makes (for a progress bar)."""
     periods = sorted({c.decode_period for c in configs})
     every = record_every if record_every is not None else min(math.lcm(*periods), decode_tokens)

@@ -12,17 +12,47 @@ from pace_core.methods.base import Method, register
 PACE_4 = dict(bits=4, group_axis="key", group_size=64, symmetric=True, decode_period=8, prefill_period=256,
               buffer="int8")
 
-METHOD = register(Method(
-    name="pace", order=20, label="PACE",
-    description="PACE: key-axis (channel-aligned) groups, periodic rounding, decode buffer",
-    reads=groups.READS, group_axes=("key", "value"), head_widths=True, kernels=True, pool=True,
-    format=groups.GroupFormat, payload=groups.payload, layer_bytes=groups.layer_bytes,
-    fixed_bytes=groups.fixed_bytes, groups_along=groups.groups_along, composes=groups.COMPOSES,
-    calibration=groups.calibration, calibrate=groups.calibrate, check_for=groups.check_for,
-    named={"pace-4": PACE_4,
-           "pace-4-8": dict(bits=4, high_bits=8, high_share=0.25, group_axis="key", group_size=32, symmetric=False,
-                            decode_period=8, prefill_period=256, buffer="mixed", buffer_key_group=16,
-                            buffer_key_symmetric=False),
-           "pace-4-sr": dict(PACE_4, rounding="stochastic", rounding_seed=0),
-           "pace-4-hadamard": dict(PACE_4, key_hadamard=True),
-           "pace-4-static": dict(PACE_4, scales="static", static_margin=groups.STATIC_MARGIN)}))
+METHOD = register(
+    Method(
+        name="pace",
+        order=20,
+        label="PACE",
+        description="PACE: key-axis (channel-aligned) groups, periodic rounding, decode buffer",
+        reads=groups.READS,
+        group_axes=("key", "value"),
+        head_widths=True,
+        kernels=True,
+        pool=True,
+        format=groups.GroupFormat,
+        payload=groups.payload,
+        layer_bytes=groups.layer_bytes,
+        fixed_bytes=groups.fixed_bytes,
+        groups_along=groups.groups_along,
+        composes=groups.COMPOSES,
+        calibration=groups.calibration,
+        calibrate=groups.calibrate,
+        check_for=groups.check_for,
+        named={
+            "pace-4": PACE_4,
+            "pace-4-8": dict(
+                bits=4,
+                high_bits=8,
+                high_share=0.25,
+                group_axis="key",
+                group_size=32,
+                symmetric=False,
+                decode_period=8,
+                prefill_period=256,
+                buffer="mixed",
+                buffer_key_group=16,
+                buffer_key_symmetric=False,
+            ),
+            "pace-4-sr": dict(PACE_4, rounding="stochastic", rounding_seed=0),
+            "pace-4-hadamard": dict(PACE_4, key_hadamard=True),
+            "pace-4-static": dict(PACE_4, scales="static", static_margin=groups.STATIC_MARGIN),
+        },
+        tags=dict.fromkeys(
+            ("pace-4", "pace-4-8"), ("cli-default", "all", "memory-page", "dp-curve", "pool", "serve-check")
+        ),
+    )
+)

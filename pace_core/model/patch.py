@@ -113,7 +113,7 @@ class _Scope:
     taps: tuple[Tap, ...] = ()
 
 
-_SCOPES: contextvars.ContextVar[dict[int, _Scope]] = contextvars.ContextVar("pace_scopes", default={})
+_SCOPES: contextvars.ContextVar[dict[int, _Scope]] = contextvars.ContextVar("pace_scopes", default={})  # noqa: B039 (never mutated)
 """The open scopes of this context by ``id(model)`` (a new dict for every change: contexts never share one)."""
 _TRACE_SCOPES: dict[int, _Scope] = {}
 """The scopes as the last :func:`_scoped` left them, read while ``torch.compile`` traces (dynamo cannot trace a
@@ -158,7 +158,7 @@ def is_reference(cfg: PaceConfig) -> bool:
     """True for the configuration that is transformers' own fp32 path (no store, no wrapping):
     method ``none``, ``float32``, ``decode_period`` 1. (``none`` + ``float32`` with dP > 1 runs the
     decode buffer without any rounding: the "quantisation off, buffering on" check.)"""
-    return cfg.method == "none" and cfg.reference_dtype == "float32" and cfg.decode_period == 1
+    return cfg.exact and cfg.decode_period == 1
 
 
 def gdn_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -470,7 +470,8 @@ def new_stack(model: nn.Module, configs: list[PaceConfig], rows: int, *, device:
     """A :class:`~pace_core.state_store.StoreStack` of ``configs`` for ``rows`` sequences each on ``model``'s GDN
     layers (zero states), to run in :func:`stacked`; on one CUDA device its teacher-forced calls are recorded as
     CUDA graphs (:mod:`pace_core.graphs`) unless ``graphs`` is False, a member keeps state on the host between
-    stores (:data:`pace_core.methods.HOST_STATE_COMBINATIONS`) or graphs are off (:data:`pace_core.graphs.GRAPHS_ENV`)."""
+    stores (:data:`pace_core.methods.HOST_STATE_COMBINATIONS`) or graphs are off
+    (:data:`pace_core.graphs.GRAPHS_ENV`)."""
     modules = _modules_or_refuse(model)
     shape = _shape(model)
     devices = layer_devices(modules, device if device is not None else next(model.parameters()).device)

@@ -28,8 +28,8 @@ import torch
 
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
-from pace_core.model.loading import LoadedModel
 from pace_core.graphs import GRAPHS_ENV
+from pace_core.model.loading import LoadedModel
 from pace_core.model.patch import new_stack, stacked
 from pace_core.schedule import Capture
 from pace_core.state_store import StoreStack
