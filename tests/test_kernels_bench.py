@@ -305,3 +305,24 @@ def test_warm_up_runs_every_configuration_in_parallel_processes(bench, monkeypat
                                                        "bf16 per-token0"]
     assert failed[0] == "PACE-4 dP=8 #1: no kernel here" and failed[1].startswith("PACE-4 dP=8 #2: ")
     assert len(failed) == 2
+
+
+def test_a_configuration_that_fails_is_named_and_left_out(bench, monkeypatch):
+    """A configuration whose kernels fail (e.g. one that this Triton cannot compile) does not cost the variant its row:
+    it is kept in the tried list with its error, and the row is the fastest of the others."""
+    configs = [_split_config(i) for i in range(3)]
+    monkeypatch.setattr(bench, "configs", lambda variant: configs)
+    monkeypatch.setattr(bench, "period_outputs", lambda layers, config, restore: torch.ones(4))
+
+    def timed(layers, config, reps):
+        if config == configs[2]:
+            raise RuntimeError("CompilationError: unsupported AST node")
+        return [1e-3 * (1 + configs.index(config))] * reps
+
+    monkeypatch.setattr(bench, "time_config", timed)
+    monkeypatch.setattr(bench, "split_breakdown", lambda layers, config, reps: _breakdown(*(1e-3,) * 4))
+    row = bench.time_variant("PACE-4 dP=8", 2, torch.device("cpu"), 1)
+    assert row["tried"][2] == {"config": configs[2], "error": "RuntimeError: CompilationError: unsupported AST node",
+                               "agrees": False}
+    assert row["config"] == configs[0] and row["failed"] == [configs[2]] and row["disagreeing"] == []
+    assert "1 configuration(s) failed, left out" in bench.row_line({**row, "hbm_fraction": 0.5})

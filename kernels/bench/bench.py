@@ -419,7 +419,7 @@ def best_split_combination(tried: list[dict]) -> SplitSettings:
     """The split path's launch settings with each kernel's own fastest options (every kernel is timed alone in every
     configuration tried, :func:`split_breakdown`; configurations whose outputs disagree left out), and the step as
     one kernel where the fastest one-kernel step beats the fastest dots and record kernels together."""
-    tried = [r for r in tried if r.get("agrees", True)] or tried[:1]
+    tried = [r for r in tried if r.get("agrees", True) and "error" not in r] or tried[:1]
     changes, fastest = {}, {}
     for seconds, keys in SPLIT_KERNEL_KEYS.items():
         timed = [r for r in tried if r["split_breakdown"][seconds] is not None]
@@ -434,17 +434,24 @@ def best_split_combination(tried: list[dict]) -> SplitSettings:
 def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
     """Every configuration of ``variant`` at batch ``B`` timed (and, for the split path, each kernel alone and the
     combination of each kernel's fastest), its outputs checked against the first configuration's
-    (:func:`outputs_agree`); the fastest that agrees is the row's."""
+    (:func:`outputs_agree`); the fastest that agrees is the row's. A configuration that fails (a kernel that does not
+    compile on this Triton, a launch refused) is kept in the row with its error and left out."""
     layers, nbytes = build(variant, B, device)
     restore = keep_memory(layers)
     tried = []
 
     def attempt(config: Settings | None) -> None:
-        agrees, err = outputs_agree(period_outputs(layers, config, restore), reference)
-        times = time_config(layers, config, reps)
+        try:
+            agrees, err = outputs_agree(period_outputs(layers, config, restore), reference)
+            times = time_config(layers, config, reps)
+            breakdown = split_breakdown(layers, config, reps) if variant in SPLIT_VARIANTS else None
+        except Exception as exc:  # noqa: BLE001 - a configuration that fails (to compile, to run) is named, left out
+            restore()
+            tried.append({"config": config, "error": f"{type(exc).__name__}: {exc}", "agrees": False})
+            return
         tried.append({"config": config, "seconds_per_token": statistics.median(times),
                       "spread": (min(times), max(times)), "agrees": agrees, "distance": err,
-                      "split_breakdown": split_breakdown(layers, config, reps) if variant in SPLIT_VARIANTS else None})
+                      "split_breakdown": breakdown})
 
     every = configs(variant)
     reference = period_outputs(layers, every[0], restore)
@@ -458,15 +465,16 @@ def time_variant(variant: str, B: int, device: torch.device, reps: int) -> dict:
     finite = all(bool(torch.isfinite(out).all()) for _, _, _, out in layers)
     agreeing = [r for r in tried if r["agrees"]]
     if not agreeing:
-        raise RuntimeError("no configuration's outputs are finite and agree (distances "
-                           f"{[r['distance'] for r in tried]})")
+        raise RuntimeError("no configuration ran with outputs that are finite and agree: "
+                           + "; ".join(r.get("error", f"distance {r.get('distance')}") for r in tried))
     best = min(agreeing, key=lambda r: r["seconds_per_token"])
     breakdown = best["split_breakdown"]
     t = best["seconds_per_token"]
     return {"variant": variant, "batch": B, "seconds_per_token": t, "spread": best["spread"],
             "config": best["config"], "tried": tried, "bytes_per_token": nbytes,
             "bytes_per_second": nbytes / t, "outputs_finite": finite, "split_breakdown": breakdown,
-            "disagreeing": [r["config"] for r in tried if not r["agrees"]]}
+            "disagreeing": [r["config"] for r in tried if not r["agrees"] and "error" not in r],
+            "failed": [r["config"] for r in tried if "error" in r]}
 
 
 def measure(variant: str, B: int, device: torch.device, reps: int, bandwidth: float) -> dict:
@@ -511,7 +519,8 @@ def row_line(row: dict) -> str:
     return (f"B={row['batch']:4d} {row['variant']:20s} {row['seconds_per_token'] * 1e6:9.1f} us/token "
             f"{row['bytes_per_token'] / 1e6:9.2f} MB {row['hbm_fraction'] * 100:5.1f}% HBM "
             f"[{settings_text(row['config'])}] finite={row['outputs_finite']}{parts}"
-            + (f"; {len(row['disagreeing'])} configuration(s) disagree, left out" if row.get("disagreeing") else ""))
+            + (f"; {len(row['disagreeing'])} configuration(s) disagree, left out" if row.get("disagreeing") else "")
+            + (f"; {len(row['failed'])} configuration(s) failed, left out" if row.get("failed") else ""))
 
 
 def plot(results: dict, path: Path) -> None:
