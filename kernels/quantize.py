@@ -19,7 +19,7 @@ from pace_core import quant
 from pace_core.deferred import defer
 from pace_core.errors import PaceError
 
-from .plan import bits_of_heads, check_kernel_shape, head_table, layout_args, part_layout, part_pointers, row_block
+from .plan import CkptArgs, PartStorage, bits_of_heads, check_kernel_shape, head_table, part_layout, row_block
 from .primitives import ckpt_store, ckpt_tile, packed_head, store_as
 
 
@@ -140,12 +140,11 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
     N = x.numel() // (K * V)
     BK = row_block(K, spec, V)
     hv1 = len(table.heads[widths[1]]) if len(widths) == 2 else 0
+    ckpt = CkptArgs.of_parts(table.part, table.slot, [PartStorage.of(p, K, V) for p in parts],
+                             (len(table.heads[widths[0]]), hv1))
     if N:
-        _quant_kernel[(N, K // BK)](
-            x, table.part, table.slot, *part_pointers(parts), HV, len(table.heads[widths[0]]), hv1,
-            K=K, V=V, BK=BK, G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric,
-            **layout_args([part_layout(s, K, V) for s in specs]),
-        )
+        _quant_kernel[(N, K // BK)](x, *ckpt.pointers(), HV, *ckpt.heads, K=K, V=V, BK=BK, G=spec.group_size,
+                                    KEY_AXIS=spec.axis == "key", SYM=spec.symmetric, **ckpt.constexprs())
     return quant.MixedPackedState(dict(zip(widths, parts)), table.heads, tuple(S.shape))
 
 
@@ -173,13 +172,13 @@ def dequantize_heads(m: quant.MixedPackedState, dtype: torch.dtype = torch.float
     N = out.numel() // (K * V)
     BK = row_block(K, spec, V)
     hv1 = len(table.heads[widths[1]]) if len(widths) == 2 else 0
+    storage = [PartStorage(p.codes.contiguous(), p.scale.contiguous(),
+                           (p.scale if p.zero is None else p.zero).contiguous(), part_layout(p.spec, K, V))
+               for p in parts]
+    ckpt = CkptArgs.of_parts(table.part, table.slot, storage, (len(table.heads[widths[0]]), hv1))
     if N:
-        _dequant_kernel[(N, K // BK)](
-            out, table.part, table.slot, *[t.contiguous() for t in part_pointers(parts)], HV,
-            len(table.heads[widths[0]]), hv1,
-            K=K, V=V, BK=BK, G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric,
-            **layout_args([part_layout(p.spec, K, V) for p in parts]),
-        )
+        _dequant_kernel[(N, K // BK)](out, *ckpt.pointers(), HV, *ckpt.heads, K=K, V=V, BK=BK, G=spec.group_size,
+                                      KEY_AXIS=spec.axis == "key", SYM=spec.symmetric, **ckpt.constexprs())
     return out
 
 
