@@ -11,10 +11,9 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from app_state.controls import model_source
+from app_state.controls import REPO_ROOT, model_source
+from app_state.markup import code, escape
 from app_state.session import results_model_name
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 BENCH_DIR = Path(os.environ.get("PACE_BENCH_DIR", REPO_ROOT / "data" / "bench"))
 
@@ -61,7 +60,8 @@ def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], 
     to recompute it. Damaged files of `kind` are named in a warning each, with what to do."""
     listing = (stored_sets if per_config else stored_results)(model_source(), kind, weights)
     for damaged in listing.damaged:
-        st.warning(f"A stored {kind} result is damaged and not shown: {damaged.message}", icon=":material/warning:")
+        st.warning(f"A stored {kind} result is damaged and not shown: {escape(damaged.message)}",
+                   icon=":material/warning:")
     stored = listing.results if rank is None else sorted(listing.results, key=lambda r: (r.stale, rank(r)))
     if not stored and live is None:
         return None
@@ -70,14 +70,14 @@ def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], 
                  "current ones first, newest first, with their provenance; a stale one was made by another "
                  "version of the method's code" + ("; 'live' computes on the loaded model now." if live else "."))
     if live:
-        choice = st.radio(title, options, key=key, horizontal=len(options) < 3, help=help_text)
+        choice = st.radio(title, options, key=key, horizontal=len(options) < 3, help=help_text, format_func=escape)
     else:
         choice = st.selectbox(title, options, key=key, help=help_text)
     if choice == live:
         return None
     result = stored[options.index(choice) - (1 if live else 0)]
     if result.stale:
-        st.warning(f"{result.stale_label}. Its numbers may not be what the current code computes"
+        st.warning(f"{escape(result.stale_label)}. Its numbers may not be what the current code computes"
                    + ("; the first option computes them now." if live else "."), icon=":material/history:")
     st.caption(f"Source: {provenance_label(result.provenance)}")
     return result
@@ -121,17 +121,19 @@ def measured_quality(cfg: Any, weights: str) -> list[Quality]:
 
 
 def text_name(provenance: dict[str, Any]) -> str:
-    """The file name of a stored result's text, as code ('its text' when none is recorded)."""
+    """The file name of a stored result's text, as inline code ('its text' when none is recorded)."""
     path = (provenance.get("text") or {}).get("path")
-    return f"`{Path(path).name}`" if path else "its text"
+    return code(Path(path).name) if path else "its text"
 
 
 def provenance_label(prov: dict[str, Any]) -> str:
-    """One line naming where a stored result comes from: command, date, device, text."""
+    """One line of Markdown (its values escaped) naming where a stored result comes from: command, date, device,
+    text."""
     text = prov.get("text", {})
-    parts = [f"`{prov.get('command', '?')}`", prov.get("date", "?")]
+    parts = [code(prov.get("command", "?")), escape(prov.get("date", "?"))]
     if prov.get("device"):
-        parts.append(str(prov["device"]))
+        parts.append(escape(prov["device"]))
     if text:
-        parts.append(f"text {Path(text.get('path', '?')).name} (sha256 {str(text.get('sha256', ''))[:12]}…)")
+        parts.append(f"text {escape(Path(text.get('path', '?')).name)} "
+                     f"(sha256 {escape(str(text.get('sha256', ''))[:12])}…)")
     return "stored result of " + ", ".join(parts)

@@ -26,6 +26,7 @@ def check_name(name: Any, field: str = "pace.name") -> str:
     """``name`` when it follows :data:`NAME_RULE`, else PaceError naming ``field``, the rule and what to do."""
     if isinstance(name, str) and NAME_PATTERN.fullmatch(name):
         return name
-    shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else f"{name[:60]!r}… ({len(name):,} characters)"
+    long = isinstance(name, str) and len(name) > 80
+    shown = f"{name[:60]!r}… ({len(name):,} characters)" if long else repr(name)
     raise PaceError(f"the field {field}={shown} is not allowed; allowed: a configuration name of {NAME_RULE} "
                     "(e.g. pace-4-8 or my-config_v2). Rename the configuration and export it again")

@@ -5,6 +5,7 @@ one sentence, and its file in one click. Read from stored results only: no model
 import streamlit as st
 
 from app_state import controls, exporting, frame, session, stored
+from app_state.markup import code, escape
 from pace_core import figures
 from pace_core.analysis.compare import Point, best_under, budget_bits, recommendation, stored_config
 from pace_core.config import PaceConfig
@@ -30,10 +31,11 @@ def page(cfg: PaceConfig) -> None:
                   f"{r.data['tokens']:,} tokens in windows of {r.data['window']:,}", "compare_run", title="Stored comparison")
     if result is None:
         model = f" --model {controls.model_source()}" if controls.model_source() else ""
-        st.info(f"No stored comparison for {session.model_label()}: `python -m pace_core compare{model}` measures every "
-                "named configuration on the first 4,096 tokens of the test split (about 9 minutes for the embedded "
-                f"model on a 2-core CPU; `python -m pace_core compare{model} --max-tokens 0 --device cuda` the whole "
-                "split on a GPU), and this page then shows them.", icon=":material/query_stats:")
+        command = f"python -m pace_core compare{model}"
+        st.info(f"No stored comparison for {escape(session.model_label())}: {code(command)} measures every named "
+                "configuration on the first 4,096 tokens of the test split (about 9 minutes for the embedded model on "
+                f"a 2-core CPU; {code(command + ' --max-tokens 0 --device cuda')} the whole split on a GPU), and this "
+                "page then shows them.", icon=":material/query_stats:")
         return
     data, table = result.data, result.table
     points = [Point.of(p) for p in data["points"]]
@@ -43,11 +45,12 @@ def page(cfg: PaceConfig) -> None:
     best = best_under(points, budget)
     if best is None:
         fewest = min(points, key=lambda p: p.resident_bits)
-        st.warning(f"No configuration fits {budget:.2f} bits per state value: the fewest, {fewest.config}, takes "
+        st.warning(f"No configuration fits {budget:.2f} bits per state value: the fewest, {escape(fewest.config)}, "
+                   "takes "
                    f"{fewest.resident_bits:.2f}.", icon=":material/block:")
     else:
-        st.success(recommendation(best, stored_config(data, best.config), card.shape, memory, where, context=context,
-                                  weight_bits=weight_bits), icon=":material/recommend:")
+        st.success(escape(recommendation(best, stored_config(data, best.config), card.shape, memory, where,
+                                         context=context, weight_bits=weight_bits)), icon=":material/recommend:")
         _export(best, data, card)
 
     st.subheader("Resident bits against KL")
@@ -108,9 +111,11 @@ def _export(best: Point, data: dict, card) -> None:
             portable_reference(session.results_model_name(controls.model_source())), card.fingerprint,
             calibrate=calibrate)
     except PaceError as err:
-        st.error(f"{best.config} cannot be exported for the loaded model: {err}", icon=":material/block:")
+        st.error(f"{escape(best.config)} cannot be exported for the loaded model: {escape(err)}",
+                 icon=":material/block:")
         return
-    st.download_button(f"Export {filename}", text, file_name=filename, mime="application/json", key="compare_export",
+    st.download_button(f"Export {escape(filename)}", text, file_name=filename, mime="application/json",
+                       key="compare_export",
                        type="primary", help="The file the Export page writes for this configuration on the loaded "
                                             "model: pace_core.apply and the vLLM plugin take it.")
 
