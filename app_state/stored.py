@@ -14,6 +14,7 @@ import streamlit as st
 from app_state.controls import REPO_ROOT, model_source
 from app_state.markup import code, escape
 from app_state.session import results_model_name
+from pace_core.results import code_label
 
 BENCH_DIR = Path(os.environ.get("PACE_BENCH_DIR", REPO_ROOT / "data" / "bench"))
 
@@ -59,9 +60,7 @@ def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], 
     newest first among equals). The chosen result's provenance is captioned, and a stale one's warning says how
     to recompute it. Damaged files of `kind` are named in a warning each, with what to do."""
     listing = (stored_sets if per_config else stored_results)(model_source(), kind, weights)
-    for damaged in listing.damaged:
-        st.warning(f"A stored {kind} result is damaged and not shown: {escape(damaged.message)}",
-                   icon=":material/warning:")
+    name_damaged(kind, listing.damaged)
     stored = listing.results if rank is None else sorted(listing.results, key=lambda r: (r.stale, rank(r)))
     if not stored and live is None:
         return None
@@ -81,6 +80,41 @@ def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], 
                    + ("; the first option computes them now." if live else "."), icon=":material/history:")
     st.caption(f"Source: {provenance_label(result.provenance)}")
     return result
+
+
+def name_damaged(kind: str, damaged: list) -> None:
+    """A warning per damaged stored file of ``kind`` (pace_core.results.Damaged): which file, what is wrong, what to
+    do."""
+    for d in damaged:
+        st.warning(f"A stored {kind} result is damaged and not shown: {escape(d.message)}", icon=":material/warning:")
+
+
+def mixed_code(parts: list[tuple[str, dict[str, Any]]], what: str) -> None:
+    """A warning naming the commits when the stored results shown together (``parts``: a name for each and its
+    provenance) were made by different code: their figures may differ by more than their settings. Nothing when
+    one commit made them all."""
+    made: dict[str, list[str]] = {}
+    for name, provenance in parts:
+        made.setdefault(code_label(provenance), []).append(name)
+    if len(made) > 1:
+        st.warning(f"{what} were made by different code: "
+                   + "; ".join(f"commit {escape(label)} ({escape(', '.join(names))})" for label, names in made.items())
+                   + ". Figures of different code may differ by more than their settings do: recompute them with one "
+                     "commit (the commands in their provenance, `--force`) to compare them.",
+                   icon=":material/commit:")
+
+
+def measured_by(comparison: Any, weights: str) -> list[tuple[str, dict[str, Any]]]:
+    """(configuration, provenance) of each point of a stored ``compare`` result: the provenance of the stored
+    ``perplexity`` result the point's figures were taken from (the same configuration, tokens and figures; the
+    compare command reuses stored ones, which another commit may have made), else the comparison's own."""
+    measured = stored_results(model_source(), "perplexity", weights).results
+    parts = []
+    for point in comparison.data["points"]:
+        same = (r for r in measured if "row" in r.data and r.data["row"].get("config") == point["config"]
+                and all(r.data["row"].get(k) == point.get(k) for k in ("tokens", "kl", "agreement", "bpb")))
+        parts.append((point["config"], next(same, comparison).provenance))
+    return parts
 
 
 @dataclass(frozen=True)
@@ -128,7 +162,7 @@ def text_name(provenance: dict[str, Any]) -> str:
 
 def provenance_label(prov: dict[str, Any]) -> str:
     """One line of Markdown (its values escaped) naming where a stored result comes from: command, date, device,
-    text."""
+    text, and the code that made it (commit)."""
     text = prov.get("text", {})
     parts = [code(prov.get("command", "?")), escape(prov.get("date", "?"))]
     if prov.get("device"):
@@ -136,4 +170,5 @@ def provenance_label(prov: dict[str, Any]) -> str:
     if text:
         parts.append(f"text {escape(Path(text.get('path', '?')).name)} "
                      f"(sha256 {escape(str(text.get('sha256', ''))[:12])}…)")
+    parts.append(f"code {escape(code_label(prov))}")
     return "stored result of " + ", ".join(parts)

@@ -61,6 +61,7 @@ def page(cfg: PaceConfig) -> None:
     shown = table.drop(columns=[c for c in ("method", "ppl", "tokens") if c in table.columns])
     st.dataframe(shown.style.format({"resident_bits": "{:.3f}", "kl": "{:.2e}", "agreement": "{:.2%}",
                                      "bpb": "{:.4f}"}), hide_index=True, key="compare_table")
+    stored.mixed_code(stored.measured_by(result, card.fingerprint), "The points of this comparison")
 
 
 def _budget(shape) -> tuple[float, int, str, int, int]:

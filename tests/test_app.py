@@ -1416,3 +1416,96 @@ def test_operator_mode_shows_no_server_path(tiny_checkpoints, broken_checkpoints
         assert message in plain(at.error[0].value)
         text = _page_protos(at)
         assert str(broken.parent) not in text and str(REPO_ROOT) not in text and "/tmp/" not in text
+
+
+def _quality_result(name: str, loaded, config: str, tokens: int, commit: str, dirty: bool, params_key: str) -> dict:
+    """A perplexity result of ``config`` as the CLI stores it (its row), made by the code ``commit``; its row."""
+    from pace_core.results import make_provenance, result_key, save_result
+
+    reference = config == "fp32"
+    row = {"config": config, "tokens": tokens, "nll": 3.0 + tokens / 1e4, "ppl": float(np.exp(3.0 + tokens / 1e4)),
+           "agreement": 1.0 if reference else 0.97, "kl": 0.0 if reference else 1e-3 + tokens / 1e6, "bpb": 1.5}
+    prov = make_provenance("m", configs=[get_config(config)], command=f"python -m pace_core perplexity --n {tokens}",
+                           extra={"weights": loaded.fingerprint})
+    prov["code"] = {"commit": commit, "dirty": dirty}
+    save_result("perplexity", name, result_key({"config": config, "tokens": tokens}),
+                {"row": row, "decode_from": 1, "params_key": params_key, "config": config}, prov, None)
+    return row
+
+
+def test_results_of_different_commits_are_named_where_they_are_shown_together(params, loaded, tmp_path, monkeypatch):
+    """Overview's table, the Export summary's figures and the Compare page's points, each from stored results of
+    two or three commits: a warning names each commit and what it made; each provenance line names its commit
+    (before: combined silently)."""
+    from pace_core.analysis.compare import comparison, point
+    from pace_core.results import make_provenance, result_key, save_result
+
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    name = stored.results_model_name(params.get("model", ""))
+    a, b, c = "a" * 40, "b" * 40, "c" * 40
+    rows = {"fp32": _quality_result(name, loaded, "fp32", 99, a, False, "set 1"),
+            "pace-4": _quality_result(name, loaded, "pace-4", 99, b, True, "set 1")}
+    _quality_result(name, loaded, "pace-4", 50, a, False, "set 2")
+    points = [point(get_config(n), loaded.shape, rows.get(n, {"kl": 0.02, "agreement": 0.9, "bpb": 1.6, "ppl": 30.0,
+                                                               "tokens": 99})) for n in ("fp32", "pace-4", "rtn-int4")]
+    data, table = comparison(points)
+    prov = make_provenance("m", configs=[get_config("pace-4")], command="python -m pace_core compare",
+                           extra={"weights": loaded.fingerprint})
+    prov["code"] = {"commit": c, "dirty": False}
+    save_result("compare", name, result_key({"compare": 1}), {**data, "tokens": 99, "window": 512}, prov, table)
+    stored.stored_results.clear()
+    stored.stored_sets.clear()
+    session._stored_card.clear()
+    at = start(params, preset="pace-4")
+    warning = [plain(w.value) for w in at.warning if "made by different code" in w.value]
+    assert warning == ["The rows of this table were made by different code: commit aaaaaaaaaaaa (fp32); commit "
+                       "bbbbbbbbbbbb with uncommitted changes (pace-4). Figures of different code may differ by more "
+                       "than their settings do: recompute them with one commit (the commands in their provenance, "
+                       "`--force`) to compare them."]
+    assert any("code aaaaaaaaaaaa" in plain(c.value) or "code bbbbbbbbbbbb" in plain(c.value) for c in at.caption)
+    at.switch_page("pages/export.py").run()
+    check(at)
+    [warning] = [plain(w.value) for w in at.warning if "made by different code" in w.value]
+    assert warning.startswith("The stored figures of this configuration were made by different code: commit "
+                              "bbbbbbbbbbbb with uncommitted changes (the perplexity result of 'pace-4' over 99 "
+                              "tokens); commit aaaaaaaaaaaa (the perplexity result of 'pace-4' over 50 tokens).")
+    quality = next(plain(c.value) for c in at.caption if plain(c.value).startswith("Top-1 agreement"))
+    assert "code bbbbbbbbbbbb with uncommitted changes" in quality
+    at.switch_page("pages/compare.py").run()
+    check(at)
+    [warning] = [plain(w.value) for w in at.warning if "made by different code" in w.value]
+    assert warning.startswith("The points of this comparison were made by different code: commit aaaaaaaaaaaa (fp32); "
+                              "commit bbbbbbbbbbbb with uncommitted changes (pace-4); commit cccccccccccc (rtn-int4).")
+
+
+def test_export_names_a_damaged_result_instead_of_not_measured(params, loaded, tmp_path, monkeypatch):
+    """A stored perplexity file that cannot be read: the Export summary names it and what to do, as the Overview
+    does (before: "not measured yet", as if nothing were stored)."""
+    from pace_core import results
+
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    folder = results.results_dir(stored.results_model_name(params.get("model", "")))
+    folder.mkdir(parents=True, exist_ok=True)
+    damaged = folder / f"perplexity-{'e' * 16}.json"
+    damaged.write_text("{not json")
+    stored.stored_results.clear()
+    at = start(params, page="export", preset="pace-4")
+    assert metric(at, "KL to fp32 (nats/token)") == "stored result damaged"
+    [named] = [plain(w.value) for w in at.warning if damaged.name in w.value.replace("\\", "")]
+    assert named.startswith("A stored perplexity result is damaged and not shown: ") and "Delete it" in named
+    assert any(plain(c.value).startswith("No readable stored result of this configuration") for c in at.caption)
+
+
+def test_install_advice_is_the_readmes():
+    """The project publishes no package: every install advice is the README's, from a clone (before: the Export
+    page and pace_core/vllm advised `pip install "pace-studio[vllm]"`, a registry name anyone may hold)."""
+    import subprocess
+
+    from pace_core.vllm import INSTALL_COMMAND
+
+    assert f"```bash\n{INSTALL_COMMAND}" in (REPO_ROOT / "README.md").read_text()
+    files = subprocess.run(["git", "-C", str(REPO_ROOT), "ls-files", "*.py", "*.md", "*.toml", "*.txt"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    advised = [f for f in files if not f.startswith("tests/") and re.search(
+        r"pip install\s+\\?[\"']?pace-studio", (REPO_ROOT / f).read_text(encoding="utf-8", errors="replace"))]
+    assert advised == []

@@ -1,6 +1,6 @@
 """Serving PACE states in vLLM: a general plugin (entry point ``vllm.general_plugins``: ``pace``).
 
-    pip install "pace-studio[vllm]"
+    pip install ".[vllm]"        # in a clone of this repository (README, "Serving with vLLM")
     vllm serve <model> --enforce-eager --no-enable-prefix-caching --additional-config '{"pace_config": "my-config.json"}'
 
 (or ``PACE_CONFIG=my-config.json``; :mod:`pace_core.vllm.settings`). vLLM loads :func:`register` in each
@@ -18,6 +18,10 @@ but has not been run (README).
 """
 
 from __future__ import annotations
+
+INSTALL_COMMAND = 'pip install ".[vllm]"'
+"""How the plugin is installed: in a clone of this repository, beside vLLM (README). The project publishes no package
+to a registry, so a registry name would install whatever holds it."""
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
                  "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
