@@ -56,7 +56,7 @@ def page(cfg: PaceConfig) -> None:
     st.subheader("Resident bits against KL")
     st.plotly_chart(figures.compare_figure(table, None if best is None else best.config, budget), key="compare_chart")
     st.caption(f"{data['tokens']:,} scored tokens of {stored.text_name(result.provenance)} per configuration, windows of "
-               f"{data.get('window', '?')} tokens, each window's second half decoded token by token (the command "
+               f"{escape(data.get('window', '?'))} tokens, each window's second half decoded token by token (the command "
                "above). The fp32 reference (KL 0) lies off the log axis. Green: the frontier.")
     shown = table.drop(columns=[c for c in ("method", "ppl", "tokens") if c in table.columns])
     st.dataframe(shown.style.format({"resident_bits": "{:.3f}", "kl": "{:.2e}", "agreement": "{:.2%}",
