@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app_state import session
+from app_state.controls import hide_paths
 from pace_core.config import PaceConfig
 from pace_core.export import admit, export_filename, export_json
 from pace_core.results import make_provenance
@@ -19,13 +20,15 @@ def export_file(cfg: PaceConfig, shape: ModelShape | None = None, reference: str
                 fingerprint: str | None = None,
                 calibrate: Callable[[PaceConfig], PaceConfig] | None = None) -> tuple[PaceConfig, str, str]:
     """(configuration as exported, file name, JSON) of ``cfg`` for the model of ``shape`` (named ``reference``, its
-    weights ``fingerprint``): admitted for it, completed by ``calibrate`` where it needs a calibration (PACE-4/8's
-    8-bit heads, a method's per-layer tensors; PaceError when it cannot be). Without a ``shape`` (no model): its
-    settings alone, what a calibration would choose on a model left out."""
+    weights ``fingerprint``; in operator mode a folder of the models folder by its name there, never a server path:
+    :func:`app_state.controls.hide_paths`): admitted for it, completed by ``calibrate`` where it needs a calibration
+    (PACE-4/8's 8-bit heads, a method's per-layer tensors; PaceError when it cannot be). Without a ``shape`` (no
+    model): its settings alone, what a calibration would choose on a model left out."""
     provenance = make_provenance(session.model_label(), configs=[cfg], command="PACE Studio export")
     if shape is None:
         cfg = cfg.uncalibrated()
         return cfg, export_filename(cfg), export_json(cfg, provenance=provenance)
     cfg = admit(cfg, shape, fingerprint, calibrate=calibrate)
+    reference = None if reference is None else hide_paths(reference)
     return cfg, export_filename(cfg), export_json(cfg, shape=shape, source=reference, weights_fingerprint=fingerprint,
                                                   provenance=provenance)

@@ -14,14 +14,15 @@ from pace_core.heads import high_heads_for
 from pace_core.model.loading import portable_reference
 from pace_core.quant import QuantSpec, fake_quantize
 from pace_core.shapes import BUILTIN_SHAPES
+from pace_core.vllm import INSTALL_COMMAND as VLLM_INSTALL
 from pace_core.vllm import bench as vllm_bench
 from pace_core.vllm import check as vllm_check
 from pace_core.vllm.settings import serve_command
 
 __all__ = [
-    "BUILTIN_SHAPES", "HIGH_SHARE_METHODS", "NAMED_CONFIGS", "SPREAD_LEVEL", "PaceConfig", "Point", "QuantSpec",
-    "admit", "best_under", "budget_bits", "capacity", "export_filename", "fake_quantize", "generate_side_by_side",
-    "get_config", "high_heads_for", "parse_json", "portable_reference", "recommendation", "resident_bits",
-    "serve_command", "state_bytes", "state_share", "stored_config", "strongest_outlier_head", "structure_stats",
-    "tagged", "verdict", "vllm_bench", "vllm_check",
+    "BUILTIN_SHAPES", "HIGH_SHARE_METHODS", "NAMED_CONFIGS", "SPREAD_LEVEL", "VLLM_INSTALL", "PaceConfig", "Point",
+    "QuantSpec", "admit", "best_under", "budget_bits", "capacity", "export_filename", "fake_quantize",
+    "generate_side_by_side", "get_config", "high_heads_for", "parse_json", "portable_reference", "recommendation",
+    "resident_bits", "serve_command", "state_bytes", "state_share", "stored_config", "strongest_outlier_head",
+    "structure_stats", "tagged", "verdict", "vllm_bench", "vllm_check",
 ]

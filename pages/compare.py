@@ -14,6 +14,7 @@ from app_state.library import (
     recommendation,
     stored_config,
 )
+from app_state.markup import code, escape
 from pace_core import figures
 from pace_core.errors import PaceError
 
@@ -44,11 +45,12 @@ def page(cfg: PaceConfig) -> None:
     )
     if result is None:
         model = f" --model {controls.model_source()}" if controls.model_source() else ""
+        command = f"python -m pace_core compare{model}"
         st.info(
-            f"No stored comparison for {session.model_label()}: `python -m pace_core compare{model}` measures every "
-            "named configuration on the first 4,096 tokens of the test split (about 9 minutes for the embedded "
-            f"model on a 2-core CPU; `python -m pace_core compare{model} --max-tokens 0 --device cuda` the whole "
-            "split on a GPU), and this page then shows them.",
+            f"No stored comparison for {escape(session.model_label())}: {code(command)} measures every named "
+            "configuration on the first 4,096 tokens of the test split (about 9 minutes for the embedded model on "
+            f"a 2-core CPU; {code(command + ' --max-tokens 0 --device cuda')} the whole split on a GPU), and this "
+            "page then shows them.",
             icon=":material/query_stats:",
         )
         return
@@ -60,23 +62,25 @@ def page(cfg: PaceConfig) -> None:
     best = best_under(points, budget)
     if best is None:
         fewest = min(points, key=lambda p: p.resident_bits)
-        st.warning(f"No configuration fits {budget:.2f} bits per state value: the fewest, {fewest.config}, takes "
+        st.warning(f"No configuration fits {budget:.2f} bits per state value: the fewest, {escape(fewest.config)}, "
+                   "takes "
                    f"{fewest.resident_bits:.2f}.", icon=":material/block:")
     else:
-        st.success(recommendation(best, stored_config(data, best.config), card.shape, memory, where, context=context,
-                                  weight_bits=weight_bits), icon=":material/recommend:")
+        st.success(escape(recommendation(best, stored_config(data, best.config), card.shape, memory, where,
+                                         context=context, weight_bits=weight_bits)), icon=":material/recommend:")
         _export(best, data, card)
 
     st.subheader("Resident bits against KL")
     st.plotly_chart(figures.compare_figure(table, None if best is None else best.config, budget), key="compare_chart")
     st.caption(
         f"{data['tokens']:,} scored tokens of {stored.text_name(result.provenance)} per configuration, windows of "
-        f"{data.get('window', '?')} tokens, each window's second half decoded token by token (the command "
+        f"{escape(data.get('window', '?'))} tokens, each window's second half decoded token by token (the command "
         "above). The fp32 reference (KL 0) lies off the log axis. Green: the frontier."
     )
     shown = table.drop(columns=[c for c in ("method", "ppl", "tokens") if c in table.columns])
     st.dataframe(shown.style.format({"resident_bits": "{:.3f}", "kl": "{:.2e}", "agreement": "{:.2%}",
                                      "bpb": "{:.4f}"}), hide_index=True, key="compare_table")
+    stored.mixed_code(stored.measured_by(result, card.fingerprint), "The points of this comparison")
 
 
 def _budget(shape) -> tuple[float, int, str, int, int]:
@@ -126,9 +130,11 @@ def _export(best: Point, data: dict, card) -> None:
             portable_reference(session.results_model_name(controls.model_source())), card.fingerprint,
             calibrate=calibrate)
     except PaceError as err:
-        st.error(f"{best.config} cannot be exported for the loaded model: {err}", icon=":material/block:")
+        st.error(f"{escape(best.config)} cannot be exported for the loaded model: {escape(err)}",
+                 icon=":material/block:")
         return
-    st.download_button(f"Export {filename}", text, file_name=filename, mime="application/json", key="compare_export",
+    st.download_button(f"Export {escape(filename)}", text, file_name=filename, mime="application/json",
+                       key="compare_export",
                        type="primary", help="The file the Export page writes for this configuration on the loaded "
                                             "model: pace_core.apply and the vLLM plugin take it.")
 
