@@ -9,10 +9,15 @@ and at most its KL with one of the two strictly less. :func:`best_under` picks, 
 a budget, the one of lowest KL (ties: fewer bits), which is always a frontier point. A budget is bits per state
 value, given directly or made by :func:`budget_bits` from a memory size, the model's shape, a context length and
 a number of sequences: the states' share of the memory left after the weights and the attention KV cache.
+
+Quality is KL unless another :class:`Axis` is named (issue 47): perplexity (:data:`PERPLEXITY`), or a task score
+stored by ``python -m pace_core tasks`` (:func:`pace_core.analysis.task_scores.task_axes`), higher better. The
+frontier and the best point are then those of that axis, over the points it has a value for.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,19 +33,68 @@ from pace_core.shapes import ModelShape
 @dataclass(frozen=True)
 class Point:
     """One configuration's cost and quality on one model: resident bits per state value, KL to fp32 (nats per
-    token), top-1 agreement with fp32 and bits per byte of the text."""
+    token), top-1 agreement with fp32, bits per byte and perplexity of the text."""
 
     config: str
     resident_bits: float
     kl: float
     agreement: float
     bpb: float
+    ppl: float = math.nan
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Point:
         """The point of a stored point (:func:`point`) or a row with the same fields."""
         return cls(str(row["config"]), float(row["resident_bits"]), float(row["kl"]), float(row["agreement"]),
-                   float(row["bpb"]))
+                   float(row["bpb"]), float(row.get("ppl", math.nan)))
+
+
+@dataclass(frozen=True)
+class Axis:
+    """A quality axis points are judged on beside their bits: a :class:`Point` field (``key``: ``kl``, ``ppl``) or,
+    with ``scores``, a value per configuration name (a task score; a configuration without one is not on the
+    axis), ``higher_is_better`` or lower, shown with ``fmt``; ``stderr`` the values' standard errors where known;
+    ``evidence`` what the values are, as the exported file records it (:func:`evidence`)."""
+
+    key: str
+    label: str
+    higher_is_better: bool = False
+    fmt: str = ".3f"
+    scores: Mapping[str, float] | None = None
+    stderr: Mapping[str, float | None] | None = None
+    evidence: Mapping[str, Any] | None = None
+
+    def value(self, p: Point) -> float | None:
+        """``p``'s value on this axis; None where it has none (not measured, or not a finite number)."""
+        v = getattr(p, self.key) if self.scores is None else self.scores.get(p.config)
+        return None if v is None or not math.isfinite(v) else float(v)
+
+    def loss(self, p: Point) -> float:
+        """The value, negated where higher is better: lower is better."""
+        v = self.value(p)
+        if v is None:
+            raise PaceError(f"{p.config} has no value on the axis {self.label!r}")
+        return -v if self.higher_is_better else v
+
+    def measured(self, points: Sequence[Point]) -> list[Point]:
+        """The points this axis has a value for, in their order."""
+        return [p for p in points if self.value(p) is not None]
+
+    def shown(self, p: Point) -> str:
+        """``p``'s value as text, with its standard error where known."""
+        v, se = self.value(p), (self.stderr or {}).get(p.config)
+        return f"{v:{self.fmt}}" + (f" ± {se:{self.fmt}}" if se is not None and math.isfinite(se) else "")
+
+    def describe(self, p: Point) -> str:
+        """``p``'s quality in words: its value on this axis, then its KL (KL: its top-1 agreement)."""
+        if self.key == "kl" and self.scores is None:
+            return f"KL {p.kl:.1e} to fp32 (top-1 agreement {p.agreement:.1%})"
+        return f"{self.label} {self.shown(p)} (KL {p.kl:.1e} to fp32)"
+
+
+KL = Axis("kl", "KL to fp32 (nats per token)", fmt=".2e")
+PERPLEXITY = Axis("ppl", "perplexity", fmt=".3f")
+"""The axes every stored comparison has (the perplexity of comparisons made before it was a point's field: none)."""
 
 
 def point(cfg: PaceConfig, shape: ModelShape, row: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,23 +107,25 @@ def point(cfg: PaceConfig, shape: ModelShape, row: Mapping[str, Any]) -> dict[st
             "configuration": config_to_dict(cfg)}
 
 
-def dominates(a: Point, b: Point) -> bool:
-    """True when ``a`` has at most ``b``'s bits and at most its KL, one of the two strictly less."""
-    return (a.resident_bits <= b.resident_bits and a.kl <= b.kl
-            and (a.resident_bits < b.resident_bits or a.kl < b.kl))
+def dominates(a: Point, b: Point, axis: Axis = KL) -> bool:
+    """True when ``a`` has at most ``b``'s bits and is at least as good on ``axis``, one of the two strictly."""
+    return (a.resident_bits <= b.resident_bits and axis.loss(a) <= axis.loss(b)
+            and (a.resident_bits < b.resident_bits or axis.loss(a) < axis.loss(b)))
 
 
-def frontier(points: Sequence[Point]) -> list[Point]:
-    """The Pareto frontier of resident bits against KL: the points no other point dominates, fewest bits first."""
-    return sorted((p for p in points if not any(dominates(q, p) for q in points)),
-                  key=lambda p: (p.resident_bits, p.kl, p.config))
+def frontier(points: Sequence[Point], axis: Axis = KL) -> list[Point]:
+    """The Pareto frontier of resident bits against ``axis`` (default KL): the points with a value on it that no
+    other such point dominates, fewest bits first."""
+    on = axis.measured(points)
+    return sorted((p for p in on if not any(dominates(q, p, axis) for q in on)),
+                  key=lambda p: (p.resident_bits, axis.loss(p), p.config))
 
 
-def best_under(points: Sequence[Point], budget_bits: float) -> Point | None:
-    """The point of lowest KL whose resident bits fit ``budget_bits`` per state value (ties: fewer bits, then
-    the name); None when none fits."""
-    fits = [p for p in points if p.resident_bits <= budget_bits]
-    return min(fits, key=lambda p: (p.kl, p.resident_bits, p.config)) if fits else None
+def best_under(points: Sequence[Point], budget_bits: float, axis: Axis = KL) -> Point | None:
+    """The point best on ``axis`` (default: lowest KL) whose resident bits fit ``budget_bits`` per state value
+    (ties: fewer bits, then the name); None when none with a value on the axis fits."""
+    fits = [p for p in axis.measured(points) if p.resident_bits <= budget_bits]
+    return min(fits, key=lambda p: (axis.loss(p), p.resident_bits, p.config)) if fits else None
 
 
 def budget_bits(shape: ModelShape, memory_bytes: int, sequences: int, *, context: int = 0,
@@ -107,10 +163,11 @@ def stored_config(data: Mapping[str, Any], name: str) -> PaceConfig:
 
 
 def recommendation(p: Point, cfg: PaceConfig, shape: ModelShape, memory_bytes: int, where: str, *,
-                   context: int, weight_bits: int) -> str:
-    """One sentence on what the chosen point ``p`` (its configuration ``cfg``) costs and gains: its bits, KL and
-    agreement, and how many sequences ``memory_bytes`` (named ``where``) holds with its states against fp32 states
-    at ``context`` tokens of context and ``weight_bits``-bit weights (:func:`pace_core.accounting.capacity`)."""
+                   context: int, weight_bits: int, axis: Axis = KL) -> str:
+    """One sentence on what the chosen point ``p`` (its configuration ``cfg``) costs and gains: its bits, its quality
+    on ``axis`` (:meth:`Axis.describe`; KL: KL and agreement), and how many sequences ``memory_bytes`` (named
+    ``where``) holds with its states against fp32 states at ``context`` tokens of context and ``weight_bits``-bit
+    weights (:func:`pace_core.accounting.capacity`)."""
     n, fp32 = (capacity(c, shape, memory_bytes, weight_bits=weight_bits, context=context).sequences
                for c in (cfg, get_config("fp32")))
     setting = f"on {where} at {context:,} tokens of context with {weight_bits}-bit weights"
@@ -120,5 +177,29 @@ def recommendation(p: Point, cfg: PaceConfig, shape: ModelShape, memory_bytes: i
         gain = f"{n:,} sequence{'s' if n > 1 else ''} {setting}, where fp32 states fit none"
     else:
         gain = f"{n / fp32:.1f}× the sequences of fp32 states ({n:,} against {fp32:,}) {setting}"
-    return (f"{p.config}: {p.resident_bits:.2f} bits per state value, KL {p.kl:.1e} to fp32 (top-1 agreement "
-            f"{p.agreement:.1%}), {gain}.")
+    return f"{p.config}: {p.resident_bits:.2f} bits per state value, {axis.describe(p)}, {gain}."
+
+
+def axis_table(points: Sequence[Point], axis: Axis) -> pd.DataFrame:
+    """One row per point with a value on ``axis``: config, resident_bits, value, stderr (NaN where unknown) and
+    frontier (on ``axis``'s frontier), fewest bits first: what the Compare page plots for an axis."""
+    on = {p.config for p in frontier(points, axis)}
+    rows = [{"config": p.config, "resident_bits": p.resident_bits, "value": axis.value(p),
+             "stderr": (axis.stderr or {}).get(p.config), "frontier": p.config in on} for p in axis.measured(points)]
+    table = pd.DataFrame(rows, columns=["config", "resident_bits", "value", "stderr", "frontier"])
+    table["stderr"] = pd.to_numeric(table["stderr"], errors="coerce")
+    return table.sort_values(["resident_bits", "config"], kind="stable").reset_index(drop=True)
+
+
+def evidence(axis: Axis, p: Point, points: Sequence[Point], budget: float) -> dict[str, Any]:
+    """What the configuration ``p`` was picked on, as its exported file records it (``provenance.evidence``,
+    :mod:`pace_core.export`): the axis (its key, label, direction and what made its values), ``p``'s value and
+    standard error there, the fp32 reference's where it has one, the budget in bits per state value, and the
+    frontier on the axis."""
+    ref = next((q for q in points if q.config == "fp32" and axis.value(q) is not None), None)
+    se = (axis.stderr or {}).get(p.config)
+    return {"axis": axis.key, "label": axis.label, "higher_is_better": axis.higher_is_better, "config": p.config,
+            "value": axis.value(p), "stderr": se if se is not None and math.isfinite(se) else None,
+            "reference": None if ref is None else {"config": ref.config, "value": axis.value(ref)},
+            "budget_bits": float(budget), "resident_bits": p.resident_bits,
+            "frontier": [q.config for q in frontier(points, axis)], **dict(axis.evidence or {})}
