@@ -23,6 +23,7 @@ from pace_core.config import NAMED_CONFIGS, SETTINGS, PaceConfig, Setting, defau
 from pace_core.errors import PaceError
 from pace_core.export import admit
 from pace_core.model import commands as model_commands
+from pace_core.model import task_commands
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape, load_shape
 
 DEFAULT_SEQUENCES = 64
@@ -171,7 +172,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_bits)
 
 
-REGISTRARS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (register, model_commands.register)
+REGISTRARS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (register, model_commands.register,
+                                                                      task_commands.register)
 """Command registrars, called in order by build_parser."""
 
 
