@@ -8,7 +8,7 @@ import streamlit as st
 
 from app_state import controls, exporting, frame, session, stored
 from pace_core import figures
-from pace_core.analysis.compare import (KL, PERPLEXITY, Axis, Point, axis_table, best_under, budget_bits, evidence,
+from pace_core.analysis.compare import (KL, PERPLEXITY, Axis, Point, axis_table, best_under, budget_bits, evidence, gap,
                                         recommendation, stored_config)
 from pace_core.analysis.task_scores import TASK_KIND, harness_installed, setting_label, task_axes, task_table
 from pace_core.config import PaceConfig
@@ -57,6 +57,7 @@ def page(cfg: PaceConfig) -> None:
     else:
         st.success(recommendation(best, stored_config(data, best.config), card.shape, memory, where, context=context,
                                   weight_bits=weight_bits, axis=axis), icon=":material/recommend:")
+        _against_reference(axis, best, measured)
         _export(best, data, card, evidence(axis, best, points, budget))
 
     st.subheader(f"Resident bits against {axis.label}")
@@ -80,6 +81,22 @@ def page(cfg: PaceConfig) -> None:
     st.dataframe(shown.style.format({"resident_bits": "{:.3f}", "kl": "{:.2e}", "agreement": "{:.2%}",
                                      "bpb": "{:.4f}"}), hide_index=True, key="compare_table")
     _tasks(task_sets)
+
+
+def _against_reference(axis: Axis, best: Point, measured: list[Point]) -> None:
+    """For a task score: the chosen configuration against fp32's on it, the difference with its standard error,
+    and whether the task tells them apart (more than two standard errors)."""
+    ref = next((p for p in measured if p.config == "fp32"), None)
+    if axis.scores is None or ref is None or ref.config == best.config:
+        return
+    difference, se = gap(axis, best, ref)
+    if se is None:
+        st.caption(f"fp32 scores {axis.shown(ref)} here ({difference:+.3f}); lm-eval reports no standard error.")
+        return
+    verdict = ("more than two standard errors: a difference these items measure" if abs(difference) > 2 * se else
+               "within two standard errors: at this number of items the task does not tell them apart")
+    st.caption(f"fp32 scores {axis.shown(ref)}: {best.config} differs by {difference:+.3f} ± {se:.3f} (both standard "
+               f"errors combined, an upper bound for scores of the same items), {verdict}.")
 
 
 def _task_sets(card) -> list:

@@ -1,9 +1,11 @@
+import math
+
 import numpy as np
 import pytest
 
 from pace_core.accounting import capacity, resident_bits, state_bytes, state_bytes_per_sequence
 from pace_core.analysis.compare import (KL, PERPLEXITY, Axis, Point, axis_table, best_under, budget_bits, comparison,
-                                        dominates, evidence, frontier, point, recommendation, stored_config)
+                                        dominates, evidence, frontier, gap, point, recommendation, stored_config)
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.errors import PaceError
 from pace_core.shapes import BUILTIN_SHAPES
@@ -175,3 +177,6 @@ def test_axes_of_the_comparisons_own_figures_and_their_words():
                       "value": 0.31, "stderr": 0.012, "reference": {"config": "fp32", "value": 0.62},
                       "budget_bits": 4.5, "resident_bits": 4.25, "frontier": ["a", "c", "fp32"], "task": "gsm8k"}
     assert evidence(KL, points[2], points, 6.0)["reference"] == {"config": "fp32", "value": 0.0}
+    difference, se = gap(axis, points[1], points[0])
+    assert difference == pytest.approx(0.31 - 0.62) and se == pytest.approx(math.sqrt(0.012**2 + 0.013**2))
+    assert gap(axis, points[3], points[0])[1] is None  # c's standard error is unknown

@@ -73,6 +73,8 @@ def test_the_axis_picker_recomputes_the_recommendation_on_a_task_score(params, l
     sentence = at.success[0].value
     assert sentence.startswith(f"rtn-int4: {best.resident_bits:.2f} bits per state value, {task_label} 0.900 ± 0.030 "
                                "(KL 2.0e-02 to fp32)")
+    assert any(c.value.startswith("fp32 scores 0.800 ± 0.030: rtn-int4 differs by +0.100 ± 0.042") and
+               "more than two standard errors" in c.value for c in at.caption)  # 0.100 > 2 × 0.042
     figure = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert [t["name"] for t in figure["data"]][-1] == "best: rtn-int4"
     assert "qmamba-dsq" not in figure["data"][1]["text"]  # not measured on this axis: left out, and said so

@@ -180,6 +180,15 @@ def recommendation(p: Point, cfg: PaceConfig, shape: ModelShape, memory_bytes: i
     return f"{p.config}: {p.resident_bits:.2f} bits per state value, {axis.describe(p)}, {gain}."
 
 
+def gap(axis: Axis, p: Point, q: Point) -> tuple[float, float | None]:
+    """``p``'s value on ``axis`` minus ``q``'s, and the standard error of that difference from theirs,
+    ``sqrt(se_p² + se_q²)`` (None unless both are known): exact for independent samples, an upper bound for
+    scores of the same items, which move together."""
+    se = [(axis.stderr or {}).get(x.config) for x in (p, q)]
+    known = all(s is not None and math.isfinite(s) for s in se)
+    return axis.value(p) - axis.value(q), math.hypot(*se) if known else None
+
+
 def axis_table(points: Sequence[Point], axis: Axis) -> pd.DataFrame:
     """One row per point with a value on ``axis``: config, resident_bits, value, stderr (NaN where unknown) and
     frontier (on ``axis``'s frontier), fewest bits first: what the Compare page plots for an axis."""
