@@ -8,8 +8,19 @@ import streamlit as st
 
 from app_state import controls, exporting, frame, session, stored
 from pace_core import figures
-from pace_core.analysis.compare import (KL, PERPLEXITY, Axis, Point, axis_table, best_under, budget_bits, evidence, gap,
-                                        recommendation, stored_config)
+from pace_core.analysis.compare import (
+    KL,
+    PERPLEXITY,
+    Axis,
+    Point,
+    axis_table,
+    best_under,
+    budget_bits,
+    evidence,
+    gap,
+    recommendation,
+    stored_config,
+)
 from pace_core.analysis.task_scores import TASK_KIND, harness_installed, setting_label, task_axes, task_table
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError

@@ -14,11 +14,18 @@ import sys
 import pandas as pd
 import pytest
 import torch
-
 from app_support import REPO_ROOT
+
 from pace_core.analysis import tasks as harness
-from pace_core.analysis.tasks import (TaskSettings, check_lengths, evaluate_config, prepare_tasks, run_tasks,
-                                      split_specs, task_lm)
+from pace_core.analysis.tasks import (
+    TaskSettings,
+    check_lengths,
+    evaluate_config,
+    prepare_tasks,
+    run_tasks,
+    split_specs,
+    task_lm,
+)
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model.loading import load_model

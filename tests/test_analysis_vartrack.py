@@ -9,9 +9,9 @@ import re
 
 import pytest
 import yaml
+from app_support import EMBEDDED_DIR
 from transformers import AutoTokenizer
 
-from app_support import EMBEDDED_DIR
 from pace_core.analysis import vartrack
 from pace_core.analysis.vartrack import VarTrack, generate, make_item, parse_name, process_results, write_task
 from pace_core.errors import PaceError

@@ -8,13 +8,27 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pytest
+from app_support import app_model_param
+from test_app import check, start
 
 from app_state import exporting, session, stored
 from pace_core.analysis.compare import Point, best_under, comparison, point
 from pace_core.analysis.task_scores import TASK_KIND
 from pace_core.config import config_to_dict, document_from_json, get_config
+from pace_core.model.loading import load_model
 from pace_core.results import make_provenance, result_key, save_result
-from test_app import check, loaded, params, start  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def params(tmp_path_factory) -> dict[str, str]:
+    return app_model_param(tmp_path_factory.mktemp("app_model"))
+
+
+@pytest.fixture(scope="module")
+def loaded(params):
+    return load_model(params.get("model"))
+
 
 NAMES = ["fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "qmamba-dsq"]
 KLS = [0.0, 1e-6, 2e-2, 1e-4, 1e-3, 5e-2]

@@ -5,13 +5,13 @@ resumed at the first pair not stored."""
 from __future__ import annotations
 
 import pytest
+from test_analysis_tasks import local_task
 
 from pace_core import cli
 from pace_core.analysis.task_scores import TASK_KIND, scores, task_table
 from pace_core.config import config_to_dict, get_config
 from pace_core.model import task_commands
 from pace_core.results import list_results, result_sets
-from test_analysis_tasks import local_task
 
 pytest.importorskip("lm_eval")
 

@@ -17,8 +17,17 @@ import json
 from pathlib import Path
 
 from pace_core.analysis.task_scores import TASK_KIND, task_table
-from pace_core.analysis.tasks import (TaskSettings, check_lengths, device_batch, evaluate_config, lm_eval_version,
-                                      prepare_tasks, require_lm_eval, restored, task_lm)
+from pace_core.analysis.tasks import (
+    TaskSettings,
+    check_lengths,
+    device_batch,
+    evaluate_config,
+    lm_eval_version,
+    prepare_tasks,
+    require_lm_eval,
+    restored,
+    task_lm,
+)
 from pace_core.config import config_to_dict
 from pace_core.model import DEFAULT_MODEL_DIR
 from pace_core.model.commands import _common, _context, _interruptible, _print_table, _read_configs, _say_reused
