@@ -10,7 +10,7 @@ from test_analysis_tasks import local_task
 from pace_core import cli
 from pace_core.analysis.task_scores import TASK_KIND, scores, task_table
 from pace_core.config import config_to_dict, get_config
-from pace_core.model import task_commands
+from pace_core.model import task_runner
 from pace_core.results import list_results, result_sets
 
 pytest.importorskip("lm_eval")
@@ -22,13 +22,13 @@ MODEL = "pace-tiny-qwen35"
 def calls(monkeypatch) -> list[tuple[str, str]]:
     """Every (configuration, task) the command computes, in order."""
     done: list[tuple[str, str]] = []
-    real = task_commands.evaluate_config
+    real = task_runner.evaluate_config
 
     def counting(model, lm, tasks, task, cfg, settings, **kw):
         done.append((cfg.name, task.name))
         return real(model, lm, tasks, task, cfg, settings, **kw)
 
-    monkeypatch.setattr(task_commands, "evaluate_config", counting)
+    monkeypatch.setattr(task_runner, "evaluate_config", counting)
     return done
 
 
@@ -75,17 +75,17 @@ def test_tasks_are_stored_per_configuration_and_task_reloaded_and_reused(tmp_pat
 
 
 def test_a_stopped_run_resumes_at_the_first_pair_not_stored(tmp_path, calls, monkeypatch, capsys):
-    counting = task_commands.evaluate_config
+    counting = task_runner.evaluate_config
 
     def stopping(*args, **kw):  # Ctrl-C during the third pair
         if len(calls) == 2:
             raise KeyboardInterrupt
         return counting(*args, **kw)
 
-    monkeypatch.setattr(task_commands, "evaluate_config", stopping)
+    monkeypatch.setattr(task_runner, "evaluate_config", stopping)
     assert _run(tmp_path, "rtn-int2") == 130
     assert "stored 2 result(s): task of fp32, task of fp32. `python -m pace_core" in capsys.readouterr().err
-    monkeypatch.setattr(task_commands, "evaluate_config", counting)
+    monkeypatch.setattr(task_runner, "evaluate_config", counting)
     calls.clear()
     assert _run(tmp_path, "rtn-int2") == 0
     assert calls == [("rtn-int2", "pace_test_tiny"), ("rtn-int2", "pace_vt_mc_640")]
