@@ -181,11 +181,17 @@ def _exported(cfg: PaceConfig, loaded) -> tuple[PaceConfig, str, str] | None:
         st.error(f"Nothing to export: the sidebar's settings do not form a valid configuration ({escape(err)}). A "
                  "file is offered once they do.", icon=":material/block:")
         return None
+    picked_on = exporting.picked_evidence(cfg)
+    if picked_on is not None:
+        st.info(f"Picked on the Compare page on {escape(picked_on['label'])}: {picked_on['value']:.4g}"
+                + (f" ± {picked_on['stderr']:.2g}" if picked_on.get("stderr") is not None else "")
+                + f" under {picked_on['budget_bits']:.2f} bits per state value; the file records it "
+                  "(provenance.evidence).", icon=":material/recommend:")
     if loaded is None:
         if cfg.needs_heads:
             st.warning(f"Share of 8-bit heads is {cfg.high_share:.1%} but no model is loaded to choose them: "
                        "the export carries the share only.", icon=":material/leaderboard:")
-        return exporting.export_file(cfg)
+        return exporting.export_file(cfg, evidence=picked_on)
 
     def choose_heads(c: PaceConfig) -> PaceConfig:
         try:
@@ -199,7 +205,8 @@ def _exported(cfg: PaceConfig, loaded) -> tuple[PaceConfig, str, str] | None:
         return chosen
 
     try:
-        return exporting.export_file(cfg, loaded.shape, loaded.reference, loaded.fingerprint, calibrate=choose_heads)
+        return exporting.export_file(cfg, loaded.shape, loaded.reference, loaded.fingerprint, calibrate=choose_heads,
+                                     evidence=picked_on)
     except PaceError as err:
         st.error(f"Nothing to export: this configuration does not fit the loaded model: {escape(err)}",
                  icon=":material/block:")
