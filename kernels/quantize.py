@@ -62,8 +62,9 @@ def _dequant_kernel(out_ptr, part_ptr, slot_ptr, c0_ptr, s0_ptr, z0_ptr, c1_ptr,
 
 
 def _check_state(S: torch.Tensor, name: str) -> None:
-    if not isinstance(S, torch.Tensor) or S.dim() < 3:
-        raise PaceError(f"{name}: must be a tensor [..., HV, K, V]; got shape {tuple(getattr(S, 'shape', ()))}")
+    if not isinstance(S, torch.Tensor) or S.dim() < 3 or S.shape[-3] == 0:
+        raise PaceError(f"{name}: must be a tensor [..., HV, K, V] with at least one value head; got shape "
+                        f"{tuple(getattr(S, 'shape', ()))}")
     if S.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise PaceError(f"{name}: dtype {S.dtype} not supported by the kernels; allowed: float32, bfloat16, float16")
 
@@ -125,9 +126,7 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
     ``out``: storage to write into (same layout as the result; reused, e.g. under CUDA graphs)."""
     _check_state(S, name)
     *lead, HV, K, V = S.shape
-    bits_per_head = [int(b) for b in bits_per_head]
-    if len(bits_per_head) != HV:
-        raise PaceError(f"bits_per_head has {len(bits_per_head)} entries; allowed: one per value head ({HV})")
+    bits_per_head = quant.check_head_bits(bits_per_head, HV)
     check_kernel_shape(K, V, spec, name)
     _check_values(S, spec, bits_per_head, name)
     widths, table = head_table(bits_per_head, S.device)
@@ -187,7 +186,7 @@ def quantize(x: torch.Tensor, spec: quant.QuantSpec, *, name: str = "x") -> quan
     :func:`pace_core.quant.quantize`."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise PaceError(f"{name}: must be a tensor [..., K, V]; got shape {tuple(getattr(x, 'shape', ()))}")
-    m = quantize_heads(x.reshape(-1, 1, *x.shape[-2:]), [spec.bits], spec, name=name)
+    m = quantize_heads(x.reshape(math.prod(x.shape[:-2]), 1, *x.shape[-2:]), [spec.bits], spec, name=name)
     p = m.parts[spec.bits]
     lead = tuple(x.shape[:-2])
     return quant.PackedTensor(

@@ -220,6 +220,15 @@ def test_perplexity_with_stride_equal_to_window_still_decodes(env, tmp_path):
     assert {r.data["decode_from"] for r in list_results(env["model"], "perplexity", root=out).results} == {1, 16}
 
 
+def test_drift_says_when_tokens_ask_for_more_than_the_text(env, capsys):
+    """Before: --tokens 1000000000 silently meant the whole text."""
+    assert _run(env, "drift", "--text", env["text"], "--tokens", "1000000000", "--every", "8", "--configs", "fp32") == 0
+    out = capsys.readouterr().out
+    [r] = [r for r in list_results(env["model"], "drift", root=env["out"]).results if r.data["config"] == "fp32"]
+    assert (f"drift: --tokens 1,000,000,000 is more than the text holds: using the whole text, "
+            f"{r.data['tokens']:,} tokens") in out
+
+
 def test_errors_exit_2(env, capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
