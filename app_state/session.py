@@ -10,7 +10,17 @@ from pathlib import Path
 
 import streamlit as st
 
-from app_state.controls import EMBEDDED, Runtime, hide_paths, model_source, runtime
+from app_state import warmup
+from app_state.controls import (
+    EMBEDDED,
+    Runtime,
+    config_key,
+    current_config,
+    fallback_config,
+    hide_paths,
+    model_source,
+    runtime,
+)
 from app_state.markup import escape
 from pace_core.errors import PaceError
 
@@ -84,7 +94,19 @@ def loaded_model(*, stop: bool = True):
     loaded = _try_load_model()
     if loaded is None and stop:
         st.stop()
+    if loaded is not None:
+        _warm_up(loaded)
     return loaded
+
+
+def _warm_up(loaded) -> None:
+    """Compile ahead, in the background, the kernels the live views launch for the sidebar's configuration
+    (:mod:`app_state.warmup`; on a GPU, once per model and configuration)."""
+    try:
+        cfg = current_config()
+    except PaceError:
+        cfg = fallback_config()
+    warmup.ahead(loaded, cfg, config_key(cfg))
 
 
 def _folder_stamp(source: str) -> tuple:
