@@ -9,8 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .primitives import expand, quant_tile, round_bf16, store_as, sym_value
-from pace_core import quant
+from .primitives import expand, quant_tile, round_bf16, store_as, sym_value, zero_pairs
 from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
 
 RECORD_COUNT = ["n"]
@@ -34,7 +33,7 @@ def buffer_tensors(buf: DecodeBuffer) -> dict:
         out[name], out[name + "_bits"], out[name + "_group"], out[name + "_sym"] = live[name], bits, group, sym
         out[name + "_scale"] = live.get(single + "_scale", live[name])
         out[name + "_zero"] = live.get(single + "_zero", out[name + "_scale"])
-        out[name + "_pz"] = not sym and quant.zero_packed(bits, length // group)
+        out[name + "_pz"] = not sym and zero_pairs(bits, length // group)
     return out
 
 

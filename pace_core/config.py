@@ -90,8 +90,9 @@ SCHEMA_VERSION = 6
 """The schema of the complete record (:func:`config_to_dict`), which result caches key on: 1-3, then 5 (4 is the
 first deployable export's; from 5 on records and exports share the numbers and differ by the export's ``kind``);
 6 adds the combinations (stochastic rounding, key rotation, static scales)."""
-READ_SCHEMA_VERSION = 6
-"""The newest schema read, of records and of exports (:mod:`pace_core.export`)."""
+READ_SCHEMA_VERSION = 7
+"""The newest schema read: of exports (:mod:`pace_core.export`, 7 records the codes' packing); records go up to
+:data:`SCHEMA_VERSION`."""
 PRODUCER_NAME = "pace-studio"
 
 
@@ -719,6 +720,10 @@ def document_from_dict(d: dict) -> ConfigDocument:
         from pace_core.export import document_from_export
 
         return document_from_export(d)
+    if version > SCHEMA_VERSION:
+        raise PaceError(f"config JSON field schema_version={version} without a kind is newer than this PACE Studio's "
+                        f"complete record (schema {SCHEMA_VERSION}); allowed: 1..{SCHEMA_VERSION}, or an export "
+                        f"(kind 'pace-state-config') up to {newest}")
     missing = [k for k in _TOP_KEYS if k not in d]
     if missing:
         raise PaceError(f"config JSON field {missing[0]} is missing; required: {', '.join(_TOP_KEYS)}")

@@ -84,7 +84,7 @@ def test_per_token_pace_variant_rounds_every_token(bench):
     assert nbytes == bench.LAYERS * (2 * st.checkpoint.nbytes() + bench._io_bytes(2))
 
 
-@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8"])
+@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8", "PACE-3 dP=8"])
 def test_buffered_period_is_the_schedules(bench, variant):
     """A buffered layer's period in the harness (the backend's step writing into the layer's output) is the
     schedule's decode of the same tokens: the same output and checkpoint (the same kernels on the same inputs),
@@ -103,7 +103,7 @@ def test_buffered_period_is_the_schedules(bench, variant):
     assert torch.equal(st.loaded(), twin.loaded())
 
 
-@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8"])
+@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8", "PACE-3 dP=8"])
 def test_buffered_variants_run_and_report(bench, variant):
     row = bench.time_variant(variant, 2, torch.device("cpu"), 2)
     assert row["outputs_finite"] and row["seconds_per_token"] == pytest.approx(1e-3 / bench.PERIOD)
@@ -180,3 +180,12 @@ print(float((out.double() - o_ref).norm() / o_ref.norm()), float((state[0].doubl
     assert run.returncode == 0, run.stderr[-2000:]
     rel_o, rel_s = map(float, run.stdout.split()[-2:])
     assert rel_o < 1e-5 and rel_s < 1e-5
+
+
+def test_three_bit_rows_move_fewer_bytes_than_four(bench):
+    """The bytes model of PACE-3 against PACE-4 (the same scales, buffer and inputs; codes 3/4): what the GPU run's
+    time ratio is read against."""
+    _, three = bench.build(bench.PACE3, 2, torch.device("cpu"))
+    _, four = bench.build("PACE-4 dP=8", 2, torch.device("cpu"))
+    codes = bench.LAYERS * 2 * bench.HV * bench.K * bench.V // 8  # one bit per value, B = 2
+    assert four - three == pytest.approx(codes * (1 + 1 / bench.PERIOD))  # read every token, written once per dP

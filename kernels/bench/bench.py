@@ -7,6 +7,8 @@
 - PACE-4 (4-bit key-axis g 64 symmetric checkpoint, int8 buffer, dP = 8),
 - PACE-4/8 (key-axis g 32 zero point, a quarter of the heads at 8 bits, mixed buffer with its 4-bit keys in
   groups of 16 with zero points, dP = 8),
+- PACE-3 (PACE-4 at 3 bits, issue 48: its codes packed densely, 8 in 3 bytes, read as three byte planes and
+  unpacked in registers; the checkpoint's code bytes are 3/4 of PACE-4's, the scales and the buffer the same),
 - PACE-4 dP = 1 (its checkpoint format rounded every token, no buffer: the one-launch per-token recurrence
   :func:`kernels.recurrent_step.recurrent_run` that a dP = 1 decode runs)
   (each layer a :class:`pace_core.schedule.PeriodicState` on :class:`kernels.backend.TritonSteps`),
@@ -63,7 +65,8 @@ BYTES_MODEL = (
 )
 FLA = "fla fused_recurrent (fp32 state)"
 DP1 = "PACE-4 dP=1"
-VARIANTS = ("fp32 per-token", "bf16 per-token", "bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8", DP1, FLA)
+PACE3 = "PACE-3 dP=8"
+VARIANTS = ("fp32 per-token", "bf16 per-token", "bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8", PACE3, DP1, FLA)
 try:
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 except ImportError:  # the fla baseline is optional
@@ -112,6 +115,8 @@ def buffered_config(variant: str):
         return get_config("bf16").replace(name="bf16 buffered", decode_period=PERIOD, buffer="bf16")
     if variant == "PACE-4 dP=8":
         return get_config("pace-4")
+    if variant == PACE3:
+        return get_config("pace-3")
     return get_config("pace-4-8").replace(high_heads=(tuple(range(0, HV, 4)),))
 
 
@@ -132,7 +137,7 @@ def _ckpt_bytes(ckpt) -> int:
     return ckpt.numel() * ckpt.element_size() if isinstance(ckpt, torch.Tensor) else ckpt.nbytes()
 
 
-SPLIT_VARIANTS = ("PACE-4 dP=8", "PACE-4/8 dP=8")  # packed key-axis checkpoints: step + flush kernels
+SPLIT_VARIANTS = ("PACE-4 dP=8", "PACE-4/8 dP=8", PACE3)  # packed key-axis checkpoints: step + flush kernels
 
 
 def configs(variant: str) -> list[dict]:
@@ -406,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         base = by[("bf16 per-token", B)]["seconds_per_token"]
         for variant in variants:
             by[(variant, B)]["speedup_vs_bf16_per_token"] = base / by[(variant, B)]["seconds_per_token"]
+        if (PACE3, B) in by and ("PACE-4 dP=8", B) in by:  # 3 bits against 4 on the same card, same run
+            three, four = by[(PACE3, B)], by[("PACE-4 dP=8", B)]
+            three["vs_pace4"] = {"time_ratio": three["seconds_per_token"] / four["seconds_per_token"],
+                                 "bytes_ratio": three["bytes_per_token"] / four["bytes_per_token"]}
     (args.out / "bench.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "bench.png")
     header = f"{'batch':>5} " + " ".join(f"{v:>20}" for v in variants) + f" {'PACE-4 vs bf16':>15}"
@@ -416,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
                          for v in variants)
         speed = by.get(("PACE-4 dP=8", B), {}).get("speedup_vs_bf16_per_token")
         print(f"{B:5d} {cells} " + (f"{speed:14.2f}x" if speed else f"{'-':>15}"))
+    three = [by[(PACE3, B)]["vs_pace4"] for B in batches if "vs_pace4" in by.get((PACE3, B), {})]
+    if three:
+        print("\nPACE-3 against PACE-4 (time, bytes per token): " + ", ".join(
+            f"B={B} {r['time_ratio']:.2f}x / {r['bytes_ratio']:.2f}x" for B, r in zip(batches, three)))
     return 0
 
 

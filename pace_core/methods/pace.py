@@ -1,5 +1,6 @@
 """PACE (method ``pace``): periodic rounding with a decode buffer, key-axis (channel-aligned) scale groups, and
-head-level 8-bit allocation (PACE_SPEC §2-§4, §6: PACE-4 and PACE-4/8); and PACE-4 with each combination the
+head-level 8-bit allocation (PACE_SPEC §2-§4, §6: PACE-4 and PACE-4/8); PACE-3 and PACE-3/8, the same at 3 bits
+(issue 48: the codes stored densely, 3.25 + c·dP resident bits); and PACE-4 with each combination the
 paper lists as untested (:mod:`pace_core.methods.groups`): ``pace-4-sr`` (stochastic rounding, seed 0),
 ``pace-4-hadamard`` (Hadamard rotation along the key axis), ``pace-4-static`` (static scales calibrated per
 layer)."""
@@ -11,6 +12,8 @@ from pace_core.methods.base import Method, register
 
 PACE_4 = dict(bits=4, group_axis="key", group_size=64, symmetric=True, decode_period=8, prefill_period=256,
               buffer="int8")
+PACE_4_8 = dict(bits=4, high_bits=8, high_share=0.25, group_axis="key", group_size=32, symmetric=False,
+                decode_period=8, prefill_period=256, buffer="mixed", buffer_key_group=16, buffer_key_symmetric=False)
 
 METHOD = register(Method(
     name="pace", order=20, label="PACE",
@@ -19,10 +22,10 @@ METHOD = register(Method(
     format=groups.GroupFormat, payload=groups.payload, layer_bytes=groups.layer_bytes,
     fixed_bytes=groups.fixed_bytes, groups_along=groups.groups_along, composes=groups.COMPOSES,
     calibration=groups.calibration, calibrate=groups.calibrate, check_for=groups.check_for,
-    named={"pace-4": PACE_4,
-           "pace-4-8": dict(bits=4, high_bits=8, high_share=0.25, group_axis="key", group_size=32, symmetric=False,
-                            decode_period=8, prefill_period=256, buffer="mixed", buffer_key_group=16,
-                            buffer_key_symmetric=False),
+    named={"pace-3": dict(PACE_4, bits=3),
+           "pace-3-8": dict(PACE_4_8, bits=3),
+           "pace-4": PACE_4,
+           "pace-4-8": PACE_4_8,
            "pace-4-sr": dict(PACE_4, rounding="stochastic", rounding_seed=0),
            "pace-4-hadamard": dict(PACE_4, key_hadamard=True),
            "pace-4-static": dict(PACE_4, scales="static", static_margin=groups.STATIC_MARGIN)}))
