@@ -49,9 +49,9 @@ checkpoints on the H200 (kernels/NOTES.md, run 5), so narrower heads decode on t
 
 
 WIDTH_REASON = ("the kernels read and write 3-, 4- and 8-bit codes only: 4 and 8 bits are PACE-4's and PACE-4/8's, "
-                "3 bits PACE-3's (the one width below 4 on the quality frontier, whose decode step reads 3/4 of "
-                "PACE-4's code bytes); the other widths' densely packed codes (2, 5, 6, 7 bits) are unpacked by the "
-                "PyTorch reference")
+                "3 bits PACE-3's (the frontier's fewest bits at a usable quality, its decode step reading 3/4 of "
+                "PACE-4's code bytes: kernels/bench/NOTES.md); the other widths' densely packed codes (2, 5, 6, 7 "
+                "bits) are unpacked by the PyTorch reference")
 """Why a configuration of another width runs on the reference (:func:`check_kernel_shape`)."""
 
 

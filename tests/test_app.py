@@ -19,7 +19,7 @@ from app_state import compute, controls, exporting, frame, session, stored
 from app_support import REPO_ROOT, app_model_param
 from conftest import BROKEN_CHECKPOINTS
 from numerics import fp32_bound, rel
-from pace_core.accounting import capacity, resident_bits, state_bytes
+from pace_core.accounting import capacity, resident_bits, state_bytes, state_bytes_per_sequence
 from pace_core.analysis.structure import structure_stats
 from pace_core.analysis.text import tokenize
 from pace_core.config import config_to_json, document_from_json, get_config, num_high_heads
@@ -287,6 +287,36 @@ def test_memory_table_follows_the_bits_control(params, loaded):
     expected = resident_bits(get_config("pace-4").replace(bits=6), loaded.shape)
     assert table.loc["sidebar: custom", "payload"] == pytest.approx(expected.payload_bits)
     assert table.loc["sidebar: custom", "resident"] == pytest.approx(expected.resident_bits)
+
+
+def test_each_width_shows_its_cost_before_the_user_moves_to_it(params, loaded):
+    """Issue 48: the sidebar's line under the state bits, the Memory page's table of widths and the capacity
+    planner's give each width's resident bits, state bytes and sequences from the accounting (every width stored
+    densely: a bit less is a real saving), the sidebar's width marked."""
+    at = start(params, page="memory", preset="pace-4")
+    cfg = get_config("pace-4")
+    line = next(c.value for c in at.sidebar.caption if c.value.startswith("Each width with these settings"))
+    for b in range(2, 9):
+        bits = resident_bits(cfg.replace(bits=b), loaded.shape).resident_bits
+        assert f"{b} → {bits:.2f} bits" in line
+    assert "**4 → " in line and "**3 → " not in line
+    widths = next(d.value for d in at.dataframe if "current" in d.value.columns and "sequences" not in d.value.columns)
+    assert widths["bits"].tolist() == list(range(2, 9)) and widths.set_index("bits").loc[4, "current"]
+    for b, row in widths.set_index("bits").iterrows():
+        assert row["resident bits"] == pytest.approx(resident_bits(cfg.replace(bits=b), loaded.shape).resident_bits)
+        assert row["state KiB / sequence"] * 1024 == state_bytes_per_sequence(cfg.replace(bits=b), loaded.shape)
+    assert widths["resident bits"].is_monotonic_increasing  # each bit less is saved
+    planner = next(d.value for d in at.dataframe if "current" in d.value.columns and "sequences" in d.value.columns)
+    shape = loaded.shape
+    for b, row in planner.set_index("bits").iterrows():
+        assert row["sequences"] == capacity(cfg.replace(bits=b), shape, int(141e9), weight_bits=16,
+                                            context=8192).sequences
+    at.sidebar.select_slider(key="w_bits").set_value(3).run()
+    check(at)
+    line = next(c.value for c in at.sidebar.caption if c.value.startswith("Each width with these settings"))
+    assert "**3 → " in line and "**4 → " not in line
+    at.sidebar.select_slider(key="w_method").set_value("none").run()
+    assert not at.exception and any(c.value == "A reference state has no code width." for c in at.sidebar.caption)
 
 
 def test_memory_page_shows_the_measured_apply_bytes(params, tmp_path, monkeypatch):
@@ -1031,6 +1061,11 @@ def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params
         assert spread == (f"[{sp['low']:+.1%}, {sp['high']:+.1%}] over {sp['n']} {sp['unit']}; holds in "
                           f"{sp['holds_share']:.1%} of resamples")
         assert shown in ("holds beyond the spread", "within the spread", "fails beyond the spread")
+    for claim, figures in zip(claims.data["claims"], results["figures"]):  # the bits each stores, where reported
+        assert all(f"{label}: " in figures for label in claim["labels"])
+        assert ("resident_bits" in claim) == (" bits" in figures)
+        for label, bits in zip(claim["labels"], claim.get("resident_bits", [])):
+            assert f"{bits:.2f} bits" in figures
     random = next(c["random"] for c in claims.data["claims"] if c["claim"] == "c")
     assert any(c.value.startswith(f"Claim (c) over its {random['n']} random allocations: their KL "
                                   f"{random['kl_mean']:.2e} ± {random['kl_sd']:.2e}") for c in at.caption)

@@ -103,7 +103,7 @@ def test_buffered_period_is_the_schedules(bench, variant):
     assert torch.equal(st.loaded(), twin.loaded())
 
 
-@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8", "PACE-3 dP=8"])
+@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8"])
 def test_buffered_variants_run_and_report(bench, variant):
     row = bench.time_variant(variant, 2, torch.device("cpu"), 2)
     assert row["outputs_finite"] and row["seconds_per_token"] == pytest.approx(1e-3 / bench.PERIOD)
@@ -189,3 +189,20 @@ def test_three_bit_rows_move_fewer_bytes_than_four(bench):
     _, four = bench.build("PACE-4 dP=8", 2, torch.device("cpu"))
     codes = bench.LAYERS * 2 * bench.HV * bench.K * bench.V // 8  # one bit per value, B = 2
     assert four - three == pytest.approx(codes * (1 + 1 / bench.PERIOD))  # read every token, written once per dP
+
+
+def test_the_widths_gpu_call_sets_pace3_against_pace4(bench, tmp_path, monkeypatch):
+    """kernels/bench/widths_gpu.py (issue 48's GPU call): PACE-3's rows against PACE-4's at each batch (here with the
+    CUDA-graph timer replaced, so the times are equal and the bytes model's ratio is the one figure that differs),
+    and the script refuses to run without a GPU, saying so in its log."""
+    from kernels.bench import widths_gpu
+
+    tried = bench.configs  # one setting each, the Gluon kernels off (PACE-4's Triton-only time is one of the ratios)
+    monkeypatch.setattr(bench, "configs", lambda variant: [{**tried(variant)[0], **{g: False for g in bench.GLUON}}])
+    rows = [bench.time_variant(variant, 2, torch.device("cpu"), 1) for variant in widths_gpu.VARIANTS]
+    (r,) = widths_gpu.ratios({"rows": rows})
+    assert r["batch"] == 2 and r["time_ratio"] == r["triton_time_ratio"] == 1.0
+    assert r["bytes_ratio"] == pytest.approx(rows[0]["bytes_per_token"] / rows[1]["bytes_per_token"])
+    assert r["bytes_ratio"] < 1
+    assert widths_gpu.main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in (tmp_path / "widths_gpu_log.txt").read_text()

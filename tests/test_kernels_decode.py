@@ -40,7 +40,7 @@ CONFIGS = {
     "pace-4": get_config("pace-4").replace(group_size=2 * GROUP, decode_period=PERIOD),
     "pace-4-8": get_config("pace-4-8").replace(group_size=GROUP, decode_period=PERIOD),
     "pace-3": get_config("pace-3").replace(group_size=2 * GROUP, decode_period=PERIOD),
-    "pace-3-8": get_config("pace-3-8").replace(group_size=GROUP, decode_period=PERIOD),
+    "pace-3-8": get_config("pace-4-8").replace(name="pace-3-8", bits=3, group_size=GROUP, decode_period=PERIOD),
     "rtn-value-3": get_config("rtn-int3").replace(group_size=GROUP, decode_period=PERIOD, buffer="int8"),
     "rtn-value": get_config("rtn-int4").replace(symmetric=False, group_size=GROUP, decode_period=PERIOD,
                                                 buffer="int8"),
@@ -761,7 +761,11 @@ def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: in
     _assert_within_one_step(out[True], out[False])
 
 
-KERNEL_RESIDENT = ("fp32", "bf16", "rtn-int3", "rtn-int4", "rtn-int8", "pace-3", "pace-3-8", "pace-4", "pace-4-8")
+KERNEL_RESIDENT = {**{name: name for name in ("fp32", "bf16", "rtn-int3", "rtn-int4", "rtn-int8", "pace-3", "pace-4",
+                                                "pace-4-8")},
+                   "pace-3-8": get_config("pace-4-8").replace(name="pace-3-8", bits=3)}
+"""The configurations (names or PaceConfigs) whose store on the kernels is counted (PACE-4/8 at 3 bits: two widths
+of which one is 3-bit)."""
 
 
 @pytest.mark.parametrize("name", KERNEL_RESIDENT)
@@ -775,7 +779,7 @@ def test_kernel_path_holds_the_accounted_bytes(name):
     from pace_core.accounting import state_bytes
     from pace_core.memory import held_bytes, held_storages
 
-    store = resident_store(name, "triton", DEVICE)
+    store = resident_store(KERNEL_RESIDENT[name], "triton", DEVICE)
     assert all(store.layer(layer).uses_kernels() for layer in store.layers)
     tables = set(held_storages(plan_mod._TABLES))
     assert held_bytes(store, skip=tables) == state_bytes(store.cfg, RESIDENT_SHAPE, store.batch) == store.nbytes()

@@ -86,11 +86,12 @@ def test_what_needs_calibration_or_cannot_be_read_is_refused(loaded, tmp_path):
         pace_core.apply(loaded.model, tmp_path / "bad.json")
 
 
-@pytest.mark.parametrize("name", [*(f"rtn-int{b}" for b in range(2, 9)), "pace-3", "pace-3-8", "pace-4-8"])
-def test_apply_holds_the_accounted_bytes_at_every_width(loaded, tmp_path, name):
+@pytest.mark.parametrize("name,bits", [*((f"rtn-int{b}", b) for b in range(2, 9)), ("pace-3", 3), ("pace-4-8", 3),
+                                       ("pace-4-8", 4), ("pace-4-8", 6)])
+def test_apply_holds_the_accounted_bytes_at_every_width(loaded, tmp_path, name, bits):
     """What a model applied with ``pace_core.apply`` keeps after generating is the accounting's state bytes, for every
     code width stored densely (issue 48): the exported file (8-bit heads chosen) applied, two sequences generated."""
-    cfg = get_config(name).replace(prefill_period=4)
+    cfg = get_config(name).replace(prefill_period=4, bits=bits)
     if cfg.high_share > 0:
         cfg = cfg.replace(high_heads=tuple((1,) for _ in loaded.shape.gdn_layers))
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(2))

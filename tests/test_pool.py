@@ -129,7 +129,7 @@ WIDTHS = [(name, b) for b in range(2, 9) for name in ("rtn-int4", "pace-4", "pac
 """Every code width of each method a pool row holds (issue 48: stored densely, rows padded only to whole bytes)."""
 
 
-@pytest.mark.parametrize("name", ["pace-3", "pace-3-8", "pace-4", "pace-4-8", "rtn-int8", "bf16", "damp-int4",
+@pytest.mark.parametrize("name", ["pace-3", "pace-4", "pace-4-8", "rtn-int8", "bf16", "damp-int4",
                                   "qmamba-dsq", "stepquant-4"])
 def test_the_pool_holds_the_accounted_bytes_per_slot(name):
     _holds_the_accounted_bytes(name)

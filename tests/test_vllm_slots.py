@@ -21,7 +21,7 @@ from calibration_support import calibrated
 from kernels_support import kernel_modules
 from numerics import fp32_bound, rel
 
-SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8", "pace-4-hadamard", "pace-4-static", "pace-3", "pace-3-8",
+SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8", "pace-4-hadamard", "pace-4-static", "pace-3",
           *(f"rtn-int{b}" for b in (2, 3, 5, 6, 7, 8)))
 
 
