@@ -135,7 +135,8 @@ def test_combination_controls_follow_the_methods_that_take_them(params):
         assert {m for m in METHODS if controls.enabled(controls.CONTROL_BY_KEY[key], m)} == methods
     at = start(params, preset="pace-4-sr", kh="1", method="stepquant")
     assert at.sidebar.selectbox(key="w_rnd").value == "stochastic" and at.sidebar.toggle(key="w_kh").value
-    assert at.sidebar.selectbox(key="w_rnd").disabled and "**custom**" in at.sidebar.caption[0].value
+    active = next(c.value for c in at.sidebar.caption if c.value.startswith("Active:"))
+    assert at.sidebar.selectbox(key="w_rnd").disabled and "**custom**" in active
     at.sidebar.select_slider(key="w_method").set_value("pace").run()
     check(at)
     assert str(at.query_params["rnd"]).strip("[]'") == "stochastic" and not at.sidebar.selectbox(key="w_rnd").disabled
