@@ -68,17 +68,24 @@ def _stored_card(folder: str, name: str, dtype: str, stamp: tuple, root: str):
     return load_card(folder, name, dtype, root=root)
 
 
+def stored_card():
+    """The stored card of the sidebar's model folder as it is now (pace_core.model.card.ModelCard), or None: no
+    model is loaded for it (the sidebar asks it on every page)."""
+    from pace_core.results import results_root
+
+    source = model_source()
+    if source or st.session_state.get("model_kind") == EMBEDDED:
+        return _stored_card(source or str(embedded_model_dir()), results_model_name(source), runtime().weights,
+                            _folder_stamp(source), str(results_root()))
+    return None
+
+
 def model_card(*, stop: bool = True):
     """The sidebar's model as a pace_core.model.card.ModelCard: the stored card of its folder as it is
     now, else the card of the loaded model (loading it, or showing why it cannot: see loaded_model)."""
     from pace_core.model.card import card_of
-    from pace_core.results import results_root
 
-    source = model_source()
-    card = None
-    if source or st.session_state.get("model_kind") == EMBEDDED:
-        card = _stored_card(source or str(embedded_model_dir()), results_model_name(source), runtime().weights,
-                            _folder_stamp(source), str(results_root()))
+    card = stored_card()
     if card is not None:
         return card
     loaded = loaded_model(stop=stop)

@@ -67,24 +67,34 @@ class TritonSteps:
     @classmethod
     def for_layer(cls, fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> TritonSteps | None:
         """A backend for a layer of format ``fmt`` with that buffer format (None at dP = 1) and head dims, or
-        None where the kernels do not cover it: other methods (DSQ, DAMP, a rounding function), a configuration
-        with a combination on (:attr:`pace_core.config.PaceConfig.combined`: stochastic rounding, the key rotation,
-        static scales), the float64 test buffer, integer buffer groups that are not powers of two, heads that are
-        not powers of two or narrower than :data:`kernels.plan.DECODE_MIN_K`."""
+        None where the kernels do not cover it (:meth:`refusal` says why)."""
+        return None if cls.refusal(fmt, buffer, d_k, d_v) else cls()
+
+    @staticmethod
+    def refusal(fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> str | None:
+        """Why the kernels do not run a layer of format ``fmt`` with that buffer format and head dims (then the
+        PyTorch reference does), or None where they do: other methods (DSQ, DAMP, a rounding function), a
+        configuration with a combination on (:attr:`pace_core.config.PaceConfig.combined`: stochastic rounding, the
+        key rotation, static scales), the float64 test buffer, integer buffer groups that are not powers of two,
+        code widths other than 3, 4 and 8 bits (:data:`kernels.plan.WIDTH_REASON`), heads that are not powers of
+        two or narrower than :data:`kernels.plan.DECODE_MIN_K`."""
         cfg = getattr(fmt, "cfg", None)
-        if cfg is None or not method_of(cfg).kernels or cfg.combined:
-            return None
+        if cfg is None or not method_of(cfg).kernels:
+            return f"method {getattr(cfg, 'method', 'of a rounding function')!r} has no kernels"
+        if cfg.combined:
+            return f"{', '.join(cfg.combined)} run on the reference"
         if buffer is not None and (buffer.precision == "fp64" or any(
                 spec is not None and not is_pow2(spec.group_size)
                 for spec in (buffer.spec("key", d_k), buffer.spec("value", d_v)))):
-            return None
+            return f"buffer {buffer.precision!r} with these groups has no kernels"
         if not cfg.quantized and fmt.dtype not in (torch.float32, torch.bfloat16):
-            return None
+            return f"a {fmt.dtype} reference state has no kernels"
         try:
-            check_kernel_shape(d_k, d_v, fmt.spec or quant.QuantSpec(8, True, "key", 1), fmt.name, decode=True)
-        except PaceError:
-            return None
-        return cls()
+            check_kernel_shape(d_k, d_v, fmt.spec or quant.QuantSpec(8, True, "key", 1), fmt.name, decode=True,
+                               widths=tuple(fmt.bits_per_head) if fmt.spec is not None else ())
+        except PaceError as e:
+            return str(e)
+        return None
 
     def store(self, fmt, S: torch.Tensor):
         """``S [B, HV, K, V]`` stored in ``fmt`` (a cast for method none; the kernels for rtn / pace), and None

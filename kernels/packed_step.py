@@ -1,4 +1,4 @@
-"""The decode step of packed key-axis checkpoints (PACE-4, PACE-4/8): two kernels per token, or one.
+"""The decode step of packed key-axis checkpoints (PACE-4, PACE-4/8, PACE-3): two kernels per token, or one.
 
 - the dots kernel (:func:`launch_dots`), one program per (sequence, value head, column block), reads the
   packed checkpoint once and forms ``Ŝᵀk_t`` and ``Ŝᵀq_t`` together on tensor cores (:func:`_ckpt_dots`:
@@ -27,7 +27,7 @@ from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
 
 from .plan import DecodePlan
-from .primitives import bf16_split, centred, nibbles_bf16, operand, packed_head
+from .primitives import bf16_split, centred, load3, nibbles_bf16, operand, packed_head, unpack3
 from .records import RECORD_COUNT, append_record, record_reads, token_output
 
 
@@ -39,6 +39,8 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
     at ``kx, qx``. Returns ``(yk_a, yq_a, yk_b, yq_b)``, each ``[NP]`` fp32: for 4-bit codes the even
     (``_a``) and odd (``_b``) columns, ``c0 + 2j`` and ``c0 + 2j + 1``; else ``_a`` all columns
     ``c0 + j`` and ``_b`` zeros. ``NP = max(N, 16)`` (``N`` = BV / 2 or BV): entries past N are padding.
+    3-bit codes (and zero points) are read as the three byte planes of their 24-bit words and unpacked in
+    registers (:func:`kernels.primitives.unpack3`) before the dot.
 
     Per key group one ``[16, G] x [G, N]`` dot on tensor cores with fp32 accumulation: rows 0-2 hold
     ``k`` and rows 3-5 ``q``, each split into three bfloat16 terms (:func:`bf16_split`), against the
@@ -49,7 +51,7 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
     the reference, which rounds each ``s (c - z)`` to fp32 and sums in IEEE fp32, the differences are
     the summation order and the tensor cores' fp32 accumulation: float32-rounding level."""
     KB: tl.constexpr = G if G >= 16 else 16
-    HALVES: tl.constexpr = BITS <= 4
+    HALVES: tl.constexpr = BITS == 4
     N: tl.constexpr = BV // 2 if HALVES else BV
     NP: tl.constexpr = N if N >= 16 else 16  # a dot has at least 16 columns: pad with masked ones
     rr = tl.arange(0, 16)[:, None]
@@ -87,6 +89,19 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
                 p = raw.to(tl.int32)
                 acc_a += s_a[None, :] * tl.dot(a, centred(p & 15, off_a, BITS, BF16))
                 acc_b += s_b[None, :] * tl.dot(a, centred(p >> 4, off_b, BITS, BF16))
+        elif BITS == 3:
+            w = tl.arange(0, NP // 8)
+            wm = w < N // 8
+            b0, b1, b2 = load3(codes + (r0 + rows[:, None]) * (V * 3 // 8) + (c0 // 8 + w[None, :]) * 3,
+                               m[:, None] & wm[None, :])
+            p = unpack3(b0, b1, b2, False)
+            if SYM:
+                off = 1 << (BITS - 1)
+            else:
+                z0, z1, z2 = load3(zero + (r0 // G) * (V * 3 // 8) + (c0 // 8 + w[None, :]) * 3, wm[None, :])
+                off = unpack3(z0, z1, z2, False)
+            s_a = tl.load(srow + c0 + j, mask=cm, other=0.0).to(tl.float32)
+            acc_a += s_a[None, :] * tl.dot(a, centred(p, off, BITS, BF16))
         else:
             p = tl.load(codes + (r0 + rows[:, None]) * V + c0 + j[None, :], mask=m[:, None] & cm[None, :],
                         other=0).to(tl.int32)
@@ -114,13 +129,13 @@ def _dots_to(yx, codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexp
              G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, PZ: tl.constexpr, BF16: tl.constexpr):
     """:func:`_ckpt_dots` stored at ``yx`` (``[2, V]``: row 0 ``Ŝᵀk``, row 1 ``Ŝᵀq``)."""
     yk_a, yq_a, yk_b, yq_b = _ckpt_dots(codes, scale, zero, kx, qx, c0, K, V, BV, G, SYM, BITS, PZ, BF16)
-    N: tl.constexpr = BV // 2 if BITS <= 4 else BV
+    N: tl.constexpr = BV // 2 if BITS == 4 else BV
     j = tl.arange(0, yk_a.shape[0])
     cm = j < N
-    cols = c0 + (2 * j if BITS <= 4 else j)
+    cols = c0 + (2 * j if BITS == 4 else j)
     tl.store(yx + cols, yk_a, mask=cm)
     tl.store(yx + V + cols, yq_a, mask=cm)
-    if BITS <= 4:
+    if BITS == 4:
         tl.store(yx + cols + 1, yk_b, mask=cm)
         tl.store(yx + V + cols + 1, yq_b, mask=cm)
 
@@ -131,7 +146,7 @@ def _head_dots(codes, scale, zero, kx, qx, K: tl.constexpr, V: tl.constexpr, G: 
     """``Ŝᵀk, Ŝᵀq [V]`` of the whole head (:func:`_ckpt_dots`, the 4-bit half tiles interleaved back);
     heads at least 32 values wide for 4-bit codes, 16 otherwise, so that nothing is padding."""
     yk_a, yq_a, yk_b, yq_b = _ckpt_dots(codes, scale, zero, kx, qx, 0, K, V, V, G, SYM, BITS, PZ, BF16)
-    if BITS <= 4:
+    if BITS == 4:
         sk = tl.reshape(tl.join(yk_a, yk_b), (V,))
         sq = tl.reshape(tl.join(yq_a, yq_b), (V,))
     else:

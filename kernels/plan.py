@@ -14,6 +14,7 @@ from pace_core import quant
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
 
+from .primitives import KERNEL_BITS, zero_pairs
 from .records import Records
 from .settings import Launch, SplitSettings
 
@@ -25,7 +26,7 @@ class PartLayout:
     """Compile-time layout of one bit width's part of a state (shared with the decode kernel)."""
 
     bits: int
-    pack_zero: bool
+    pack_zero: bool  # zero points read as nibble pairs (primitives.zero_pairs)
     code_cols: int   # bytes per row of codes
     scale_size: int  # fp16 scales per head
     zero_size: int   # bytes of zero points per head (0 when symmetric)
@@ -38,11 +39,10 @@ class PartLayout:
 
 def part_layout(spec: quant.QuantSpec, K: int, V: int) -> PartLayout:
     """Sizes per head of ``spec``'s storage for a ``[K, V]`` state (pace_core.quant's format)."""
-    sshape = quant.scale_shape((K, V), spec)
-    n_scales = sshape[0] * sshape[1]
-    pack_zero = quant.zero_packed(spec.bits, sshape[-1])
-    zero_size = 0 if spec.symmetric else (n_scales // 2 if pack_zero else n_scales)
-    return PartLayout(spec.bits, pack_zero, quant.packed_last_dim(spec.bits, V), n_scales, zero_size)
+    rows, per_row = quant.scale_shape((K, V), spec)
+    zero_size = 0 if spec.symmetric else rows * quant.packed_last_dim(spec.bits, per_row)
+    return PartLayout(spec.bits, zero_pairs(spec.bits, per_row), quant.packed_last_dim(spec.bits, V), rows * per_row,
+                      zero_size)
 
 
 def is_pow2(n: int) -> bool:
@@ -54,9 +54,30 @@ DECODE_MIN_K = 16
 checkpoints on the H200 (kernels/NOTES.md, run 5), so narrower heads decode on the reference."""
 
 
-def check_kernel_shape(K: int, V: int, spec: quant.QuantSpec, name: str = "x", decode: bool = False) -> None:
-    """Raise PaceError unless the kernels support a ``[K, V]`` state with ``spec``'s groups (``decode``:
-    the buffered decode kernels, which also need ``K >= DECODE_MIN_K``)."""
+WIDTH_REASON = ("the kernels read and write 3-, 4- and 8-bit codes only: 4 and 8 bits are PACE-4's and PACE-4/8's, "
+                "3 bits PACE-3's (the frontier's fewest bits at a usable quality, its decode step reading 3/4 of "
+                "PACE-4's code bytes: kernels/bench/NOTES.md); the other widths' densely packed codes (2, 5, 6, 7 "
+                "bits) are unpacked by the PyTorch reference")
+"""Why a configuration of another width runs on the reference (:func:`check_kernel_shape`)."""
+
+
+def check_kernel_shape(K: int, V: int, spec: quant.QuantSpec, name: str = "x", decode: bool = False,
+                       widths: tuple[int, ...] = ()) -> None:
+    """Raise PaceError, saying why, unless the kernels support a ``[K, V]`` state with ``spec``'s groups and code
+    widths (``spec.bits`` and ``widths``: :data:`kernels.primitives.KERNEL_BITS`; 3-bit codes in rows of whole
+    24-bit words, V a multiple of 8, their zero points along the key axis) (``decode``: the buffered decode
+    kernels, which also need ``K >= DECODE_MIN_K``)."""
+    for bits in {spec.bits, *widths}:
+        if bits not in KERNEL_BITS:
+            raise PaceError(f"{name}: bits={bits} is not supported by the Triton kernels; allowed: "
+                            f"{', '.join(map(str, KERNEL_BITS))} ({WIDTH_REASON})")
+    if 3 in {spec.bits, *widths} and not spec.symmetric and spec.axis != "key":
+        raise PaceError(f"{name}: 3-bit zero points along the value axis are not supported by the Triton kernels; "
+                        "allowed: symmetric codes or key-axis groups (a row of value-axis zero points is shorter "
+                        "than a 24-bit word: the PyTorch reference unpacks it)")
+    if 3 in {spec.bits, *widths} and V % 8:
+        raise PaceError(f"{name}: V={V} is not supported by the Triton kernels for 3-bit codes; allowed: V a "
+                        "multiple of 8 (rows of whole 24-bit words)")
     quant.check_divides(spec.group_size, K if spec.axis == "key" else V, spec.axis, name)
     for what, n in (("K", K), ("V", V), ("group_size", spec.group_size)):
         if not is_pow2(n):
@@ -206,7 +227,7 @@ def packed_ckpt(m: quant.MixedPackedState, shape: tuple[int, int, int, int]) -> 
     parts = [m.parts[w] for w in widths]
     if m.shape != shape:
         raise PaceError(f"ckpt: shape {m.shape} not allowed; allowed: {shape}")
-    check_kernel_shape(K, V, parts[0].spec, "ckpt", decode=True)
+    check_kernel_shape(K, V, parts[0].spec, "ckpt", decode=True, widths=tuple(widths))
     _, table = head_table(bits_of_heads({w: m.heads[w] for w in widths}, HV), parts[0].codes.device)
     storage = [PartStorage.of(p, K, V) for p in parts]
     if not all(t.is_contiguous() for part in storage for t in part.pointers()):
@@ -380,7 +401,7 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
         return DecodePlan(**common, fused=FusedPlan(state, args, rows, BV, G, key_axis, sym, dense, warps))
     one_wave = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
     split = SplitPlan(launch.split, buf.device.type == "cuda" if bf16 is None else bf16, G, sym,
-                      all((V // 2 if p.spec.bits <= 4 else V) >= 16 for p in m.parts.values()), ((), ()), False,
+                      all((V // 2 if p.spec.bits == 4 else V) >= 16 for p in m.parts.values()), ((), ()), False,
                       B * HV * 2 * V)
     scratch(buf.device, split.workspace_size)
     plan = DecodePlan(**common, split=split)

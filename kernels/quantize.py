@@ -103,7 +103,7 @@ def empty_part(lead: tuple[int, ...], hv: int, K: int, V: int, spec: quant.Quant
     scale = torch.empty(*lead, hv, *sshape, dtype=torch.float16, device=device)
     zero = None
     if not spec.symmetric:
-        zshape = (sshape[0], sshape[1] // 2) if lay.pack_zero else sshape
+        zshape = (sshape[0], quant.packed_last_dim(spec.bits, sshape[1]))
         zero = torch.empty(*lead, hv, *zshape, dtype=torch.uint8, device=device)
     return quant.PackedTensor(codes, scale, zero, spec, (*lead, hv, K, V))
 
@@ -127,7 +127,7 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
     _check_state(S, name)
     *lead, HV, K, V = S.shape
     bits_per_head = quant.check_head_bits(bits_per_head, HV)
-    check_kernel_shape(K, V, spec, name)
+    check_kernel_shape(K, V, spec, name, widths=tuple(bits_per_head))
     _check_values(S, spec, bits_per_head, name)
     widths, table = head_table(bits_per_head, S.device)
     specs = [quant.QuantSpec(b, spec.symmetric, spec.axis, spec.group_size) for b in widths]
@@ -161,7 +161,7 @@ def dequantize_heads(m: quant.MixedPackedState, dtype: torch.dtype = torch.float
     bits_per_head = bits_of_heads({b: m.heads[b] for b in widths}, HV)
     parts = [m.parts[b] for b in widths]
     spec = parts[0].spec
-    check_kernel_shape(K, V, spec, "state")
+    check_kernel_shape(K, V, spec, "state", widths=tuple(widths))
     device = parts[0].codes.device
     _, table = head_table(bits_per_head, device)
     if out is None:

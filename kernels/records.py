@@ -11,10 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pace_core import quant
 from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
 
-from .primitives import expand, quant_tile, round_bf16, store_as, sym_value
+from .primitives import expand, quant_tile, round_bf16, store_as, sym_value, zero_pairs
 
 RECORD_COUNT = ["n"]
 """``do_not_specialize`` of the kernels that take the buffered record count ``n``: it changes every token, and
@@ -75,7 +74,7 @@ class Records:
             bits = kind if isinstance(kind, int) else 0
             group = spec.group_size if spec is not None else length
             sym = spec is None or spec.symmetric
-            kinds[single] = VectorLayout(bits, group, sym, not sym and quant.zero_packed(bits, length // group),
+            kinds[single] = VectorLayout(bits, group, sym, not sym and zero_pairs(bits, length // group),
                                          live[single + "s"].dtype == torch.bfloat16)
         scale = {s: live.get(s + "_scale", live[s + "s"]) for s in ("key", "value")}
         return cls(live["keys"], scale["key"], live.get("key_zero", scale["key"]), live["values"], scale["value"],

@@ -21,13 +21,15 @@
   codes alone (:func:`paper_c`). There is no buffer at dP = 1 (per-token rounding): the term is 0 there
   (``c`` is still reported).
 - ``metadata`` **[ours]**: what the implementation stores beyond payload and ``c · dP``: DAMP's outlier-row
-  indices and PACE-4/8's head map (int16 per value head, once per layer), and the padding of 2- and 3-bit
-  codes (stored two per byte). So ``resident`` equals the exact stored bits (``exact_bits``).
+  indices and PACE-4/8's head map (int16 per value head, once per layer), and the padding of a row of codes or
+  zero points to a whole byte (every width is packed densely: 0 where rows of b-bit codes fill whole bytes, e.g.
+  3-bit zero points of 4 value-axis groups a row take 2 bytes for 12 bits). So ``resident`` equals the exact
+  stored bits (``exact_bits``).
 
 **Exact bits** (``exact_bits``, :func:`state_bytes`): the bytes the implementation stores, from the
-storage code itself: :func:`pace_core.quant.packed_nbytes` (2..4-bit codes two per byte, so a 3-bit
-code occupies 4 bits; 5..8-bit codes one byte; fp16 scales; zero points packed two per byte when
-b <= 4, else one byte), separate packed parts for the low- and high-bit heads (the head map is part
+storage code itself: :func:`pace_core.quant.packed_nbytes` (b-bit codes packed densely, ``ceil(n b / 8)``
+bytes a row of n; fp16 scales; zero points packed the same way along their rows), separate packed parts for the
+low- and high-bit heads (the head map is part
 of the configuration, not of a sequence), :meth:`pace_core.methods.damp.DampQuantizer.nbytes` (fp16
 outlier rows, INT-b rest with fp16 scales, and the int16 outlier-row indices ``[HV, r]`` once per
 layer), DSQ's packed codes with fp16 row scales ``[K]`` and column scales ``[V]`` per head, and

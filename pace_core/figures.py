@@ -16,7 +16,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from pace_core.accounting import capacity, resident_bits
-from pace_core.config import PaceConfig
+from pace_core.config import PaceConfig, get_config
+from pace_core.errors import PaceError
 from pace_core.shapes import ModelShape
 
 MIB = 2**20
@@ -317,6 +318,57 @@ def resident_bits_table(configs: Mapping[str, PaceConfig], shape: ModelShape) ->
                      "buffer c·dP": rb.buffer_bits, "resident": rb.resident_bits,
                      "exact": rb.exact_bits, "c": rb.c, "dP": cfg.decode_period})
     return pd.DataFrame(rows)
+
+
+def at_width(cfg: PaceConfig, bits: int) -> PaceConfig:
+    """``cfg`` with its codes at ``bits`` bits, its high-bit heads (if any) at least as wide (PACE-4/8 at 3 bits
+    is PACE-3/8); the rest as it is."""
+    return cfg.replace(bits=bits, high_bits=max(cfg.high_bits, bits))
+
+
+def width_table(cfg: PaceConfig, shape: ModelShape, widths: Iterable[int] = range(2, 9), *,
+                budget_bytes: int | None = None, weight_bits: int | None = None, context: int = 0) -> pd.DataFrame:
+    """What each code width costs with the other settings of ``cfg`` on ``shape`` (:func:`at_width`), from
+    :mod:`pace_core.accounting`: the resident bits per state value (every width stored densely), the state bytes
+    each sequence adds, their saving against fp32 states and, with ``budget_bytes``, the sequences that fit beside
+    the weights (``weight_bits``) and ``context`` tokens of attention KV each (:func:`pace_core.accounting.capacity`).
+    One row per width the method takes (a width it refuses, e.g. STEPQuant's other than 4 and 6, is left out);
+    ``current``: the width of ``cfg``. Empty for the references (no codes)."""
+    columns = ["bits", "resident bits", "state KiB / sequence", "× fewer than fp32", "current"]
+    if budget_bytes is not None:
+        columns.append("sequences")
+    if not cfg.quantized:
+        return pd.DataFrame(columns=columns)
+    fp32 = capacity(get_config("fp32"), shape, 0).state_bytes_per_sequence
+    rows = []
+    for b in widths:
+        try:
+            other = at_width(cfg, b)
+            other.validate_for(shape)
+        except PaceError:
+            continue
+        per = capacity(other, shape, budget_bytes or 0, weight_bits=weight_bits, context=context)
+        row = {"bits": b, "resident bits": resident_bits(other, shape).resident_bits,
+               "state KiB / sequence": per.state_bytes_per_sequence / 1024,
+               "× fewer than fp32": fp32 / per.state_bytes_per_sequence, "current": b == cfg.bits}
+        if budget_bytes is not None:
+            row["sequences"] = per.sequences
+        rows.append(row)
+    return pd.DataFrame(rows, columns=columns)
+
+
+def width_figure(table: pd.DataFrame, label: str) -> go.Figure:
+    """Resident bits per state value of each code width (:func:`width_table`), the saving against fp32 states on
+    each bar, the current width darker."""
+    fig = go.Figure(go.Bar(
+        x=[f"{b}-bit" for b in table["bits"]], y=table["resident bits"],
+        marker_color=["#2f6fdf" if current else "#9dbcf0" for current in table["current"]],
+        text=[f"{r:.2f} bits · {x:.1f}× fewer" for r, x in zip(table["resident bits"], table["× fewer than fp32"])],
+        textposition="outside", hovertemplate=f"{label} at %{{x}}<br>%{{y:.3f}} bits/value<extra></extra>"))
+    fig.update_layout(height=360, yaxis_title="resident bits per state value", xaxis_title="code width",
+                      margin=dict(t=30, l=60, r=20, b=50),
+                      yaxis_range=[0, float(table["resident bits"].max()) * 1.2 if len(table) else 1])
+    return fig
 
 
 def resident_bits_figure(table: pd.DataFrame) -> go.Figure:

@@ -295,6 +295,8 @@ def _claims(data: dict, table: pd.DataFrame | None) -> None:
                 raise PaceError(f"claim {claim['claim']}'s margin interval [{low!r}, {high!r}] is not in order")
             _values(spread["holds_share"], f"claim {claim['claim']}'s share of resamples", lo=0, hi=1)
             _values(spread["n"], f"claim {claim['claim']}'s resampled units", above=0)
+        if "resident_bits" in claim:  # claims (a) (since issue 48) and (e): the bits each labelled one stores
+            _values(claim["resident_bits"], f"claim {claim['claim']}'s resident bits", above=0)
         if "kl" in claim:
             _values(claim["kl"], f"claim {claim['claim']}'s KL", lo=0)
         else:

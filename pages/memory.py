@@ -42,6 +42,19 @@ def page(cfg: PaceConfig) -> None:
         key="memory_bits_table",
     )
 
+    st.subheader(f"Each code width with the sidebar's other settings on {shape_name}")
+    widths = figures.width_table(cfg, shape)
+    if widths.empty:
+        st.caption(f"'{cfg.name}' keeps a reference state: it has no code width.")
+    else:
+        st.caption("Every width 2–8 is stored densely (b bits a code, a row padded only to a whole byte), so each "
+                   "bit less is a real saving: resident bits per state value and the state bytes each sequence "
+                   "adds, against fp32 states (pace_core.accounting). The darker bar is the sidebar's width; the "
+                   "Compare page shows what each costs in quality.")
+        st.plotly_chart(figures.width_figure(widths, cfg.name), key="memory_width_chart")
+        st.dataframe(widths.style.format({"resident bits": "{:.3f}", "state KiB / sequence": "{:,.1f}",
+                                          "× fewer than fp32": "{:.2f}"}), hide_index=True, key="memory_width_table")
+
     st.subheader("Resident bits against the decode period dP")
     st.caption("Rounding less often shrinks the rounding error's growth but the buffer holds dP records: "
                "the buffer term grows linearly with dP.")
@@ -163,6 +176,16 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> tuple[str, in
     st.caption(f"At its maximum the chosen state takes {chosen.state_share:.1%} of the {gb:g} GB "
                f"(fp32 states: {caps['fp32'].state_share:.1%}).")
     st.plotly_chart(figures.capacity_figure(caps, budget), key="plan_chart")
+    widths = figures.width_table(cfg, shape, budget_bytes=budget, weight_bits=figures.WEIGHT_PRECISIONS[weights],
+                                 context=int(context))
+    if not widths.empty:
+        bf16 = max(caps["bf16"].sequences, 1)
+        widths["gain over bf16 states"] = widths["sequences"] / bf16
+        st.caption(f"The chosen configuration at each code width, the rest as it is: sequences that fit in {gb:g} GB "
+                   f"beside {weights} weights and {int(context):,} tokens of KV each.")
+        st.dataframe(widths.style.format({"resident bits": "{:.3f}", "state KiB / sequence": "{:,.1f}",
+                                          "× fewer than fp32": "{:.2f}", "sequences": "{:,}",
+                                          "gain over bf16 states": "{:.2f}×"}), hide_index=True, key="plan_widths")
     return weights, int(context)
 
 

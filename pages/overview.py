@@ -236,8 +236,7 @@ def _claims(report: dict, provenance: dict, quality: pd.DataFrame | None) -> Non
     rows = [{"claim": f"({c['claim']}) {CLAIMS[c['claim']][0]}" if c["claim"] in CLAIMS else c["claim"],
              "what": c["what"], "holds": "yes" if c["holds"] else "no", "margin": c["margin"],
              "spread": _spread(c), "verdict": verdict(c),
-             "figures": ", ".join(f"{label}: KL {kl:.2e}" for label, kl in zip(c["labels"], c["kl"])) if "kl" in c
-             else ", ".join(f"{label}: {e:.2%}" for label, e in zip(c["labels"], c["state_error"]))}
+             "figures": _figures(c)}
             for c in report["claims"]]
     st.caption(
         f"{report['tokens']:,} held-out tokens of {stored.text_name(provenance)} scored (KL to fp32, nats per token); "
@@ -273,6 +272,16 @@ def _claims(report: dict, provenance: dict, quality: pd.DataFrame | None) -> Non
                                     "kl": "{:.2e}", "agreement": "{:.2%}"}),
                  hide_index=True, key="overview_main_table",
                  column_config={"config": st.column_config.TextColumn(width=220)})
+
+
+def _figures(claim: dict) -> str:
+    """A claim's figures per label: its KL (or state error) and, where the report has them (claims (a) and (e)), the
+    resident bits the configuration stores on the model."""
+    values = ([f"KL {kl:.2e}" for kl in claim["kl"]] if "kl" in claim
+              else [f"{e:.2%}" for e in claim["state_error"]])
+    if "resident_bits" in claim:
+        values = [f"{v}, {bits:.2f} bits" for v, bits in zip(values, claim["resident_bits"])]
+    return ", ".join(f"{label}: {v}" for label, v in zip(claim["labels"], values))
 
 
 def _spread(claim: dict) -> str:

@@ -88,9 +88,13 @@ def test_formula_terms_of_the_baselines():
         for b in range(2, 9):
             rb = resident_bits(get_config(f"rtn-int{b}"), shape)
             assert (rb.code_bits, rb.scale_bits, rb.payload_bits) == (b, 0.5, b + 0.5)
-            # the storage format keeps 2..4-bit codes in nibbles and 5..8-bit codes in bytes: padding is metadata
-            assert rb.exact_bits == rb.resident_bits == (4.5 if b <= 4 else 8.5)
-            assert rb.metadata_bits == (4 - b if b <= 4 else 8 - b)
+            # every width stored densely (issue 48): rows of 128 codes fill whole bytes, nothing is padding
+            assert rb.exact_bits == rb.resident_bits == b + 0.5
+            assert rb.metadata_bits == 0.0
+            zp = resident_bits(get_config(f"rtn-int{b}").replace(symmetric=False), shape)
+            # zero points: 4 of b bits in a row of value-axis groups, padded to whole bytes (3, 5, 7 bits: 4 bits)
+            assert zp.scale_bits == 0.5 + b / 32
+            assert zp.metadata_bits == (-(-4 * b // 8) * 8 - 4 * b) / 128
         zp = resident_bits(get_config("rtn-int4").replace(symmetric=False, group_size=64), shape)
         assert (zp.code_bits, zp.scale_bits, zp.metadata_bits) == (4.0, 16 / 64 + 4 / 64, 0.0)
         for b in (8, 4):

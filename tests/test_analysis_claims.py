@@ -178,6 +178,11 @@ def test_measure_claims_reports_what_it_measured(loaded, text):
             assert c["spread"]["unit"] == "windows" and c["spread"]["n"] == windows
         sp = c["spread"]
         assert sp["low"] <= sp["high"] and 0 <= sp["holds_share"] <= 1
+    for b in CLAIM_BITS:  # (a): the bits each stores, densely packed (issue 48): b + 1/2 at dP 1, + c · 8 at dP 8
+        a = claims[("a", f"{b}-bit RTN (value g32): dP 8 vs dP 1")]
+        cfg = get_config("rtn-int4").replace(group_axis="value", group_size=32, bits=b)
+        assert a["resident_bits"][1] == resident_bits(cfg, loaded.shape).resident_bits == b + 0.5
+        assert a["resident_bits"][0] > a["resident_bits"][1]
     e = claims[next(k for k in claims if k[0] == "e")]
     pace, rival = e["labels"]
     assert rival == "stepquant-4" and e["resident_bits"][0] <= e["resident_bits"][1]

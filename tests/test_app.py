@@ -19,7 +19,7 @@ from numerics import fp32_bound, rel
 from streamlit.testing.v1 import AppTest
 
 from app_state import compute, controls, exporting, frame, session, stored
-from pace_core.accounting import capacity, resident_bits, state_bytes
+from pace_core.accounting import capacity, resident_bits, state_bytes, state_bytes_per_sequence
 from pace_core.analysis.structure import structure_stats
 from pace_core.analysis.text import tokenize
 from pace_core.config import get_config
@@ -136,7 +136,8 @@ def test_combination_controls_follow_the_methods_that_take_them(params):
         assert {m for m in METHODS if controls.enabled(controls.CONTROL_BY_KEY[key], m)} == methods
     at = start(params, preset="pace-4-sr", kh="1", method="stepquant")
     assert at.sidebar.selectbox(key="w_rnd").value == "stochastic" and at.sidebar.toggle(key="w_kh").value
-    assert at.sidebar.selectbox(key="w_rnd").disabled and "**custom**" in at.sidebar.caption[0].value
+    active = next(c.value for c in at.sidebar.caption if c.value.startswith("Active:"))
+    assert at.sidebar.selectbox(key="w_rnd").disabled and "**custom**" in active
     at.sidebar.select_slider(key="w_method").set_value("pace").run()
     check(at)
     assert str(at.query_params["rnd"]).strip("[]'") == "stochastic" and not at.sidebar.selectbox(key="w_rnd").disabled
@@ -288,6 +289,36 @@ def test_memory_table_follows_the_bits_control(params, loaded):
     expected = resident_bits(get_config("pace-4").replace(bits=6), loaded.shape)
     assert table.loc["sidebar: custom", "payload"] == pytest.approx(expected.payload_bits)
     assert table.loc["sidebar: custom", "resident"] == pytest.approx(expected.resident_bits)
+
+
+def test_each_width_shows_its_cost_before_the_user_moves_to_it(params, loaded):
+    """Issue 48: the sidebar's line under the state bits, the Memory page's table of widths and the capacity
+    planner's give each width's resident bits, state bytes and sequences from the accounting (every width stored
+    densely: a bit less is a real saving), the sidebar's width marked."""
+    at = start(params, page="memory", preset="pace-4")
+    cfg = get_config("pace-4")
+    line = next(c.value for c in at.sidebar.caption if c.value.startswith("Each width with these settings"))
+    for b in range(2, 9):
+        bits = resident_bits(cfg.replace(bits=b), loaded.shape).resident_bits
+        assert f"{b} → {bits:.2f} bits" in line
+    assert "**4 → " in line and "**3 → " not in line
+    widths = next(d.value for d in at.dataframe if "current" in d.value.columns and "sequences" not in d.value.columns)
+    assert widths["bits"].tolist() == list(range(2, 9)) and widths.set_index("bits").loc[4, "current"]
+    for b, row in widths.set_index("bits").iterrows():
+        assert row["resident bits"] == pytest.approx(resident_bits(cfg.replace(bits=b), loaded.shape).resident_bits)
+        assert row["state KiB / sequence"] * 1024 == state_bytes_per_sequence(cfg.replace(bits=b), loaded.shape)
+    assert widths["resident bits"].is_monotonic_increasing  # each bit less is saved
+    planner = next(d.value for d in at.dataframe if "current" in d.value.columns and "sequences" in d.value.columns)
+    shape = loaded.shape
+    for b, row in planner.set_index("bits").iterrows():
+        assert row["sequences"] == capacity(cfg.replace(bits=b), shape, int(141e9), weight_bits=16,
+                                            context=8192).sequences
+    at.sidebar.select_slider(key="w_bits").set_value(3).run()
+    check(at)
+    line = next(c.value for c in at.sidebar.caption if c.value.startswith("Each width with these settings"))
+    assert "**3 → " in line and "**4 → " not in line
+    at.sidebar.select_slider(key="w_method").set_value("none").run()
+    assert not at.exception and any(c.value == "A reference state has no code width." for c in at.sidebar.caption)
 
 
 def test_memory_page_shows_the_measured_apply_bytes(params, tmp_path, monkeypatch):
@@ -1041,6 +1072,11 @@ def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params
         assert spread == (f"[{sp['low']:+.1%}, {sp['high']:+.1%}] over {sp['n']} {sp['unit']}; holds in "
                           f"{sp['holds_share']:.1%} of resamples")
         assert shown in ("holds beyond the spread", "within the spread", "fails beyond the spread")
+    for claim, figures in zip(claims.data["claims"], results["figures"]):  # the bits each stores, where reported
+        assert all(f"{label}: " in figures for label in claim["labels"])
+        assert ("resident_bits" in claim) == (" bits" in figures)
+        for bits in claim.get("resident_bits", []):
+            assert f"{bits:.2f} bits" in figures
     random = next(c["random"] for c in claims.data["claims"] if c["claim"] == "c")
     assert any(c.value.startswith(f"Claim (c) over its {random['n']} random allocations: their KL "
                                   f"{random['kl_mean']:.2e} ± {random['kl_sd']:.2e}") for c in at.caption)
@@ -1372,7 +1408,8 @@ def test_a_links_values_are_shown_as_text(params):
         assert HOSTILE in plain(warning) and _literal(warning), warning
     [unknown] = [w for w in warnings if "is unknown and was ignored" in plain(w)]
     assert f"URL parameter {HOSTILE!r} is unknown" in plain(unknown) and _literal(unknown)
-    assert at.sidebar.caption[0].value.startswith("Active: **pace-4** ·")  # the named configuration instead
+    active = next(c.value for c in at.sidebar.caption if c.value.startswith("Active:"))
+    assert active.startswith("Active: **pace-4** ·")  # the named configuration instead
 
 
 def test_an_imported_name_that_is_not_a_name_is_refused_and_shown_as_text(params):

@@ -320,8 +320,10 @@ def _doc(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"schema_version": 7}, "schema_version=7 is newer than this PACE Studio understands; allowed: 1..6"),
-    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..6"),
+    ({"schema_version": 8}, "schema_version=8 is newer than this PACE Studio understands; allowed: 1..7"),
+    ({"schema_version": 7}, r"schema_version=7 without a kind is newer than this PACE Studio's complete record "
+                            r"\(schema 6\); allowed: 1..6, or an export"),
+    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..7"),
     ({"schema_version": 4}, "the document lacks kind"),  # a complete record labelled as an export
     ({"schema_version": "1"}, "schema_version='1' is not allowed"),
     ({"schema_version": KeyError}, "schema_version is missing"),

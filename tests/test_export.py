@@ -54,9 +54,10 @@ def test_only_the_fields_the_method_reads():
     assert {"scales", "static_margin", "calibrated"} == combined & set(used_fields(get_config("pace-4-static")))
     assert used_settings(get_config("pace-4-sr").replace(static_margin=2.0)) == get_config("pace-4-sr")
     sr = export_document(get_config("pace-4-sr"), shape=SHAPE)
-    assert sr["schema_version"] == 6 and (sr["pace"]["rounding"], sr["pace"]["rounding_seed"]) == ("stochastic", 0)
+    assert sr["schema_version"] == 7 and (sr["pace"]["rounding"], sr["pace"]["rounding_seed"]) == ("stochastic", 0)
     older = export_document(get_config("pace-4"), shape=SHAPE)
     older["schema_version"] = 5  # an export made before the combinations: the same keys, read as their defaults
+    del older["state_layout"]["packing"]  # nor did it record the packing (schema 7)
     assert document_from_json(json.dumps(older)).config == get_config("pace-4")
 
 
@@ -85,6 +86,8 @@ def test_layout_and_resident_bits_are_named():
     assert doc["resident_bits"]["resident_bits"] == r.resident_bits == pytest.approx(6.7822265625)
     assert doc["resident_bits"]["c"] == r.c and doc["resident_bits"]["decode_period"] == 8
     assert export_document(get_config("qmamba-dsq"))["state_layout"]["groups_along"] == "rows and columns"
+    assert doc["state_layout"]["packing"] == "dense" and "little-endian bit stream" in doc["state_layout"]["codes"]
+    assert export_document(get_config("fp32"))["state_layout"]["packing"] is None
     assert export_document(cfg)["resident_bits"] is None and export_document(cfg)["model"] is None
 
 
@@ -267,3 +270,55 @@ def test_the_evidence_a_configuration_was_picked_on_is_recorded_and_read_back():
             document_from_json(json.dumps(edited))
     with pytest.raises(PaceError, match="provenance.evidence must be an object"):
         export_json(cfg, shape=SHAPE, evidence=["kl"])
+
+
+def _schema6(name: str, padding: float) -> dict:
+    """The export of ``name`` as schema 6 wrote it: no packing in the layout, the codes' padding (bits per value)
+    counted in the metadata and the resident bits."""
+    doc = export_document(get_config(name), shape=SHAPE, source="27b")
+    doc["schema_version"] = 6
+    del doc["state_layout"]["packing"], doc["state_layout"]["codes"]
+    doc["state_layout"]["update"] = doc["state_layout"].pop("update")  # schema 6's key order
+    for key in ("metadata_bits", "resident_bits"):
+        doc["resident_bits"][key] += padding
+    return doc
+
+
+@pytest.mark.parametrize("name,padding", [("rtn-int2", 2.0), ("rtn-int3", 1.0), ("rtn-int5", 3.0), ("rtn-int6", 2.0),
+                                          ("rtn-int7", 1.0), ("rtn-int4", 0.0), ("pace-4-8", 0.0)])
+def test_a_file_of_the_padded_layout_is_migrated(name, padding):
+    """A schema 6 export (codes of 2, 3, 5, 6, 7 bits stored padded to 4 or 8 bits, its resident bits counting the
+    padding as metadata: rtn-int3 4.5 instead of 3.5) is read as the same settings, now stored densely; 4- and 8-bit
+    files, whose bytes did not change, read as they are. Its resident bits must be the padded storage's: the same
+    padding in the metadata and the total, every other term the settings'."""
+    old = _schema6(name, padding)
+    doc = document_from_json(json.dumps(old))
+    assert doc.config == used_settings(get_config(name))
+    assert export_document(doc.config, shape=SHAPE)["resident_bits"]["resident_bits"] == pytest.approx(
+        old["resident_bits"]["resident_bits"] - padding)
+    edited = json.loads(json.dumps(old))
+    edited["resident_bits"]["resident_bits"] += 0.5  # padding in the total but not in the metadata
+    with pytest.raises(PaceError, match="resident_bits.metadata_bits" if padding == 0 else
+                       "neither the bits these settings store now .* nor those of its padded"):
+        document_from_json(json.dumps(edited))
+    with pytest.raises(PaceError, match="state_layout.packing is not allowed in a schema 6 file"):
+        document_from_json(json.dumps({**old, "state_layout": {**old["state_layout"], "packing": "dense"}}))
+
+
+def test_a_schema_7_file_must_name_the_packing():
+    doc = export_document(get_config("rtn-int3"), shape=SHAPE)
+    del doc["state_layout"]["packing"]
+    with pytest.raises(PaceError, match="state_layout.packing=None contradicts"):
+        document_from_json(json.dumps(doc))
+    newer = {**export_document(get_config("rtn-int3"), shape=SHAPE), "schema_version": 8}
+    with pytest.raises(PaceError, match="schema_version=8 is newer"):
+        document_from_json(json.dumps(newer))
+
+
+def test_the_shipped_schema_6_export_is_read():
+    """data/results' PACE-4/8 export (schema 6, 4- and 8-bit codes: the same bytes densely packed) is read as is."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "data" / "results" / "pace-tiny-qwen35" / "config-pace-4-8.json"
+    assert json.loads(path.read_text())["schema_version"] == 6
+    assert read_config(path).config.name == "pace-4-8"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -121,7 +122,7 @@ def test_a_variant_that_cannot_run_gets_a_row_that_says_why(bench, monkeypatch):
     assert "did not run: PaceError" in bench.row_line(row)
 
 
-@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8"])
+@pytest.mark.parametrize("variant", ["bf16 buffered dP=8", "PACE-4 dP=8", "PACE-3 dP=8"])
 def test_buffered_period_is_the_schedules(bench, variant):
     """A buffered layer's period in the harness (the backend's step writing into the layer's output) is the
     schedule's decode of the same tokens: the same output and checkpoint (the same kernels on the same inputs),
@@ -268,8 +269,6 @@ def test_main_writes_the_rows_and_stops_at_its_deadline(bench, monkeypatch, tmp_
     """The command line on the CPU (interpreter, small shapes, the timer replaced): bench.json holds every row with its
     launch settings as their fields, the provenance, and the batches a deadline left out (the first batch always
     runs). The split variants' rows through the command line: tests/test_kernels_roofline.py."""
-    import json
-
     monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e11)
     monkeypatch.setattr(bench, "plot", lambda results, path: path.write_text("figure"))
     rc = bench.main(["--out", str(tmp_path), "--batches", "2,4", "--variants", "bf16 per-token", "--deadline-s", "0"],
@@ -327,3 +326,33 @@ def test_a_configuration_that_fails_is_named_and_left_out(bench, monkeypatch):
                                "agrees": False}
     assert row["config"] == configs[0] and row["failed"] == [configs[2]] and row["disagreeing"] == []
     assert "1 configuration(s) failed, left out" in bench.row_line({**row, "hbm_fraction": 0.5})
+
+
+def test_three_bit_rows_move_fewer_bytes_than_four(bench):
+    """The bytes model of PACE-3 against PACE-4 (the same scales, buffer and inputs; codes 3/4): what the GPU run's
+    time ratio is read against."""
+    _, three = bench.build(bench.PACE3, 2, torch.device("cpu"))
+    _, four = bench.build("PACE-4 dP=8", 2, torch.device("cpu"))
+    codes = bench.LAYERS * 2 * bench.HV * bench.K * bench.V // 8  # one bit per value, B = 2
+    assert four - three == pytest.approx(codes * (1 + 1 / bench.PERIOD))  # read every token, written once per dP
+
+
+def test_the_widths_gpu_call_sets_pace3_against_pace4(bench, tmp_path, monkeypatch):
+    """kernels/bench/widths_gpu.py (issue 48's GPU call): PACE-3's rows against PACE-4's at each batch (here with the
+    CUDA-graph timer replaced, so the times are equal and the bytes model's ratio is the one figure that differs),
+    and the script refuses to run without a GPU, saying so in its log."""
+    from kernels.bench import widths_gpu
+
+    tried = bench.configs  # one setting each, the Gluon kernels off (PACE-4's Triton-only time is one of the ratios)
+    monkeypatch.setattr(bench, "configs",
+                        lambda variant: [dataclasses.replace(tried(variant)[0], **dict.fromkeys(bench.GLUON, False))])
+    rows = [bench.time_variant(variant, 2, torch.device("cpu"), 1) for variant in widths_gpu.VARIANTS]
+    (r,) = widths_gpu.ratios({"rows": rows})
+    assert r["batch"] == 2 and r["time_ratio"] == r["triton_time_ratio"] == 1.0
+    read_back = json.loads(json.dumps({"rows": rows}, default=bench.jsonable))  # as main() reads bench.json
+    failed = {"variant": widths_gpu.VARIANTS[0], "batch": 4, "error": "PaceError: refused"}  # no timing, no ratio
+    assert widths_gpu.ratios({"rows": [*read_back["rows"], failed]}) == [r]
+    assert r["bytes_ratio"] == pytest.approx(rows[0]["bytes_per_token"] / rows[1]["bytes_per_token"])
+    assert r["bytes_ratio"] < 1
+    assert widths_gpu.main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in (tmp_path / "widths_gpu_log.txt").read_text()

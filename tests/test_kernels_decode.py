@@ -40,6 +40,9 @@ CONFIGS = {
     "bf16": get_config("bf16").replace(decode_period=PERIOD, buffer="bf16"),
     "pace-4": get_config("pace-4").replace(group_size=2 * GROUP, decode_period=PERIOD),
     "pace-4-8": get_config("pace-4-8").replace(group_size=GROUP, decode_period=PERIOD),
+    "pace-3": get_config("pace-3").replace(group_size=2 * GROUP, decode_period=PERIOD),
+    "pace-3-8": get_config("pace-4-8").replace(name="pace-3-8", bits=3, group_size=GROUP, decode_period=PERIOD),
+    "rtn-value-3": get_config("rtn-int3").replace(group_size=GROUP, decode_period=PERIOD, buffer="int8"),
     "rtn-value": get_config("rtn-int4").replace(symmetric=False, group_size=GROUP, decode_period=PERIOD,
                                                 buffer="int8"),
     "pace-4 stored current": get_config("pace-4").replace(group_size=2 * GROUP, decode_period=PERIOD,
@@ -117,8 +120,9 @@ def _poison_slot(buf: DecodeBuffer) -> None:
 
 def _step_size(p: quant.PackedTensor) -> torch.Tensor:
     """One code step of ``p`` at every entry (its group's scale), ``[..., K, V]``."""
-    one = (0x99 if p.spec.bits <= 4 else 0x81) if p.zero is None else (0x11 if p.spec.bits <= 4 else 0x01)
-    return quant.dequantize(quant.PackedTensor(torch.full_like(p.codes, one), p.scale,
+    one = 1 + (0 if p.zero is not None else 1 << (p.spec.bits - 1))
+    codes = quant.pack_codes(torch.full(p.shape, one, dtype=torch.uint8, device=p.codes.device), p.spec.bits)
+    return quant.dequantize(quant.PackedTensor(codes, p.scale,
                                                None if p.zero is None else torch.zeros_like(p.zero),
                                                p.spec, p.shape)).abs()  # q - z = 1 everywhere
 
@@ -322,12 +326,19 @@ def test_kernels_cover_what_they_support() -> None:
     assert not covered(get_config("qmamba-dsq"), None)
     assert not covered(CONFIGS["pace-4"], "fp64") and not covered(CONFIGS["pace-4"].replace(group_size=8), "int8", 8)
     assert not covered(get_config("damp-int4"), None)
+    assert covered(CONFIGS["pace-3"], "int8") and covered(_config("pace-3-8", 2 * H), "mixed")
+    assert covered(get_config("rtn-int3").replace(group_size=GROUP), None)
+    for bits in (2, 5, 6, 7):  # densely packed widths without a kernel: the reference, for a stated reason
+        assert not covered(get_config(f"rtn-int{bits}").replace(group_size=GROUP), None)
+        if bits > 4:
+            assert not covered(_config("pace-4-8", 2 * H).replace(high_bits=bits), "mixed")
+    assert not covered(get_config("rtn-int3").replace(group_size=GROUP, symmetric=False), None)
     for combination in (dict(rounding="stochastic"), dict(key_hadamard=True), dict(scales="static")):
         cfg = CONFIGS["pace-4"].replace(**combination)  # covered without it
         assert not covered(cfg, "int8") and not covered(cfg.replace(decode_period=1), None)
 
 
-@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3)])
+@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3), ("pace-3", 3), ("pace-3-8", 2)])
 def test_packed_key_axis_split_path_over_two_periods(name: str, gamma: int) -> None:
     """Packed key-axis checkpoints take the split path (dots and record kernels, then a separate flush
     kernel). Two whole periods through the schedule, every token against the reference run from the
@@ -355,7 +366,7 @@ def test_packed_key_axis_split_path_over_two_periods(name: str, gamma: int) -> N
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3)])
+@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3), ("pace-3", 2)])
 def test_split_path_on_half_tiles(name: str, gamma: int, fused: bool) -> None:
     """Heads at least 32 values wide, so that the dots kernel takes 4-bit codes as even / odd half
     tiles of 16 or more columns (narrower heads pad them) and the step may run as one kernel
@@ -365,7 +376,7 @@ def test_split_path_on_half_tiles(name: str, gamma: int, fused: bool) -> None:
     assert plan.split and plan.split.fusable and plan.split.settings.fused_step == fused
 
 
-@pytest.mark.parametrize("name", ["pace-4", "pace-4-8"])
+@pytest.mark.parametrize("name", ["pace-4", "pace-4-8", "pace-3-8"])
 def test_split_path_on_small_groups(name: str) -> None:
     """Key groups of 8 rows, so that a flush tile of 16 key rows holds two groups."""
     assert _one_token(name, 2, PERIOD - 1, group=8).split
@@ -404,7 +415,7 @@ def test_per_token_decode_backends_agree(dtype: torch.dtype) -> None:
     assert rel(S_k, S_r) <= (fp32_bound(3 * K) if dtype == torch.float32 else 2.0**-8)
 
 
-@pytest.mark.parametrize("name", ["rtn-int4", "pace-4"])
+@pytest.mark.parametrize("name", ["rtn-int4", "pace-4", "rtn-int3", "pace-3"])
 def test_per_token_rounding_backends_agree(name: str) -> None:
     """dP = 1 of a quantised state: the kernels' load, in-place step and store against the reference's
     recurrence step and store, three tokens through the schedule, each from the kernels' own checkpoint
@@ -460,7 +471,7 @@ def _checkpoints_equal(got, ref) -> None:
         _same_run(quant.dequantize(a), quant.dequantize(r))
 
 
-@pytest.mark.parametrize("name", ["rtn-int4", "pace-4", "pace-4-8", "rtn-value", "bf16"])
+@pytest.mark.parametrize("name", ["rtn-int4", "pace-4", "pace-4-8", "rtn-value", "bf16", "pace-3-8"])
 def test_per_token_run_is_its_tokens_one_by_one(name: str) -> None:
     """dP = 1: a run of tokens in one launch (the state rounded in registers after each) is the same kernel
     code, token by token, as one launch per token (the state through memory): outputs, the states captured
@@ -764,7 +775,11 @@ def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: in
     _assert_within_one_step(out[True], out[False])
 
 
-KERNEL_RESIDENT = ("fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8")
+KERNEL_RESIDENT = {**{name: name for name in ("fp32", "bf16", "rtn-int3", "rtn-int4", "rtn-int8", "pace-3", "pace-4",
+                                                "pace-4-8")},
+                   "pace-3-8": get_config("pace-4-8").replace(name="pace-3-8", bits=3)}
+"""The configurations (names or PaceConfigs) whose store on the kernels is counted (PACE-4/8 at 3 bits: two widths
+of which one is 3-bit)."""
 
 
 @pytest.mark.parametrize("name", KERNEL_RESIDENT)
@@ -779,7 +794,7 @@ def test_kernel_path_holds_the_accounted_bytes(name):
     from pace_core.accounting import state_bytes
     from pace_core.memory import held_bytes, held_storages
 
-    store = resident_store(name, "triton", DEVICE)
+    store = resident_store(KERNEL_RESIDENT[name], "triton", DEVICE)
     assert all(store.layer(layer).uses_kernels() for layer in store.layers)
     tables = set(held_storages(plan_mod._TABLES))
     assert held_bytes(store, skip=tables) == state_bytes(store.cfg, RESIDENT_SHAPE, store.batch) == store.nbytes()

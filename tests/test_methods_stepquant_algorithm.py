@@ -34,7 +34,7 @@ import torch
 
 from pace_core.errors import PaceError
 from pace_core.methods.stepquant import algorithm as sq
-from pace_core.quant import pack_codes
+from pace_core.quant import pack_codes, unpack_codes
 
 pytestmark = pytest.mark.numerics
 
@@ -328,20 +328,13 @@ def test_out_of_range_and_bad_input():
 
 
 @pytest.mark.parametrize("bits", sq.INTEGER_WIDTHS)
-def test_pack_dense_layout(bits):
-    gen = torch.Generator().manual_seed(bits)
-    codes = torch.randint(0, 2**bits, (3, 5, 64), generator=gen, dtype=torch.uint8)
-    packed = sq.pack_dense(codes, bits)
-    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 64 * bits // 8)
-    assert np.array_equal(ref_unpack(packed.numpy(), bits, 64), codes.numpy())
-    assert torch.equal(sq.unpack_dense(packed, bits, 64), codes)
-    if bits in (4, 8):  # the project's own layout (quant.pack_codes)
-        assert torch.equal(packed, pack_codes(codes, bits))
-
-
-def test_pack_dense_six_bit_bytes():
-    # four codes 1, 2, 3, 4 in one 24-bit word 1 | 2 << 6 | 3 << 12 | 4 << 18 = 0x103081, low byte first
-    assert sq.pack_dense(torch.tensor([1, 2, 3, 4], dtype=torch.uint8), 6).tolist() == [0x81, 0x30, 0x10]
+def test_codes_are_the_project_packing(bits):
+    """STEPQuant's codes are stored by the one packing of every path (pace_core.quant.pack_codes)."""
+    S = torch.randn(2, 4, 32, 64, generator=torch.Generator().manual_seed(bits))
+    p = sq.quantize(S, [bits] * 4, torch.ones(4, 32))
+    codes = unpack_codes(p.codes[bits], bits, 64)
+    assert p.codes[bits].shape[-1] == 64 * bits // 8 and torch.equal(pack_codes(codes, bits), p.codes[bits])
+    assert np.array_equal(ref_unpack(p.codes[bits].numpy(), bits, 64), codes.numpy())
 
 
 def test_nbytes_and_resident_bits():

@@ -9,7 +9,7 @@ from references import per_token_decode, periodic_decode, segmented_prefill
 
 from pace_core import quant
 from pace_core.accounting import state_bytes, transient_bytes
-from pace_core.config import NAMED_CONFIGS, get_config
+from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.memory import PeakBytes, held_bytes
 from pace_core.methods.dsq import dsq_dequantize, dsq_quantize
@@ -438,10 +438,11 @@ def test_kernel_backend_setting(monkeypatch):
 RESIDENT_SHAPE = ModelShape("residency", 3, 2, H, HV, K, V, 0, gdn_layers=(0, 2))
 
 
-def resident_store(name: str, backend: str, device: str | torch.device = "cpu") -> StateStore:
-    """A store of named configuration ``name`` at :data:`RESIDENT_SHAPE` (PACE-4/8 with one 8-bit head per layer,
-    DAMP with random outlier rows) after a prefill and decode tokens through a flush and into the next buffer."""
-    cfg = get_config(name)
+def resident_store(name: str | PaceConfig, backend: str, device: str | torch.device = "cpu") -> StateStore:
+    """A store of named configuration ``name`` (or a configuration) at :data:`RESIDENT_SHAPE` (PACE-4/8 with one
+    8-bit head per layer, DAMP with random outlier rows) after a prefill and decode tokens through a flush and into
+    the next buffer."""
+    cfg = get_config(name) if isinstance(name, str) else name
     if cfg.high_share > 0:
         cfg = cfg.replace(high_heads=((1,), (3,)))
     store = StateStore(calibrated(cfg), RESIDENT_SHAPE, B, device, H, HV, K, V, LAYERS, backend=backend)
@@ -461,6 +462,28 @@ def test_resident_bytes_are_the_accounted_bytes(name):
     pace_core.accounting.state_bytes counts: no dequantised checkpoint, fp32 copy of the buffer or earlier
     checkpoint outlives a call."""
     store = resident_store(name, "reference")
+    assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B) == store.nbytes()
+
+
+WIDTH_VARIANTS = {
+    "rtn zero point": lambda b: get_config(f"rtn-int{b}").replace(symmetric=False),  # value axis: rows padded
+    "pace": lambda b: get_config("pace-4").replace(bits=b, group_size=32),
+    "pace 8-bit heads": lambda b: get_config("pace-4-8").replace(bits=b),
+    "pace static": lambda b: get_config("pace-4-static").replace(bits=b),
+    "damp": lambda b: get_config("damp-int4").replace(bits=b),
+    "dsq": lambda b: get_config("qmamba-dsq").replace(bits=b),
+}
+"""Each method's storage at any width (issue 48: every width packed densely; STEPQuant's widths 2/4/6/8 and pivots
+are its named configurations'), with its zero points, 8-bit heads and static scales where it has them."""
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("variant", list(WIDTH_VARIANTS))
+def test_resident_bytes_are_the_accounted_bytes_at_every_width(variant, bits):
+    """Held = counted for every code width of every method: the densely packed codes and zero points a store holds
+    after a prefill and decode through a flush are the bytes pace_core.accounting counts (its rows padded only to a
+    whole byte)."""
+    store = resident_store(WIDTH_VARIANTS[variant](bits), "reference")
     assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B) == store.nbytes()
 
 

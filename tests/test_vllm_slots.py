@@ -21,7 +21,8 @@ from pace_core.shapes import ModelShape
 from pace_core.state_store import LayerState
 from pace_core.vllm.slots import SlotLayout
 
-SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8", "pace-4-hadamard", "pace-4-static")
+SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8", "pace-4-hadamard", "pace-4-static", "pace-3",
+          *(f"rtn-int{b}" for b in (2, 3, 5, 6, 7, 8)))
 
 
 def _config(name: str, num_v_heads: int, layers: int = 1, d_k: int = 128, d_v: int = 128):

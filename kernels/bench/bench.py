@@ -7,6 +7,8 @@
 - PACE-4 (4-bit key-axis g 64 symmetric checkpoint, int8 buffer, dP = 8),
 - PACE-4/8 (key-axis g 32 zero point, a quarter of the heads at 8 bits, mixed buffer with its 4-bit keys in
   groups of 16 with zero points, dP = 8),
+- PACE-3 (PACE-4 at 3 bits, issue 48: its codes packed densely, 8 in 3 bytes, read as three byte planes and
+  unpacked in registers; the checkpoint's code bytes are 3/4 of PACE-4's, the scales and the buffer the same),
 - PACE-4 dP = 1 (its checkpoint format rounded every token, no buffer: the one-launch per-token recurrence
   :func:`kernels.recurrent_step.recurrent_run` that a dP = 1 decode runs)
   (each layer a :class:`pace_core.schedule.PeriodicState` on :class:`kernels.backend.TritonSteps`),
@@ -72,7 +74,8 @@ BYTES_MODEL = (
 )
 FLA = "fla fused_recurrent (fp32 state)"
 DP1 = "PACE-4 dP=1"
-VARIANTS = ("fp32 per-token", "bf16 per-token", "bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8", DP1, FLA)
+PACE3 = "PACE-3 dP=8"
+VARIANTS = ("fp32 per-token", "bf16 per-token", "bf16 buffered dP=8", "PACE-4 dP=8", "PACE-4/8 dP=8", PACE3, DP1, FLA)
 try:
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 except ImportError:  # the fla baseline is optional
@@ -121,6 +124,8 @@ def buffered_config(variant: str):
         return get_config("bf16").replace(name="bf16 buffered", decode_period=PERIOD, buffer="bf16")
     if variant == "PACE-4 dP=8":
         return get_config("pace-4")
+    if variant == PACE3:
+        return get_config("pace-3")
     return get_config("pace-4-8").replace(high_heads=(tuple(range(0, HV, 4)),))
 
 
@@ -141,7 +146,7 @@ def _ckpt_bytes(ckpt) -> int:
     return ckpt.numel() * ckpt.element_size() if isinstance(ckpt, torch.Tensor) else ckpt.nbytes()
 
 
-SPLIT_VARIANTS = ("PACE-4 dP=8", "PACE-4/8 dP=8")  # packed key-axis checkpoints: step + flush kernels
+SPLIT_VARIANTS = ("PACE-4 dP=8", "PACE-4/8 dP=8", PACE3)  # packed key-axis checkpoints: step + flush kernels
 
 
 def configs(variant: str) -> list[Settings | None]:
@@ -523,6 +528,33 @@ def row_line(row: dict) -> str:
             + (f"; {len(row['failed'])} configuration(s) failed, left out" if row.get("failed") else ""))
 
 
+GLUON = ("gluon_dots", "gluon_flush", "gluon_step")
+
+
+def _triton_only(row: dict) -> float | None:
+    """The fastest time per token of a row's configurations that turn every Gluon kernel off (of those that ran and
+    agree, :func:`time_variant`; a row as timed or as read back from bench.json), or None where none did."""
+    fields = lambda config: config if isinstance(config, dict) else dataclasses.asdict(config)  # noqa: E731
+    times = [t["seconds_per_token"] for t in row["tried"]
+             if "error" not in t and t["agrees"] and not any(fields(t["config"])[g] for g in GLUON)]
+    return min(times) if times else None
+
+
+def vs_pace4(three: dict, four: dict) -> dict:
+    """PACE-3's row against PACE-4's at one batch (same card, same run): the ratio of their fastest times, of the
+    fastest on the Triton kernels alone (PACE-3 has no Gluon kernel, kernels.plan: every one of its configurations
+    runs the Triton kernels; PACE-4's with the Gluon ones off: the same kernels, 3-bit against 4-bit codes; None where
+    no such configuration of PACE-4 ran) and of the bytes moved per token (``BYTES_MODEL``)."""
+    triton = _triton_only(four)
+    return {"time_ratio": three["seconds_per_token"] / four["seconds_per_token"],
+            "triton_time_ratio": None if triton is None else three["seconds_per_token"] / triton,
+            "bytes_ratio": three["bytes_per_token"] / four["bytes_per_token"]}
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -620,6 +652,9 @@ def main(argv: list[str] | None = None, device: torch.device | None = None) -> i
         base = by.get(("bf16 per-token", B))
         if base is not None:
             row["speedup_vs_bf16_per_token"] = base["seconds_per_token"] / row["seconds_per_token"]
+    for B in done:  # 3 bits against 4 on the same card, same run
+        if (PACE3, B) in by and ("PACE-4 dP=8", B) in by:
+            by[(PACE3, B)]["vs_pace4"] = vs_pace4(by[(PACE3, B)], by[("PACE-4 dP=8", B)])
     (args.out / "bench.json").write_text(json.dumps(results, indent=1, default=jsonable))
     plot(results, args.out / "bench.png")
     header = (f"{'batch':>5} " + " ".join(f"{v:>20}" for v in variants)
@@ -631,6 +666,11 @@ def main(argv: list[str] | None = None, device: torch.device | None = None) -> i
                          if (v, B) in by else f"{'-':>20}" for v in variants)
         speeds = [by.get((v, B), {}).get("speedup_vs_bf16_per_token") for v in SPLIT_VARIANTS if v in variants]
         print(f"{B:5d} {cells}" + "".join(f" {x:16.2f}x" if x else f" {'-':>17}" for x in speeds))
+    three = [(B, by[(PACE3, B)]["vs_pace4"]) for B in done if "vs_pace4" in by.get((PACE3, B), {})]
+    if three:
+        print("\nPACE-3 against PACE-4 (time with each one's fastest kernels, time on the Triton kernels alone, bytes "
+              "per token): " + ", ".join(f"B={B} {r['time_ratio']:.2f}x / {_ratio(r['triton_time_ratio'])} / "
+                                         f"{r['bytes_ratio']:.2f}x" for B, r in three))
     return 0
 
 

@@ -1,8 +1,9 @@
-"""Issue 43's kernel measurements in one GPU call: the decode bench at its default batches (every variant, every launch
-configuration side by side; flash-linear-attention's baseline where the fla-core wheel is installed), then Nsight
-Compute summaries (``ncu --clock-control none``) of the PACE-4 and PACE-4/8 kernels at B = 1, 32, 128 with the launch
-settings the bench found fastest there, then issue 43's kernel targets read off both, beside the predictions written
-before the run (:data:`PREDICTIONS`, kernels/bench/NOTES.md "issue 43: predictions").
+"""Issue 43's kernel measurements in one GPU call: the decode bench at its default batches (every variant but PACE-3,
+whose call is kernels/bench/widths_gpu.py; every launch configuration side by side; flash-linear-attention's baseline
+where the fla-core wheel is installed), then Nsight Compute summaries (``ncu --clock-control none``) of the PACE-4
+and PACE-4/8 kernels at B = 1, 32, 128 with the launch settings the bench found fastest there, then issue 43's kernel
+targets read off both, beside the predictions written before the run (:data:`PREDICTIONS`, kernels/bench/NOTES.md
+"issue 43: predictions").
 
 Usage (on the GPU machine, from the repository root)::
 
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None, device=None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="CUDA-graph replays per configuration")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
                     help="the bench's batches, in the order run (the targets' first: a late batch may miss the budget)")
-    ap.add_argument("--variants", default=None, help="the bench's variants (default: all available)")
+    ap.add_argument("--variants", default=None,
+                    help="the bench's variants (default: all available but PACE-3, kernels/bench/widths_gpu.py's)")
     ap.add_argument("--warm-workers", type=int, default=8, help="parallel processes compiling the kernels first")
     ap.add_argument("--ncu-batches", default=",".join(map(str, NCU_BATCHES)))
     ap.add_argument("--ncu-variants", default=",".join(NCU_VARIANTS))
@@ -194,8 +196,9 @@ def main(argv: list[str] | None = None, device=None) -> int:
     args = ap.parse_args(argv)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
+    variants = args.variants or ",".join(v for v in bench.available_variants() if v != bench.PACE3)
     bench_rc = run_bench(args.out, ["--reps", str(args.reps), "--batches", args.batches, "--warm-workers",
-                                    str(args.warm_workers), *(["--variants", args.variants] if args.variants else [])],
+                                    str(args.warm_workers), "--variants", variants],
                          args.budget_s * BENCH_SHARE, device)
     ncu_rc = None
     if not args.no_ncu and (args.out / "bench.json").exists():

@@ -316,9 +316,10 @@ def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace
     claims = []
     for b in CLAIM_BITS:
         one, eight = f"rtn{b} value g32 dP1", f"rtn{b} value g32 dP8"
+        bits = [resident_bits(cfgs.periodic[label], shape).resident_bits for label in (eight, one)]
         claims.append({"claim": "a", "what": f"{b}-bit RTN (value g32): dP 8 vs dP 1", "labels": [eight, one],
                        "holds": bool(q[eight].kl < q[one].kl), "margin": _margin(q[eight].kl, q[one].kl),
-                       "spread": _kl_spread(windows, eight, [one], alias),
+                       "spread": _kl_spread(windows, eight, [one], alias), "resident_bits": bits,
                        "kl": [float(q[eight].kl), float(q[one].kl)],
                        "agreement": [float(q[eight].agreement), float(q[one].agreement)],
                        "state_error": [err[eight], err[one]]})

@@ -39,8 +39,9 @@ SETTINGS: tuple[Setting, ...] = (
                  "cast to this dtype (identity for float32).", options=tuple(REFERENCE_DTYPES)),
     Setting("bits", json="num_bits", section="state_cache_scheme", url="bits", label="State bits (bits/value)",
             help="Bit width b of the integer codes of the low-precision heads (spec §2). Symmetric codes lie in "
-                 "[−(2^(b−1)−1), 2^(b−1)−1]; zero-point codes in [0, 2^b−1]. 2–4 bits are packed two codes per "
-                 "byte.",
+                 "[−(2^(b−1)−1), 2^(b−1)−1]; zero-point codes in [0, 2^b−1]. Every width is stored densely: b bits "
+                 "a code (3 bits: 8 codes in 3 bytes), a row padded only to a whole byte. The line under this "
+                 "control gives each width's resident bits and state bytes per sequence with the other settings.",
             options=QUANT_BITS, cli="--bits", cli_help="state bits of the low-precision heads (2..8)"),
     Setting("decode_period", url="dp", label="Decode period dP (tokens)", symbol="dP", options=tuple(range(1, 65)),
             help="The state is rounded once every dP generated tokens (spec §3). In between, the rounded checkpoint "

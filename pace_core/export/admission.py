@@ -14,7 +14,13 @@ from typing import Any, Literal
 from pace_core.config import NAMED_CONFIGS, PaceConfig, is_int
 from pace_core.errors import PaceError
 from pace_core.export.document import document_from_export
-from pace_core.export.record import READ_SCHEMA_VERSION, ConfigDocument, parse_json, record_from_dict
+from pace_core.export.record import (
+    READ_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    ConfigDocument,
+    parse_json,
+    record_from_dict,
+)
 from pace_core.methods import method_of
 from pace_core.names import check_name
 from pace_core.shapes import ModelShape
@@ -22,7 +28,7 @@ from pace_core.shapes import ModelShape
 
 def document_from_dict(d: Any) -> ConfigDocument:
     """A configuration document: a complete record (:func:`pace_core.export.record.config_to_dict`, schema 1..3, 5,
-    6) or a deployable export (schema 4, 5 and 6 with ``kind``, :func:`pace_core.export.document.export_document`).
+    6) or a deployable export (schema 4 to 7 with ``kind``, :func:`pace_core.export.document.export_document`).
 
     Malformed documents raise PaceError naming the field and what is allowed; a document of a newer
     schema version is rejected (written by a newer PACE Studio)."""
@@ -39,6 +45,10 @@ def document_from_dict(d: Any) -> ConfigDocument:
                         f"understands; allowed: 1..{newest} (update pace-studio)")
     if version == 4 or (version >= 5 and "kind" in d):
         return document_from_export(d)
+    if version > SCHEMA_VERSION:
+        raise PaceError(f"config JSON field schema_version={version} without a kind is newer than this PACE Studio's "
+                        f"complete record (schema {SCHEMA_VERSION}); allowed: 1..{SCHEMA_VERSION}, or an export "
+                        f"(kind 'pace-state-config') up to {newest}")
     return record_from_dict(d, version)
 
 

@@ -1,7 +1,8 @@
 """The deployable export: one PACE configuration as a JSON document a serving engine can apply.
 
-Schema 6 (4 and 5 are read: their settings of later schemas are the defaults; ``config_to_dict`` in
-:mod:`pace_core.export.record` stays the complete record the result caches key on; this is what leaves the project)::
+Schema 7 (4 to 6 are read: their settings of later schemas are the defaults, their codes' packing is migrated
+(:func:`document_from_export`); ``config_to_dict`` in :mod:`pace_core.export.record` stays the complete
+record the result caches key on; this is what leaves the project)::
 
     {"schema_version": 4, "kind": "pace-state-config",
      "producer": {"name": "pace-studio", "version": "0.1.0"},
@@ -9,7 +10,8 @@ Schema 6 (4 and 5 are read: their settings of later schemas are the defaults; ``
                "num_layers": 32, "gdn_layers": [0, 1, 2, 4, …], "num_k_heads": 16, "num_v_heads": 32,
                "d_k": 128, "d_v": 128} | null,
      "state_layout": {"tensor": "S [HV, K, V]", "rows": "key", "columns": "value",
-                      "groups_along": "key" | "value" | "rows and columns" | null, "group_size": 64, …},
+                      "groups_along": "key" | "value" | "rows and columns" | null, "group_size": 64,
+                      "packing": "dense" | null, "codes": "how codes lie in bytes", …},
      "state_cache_scheme": {"num_bits": 4, "type": "int", …},            # as in pace_core.config
      "pace": {only the settings the method reads; 8-bit heads keyed by decoder layer:
               "high_heads": {"4": {"gdn_layer": 3, "heads": [0, 7]}, …}},
@@ -30,6 +32,12 @@ vLLM ``[slots, HV, V, K]``; a reader that stores ``[V, K]`` transposes and keeps
 named axis. ``pace`` leaves out what the method does not read (DAMP's rows in a PACE configuration, the
 buffer at dP = 1); reading fills them with :class:`~pace_core.config.PaceConfig`'s defaults, so
 ``config_from_export(export_document(c, …)) == used_settings(c)``.
+
+Schema 7 records the packing of the codes (``state_layout.packing``, :data:`pace_core.quant.PACKING`: every width
+2..8 packed densely). A file of schema 4 to 6 was exported when 2-, 3-, 5-, 6- and 7-bit codes were stored padded to
+4 or 8 bits: it is read (migrated) as the same settings stored densely, its ``resident_bits`` taken as that padded
+storage's count (the padding in its metadata: the same terms but ``metadata_bits`` and ``resident_bits``, each at
+least the current count by the same padding); 4- and 8-bit codes were stored as now.
 
 Reading a document refuses sections that disagree: a ``pace`` key the method does not read or that belongs to
 ``state_cache_scheme`` (``pace.bits``), a ``state_layout`` or ``resident_bits`` other than the settings give
@@ -53,9 +61,12 @@ from pace_core.config import SETTING_OF, SETTINGS, PaceConfig
 from pace_core.errors import PaceError
 from pace_core.export.record import PRODUCER_NAME, ConfigDocument, config_from_sections, config_to_dict
 from pace_core.methods import Calibrated, method_of
+from pace_core.quant import PACKING, packing_layout
 from pace_core.shapes import ModelShape
 
-EXPORT_SCHEMA_VERSION = 6
+EXPORT_SCHEMA_VERSION = 7
+PACKING_SINCE = 7
+"""The first export schema that records the codes' packing (``state_layout.packing``); older files are migrated."""
 EXPORT_KIND = "pace-state-config"
 _MODEL_KEYS = ("source", "weights_fingerprint", "num_layers", "gdn_layers", "num_k_heads", "num_v_heads", "d_k",
                "d_v")
@@ -83,7 +94,7 @@ def used_fields(cfg: PaceConfig) -> tuple[str, ...]:
 
 _SCHEME_FIELDS = {st.field: st.json for st in SETTINGS if st.section == "state_cache_scheme"}
 """PaceConfig fields held by ``state_cache_scheme`` -> their key there (never in ``pace``)."""
-_LAYOUT_KEYS = ("rows", "columns", "groups_along", "group_size")
+_LAYOUT_KEYS = ("rows", "columns", "groups_along", "group_size", "packing")
 """The ``state_layout`` entries that follow from the settings (the rest is explanation)."""
 
 
@@ -109,10 +120,11 @@ def model_block(source: str, shape: ModelShape, weights_fingerprint: str | None 
 
 
 def state_layout(cfg: PaceConfig) -> dict[str, Any]:
-    """How the stored state is laid out and which axis the scale groups run along."""
+    """How the stored state is laid out: which axis the scale groups run along and how codes are packed."""
     method = method_of(cfg)
     return {"tensor": "S [HV, K, V] per GDN layer and sequence", "rows": "key", "columns": "value",
             "groups_along": method.groups_along(cfg), "group_size": cfg.group_size if method.grouped else None,
+            "packing": PACKING if cfg.quantized else None, "codes": packing_layout() if cfg.quantized else None,
             "update": "S_t = exp(g_t) S_{t-1} + k_t u_t^T, o_t = S_t^T q_t",
             "engines": "transformers stores [B, HV, K, V] (this layout); vLLM stores [slots, HV, V, K]: "
                        "transpose the last two axes, the groups stay along the named axis"}
@@ -121,9 +133,10 @@ def state_layout(cfg: PaceConfig) -> dict[str, Any]:
 def export_document(cfg: PaceConfig, *, shape: ModelShape | None = None, source: str | None = None,
                     weights_fingerprint: str | None = None, provenance: dict[str, Any] | None = None,
                     evidence: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The schema 6 document of ``cfg`` for the model ``source`` of ``shape`` (None when no model is known:
-    then no 8-bit heads and no resident bits; with heads calibrated but no shape, PaceError), with ``evidence``,
-    what it was picked on, as ``provenance.evidence`` (module docstring; checked by :func:`check_evidence`)."""
+    """The export document (schema :data:`EXPORT_SCHEMA_VERSION`) of ``cfg`` for the model ``source`` of ``shape``
+    (None when no model is known: then no 8-bit heads and no resident bits; with heads calibrated but no shape,
+    PaceError), with ``evidence``, what it was picked on, as ``provenance.evidence`` (module docstring; checked by
+    :func:`check_evidence`)."""
     if evidence is not None:
         check_evidence(evidence)
         provenance = {**(provenance or {}), "evidence": dict(evidence)}
@@ -275,17 +288,24 @@ def document_from_export(d: dict) -> ConfigDocument:
         raise PaceError(f"the field pace.{unread[0]} is not read by these settings (method {cfg.method!r}, dP "
                         f"{cfg.decode_period}, buffer {cfg.buffer}); allowed in pace: {', '.join(sorted(expected))}. "
                         f"Remove it, or change the settings that would read it")
-    _check_sections(d, cfg, shape)
+    _check_sections(d, cfg, shape, migrated=d["schema_version"] < PACKING_SINCE)
     return ConfigDocument(cfg, model["source"] if model else None, d["provenance"], model)
 
 
-def _check_sections(d: dict, cfg: PaceConfig, shape: ModelShape | None) -> None:
+def _check_sections(d: dict, cfg: PaceConfig, shape: ModelShape | None, migrated: bool = False) -> None:
     """The state layout and the resident bits a document records are those its settings give on its model,
-    and its settings fit that model (group sizes, 8-bit heads: one entry per GDN layer)."""
+    and its settings fit that model (group sizes, 8-bit heads: one entry per GDN layer). ``migrated``: a file of a
+    schema before :data:`PACKING_SINCE`, whose layout names no packing and whose resident bits may count its codes
+    padded (module docstring)."""
     layout = d["state_layout"]
     if not isinstance(layout, dict):
         raise PaceError(f"the field state_layout must be an object; got {type(layout).__name__}")
     want = state_layout(cfg)
+    if migrated:
+        if "packing" in layout:
+            raise PaceError(f"the field state_layout.packing is not allowed in a schema {d['schema_version']} file "
+                            f"(it came with schema {PACKING_SINCE}); export the file again")
+        layout = {**layout, "packing": want["packing"]}
     for key in _LAYOUT_KEYS:
         if layout.get(key) != want[key]:
             raise _disagree(f"state_layout.{key}", layout.get(key), want[key])
@@ -303,12 +323,23 @@ def _check_sections(d: dict, cfg: PaceConfig, shape: ModelShape | None) -> None:
     if not isinstance(recorded, dict) or set(recorded) != set(want):
         raise PaceError(f"the field resident_bits is not allowed; allowed: an object with exactly "
                         f"{', '.join(want)} (the bits these settings give on the file's model)")
+    padding = 0.0
+    if migrated and _number(recorded["resident_bits"]):  # the padded codes of an older file, counted as metadata
+        padding = max(recorded["resident_bits"] - want["resident_bits"], 0.0)
     for key, value in want.items():
         # written from the same formula; the tolerance only admits another writer's float printing
-        have = recorded[key]
-        if isinstance(have, bool) or not isinstance(have, (int, float)) or not math.isclose(have, value, rel_tol=1e-9,
-                                                                                            abs_tol=1e-12):
+        have, value = recorded[key], value + (padding if key in ("metadata_bits", "resident_bits") else 0.0)
+        if not _number(have) or not math.isclose(have, value, rel_tol=1e-9, abs_tol=1e-12):
+            if padding and key in ("metadata_bits", "resident_bits"):
+                raise PaceError(f"the field resident_bits.{key}={have!r} of this schema {d['schema_version']} file is "
+                                f"neither the bits these settings store now ({want[key]!r}) nor those of its padded "
+                                "2-, 3-, 5-, 6- or 7-bit codes (the same padding in metadata_bits and resident_bits); "
+                                "export it again instead of editing one part")
             raise _disagree(f"resident_bits.{key}", have, value)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def export_json(cfg: PaceConfig, **kwargs: Any) -> str:

@@ -36,8 +36,9 @@ SCHEMA_VERSION = 6
 """The schema of the complete record (:func:`config_to_dict`), which result caches key on: 1-3, then 5 (4 is the
 first deployable export's; from 5 on records and exports share the numbers and differ by the export's ``kind``);
 6 adds the combinations (stochastic rounding, key rotation, static scales)."""
-READ_SCHEMA_VERSION = 6
-"""The newest schema read, of records and of exports (:mod:`pace_core.export`)."""
+READ_SCHEMA_VERSION = 7
+"""The newest schema read: of exports (:mod:`pace_core.export.document`, 7 records the codes' packing); records go up
+to :data:`SCHEMA_VERSION`."""
 PRODUCER_NAME = "pace-studio"
 
 

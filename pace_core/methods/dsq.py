@@ -44,8 +44,8 @@ SCALE_BITS = 16
 
 @dataclass
 class DSQTensor:
-    """A DSQ-quantised `[..., K, V]` tensor: codes packed uint8 [..., K, ceil(V/2)] (bits <= 4) or
-    [..., K, V]; row_scale fp16 [..., K]; col_scale fp16 [..., V]."""
+    """A DSQ-quantised `[..., K, V]` tensor: codes packed densely uint8 [..., K, ceil(V b / 8)]
+    (`quant.pack_codes`); row_scale fp16 [..., K]; col_scale fp16 [..., V]."""
 
     codes: torch.Tensor
     row_scale: torch.Tensor

@@ -237,10 +237,11 @@ def layer_bytes(cfg: Configuration, shape: ModelShape, n_seq: int, layer: int) -
 
 
 def fixed_bytes(cfg: Configuration, shape: ModelShape, layer: int) -> int:
-    """Kept once per layer: the head map of a layer that mixes two widths (one int16 per value head), and with
-    static scales the calibrated ranges (one or two fp16 per scale group of every head)."""
+    """Kept once per layer: the head map of a layer that mixes two widths (one int16 per value head; none where the
+    high-bit heads have the others' width), and with static scales the calibrated ranges (one or two fp16 per scale
+    group of every head)."""
     hv = shape.num_v_heads
-    total = 2 * hv if 0 < high_head_counts(cfg, shape)[layer] < hv else 0
+    total = 2 * hv if 0 < high_head_counts(cfg, shape)[layer] < hv and cfg.high_bits != cfg.bits else 0
     if cfg.scales == "static":
         groups = len(quant.RANGE_NAMES[cfg.symmetric]) * hv * (shape.d_k * shape.d_v // cfg.group_size)
         total += groups * RANGE_BITS // 8

@@ -31,11 +31,11 @@ scales (the repository divides by r, then by c); dequantised values are
 ``z · (r · c)``, one rounding in float32 (``r · c`` is exact there), the same function on both paths.
 
 **Storage** (:class:`StepQuantState`), per width b the heads of that width: codes packed densely along V,
-little-endian (:func:`pack_dense`): 2-bit four per byte, 4-bit two per byte (quant's layout), 6-bit four per
-three bytes, 8-bit one per byte; stored codes are ``(z + 3) / 2`` (2 bits) or ``z + 2^(b-1)``. Row scales
-fp16 ``[..., n_b, K]`` (2 bits ``[..., n_b, K, V/32]``), column scales fp16 ``[..., n_b, V]``, pivots fp16
-``[..., n_16, K, V]``, the head map one int16 per value head (once per layer, as quant.MixedPackedState).
-Exact bytes: :func:`stepquant_nbytes`; bits per state value beside the paper's nominal 4 / 6:
+little-endian, by the project's one packing (:func:`pace_core.quant.pack_codes`): 2-bit four per byte, 4-bit two
+per byte, 6-bit four per three bytes, 8-bit one per byte; stored codes are ``(z + 3) / 2`` (2 bits) or
+``z + 2^(b-1)``. Row scales fp16 ``[..., n_b, K]`` (2 bits ``[..., n_b, K, V/32]``), column scales fp16
+``[..., n_b, V]``, pivots fp16 ``[..., n_16, K, V]``, the head map one int16 per value head (once per layer, as
+quant.MixedPackedState). Exact bytes: :func:`stepquant_nbytes`; bits per state value beside the paper's nominal 4 / 6:
 :func:`resident_bits`.
 
 **Calibration** (per GDN layer; q, k prepared as in ``pace_core.model.patch.core_inputs``):
@@ -78,7 +78,16 @@ import torch
 
 from pace_core.deferred import defer
 from pace_core.errors import PaceError
-from pace_core.quant import FP16_MAX, check_finite, div_by_int, fp16_scale, safe_divisor, work_dtype
+from pace_core.quant import (
+    FP16_MAX,
+    check_finite,
+    div_by_int,
+    fp16_scale,
+    pack_codes,
+    safe_divisor,
+    unpack_codes,
+    work_dtype,
+)
 
 PIVOT = 16
 """The width of a pivot head: raw fp16 values."""
@@ -152,45 +161,6 @@ def _where(lead: Sequence[int], at: Sequence[int]) -> str:
     if not lead:
         return ""
     return f"sequence {at[0]}, " if len(lead) == 1 else f"index {tuple(at)}, "
-
-
-# ---------------------------------------------------------------- packing
-
-
-def _per_group(bits: int) -> int:
-    """Codes per little-endian group of whole bytes: 4 (2 and 6 bits), 2 (4 bits), 1 (8 bits)."""
-    return 8 // math.gcd(bits, 8)
-
-
-def pack_dense(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes ``[..., n]`` (values < 2^bits) densely, little-endian: groups of
-    ``8 / gcd(bits, 8)`` codes form one word ``Σ_i code_i << (i · bits)`` stored as its ``bits / gcd``
-    bytes, low byte first. uint8 ``[..., n · bits / 8]``; ``n`` a multiple of the group (PaceError)."""
-    if bits not in INTEGER_WIDTHS:
-        raise PaceError(f"bits={bits!r} is not a STEPQuant code width; allowed: {INTEGER_WIDTHS}")
-    per = _per_group(bits)
-    if codes.shape[-1] % per:
-        raise PaceError(f"{codes.shape[-1]} codes do not fill {bits}-bit groups of {per}; allowed: a multiple of {per}")
-    groups = codes.to(torch.int32).unflatten(-1, (-1, per))
-    word = (groups << (torch.arange(per, device=codes.device, dtype=torch.int32) * bits)).sum(-1)
-    nbytes = per * bits // 8
-    out = (word.unsqueeze(-1) >> (torch.arange(nbytes, device=codes.device, dtype=torch.int32) * 8)) & 255
-    return out.to(torch.uint8).flatten(-2)
-
-
-def unpack_dense(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_dense`: uint8 ``[..., n · bits / 8]`` -> codes uint8 ``[..., n]``."""
-    per = _per_group(bits)
-    nbytes = per * bits // 8
-    if packed.dtype != torch.uint8 or packed.shape[-1] * 8 != n * bits or n % per:
-        raise PaceError(f"packed {packed.dtype} [..., {packed.shape[-1]}] does not hold {n} {bits}-bit codes; "
-                        f"allowed: uint8 [..., {n * bits // 8}]")
-    shifts = torch.arange(nbytes, device=packed.device, dtype=torch.int32) * 8
-    word = (packed.to(torch.int32).unflatten(-1, (-1, nbytes)) << shifts).sum(-1)
-    codes = (word.unsqueeze(-1) >> (torch.arange(per, device=packed.device, dtype=torch.int32) * bits)) & (
-        (1 << bits) - 1
-    )
-    return codes.to(torch.uint8).flatten(-2)
 
 
 def _stored(z: torch.Tensor, bits: int) -> torch.Tensor:
@@ -349,7 +319,7 @@ def _quantize(S: torch.Tensor, widths: Sequence[int] | torch.Tensor, w: torch.Te
         else:
             z, rows[b], cols[b] = _fit(x.to(wd), w.index_select(0, idx.to(w.device)).to(device=S.device, dtype=wd),
                                        b, ids, name)
-            codes[b] = pack_dense(_stored(z, b), b)
+            codes[b] = pack_codes(_stored(z, b), b, checked=True)
             values = None if out is None else _values(z, rows[b], cols[b], b, dtype)
         if out is not None:
             out.index_copy_(S.dim() - 3, idx, values)
@@ -387,7 +357,7 @@ def dequantize(p: StepQuantState, dtype: torch.dtype = torch.float32) -> torch.T
         if b == PIVOT:
             values = p.pivots.to(dtype)
         else:
-            z = _signed(unpack_dense(p.codes[b], b, v), b, work_dtype(dtype))
+            z = _signed(unpack_codes(p.codes[b], b, v), b, work_dtype(dtype))
             values = _values(z, p.row_scale[b], p.col_scale[b], b, dtype)
         out.index_copy_(len(p.shape) - 3, idx.long(), values)
     return out
