@@ -35,6 +35,15 @@ layer), DSQ's packed codes with fp16 row scales ``[K]`` and column scales ``[V]`
 key vector and, for int8, per value vector). ``exact_bits`` is ``8 · state_bytes(cfg, shape, 1)``
 divided by the state values of one sequence.
 
+**Outside the state, by design** (:func:`host_bytes`): stochastic rounding's generator (``pace-4-sr``). Each
+GDN layer's format holds one ``torch.Generator`` (:attr:`pace_core.checkpoint.StateFormat.generator`), a host object
+whose state is 5,056 bytes on the CPU (torch's Mersenne Twister: 121,344 B = 121 KB at Qwen3.5-4B's 24 GDN layers)
+and 16 bytes on the host for a CUDA generator (Philox seed and offset). It is the rounding's source of randomness,
+not a sequence's state: it is kept once per layer whatever the number of sequences, never in the device memory
+that :func:`capacity` budgets, never in a serving pool (a vLLM pool refuses stochastic rounding), and it is no
+tensor, so :func:`state_bytes` and the bytes held (:func:`pace_core.memory.held_bytes`) both leave it out.
+:func:`host_bytes` reports it.
+
 Readings of the seeds' numbers (reported, and checked in tests/test_accounting.py):
 
 - PACE-4 "5.03 bits on Qwen3.5-27B": the paper's formula (:func:`paper_c`) gives 4.93229 on 27B (γ = 3)
@@ -150,6 +159,16 @@ def state_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> int:
         record = record_bytes(cfg.buffer_format, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v)
         total += shape.num_gdn_layers * n_seq * cfg.decode_period * record
     return total
+
+
+def host_bytes(cfg: PaceConfig, shape: ModelShape, device: torch.device | str = "cpu") -> int:
+    """Bytes ``cfg`` keeps on the host beside its state on ``device``, outside :func:`state_bytes` by design
+    (module docstring): stochastic rounding's generators, one per GDN layer (the size of a ``torch.Generator``'s
+    state on ``device``: 5,056 on the CPU, 16 for CUDA); 0 for every other configuration."""
+    _check(cfg, shape)
+    if cfg.rounding != "stochastic":
+        return 0
+    return shape.num_gdn_layers * torch.Generator(device).get_state().numel()
 
 
 def state_bytes_per_sequence(cfg: PaceConfig, shape: ModelShape) -> int:
