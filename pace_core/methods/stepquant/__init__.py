@@ -124,7 +124,7 @@ def calibrate(cfg, samples, layers: list[int]) -> list[dict[str, torch.Tensor]]:
         impact.append(w.float().cpu())
         costs.append(sq.cost_table(samples.states[layer], w, lifetime, candidates))
     cost = torch.stack(costs)
-    pivots = round(cfg.stepquant_pivot_share * cost.shape[0] * cost.shape[1])
+    pivots = sq.pivot_count(cfg.stepquant_pivot_share, cost.shape[0] * cost.shape[1])
     widths = sq.allocate(cost, cfg.bits, pivots, candidates)
     return [{"widths": widths[i].to(torch.int16), "impact": impact[i]} for i in range(len(layers))]
 
@@ -155,7 +155,8 @@ METHOD = register(Method(
                       label="STEPQuant pivot share (heads in fp16)", options=PIVOT_SHARES, fmt=_share,
                       help="Our choice: the share of all GDN heads kept as fp16 pivots, the costliest after the "
                            "first knapsack (the paper keeps 32 of the 27B model's 2304 heads, 1/72), rounded to "
-                           "whole heads. Each pivot takes 8 bits of the nominal budget."),),
+                           "the nearest whole head, halves up (1/72 of 36 heads: 1). Each pivot takes 8 bits of "
+                           "the nominal budget."),),
     named={"stepquant-4": dict(bits=4, decode_period=1, prefill_period=ONCE, buffer="int8", symmetric=True),
            "stepquant-6": dict(bits=6, decode_period=1, prefill_period=ONCE, buffer="int8", symmetric=True),
            "pace-stepquant-4": dict(bits=4, decode_period=8, prefill_period=256, buffer="int8", symmetric=True)},
