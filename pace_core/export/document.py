@@ -1,6 +1,6 @@
 """The deployable export: one PACE configuration as a JSON document a serving engine can apply.
 
-Schema 6 (4 and 5 are read: their settings of later schemas are the defaults; ``config_to_dict`` in
+Schema 7 (4 to 6 are read: their settings of later schemas are the defaults; ``config_to_dict`` in
 :mod:`pace_core.export.record` stays the complete record the result caches key on; this is what leaves the project)::
 
     {"schema_version": 4, "kind": "pace-state-config",
@@ -47,7 +47,7 @@ from pace_core.export.record import PRODUCER_NAME, ConfigDocument, config_from_s
 from pace_core.methods import Calibrated, method_of
 from pace_core.shapes import ModelShape
 
-EXPORT_SCHEMA_VERSION = 6
+EXPORT_SCHEMA_VERSION = 7
 EXPORT_KIND = "pace-state-config"
 _MODEL_KEYS = ("source", "weights_fingerprint", "num_layers", "gdn_layers", "num_k_heads", "num_v_heads", "d_k",
                "d_v")

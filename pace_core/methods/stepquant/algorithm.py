@@ -48,7 +48,10 @@ Exact bytes: :func:`stepquant_nbytes`; bits per state value beside the paper's n
 - cost ``C_h(b) = L_h · mean over snapshots and over the K·V values of w[k]² (x̂ − x)²`` with every head
   at width b (:func:`cost_table`; the mean over values, not a sum, is the repository's: one factor for
   all heads of a model, so the allocation is the same). **[repo]** snapshots: the state every 8 tokens,
-  64 kept per layer by a seeded reservoir, of 32 WikiText-2 train segments of 2048 tokens.
+  64 kept per layer by a seeded reservoir, of 32 WikiText-2 train segments of 2048 tokens. **[ours]** The method
+  calibrates on PACE's shared samples by default (the calibration text's first 2,048 tokens, a state every 64
+  tokens) and on this protocol with ``stepquant_calibration`` "authors" (:data:`pace_core.methods.stepquant.AUTHORS`),
+  both on WikiText-2 *valid* (train is not in the shared corpus).
 
 **Allocation** over all GDN heads of all layers (:func:`allocate`): an exact multiple-choice knapsack
 (:func:`knapsack`) minimises ``Σ C_h(b_h)`` under ``Σ b_h <= N·n`` (N heads, n = 4 or 6); the P heads with
