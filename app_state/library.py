@@ -2,9 +2,9 @@
 pages import only app_state, pace_core.figures and pace_core.errors (tests/test_layers.py), and a page that needs
 another name of pace_core finds it, or adds it, here."""
 
-from pace_core.accounting import capacity, resident_bits, state_bytes, state_share
+from pace_core.accounting import best_in_memory, capacity, resident_bits, state_bytes, state_share
 from pace_core.analysis.claims import SPREAD_LEVEL, verdict
-from pace_core.analysis.compare import budget_bits, recommendation, stored_config
+from pace_core.analysis.compare import budget_bits, recommendation, stored_config, stored_configs
 from pace_core.analysis.generation import generate_side_by_side
 from pace_core.analysis.structure import strongest_outlier_head, structure_stats
 from pace_core.config import HIGH_SHARE_METHODS, NAMED_CONFIGS, PaceConfig, get_config, tagged
@@ -20,8 +20,8 @@ from pace_core.vllm.settings import serve_command
 
 __all__ = [
     "BUILTIN_SHAPES", "HIGH_SHARE_METHODS", "NAMED_CONFIGS", "SPREAD_LEVEL", "PaceConfig", "Point", "QuantSpec",
-    "admit", "best_under", "budget_bits", "capacity", "export_filename", "fake_quantize", "generate_side_by_side",
-    "get_config", "high_heads_for", "parse_json", "portable_reference", "recommendation", "resident_bits",
-    "serve_command", "state_bytes", "state_share", "stored_config", "strongest_outlier_head", "structure_stats",
-    "tagged", "verdict", "vllm_bench", "vllm_check",
+    "admit", "best_in_memory", "best_under", "budget_bits", "capacity", "export_filename", "fake_quantize",
+    "generate_side_by_side", "get_config", "high_heads_for", "parse_json", "portable_reference", "recommendation",
+    "resident_bits", "serve_command", "state_bytes", "state_share", "stored_config", "stored_configs",
+    "strongest_outlier_head", "structure_stats", "tagged", "verdict", "vllm_bench", "vllm_check",
 ]

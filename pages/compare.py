@@ -8,11 +8,14 @@ from app_state import controls, exporting, frame, session, stored
 from app_state.library import (
     PaceConfig,
     Point,
+    best_in_memory,
     best_under,
     budget_bits,
+    capacity,
     portable_reference,
     recommendation,
     stored_config,
+    stored_configs,
 )
 from pace_core import figures
 from pace_core.errors import PaceError
@@ -56,12 +59,21 @@ def page(cfg: PaceConfig) -> None:
     points = [Point.of(p) for p in data["points"]]
 
     st.subheader("Best under a memory budget")
-    budget, memory, where, context, weight_bits = _budget(card.shape)
-    best = best_under(points, budget)
-    if best is None:
+    budget, memory, where, context, weight_bits, sequences = _budget(card.shape)
+    if sequences is None:  # bits per state value: against each point's resident bits, the plotted axis
+        best = best_under(points, budget)
+    else:  # a GPU: the configurations that hold the sequences by the accounting's capacity
+        best = best_in_memory(points, stored_configs(data), card.shape, memory, sequences, context=context,
+                              weight_bits=weight_bits)
+    if best is None and sequences is None:
         fewest = min(points, key=lambda p: p.resident_bits)
         st.warning(f"No configuration fits {budget:.2f} bits per state value: the fewest, {fewest.config}, takes "
                    f"{fewest.resident_bits:.2f}.", icon=":material/block:")
+    elif best is None:
+        most = max((capacity(stored_config(data, p.config), card.shape, memory, weight_bits=weight_bits,
+                             context=context).sequences, -p.kl, p.config) for p in points)  # ties: lower KL
+        st.warning(f"No configuration holds {sequences:,} sequences on {where} at {context:,} tokens of context with "
+                   f"{weight_bits}-bit weights: the most, {most[2]}, holds {most[0]:,}.", icon=":material/block:")
     else:
         st.success(recommendation(best, stored_config(data, best.config), card.shape, memory, where, context=context,
                                   weight_bits=weight_bits), icon=":material/recommend:")
@@ -79,10 +91,11 @@ def page(cfg: PaceConfig) -> None:
                                      "bpb": "{:.4f}"}), hide_index=True, key="compare_table")
 
 
-def _budget(shape) -> tuple[float, int, str, int, int]:
-    """The budget in bits per state value as the user gives it, with the memory, its name, the context and the
-    weight bits the sentence states the capacity at (for a budget in bits: :data:`figures.CAPACITY_GPU` and its
-    settings)."""
+def _budget(shape) -> tuple[float, int, str, int, int, int | None]:
+    """The budget as the user gives it: bits per state value, with the memory, its name, the context and the weight
+    bits the sentence states the capacity at (for a budget in bits: :data:`figures.CAPACITY_GPU` and its settings,
+    and no sequence count); or a GPU's memory, with the sequences it must hold and the bits per state value that
+    leaves each sequence (shown as the budget line)."""
     kind = st.radio("Memory budget as", [BITS, GPU], key="compare_budget_kind", horizontal=True,
                     help="Bits per state value directly, or the memory a GPU leaves for the states of a number of "
                          "sequences after the weights and their attention KV cache.")
@@ -91,7 +104,7 @@ def _budget(shape) -> tuple[float, int, str, int, int]:
                                key="compare_bits", help="Resident bits per state value a configuration may take "
                                                         "(fp32: 32).")
         return (float(bits), int(figures.GPU_BUDGETS_GB[figures.CAPACITY_GPU] * figures.GB),
-                f"an {figures.CAPACITY_GPU}", figures.CAPACITY_CONTEXT, figures.CAPACITY_WEIGHT_BITS)
+                f"an {figures.CAPACITY_GPU}", figures.CAPACITY_CONTEXT, figures.CAPACITY_WEIGHT_BITS, None)
     c1, c2, c3, c4 = st.columns(4)
     gpus = {**figures.GPU_BUDGETS_GB, "custom": None}
     gpu = c1.selectbox("GPU memory", list(gpus), index=list(gpus).index(figures.CAPACITY_GPU), key="compare_gpu")
@@ -106,9 +119,12 @@ def _budget(shape) -> tuple[float, int, str, int, int]:
     bits = budget_bits(shape, memory, int(sequences), context=int(context), weight_bits=weight_bits)
     st.caption(f"{bits:.2f} bits per state value: what {gb:g} GB leaves after the weights at {weight_bits} bits and "
                f"{int(sequences):,} sequences' bf16 attention KV cache at {int(context):,} tokens, shared by their "
-               "recurrent states (pace_core.analysis.compare.budget_bits).")
+               "recurrent states (pace_core.analysis.compare.budget_bits). A configuration fits when the memory "
+               "holds the sequences by the accounting's capacity: what it keeps once per layer (head maps, "
+               "STEPQuant's impact weights, static scales' ranges) comes off the memory first, so its resident bits "
+               "of one sequence may lie right of this line (pace_core.accounting.best_in_memory).")
     where = f"an {gpu}" if gpus[gpu] is not None else f"{gb:g} GB"
-    return bits, memory, where, int(context), weight_bits
+    return bits, memory, where, int(context), weight_bits, int(sequences)
 
 
 def _export(best: Point, data: dict, card) -> None:

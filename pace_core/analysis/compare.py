@@ -7,8 +7,11 @@ quality against the fp32 reference on held-out text (:func:`pace_core.analysis.q
 agreement, bits per byte). The frontier holds the points no other point dominates: none has at most its bits
 and at most its KL with one of the two strictly less. :func:`best_under` picks, among the points whose bits fit
 a budget, the one of lowest KL (ties: fewer bits), which is always a frontier point. A budget is bits per state
-value, given directly or made by :func:`budget_bits` from a memory size, the model's shape, a context length and
-a number of sequences: the states' share of the memory left after the weights and the attention KV cache.
+value, given directly (compared with each point's resident bits, the plotted axis), or a memory size, a context
+length and a number of sequences: then the recommendation is :func:`pace_core.accounting.best_in_memory`, the best
+point among those whose configuration :func:`~pace_core.accounting.capacity` says holds that many sequences (what is
+kept once per layer taken from the memory first). :func:`budget_bits` shows such a memory as the bits per state
+value the sequences' states may share after the weights and the attention KV cache.
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ def budget_bits(shape: ModelShape, memory_bytes: int, sequences: int, *, context
     """Bits per state value that ``sequences`` sequences' recurrent states may take in ``memory_bytes``: what is
     left after the weights (``weight_bits`` per parameter, default the shape's own) and, at ``context`` tokens
     each, the sequences' bf16 attention KV cache (the terms of :func:`pace_core.accounting.capacity`), divided by
-    their state values (0 when nothing is left). A configuration whose resident bits fit it holds ``sequences``
-    sequences by :func:`~pace_core.accounting.capacity` (exactly the budget when it stores nothing once per
-    layer)."""
+    their state values (0 when nothing is left): the per-sequence room. A configuration that keeps nothing once per
+    layer holds ``sequences`` sequences exactly when its resident bits fit it; one that does (head maps, STEPQuant's
+    impact weights, static scales' ranges) may hold them with resident bits above it, since one sequence's resident
+    bits carry those bytes whole: which configurations fit is :func:`pace_core.accounting.best_in_memory`'s."""
     if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1:
         raise PaceError(f"sequences={sequences!r} is not allowed; allowed: an integer >= 1")
     room = capacity(get_config("fp32"), shape, memory_bytes, weight_bits=weight_bits, context=context)
@@ -59,6 +63,12 @@ def comparison(points: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], pd.
     table = pd.DataFrame([{k: v for k, v in p.items() if k != "configuration"} | {"frontier": p["config"] in on}
                           for p in points]).sort_values(["resident_bits", "kl"], kind="stable").reset_index(drop=True)
     return {"points": [dict(p) for p in points], "frontier": on}, table
+
+
+def stored_configs(data: Mapping[str, Any]) -> dict[str, PaceConfig]:
+    """Every point's configuration of a stored comparison (as calibrated on the model), by name: what
+    :func:`pace_core.accounting.best_in_memory` counts the capacity of."""
+    return {p["config"]: config_from_dict(p["configuration"]) for p in data["points"]}
 
 
 def stored_config(data: Mapping[str, Any], name: str) -> PaceConfig:
