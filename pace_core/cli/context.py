@@ -37,6 +37,10 @@ COMPARE_TOKENS = 4096
 shared 2-core CPU (measured at a load average of 4.7: data/results/pace-tiny-qwen35/README.md), well under 20."""
 
 
+COMPARE_WINDOW = 512
+"""The default perplexity window of ``compare`` (stride half of it) when it measures."""
+
+
 CONFIG_GROUP = 4
 """Configurations measured (and stored) together by a per-configuration command, each group with its own run
 of the reference: a stopped run loses at most these."""
