@@ -14,6 +14,7 @@ import torch
 
 from app_state import work
 from app_state.controls import Runtime
+from app_state.markup import escape
 from app_state.session import _load_model, model_label_of
 from app_state.stored import provenance_label, stored_results
 from pace_core.analysis.calibration import (
@@ -154,6 +155,7 @@ def drift(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], pre
     every = -(-steps // DRIFT_CAPTURES)
     setting = (source, where, prefill, steps)
     T = int(ids.shape[1])
+    read = escape(CALIBRATION_TEXT.name) if CALIBRATION_TEXT.is_file() else "the fixed prompt"
     reference = work.kept("drift_reference", 2)
 
     def compute(missing: dict[str, str]) -> dict:
@@ -173,8 +175,8 @@ def drift(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], pre
     return {"table": pd.concat([found[label][0].assign(config=label) for label, _ in configs], ignore_index=True),
             "summary": pd.concat([found[label][1].assign(config=label) for label, _ in configs], ignore_index=True),
             "every": every,
-            "provenance_label": f"computed live on {model_label_of(source)} ({where}), {T} tokens of "
-                                f"{CALIBRATION_TEXT.name if CALIBRATION_TEXT.is_file() else 'the fixed prompt'} "
+            "provenance_label": f"computed live on {escape(model_label_of(source))} ({escape(where)}), {T} tokens "
+                                f"of {read} "
                                 f"(states compared every {every} decode steps), "
                                 f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"}
 
@@ -204,9 +206,9 @@ def _stored_calibration(source: str, weights: str, key: str) -> tuple[Calibratio
 
 
 def _damaged_calibrations(source: str, weights: str) -> str:
-    """The damaged stored calibration files, named for a provenance line ('' when none)."""
+    """The damaged stored calibration files, named for a provenance line of Markdown ('' when none)."""
     damaged = stored_results(source, "calibration", weights).damaged
-    return "".join(f"; not used, damaged: {d.message}" for d in damaged)
+    return "".join(f"; not used, damaged: {escape(d.message)}" for d in damaged)
 
 
 def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
@@ -243,7 +245,7 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
     work.use_free_cores()
     cal = calibrate(loaded, cfg, samples=samples)
     found = {"calibration": cal,
-             "provenance_label": f"{samples.describe()}, computed live on {model_label_of(source)}"
+             "provenance_label": f"{escape(samples.describe())}, computed live on {escape(model_label_of(source))}"
                                  + _damaged_calibrations(source, loaded.fingerprint)}
     work.kept("calibration", 64).put((source, where, key), found)
     return found

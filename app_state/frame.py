@@ -28,6 +28,7 @@ from app_state.controls import (
     sync,
     write_url,
 )
+from app_state.markup import escape
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 
@@ -40,7 +41,7 @@ def sidebar() -> PaceConfig:
     top of the page)."""
     url_problems = read_url_once()
     for problem in url_problems:
-        st.warning(problem, icon=":material/link:")
+        st.warning(escape(problem), icon=":material/link:")
     model_problem = st.session_state.pop("_model_problem", None)
     if model_problem is not None:
         st.warning(model_problem, icon=":material/folder_off:")
@@ -83,11 +84,11 @@ def sidebar() -> PaceConfig:
             cfg, problem = current_config(), None
         except PaceError as err:
             cfg, problem = fallback_config(), err
-            st.error(f"These settings do not form a valid configuration: {err}.")
-        st.caption(f"Active: **{cfg.name}** · the link in the address bar reproduces this view")
+            st.error(f"These settings do not form a valid configuration: {escape(err)}.")
+        st.caption(f"Active: **{escape(cfg.name)}** · the link in the address bar reproduces this view")
     if problem is not None:
-        st.error(f"The sidebar's settings do not form a valid configuration: {problem}. The views use "
-                 f"'{cfg.name}' until you change them.", icon=":material/tune:")
+        st.error(f"The sidebar's settings do not form a valid configuration: {escape(problem)}. The views use "
+                 f"'{escape(cfg.name)}' until you change them.", icon=":material/tune:")
     write_url()
     return cfg
 
@@ -111,14 +112,14 @@ def run_page(body: Callable[[PaceConfig], None]) -> None:
     try:
         body(cfg)
     except PaceError as err:
-        st.error(f"{err}\n\nChange the named setting in the sidebar (or the input on this page) and the "
+        st.error(f"{escape(err)}\n\nChange the named setting in the sidebar (or the input on this page) and the "
                  "page recomputes.", icon=":material/warning:")
     except Exception as err:  # a page failure must not take the app down: report it, keep going
         if _out_of_memory(err):
-            st.error(f"Out of memory on {st.session_state.get('device', 'the device')}: "
-                     f"{str(err).partition(chr(10))[0]}\n\nAsk for less at once on this page (fewer tokens, steps, "
-                     "sequences or configurations), or pick a smaller model or another device in the sidebar; "
+            st.error(f"Out of memory on {escape(st.session_state.get('device', 'the device'))}: "
+                     f"{escape(str(err).partition(chr(10))[0])}\n\nAsk for less at once on this page (fewer tokens, "
+                     "steps, sequences or configurations), or pick a smaller model or another device in the sidebar; "
                      "what was computed before is kept.", icon=":material/memory:")
             return
-        st.error(f"This page failed: {type(err).__name__}: {err}\n\nTry another configuration or model; "
+        st.error(f"This page failed: {type(err).__name__}: {escape(err)}\n\nTry another configuration or model; "
                  "if it persists, please report it with the link in the address bar.", icon=":material/error:")

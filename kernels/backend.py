@@ -49,16 +49,17 @@ from .fused_step import launch_fused
 from .packed_step import launch_packed_step, launch_window
 from .plan import DecodePlan, check_kernel_shape, is_pow2, output_tensor, plan_decode
 from .recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
+from .settings import Launch
 
 
 class TritonSteps:
-    """The Triton backend of one layer (module docstring). ``launch``: launch settings over the plan's
-    defaults (``DecodePlan.meta``; the benchmark tries others)."""
+    """The Triton backend of one layer (module docstring). ``launch``: the kernels' launch settings
+    (:class:`kernels.settings.Launch`; the defaults when None, kernels/bench/bench.py tries others)."""
 
     name = "triton"
 
-    def __init__(self, launch: dict | None = None) -> None:
-        self.launch = dict(launch or {})
+    def __init__(self, launch: Launch | None = None) -> None:
+        self.launch = launch or Launch()
         self._plan: tuple[object, DecodePlan] | None = None
         self._recurrent: tuple[RecurrentPlan, float | None] | None = None
         self._chunk_plan: RecurrentPlan | None = None  # a short chunk's run on a float32 copy of its state
@@ -147,7 +148,7 @@ class TritonSteps:
         step run all ``n`` in one launch (:func:`kernels.packed_step.launch_window`, each token exactly as
         :meth:`step` would with the one-kernel step), then the flush when asked; others token by token."""
         plan, buf, n = self.plan(st), st.buffer, q.shape[1]
-        if n == 1 or not (plan.split and plan.meta["fusable"]):
+        if n == 1 or not (plan.split and plan.split.fusable):
             return token_by_token(self, st, q, k, v, g, beta, flush=flush)
         q, k, v, g, beta = (t.transpose(0, 1).contiguous() for t in (q, k, v, g, beta))
         o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -165,12 +166,11 @@ class TritonSteps:
         (untouched), so that the state is refused at the token and with the message a store gives. That check
         reads the device: recorded while checks are deferred (:mod:`pace_core.deferred`), skipped while another
         CUDA graph is being captured (its replays do not check, as :func:`pace_core.state_store.refuse_non_finite`).
-        ``launch``'s ``block_v`` and ``num_warps`` reach the kernel; its plan and the overflow bound are made on the
-        first run (the layer's layout does not change)."""
+        The launch settings' ``recurrent`` reach the kernel; its plan and the overflow bound are made on the first
+        run (the layer's layout does not change)."""
         if self._recurrent is None:  # the layer's layout: every run's checkpoint has it
-            settings = {key: self.launch[key] for key in ("block_v", "num_warps") if key in self.launch}
             bound = None if st.fmt.spec is None else _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head))
-            self._recurrent = (plan_recurrent(st.checkpoint, **settings), bound)
+            self._recurrent = (plan_recurrent(st.checkpoint, self.launch.recurrent), bound)
         plan, bound = self._recurrent
         o, new, peak = recurrent_run(st.checkpoint, q, k, v, g, beta, plan=plan)
         if (peak is not None and not defer(lambda: ~(peak <= bound)) and not capturing(q)

@@ -212,13 +212,17 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     checkpoint and requantise it in place (the caller clears the buffer); launches that
     :func:`kernels.plan.gluon_flush_apply` takes run :mod:`kernels.gluon_flush`."""
     B, H, HV, K, V = plan.shape
-    m = plan.meta
-    bv = min(m["flush_columns"], V)
-    for (args, common, heads), gluon in zip(plan.launches[m["per_part"]], plan.gluon_flush[m["per_part"]]):
-        if gluon:  # decided once per plan (kernels.plan.gluon_flush_apply); imported only on a GPU
+    sp = plan.split
+    s = sp.settings
+    bv = min(s.flush_columns, V)
+    cap = {} if s.flush_maxnreg is None else {"maxnreg": s.flush_maxnreg}
+    for launch in sp.per_width:
+        if launch.gluon_flush:  # decided once per plan (kernels.plan.gluon_flush_apply); imported only on a GPU
             from . import gluon_flush
 
-            gluon_flush.launch(plan, len(buf), args, common, heads)
+            gluon_flush.launch(plan, len(buf), launch)
             continue
-        _flush_kernel[(B * heads, V // bv)](*args, *plan.records, len(buf), plan.capacity, H, HV, BV=bv, NB=16,
-                                            **plan.record_meta, num_warps=m["flush_warps"], num_stages=1, **common)
+        _flush_kernel[(B * launch.heads, V // bv)](*launch.ckpt.args(), *plan.records.args(), len(buf), plan.capacity,
+                                                   H, HV, BV=bv, NB=16, **plan.records.layout.constexprs(),
+                                                   num_warps=s.flush_warps, num_stages=1, **cap,
+                                                   **sp.constexprs(launch, K, V))

@@ -7,7 +7,8 @@
   into the plan's workspace;
 - the record kernel (:func:`launch_records`), one small program per (sequence, value head), adds the
   buffered records' part, forms ``u_t`` and ``o_t`` and writes the record into the buffer in its precision;
-- for a batch of at most one wave the two run as one kernel (:func:`_ckpt_step_kernel`, ``SPLIT_DEFAULTS``);
+- as one kernel (:func:`_ckpt_step_kernel`, or :mod:`kernels.gluon_step`; setting ``fused_step`` of
+  :class:`kernels.settings.SplitSettings`);
 - a window of tokens known at once (teacher forcing) runs that one-kernel step over its tokens in one launch
   (:func:`launch_window`).
 
@@ -18,6 +19,7 @@ fp32 holding the same bfloat16-exact values (:func:`kernels.primitives.operand`)
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -296,74 +298,81 @@ def _ckpt_window_kernel(
         tl.debug_barrier()
 
 
-def launch_dots(plan: DecodePlan, q, k) -> None:
-    """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]``
-    float32, contiguous); a launch of one 4-bit part on a GPU runs :mod:`kernels.gluon_dots` where it applies
-    (:func:`kernels.plan.gluon_dots_apply`; launch setting ``gluon_dots`` False: never)."""
+def _maxnreg(cap: int | None) -> dict:
+    """The launch option of a register cap (:class:`kernels.settings.SplitSettings`' ``*_maxnreg``), none when None."""
+    return {} if cap is None else {"maxnreg": cap}
+
+
+def launch_dots(plan: DecodePlan, q: torch.Tensor, k: torch.Tensor) -> None:
+    """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]`` float32,
+    contiguous); a launch of one 4-bit part on a GPU runs :mod:`kernels.gluon_dots` where it applies
+    (:func:`kernels.plan.gluon_dots_apply`; setting ``gluon_dots`` False: never)."""
     B, H, HV, K, V = plan.shape
-    m = plan.meta
-    bv = min(m["dots_columns"], V)
-    per_part = m["dots_per_part"]
-    for (args, common, heads), gluon in zip(plan.launches[per_part], plan.gluon_dots[per_part]):
-        if gluon:
+    sp = plan.split
+    bv = min(sp.settings.dots_columns, V)
+    for launch in sp.dots:
+        if launch.gluon_dots:
             from . import gluon_dots  # GPU only: never imported under the interpreter
-            gluon_dots.launch(plan, q, k, args, common, heads)
+            gluon_dots.launch(plan, q, k, launch)
             continue
-        _ckpt_dots_kernel[(B * heads, V // bv)](q, k, plan.workspace, *args, H, HV, BV=bv, num_warps=m["dots_warps"],
-                                                **common)
+        _ckpt_dots_kernel[(B * launch.heads, V // bv)](q, k, plan.workspace, *launch.ckpt.args(), H, HV, BV=bv,
+                                                       num_warps=sp.settings.dots_warps,
+                                                       **_maxnreg(sp.settings.dots_maxnreg),
+                                                       **sp.constexprs(launch, K, V))
 
 
-def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+def launch_records(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor) -> None:
     """The split path's second kernel: ``o [B, HV, V]`` from ``plan.workspace`` and the buffer's
     ``len(buf)`` records; writes the token's record into slot ``len(buf)`` (the caller counts it)."""
     B, H, HV, K, V = plan.shape
-    m = plan.meta
+    s = plan.split.settings
     _record_step_kernel[(B * HV,)](
-        q, k, v, g, beta, o, plan.workspace, *plan.records, len(buf), plan.capacity, H, HV, K=K, V=V,
-        EXACT=m["EXACT"], **plan.record_meta,
-        NB=plan.record_block,
-        num_warps=m["record_warps"],
+        q, k, v, g, beta, o, plan.workspace, *plan.records.args(), len(buf), plan.capacity, H, HV, K=K, V=V,
+        EXACT=plan.exact, **plan.records.layout.constexprs(), NB=plan.record_block, num_warps=s.record_warps,
+        **_maxnreg(s.dots_maxnreg),
     )
 
 
-def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
-    """The split path's step as one kernel (``meta["fused_step"]``, where the heads are wide enough:
-    ``meta["fusable"]``): :mod:`kernels.gluon_step` where it applies (``plan.gluon_step``), else
-    :func:`_ckpt_step_kernel`; otherwise :func:`launch_dots` then :func:`launch_records`.
-    Inputs as in :func:`buffered_decode_step`, float32 and contiguous."""
-    m = plan.meta
-    if not (m["fused_step"] and m["fusable"]):
+def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor) -> None:
+    """One buffered token on the split path: ``q, k [B, H, K]``, ``v [B, HV, V]``, ``g, beta [B, HV]`` float32
+    contiguous -> ``o [B, HV, V]``, the token's record written into slot ``len(buf)`` (the caller counts it). As one
+    kernel (setting ``fused_step``, where the heads are wide enough: ``plan.split.fusable``): :mod:`kernels.gluon_step`
+    where it applies (``plan.split.gluon_step``), else :func:`_ckpt_step_kernel`; otherwise :func:`launch_dots` then
+    :func:`launch_records`."""
+    sp = plan.split
+    if not (sp.settings.fused_step and sp.fusable):
         launch_dots(plan, q, k)
         launch_records(plan, buf, q, k, v, g, beta, o)
         return
-    if plan.gluon_step:
+    if sp.gluon_step:
         from . import gluon_step  # GPU only: never imported under the interpreter
         gluon_step.launch(plan, buf, q, k, v, g, beta, o)
         return
     B, H, HV, K, V = plan.shape
-    args, common, _ = plan.launches[False][0]
+    launch = sp.launches[False][0]
     _ckpt_step_kernel[(B * HV,)](
-        q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, EXACT=m["EXACT"],
-        **plan.record_meta,
-        NB=plan.record_block,
-        num_warps=m["step_warps"], **common,
+        q, k, v, g, beta, o, *launch.ckpt.args(), *plan.records.args(), len(buf), plan.capacity, H, HV,
+        EXACT=plan.exact, **plan.records.layout.constexprs(), NB=plan.record_block, num_warps=sp.settings.step_warps,
+        **_maxnreg(sp.settings.step_maxnreg), **sp.constexprs(launch, K, V),
     )
 
 
-def launch_window(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+def launch_window(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor) -> None:
     """``T`` buffered tokens in one :func:`_ckpt_window_kernel` launch (heads wide enough for the one-kernel
-    step: ``meta["fusable"]``): ``q, k [T, B, H, K]``, ``v [T, B, HV, V]``, ``g, beta [T, B, HV]`` float32
+    step: ``plan.split.fusable``): ``q, k [T, B, H, K]``, ``v [T, B, HV, V]``, ``g, beta [T, B, HV]`` float32
     contiguous, token-major; writes ``o [T, B, HV, V]`` and the records into slots ``len(buf) ..
     len(buf) + T - 1`` (the caller counts them)."""
     B, H, HV, K, V = plan.shape
     if len(buf) + q.shape[0] > buf.capacity:
         raise PaceError(f"window: {q.shape[0]} tokens do not fit in the buffer's {buf.capacity - len(buf)} free "
                         "slots; allowed: at most the free slots (the schedule flushes before)")
-    m = plan.meta
-    for args, common, heads in plan.launches[m["per_part"]]:  # a program reads only its own records
-        _ckpt_window_kernel[(B * heads,)](
-            q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, q.shape[0],
-            EXACT=m["EXACT"], **plan.record_meta,
-            NB=plan.record_block,
-            num_warps=m["step_warps"], **common,
+    sp = plan.split
+    for launch in sp.per_width:  # a program reads only its own records
+        _ckpt_window_kernel[(B * launch.heads,)](
+            q, k, v, g, beta, o, *launch.ckpt.args(), *plan.records.args(), len(buf), plan.capacity, H, HV,
+            q.shape[0], EXACT=plan.exact, **plan.records.layout.constexprs(), NB=plan.record_block,
+            num_warps=sp.settings.step_warps, **_maxnreg(sp.settings.step_maxnreg), **sp.constexprs(launch, K, V),
         )

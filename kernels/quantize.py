@@ -19,7 +19,7 @@ from pace_core import quant
 from pace_core.deferred import defer
 from pace_core.errors import PaceError
 
-from .plan import bits_of_heads, check_kernel_shape, head_table, layout_args, part_layout, part_pointers, row_block
+from .plan import CkptArgs, PartStorage, bits_of_heads, check_kernel_shape, head_table, part_layout, row_block
 from .primitives import ckpt_store, ckpt_tile, packed_head, store_as
 
 
@@ -62,8 +62,9 @@ def _dequant_kernel(out_ptr, part_ptr, slot_ptr, c0_ptr, s0_ptr, z0_ptr, c1_ptr,
 
 
 def _check_state(S: torch.Tensor, name: str) -> None:
-    if not isinstance(S, torch.Tensor) or S.dim() < 3:
-        raise PaceError(f"{name}: must be a tensor [..., HV, K, V]; got shape {tuple(getattr(S, 'shape', ()))}")
+    if not isinstance(S, torch.Tensor) or S.dim() < 3 or S.shape[-3] == 0:
+        raise PaceError(f"{name}: must be a tensor [..., HV, K, V] with at least one value head; got shape "
+                        f"{tuple(getattr(S, 'shape', ()))}")
     if S.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise PaceError(f"{name}: dtype {S.dtype} not supported by the kernels; allowed: float32, bfloat16, float16")
 
@@ -125,9 +126,7 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
     ``out``: storage to write into (same layout as the result; reused, e.g. under CUDA graphs)."""
     _check_state(S, name)
     *lead, HV, K, V = S.shape
-    bits_per_head = [int(b) for b in bits_per_head]
-    if len(bits_per_head) != HV:
-        raise PaceError(f"bits_per_head has {len(bits_per_head)} entries; allowed: one per value head ({HV})")
+    bits_per_head = quant.check_head_bits(bits_per_head, HV)
     check_kernel_shape(K, V, spec, name)
     _check_values(S, spec, bits_per_head, name)
     widths, table = head_table(bits_per_head, S.device)
@@ -140,12 +139,11 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
     N = x.numel() // (K * V)
     BK = row_block(K, spec, V)
     hv1 = len(table.heads[widths[1]]) if len(widths) == 2 else 0
+    ckpt = CkptArgs.of_parts(table.part, table.slot, [PartStorage.of(p, K, V) for p in parts],
+                             (len(table.heads[widths[0]]), hv1))
     if N:
-        _quant_kernel[(N, K // BK)](
-            x, table.part, table.slot, *part_pointers(parts), HV, len(table.heads[widths[0]]), hv1,
-            K=K, V=V, BK=BK, G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric,
-            **layout_args([part_layout(s, K, V) for s in specs]),
-        )
+        _quant_kernel[(N, K // BK)](x, *ckpt.pointers(), HV, *ckpt.heads, K=K, V=V, BK=BK, G=spec.group_size,
+                                    KEY_AXIS=spec.axis == "key", SYM=spec.symmetric, **ckpt.constexprs())
     return quant.MixedPackedState(dict(zip(widths, parts)), table.heads, tuple(S.shape))
 
 
@@ -173,13 +171,13 @@ def dequantize_heads(m: quant.MixedPackedState, dtype: torch.dtype = torch.float
     N = out.numel() // (K * V)
     BK = row_block(K, spec, V)
     hv1 = len(table.heads[widths[1]]) if len(widths) == 2 else 0
+    storage = [PartStorage(p.codes.contiguous(), p.scale.contiguous(),
+                           (p.scale if p.zero is None else p.zero).contiguous(), part_layout(p.spec, K, V))
+               for p in parts]
+    ckpt = CkptArgs.of_parts(table.part, table.slot, storage, (len(table.heads[widths[0]]), hv1))
     if N:
-        _dequant_kernel[(N, K // BK)](
-            out, table.part, table.slot, *[t.contiguous() for t in part_pointers(parts)], HV,
-            len(table.heads[widths[0]]), hv1,
-            K=K, V=V, BK=BK, G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric,
-            **layout_args([part_layout(p.spec, K, V) for p in parts]),
-        )
+        _dequant_kernel[(N, K // BK)](out, *ckpt.pointers(), HV, *ckpt.heads, K=K, V=V, BK=BK, G=spec.group_size,
+                                      KEY_AXIS=spec.axis == "key", SYM=spec.symmetric, **ckpt.constexprs())
     return out
 
 
@@ -188,7 +186,7 @@ def quantize(x: torch.Tensor, spec: quant.QuantSpec, *, name: str = "x") -> quan
     :func:`pace_core.quant.quantize`."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise PaceError(f"{name}: must be a tensor [..., K, V]; got shape {tuple(getattr(x, 'shape', ()))}")
-    m = quantize_heads(x.reshape(-1, 1, *x.shape[-2:]), [spec.bits], spec, name=name)
+    m = quantize_heads(x.reshape(math.prod(x.shape[:-2]), 1, *x.shape[-2:]), [spec.bits], spec, name=name)
     p = m.parts[spec.bits]
     lead = tuple(x.shape[:-2])
     return quant.PackedTensor(

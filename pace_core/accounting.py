@@ -71,7 +71,7 @@ Readings of the seeds' numbers (reported, and checked in tests/test_accounting.p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -80,7 +80,7 @@ import torch
 from pace_core.buffer import BUFFER_LAYOUT, entry_bits, record_bytes
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
-from pace_core.frontier import Point, best_under
+from pace_core.frontier import KL, Axis, Point, best_under
 from pace_core.methods import method_of
 from pace_core.shapes import ModelShape
 
@@ -275,11 +275,11 @@ def capacity(cfg: PaceConfig, shape: ModelShape, budget_bytes: int, *, weight_bi
 
 def best_in_memory(points: Sequence[Point], configs: Mapping[str, PaceConfig], shape: ModelShape, memory_bytes: int,
                    sequences: int, *, context: int = 0, weight_bits: int | None = None,
-                   best: Callable[[Sequence[Point], float], Point | None] = best_under) -> Point | None:
+                   axis: Axis = KL) -> Point | None:
     """The recommendation for a memory: among the ``points`` whose configuration (``configs[point.config]``, as
     calibrated on the model) holds ``sequences`` sequences of ``context`` tokens in ``memory_bytes`` by
-    :func:`capacity`, the best on quality (``best(points, budget)``, with no bit budget left to it: default
-    :func:`pace_core.frontier.best_under`, lowest KL; another quality axis's best); None when none fits.
+    :func:`capacity`, the best on the quality ``axis`` (:func:`pace_core.frontier.best_under` with no bit budget left
+    to it: lowest KL by default; ties: fewer bits, then the name); None when none with a value on the axis fits.
 
     Like with like: :func:`capacity` takes the weights and what a configuration keeps once per layer or per model
     (head maps, DAMP's row indices, STEPQuant's widths and impact weights, static scales' ranges) from the memory
@@ -293,7 +293,7 @@ def best_in_memory(points: Sequence[Point], configs: Mapping[str, PaceConfig], s
         raise PaceError(f"no configuration for the points {', '.join(missing)}; allowed: one per point")
     fit = [p for p in points if capacity(configs[p.config], shape, memory_bytes, weight_bits=weight_bits,
                                          context=context).sequences >= sequences]
-    return best(fit, math.inf)
+    return best_under(fit, math.inf, axis)
 
 
 def sequences_that_fit(cfg: PaceConfig, shape: ModelShape, budget_bytes: int) -> int:

@@ -397,26 +397,35 @@ def capacity_figure(capacities: Mapping[str, Any], budget_bytes: int) -> go.Figu
     return fig
 
 
-def compare_figure(table: pd.DataFrame, best: str | None = None, budget_bits: float | None = None) -> go.Figure:
-    """Resident bits per state value against KL to fp32, both on log axes, one labelled point per configuration
-    (``table``: config, resident_bits, kl, frontier; :func:`pace_core.analysis.compare.comparison`), the Pareto
-    frontier as a line through its points, ``best`` ringed and ``budget_bits`` as a dashed vertical line. A point of
-    KL 0 (the fp32 reference) cannot sit on a log axis and is left out."""
-    shown = table[table["kl"] > 0].sort_values(["resident_bits", "kl"])
+def compare_figure(table: pd.DataFrame, best: str | None = None, budget_bits: float | None = None, *, y: str = "kl",
+                   y_title: str = "KL to fp32 (nats per token, log scale)", log_y: bool = True,
+                   error: str | None = None) -> go.Figure:
+    """Resident bits per state value (log axis) against a quality column ``y`` (default KL to fp32, log axis), one
+    labelled point per configuration (``table``: config, resident_bits, ``y``, frontier;
+    :func:`pace_core.analysis.compare.comparison` or :func:`~pace_core.analysis.compare.axis_table`), the Pareto
+    frontier as a line through its points, ``best`` ringed, ``budget_bits`` as a dashed vertical line and, with
+    ``error``, the column of each value's standard error as error bars. On a log axis a point of value 0 or less
+    (the fp32 reference's KL) cannot sit and is left out."""
+    shown = table[table[y] > 0] if log_y else table[table[y].notna()]
+    shown = shown.sort_values(["resident_bits", y])
     on = shown[shown["frontier"]]
+    bars = None
+    if error is not None and shown[error].notna().any():
+        bars = dict(type="data", array=list(shown[error].fillna(0.0)), visible=True, color="#8a8f98")
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=on["resident_bits"], y=on["kl"], mode="lines", name="frontier",
+    fig.add_trace(go.Scatter(x=on["resident_bits"], y=on[y], mode="lines", name="frontier",
                              line=dict(color="#3aa675", width=2), hoverinfo="skip"))
-    fig.add_trace(go.Scatter(x=shown["resident_bits"], y=shown["kl"], mode="markers+text", name="configurations",
-                             text=list(shown["config"]), textfont=dict(size=11),
+    fig.add_trace(go.Scatter(x=shown["resident_bits"], y=shown[y], mode="markers+text", name="configurations",
+                             text=list(shown["config"]), textfont=dict(size=11), error_y=bars,
                              # neighbours' labels above and below in turn: points of close bits crowd
                              textposition=["top right" if i % 2 == 0 else "bottom right" for i in range(len(shown))],
                              marker=dict(size=9, color=np.where(shown["frontier"], "#3aa675", "#2f6fdf")),
                              customdata=shown["config"],
-                             hovertemplate="%{customdata}<br>%{x:.3f} bits, KL %{y:.2e}<extra></extra>"))
+                             hovertemplate="%{customdata}<br>%{x:.3f} bits, "
+                                           + ("KL %{y:.2e}" if y == "kl" else "%{y:.4g}") + "<extra></extra>"))
     if best is not None and best in set(shown["config"]):
         row = shown[shown["config"] == best].iloc[0]
-        fig.add_trace(go.Scatter(x=[row["resident_bits"]], y=[row["kl"]], mode="markers", name=f"best: {best}",
+        fig.add_trace(go.Scatter(x=[row["resident_bits"]], y=[row[y]], mode="markers", name=f"best: {best}",
                                  marker=dict(size=20, color="rgba(0,0,0,0)", line=dict(color="#d62728", width=3)),
                                  hoverinfo="skip"))
     bits = list(shown["resident_bits"])
@@ -427,8 +436,10 @@ def compare_figure(table: pd.DataFrame, best: str | None = None, budget_bits: fl
     fig.update_xaxes(type="log", title="resident bits per state value (log scale; dashed: the budget)",
                      tickvals=[2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64],
                      range=[np.log10(min(bits) / 1.1), np.log10(max(bits) * 1.25)] if bits else None)
-    fig.update_yaxes(type="log", title="KL to fp32 (nats per token, log scale)", tickvals=log_ticks(shown["kl"]),
-                     tickformat=".0e")
+    if log_y:
+        fig.update_yaxes(type="log", title=y_title, tickvals=log_ticks(shown[y]), tickformat=".0e")
+    else:
+        fig.update_yaxes(title=y_title)
     fig.update_layout(height=480, margin=dict(t=30, l=70, r=20, b=50), legend=dict(orientation="h", y=1.08))
     return fig
 

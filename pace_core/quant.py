@@ -44,6 +44,7 @@ points derived from it (:func:`static_scales`) and the codes of a state saturati
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -429,6 +430,8 @@ def group_ranges(states: torch.Tensor, spec: QuantSpec, name: str = "states") ->
     per-checkpoint scales include it), each ``[..., K/g, V]`` or ``[..., K, V/g]`` float16 rounded outward (never
     inside the observed range; at most 65504 in magnitude)."""
     _check_input(states, spec, name)
+    if states.shape[0] == 0:
+        raise PaceError(f"{name} must hold at least one state [N >= 1, ..., K, V]; got shape {tuple(states.shape)}")
     grouped, dim = _group_dims(states.shape, spec)
     xg = states.to(work_dtype(states.dtype)).reshape(grouped)
     if spec.symmetric:
@@ -538,19 +541,30 @@ class MixedPackedState:
         return sum(p for p, _ in parts), sum(m for _, m in parts) + self.map_nbytes()
 
 
+def check_head_bits(bits_per_head: Sequence[int] | torch.Tensor, hv: int) -> list[int]:
+    """The per-head widths as a list of ints; PaceError unless there is one integer in 2..8 per value head (a
+    fractional width is refused, never truncated)."""
+    widths = bits_per_head.tolist() if isinstance(bits_per_head, torch.Tensor) else list(bits_per_head)
+    for b in widths:
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+            raise PaceError(f"bits_per_head holds {b!r}; allowed: integers 2..8, one per value head")
+    if len(widths) != hv:
+        raise PaceError(f"bits_per_head has {len(widths)} entries; allowed: one per value head ({hv})")
+    for b in widths:
+        check_bits(int(b), "bits_per_head")
+    return [int(b) for b in widths]
+
+
 def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor, spec: QuantSpec, *,
                    name: str = "state", generator: torch.Generator | None = None) -> MixedPackedState:
     """Quantise `S [..., HV, K, V]` with head h at `bits_per_head[h]` bits (2..8); the other
     settings come from `spec` (its own `bits` is not used). ``generator``: stochastic rounding
     (:func:`round_codes`), one draw per width, in ascending order of the widths."""
-    if not isinstance(S, torch.Tensor) or S.dim() < 3:
-        raise PaceError(f"{name} must be a tensor [..., HV, K, V]; got shape {tuple(getattr(S, 'shape', ()))}")
-    bits = [int(b) for b in (bits_per_head.tolist() if isinstance(bits_per_head, torch.Tensor) else bits_per_head)]
+    if not isinstance(S, torch.Tensor) or S.dim() < 3 or S.shape[-3] == 0:
+        raise PaceError(f"{name} must be a tensor [..., HV, K, V] with at least one value head; got shape "
+                        f"{tuple(getattr(S, 'shape', ()))}")
+    bits = check_head_bits(bits_per_head, S.shape[-3])
     hv = S.shape[-3]
-    if len(bits) != hv:
-        raise PaceError(f"bits_per_head has {len(bits)} entries; allowed: one per value head ({hv})")
-    for b in bits:
-        check_bits(b, "bits_per_head")
     parts, heads = {}, {}
     for b in sorted(set(bits)):
         idx = torch.tensor([h for h in range(hv) if bits[h] == b], dtype=torch.int16, device=S.device)

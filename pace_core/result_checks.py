@@ -328,9 +328,35 @@ def _compare(data: dict, table: pd.DataFrame | None) -> None:
     _columns(table, ("config", "resident_bits", "kl", "agreement", "bpb", "frontier"))
 
 
+PROPORTIONS = frozenset({"acc", "acc_norm", "exact_match", "string_match_all", "prompt_level_strict_acc",
+                         "prompt_level_loose_acc", "inst_level_strict_acc", "inst_level_loose_acc", "f1"})
+"""lm-eval metrics that are shares of the items (or of their instructions), so in [0, 1]."""
+
+
+def _task(data: dict, table: pd.DataFrame | None) -> None:
+    """A task result (:mod:`pace_core.analysis.task_scores`): at least one score, each finite, a standard error
+    >= 0 or none, a proportion of the items (a metric of lm-eval's that averages per-item 0/1 scores: acc,
+    exact_match, ...) in [0, 1]; at least one item scored, no more than the task has; its per-item table."""
+    _fields(data, ("task", "scores", "samples", "output_type", "config", "configuration"), "the data")
+    if not data["scores"]:
+        raise PaceError("it holds no score")
+    for s in data["scores"]:
+        _fields(s, ("task", "metric", "filter", "value", "stderr", "higher_is_better"), "a score")
+        where = f"{s['task']} {s['metric']} ({s['filter']})"
+        _values(s["value"], where)
+        if s["stderr"] is not None:
+            _values(s["stderr"], f"{where}'s standard error", lo=0)
+        if s["metric"] in PROPORTIONS:
+            _values(s["value"], where, lo=0, hi=1)
+    effective, original = int(data["samples"]["effective"]), int(data["samples"]["original"])
+    if not 1 <= effective <= original:
+        raise PaceError(f"it scored {effective} of {original} items; allowed: 1 to all of them")
+    _columns(table, ("task", "doc_id", "filter"))
+
+
 _CHECKS: dict[str, Callable[[dict, pd.DataFrame | None], None]] = {
     "model_card": _model_card, "calibration": _calibration, "drift": _drift, "structure": _structure,
     "perplexity": _perplexity, "claims_quality": _perplexity, "generation": _generation, "sweep": _sweep,
-    "claims": _claims, "compare": _compare,
+    "claims": _claims, "compare": _compare, "task": _task,
 }
 """The check of each kind the CLI stores."""

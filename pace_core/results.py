@@ -109,14 +109,19 @@ class Result:
         return stale_label(self.provenance) if self.stale else None
 
 
+def code_label(provenance: dict[str, Any]) -> str:
+    """The code that made a result, from its provenance: its commit's first 12 hex digits, ``with uncommitted
+    changes`` when its files differed from that commit (``unknown`` when no commit was recorded)."""
+    code = provenance.get("code") or {}
+    return str(code.get("commit") or "unknown")[:12] + (" with uncommitted changes" if code.get("dirty") else "")
+
+
 def stale_label(provenance: dict[str, Any]) -> str:
     """What made a result of another method version and how to recompute it (its own command: the key of a
     new run holds the current method version, so the command computes instead of reusing)."""
     version = provenance.get("method_version")
-    code = provenance.get("code") or {}
-    commit = str(code.get("commit") or "unknown")[:12] + (" with uncommitted changes" if code.get("dirty") else "")
     made = "before method versions were recorded" if version is None else f"by method version {version}"
-    return (f"stale: made {made} (code {commit}; the current method version is {METHOD_VERSION}), "
+    return (f"stale: made {made} (code {code_label(provenance)}; the current method version is {METHOD_VERSION}), "
             f"recompute with `{provenance.get('command') or 'python -m pace_core <command>'}`")
 
 

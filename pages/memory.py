@@ -8,6 +8,7 @@ import streamlit as st
 
 from app_state import frame, session, stored
 from app_state.library import BUILTIN_SHAPES, NAMED_CONFIGS, PaceConfig, capacity, tagged
+from app_state.markup import code, escape
 from pace_core import figures
 
 
@@ -33,7 +34,7 @@ def page(cfg: PaceConfig) -> None:
     configs.update({n: NAMED_CONFIGS[n] for n in chosen})
 
     table = figures.resident_bits_table(configs, shape)
-    st.subheader(f"Resident bits per state value on {shape_name}")
+    st.subheader(f"Resident bits per state value on {escape(shape_name)}")
     st.plotly_chart(figures.resident_bits_figure(table), key="memory_bits_chart")
     st.dataframe(
         table.style.format(dict.fromkeys(["payload", "metadata", "buffer c·dP", "resident", "exact", "c"], "{:.4f}")),
@@ -97,13 +98,14 @@ def _measured() -> None:
             doc = json.loads(path.read_text(encoding="utf-8"))
             rows, prov = pd.DataFrame(doc["rows"]), doc["provenance"]
         except (OSError, ValueError, KeyError, TypeError) as err:
-            st.error(f"{path.name} is not a memory measurement ({err}); run `python scripts/measure_memory.py` "
-                     "again to rewrite it.", icon=":material/block:")
+            st.error(f"{escape(path.name)} is not a memory measurement ({escape(err)}); run "
+                     "`python scripts/measure_memory.py` again to rewrite it.", icon=":material/block:")
             continue
-        st.caption(f"{prov.get('model')} on {prov.get('device')}, {prov.get('batch')} sequences, "
-                   f"{prov.get('prompt_tokens')} prompt + {prov.get('new_tokens')} generated tokens; commit "
-                   f"{str(prov.get('commit'))[:10]}, {prov.get('date')} (`{path.name}`). *held* counts every tensor "
-                   "the generation's state keeps (equal to the accounted bytes); *cache* adds the attention KV and "
+        made = (f"{escape(prov.get('model'))} on {escape(prov.get('device'))}, {escape(prov.get('batch'))} sequences, "
+                f"{escape(prov.get('prompt_tokens'))} prompt + {escape(prov.get('new_tokens'))} generated tokens; "
+                f"commit {escape(str(prov.get('commit'))[:10])}, {escape(prov.get('date'))} ({code(path.name)})")
+        st.caption(f"{made}. *held* counts every tensor the generation's state keeps (equal to the accounted bytes); "
+                   "*cache* adds the attention KV and "
                    "conv states; *step peak* is the largest workspace of one further decode step (freed after it).")
         mib = 1 << 20
         table = pd.DataFrame(
@@ -140,19 +142,19 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> tuple[str, in
                               key="plan_context")
     shape, budget = shapes[name], int(gb * figures.GB)
     if not shape.kv_bytes_per_token:
-        st.caption(f"{name}: the attention layers' head shape is unknown, so their KV cache is not counted.")
+        st.caption(f"{escape(name)}: the attention layers' head shape is unknown, so their KV cache is not counted.")
     configs = {**{n: NAMED_CONFIGS[n] for n in tagged("capacity-baseline")}, f"chosen: {cfg.name}": cfg}
     caps = {label: capacity(c, shape, budget, weight_bits=figures.WEIGHT_PRECISIONS[weights], context=int(context))
             for label, c in configs.items()}
     chosen = caps[f"chosen: {cfg.name}"]
     if chosen.sequences == 0:
-        st.warning(f"The weights of {name} in {weights} ({chosen.weight_bytes / figures.GB:.1f} GB) leave no room "
-                   f"for a sequence in {gb:g} GB: choose more memory or lower-precision weights.",
+        st.warning(f"The weights of {escape(name)} in {weights} ({chosen.weight_bytes / figures.GB:.1f} GB) leave no "
+                   f"room for a sequence in {gb:g} GB: choose more memory or lower-precision weights.",
                    icon=":material/memory:")
         return weights, int(context)
     cols = st.columns(len(caps) + 1)
     for col, (label, cap) in zip(cols, caps.items()):
-        col.metric(f"max sequences, {label}", f"{cap.sequences:,}",
+        col.metric(f"max sequences, {escape(label)}", f"{cap.sequences:,}",
                    help=f"state {cap.state_bytes_per_sequence / figures.MIB:.2f} MiB + KV "
                         f"{cap.kv_bytes_per_sequence / figures.MIB:.1f} MiB per sequence")
     gain = chosen.sequences / max(caps["bf16"].sequences, 1)

@@ -4,8 +4,9 @@ what each PACE part does."""
 import pandas as pd
 import streamlit as st
 
-from app_state import frame, session, stored
+from app_state import controls, frame, session, stored
 from app_state.library import SPREAD_LEVEL, PaceConfig, get_config, state_bytes, state_share, verdict
+from app_state.markup import escape
 from pace_core.figures import MIB
 
 
@@ -19,7 +20,7 @@ def page(cfg: PaceConfig) -> None:
     card = session.model_card(stop=False)  # the stored card: no model load for this page
     if card is not None:
         shape = card.shape
-        st.subheader(f"Model: {session.model_label()}")
+        st.subheader(f"Model: {escape(session.model_label())}")
         gamma = shape.num_v_heads // shape.num_k_heads
         cols = st.columns(6)
         cols[0].metric("Layers", shape.num_layers)
@@ -31,7 +32,7 @@ def page(cfg: PaceConfig) -> None:
         cols[4].metric("Head dims d_k × d_v", f"{shape.d_k} × {shape.d_v}")
         cols[5].metric("Parameters", f"{shape.weight_params / 1e6:.1f} M")
         with st.expander("Full architecture summary (from the checkpoint's config and weights)"):
-            st.dataframe(pd.DataFrame({"value": {k: str(v) for k, v in card.summary.items()}}),
+            st.dataframe(pd.DataFrame({"value": {k: controls.hide_paths(str(v)) for k, v in card.summary.items()}}),
                          key="overview_summary", column_config={"value": st.column_config.TextColumn(width="large")})
 
         st.subheader("Recurrent state memory")
@@ -46,7 +47,7 @@ def page(cfg: PaceConfig) -> None:
         cols = st.columns(3)
         cols[0].metric(f"fp32 state, N = {n_seq}", f"{rows[0][n_col]:,.2f} MiB",
                        help="fp32 recurrent state of every GDN layer for N sequences.")
-        cols[1].metric(f"{cfg.name} state, N = {n_seq}", f"{rows[1][n_col]:,.2f} MiB",
+        cols[1].metric(f"{escape(cfg.name)} state, N = {n_seq}", f"{rows[1][n_col]:,.2f} MiB",
                        delta=f"{rows[1][n_col] / rows[0][n_col] - 1:+.1%}", delta_color="inverse",
                        help="Real resident bytes of the sidebar configuration: packed codes, scales, zero "
                             "points and the decode buffer.")
@@ -75,6 +76,8 @@ def page(cfg: PaceConfig) -> None:
             st.dataframe(result.table.style.format({"nll": "{:.4f}", "ppl": "{:.3f}", "agreement": "{:.2%}",
                                                     "kl": "{:.5f}", "bpb": "{:.4f}"}),
                          hide_index=True, key="overview_quality")
+            stored.mixed_code([(r.data.get("config", "?"), r.provenance) for r in result.results],
+                              "The rows of this table")
 
         st.subheader("The paper's claims and ours, measured, with their spread")
         claims = stored.choose_stored(
@@ -256,9 +259,9 @@ def _claims(report: dict, provenance: dict, quality: pd.DataFrame | None) -> Non
         if "random" in c:
             drawn = c["random"]
             st.caption(
-                f"Claim ({c['claim']}) over its {drawn['n']} random allocations: their KL {drawn['kl_mean']:.2e} "
-                f"± {drawn['kl_sd']:.2e} (mean ± standard deviation); E_h's margin over their mean "
-                f"{drawn['margin_vs_mean']:+.1%}; E_h's KL is below "
+                f"Claim ({escape(c['claim'])}) over its {drawn['n']} random allocations: their KL "
+                f"{drawn['kl_mean']:.2e} ± {drawn['kl_sd']:.2e} (mean ± standard deviation); E_h's margin over "
+                f"their mean {drawn['margin_vs_mean']:+.1%}; E_h's KL is below "
                 + ("every one of them." if drawn["below_all"] else "not every one of them.")
             )
     main = pd.DataFrame(report["main"])
@@ -290,7 +293,7 @@ def _two_tables(report: dict, main: pd.DataFrame, quality: pd.DataFrame | None) 
     example = ""
     if both:
         name = both[0]
-        example = (f" ({name}: KL {float(quality.set_index('config').loc[name, 'kl']):.2e} in Table 1, "
+        example = (f" ({escape(name)}: KL {float(quality.set_index('config').loc[name, 'kl']):.2e} in Table 1, "
                    f"{float(main.set_index('config').loc[name, 'kl']):.2e} here)")
     return (f"Table 1 above is over {_scored(quality['tokens'])}, this one over {report['tokens']:,}: the same "
             f"configuration's figures differ between them{example}, and those over fewer tokens vary more with "

@@ -21,6 +21,7 @@ from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.methods import Calibrated
 from pace_core.model.loading import load_model
+from pace_core.model.teacher import DECODE_CHUNK
 
 pytestmark = pytest.mark.numerics
 
@@ -160,7 +161,7 @@ def test_default_batch_is_one_on_the_cpu_and_what_half_the_free_gpu_memory_holds
     vocab = loaded.model.config.get_text_config(decoder=True).vocab_size
     for dtype, item in ((torch.float32, 4), (torch.bfloat16, 6)):  # fp32 logits, plus the bf16 ones they come from
         gpu = _on_gpus(loaded, 0, 0, dtype)
-        per_window = 9 * 512 * vocab * item  # 9 members x max(prompt 512, decode chunk 256) positions
+        per_window = 9 * 512 * vocab * item  # 9 members x max(prompt 512, decode chunk) positions
         for windows in (1, 3, 7):
             free = 2 * windows * per_window + per_window  # half of it holds `windows` and a half window
             monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
@@ -169,11 +170,12 @@ def test_default_batch_is_one_on_the_cpu_and_what_half_the_free_gpu_memory_holds
         assert windows_per_batch(gpu, 9, 1024, 512) == 1  # never fewer than one
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 50, 1 << 51))
         assert windows_per_batch(gpu, 9, 1024, 512) == MOST_WINDOWS_PER_BATCH
-        per_chunk = 9 * 256 * vocab * item  # prompt 64 tokens: the decode chunk of 256 is the larger forward
+        prompt = DECODE_CHUNK // 2  # the decode chunk is the larger forward
+        per_chunk = 9 * DECODE_CHUNK * vocab * item
         monkeypatch.setattr(
             torch.cuda, "mem_get_info", lambda device, per_chunk=per_chunk: (2 * 5 * per_chunk, 1 << 51)
         )
-        assert windows_per_batch(gpu, 9, 1024, 64) == 5
+        assert windows_per_batch(gpu, 9, 1024, prompt) == 5
 
 
 def test_default_batch_counts_the_free_memory_of_the_gpu_the_logits_are_on(loaded, monkeypatch):

@@ -189,8 +189,11 @@ def test_compare_stores_every_point_the_frontier_and_reuses_perplexity(env, caps
                  >= sequences]
         last = capsys.readouterr().out.strip().splitlines()[-1]
         assert last == f"recommended: {min(holds)[2]}" if holds else last.startswith("recommended: none — ")
+    ppl_best = min((p["ppl"], p["resident_bits"], p["config"]) for p in points if p["resident_bits"] <= sq4_bits)[2]
+    assert main([*short, "--budget-bits", str(sq4_bits), "--axis", "ppl"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"recommended: {ppl_best}"
     assert main([*short, "--sequences", "3"]) == 2
-    assert "--sequences without --memory" in capsys.readouterr().err
+    assert "--sequences without a budget" in capsys.readouterr().err
 
 
 def printed_frontier(result) -> str:
@@ -250,6 +253,15 @@ def test_perplexity_with_stride_equal_to_window_still_decodes(env, tmp_path):
     assert main(["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"],
                  "--window", "32", "--max-tokens", "64", "--configs", "rtn-int2"]) == 0  # stride: half the window
     assert {r.data["decode_from"] for r in list_results(env["model"], "perplexity", root=out).results} == {1, 16}
+
+
+def test_drift_says_when_tokens_ask_for_more_than_the_text(env, capsys):
+    """Before: --tokens 1000000000 silently meant the whole text."""
+    assert _run(env, "drift", "--text", env["text"], "--tokens", "1000000000", "--every", "8", "--configs", "fp32") == 0
+    out = capsys.readouterr().out
+    [r] = [r for r in list_results(env["model"], "drift", root=env["out"]).results if r.data["config"] == "fp32"]
+    assert (f"drift: --tokens 1,000,000,000 is more than the text holds: using the whole text, "
+            f"{r.data['tokens']:,} tokens") in out
 
 
 def test_errors_exit_2(env, capsys, tmp_path):

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from pace_core.accounting import resident_bits
+from pace_core.cli.calibration import export_differences
 from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.export import (
@@ -239,3 +240,30 @@ def test_read_config_takes_every_form(tmp_path):
         read_config(tmp_path / "missing.json")
     with pytest.raises(PaceError, match="int is not allowed"):
         read_config(3)
+
+
+def test_the_evidence_a_configuration_was_picked_on_is_recorded_and_read_back():
+    """provenance.evidence (issue 47): written with the file, read back as written, checked on both sides; a file
+    without it (every file before) reads as before, and the configuration is the same with or without it."""
+    evidence = {"axis": "task:k:gsm8k:exact_match:strict-match", "label": "gsm8k · exact_match (strict-match)",
+                "higher_is_better": True, "config": "pace-4", "value": 0.52, "stderr": 0.014,
+                "reference": {"config": "fp32", "value": 0.55}, "budget_bits": 6.0, "resident_bits": 4.6,
+                "frontier": ["rtn-int2", "pace-4", "fp32"], "task": "gsm8k", "lm_eval": "0.4.13"}
+    cfg = get_config("pace-4")
+    plain = export_json(cfg, shape=SHAPE, source="m", provenance={"command": "x"})
+    picked = export_json(cfg, shape=SHAPE, source="m", provenance={"command": "x"}, evidence=evidence)
+    doc = document_from_json(picked)
+    assert doc.provenance == {"command": "x", "evidence": evidence}
+    assert "evidence" not in json.loads(plain)["provenance"]
+    assert doc.config == document_from_json(plain).config and export_differences(plain.encode(), picked) == []
+    for field, value, allowed in (("value", None, "a finite number"), ("frontier", "pace-4", "a list"),
+                                  ("stderr", -1.0, "null or a number >= 0"), ("higher_is_better", 1, "a bool")):
+        bad = {**evidence, field: value}
+        with pytest.raises(PaceError, match=rf"provenance\.evidence\.{field}=.*allowed: {allowed}"):
+            export_json(cfg, shape=SHAPE, evidence=bad)
+        edited = json.loads(picked)
+        edited["provenance"]["evidence"] = bad
+        with pytest.raises(PaceError, match=rf"provenance\.evidence\.{field}"):
+            document_from_json(json.dumps(edited))
+    with pytest.raises(PaceError, match="provenance.evidence must be an object"):
+        export_json(cfg, shape=SHAPE, evidence=["kl"])

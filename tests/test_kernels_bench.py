@@ -4,6 +4,7 @@ CUDA-graph timer replaced by one direct call."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 from kernels_support import kernel_modules
 
+from kernels.settings import SplitSettings
 from pace_core.recurrence import gdn_recurrent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +29,10 @@ def bench(monkeypatch):
     module = importlib.reload(module)
     for name, value in (("LAYERS", 2), ("H", 2), ("HV", 4), ("K", 64), ("V", 32)):
         monkeypatch.setattr(module, name, value)
-    monkeypatch.setattr(module, "time_graph", lambda work, reps, layers: [work(), 1e-3][1:] * reps)
+    # one direct call instead of the timed replays: 1 ms each, the one-kernel step alone 3 ms (slower than the dots and
+    # record kernels together, so that the defaults are each kernel's fastest and no combination is timed besides)
+    monkeypatch.setattr(module, "time_graph", lambda work, reps, layers: [work(), 3e-3 if work.__name__ == "step"
+                                                                           else 1e-3][1:] * reps)
     every = module.configs
     monkeypatch.setattr(module, "configs", lambda variant: every(variant)[:2])  # two settings: the interpreter is slow
     return module
@@ -139,20 +144,24 @@ def test_buffered_period_is_the_schedules(bench, variant):
 def test_buffered_variants_run_and_report(bench, variant):
     row = bench.time_variant(variant, 2, torch.device("cpu"), 2)
     assert row["outputs_finite"] and row["seconds_per_token"] == pytest.approx(1e-3 / bench.PERIOD)
-    assert [t["config"] for t in row["tried"]] == bench.configs(variant)
-    if variant in bench.SPLIT_VARIANTS:
-        assert row["split_breakdown"] == {"step_seconds": 1e-3, "dots_seconds": 1e-3, "records_seconds": 1e-3,
+    tried = [t["config"] for t in row["tried"]]
+    assert tried[:len(bench.configs(variant))] == bench.configs(variant) and all(t["agrees"] for t in row["tried"])
+    if variant in bench.SPLIT_VARIANTS:  # and the combination of each kernel's fastest, where no configuration is it
+        assert tried[len(bench.configs(variant)):] in ([], [bench.best_split_combination(row["tried"])])
+        assert row["split_breakdown"] == {"step_seconds": 3e-3, "dots_seconds": 1e-3, "records_seconds": 1e-3,
                                           "flush_seconds": 1e-3, "records_at_step": bench.PERIOD // 2}
         assert all(t["split_breakdown"] == row["split_breakdown"] for t in row["tried"])
     else:
         assert row["split_breakdown"] is None
 
 
-def _split_config(i: int) -> dict:
+def _split_config(i: int) -> SplitSettings:
     """A split-path launch configuration whose every setting differs from another index's."""
-    return {"fused_step": i % 2 == 0, "step_warps": 2 + i, "dots_columns": 16 * (i + 1), "dots_warps": 4 + i,
-            "record_warps": 1 + i, "flush_warps": 8 + i, "flush_columns": 32 * (i + 1), "dots_per_part": i == 1,
-            "per_part": i == 2, "gluon_dots": i != 1, "gluon_flush": i == 2, "gluon_step": i == 0}
+    return SplitSettings(fused_step=i % 2 == 0, step_warps=2 << i, dots_columns=16 << i, dots_warps=1 << i,
+                         record_warps=4 >> i, flush_warps=8 >> i, flush_columns=32 << i, dots_per_part=i == 1,
+                         per_part=i == 2, gluon_dots=i != 1, gluon_flush=i == 2, gluon_step=i == 0,
+                         gluon_step_warps=4 >> i, dots_ahead=2 << i, step_maxnreg=(None, 80, 96)[i],
+                         dots_maxnreg=(128, None, 96)[i], flush_maxnreg=(96, 80, None)[i], flush_row_blocks=4 >> i)
 
 
 def _breakdown(step, dots, records, flush) -> dict:
@@ -164,29 +173,35 @@ def test_best_split_combination_takes_each_kernels_fastest_options(bench):
     configs = [_split_config(i) for i in range(3)]
     times = [(5e-3, 3e-3, 1e-3, 9e-3), (4e-3, 1e-3, 2e-3, 8e-3), (6e-3, 2e-3, 3e-3, 7e-3)]
     tried = [{"config": c, "split_breakdown": _breakdown(*t)} for c, t in zip(configs, times)]
-    assert bench.best_split_combination(tried) == {
-        "fused_step": False, "step_warps": configs[1]["step_warps"], "gluon_step": False,  # 4 ms > 1 + 1 ms
-        "dots_columns": configs[1]["dots_columns"], "dots_warps": configs[1]["dots_warps"], "dots_per_part": True,
-        "gluon_dots": False, "record_warps": configs[0]["record_warps"], "flush_warps": configs[2]["flush_warps"],
-        "flush_columns": configs[2]["flush_columns"], "per_part": True, "gluon_flush": True}
+    assert bench.best_split_combination(tried) == SplitSettings(
+        fused_step=False, step_warps=configs[1].step_warps, gluon_step=False,  # 4 ms > 1 + 1 ms
+        gluon_step_warps=configs[1].gluon_step_warps, dots_ahead=configs[1].dots_ahead,
+        step_maxnreg=configs[1].step_maxnreg, dots_columns=configs[1].dots_columns, dots_warps=configs[1].dots_warps,
+        dots_per_part=True, gluon_dots=False, dots_maxnreg=configs[1].dots_maxnreg,
+        record_warps=configs[0].record_warps, flush_warps=configs[2].flush_warps,
+        flush_columns=configs[2].flush_columns, per_part=True, gluon_flush=True, flush_maxnreg=configs[2].flush_maxnreg,
+        flush_row_blocks=configs[2].flush_row_blocks)
     tried[2]["split_breakdown"]["step_seconds"] = 1.5e-3
     best = bench.best_split_combination(tried)
-    assert best["fused_step"] and best["step_warps"] == configs[2]["step_warps"] and not best["gluon_step"]
+    assert best.fused_step and best.step_warps == configs[2].step_warps and not best.gluon_step
     for r in tried:  # heads too narrow for the one-kernel step
         r["split_breakdown"]["step_seconds"] = None
-    assert not bench.best_split_combination(tried)["fused_step"]
+    assert not bench.best_split_combination(tried).fused_step
+    tried[1]["agrees"] = False  # a configuration whose outputs disagree gives no option
+    assert bench.best_split_combination(tried).dots_columns == configs[2].dots_columns
 
 
 def test_split_variant_also_times_the_combination(bench, monkeypatch):
     configs = [_split_config(i) for i in range(2)]
-    times = {c["dots_warps"]: t for c, t in zip(configs, [(5e-3, 1e-3, 3e-3, 9e-3), (4e-3, 2e-3, 1e-3, 8e-3)])}
+    times = {c.dots_warps: t for c, t in zip(configs, [(5e-3, 1e-3, 3e-3, 9e-3), (4e-3, 2e-3, 1e-3, 8e-3)])}
     monkeypatch.setattr(bench, "configs", lambda variant: configs)
     monkeypatch.setattr(bench, "split_breakdown", lambda layers, config, reps: _breakdown(*times.get(
-        config["dots_warps"], (4e-3, 1e-3, 1e-3, 8e-3))))
+        config.dots_warps, (4e-3, 1e-3, 1e-3, 8e-3))))
+    monkeypatch.setattr(bench, "period_outputs", lambda layers, config, restore: torch.ones(3))
     row = bench.time_variant("PACE-4 dP=8", 2, torch.device("cpu"), 1)
     combined = bench.best_split_combination(row["tried"][:2])
     assert [t["config"] for t in row["tried"]] == [*configs, combined]
-    assert combined["dots_warps"] == configs[0]["dots_warps"] and combined["record_warps"] == configs[1]["record_warps"]
+    assert combined.dots_warps == configs[0].dots_warps and combined.record_warps == configs[1].record_warps
 
 
 def _fla_in_a_fresh_interpreter(variant: str) -> None:
@@ -212,3 +227,103 @@ print(float((out.double() - o_ref).norm() / o_ref.norm()), float((state[0].doubl
     assert run.returncode == 0, run.stderr[-2000:]
     rel_o, rel_s = map(float, run.stdout.split()[-2:])
     assert rel_o < 1e-5 and rel_s < 1e-5
+
+
+def test_a_configuration_that_computes_something_else_is_left_out(bench, monkeypatch):
+    """A configuration whose outputs (one period from the kept state) are off by more than the agreement bound is
+    timed and kept in the row's tried list, marked, but never the row's fastest, nor an option of the combination."""
+    configs = [_split_config(i) for i in range(3)]
+    monkeypatch.setattr(bench, "configs", lambda variant: configs)
+    wrong = configs[1]
+    monkeypatch.setattr(bench, "period_outputs", lambda layers, config, restore: torch.ones(4) * (
+        1.5 if config == wrong else 1.0 + 1e-4 * (config == configs[2])))
+    fast = {c.dots_warps: t for c, t in zip(configs, [2e-3, 1e-3, 3e-3])}  # the wrong one is the fastest
+    monkeypatch.setattr(bench, "time_config", lambda layers, config, reps: [fast.get(config.dots_warps, 4e-3)] * reps)
+    monkeypatch.setattr(bench, "split_breakdown", lambda layers, config, reps: _breakdown(
+        *(fast.get(config.dots_warps, 4e-3),) * 4))
+    row = bench.time_variant("PACE-4 dP=8", 2, torch.device("cpu"), 1)
+    assert [t["agrees"] for t in row["tried"][:3]] == [True, False, True]
+    assert row["tried"][2]["distance"] == pytest.approx(1e-4, rel=1e-3)  # float32 outputs
+    assert row["tried"][1]["distance"] == pytest.approx(0.5)
+    assert row["config"] == configs[0] and row["seconds_per_token"] == 2e-3 and row["disagreeing"] == [wrong]
+    assert bench.best_split_combination(row["tried"]).dots_warps != wrong.dots_warps
+    assert "1 configuration(s) disagree, left out" in bench.row_line({**row, "hbm_fraction": 0.5})
+
+
+def test_outputs_agree_within_the_bound_only():
+    ref = torch.randn(100, dtype=torch.float64)
+    assert bench_module().outputs_agree(ref * (1 + 1e-3), ref)[0]
+    assert not bench_module().outputs_agree(ref * 1.1, ref)[0]
+    assert not bench_module().outputs_agree(torch.full_like(ref, float("nan")), ref)[0]
+
+
+def bench_module():
+    kernel_modules()
+    import kernels.bench.bench as module
+
+    return module
+
+
+def test_main_writes_the_rows_and_stops_at_its_deadline(bench, monkeypatch, tmp_path):
+    """The command line on the CPU (interpreter, small shapes, the timer replaced): bench.json holds every row with its
+    launch settings as their fields, the provenance, and the batches a deadline left out (the first batch always
+    runs). The split variants' rows through the command line: tests/test_kernels_roofline.py."""
+    import json
+
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e11)
+    monkeypatch.setattr(bench, "plot", lambda results, path: path.write_text("figure"))
+    rc = bench.main(["--out", str(tmp_path), "--batches", "2,4", "--variants", "bf16 per-token", "--deadline-s", "0"],
+                    device=torch.device("cpu"))
+    assert rc == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["not_run_batches"] == [4] and doc["device"] == "cpu" and doc["copy_bandwidth"] == 1e11
+    assert doc["command"] and "code" in doc and (tmp_path / "bench.png").read_text() == "figure"
+    (row,) = doc["rows"]
+    assert (row["variant"], row["batch"], row["speedup_vs_bf16_per_token"]) == ("bf16 per-token", 2, 1.0)
+    assert [t["config"] for t in row["tried"]] == [dataclasses.asdict(c) for c in bench.configs("bf16 per-token")]
+    assert row["config"] in [t["config"] for t in row["tried"]] and all(t["agrees"] for t in row["tried"])
+
+
+def test_warm_up_runs_every_configuration_in_parallel_processes(bench, monkeypatch, tmp_path):
+    """warm_all: one process per (variant, configuration) of the compile-only mode, ``workers`` at a time; a process
+    that fails or outlives its time is named (the timing then compiles what it did not), none is left running."""
+    import time
+
+    child = tmp_path / "child.py"
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    child.write_text("import sys, time, pathlib\n_, _, variant, index = sys.argv\n"
+                     f"pathlib.Path({str(seen)!r}, variant.replace('/', '-') + index).write_text('')\n"
+                     "if index == '1':\n    sys.exit('no kernel here')\n"
+                     "if index == '2':\n    time.sleep(60)\n")
+    monkeypatch.setattr(bench, "__file__", str(child))
+    monkeypatch.setattr(bench, "configs", lambda variant: [None] * (3 if variant == "PACE-4 dP=8" else 1))
+    monkeypatch.setattr(bench, "WARM_TIMEOUT_S", 2.0)
+    start = time.monotonic()
+    failed = bench.warm_all(["bf16 per-token", "PACE-4 dP=8"], 2)
+    assert time.monotonic() - start < 30
+    assert sorted(p.name for p in seen.iterdir()) == ["PACE-4 dP=80", "PACE-4 dP=81", "PACE-4 dP=82",
+                                                       "bf16 per-token0"]
+    assert failed[0] == "PACE-4 dP=8 #1: no kernel here" and failed[1].startswith("PACE-4 dP=8 #2: ")
+    assert len(failed) == 2
+
+
+def test_a_configuration_that_fails_is_named_and_left_out(bench, monkeypatch):
+    """A configuration whose kernels fail (e.g. one that this Triton cannot compile) does not cost the variant its row:
+    it is kept in the tried list with its error, and the row is the fastest of the others."""
+    configs = [_split_config(i) for i in range(3)]
+    monkeypatch.setattr(bench, "configs", lambda variant: configs)
+    monkeypatch.setattr(bench, "period_outputs", lambda layers, config, restore: torch.ones(4))
+
+    def timed(layers, config, reps):
+        if config == configs[2]:
+            raise RuntimeError("CompilationError: unsupported AST node")
+        return [1e-3 * (1 + configs.index(config))] * reps
+
+    monkeypatch.setattr(bench, "time_config", timed)
+    monkeypatch.setattr(bench, "split_breakdown", lambda layers, config, reps: _breakdown(*(1e-3,) * 4))
+    row = bench.time_variant("PACE-4 dP=8", 2, torch.device("cpu"), 1)
+    assert row["tried"][2] == {"config": configs[2], "error": "RuntimeError: CompilationError: unsupported AST node",
+                               "agrees": False}
+    assert row["config"] == configs[0] and row["failed"] == [configs[2]] and row["disagreeing"] == []
+    assert "1 configuration(s) failed, left out" in bench.row_line({**row, "hbm_fraction": 0.5})

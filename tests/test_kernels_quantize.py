@@ -161,6 +161,20 @@ def test_bad_inputs_raise() -> None:
         qp.quantize_heads(torch.randn(1, 3, 16, 16), [2, 4, 8], spec)
 
 
+def test_empty_states_and_fractional_widths_get_a_paceerror() -> None:
+    """Before: a tensor without values made the reshape raise a RuntimeError, and 4.5 bits were truncated to 4."""
+    spec = quant.QuantSpec(4, True, "key", 8)
+    for empty, what in ((torch.empty(1, 0, 16), "K=0"), (torch.empty(1, 16, 0), "V=0"), (torch.empty(0, 0), "K=0")):
+        with pytest.raises(PaceError, match=f"{what} is not supported by the Triton kernels"):
+            qp.quantize(empty, spec)
+    empty = torch.empty(0, 16, 16)
+    assert qp.quantize(empty, spec).codes.shape == quant.quantize(empty, spec).codes.shape
+    with pytest.raises(PaceError, match="at least one value head"):
+        qp.quantize_heads(torch.empty(1, 0, 16, 16), [], spec)
+    with pytest.raises(PaceError, match="bits_per_head holds 4.5; allowed: integers 2..8"):
+        qp.quantize_heads(torch.randn(1, 2, 16, 16), [4.5, 4], spec)
+
+
 @pytest.mark.parametrize("high_heads", [None, (1, 3)])
 def test_backend_stores_and_loads_like_the_reference(high_heads) -> None:
     """The Triton backend's store and load of a layer's format (pace_core.checkpoint) are bit-identical to

@@ -72,6 +72,13 @@ def test_a_file_whose_sections_disagree_is_refused(loaded, tmp_path, section, ke
     assert current_config(loaded.model) is None
 
 
+def test_apply_to_what_is_not_a_transformers_model_is_refused():
+    """Before: AttributeError ('object' object has no attribute 'config')."""
+    for model in (object(), None, torch.nn.Linear(2, 2)):
+        with pytest.raises(PaceError, match="is not allowed; allowed: a transformers model"):
+            pace_core.apply(model, "pace-4")
+
+
 def test_what_needs_calibration_or_cannot_be_read_is_refused(loaded, tmp_path):
     with pytest.raises(PaceError, match="does not say which"):
         pace_core.apply(loaded.model, "pace-4-8")

@@ -17,6 +17,7 @@ from pace_core.quant import (
     all_finite,
     dequantize,
     fake_quantize,
+    group_ranges,
     pack_codes,
     packed_nbytes,
     quantize,
@@ -371,6 +372,22 @@ def test_quantize_heads_bad_input():
         quantize_heads(S, [4, 8], QuantSpec(4, True, "key", 8))
     with pytest.raises(PaceError, match=r"bits_per_head=16 .*allowed: integers 2\.\.8"):
         quantize_heads(S, [4, 16, 4], QuantSpec(4, True, "key", 8))
+
+
+def test_fractional_widths_no_heads_and_no_states_are_refused():
+    """Before: 4.5 bits were truncated to 4 (a float tensor of widths too), a state without value heads and ranges of
+    no states raised StopIteration and IndexError."""
+    spec = QuantSpec(4, True, "key", 8)
+    S = _state((1, 2, 16, 8), seed=3)
+    for widths in ([4.5, 4], [4, 7.9], torch.tensor([4.0, 8.0])):
+        with pytest.raises(PaceError, match=r"bits_per_head holds .*; allowed: integers 2\.\.8"):
+            quantize_heads(S, widths, spec)
+    assert torch.equal(quantize_heads(S, torch.tensor([4, 8]), spec).dequantize(),
+                       quantize_heads(S, [4, 8], spec).dequantize())
+    with pytest.raises(PaceError, match="at least one value head"):
+        quantize_heads(torch.empty(1, 0, 16, 8), [], spec)
+    with pytest.raises(PaceError, match="at least one state"):
+        group_ranges(torch.empty(0, 16, 8), spec)
 
 
 @pytest.mark.gpu

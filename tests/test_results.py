@@ -373,6 +373,24 @@ def test_the_shipped_results_are_current_and_sane():
         assert not stale, f"{len(stale)} stale results in {folder}, e.g. {stale[:3]}"
 
 
+@pytest.mark.xfail(strict=True, reason="the lead regenerates the shipped set from a clean tree after all merges")
+def test_the_shipped_results_were_made_from_a_clean_tree():
+    """Every result file shipped in data/results names the commit that made it, a commit of this repository, and
+    was made from that commit's files (``code.dirty`` false), so the code of every shipped number can be checked
+    out. Today none is (76 of 76 record uncommitted changes): strict xfail until the shipped set is regenerated."""
+    files = sorted(SHIPPED.glob("*/*.json"))
+    unclean = []
+    for path in files:
+        code = json.loads(path.read_text(encoding="utf-8")).get("provenance", {}).get("code") or {}
+        known = code.get("commit") and subprocess.run(
+            ["git", "-C", str(REPO), "cat-file", "-e", f"{code['commit']}^{{commit}}"], capture_output=True
+        ).returncode == 0
+        if not known or code.get("dirty") is not False:
+            unclean.append(path.name)
+    assert files and not unclean, (f"{len(unclean)} of {len(files)} shipped result files were not made from a clean "
+                                   f"commit of this repository, e.g. {unclean[:3]}")
+
+
 def test_the_drift_shipped_before_method_versions_is_refused_where_the_arithmetic_bounds_it(tmp_path):
     """The drift results shipped until 2026-12-04 (tests/data/drift-2026-12-01: made on cuda by the first wave's
     code, a median relative state error of 1.21 for every configuration) are refused for bf16, rtn-int8 and

@@ -1,13 +1,14 @@
 """``python -m pace_core <command>``: the command line of PACE Studio, one module per family of commands:
 :mod:`~pace_core.cli.bits` (``bits``), :mod:`~pace_core.cli.calibration` (``card``, ``calibrate``, ``export``),
-:mod:`~pace_core.cli.analyses` (``drift``, ``structure``, ``perplexity``, ``generate``, ``sweep``) and
-:mod:`~pace_core.cli.study` (``compare``, ``claims``, ``all``); :mod:`~pace_core.cli.context` is what they share.
+:mod:`~pace_core.cli.analyses` (``drift``, ``structure``, ``perplexity``, ``generate``, ``sweep``),
+:mod:`~pace_core.cli.study` (``compare``, ``claims``, ``all``) and :mod:`~pace_core.cli.tasks` (``tasks``, lm-eval);
+:mod:`~pace_core.cli.context` is what they share.
 
 Each family's ``register(subparsers)`` adds its parsers, each with ``set_defaults(func=run)`` where ``run(args) ->
 int`` is the exit code; :func:`build_parser` calls every registrar in :data:`REGISTRARS`. A
 :class:`~pace_core.errors.PaceError` from any command is printed as ``error: <message>`` on stderr with exit code 2,
-without a traceback. The analyses (and transformers with them) are imported inside the commands that run them, so
-``bits`` and ``--help`` start in a second.
+without a traceback. The analyses (and transformers and lm-eval with them) are imported inside the commands that run
+them, so ``bits`` and ``--help`` start in a second.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from pace_core.cli import analyses, bits, calibration, study
+from pace_core.cli import analyses, bits, calibration, study, tasks
 from pace_core.errors import PaceError
 
 REGISTRARS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    bits.register, calibration.register, analyses.register, study.register)
+    bits.register, calibration.register, analyses.register, study.register, tasks.register)
 """Command registrars, called in order by build_parser."""
 
 

@@ -38,6 +38,9 @@ def run_drift(args: argparse.Namespace) -> int:
     text = args.text or str(CALIBRATION_TEXT)
     cfgs = ctx.prepared(docs)
     ids = tokenize(ctx.loaded.tokenizer, read_text(text), args.tokens)
+    if ids.shape[1] < args.tokens:
+        print(f"drift: --tokens {args.tokens:,} is more than the text holds: using the whole text, "
+              f"{ids.shape[1]:,} tokens")
     decode_from = args.decode_from if args.decode_from is not None else ids.shape[1] // 2
     params = {"text": _sha(text), "tokens": args.tokens, "decode_from": args.decode_from, "every": args.every}
 

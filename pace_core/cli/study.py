@@ -43,9 +43,12 @@ from pace_core.cli.context import (
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.errors import PaceError
 from pace_core.export import config_to_dict
-from pace_core.frontier import Point, best_under
+from pace_core.frontier import KL, PERPLEXITY, Point, best_under
 from pace_core.model import DEFAULT_MODEL_DIR
 from pace_core.results import list_results
+
+AXES = {"kl": KL, "ppl": PERPLEXITY}
+"""The quality axes of ``compare --axis`` (pace_core.frontier)."""
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -148,12 +151,13 @@ def _budget_request(args: argparse.Namespace) -> dict[str, Any] | None:
                             "--sequences (with --context, --weight-bits)")
         if not args.budget_bits > 0:
             raise PaceError(f"--budget-bits: {args.budget_bits} not allowed; allowed: bits per state value > 0")
-        return {"bits": args.budget_bits}
+        return {"bits": args.budget_bits, "axis": args.axis}
     if args.memory is None:
-        given = [name for name, v in memory_options.items() if v is not None]
+        given = [name for name, v in {**memory_options, "--axis": args.axis if args.axis != "kl" else None}.items()
+                 if v is not None]
         if given:
-            raise PaceError(f"{', '.join(given)} without --memory; allowed: --memory BYTES --sequences N "
-                            "(with --context, --weight-bits)")
+            raise PaceError(f"{', '.join(given)} without a budget; allowed: --budget-bits B, or --memory BYTES "
+                            "--sequences N (with --context, --weight-bits), and --axis with either")
         return None
     if args.sequences is None:
         raise PaceError("--memory without --sequences; allowed: --memory BYTES --sequences N")
@@ -162,18 +166,24 @@ def _budget_request(args: argparse.Namespace) -> dict[str, Any] | None:
         if value is not None and value < least:
             raise PaceError(f"{name}: {value} not allowed; allowed: an integer >= {least}")
     return {"memory": args.memory, "sequences": args.sequences, "context": args.context or 0,
-            "weight_bits": args.weight_bits}
+            "weight_bits": args.weight_bits, "axis": args.axis}
 
 
 def _recommend(data: dict, shape, budget: dict[str, Any]) -> None:
     """Print the recommendation under ``budget`` (:func:`_budget_request`), its last line ``recommended: ...``."""
     from pace_core.analysis.compare import budget_bits, recommendation, stored_configs
 
+    axis = AXES[budget["axis"]]
     points = [Point.of(p) for p in data["points"]]
-    fewest = min(points, key=lambda p: p.resident_bits)
+    measured = axis.measured(points)
+    if not measured:
+        print(f"recommended: none — no configuration of this comparison has a {axis.label} (a comparison stored "
+              "before it was recorded: --force measures again)")
+        return
+    fewest = min(measured, key=lambda p: p.resident_bits)
     if "bits" in budget:
-        best = best_under(points, budget["bits"])
-        print(f"budget: {budget['bits']:g} resident bits per state value")
+        best = best_under(points, budget["bits"], axis)
+        print(f"budget: {budget['bits']:g} resident bits per state value; quality: {axis.label}")
         why = (f"the fewest, {fewest.config}, takes {fewest.resident_bits:.4f} bits per state value, above "
                f"{budget['bits']:g}")
         print(f"recommended: {best.config}" if best is not None else f"recommended: none — {why}")
@@ -181,19 +191,19 @@ def _recommend(data: dict, shape, budget: dict[str, Any]) -> None:
     memory, n, context = budget["memory"], budget["sequences"], budget["context"]
     weight_bits = budget["weight_bits"] or 8 * shape.weight_bytes_per_param
     configs = stored_configs(data)
-    best = best_in_memory(points, configs, shape, memory, n, context=context, weight_bits=weight_bits)
+    best = best_in_memory(points, configs, shape, memory, n, context=context, weight_bits=weight_bits, axis=axis)
     room = budget_bits(shape, memory, n, context=context, weight_bits=weight_bits)
     print(f"budget: {memory:,} bytes for {n:,} sequences at {context:,} tokens of context with {weight_bits}-bit "
           f"weights: {room:.4f} bits per state value per sequence after the weights and the attention KV cache, "
-          "less what a configuration keeps once per layer (pace_core.accounting.capacity)")
+          f"less what a configuration keeps once per layer (pace_core.accounting.capacity); quality: {axis.label}")
     if best is not None:
         print(recommendation(best, configs[best.config], shape, memory, f"{memory:,} bytes", context=context,
-                             weight_bits=weight_bits))
+                             weight_bits=weight_bits, axis=axis))
         print(f"recommended: {best.config}")
         return
     caps = {p.config: capacity(configs[p.config], shape, memory, weight_bits=weight_bits, context=context)
-            for p in points}
-    most = max(points, key=lambda p: (caps[p.config].sequences, -p.kl))
+            for p in measured}
+    most = max(measured, key=lambda p: (caps[p.config].sequences, -axis.loss(p)))
     weights = caps[most.config].weight_bytes
     why = (f"the weights alone take {weights:,} of {memory:,} bytes" if weights > memory else
            f"no configuration holds {n:,} sequences; the most, {caps[most.config].sequences:,}, with {most.config}")
@@ -339,6 +349,7 @@ def all_steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]:
                 "max_tokens": args.ppl_tokens,
                 "batch": args.ppl_batch,
                 **dict.fromkeys(("budget_bits", "memory", "sequences", "context", "weight_bits")),
+                "axis": "kl",
             },
         ),
         (
@@ -393,6 +404,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "--memory; default 0)")
     p.add_argument("--weight-bits", dest="weight_bits", type=int,
                    help="bits per weight parameter (with --memory; default the checkpoint's own: 16 bf16, 8 fp8)")
+    p.add_argument("--axis", choices=list(AXES), default="kl",
+                   help="the quality a budget's recommendation is best on: kl (KL to fp32, default) or ppl "
+                        "(perplexity); the Compare page also offers stored task scores")
     p.set_defaults(func=_interruptible(run_compare))
 
     p = subparsers.add_parser("claims", help="the paper's claims (a)-(d) and ours (e) measured, each with its margin "

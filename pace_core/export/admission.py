@@ -16,6 +16,7 @@ from pace_core.errors import PaceError
 from pace_core.export.document import document_from_export
 from pace_core.export.record import READ_SCHEMA_VERSION, ConfigDocument, parse_json, record_from_dict
 from pace_core.methods import method_of
+from pace_core.names import check_name
 from pace_core.shapes import ModelShape
 
 
@@ -64,13 +65,13 @@ def read_config(config: ConfigSource) -> ConfigDocument:
     """The configuration document named by ``config``: a configuration name (``pace-4``, any case), the path
     of a JSON file (an export or a complete record), JSON text, a parsed JSON object, a PaceConfig or a
     document already read. Every field is checked, and the sections against each other (PaceError naming
-    the field and what to do)."""
+    the field and what to do); the name of a document read here follows :data:`pace_core.names.NAME_RULE`."""
     if isinstance(config, ConfigDocument):
         return config
     if isinstance(config, PaceConfig):
         return ConfigDocument(config, None, {})
     if isinstance(config, dict):
-        return document_from_dict(config)
+        return _named(document_from_dict(config))
     if not isinstance(config, (str, os.PathLike)):
         raise PaceError(f"config: {type(config).__name__} is not allowed; allowed: a configuration name, the path "
                         "of a JSON file, JSON text or a PaceConfig")
@@ -78,16 +79,24 @@ def read_config(config: ConfigSource) -> ConfigDocument:
     if text.lower() in NAMED_CONFIGS:
         return ConfigDocument(NAMED_CONFIGS[text.lower()], None, {})
     if text.startswith("{"):
-        return document_from_json(text)
+        return _named(document_from_json(text))
     path = Path(text).expanduser()
     if path.suffix.lower() != ".json" and not path.is_file():
         raise PaceError(f"config {text!r} is unknown; allowed: {', '.join(NAMED_CONFIGS)} or the path of a config "
                         "JSON file")
     try:
-        return document_from_json(path.read_text(encoding="utf-8"))
+        content = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise PaceError(f"config {text!r} cannot be read ({e}); allowed: {', '.join(NAMED_CONFIGS)} or the path of "
                         "a JSON file written by the Export page or `python -m pace_core export`") from None
+    return _named(document_from_json(content))
+
+
+def _named(doc: ConfigDocument) -> ConfigDocument:
+    """``doc``, read from outside, once its configuration's name follows the rule
+    (:func:`pace_core.names.check_name`)."""
+    check_name(doc.config.name)
+    return doc
 
 
 Calibrate = Callable[[PaceConfig], PaceConfig]

@@ -15,7 +15,16 @@ Schema 7 (4 to 6 are read: their settings of later schemas are the defaults; ``c
               "high_heads": {"4": {"gdn_layer": 3, "heads": [0, 7]}, …}},
      "resident_bits": {"payload_bits": …, "metadata_bits": …, "c": …, "decode_period": 8,
                        "buffer_bits": …, "resident_bits": …, "paper_c": …, "formula_bits": …} | null,
-     "provenance": {…}}
+     "provenance": {…, "evidence": {…}}}
+
+``provenance.evidence`` (optional; written since issue 47 without a schema change, so readers of schema 6 before
+it read these files, and files without it stay valid) records what the configuration was picked on when the
+Compare page exported it (:func:`pace_core.analysis.compare.evidence`): ``axis`` (``kl``, ``ppl`` or
+``task:<setting>:<task>:<metric>:<filter>``), ``label``, ``higher_is_better``, ``config``, ``value`` and ``stderr``
+on that axis, the fp32 ``reference``'s value, ``budget_bits``, ``resident_bits`` and the ``frontier`` on the axis;
+for a pick in a memory also ``memory`` (``bytes``, ``sequences``, ``context``, ``weight_bits``); for a task score
+also the task, metric, filter, few-shot setting, limit, items, lm-eval version and the command and code that
+measured it. A reader checks its form (:func:`check_evidence`).
 
 The state layout is named because engines differ: transformers keeps ``[B, HV, K, V]`` (this layout),
 vLLM ``[slots, HV, V, K]``; a reader that stores ``[V, K]`` transposes and keeps the groups along the
@@ -53,6 +62,9 @@ _MODEL_KEYS = ("source", "weights_fingerprint", "num_layers", "gdn_layers", "num
                "d_v")
 _TOP_KEYS = ("schema_version", "kind", "producer", "model", "state_layout", "state_cache_scheme", "pace",
              "resident_bits", "provenance")
+_EVIDENCE_KEYS = {"axis": str, "label": str, "higher_is_better": bool, "config": str, "value": float,
+                  "budget_bits": float, "resident_bits": float, "frontier": list}
+"""The fields ``provenance.evidence`` must have, with their types (float: any number)."""
 
 
 def used_fields(cfg: PaceConfig) -> tuple[str, ...]:
@@ -108,9 +120,14 @@ def state_layout(cfg: PaceConfig) -> dict[str, Any]:
 
 
 def export_document(cfg: PaceConfig, *, shape: ModelShape | None = None, source: str | None = None,
-                    weights_fingerprint: str | None = None, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The schema 4 document of ``cfg`` for the model ``source`` of ``shape`` (None when no model is known:
-    then no 8-bit heads and no resident bits; with heads calibrated but no shape, PaceError)."""
+                    weights_fingerprint: str | None = None, provenance: dict[str, Any] | None = None,
+                    evidence: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The schema 6 document of ``cfg`` for the model ``source`` of ``shape`` (None when no model is known:
+    then no 8-bit heads and no resident bits; with heads calibrated but no shape, PaceError), with ``evidence``,
+    what it was picked on, as ``provenance.evidence`` (module docstring; checked by :func:`check_evidence`)."""
+    if evidence is not None:
+        check_evidence(evidence)
+        provenance = {**(provenance or {}), "evidence": dict(evidence)}
     record = config_to_dict(cfg)
     pace = {SETTING_OF[f].json: record["pace"][SETTING_OF[f].json] for f in used_fields(cfg)}
     model = None if shape is None else model_block(source or shape.name, shape, weights_fingerprint)
@@ -125,6 +142,24 @@ def export_document(cfg: PaceConfig, *, shape: ModelShape | None = None, source:
             "state_layout": state_layout(cfg), "state_cache_scheme": record["state_cache_scheme"], "pace": pace,
             "resident_bits": None if shape is None else _resident_block(used_settings(cfg), shape),
             "provenance": dict(provenance or {})}
+
+
+def check_evidence(evidence: Any) -> None:
+    """PaceError naming the field when ``evidence`` is not the ``provenance.evidence`` object of the module
+    docstring (its fields of :data:`_EVIDENCE_KEYS`, ``stderr`` a number or null)."""
+    if not isinstance(evidence, dict):
+        raise PaceError(f"the field provenance.evidence must be an object; got {type(evidence).__name__}")
+    for key, kind in _EVIDENCE_KEYS.items():
+        value = evidence.get(key)
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not (number if kind is float else isinstance(value, kind)):
+            raise PaceError(f"the field provenance.evidence.{key}={value!r} is not allowed; allowed: "
+                            + ("a finite number" if kind is float else f"a {kind.__name__}"))
+    stderr = evidence.get("stderr")
+    if stderr is not None and not (isinstance(stderr, int | float) and not isinstance(stderr, bool)
+                                   and math.isfinite(stderr) and stderr >= 0):
+        raise PaceError(f"the field provenance.evidence.stderr={stderr!r} is not allowed; allowed: null or a number "
+                        ">= 0")
 
 
 def _resident_block(cfg: PaceConfig, shape: ModelShape) -> dict[str, Any]:
@@ -207,6 +242,8 @@ def document_from_export(d: dict) -> ConfigDocument:
     for key in ("producer", "provenance"):
         if not isinstance(d[key], dict):
             raise PaceError(f"the field {key} must be an object; got {type(d[key]).__name__}")
+    if "evidence" in d["provenance"]:
+        check_evidence(d["provenance"]["evidence"])
     shape = _model(d["model"])
     pace = d["pace"]
     if not isinstance(pace, dict):

@@ -1,6 +1,6 @@
 """Serving PACE states in vLLM: a general plugin (entry point ``vllm.general_plugins``: ``pace``).
 
-    pip install "pace-studio[vllm]"
+    pip install ".[vllm]"        # in a clone of this repository (README, "Serving with vLLM")
     vllm serve <model> --enforce-eager --no-enable-prefix-caching \\
         --additional-config '{"pace_config": "my-config.json"}'
 
@@ -21,6 +21,10 @@ but has not been run (README).
 from __future__ import annotations
 
 from pace_core.vllm.architectures import ARCHITECTURES
+
+INSTALL_COMMAND = 'pip install ".[vllm]"'
+"""How the plugin is installed: in a clone of this repository, beside vLLM (README). The project publishes no package
+to a registry, so a registry name would install whatever holds it."""
 
 
 def register() -> None:
