@@ -178,13 +178,14 @@ class StateFormat(ABC):
 
 class RoundingFormat:
     """A dense checkpoint in ``dtype`` rounded by ``round_fn(S [B, HV, K, V]) -> S`` (e.g. fake quantisation,
-    bit-identical to storing and loading :mod:`pace_core.quant`'s format)."""
+    bit-identical to storing and loading :mod:`pace_core.quant`'s format). ``dtype`` has no default: a float64
+    analysis keeps float64 checkpoints, a float32 one float32 (the caller says which)."""
 
     exact = False
     spec = None
 
-    def __init__(self, round_fn: Callable[[torch.Tensor], torch.Tensor], name: str = "state",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, round_fn: Callable[[torch.Tensor], torch.Tensor], name: str = "state", *,
+                 dtype: torch.dtype) -> None:
         self.round_fn, self.name, self.dtype = round_fn, name, dtype
 
     def to(self, device: torch.device) -> RoundingFormat:

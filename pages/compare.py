@@ -16,8 +16,10 @@ from app_state.library import (
     PaceConfig,
     Point,
     axis_table,
+    best_in_memory,
     best_under,
     budget_bits,
+    capacity,
     evidence,
     gap,
     harness_installed,
@@ -25,6 +27,7 @@ from app_state.library import (
     recommendation,
     setting_label,
     stored_config,
+    stored_configs,
     task_axes,
     task_table,
 )
@@ -75,20 +78,32 @@ def page(cfg: PaceConfig) -> None:
     axis = _axis(points, data, task_sets)
 
     st.subheader("Best under a memory budget")
-    budget, memory, where, context, weight_bits = _budget(card.shape)
-    best = best_under(points, budget, axis)
+    budget, memory, where, context, weight_bits, sequences = _budget(card.shape)
     measured = axis.measured(points)
-    if best is None:
+    among = "" if axis is KL else f" among those measured on {escape(axis.label)}"
+    if sequences is None:  # bits per state value: against each point's resident bits, the plotted axis
+        best = best_under(points, budget, axis)
+    else:  # a GPU: the configurations that hold the sequences by the accounting's capacity
+        best = best_in_memory(points, stored_configs(data), card.shape, memory, sequences, context=context,
+                              weight_bits=weight_bits, axis=axis)
+    if best is None and sequences is None:
         fewest = min(measured, key=lambda p: p.resident_bits)
-        among = "" if axis is KL else f" among those measured on {escape(axis.label)}"
         st.warning(f"No configuration fits {budget:.2f} bits per state value{among}: the fewest, "
                    f"{escape(fewest.config)}, takes {fewest.resident_bits:.2f}.", icon=":material/block:")
+    elif best is None:
+        most = max((capacity(stored_config(data, p.config), card.shape, memory, weight_bits=weight_bits,
+                             context=context).sequences, -axis.loss(p), p.config) for p in measured)  # ties: better
+        st.warning(f"No configuration holds {sequences:,} sequences on {escape(where)} at {context:,} tokens of "
+                   f"context with {weight_bits}-bit weights{among}: the most, {escape(most[2])}, holds {most[0]:,}.",
+                   icon=":material/block:")
     else:
         st.success(escape(recommendation(best, stored_config(data, best.config), card.shape, memory, where,
                                          context=context, weight_bits=weight_bits, axis=axis)),
                    icon=":material/recommend:")
         _against_reference(axis, best, measured)
-        _export(best, data, card, evidence(axis, best, points, budget))
+        held = None if sequences is None else {"bytes": memory, "sequences": sequences, "context": context,
+                                               "weight_bits": weight_bits}
+        _export(best, data, card, evidence(axis, best, points, budget, held))
 
     st.subheader(f"Resident bits against {escape(axis.label)}")
     if axis is KL:
@@ -176,10 +191,11 @@ def _tasks(task_sets: list) -> None:
                    f"{stored.provenance_label(s.provenance)}.")
 
 
-def _budget(shape) -> tuple[float, int, str, int, int]:
-    """The budget in bits per state value as the user gives it, with the memory, its name, the context and the
-    weight bits the sentence states the capacity at (for a budget in bits: :data:`figures.CAPACITY_GPU` and its
-    settings)."""
+def _budget(shape) -> tuple[float, int, str, int, int, int | None]:
+    """The budget as the user gives it: bits per state value, with the memory, its name, the context and the weight
+    bits the sentence states the capacity at (for a budget in bits: :data:`figures.CAPACITY_GPU` and its settings,
+    and no sequence count); or a GPU's memory, with the sequences it must hold and the bits per state value that
+    leaves each sequence (shown as the budget line)."""
     kind = st.radio("Memory budget as", [BITS, GPU], key="compare_budget_kind", horizontal=True,
                     help="Bits per state value directly, or the memory a GPU leaves for the states of a number of "
                          "sequences after the weights and their attention KV cache.")
@@ -188,7 +204,7 @@ def _budget(shape) -> tuple[float, int, str, int, int]:
                                key="compare_bits", help="Resident bits per state value a configuration may take "
                                                         "(fp32: 32).")
         return (float(bits), int(figures.GPU_BUDGETS_GB[figures.CAPACITY_GPU] * figures.GB),
-                f"an {figures.CAPACITY_GPU}", figures.CAPACITY_CONTEXT, figures.CAPACITY_WEIGHT_BITS)
+                f"an {figures.CAPACITY_GPU}", figures.CAPACITY_CONTEXT, figures.CAPACITY_WEIGHT_BITS, None)
     c1, c2, c3, c4 = st.columns(4)
     gpus = {**figures.GPU_BUDGETS_GB, "custom": None}
     gpu = c1.selectbox("GPU memory", list(gpus), index=list(gpus).index(figures.CAPACITY_GPU), key="compare_gpu")
@@ -203,9 +219,12 @@ def _budget(shape) -> tuple[float, int, str, int, int]:
     bits = budget_bits(shape, memory, int(sequences), context=int(context), weight_bits=weight_bits)
     st.caption(f"{bits:.2f} bits per state value: what {gb:g} GB leaves after the weights at {weight_bits} bits and "
                f"{int(sequences):,} sequences' bf16 attention KV cache at {int(context):,} tokens, shared by their "
-               "recurrent states (pace_core.analysis.compare.budget_bits).")
+               "recurrent states (pace_core.analysis.compare.budget_bits). A configuration fits when the memory "
+               "holds the sequences by the accounting's capacity: what it keeps once per layer (head maps, "
+               "STEPQuant's impact weights, static scales' ranges) comes off the memory first, so its resident bits "
+               "of one sequence may lie right of this line (pace_core.accounting.best_in_memory).")
     where = f"an {gpu}" if gpus[gpu] is not None else f"{gb:g} GB"
-    return bits, memory, where, int(context), weight_bits
+    return bits, memory, where, int(context), weight_bits, int(sequences)
 
 
 def _export(best: Point, data: dict, card, picked_on: dict) -> None:

@@ -1276,12 +1276,60 @@ def test_compare_recommends_the_best_under_a_budget_and_exports_it_without_loadi
         check(at)
         budget = budget_bits(loaded.shape, 10**9, sequences, context=2048, weight_bits=8)
         assert any(c.value.startswith(f"{budget:.2f} bits per state value") for c in at.caption)
-        best = expected(budget)
+        holds = sorted((p["kl"], p["resident_bits"], name) for name, p in points.items()
+                       if capacity(get_config(name), loaded.shape, 10**9, weight_bits=8, context=2048).sequences
+                       >= sequences)
+        best = holds[0][2] if holds else None
         shown = plain(at.success[0].value) if best is not None else plain(at.warning[0].value)
-        assert shown.startswith(f"{best}: ") if best is not None else "No configuration fits" in shown
+        assert shown.startswith(f"{best}: ") if best is not None else "No configuration holds" in shown
         if best is not None:
             assert "on 1 GB at 2,048 tokens of context with 8-bit weights" in shown
     assert calls == []  # the stored path: no model loaded
+
+
+def test_compare_recommends_for_a_gpu_what_its_memory_holds(params, loaded, tmp_path, monkeypatch):
+    """GPU mode recommends the lowest KL among the configurations of which the memory holds the sequences by the
+    accounting's capacity (issue 46: the page set one sequence's resident bits, which carry what STEPQuant keeps once
+    per layer, against the per-sequence budget, and recommended Q-Mamba DSQ of 7x the KL where STEPQuant-4 fits)."""
+    from pace_core.analysis.compare import budget_bits, comparison, point
+    from pace_core.methods import Calibrated
+
+    shape = loaded.shape
+    sq4 = get_config("stepquant-4").replace(calibrated=Calibrated(  # every head at 4 bits
+        [{"widths": torch.full((shape.num_v_heads,), 4, dtype=torch.int16),
+          "impact": torch.ones(shape.num_v_heads, shape.d_k)}] * shape.num_gdn_layers))
+    cfgs = {"fp32": get_config("fp32"), "bf16": get_config("bf16"), "qmamba-dsq": get_config("qmamba-dsq"),
+            "stepquant-4": sq4}
+    kls = {"fp32": 0.0, "bf16": 1.9e-7, "qmamba-dsq": 1.29e-3, "stepquant-4": 1.82e-4}
+    data, table = comparison([point(c, shape, {"kl": kls[n], "agreement": 1 - kls[n], "bpb": 1.5, "ppl": 20.0,
+                                               "tokens": 4095}) for n, c in cfgs.items()])
+    _store("compare", params, loaded, table, monkeypatch, tmp_path, {**data, "tokens": 4095, "window": 1024})
+    session._load_model.clear()
+    session._stored_card.clear()
+    start(params)  # one load, which stores the card in this results folder
+    n = capacity(sq4, shape, 10**9, weight_bits=8, context=2048).sequences
+    budget = budget_bits(shape, 10**9, n, context=2048, weight_bits=8)
+    # the page's old choice: stepquant-4's resident bits (one sequence) above the per-sequence budget
+    assert resident_bits(sq4, shape).resident_bits > budget >= resident_bits(cfgs["qmamba-dsq"], shape).resident_bits
+    at = start(params, page="compare")
+    at.radio(key="compare_budget_kind").set_value("GPU, sequences and context").run()
+    at.selectbox(key="compare_gpu").set_value("custom").run()
+    at.number_input(key="compare_gb").set_value(1.0).run()
+    at.selectbox(key="compare_weights").set_value("fp8 (8 bits)").run()
+    at.number_input(key="compare_context").set_value(2048).run()
+    at.number_input(key="compare_sequences").set_value(n).run()
+    check(at)
+    assert plain(at.success[0].value).startswith("stepquant-4: ") and f"({n:,} against" in at.success[0].value
+    holds = {name: capacity(c, shape, 10**9, weight_bits=8, context=2048).sequences for name, c in cfgs.items()}
+    most = max(holds, key=lambda name: (holds[name], -kls[name]))  # the most sequences, ties: the lower KL
+    for sequences, best in ((n + 1, "qmamba-dsq" if holds["qmamba-dsq"] > n else None), (holds[most] + 1, None)):
+        at.number_input(key="compare_sequences").set_value(sequences).run()
+        check(at)
+        if best is None:
+            assert plain(at.warning[0].value).startswith(f"No configuration holds {sequences:,} sequences on 1 GB")
+            assert f"the most, {most}, holds {holds[most]:,}" in plain(at.warning[0].value)
+        else:
+            assert plain(at.success[0].value).startswith(f"{best}: ")
 
 
 def test_overview_shows_the_perplexity_run_over_the_most_tokens_first(params, loaded, tmp_path, monkeypatch):

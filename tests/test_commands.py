@@ -125,7 +125,7 @@ def test_perplexity_whole_text_in_batches(env, tmp_path):
 
 
 def test_compare_stores_every_point_the_frontier_and_reuses_perplexity(env, capsys, tmp_path):
-    from pace_core.accounting import resident_bits
+    from pace_core.accounting import capacity, resident_bits
     from pace_core.shapes import load_shape
 
     out = str(tmp_path / "results")
@@ -163,6 +163,41 @@ def test_compare_stores_every_point_the_frontier_and_reuses_perplexity(env, caps
     assert "reusing stored perplexity of fp32, pace-4" in printed and "saved" not in printed
     assert main(compare) == 0
     assert "reusing stored compare" in capsys.readouterr().out
+    # without --window, --max-tokens, --text or --configs: the stored comparison of any window, named, no measuring;
+    # with a budget, the frontier and then, last, the recommendation (issue 46: no budget option, a silent re-run)
+    short = ["compare", "--model", env["model"], "--out", out, "--quiet"]
+    configs = {p["config"]: config_from_dict(p["configuration"]) for p in points}
+    sq4_bits = next(p["resident_bits"] for p in points if p["config"] == "stepquant-4")
+    best = min((p["kl"], p["resident_bits"], p["config"]) for p in points if p["resident_bits"] <= sq4_bits)[2]
+    assert main([*short, "--budget-bits", str(sq4_bits)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith(f"using the stored comparison {cmp.path}: windows of 64 tokens, "
+                               f"{cmp.data['tokens']:,} scored tokens of text.txt, made by commit ")
+    assert "--force to measure again" in lines[0] and "saved" not in "".join(lines)
+    assert lines[-3] == printed_frontier(cmp) and lines[-1] == f"recommended: {best}"
+    assert main([*short, "--budget-bits", "1"]) == 0
+    fewest = min(points, key=lambda p: p["resident_bits"])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"recommended: none — the fewest, {fewest['config']}, takes {fewest['resident_bits']:.4f} bits per state "
+        "value, above 1")
+    for memory, sequences, context in ((10**8, 50, 0), (10**8, 400, 256), (3 * 10**7, 7, 0), (10**6, 1, 0)):
+        argv = [*short, "--memory", str(memory), "--sequences", str(sequences), "--context", str(context),
+                "--weight-bits", "16"]
+        assert main(argv) == 0
+        holds = [(p["kl"], p["resident_bits"], p["config"]) for p in points
+                 if capacity(configs[p["config"]], shape, memory, weight_bits=16, context=context).sequences
+                 >= sequences]
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last == f"recommended: {min(holds)[2]}" if holds else last.startswith("recommended: none — ")
+    ppl_best = min((p["ppl"], p["resident_bits"], p["config"]) for p in points if p["resident_bits"] <= sq4_bits)[2]
+    assert main([*short, "--budget-bits", str(sq4_bits), "--axis", "ppl"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"recommended: {ppl_best}"
+    assert main([*short, "--sequences", "3"]) == 2
+    assert "--sequences without a budget" in capsys.readouterr().err
+
+
+def printed_frontier(result) -> str:
+    return f"frontier (no configuration with fewer bits and lower KL): {', '.join(result.data['frontier'])}"
 
 
 def test_stored_results_belong_to_the_weights(env, capsys, tmp_path):

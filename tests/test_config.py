@@ -226,7 +226,7 @@ def test_quant_spec_and_head_bits():
 def test_json_document_is_shaped_like_a_kv_cache_scheme():
     cfg = get_config("pace-4-8").replace(high_heads=((2, 9), (0, 1)))
     d = config_to_dict(cfg, model="qwen3.5-27b", provenance={"calibration": "wikitext2-valid.txt"})
-    assert d["schema_version"] == SCHEMA_VERSION == 6
+    assert d["schema_version"] == SCHEMA_VERSION == 7
     assert d["producer"] == {"name": "pace-studio", "version": __version__}
     assert d["model"] == "qwen3.5-27b"
     assert d["state_cache_scheme"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
@@ -298,14 +298,13 @@ def test_generated_configs_round_trip_exactly(cfg, model):
 def _doc(**changes) -> dict:
     """PACE-4/8's record with ``changes`` (``section__key``: a value, or KeyError to remove it); a record of an
     older ``schema_version`` lacks the methods' settings added at schema 5 or later (STEPQuant's; DAMP's are schema
-    1's),
-    and before schema 6 the combinations' settings."""
+    1's), before schema 6 the combinations' settings, before schema 7 STEPQuant's calibration samples."""
     d = config_to_dict(get_config("pace-4-8"))
     version = changes.get("schema_version", SCHEMA_VERSION)
     for setting in SETTINGS:
         if (setting.field in METHOD_SETTINGS and setting.schema >= 5 and version in (1, 2, 3)) or (
-            setting.schema == 6 and version in (1, 2, 3, 5)
-        ):
+            setting.schema >= 6 and version in (1, 2, 3, 5)
+        ) or (setting.schema == 7 and version == 6):
             del d["pace"][setting.json]
     for path, value in changes.items():
         *head, last = path.split("__")
@@ -321,8 +320,6 @@ def _doc(**changes) -> dict:
 
 @pytest.mark.parametrize("changes, message", [
     ({"schema_version": 8}, "schema_version=8 is newer than this PACE Studio understands; allowed: 1..7"),
-    ({"schema_version": 7}, r"schema_version=7 without a kind is newer than this PACE Studio's complete record "
-                            r"\(schema 6\); allowed: 1..6, or an export"),
     ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..7"),
     ({"schema_version": 4}, "the document lacks kind"),  # a complete record labelled as an export
     ({"schema_version": "1"}, "schema_version='1' is not allowed"),

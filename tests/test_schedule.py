@@ -169,7 +169,8 @@ def test_periodic_rounding_beats_per_token_on_slow_decays():
     spec = quant.QuantSpec(bits=4, symmetric=True, axis="key", group_size=32)
     errors = {}
     for dP in (1, 8):
-        st = PeriodicState(RoundingFormat(lambda S: quant.fake_quantize(S, spec)), REFERENCE, (B, H, HV, K, V),
+        fmt = RoundingFormat(lambda S: quant.fake_quantize(S, spec), dtype=S_prompt.dtype)
+        st = PeriodicState(fmt, REFERENCE, (B, H, HV, K, V),
                            S_prompt.device, prefill_period=256, decode_period=dP, buffer="fp64")
         st.set_checkpoint(S_prompt)
         st.decode(*dec)

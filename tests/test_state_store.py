@@ -8,13 +8,13 @@ from numerics import fp32_bound
 from references import per_token_decode, periodic_decode, segmented_prefill
 
 from pace_core import quant
-from pace_core.accounting import state_bytes, transient_bytes
+from pace_core.accounting import host_bytes, state_bytes, transient_bytes
 from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.memory import PeakBytes, held_bytes
 from pace_core.methods.dsq import dsq_dequantize, dsq_quantize
 from pace_core.recurrence import gdn_recurrent, prepare_qk
-from pace_core.shapes import ModelShape
+from pace_core.shapes import ModelShape, get_shape
 from pace_core.state_store import StateStore
 
 pytestmark = pytest.mark.numerics
@@ -506,3 +506,16 @@ def test_peak_transient_is_within_the_stated_bound(name, tokens):
             store.decode(0, *split(tokens_, t, t + 1))
         assert 0 < decode.peak <= transient_bytes(cfg, RESIDENT_SHAPE, B)
         assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B)
+
+
+def test_stochastic_rounding_keeps_its_generator_outside_the_state():
+    """pace-4-sr's generators live in each layer's format on the host (StateFormat.generator), one per GDN layer:
+    not tensors, so neither the bytes held nor state_bytes hold them; accounting.host_bytes counts them (issue 46:
+    they were counted nowhere), 121,344 B at Qwen3.5-4B's 24 GDN layers on the CPU."""
+    store = resident_store("pace-4-sr", "reference")
+    generators = [store.layer(layer).fmt.generator for layer in LAYERS]
+    assert all(isinstance(g, torch.Generator) and g.device == torch.device("cpu") for g in generators)
+    assert sum(g.get_state().numel() for g in generators) == host_bytes(store.cfg, RESIDENT_SHAPE) == 2 * 5056
+    assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B)
+    assert host_bytes(get_config("pace-4-sr"), get_shape("qwen3.5-4b")) == 121_344
+    assert all(host_bytes(get_config(name), RESIDENT_SHAPE) == 0 for name in NAMED_CONFIGS if name != "pace-4-sr")

@@ -7,9 +7,12 @@ quality against the fp32 reference on held-out text (:func:`pace_core.analysis.q
 agreement, bits per byte, perplexity). The frontier and the best point under a budget on a quality axis (KL by
 default, perplexity, or a task score stored by ``python -m pace_core tasks``: issue 47) are
 :mod:`pace_core.frontier`'s; this module stores the points, states a recommendation, and tabulates an axis and what
-a pick was made on (:func:`axis_table`, :func:`evidence`). A budget is bits per state value, given directly or made
-by :func:`budget_bits` from a memory size, the model's shape, a context length and a number of sequences: the
-states' share of the memory left after the weights and the attention KV cache.
+a pick was made on (:func:`axis_table`, :func:`evidence`). A budget is bits per state value, given directly
+(compared with each point's resident bits, the plotted axis), or a memory size, a context length and a number of
+sequences: then the recommendation is :func:`pace_core.accounting.best_in_memory`, the best point among those whose
+configuration :func:`~pace_core.accounting.capacity` says holds that many sequences (what is kept once per layer
+taken from the memory first). :func:`budget_bits` shows such a memory as the bits per state value the sequences'
+states may share after the weights and the attention KV cache.
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ def budget_bits(shape: ModelShape, memory_bytes: int, sequences: int, *, context
     """Bits per state value that ``sequences`` sequences' recurrent states may take in ``memory_bytes``: what is
     left after the weights (``weight_bits`` per parameter, default the shape's own) and, at ``context`` tokens
     each, the sequences' bf16 attention KV cache (the terms of :func:`pace_core.accounting.capacity`), divided by
-    their state values (0 when nothing is left). A configuration whose resident bits fit it holds ``sequences``
-    sequences by :func:`~pace_core.accounting.capacity` (exactly the budget when it stores nothing once per
-    layer)."""
+    their state values (0 when nothing is left): the per-sequence room. A configuration that keeps nothing once per
+    layer holds ``sequences`` sequences exactly when its resident bits fit it; one that does (head maps, STEPQuant's
+    impact weights, static scales' ranges) may hold them with resident bits above it, since one sequence's resident
+    bits carry those bytes whole: which configurations fit is :func:`pace_core.accounting.best_in_memory`'s."""
     if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1:
         raise PaceError(f"sequences={sequences!r} is not allowed; allowed: an integer >= 1")
     room = capacity(get_config("fp32"), shape, memory_bytes, weight_bits=weight_bits, context=context)
@@ -61,6 +65,12 @@ def comparison(points: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], pd.
     table = pd.DataFrame([{k: v for k, v in p.items() if k != "configuration"} | {"frontier": p["config"] in on}
                           for p in points]).sort_values(["resident_bits", "kl"], kind="stable").reset_index(drop=True)
     return {"points": [dict(p) for p in points], "frontier": on}, table
+
+
+def stored_configs(data: Mapping[str, Any]) -> dict[str, PaceConfig]:
+    """Every point's configuration of a stored comparison (as calibrated on the model), by name: what
+    :func:`pace_core.accounting.best_in_memory` counts the capacity of."""
+    return {p["config"]: config_from_dict(p["configuration"]) for p in data["points"]}
 
 
 def stored_config(data: Mapping[str, Any], name: str) -> PaceConfig:
@@ -110,15 +120,18 @@ def axis_table(points: Sequence[Point], axis: Axis) -> pd.DataFrame:
     return table.sort_values(["resident_bits", "config"], kind="stable").reset_index(drop=True)
 
 
-def evidence(axis: Axis, p: Point, points: Sequence[Point], budget: float) -> dict[str, Any]:
+def evidence(axis: Axis, p: Point, points: Sequence[Point], budget: float,
+             memory: Mapping[str, int] | None = None) -> dict[str, Any]:
     """What the configuration ``p`` was picked on, as its exported file records it (``provenance.evidence``,
     :mod:`pace_core.export`): the axis (its key, label, direction and what made its values), ``p``'s value and
-    standard error there, the fp32 reference's where it has one, the budget in bits per state value, and the
-    frontier on the axis."""
+    standard error there, the fp32 reference's where it has one, the budget in bits per state value (for a memory,
+    its per-sequence room, :func:`budget_bits`), the memory (``memory``: bytes, sequences, context, weight bits)
+    where the pick was :func:`pace_core.accounting.best_in_memory`'s, and the frontier on the axis."""
     ref = next((q for q in points if q.config == "fp32" and axis.value(q) is not None), None)
     se = (axis.stderr or {}).get(p.config)
     return {"axis": axis.key, "label": axis.label, "higher_is_better": axis.higher_is_better, "config": p.config,
             "value": axis.value(p), "stderr": se if se is not None and math.isfinite(se) else None,
             "reference": None if ref is None else {"config": ref.config, "value": axis.value(ref)},
             "budget_bits": float(budget), "resident_bits": p.resident_bits,
-            "frontier": [q.config for q in frontier(points, axis)], **dict(axis.evidence or {})}
+            "frontier": [q.config for q in frontier(points, axis)],
+            **({} if memory is None else {"memory": dict(memory)}), **dict(axis.evidence or {})}

@@ -19,6 +19,7 @@ from pace_core.analysis.text import CALIBRATION_TEXT, read_text
 from pace_core.config import tagged
 from pace_core.errors import PaceError
 from pace_core.export import admit, config_to_dict, read_config
+from pace_core.methods import method_of
 from pace_core.model.card import checkpoint_stamp, save_card
 from pace_core.results import DamagedResult, load_result, make_provenance, result_key, save_result, text_sha256
 
@@ -34,6 +35,10 @@ DEFAULT_PROMPT = "The history of the city begins in"
 COMPARE_TOKENS = 4096
 """The default prefix of ``compare``: the 17 named configurations of the embedded model in 9 minutes on this project's
 shared 2-core CPU (measured at a load average of 4.7: data/results/pace-tiny-qwen35/README.md), well under 20."""
+
+
+COMPARE_WINDOW = 512
+"""The default perplexity window of ``compare`` (stride half of it) when it measures."""
 
 
 CONFIG_GROUP = 4
@@ -128,19 +133,21 @@ class Context:
 
     def calibration(self, cfg, text: str | None, tokens: int, sample_every: int):
         """The calibration of ``cfg`` (cached in memory and on disk as kind 'calibration')."""
-        from pace_core.analysis.calibration import Calibration, calibrate
+        from pace_core.analysis.calibration import Calibration, calibrate, calibration_progress_total
 
         path = str(text or CALIBRATION_TEXT)
         if not 1 <= sample_every <= tokens:
             raise PaceError(f"--sample-every: {sample_every} not allowed; allowed: 1..{tokens} (at most --tokens)")
-        key, found = self.cached("calibration", {"config": config_to_dict(cfg), "text": _sha(path),
-                                                 "tokens": tokens, "sample_every": sample_every})
+        sampling = method_of(cfg).sampling(cfg)  # a method's own samples: its numbers, not --tokens / --sample-every
+        samples = ({"tokens": tokens, "sample_every": sample_every} if sampling is None else
+                   {"sampling": sampling.describe()})
+        key, found = self.cached("calibration", {"config": config_to_dict(cfg), "text": _sha(path), **samples})
         if key in self._calibrations:
             return self._calibrations[key]
         if found is not None:
             cal = Calibration.from_data(found.data)
         else:
-            with self.bar(len(self.loaded.gdn_layers), f"calibrate {cfg.name}") as bar:
+            with self.bar(calibration_progress_total(self.loaded, sampling), f"calibrate {cfg.name}") as bar:
                 cal = calibrate(self.loaded, cfg, path, tokens=tokens, sample_every=sample_every, progress=bar.update)
             self.save("calibration", key, {**cal.to_data(), "text_sha256": text_sha256(path)},
                       cal.table(), configs=[cal.config], text=path)

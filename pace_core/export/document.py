@@ -24,8 +24,9 @@ it read these files, and files without it stay valid) records what the configura
 Compare page exported it (:func:`pace_core.analysis.compare.evidence`): ``axis`` (``kl``, ``ppl`` or
 ``task:<setting>:<task>:<metric>:<filter>``), ``label``, ``higher_is_better``, ``config``, ``value`` and ``stderr``
 on that axis, the fp32 ``reference``'s value, ``budget_bits``, ``resident_bits`` and the ``frontier`` on the axis;
-for a task score also the task, metric, filter, few-shot setting, limit, items, lm-eval version and the command
-and code that measured it. A reader checks its form (:func:`check_evidence`).
+for a pick in a memory also ``memory`` (``bytes``, ``sequences``, ``context``, ``weight_bits``); for a task score
+also the task, metric, filter, few-shot setting, limit, items, lm-eval version and the command and code that
+measured it. A reader checks its form (:func:`check_evidence`).
 
 The state layout is named because engines differ: transformers keeps ``[B, HV, K, V]`` (this layout),
 vLLM ``[slots, HV, V, K]``; a reader that stores ``[V, K]`` transposes and keeps the groups along the

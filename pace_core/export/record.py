@@ -3,7 +3,7 @@
 ``scale_dtype``, ``zp_dtype``) under the key ``state_cache_scheme``, with the PACE settings under ``pace``. It is
 what result caches key on and results store; the deployable export is :mod:`pace_core.export.document`::
 
-    {"schema_version": 6,
+    {"schema_version": 7,
      "producer": {"name": "pace-studio", "version": "0.1.0"},
      "model": "qwen3.5-27b" | null,
      "state_cache_scheme": {"num_bits": 4, "type": "int", "symmetric": false, "strategy": "group",
@@ -32,13 +32,13 @@ from pace_core.config import SETTINGS, PaceConfig, check_choice, is_int
 from pace_core.errors import PaceError
 from pace_core.methods import Calibrated, method_of
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The schema of the complete record (:func:`config_to_dict`), which result caches key on: 1-3, then 5 (4 is the
 first deployable export's; from 5 on records and exports share the numbers and differ by the export's ``kind``);
-6 adds the combinations (stochastic rounding, key rotation, static scales)."""
+6 adds the combinations (stochastic rounding, key rotation, static scales); 7 STEPQuant's calibration samples."""
 READ_SCHEMA_VERSION = 7
-"""The newest schema read: of exports (:mod:`pace_core.export.document`, 7 records the codes' packing); records go up
-to :data:`SCHEMA_VERSION`."""
+"""The newest schema read, of records and of exports (:mod:`pace_core.export`; an export of 7 also records the codes'
+packing)."""
 PRODUCER_NAME = "pace-studio"
 
 
@@ -128,7 +128,7 @@ def _high_heads_from_json(value: Any) -> tuple[tuple[int, ...], ...] | None:
 
 
 def record_from_dict(d: dict, version: int) -> ConfigDocument:
-    """The configuration of a complete record (:func:`config_to_dict`) of schema ``version`` (1..3, 5, 6: the
+    """The configuration of a complete record (:func:`config_to_dict`) of schema ``version`` (1..3, 5..7: the
     settings added since are read as what it was made with, :attr:`~pace_core.settings.Setting.before`)."""
     missing = [k for k in _TOP_KEYS if k not in d]
     if missing:

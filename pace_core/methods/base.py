@@ -27,6 +27,37 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """The calibration samples a method takes instead of the shared ones (:attr:`Method.sampling`;
+    :func:`pace_core.analysis.calibration.protocol_samples` takes them): ``segments`` windows of ``tokens`` tokens at
+    offsets of the calibration text drawn by a ``torch.Generator`` seeded ``seed`` (each window read from a zero
+    state); after every ``every``-th token of a window each GDN layer's state is offered to that layer's reservoir of
+    ``reservoir`` states (the k-th state offered, k > ``reservoir``, replaces slot ``i = randint(k)`` when
+    ``i < reservoir``; one generator seeded ``seed`` per layer); each window's recorded inputs of a layer are
+    reduced by ``reduce`` (``{"q", "k": [T, H, K], "g", "beta": [T, HV]} -> {name: float64 sum over the window's
+    tokens}``), added up over the windows. ``name`` is how the samples are named to the user."""
+
+    name: str
+    segments: int
+    tokens: int
+    every: int
+    reservoir: int
+    seed: int
+    reduce: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+    @property
+    def total_tokens(self) -> int:
+        """The tokens read: ``segments · tokens``."""
+        return self.segments * self.tokens
+
+    def describe(self) -> str:
+        """The samples in words: '32 segments of 2,048 tokens at random offsets (seed 0), a state every 8 tokens into
+        a reservoir of 64 per layer'."""
+        return (f"{self.segments} segments of {self.tokens:,} tokens at random offsets (seed {self.seed}), a state "
+                f"every {self.every} tokens into a reservoir of {self.reservoir} per layer")
+
+
+@dataclass(frozen=True)
 class LayerCalibration:
     """What a method calibrates per GDN layer on one model (DAMP's outlier rows): tensor name -> what it holds
     (its dtype and shape are the format's to check)."""
@@ -144,7 +175,8 @@ class Method:
       (PaceError naming the field);
     - ``groups_along``: ``(cfg) -> str | None``, the axis its groups run along (the export's state layout);
     - ``calibrate``: ``(cfg, samples, layers) -> per-layer tensors`` on :class:`pace_core.analysis.calibration`
-      samples, when ``calibration`` is set.
+      samples, when ``calibration`` is set; ``sampling``: ``(cfg) -> Sampling | None``, the samples it takes instead
+      of the shared ones (None: the shared ones).
     """
 
     name: str
@@ -172,6 +204,7 @@ class Method:
     check_for: Callable[[Configuration, ModelShape], None] = lambda cfg, shape: None
     groups_along: Callable[[Configuration], str | None] = lambda cfg: None
     calibrate: Callable[..., list[dict[str, torch.Tensor]]] | None = None
+    sampling: Callable[[Configuration], Sampling | None] = lambda cfg: None
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.composes if c not in COMBINATIONS]

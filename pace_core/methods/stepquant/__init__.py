@@ -14,6 +14,10 @@ method: the layer's storage, its bytes, its calibration and its settings.
   state, PACE's own per-token step) and prefill once at the prompt's end (P = 2^20); both are settings, so
   the same storage also runs under PACE's periodic rounding with a decode buffer (``pace-stepquant-4``: a
   configuration none of the papers has).
+- **Calibration samples** [ours] (``stepquant_calibration``): by default the shared samples every method
+  calibrates on (the calibration text's first 2,048 tokens, a state every 64 tokens), or the authors' protocol
+  (:data:`AUTHORS`: 32 × 2,048 tokens, a state every 8, a 64-state reservoir). Both read the calibration text,
+  WikiText-2 valid: the authors' train split is not in the shared corpus.
 - **Pivots** [ours]: the paper's 32 of 2304 heads (Qwen3.x-27B) as a share of the model's GDN heads
   (``stepquant_pivot_share``, default 1/72; 0 on a model of fewer than 36 heads).
 - **Bytes**: codes packed densely (2-bit four per byte, 6-bit four per three bytes), fp16 row and column
@@ -30,7 +34,7 @@ import torch
 
 from pace_core.checkpoint import StateFormat
 from pace_core.errors import PaceError
-from pace_core.methods.base import LayerCalibration, Method, register
+from pace_core.methods.base import LayerCalibration, Method, Sampling, register
 from pace_core.methods.stepquant import algorithm as sq
 from pace_core.settings import Setting
 
@@ -112,19 +116,53 @@ def check_for(cfg, shape) -> None:
                             f"{shape.d_k}] > 0: calibrate the configuration on this model")
 
 
+def token_sums(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the calibration keeps of one window's recorded inputs (:attr:`Sampling.reduce`): the impact ω times the
+    window's tokens and the sum of its log decays ``g``, float64 (added up over the windows, then divided by all
+    their tokens: the authors' ω and mean log decay over every calibration token)."""
+    return {"omega": sq.impact_omega(x["q"], x["k"], x["beta"], x["g"].exp()) * x["q"].shape[0],
+            "g": x["g"].double().sum(0)}
+
+
+AUTHORS = Sampling("the authors' calibration samples", segments=32, tokens=2048, every=8, reservoir=64, seed=0,
+                   reduce=token_sums)
+"""STEPQuant's own calibration protocol (the repository's ``configs/calibration/paper.json`` and
+``LayerStatistics``): 32 windows of 2,048 tokens at offsets drawn by a generator seeded 0, each GDN layer's state
+after every 8th token offered to a 64-state reservoir (its own generator seeded 0), ω and ḡ over all 65,536 tokens.
+The authors read WikiText-2 *train*; the shared corpus holds its validation split, the calibration text here."""
+CALIBRATIONS = ("shared", "authors")
+"""The values of ``stepquant_calibration``: PACE's shared samples, or :data:`AUTHORS`."""
+
+
+def sampling(cfg) -> Sampling | None:
+    """The samples ``cfg`` calibrates on: :data:`AUTHORS` with ``stepquant_calibration`` "authors", else the
+    shared ones (None)."""
+    return AUTHORS if cfg.stepquant_calibration == "authors" else None
+
+
+def _statistics(samples, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ω [HV, K], ḡ [HV])`` of a layer, float64: from the sums of a method's sampling (:func:`token_sums`), or
+    from the shared samples' recorded inputs."""
+    if samples.sums is not None:
+        sums = samples.sums[layer]
+        return sums["omega"] / samples.tokens, sums["g"] / samples.tokens
+    x = samples.inputs[layer]
+    return sq.impact_omega(x["q"], x["k"], x["beta"], x["g"].exp()), x["g"].double().mean(0)
+
+
 def calibrate(cfg, samples, layers: list[int]) -> list[dict[str, torch.Tensor]]:
     """Impact weights per layer from the recorded inputs, the cost of every candidate width per head from the
     calibration states, and the widths of all heads of all layers allocated at once (module docstring)."""
     candidates = sq.CANDIDATES[cfg.bits]
     impact, costs = [], []
     for layer in layers:
-        x = samples.inputs[layer]
-        w = sq.impact_weights(sq.impact_omega(x["q"], x["k"], x["beta"], x["g"].exp()))
-        lifetime = sq.lifetime_weights(x["g"].double().mean(0))
+        omega, mean_log_decay = _statistics(samples, layer)
+        w = sq.impact_weights(omega)
+        lifetime = sq.lifetime_weights(mean_log_decay)
         impact.append(w.float().cpu())
         costs.append(sq.cost_table(samples.states[layer], w, lifetime, candidates))
     cost = torch.stack(costs)
-    pivots = round(cfg.stepquant_pivot_share * cost.shape[0] * cost.shape[1])
+    pivots = sq.pivot_count(cfg.stepquant_pivot_share, cost.shape[0] * cost.shape[1])
     widths = sq.allocate(cost, cfg.bits, pivots, candidates)
     return [{"widths": widths[i].to(torch.int16), "impact": impact[i]} for i in range(len(layers))]
 
@@ -147,15 +185,29 @@ METHOD = register(Method(
     description="STEPQuant (2026): one width per head from a knapsack over all heads (2-8 bits or an fp16 pivot), "
                 "impact-weighted row scales and least-squares column scales",
     symmetric_only=True, strategy="channel", format=StepQuantFormat, payload=payload, layer_bytes=layer_bytes,
-    fixed_bytes=fixed_bytes, check=check, check_for=check_for, calibrate=calibrate,
-    groups_along=lambda cfg: "rows and columns", reads=("calibrated", "stepquant_pivot_share"),
-    calibration=lambda cfg: CALIBRATION,
+    fixed_bytes=fixed_bytes, check=check, check_for=check_for, calibrate=calibrate, sampling=sampling,
+    groups_along=lambda cfg: "rows and columns",
+    reads=("calibrated", "stepquant_pivot_share", "stepquant_calibration"), calibration=lambda cfg: CALIBRATION,
     settings=(Setting("stepquant_pivot_share", schema=5, before=1 / 72, default=1 / 72, allowed=PIVOT_SHARES,
                       allowed_text=", ".join(map(_share, PIVOT_SHARES)), url="piv",
                       label="STEPQuant pivot share (heads in fp16)", options=PIVOT_SHARES, fmt=_share,
                       help="Our choice: the share of all GDN heads kept as fp16 pivots, the costliest after the "
                            "first knapsack (the paper keeps 32 of the 27B model's 2304 heads, 1/72), rounded to "
-                           "whole heads. Each pivot takes 8 bits of the nominal budget."),),
+                           "the nearest whole head, halves up (1/72 of 36 heads: 1). Each pivot takes 8 bits of "
+                           "the nominal budget."),
+              Setting("stepquant_calibration", schema=7, before="shared", default="shared", allowed=CALIBRATIONS,
+                      allowed_text="'shared' (PACE's calibration samples), 'authors' (STEPQuant's own protocol)",
+                      url="sqc", label="STEPQuant calibration samples", options=CALIBRATIONS,
+                      fmt=lambda x: {"shared": "shared (2,048 tokens, a state every 64)",
+                                     "authors": "the authors' (32 × 2,048 tokens, a state every 8)"}[x],
+                      help="Our choice: the states and inputs STEPQuant's widths and impact weights are calibrated on. "
+                           "'shared' (default): the samples every method calibrates on here, the calibration text's "
+                           "first 2,048 tokens (WikiText-2 valid) with a state every 64 tokens, so STEPQuant and PACE "
+                           "see the same data and a calibration takes seconds on the embedded model. 'authors': "
+                           "STEPQuant's own protocol, 32 segments of 2,048 tokens at seeded random offsets, a state "
+                           "every 8 tokens into a 64-state reservoir per layer: 32 times the tokens. The authors read "
+                           "WikiText-2 train, which the shared corpus does not hold; both read its validation split, "
+                           "the closest text there."),),
     named={"stepquant-4": dict(bits=4, decode_period=1, prefill_period=ONCE, buffer="int8", symmetric=True),
            "stepquant-6": dict(bits=6, decode_period=1, prefill_period=ONCE, buffer="int8", symmetric=True),
            "pace-stepquant-4": dict(bits=4, decode_period=8, prefill_period=256, buffer="int8", symmetric=True)},

@@ -48,7 +48,10 @@ quant.MixedPackedState). Exact bytes: :func:`stepquant_nbytes`; bits per state v
 - cost ``C_h(b) = L_h · mean over snapshots and over the K·V values of w[k]² (x̂ − x)²`` with every head
   at width b (:func:`cost_table`; the mean over values, not a sum, is the repository's: one factor for
   all heads of a model, so the allocation is the same). **[repo]** snapshots: the state every 8 tokens,
-  64 kept per layer by a seeded reservoir, of 32 WikiText-2 train segments of 2048 tokens.
+  64 kept per layer by a seeded reservoir, of 32 WikiText-2 train segments of 2048 tokens. **[ours]** The method
+  calibrates on PACE's shared samples by default (the calibration text's first 2,048 tokens, a state every 64
+  tokens) and on this protocol with ``stepquant_calibration`` "authors" (:data:`pace_core.methods.stepquant.AUTHORS`),
+  both on WikiText-2 *valid* (train is not in the shared corpus).
 
 **Allocation** over all GDN heads of all layers (:func:`allocate`): an exact multiple-choice knapsack
 (:func:`knapsack`) minimises ``Σ C_h(b_h)`` under ``Σ b_h <= N·n`` (N heads, n = 4 or 6); the P heads with
@@ -56,8 +59,8 @@ the largest cost at that allocation (``C_h(b_h)``, the repository's "allocated r
 lower index) become pivots; the knapsack again on the other heads with the budget ``N·n − 8·P``: a pivot is
 charged 8 bits of the nominal budget **[issue, repo]** ("counts each FP16 pivot as INT8"), though it
 stores 16 bits per value plus nothing else. P is the paper's 32 of 2304 heads (Qwen3.x-27B, 48 GDN
-layers × 48 value heads) at the same share, ``P = round(N / 72)`` **[ours]** (:func:`default_pivots`; the
-repository's default is 32 for any GDN model); a parameter.
+layers × 48 value heads) at the same share, ``P = round(N / 72)``, halves up **[ours]** (:func:`pivot_count`,
+:func:`default_pivots`; the repository's default is 32 for any GDN model); a parameter.
 
 **Schedule** (the method's, not this module's; the quantiser is stateless, its widths and ``w`` fixed per
 layer by the calibration): decode rounds after every token, the token's output read from the unrounded state
@@ -574,12 +577,22 @@ def knapsack(cost: torch.Tensor | np.ndarray, candidates: Sequence[int], budget:
     return torch.from_numpy(picks)
 
 
-def default_pivots(n_heads: int) -> int:
-    """The paper's share of pivot heads, 32 of 2304, for a model of ``n_heads`` GDN heads: ``round(n / 72)``,
-    halves up."""
+def pivot_count(share: float | Fraction, n_heads: int) -> int:
+    """The pivot heads of a ``share`` of ``n_heads`` GDN heads: ``share · n`` rounded to the nearest whole head,
+    halves up (1/72 of 36 heads: 1; of 35: 0). A float share is read as the nearest fraction of denominator at most
+    10^6 (1/72 exactly, not its binary neighbour), so a half is a half."""
     if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 0:
         raise PaceError(f"n_heads={n_heads!r} is not allowed; allowed: an integer >= 0")
-    return (PAPER_PIVOTS * n_heads * 2 + PAPER_HEADS) // (2 * PAPER_HEADS)
+    exact = share if isinstance(share, Fraction) else Fraction(share).limit_denominator(10**6)
+    if not 0 <= exact <= 1:
+        raise PaceError(f"share={share!r} is not allowed; allowed: a share of the heads in [0, 1]")
+    return math.floor(exact * n_heads + Fraction(1, 2))
+
+
+def default_pivots(n_heads: int) -> int:
+    """The paper's share of pivot heads, 32 of 2304, for a model of ``n_heads`` GDN heads: ``round(n / 72)``,
+    halves up (:func:`pivot_count`)."""
+    return pivot_count(Fraction(PAPER_PIVOTS, PAPER_HEADS), n_heads)
 
 
 def allocate(cost: torch.Tensor | np.ndarray, nominal_bits: int, pivots: int,
