@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pace_core import __version__
+from pace_core.cli import context, tasks
 from pace_core.config import METHOD_SETTINGS, NAMED_CONFIGS, SETTING_OF, SETTINGS, PaceConfig, get_config
+from pace_core.config.named import TAGS, tagged
 from pace_core.errors import PaceError
 from pace_core.export import (
     SCHEMA_VERSION,
@@ -387,3 +389,13 @@ def test_malformed_json_text():
         config_from_json(b"{}")  # type: ignore[arg-type]
     with pytest.raises(PaceError, match="provenance=.*allowed: a JSON object"):
         config_to_dict(get_config("pace-4"), provenance=[1])  # type: ignore[arg-type]
+
+
+def test_every_tag_names_configurations_and_the_cli_defaults_are_tagged():
+    """Each list of configurations is a tag's (issue 45): every declared tag has configurations, an unknown one is
+    refused, and the CLI's defaults are their tags' (before: the tasks command typed its own list)."""
+    assert all(tagged(tag) for tag in TAGS)
+    assert context.DEFAULT_CONFIGS == tagged("cli-default")
+    assert tasks.DEFAULT_CONFIGS == tagged("tasks") == ("rtn-int4", "pace-4", "pace-4-8", "stepquant-4")
+    with pytest.raises(PaceError, match="tag 'nope' is unknown; allowed: cli-default"):
+        tagged("nope")

@@ -18,13 +18,14 @@ import json
 from pathlib import Path
 
 from pace_core.cli.context import _common, _context, _interruptible, _print_table, _read_configs, _say_reused
+from pace_core.config import tagged
 from pace_core.export import config_to_dict
 from pace_core.model import DEFAULT_MODEL_DIR
 from pace_core.results import ResultSet, result_key, results_dir
 from pace_core.version import METHOD_VERSION
 
 REFERENCES = ("fp32", "bf16")
-DEFAULT_CONFIGS = ("rtn-int4", "pace-4", "pace-4-8", "stepquant-4")
+DEFAULT_CONFIGS = tagged("tasks")
 SYNTHETIC_DIR = "synthetic"
 """The folder under the model's results folder that the synthetic tasks are generated into (not shipped)."""
 

@@ -25,6 +25,7 @@ TAGS: dict[str, str] = {
     "capacity-baseline": "what the Memory and Export pages count a configuration's sequences per GPU against",
     "pool": "served from a vLLM pool by the serving benchmark (pace_core.vllm.bench)",
     "serve-check": "checked against vLLM's own state by pace_core.vllm.check",
+    "tasks": "python -m pace_core tasks' default --configs, besides the references",
 }
 """Every tag a named configuration may carry, and what takes the configurations of it."""
 TAGGED: dict[str, tuple[str, ...]] = {name: method.tags.get(name, ()) for method in _METHODS.values()

@@ -58,7 +58,8 @@ METHOD = register(
         },
         tags={
             **dict.fromkeys(
-                ("pace-4", "pace-4-8"), ("cli-default", "all", "memory-page", "dp-curve", "pool", "serve-check")
+                ("pace-4", "pace-4-8"),
+                ("cli-default", "all", "memory-page", "dp-curve", "pool", "serve-check", "tasks"),
             ),
             "pace-3": ("memory-page",),
         },

@@ -18,5 +18,6 @@ METHOD = register(Method(
     calibration=groups.calibration, calibrate=groups.calibrate, check_for=groups.check_for,
     named={f"rtn-int{b}": dict(bits=b, group_axis="value", group_size=32, symmetric=True, decode_period=1,
                                buffer="int8") for b in range(2, 9)},
-    tags={**{f"rtn-int{b}": ("cli-default", "all", "paper-table", "memory-page", "pool") for b in (4, 8)},
+    tags={**{f"rtn-int{b}": ("cli-default", "all", "paper-table", "memory-page", "pool") + ("tasks",) * (b == 4)
+             for b in (4, 8)},
           "rtn-int3": ("memory-page",)}))

@@ -211,4 +211,4 @@ METHOD = register(Method(
     named={"stepquant-4": dict(bits=4, decode_period=1, prefill_period=ONCE, buffer="int8", symmetric=True),
            "stepquant-6": dict(bits=6, decode_period=1, prefill_period=ONCE, buffer="int8", symmetric=True),
            "pace-stepquant-4": dict(bits=4, decode_period=8, prefill_period=256, buffer="int8", symmetric=True)},
-    tags={"stepquant-4": ("all", "memory-page", "equal-bits-rival")}))
+    tags={"stepquant-4": ("all", "memory-page", "equal-bits-rival", "tasks")}))
