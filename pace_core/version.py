@@ -10,7 +10,8 @@ numerics modules (:data:`NUMERICS_MODULES`; docstrings removed, so comments, doc
 not count) and compares the hash with the one recorded in ``tests/numerics_hash.json`` for this
 ``METHOD_VERSION``. When the hash changes, either results change (bump ``METHOD_VERSION``, regenerate
 ``data/results``, record the new hash) or they do not (record the new hash). ``python -m
-pace_core.version`` prints the record of the code as it is now, in the file's format.
+pace_core.version`` prints the record of the code as it is now, in the file's format; ``--copied`` the
+environment a copy of the tree names its commit by (:data:`COMMIT_ENV`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -101,33 +103,50 @@ def record(root: Path = REPO_ROOT) -> dict[str, object]:
 
 COMMIT_ENV, TREE_ENV = "PACE_COMMIT", "PACE_TREE"
 """For a copy of the tree without its own history (a GPU machine's copy, whose ``.git`` may be another's): the
-commit it was copied from and that commit's tree hash (``git rev-parse HEAD HEAD^{tree}`` where it was copied)."""
+commit it was copied from and that commit's code tree (``python -m pace_core.version --copied`` where it was copied
+prints both as ``PACE_COMMIT=… PACE_TREE=…``)."""
+NOT_CODE = "data"
+"""The folder of what the code makes and reads (results, benchmark figures, the embedded model, each named in a
+result's provenance by its own fingerprint): writing a result there leaves the code clean."""
+
+
+def _git(*args: str, env: dict[str, str] | None = None) -> str:
+    return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=True,
+                          timeout=60, env=env).stdout.strip()
+
+
+def code_tree(commit: str | None = None) -> str:
+    """The git tree hash of the code (every file but :data:`NOT_CODE`'s): of ``commit``, or of the files as they are
+    (the files git would commit: tracked and untracked, not ignored)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        if commit is None:
+            _git("add", "--all", "--", ".", f":(exclude){NOT_CODE}", env=env)
+        else:
+            _git("read-tree", commit, env=env)
+            _git("rm", "-r", "-q", "--cached", "--ignore-unmatch", "--", NOT_CODE, env=env)
+        return _git("write-tree", env=env)
 
 
 @functools.cache
 def code_commit() -> dict[str, object] | None:
-    """``{"commit": sha, "dirty": bool}`` of the code (dirty: its files differ from the commit's), or None without
-    git or outside a checkout. With :data:`COMMIT_ENV` set, the commit is that one, and the files are compared
-    with :data:`TREE_ENV`'s tree by hashing them (the files git would commit: tracked and untracked, not
-    ignored), so a copy whose ``.git`` is stale still names its own commit. Read once per process."""
-    def git(*args: str, env: dict[str, str] | None = None) -> str:
-        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=True,
-                              timeout=60, env=env).stdout.strip()
-
+    """``{"commit": sha, "dirty": bool}`` of the code (dirty: its files, all but :data:`NOT_CODE`'s, differ from the
+    commit's), or None without git or outside a checkout. With :data:`COMMIT_ENV` set, the commit is that one, and
+    the files are compared with :data:`TREE_ENV`'s code tree (:func:`code_tree`), so a copy whose ``.git`` is stale
+    still names its own commit. Read once per process."""
     try:
         given = os.environ.get(COMMIT_ENV)
         if given:
-            with tempfile.TemporaryDirectory() as tmp:
-                env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
-                git("add", "--all", ".", env=env)
-                tree = git("write-tree", env=env)
-            return {"commit": given, "dirty": tree != os.environ.get(TREE_ENV)}
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+            return {"commit": given, "dirty": code_tree() != os.environ.get(TREE_ENV)}
+        commit = _git("rev-parse", "HEAD")
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){NOT_CODE}"))
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": commit, "dirty": dirty}
 
 
 if __name__ == "__main__":
-    print(json.dumps(record(), indent=1))
+    if sys.argv[1:] == ["--copied"]:
+        print(f"{COMMIT_ENV}={_git('rev-parse', 'HEAD')} {TREE_ENV}={code_tree('HEAD')}")
+    else:
+        print(json.dumps(record(), indent=1))

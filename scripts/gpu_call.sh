@@ -15,8 +15,8 @@
 # The kernels' roofline is kernels/bench/roofline.py, the widths' kernels/bench/widths_gpu.py (their own calls).
 # The corpus is read from ../shared/corpus, or from .corpus/ (a copy carried to a machine without ../shared).
 # A copy of the tree whose .git is another's names its own commit in every result's provenance when the caller
-# passes it: PACE_COMMIT=<sha> PACE_TREE=<tree sha> scripts/gpu_call.sh (`git rev-parse HEAD HEAD^{tree}` where the
-# copy was made; pace_core.version.code_commit compares the files with that tree).
+# passes it: `env $(python -m pace_core.version --copied) scripts/gpu_call.sh` (run where the copy was made: the
+# commit and its code tree, which pace_core.version.code_commit compares the copy's files with).
 set -u
 OUT=${OUT:-/tmp/out}
 RESULTS=${RESULTS:-/tmp/results}

@@ -78,9 +78,13 @@ def test_a_copy_with_a_stale_history_names_the_commit_it_was_copied_from(tmp_pat
     (root / "a.py").write_text("A = 2\n")  # the files of a later commit, elsewhere
     _git(root, "add", "-A")
     _git(root, "commit", "-qm", "later")
-    later, tree = _git(root, "rev-parse", "HEAD"), _git(root, "rev-parse", "HEAD^{tree}")
-    _git(root, "reset", "-q", "--soft", stale)  # the copy's history stops at the stale commit
+    later = _git(root, "rev-parse", "HEAD")
     monkeypatch.setattr(V, "REPO_ROOT", root)
+    copied = subprocess.run([sys.executable, "-m", "pace_core.version", "--copied"], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout.split()  # what the caller runs where it copies from
+    assert [c.split("=")[0] for c in copied] == [V.COMMIT_ENV, V.TREE_ENV]
+    tree = V.code_tree("HEAD")
+    _git(root, "reset", "-q", "--soft", stale)  # the copy's history stops at the stale commit
 
     def commit() -> dict:
         V.code_commit.cache_clear()
@@ -93,6 +97,35 @@ def test_a_copy_with_a_stale_history_names_the_commit_it_was_copied_from(tmp_pat
     (root / "ignored").mkdir()
     (root / "ignored" / "out.json").write_text("{}")
     assert commit() == {"commit": later, "dirty": False}
+    (root / V.NOT_CODE).mkdir()
+    (root / V.NOT_CODE / "result.json").write_text("{}")  # a result written where results go
+    assert commit() == {"commit": later, "dirty": False}
     (root / "b.py").write_text("B = 1\n")
     assert commit() == {"commit": later, "dirty": True}
+    V.code_commit.cache_clear()
+
+
+def test_results_written_or_deleted_under_data_leave_the_code_clean(tmp_path, monkeypatch):
+    """A run that replaces the shipped results (old files deleted, new ones written under data/) still names a
+    clean commit: dirty means the code differs (before: the deletions made every regenerated result dirty)."""
+    root = tmp_path / "repo"
+    (root / V.NOT_CODE).mkdir(parents=True)
+    _git(root, "init", "-q")
+    (root / "a.py").write_text("A = 1\n")
+    (root / V.NOT_CODE / "old.json").write_text("{}")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "c")
+    monkeypatch.setattr(V, "REPO_ROOT", root)
+
+    def commit() -> dict:
+        V.code_commit.cache_clear()
+        return V.code_commit()
+
+    head = _git(root, "rev-parse", "HEAD")
+    (root / V.NOT_CODE / "old.json").unlink()
+    (root / V.NOT_CODE / "new.json").write_text("{}")
+    assert commit() == {"commit": head, "dirty": False}
+    assert V.code_tree() == V.code_tree("HEAD") != _git(root, "rev-parse", "HEAD^{tree}")
+    (root / "a.py").write_text("A = 2\n")
+    assert commit() == {"commit": head, "dirty": True} and V.code_tree() != V.code_tree("HEAD")
     V.code_commit.cache_clear()
