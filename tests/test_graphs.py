@@ -137,11 +137,12 @@ def test_graphed_quality_is_the_run_without_graphs(embedded, monkeypatch, names)
         return perplexity(embedded, cfgs, TEST_TEXT, window=256, stride=128, max_tokens=256 + 128 * 15, batch=4,
                           decode_from=128)
 
-    recorded = []
+    recorded, refused = [], {}
     record = DecodeGraphs._record
 
     def counted(self, key, *args):
         recorded.append((key, record(self, key, *args)))
+        refused.update(self.refused)  # why a call could not be recorded, for the failure message
         return recorded[-1][1]
 
     monkeypatch.setattr(DecodeGraphs, "_record", counted)
@@ -151,5 +152,7 @@ def test_graphed_quality_is_the_run_without_graphs(embedded, monkeypatch, names)
     monkeypatch.setenv(GRAPHS_ENV, "auto")
     graphed = run()
     assert plain.equals(graphed), f"{plain}\n{graphed}"
-    # 4 batches of 4 windows, one decode chunk each: seen in the first, recorded in the second, replayed after
-    assert len(recorded) == len(embedded.gdn_layers) and all(r is not None for _, r in recorded), recorded
+    # 4 batches of 4 windows, 2 decode chunks of 64 each starting where every buffer is empty (128 and 192 are
+    # multiples of each dP): one key per layer, seen in the first chunk, recorded in the second, replayed after
+    assert len(recorded) == len(embedded.gdn_layers) and all(r is not None for _, r in recorded), (
+        [key for key, _ in recorded], refused)
