@@ -500,7 +500,8 @@ def test_per_config_stores_each_group_as_it_finishes(env, capsys, tmp_path, monk
 
 
 _STOPPED_RUN = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, also under a background job
 import pace_core.analysis.drift as analysis
 real, calls = analysis.drift, [0]
 def drift(*args, **kwargs):

@@ -315,10 +315,11 @@ def test_a_schema_7_file_must_name_the_packing():
         document_from_json(json.dumps(newer))
 
 
-def test_the_shipped_schema_6_export_is_read():
-    """data/results' PACE-4/8 export (schema 6, 4- and 8-bit codes: the same bytes densely packed) is read as is."""
+def test_the_schema_6_export_shipped_until_method_version_2_is_read():
+    """The PACE-4/8 export shipped in data/results until 2026-12-06 (tests/data/config-pace-4-8-schema6.json from
+    commit 20e8b40; schema 6, 4- and 8-bit codes: the same bytes densely packed) is read as is."""
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "data" / "results" / "pace-tiny-qwen35" / "config-pace-4-8.json"
+    path = Path(__file__).resolve().parent / "data" / "config-pace-4-8-schema6.json"
     assert json.loads(path.read_text())["schema_version"] == 6
     assert read_config(path).config.name == "pace-4-8"
