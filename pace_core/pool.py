@@ -28,13 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pace_core.backend import select_steps
+from pace_core.backend import backend_setting, select_steps
 from pace_core.buffer import EMPTY, DecodeBuffer, records_held
 from pace_core.checkpoint import checkpoint_tensors, state_format, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.pool_cpu import Failure, FusedDecode
 from pace_core.quant import all_finite
-from pace_core.recurrence import fold_records, step_records
+from pace_core.recurrence import fold_records, gdn_gates, prepare_qk, step_records
 from pace_core.schedule import PeriodicState
 
 
@@ -88,6 +89,14 @@ class StatePool:
             slots, H, HV, K, V, cfg.decode_period, cfg.buffer_format, self.device,
             {n: t for n, t in tensors.items() if n not in self.checkpoint_names}, per_row=True)
         """The decode buffer over every slot's records, each row holding its own count (its per-row methods)."""
+        self.fused: FusedDecode | None = None
+        why = "the backend setting is not auto" if backend_setting(backend) != "auto" else (
+            "not on a CPU" if self.device.type != "cpu" else None)
+        if why is None:
+            self.fused, why = FusedDecode.for_pool(cfg, self.fmt, dims, tensors, self.checkpoint_names)
+        self.step = "fused CPU step (pace_core.pool_cpu)" if self.fused is not None else \
+            f"{self.steps.name} ({why})"
+        """Who runs :meth:`decode`: the fused CPU step, or the backend and why not the fused step."""
         self.reset()
 
     def state(self, rows: dict[str, torch.Tensor] | None = None) -> PeriodicState:
@@ -137,13 +146,20 @@ class StatePool:
         """One decode token for each slot of ``slots [B]`` (integers, distinct): ``q, k [B, H, K]`` prepared,
         ``v [B, HV, V]``, ``g, beta [B, HV]`` float32 (float64 computes in float64) -> ``o [B, HV, V]``. Each row's
         record goes into its own buffer; a row whose buffer the token fills is flushed (its checkpoint written back,
-        its buffer emptied); the other rows' checkpoints are not written.
+        its buffer emptied); the other rows' checkpoints are not written. Non-finite ``k, v, g`` are refused before
+        anything is written.
 
         On the reference backend all rows step at once (:func:`pace_core.recurrence.step_records` on each row's
         records, a slot beyond its count masked; the record written at each row's own position; the rows the token
         fills folded and stored together); the kernels take rows of one count per launch, so there the rows run
         in groups of equal count through the schedule."""
+        if self.fused is not None and all(x.dtype == torch.float32 for x in (q, k, v, g, beta)):
+            out = torch.empty(v.shape, dtype=torch.float32)
+            self._fused(slots, (q, k, v, g, beta), out, None)
+            return out
         slots = slots.long()
+        if not all_finite(k, v, g):
+            raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
         if self.records is not None and self.steps.name == "reference":
             return self._decode_rows(slots, q, k, v, g, beta)
         out = torch.empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
@@ -161,11 +177,51 @@ class StatePool:
             self._write(sub, rows, changed)
         return out
 
+    def decode_projected(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                         out: torch.Tensor) -> None:
+        """:meth:`decode` of a GDN layer's projections: ``q, k [B, H, K]`` before :func:`pace_core.recurrence.prepare_qk`,
+        ``v [B, HV, V]``, ``a, b [B, HV]`` and the layer's ``A_log, dt_bias [HV]`` (:func:`pace_core.recurrence.gdn_gates`),
+        ``o`` written into ``out [B, HV, V]`` in its dtype. The fused CPU step does it all in one operator."""
+        if self.fused is not None and all(x.dtype != torch.float64 for x in (q, k, v, a, b)):
+            self._fused(slots, (q, k, v, a, b), out, (A_log, dt_bias))
+            return
+        q, k = prepare_qk(q, k)
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        out.copy_(self.decode(slots, q, k, v.float(), g, beta))
+
+    def _fused(self, slots: torch.Tensor, inputs: tuple[torch.Tensor, ...], out: torch.Tensor,
+               gates: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The fused step (:meth:`decode`, :meth:`decode_projected`), raising the reference's error when a row could
+        not be stepped."""
+        failure = self.fused.decode(slots.contiguous(), *inputs, out, gates)
+        if failure is not None:
+            self._refuse(slots, failure)
+
+    def _refuse(self, slots: torch.Tensor, failure: Failure) -> None:
+        """Raise the error the reference raises for the step the fused operator could not complete: its inputs, its
+        slot, or the state or record it could not store (stored here by the reference's own format or buffer, which
+        refuses it). The failing row and head wrote nothing; the batch's other rows may have stepped."""
+        H, HV, K, V = self.dims
+        if failure.kind == "input":
+            raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
+        if failure.kind == "slot":
+            raise PaceError(f"slots: {int(slots[failure.row])} not allowed for {self.name}; allowed: 0..{self.slots - 1}")
+        if failure.kind == "record":
+            u = torch.zeros(1, HV, V)
+            u[0, failure.head] = failure.u
+            self.records.rounded("value", u)
+        else:
+            S = torch.zeros(1, HV, K, V)
+            S[0, failure.head] = failure.S
+            self.fmt.store(self.fmt.unrotate(S) if self.cfg.key_hadamard else S)
+        raise PaceError(f"{self.name}: the {failure.kind} of slot {int(slots[failure.row])}, value head {failure.head} "
+                        "lies at the limit of what its format stores (float32 or an fp16 scale); allowed: states "
+                        "within range")
+
     def _decode_rows(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor) -> torch.Tensor:
         """:meth:`decode` of rows at any counts at once (the reference: the method's docstring)."""
-        if not all_finite(k, v, g):
-            raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
         cfg, records = self.cfg, self.records
         counts = records_held(self.tensors["log_decays"].index_select(0, slots))
         checkpoint = with_tensors(self.template, {n: self.tensors[n].index_select(0, slots) for n in self.checkpoint_names})
