@@ -33,7 +33,7 @@ from pace_core.buffer import EMPTY, DecodeBuffer, records_held
 from pace_core.checkpoint import checkpoint_tensors, state_format, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
-from pace_core.pool_cpu import Failure, FusedDecode
+from pace_core.pool_cpu import Failure, FusedPool
 from pace_core.quant import all_finite
 from pace_core.recurrence import fold_records, gdn_gates, prepare_qk, step_records
 from pace_core.schedule import PeriodicState
@@ -89,15 +89,26 @@ class StatePool:
             slots, H, HV, K, V, cfg.decode_period, cfg.buffer_format, self.device,
             {n: t for n, t in tensors.items() if n not in self.checkpoint_names}, per_row=True)
         """The decode buffer over every slot's records, each row holding its own count (its per-row methods)."""
-        self.fused: FusedDecode | None = None
-        why = "the backend setting is not auto" if backend_setting(backend) != "auto" else (
-            "not on a CPU" if self.device.type != "cpu" else None)
-        if why is None:
-            self.fused, why = FusedDecode.for_pool(cfg, self.fmt, dims, tensors, self.checkpoint_names)
-        self.step = "fused CPU step (pace_core.pool_cpu)" if self.fused is not None else \
-            f"{self.steps.name} ({why})"
-        """Who runs :meth:`decode`: the fused CPU step, or the backend and why not the fused step."""
+        self._backend = backend
+        self._fused: tuple[FusedPool | None, str | None] | None = None
         self.reset()
+
+    @property
+    def fused(self) -> FusedPool | None:
+        """The fused CPU step of :meth:`decode` and :meth:`prefill`, or None; chosen at the first step that asks (so
+        a pool that is never stepped by slot, such as the transformers path's, never builds it), once."""
+        if self._fused is None:
+            why = "the backend setting is not auto" if backend_setting(self._backend) != "auto" else (
+                "not on a CPU" if self.device.type != "cpu" else None)
+            self._fused = (None, why) if why else FusedPool.for_pool(self.cfg, self.fmt, self.dims, self.tensors,
+                                                                    self.checkpoint_names)
+        return self._fused[0]
+
+    @property
+    def step(self) -> str:
+        """Who steps the pool by slot: the fused CPU step, or the backend and why not the fused step."""
+        return "fused CPU step (pace_core.pool_cpu)" if self.fused is not None else \
+            f"{self.steps.name} ({self._fused[1]})"
 
     def state(self, rows: dict[str, torch.Tensor] | None = None) -> PeriodicState:
         """The schedule over every slot of the pool at once (``rows``: over these gathered rows instead), all at the
@@ -155,7 +166,7 @@ class StatePool:
         in groups of equal count through the schedule."""
         if self.fused is not None and all(x.dtype == torch.float32 for x in (q, k, v, g, beta)):
             out = torch.empty(v.shape, dtype=torch.float32)
-            self._fused(slots, (q, k, v, g, beta), out, None)
+            self._run_fused(slots, (q, k, v, g, beta), out, None)
             return out
         slots = slots.long()
         if not all_finite(k, v, g):
@@ -184,13 +195,13 @@ class StatePool:
         ``v [B, HV, V]``, ``a, b [B, HV]`` and the layer's ``A_log, dt_bias [HV]`` (:func:`pace_core.recurrence.gdn_gates`),
         ``o`` written into ``out [B, HV, V]`` in its dtype. The fused CPU step does it all in one operator."""
         if self.fused is not None and all(x.dtype != torch.float64 for x in (q, k, v, a, b)):
-            self._fused(slots, (q, k, v, a, b), out, (A_log, dt_bias))
+            self._run_fused(slots, (q, k, v, a, b), out, (A_log, dt_bias))
             return
         q, k = prepare_qk(q, k)
         g, beta = gdn_gates(a, b, A_log, dt_bias)
         out.copy_(self.decode(slots, q, k, v.float(), g, beta))
 
-    def _fused(self, slots: torch.Tensor, inputs: tuple[torch.Tensor, ...], out: torch.Tensor,
+    def _run_fused(self, slots: torch.Tensor, inputs: tuple[torch.Tensor, ...], out: torch.Tensor,
                gates: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """The fused step (:meth:`decode`, :meth:`decode_projected`), raising the reference's error when a row could
         not be stepped."""
@@ -244,6 +255,14 @@ class StatePool:
         """A prompt in ``slot``: ``q, k [T, H, K]`` prepared, ``v [T, HV, V]``, ``g, beta [T, HV]`` float32, from
         the slot's stored state (``initial``: a prompt continued, e.g. a chunked prefill's next part) or from
         zero -> ``o [T, HV, V]`` float32."""
+        if self.fused is not None and q.shape[0] and all(x.dtype == torch.float32 for x in (q, k, v, g, beta)):
+            out = torch.empty(v.shape, dtype=torch.float32)
+            slots = torch.tensor([slot])
+            failure = self.fused.prefill(slots, torch.tensor([0, q.shape[0]]), torch.tensor([initial]), q, k, v, g,
+                                         beta, out)
+            if failure is not None:
+                self._refuse(slots, failure)
+            return out
         sub = torch.tensor([slot], device=self.tensors[self.checkpoint_names[0]].device)
         if not initial:
             self.reset(sub)
@@ -253,6 +272,26 @@ class StatePool:
             o = state.prefill(*(x.unsqueeze(0) for x in (q, k, v, g, beta)))
         self._write(sub, rows, rows)
         return o[0]
+
+    def prefill_projected(self, slots: torch.Tensor, starts: torch.Tensor, initial: torch.Tensor, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                          dt_bias: torch.Tensor, out: torch.Tensor) -> None:
+        """:meth:`prefill` of several prompts from a GDN layer's projections (as :meth:`decode_projected`'s, one row
+        per token): prompt ``p`` in slot ``slots[p]`` is rows ``starts[p] .. starts[p + 1]`` (``starts [n + 1]``), from
+        its stored state where ``initial[p]``; ``o`` written into the same rows of ``out``. The fused CPU step runs
+        every prompt and head in one operator."""
+        bounds = starts.tolist()
+        if self.fused is not None and all(e > s for s, e in zip(bounds, bounds[1:])) and \
+                all(x.dtype != torch.float64 for x in (q, k, v, a, b)):
+            failure = self.fused.prefill(slots.contiguous(), starts.contiguous(), initial.bool().contiguous(), q, k, v, a, b,
+                                         out, (A_log, dt_bias))
+            if failure is not None:
+                self._refuse(slots, failure)
+            return
+        for p, (s, e) in enumerate(zip(bounds, bounds[1:])):
+            qp, kp = prepare_qk(q[s:e], k[s:e])
+            g, beta = gdn_gates(a[s:e], b[s:e], A_log, dt_bias)
+            out[s:e] = self.prefill(int(slots[p]), qp, kp, v[s:e].float(), g, beta, bool(initial[p])).to(out.dtype)
 
 
 def layer_format(cfg: PaceConfig, num_v_heads: int, gdn_index: int = 0, tp: tuple[int, int] = (0, 1),

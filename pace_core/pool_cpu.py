@@ -1,4 +1,4 @@
-"""The fused CPU decode step of a :class:`pace_core.pool.StatePool`: one compiled operator steps a batch of slots in
+"""The fused CPU steps of a :class:`pace_core.pool.StatePool`: one compiled operator steps a batch of slots in
 place, reading each checkpoint's codes where they lie in the pool and dequantising one head at a time in registers
 and a per-thread buffer (``csrc/pool_cpu.cpp``), instead of the reference's gather, float32 checkpoint of every row,
 PyTorch operators and scatter.
@@ -8,7 +8,7 @@ PyTorch operators and scatter.
   the rows the token fills; at dP = 1 :func:`~pace_core.recurrence.gdn_recurrent` and the store), in another
   summation order: outputs agree to float32 rounding, codes wherever a value does not lie within float32 rounding
   of a rounding boundary (``tests/test_pool_cpu.py`` derives the bounds). With raw projections
-  (:meth:`FusedDecode.decode` given ``A_log, dt_bias``) it also prepares ``q, k`` (:func:`~pace_core.recurrence.
+  (:meth:`FusedPool.decode` given ``A_log, dt_bias``) it also prepares ``q, k`` (:func:`~pace_core.recurrence.
   prepare_qk`) and the gates (:func:`~pace_core.recurrence.gdn_gates`), and writes ``o`` in the output's dtype.
 - **What it serves** (:func:`refusal`): every configuration a pool row holds (:mod:`pace_core.vllm.slots`): the
   float32 and bfloat16 references, RTN and PACE at any width, group axis and size, symmetric or with zero points,
@@ -164,7 +164,7 @@ class Failure:
     u: torch.Tensor | None
 
 
-class FusedDecode:
+class FusedPool:
     """The fused decode step of one pool (module docstring): ``cfg``, ``fmt`` the pool's checkpoint format, ``dims =
     (H, HV, K, V)``, ``tensors`` its per-slot tensors (by :func:`pace_core.pool.pool_fields` name; each slot's
     part contiguous), ``checkpoint_names`` those of the checkpoint. Make it with :meth:`for_pool`."""
@@ -211,8 +211,8 @@ class FusedDecode:
                 state += [tensors[plural], tensors.get(f"{name}_scale", empty), tensors.get(f"{name}_zero", empty)]
             state.append(tensors["log_decays"])
         self.meta = [H, HV, K, V, cfg.decode_period if cfg.buffered else 1, kind, axis, group, symmetric,
-                     len(widths), *(widths + [0, 0])[:2], int(cfg.key_hadamard), *buffer, *head_part, *head_index,
-                     slots]
+                     len(widths), *(widths + [0, 0])[:2], int(cfg.key_hadamard), *buffer, cfg.prefill_period,
+                     int(cfg.prefill_after_decode == "carry"), *head_part, *head_index, slots]
         self.state, self.consts = state, consts
         self.static = cfg.scales == "static" and not isinstance(fmt, DenseFormat)
         self.info = torch.zeros(8, dtype=torch.long)
@@ -220,7 +220,7 @@ class FusedDecode:
 
     @classmethod
     def for_pool(cls, cfg: PaceConfig, fmt, dims: tuple[int, int, int, int], tensors: dict[str, torch.Tensor],
-                 checkpoint_names: tuple[str, ...]) -> tuple[FusedDecode | None, str | None]:
+                 checkpoint_names: tuple[str, ...]) -> tuple[FusedPool | None, str | None]:
         """The fused step of a CPU pool, or None and why not (:func:`refusal`, :func:`library`; a missing library
         warns once)."""
         reason = refusal(cfg, fmt, dims)
@@ -245,6 +245,20 @@ class FusedDecode:
         A_log, dt_bias = gates if gates is not None else (None, None)
         torch.ops.pace_cpu.decode(slots, q, k, v, g, beta, A_log, dt_bias, out, self.state, self.consts, self.meta,
                                   self.info, self.fail)
+        return self._outcome()
+
+    def prefill(self, slots: torch.Tensor, starts: torch.Tensor, initial: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, out: torch.Tensor,
+                gates: tuple[torch.Tensor, torch.Tensor] | None = None) -> Failure | None:
+        """Prompts in ``slots [n]``: prompt ``p`` is rows ``starts[p] .. starts[p + 1]`` (``starts [n + 1]``,
+        non-empty prompts) of the inputs (as :meth:`decode`'s, one row per token), from its slot's stored state where
+        ``initial[p]`` (bool) else from zero; ``o`` into the same rows of ``out``."""
+        A_log, dt_bias = gates if gates is not None else (None, None)
+        torch.ops.pace_cpu.prefill(slots, starts, initial, q, k, v, g, beta, A_log, dt_bias, out, self.state,
+                                   self.consts, self.meta, self.info, self.fail)
+        return self._outcome()
+
+    def _outcome(self) -> Failure | None:
         info = self.info.tolist()
         if self.static:  # as GroupFormat counts its stores: values stored, and those saturated
             self.fmt.saturated += info[4]

@@ -21,6 +21,10 @@ time, which a shared machine's other work inflates less than the wall time; ``wa
   checkpoint reads (gather, unpack, dequantise, both dots; no record or flush), dynamic in B: the candidate the fused
   step was chosen over, with its compile time.
 
+Prompts (``--prompt-tokens``, default 24 and 512; one prompt from zero, per configuration): ``reference``
+(``StatePool.prefill``), ``fused_projected`` (``StatePool.prefill_projected``) and ``vllm_own`` (vLLM's
+``fused_gdn_gating_cpu`` and ``chunk_gated_delta_rule_cpu`` on its float32 state), rows with ``"prompt_tokens"``.
+
 Ratios are each row's time over ``fused_projected`` (and ``vllm_own`` over it). The machine may be shared: the
 one-minute load average is recorded per configuration. JSON with provenance to ``--out``.
 """
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompt-tokens", dest="prompt_tokens", nargs="*", type=int, default=[24, 512])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (vLLM's CPU worker serves with 1 here)")
     parser.add_argument("--clock", choices=list(CLOCK), default="process",
                         help="process: this process's CPU time (one thread: robust on a shared machine); wall")
@@ -181,6 +186,37 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{name:9s} B={B:4d} " + " ".join(f"{k} {v * 1e3:8.3f} ms" if not k.endswith("_s") else
                                                     f"{k} {v:.1f} s" for k, v in times.items())
+                  + f"  load {load:.2f}", flush=True)
+    for name in args.configs:
+        cfg = config(name)
+        load = os.getloadavg()[0]
+        for T in args.prompt_tokens:
+            gen = torch.Generator().manual_seed(T)
+            x = {**projections(T, gen)}
+            times = {}
+            for label, backend in (("reference", "reference"), ("fused_projected", None)):
+                pool = StatePool(cfg, (H, HV, K, V), 2, "cpu", backend=backend)
+                out = torch.empty(T, HV, V, dtype=torch.bfloat16)
+                starts, slot, initial = torch.tensor([0, T]), torch.tensor([1]), torch.tensor([False])
+                times[label] = median_time(lambda: pool.prefill_projected(
+                    slot, starts, initial, x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out),
+                    max(3, args.steps // 8))
+            if vllm_ops is not None:
+                state = torch.zeros(2, HV, K, V)
+                idx, cu = torch.tensor([1], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32)
+
+                def own() -> None:
+                    g, beta = vllm_ops.fused_gdn_gating_cpu(A_log=x["A_log"], a=x["a"], b=x["b"], dt_bias=x["dt_bias"])
+                    state[1] = 0
+                    vllm_ops.chunk_gated_delta_rule_cpu(
+                        query=x["q"][None], key=x["k"][None], value=x["v"][None], g=g, beta=beta, initial_state=state,
+                        output_final_state=True, cu_seqlens=cu, head_first=False, use_qk_l2norm_in_kernel=True,
+                        initial_state_indices=idx)
+                times["vllm_own"] = median_time(own, max(3, args.steps // 8))
+            row = {"config": name, "prompt_tokens": T, "load_avg_1m": load, **{f"{k}_ms": v * 1e3 for k, v in times.items()}}
+            row["ratios_over_fused_projected"] = {k: v / times["fused_projected"] for k, v in times.items()}
+            rows.append(row)
+            print(f"{name:9s} T={T:4d} " + " ".join(f"{k} {v * 1e3:8.3f} ms" for k, v in times.items())
                   + f"  load {load:.2f}", flush=True)
     doc = {"kind": "pool-cpu-bench", "shape": {"H": H, "HV": HV, "K": K, "V": V}, "threads": args.threads,
            "clock": args.clock,

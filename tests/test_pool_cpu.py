@@ -255,18 +255,21 @@ def test_bad_steps_raise_the_reference_errors(name: str) -> None:
 
 
 def test_a_missing_compiler_leaves_the_reference_with_one_warning(tmp_path: Path) -> None:
-    """No C++ compiler and nothing built yet: a pool steps on the reference, and the process is told why once."""
+    """No C++ compiler and nothing built yet: a pool steps on the reference, and the process is told why once, when
+    a pool first asks for the fused step (a pool that never steps by slot never builds it)."""
     code = ("import warnings, torch\nwarnings.simplefilter('always')\n"
             "from pace_core.config import get_config\nfrom pace_core.pool import StatePool\n"
             "with warnings.catch_warnings(record=True) as seen:\n"
             "    pools = [StatePool(get_config('pace-4'), (2, 4, 64, 64), 2, 'cpu') for _ in range(2)]\n"
-            "print(pools[0].step)\nprint(len(seen))\nprint(seen[0].message)\n")
+            "    built = len(seen)\n"
+            "    steps = [pool.step for pool in pools]\n"
+            "print(steps[0])\nprint(built, len(seen))\nprint(seen[0].message)\n")
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "PACE_CPU_CACHE": str(tmp_path / "cache"),
            "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, check=True)
     step, count, message = out.stdout.strip().splitlines()
     assert step == f"reference (no C++ compiler ({tmp_path / 'no-such-compiler'} not found; set CXX or install g++))"
-    assert count == "1"
+    assert count == "0 1"  # nothing built until a pool is to step by slot; then one warning for both
     assert message.startswith("PACE: the state pool's fused CPU step is unavailable: no C++ compiler")
 
 
@@ -282,3 +285,84 @@ def test_the_library_is_built_once_and_cached(tmp_path: Path) -> None:
     env["CXX"] = str(tmp_path / "no-such-compiler")  # built already: no compiler needed
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           check=True).stdout.strip() == "None"
+
+
+def _steps(checkpoint) -> torch.Tensor:
+    """One storage step of every entry of a stored checkpoint ``[n, HV, K, V]`` (in its format's basis)."""
+    if isinstance(checkpoint, torch.Tensor):
+        return checkpoint.float().abs() * (2.0**-8 if checkpoint.dtype == torch.bfloat16 else 0.0)
+    parts = {checkpoint.spec.bits: checkpoint} if isinstance(checkpoint, quant.PackedTensor) else \
+        getattr(checkpoint, "parts", None)
+    if parts is None:  # static scales: the layer's steps, the same on both sides
+        return torch.zeros(checkpoint.shape)
+    return torch.cat([_step_size(p).flatten() for p in parts.values()])
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_fused_prefill_is_the_reference_prefill(name: str) -> None:
+    """Prompts of 1 to 16 tokens (one segment, P = 16) from the same stored state on both sides: from zero, and
+    continued from a state with records in the buffer (folded into the prompt's starting state unrounded: "carry").
+    The reference runs a segment chunked (the plain recurrence below 16 tokens), the fused step token by token: the
+    same function, agreeing to float32 rounding over the segment's tokens (fp32_bound(3 K T)); stored checkpoints
+    within one step. A continued prompt that stores the folded buffer first ("flush", the default) may start from
+    states a step apart where a folded value lies within float32 rounding of a rounding boundary; the step
+    S_t = α (I − β k kᵀ) S_{t−1} + β k vᵀ is a contraction (α <= 1, β in [0, 1], |k| = 1), so the outputs then
+    differ by at most ||ΔS_0||_F · sqrt(Σ_t |q_t|²), ||ΔS_0||_F at most one step of every entry. Longer prompts: a
+    prompt of several segments is, bit for bit, its segments run one after the other as continued prompts (the same
+    code from the same codes), and an unrounded one (fp32) is the reference's to float32 rounding."""
+    dims = (2, 4, 64, 64)
+    H, HV, K, V = dims
+    for after in ("carry", "flush"):
+        cfg = config(name, HV, K, V).replace(prefill_period=16, prefill_after_decode=after)
+        fused, reference = StatePool(cfg, dims, SLOTS, "cpu"), StatePool(cfg, dims, SLOTS, "cpu", backend="reference")
+        gen = torch.Generator().manual_seed(6)
+        for t, (T, initial) in enumerate([(5, False), (16, False), (1, True), (13, True), (16, True), (9, False)]):
+            slot = t % SLOTS
+            for _ in range(3):  # records in the buffer of a continued prompt
+                fused.decode(torch.tensor([slot]), *token(dims, 1, gen))
+            for n_, tensor in fused.tensors.items():
+                reference.tensors[n_].copy_(tensor)
+            one = torch.tensor([slot])
+            rows = {n: t_[one].clone() for n, t_ in reference.tensors.items()}
+            x = token(dims, T, gen)
+            o_fused = fused.prefill(slot, *x, initial=initial)
+            o_ref = reference.prefill(slot, *x, initial=initial)
+            slack = 0.0
+            if after == "flush" and initial and cfg.buffered and not cfg.exact:
+                flushed = reference.state(rows)
+                with flushed.call():
+                    flushed.flush()
+                slack = float(_steps(flushed.checkpoint).norm() * x[0].norm())
+            assert float((o_fused - o_ref).norm()) <= fp32_bound(3 * K * T) * float(o_ref.norm()) + slack, (t, after)
+            _within_one_step(fused.state({n: t_[one] for n, t_ in fused.tensors.items()}).checkpoint,
+                             reference.state({n: t_[one] for n, t_ in reference.tensors.items()}).checkpoint)
+            assert int(fused.counts(one)) == int(reference.counts(one)) == 0
+    x = token(dims, 40, gen)
+    whole = fused.prefill(3, *x, initial=False)
+    kept = {n: t_[3].clone() for n, t_ in fused.tensors.items()}
+    parts = [fused.prefill(3, *(y[a:e] for y in x), initial=a > 0) for a, e in ((0, 16), (16, 32), (32, 40))]
+    assert torch.equal(whole, torch.cat(parts)) and all(torch.equal(t_[3], kept[n]) for n, t_ in fused.tensors.items())
+    if cfg.exact:
+        assert rel(whole, reference.prefill(3, *x, initial=False)) <= fp32_bound(3 * K * 40)
+
+
+def test_projected_prefill_is_the_reference_with_its_gates() -> None:
+    """prefill_projected: three prompts in one call against the reference path, one prompt at a time (bfloat16
+    output and beta as test_projected_step_is_the_reference_with_its_gates)."""
+    dims = (2, 4, 64, 64)
+    for name in ("fp32", "pace-4", "pace-4-8"):
+        fused, reference = pools(name, dims)
+        gen = torch.Generator().manual_seed(7)
+        A_log, dt_bias = (torch.rand(4, generator=gen) - 1).bfloat16(), torch.rand(4, generator=gen).bfloat16()
+        fused.decode(torch.tensor([2, 5]), *token(dims, 2, gen))
+        for n_, tensor in fused.tensors.items():
+            reference.tensors[n_].copy_(tensor)
+        starts, slots, initial = torch.tensor([0, 7, 8, 30]), torch.tensor([2, 0, 5], dtype=torch.int32), \
+            torch.tensor([True, False, True])
+        q, k = (torch.randn(30, 2, 64, generator=gen).bfloat16() for _ in range(2))
+        v = torch.randn(30, 4, 64, generator=gen).bfloat16()
+        a, b = (torch.randn(30, 4, generator=gen).bfloat16() for _ in range(2))
+        outs = [torch.empty(30, 4, 64, dtype=torch.bfloat16) for _ in range(2)]
+        for pool, out in zip((fused, reference), outs):
+            pool.prefill_projected(slots, starts, initial, q, k, v, a, b, A_log, dt_bias, out)
+        assert rel(outs[0].float(), outs[1].float()) <= 2.0**-7, name

@@ -140,11 +140,12 @@ def test_staggered_sequences_on_the_kernels():
 @pytest.mark.numerics
 def test_a_continued_prompt_starts_from_the_stored_state():
     """A prompt in two parts (vLLM's chunked prefill) continues from the stored state and buffer: the same
-    as the same two prefill calls of one LayerState (same code, same shapes: bit for bit)."""
+    as the same two prefill calls of one LayerState (the reference step on both: same code, same shapes, bit for
+    bit; the fused CPU step is held to it in tests/test_pool_cpu.py)."""
     H, HV, K, V = 2, 4, 64, 64
     cfg = NAMED_CONFIGS["pace-4"]
     layout = SlotLayout(cfg, H, HV, K, V)
-    pool = _pool(layout, 2)
+    pool = _pool(layout, 2, backend="reference")
     x = _inputs(1, 30, H, HV, K, V)
     ref = LayerState(cfg, 1, H, HV, K, V, "cpu")
     for lo, hi, initial in ((0, 12, False), (12, 30, True)):

@@ -45,6 +45,10 @@ constexpr float L2NORM_EPS = 1e-6f;            // recurrence.L2NORM_EPS
 constexpr float ROUND_LIMIT = 4194304.0f;      // 2^22: below it rne() is exact
 constexpr int BLOCK = 32;                      // columns kept in registers by the blocked loops
 constexpr int NIB = 32;                        // bytes of 4-bit codes read at a time by the checkpoint's dots
+// Work per thread at the least (at::parallel_for's grain): a parallel region's wake-up and join cost more than a
+// few (row, head) steps, and a small batch runs on the calling thread.
+constexpr int64_t GRAIN_ROWS = 64;   // rows (tokens) prepared
+constexpr int64_t GRAIN_ITEMS = 16;  // (row, head) decode steps
 
 // Failure kinds reported in info[0] (pace_core/pool_cpu.py names them).
 constexpr int64_t FAIL_INPUT = 1;   // non-finite k, v or g
@@ -134,6 +138,16 @@ inline float max_abs(const float* __restrict x, int n) {
   return float_of(m);
 }
 
+// x[0..n) rounded to bfloat16 (to nearest even, as c10::BFloat16; NaN kept NaN), vectorised.
+inline void to_bf16_row(const float* __restrict x, c10::BFloat16* __restrict out, int64_t n) {
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t u = bits_of(x[j]);
+    const uint16_t r = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    o[j] = x[j] != x[j] ? static_cast<uint16_t>(0x7FC0u) : r;
+  }
+}
+
 // Σ a[i] b[i] in 16 interleaved partial sums (vectorised), added at the end.
 inline float dot(const float* __restrict a, const float* __restrict b, int n) {
   float part[16] = {};
@@ -149,6 +163,7 @@ inline float dot(const float* __restrict a, const float* __restrict b, int n) {
 
 // Column block of bw columns of a state, rows at B + i * ld: ak[j] += Σ_i B[i][j] xk[i], and the largest magnitude's
 // bits into mbits. BLOCK columns at a time in registers.
+template <bool MAX = true>
 inline void block_read(const float* __restrict B, int64_t ld, int K, int bw, const float* __restrict xk,
                        float* __restrict ak, uint32_t& mbits) {
   if (bw == BLOCK) {
@@ -159,7 +174,7 @@ inline void block_read(const float* __restrict B, int64_t ld, int K, int bw, con
       const float a = xk[i];
       for (int j = 0; j < BLOCK; ++j) {
         acc[j] += r[j] * a;
-        mb[j] = std::max(mb[j], bits_of(r[j]) & 0x7FFFFFFFu);
+        if (MAX) mb[j] = std::max(mb[j], bits_of(r[j]) & 0x7FFFFFFFu);
       }
     }
     for (int j = 0; j < BLOCK; ++j) {
@@ -173,7 +188,7 @@ inline void block_read(const float* __restrict B, int64_t ld, int K, int bw, con
     const float a = xk[i];
     for (int j = 0; j < bw; ++j) {
       ak[j] += r[j] * a;
-      mbits = std::max(mbits, bits_of(r[j]) & 0x7FFFFFFFu);
+      if (MAX) mbits = std::max(mbits, bits_of(r[j]) & 0x7FFFFFFFu);
     }
   }
 }
@@ -202,6 +217,33 @@ inline void block_update(float* __restrict B, int64_t ld, int K, int bw, float a
     for (int j = 0; j < bw; ++j) {
       r[j] = alpha * r[j] + a * ub[j];
       ob[j] += r[j] * b;
+    }
+  }
+}
+
+// S (rows of stride ld, K rows, n columns) = e S + Σ_r ks[r][i] us[r][j] over `records` records (keys ks[r] of K, values
+// us[r] of stride usld from the block's first column): recurrence.fold_records' writes, row by row with BLOCK columns
+// held in registers over the records.
+inline void fold_rows(float* S, int64_t ld, int K, int n, float e, const float* ks, const float* us, int records,
+                      int64_t usld = -1) {
+  if (usld < 0) usld = n;
+  for (int i = 0; i < K; ++i) {
+    float* __restrict Sr = S + i * ld;
+    int j0 = 0;
+    for (; j0 + BLOCK <= n; j0 += BLOCK) {
+      float acc[BLOCK];
+      for (int j = 0; j < BLOCK; ++j) acc[j] = Sr[j0 + j] * e;
+      for (int r = 0; r < records; ++r) {
+        const float a = ks[static_cast<int64_t>(r) * K + i];
+        const float* __restrict ur = us + r * usld + j0;
+        for (int j = 0; j < BLOCK; ++j) acc[j] += a * ur[j];
+      }
+      for (int j = 0; j < BLOCK; ++j) Sr[j0 + j] = acc[j];
+    }
+    for (int j = j0; j < n; ++j) {
+      float acc = Sr[j] * e;
+      for (int r = 0; r < records; ++r) acc += ks[static_cast<int64_t>(r) * K + i] * us[r * usld + j];
+      Sr[j] = acc;
     }
   }
 }
@@ -374,6 +416,7 @@ struct VecStore {
     std::vector<c10::Half> scale;
     std::vector<float> data;
     std::vector<int32_t> unpacked;
+    std::vector<float> step, zf;
   };
 
   bool round(const float* x, float* deq, Staged& st) const {
@@ -391,8 +434,8 @@ struct VecStore {
     st.scale.resize(ngroups);
     st.zero.assign(zbytes, 0);
     st.unpacked.resize(n);
-    int32_t* codes = st.unpacked.data();
-    int64_t saturated = 0;
+    st.step.resize(n);
+    st.zf.resize(n);
     for (int gi = 0; gi < ngroups; ++gi) {
       float sc = 0.0f, z = 0.0f;
       if (!group_scale(q, x + gi * q.group, q.group, sc, z)) return false;
@@ -404,11 +447,12 @@ struct VecStore {
           st.zero[gi] = static_cast<uint8_t>(z);
         }
       }
-      for (int j = gi * q.group; j < (gi + 1) * q.group; ++j) {
-        codes[j] = code_of(q, x[j], sc, z, saturated);
-        deq[j] = (static_cast<float>(codes[j]) - z) * sc;
-      }
+      std::fill(st.step.begin() + gi * q.group, st.step.begin() + (gi + 1) * q.group, sc == 0.0f ? 1.0f : sc);
+      std::fill(st.zf.begin() + gi * q.group, st.zf.begin() + (gi + 1) * q.group, z);
     }
+    int32_t* codes = st.unpacked.data();
+    codes_of(q, x, st.step.data(), st.zf.data(), n, codes, false);
+    for (int j = 0; j < n; ++j) deq[j] = (static_cast<float>(codes[j]) - st.zf[j]) * st.step[j];
     pack_row(codes, q.bits, n, st.codes.data());
     return true;
   }
@@ -418,8 +462,7 @@ struct VecStore {
     if (kind == 0) {
       std::memcpy(data.at(s) + v * n * 4, st.data.data(), n * sizeof(float));
     } else if (kind == 1) {
-      c10::BFloat16* p = reinterpret_cast<c10::BFloat16*>(data.at(s)) + v * n;
-      for (int j = 0; j < n; ++j) p[j] = c10::BFloat16(st.data[j]);
+      to_bf16_row(st.data.data(), reinterpret_cast<c10::BFloat16*>(data.at(s)) + v * n, n);
     } else {
       std::memcpy(data.at(s) + v * cbytes, st.codes.data(), cbytes);
       std::memcpy(reinterpret_cast<c10::Half*>(scale.at(s)) + v * ngroups, st.scale.data(),
@@ -651,9 +694,7 @@ struct Ckpt {
     }
     if (kind == 1) {
       c10::BFloat16* S = reinterpret_cast<c10::BFloat16*>(dense.at(s)) + base;
-      for (int i = 0; i < K; ++i) {
-        for (int j = 0; j < bw; ++j) S[static_cast<int64_t>(i) * V + j0 + j] = c10::BFloat16(Sb[static_cast<int64_t>(i) * ld + j]);
-      }
+      for (int i = 0; i < K; ++i) to_bf16_row(Sb + static_cast<int64_t>(i) * ld, S + static_cast<int64_t>(i) * V + j0, bw);
       return true;
     }
     const Part& p = part(h);
@@ -720,6 +761,36 @@ struct Ckpt {
       saturated += codes_of(p.q, Sb + static_cast<int64_t>(i) * ld, w.step.data(), w.zc.data(), bw, w.codes.data(),
                             kind == 3);
       pack_row(w.codes.data(), p.q.bits, bw, w.staged.data() + static_cast<int64_t>(i) * p.vb + byte0);
+    }
+    return true;
+  }
+
+  // The block stored and loaded again (a segment's end inside a prompt): rounded as the format stores it, in place,
+  // nothing written to the pool; false when it cannot be stored.
+  bool round_block(int64_t s, int h, float* Sb, int ld, int j0, int bw, Work& w, int64_t& saturated) const {
+    if (kind <= 1) {
+      for (int i = 0; i < K; ++i) {
+        float* r = Sb + static_cast<int64_t>(i) * ld;
+        if (!all_finite(r, bw)) return false;
+        if (kind == 1) {
+          for (int j = 0; j < bw; ++j) r[j] = to_bf16(r[j]);
+        }
+      }
+      return true;
+    }
+    if (!stage_block(s, h, Sb, ld, j0, bw, w, saturated)) return false;
+    const Part& p = part(h);
+    const int g = p.q.group;
+    const int byte0 = p.q.bits <= 4 ? j0 / 2 : j0;
+    for (int i = 0; i < K; ++i) {
+      float* __restrict r = Sb + static_cast<int64_t>(i) * ld;
+      unpack_row(w.staged.data() + static_cast<int64_t>(i) * p.vb + byte0, p.q.bits, bw, r);
+      const float* sc = w.ssc.data() + (axis == 0 ? i / g : i) * p.sV;
+      const float* z = w.sz.data() + (axis == 0 ? i / g : i) * p.sV;
+      for (int j = 0; j < bw; ++j) {
+        const int c = axis == 0 ? j0 + j : (j0 + j) / g;
+        r[j] = (r[j] - z[c]) * sc[c];
+      }
     }
     return true;
   }
@@ -814,151 +885,239 @@ In input(const at::Tensor& t) {
 
 thread_local Work scratch;
 
+// The pool of one layer as pace_core/pool_cpu.py describes it (FusedDecode: meta, state, consts).
+constexpr int META_HEADS = 23;  // where the head map starts in meta
+
+struct Layout {
+  int H, HV, K, V, dP, gamma, period;
+  bool rotate, carry;
+  int64_t N;
+  Ckpt ck;
+  VecStore keys, values;
+  Slab decays;
+
+  Layout(at::IntArrayRef meta, at::TensorList state, at::TensorList consts) {
+    H = meta[0];
+    HV = meta[1];
+    K = meta[2];
+    V = meta[3];
+    dP = meta[4];
+    gamma = HV / H;
+    rotate = meta[12] != 0;
+    period = meta[21];
+    carry = meta[22] != 0;
+    N = meta[META_HEADS + 2 * HV];
+    ck.kind = meta[5];
+    ck.axis = meta[6];
+    ck.K = K;
+    ck.V = V;
+    size_t ti = 0;
+    if (ck.kind <= 1) {
+      ck.dense = slab(state[ti++]);
+    } else {
+      for (int pi = 0; pi < meta[9]; ++pi) {
+        Part p;
+        p.q = {static_cast<int>(meta[10 + pi]), static_cast<int>(meta[8]), static_cast<int>(meta[7])};
+        p.vb = packed_len(p.q.bits, V);
+        p.sK = ck.axis == 0 ? K / p.q.group : K;
+        p.sV = ck.axis == 0 ? V : V / p.q.group;
+        p.zpacked = p.q.bits <= 4 && p.sV % 2 == 0;
+        p.zb = p.zpacked ? p.sV / 2 : p.sV;
+        p.codes = slab(state[ti++]);
+        if (ck.kind == 2) {
+          p.scale = slab(state[ti++]);
+          p.zero = slab(state[ti++]);
+        } else {
+          p.sscale = consts[2 * pi].data_ptr<float>();
+          p.szero = consts[2 * pi + 1].numel() ? consts[2 * pi + 1].data_ptr<float>() : nullptr;
+        }
+        ck.parts.push_back(p);
+      }
+    }
+    ck.head_part.assign(meta.begin() + META_HEADS, meta.begin() + META_HEADS + HV);
+    ck.head_index.assign(meta.begin() + META_HEADS + HV, meta.begin() + META_HEADS + 2 * HV);
+    if (dP > 1) {
+      VecStore* stores[2] = {&keys, &values};
+      for (int part = 0; part < 2; ++part) {
+        VecStore& st = *stores[part];
+        st.kind = meta[13 + 4 * part];
+        st.n = part == 0 ? K : V;
+        st.heads = part == 0 ? H : HV;
+        st.dP = dP;
+        st.q = {static_cast<int>(meta[14 + 4 * part]), static_cast<int>(meta[16 + 4 * part]),
+                static_cast<int>(meta[15 + 4 * part])};
+        st.data = slab(state[ti]);
+        st.scale = slab(state[ti + 1]);
+        st.zero = slab(state[ti + 2]);
+        ti += 3;
+        if (st.kind == 2) {
+          st.ngroups = st.n / st.q.group;
+          st.cbytes = packed_len(st.q.bits, st.n);
+          st.zpacked = st.q.bits <= 4 && st.ngroups % 2 == 0;
+          st.zbytes = st.q.sym ? 0 : (st.zpacked ? st.ngroups / 2 : st.ngroups);
+        }
+      }
+      decays = slab(state[ti++]);
+    }
+  }
+
+  // The records slot s holds (buffer.records_held: head 0's log decays <= 0).
+  int count(int64_t s) const {
+    if (dP == 1) return 0;
+    const float* d = reinterpret_cast<const float*>(decays.at(s));
+    int c = 0;
+    for (int r = 0; r < dP; ++r) c += d[r * HV] <= 0.0f;
+    return c;
+  }
+
+  void empty_buffer(int64_t s, int h) const {
+    if (dP == 1) return;
+    float* d = reinterpret_cast<float*>(decays.at(s));
+    for (int r = 0; r < dP; ++r) d[r * HV + h] = EMPTY;
+  }
+};
+
+// The prepared inputs of tokens (phase A): per token q, k [H][K] (prepared), v [HV][V], g, beta [HV], and with a
+// key rotation q, k in the rotated basis.
+struct Tokens {
+  int H, HV, K, V;
+  bool rotate;
+  int64_t stride;
+  std::vector<float> data;
+
+  Tokens(const Layout& L, int64_t n) : H(L.H), HV(L.HV), K(L.K), V(L.V), rotate(L.rotate) {
+    stride = 2 * H * K + (rotate ? 2 * H * K : 0) + HV * V + 2 * HV;
+    data.resize(n * stride);
+  }
+  float* row(int64_t t) { return data.data() + t * stride; }
+  const float* q(int64_t t, int kh) const { return data.data() + t * stride + kh * K; }
+  const float* k(int64_t t, int kh) const { return q(t, kh) + H * K; }
+  const float* v(int64_t t, int h) const { return data.data() + t * stride + 2 * H * K + h * V; }
+  float g(int64_t t, int h) const { return data[t * stride + 2 * H * K + HV * V + h]; }
+  float beta(int64_t t, int h) const { return data[t * stride + 2 * H * K + HV * V + HV + h]; }
+  // q and k in the checkpoint's basis (rotated with a key rotation)
+  const float* xq(int64_t t, int kh) const { return rotate ? data.data() + t * stride + 2 * H * K + HV * V + 2 * HV + kh * K : q(t, kh); }
+  const float* xk(int64_t t, int kh) const { return rotate ? xq(t, kh) + H * K : k(t, kh); }
+
+  // Token t from row t of the inputs (raw: recurrence.prepare_qk and recurrence.gdn_gates from the projections and
+  // the layer's A_log, dt_bias); false when its k, v or g is not finite (pool.StatePool.decode's check).
+  bool prepare(int64_t t, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& g_,
+               const at::Tensor& b_, const float* alog, const float* dtb) {
+    const In iq = input(q_), ik = input(k_), iv = input(v_), ig = input(g_), ib = input(b_);
+    float* r = row(t);
+    float *pq = r, *pk = r + H * K, *pv = r + 2 * H * K, *pg = pv + HV * V, *pb = pg + HV;
+    const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
+    for (int kh = 0; kh < H; ++kh) {
+      load_any(q_, iq.at(t, kh), K, pq + kh * K);
+      load_any(k_, ik.at(t, kh), K, pk + kh * K);
+      if (alog != nullptr) {  // transformers' l2norm: x * rsqrt(sum(x^2) + eps), q scaled by K^-1/2
+        for (float* x : {pq + kh * K, pk + kh * K}) {
+          const float inv = 1.0f / std::sqrt(dot(x, x, K) + L2NORM_EPS);
+          for (int i = 0; i < K; ++i) x[i] *= inv;
+        }
+        for (int i = 0; i < K; ++i) pq[kh * K + i] *= qscale;
+      }
+    }
+    for (int h = 0; h < HV; ++h) load_any(v_, iv.at(t, h), V, pv + h * V);
+    for (int h = 0; h < HV; ++h) {
+      float gv, bv;
+      load_any(g_, ig.at(t, h), 1, &gv);
+      load_any(b_, ib.at(t, h), 1, &bv);
+      if (alog != nullptr) {  // g = -exp(A_log) softplus(a + dt_bias); beta = sigmoid(b) in b's dtype
+        const float x = gv + dtb[h];
+        const float sp = x > 20.0f ? x : std::log1p(std::exp(x));
+        gv = -std::exp(alog[h]) * sp;
+        const float sg = 1.0f / (1.0f + std::exp(-bv));
+        bv = b_.scalar_type() == at::kBFloat16 ? to_bf16(sg) : b_.scalar_type() == at::kHalf ? to_half(sg) : sg;
+      }
+      pg[h] = gv;
+      pb[h] = bv;
+    }
+    if (rotate) {
+      float* rq = pb + HV;
+      std::memcpy(rq, pq, 2 * H * K * sizeof(float));  // q then k
+      for (int x = 0; x < 2 * H; ++x) hadamard(rq + x * K, K);
+    }
+    return all_finite(pk, H * K) && all_finite(pv, HV * V + HV);
+  }
+};
+
+std::vector<int64_t> indices(const at::Tensor& t) {
+  std::vector<int64_t> out(t.numel());
+  if (t.scalar_type() == at::kInt) {
+    std::copy(t.data_ptr<int32_t>(), t.data_ptr<int32_t>() + t.numel(), out.begin());
+  } else {
+    std::copy(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel(), out.begin());
+  }
+  return out;
+}
+
+std::vector<float> params(const std::optional<at::Tensor>& t, int n) {
+  std::vector<float> out;
+  if (t.has_value()) {
+    out.resize(n);
+    load_any(*t, static_cast<const uint8_t*>(t->data_ptr()), n, out.data());
+  }
+  return out;
+}
+
+// Writes o [V] (floats) into out's row t, head h, in out's dtype.
+inline void write_out(const at::Tensor& out, int64_t t, int h, const float* o, int j0, int n) {
+  uint8_t* op = static_cast<uint8_t*>(out.data_ptr()) + (t * out.stride(0) + h * out.stride(1)) * out.element_size();
+  if (out.scalar_type() == at::kFloat) {
+    std::memcpy(reinterpret_cast<float*>(op) + j0, o, n * sizeof(float));
+  } else {
+    to_bf16_row(o, reinterpret_cast<c10::BFloat16*>(op) + j0, n);
+  }
+}
+
+// The first failure of a step, reported once (info, fail: pace_core/pool_cpu.py's Failure).
+struct Report {
+  int64_t* info;
+  float* fail;
+  int64_t KV;
+  std::atomic<bool> failed{false};
+  void first(int64_t kind, int64_t row, int64_t head, int64_t count, const float* S, const float* u, int V) {
+    bool expected = false;
+    if (!failed.compare_exchange_strong(expected, true)) return;
+    info[0] = kind;
+    info[1] = row;
+    info[2] = head;
+    info[3] = count;
+    if (S != nullptr) std::memcpy(fail, S, KV * sizeof(float));
+    if (u != nullptr) std::memcpy(fail + KV, u, V * sizeof(float));
+  }
+};
+
 void decode(const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             const at::Tensor& g, const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
             const std::optional<at::Tensor>& dt_bias, const at::Tensor& out, at::TensorList state,
             at::TensorList consts, at::IntArrayRef meta, const at::Tensor& info, const at::Tensor& fail) {
-  const int H = meta[0], HV = meta[1], K = meta[2], V = meta[3], dP = meta[4];
-  const int gamma = HV / H;
-  const bool rotate = meta[12] != 0;
-  const bool raw = A_log.has_value();
+  const Layout L(meta, state, consts);
+  const Ckpt& ck = L.ck;
+  const VecStore &keys = L.keys, &values = L.values;
+  const int H = L.H, HV = L.HV, K = L.K, V = L.V, dP = L.dP, gamma = L.gamma;
+  const bool rotate = L.rotate;
   const int64_t B = slots.size(0);
+  const int64_t KV = static_cast<int64_t>(K) * V;
   int64_t* report = info.data_ptr<int64_t>();
   std::fill(report, report + 6, 0);
+  Report rep{report, fail.data_ptr<float>(), KV};
 
-  // The layout (pace_core/pool_cpu.py: FusedPool._meta).
-  Ckpt ck;
-  ck.kind = meta[5];
-  ck.axis = meta[6];
-  ck.K = K;
-  ck.V = V;
-  size_t ti = 0;
-  const int nparts = meta[9];
-  if (ck.kind <= 1) {
-    ck.dense = slab(state[ti++]);
-  } else {
-    for (int pi = 0; pi < nparts; ++pi) {
-      Part p;
-      p.q = {static_cast<int>(meta[10 + pi]), static_cast<int>(meta[8]), static_cast<int>(meta[7])};
-      p.vb = packed_len(p.q.bits, V);
-      p.sK = ck.axis == 0 ? K / p.q.group : K;
-      p.sV = ck.axis == 0 ? V : V / p.q.group;
-      p.zpacked = p.q.bits <= 4 && p.sV % 2 == 0;
-      p.zb = p.zpacked ? p.sV / 2 : p.sV;
-      p.codes = slab(state[ti++]);
-      if (ck.kind == 2) {
-        p.scale = slab(state[ti++]);
-        p.zero = slab(state[ti++]);
-      } else {
-        p.sscale = consts[2 * pi].data_ptr<float>();
-        p.szero = consts[2 * pi + 1].numel() ? consts[2 * pi + 1].data_ptr<float>() : nullptr;
-      }
-      ck.parts.push_back(p);
-    }
-  }
-  ck.head_part.assign(meta.begin() + 21, meta.begin() + 21 + HV);
-  ck.head_index.assign(meta.begin() + 21 + HV, meta.begin() + 21 + 2 * HV);
-  VecStore keys, values;
-  Slab decays;
-  if (dP > 1) {
-    VecStore* stores[2] = {&keys, &values};
-    for (int part = 0; part < 2; ++part) {
-      VecStore& st = *stores[part];
-      st.kind = meta[13 + 4 * part];
-      st.n = part == 0 ? K : V;
-      st.heads = part == 0 ? H : HV;
-      st.dP = dP;
-      st.q = {static_cast<int>(meta[14 + 4 * part]), static_cast<int>(meta[16 + 4 * part]),
-              static_cast<int>(meta[15 + 4 * part])};
-      st.data = slab(state[ti]);
-      st.scale = slab(state[ti + 1]);
-      st.zero = slab(state[ti + 2]);
-      ti += 3;
-      if (st.kind == 2) {
-        st.ngroups = st.n / st.q.group;
-        st.cbytes = packed_len(st.q.bits, st.n);
-        st.zpacked = st.q.bits <= 4 && st.ngroups % 2 == 0;
-        st.zbytes = st.q.sym ? 0 : (st.zpacked ? st.ngroups / 2 : st.ngroups);
-      }
-    }
-    decays = slab(state[ti++]);
-  }
-  const int64_t N = meta[20 + 1 + 2 * HV];  // slots in the pool
-
-  // Phase A, per row: the slot, its record count, and the prepared inputs (recurrence.prepare_qk and
-  // recurrence.gdn_gates in raw mode), checked finite as pool.StatePool._decode_rows checks k, v, g.
-  std::vector<int64_t> sl(B);
-  if (slots.scalar_type() == at::kInt) {
-    std::copy(slots.data_ptr<int32_t>(), slots.data_ptr<int32_t>() + B, sl.begin());
-  } else {
-    std::copy(slots.data_ptr<int64_t>(), slots.data_ptr<int64_t>() + B, sl.begin());
-  }
-  const int64_t row_floats = 2 * H * K + (rotate ? 2 * H * K : 0) + HV * V + 2 * HV;
-  std::vector<float> prepared(B * row_floats);
+  // Phase A, per row: the slot, its record count and its prepared inputs, checked before anything is written.
+  const std::vector<int64_t> sl = indices(slots);
+  const std::vector<float> alog = params(A_log, HV), dtb = params(dt_bias, HV);
+  Tokens tok(L, B);
   std::vector<int> counts(B);
   std::atomic<int64_t> bad_input{-1}, bad_slot{-1};
-  const In iq = input(q), ik = input(k), iv = input(v), ig = input(g), ib = input(beta);
-  std::vector<float> alog, dtb;
-  if (raw) {
-    alog.resize(HV);
-    dtb.resize(HV);
-    load_any(*A_log, static_cast<const uint8_t*>(A_log->data_ptr()), HV, alog.data());
-    load_any(*dt_bias, static_cast<const uint8_t*>(dt_bias->data_ptr()), HV, dtb.data());
-  }
-  const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, B, GRAIN_ROWS, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t s = sl[b];
-      if (s < 0 || s >= N) {
+      if (sl[b] < 0 || sl[b] >= L.N) {
         bad_slot.store(b);
         continue;
       }
-      float* row = prepared.data() + b * row_floats;
-      float *pq = row, *pk = row + H * K, *pv = row + 2 * H * K, *pg = pv + HV * V, *pb = pg + HV;
-      for (int kh = 0; kh < H; ++kh) {
-        load_any(q, iq.at(b, kh), K, pq + kh * K);
-        load_any(k, ik.at(b, kh), K, pk + kh * K);
-        if (raw) {  // transformers' l2norm: x * rsqrt(sum(x^2) + eps), q scaled by K^-1/2
-          for (float* x : {pq + kh * K, pk + kh * K}) {
-            const float ss = dot(x, x, K);
-            const float r = 1.0f / std::sqrt(ss + L2NORM_EPS);
-            for (int i = 0; i < K; ++i) x[i] *= r;
-          }
-          for (int i = 0; i < K; ++i) pq[kh * K + i] *= qscale;
-        }
-      }
-      for (int h = 0; h < HV; ++h) load_any(v, iv.at(b, h), V, pv + h * V);
-      for (int h = 0; h < HV; ++h) {
-        float gv, bv;
-        load_any(g, ig.at(b, h), 1, &gv);
-        load_any(beta, ib.at(b, h), 1, &bv);
-        if (raw) {  // g = -exp(A_log) softplus(a + dt_bias); beta = sigmoid(b) in b's dtype
-          const float x = gv + dtb[h];
-          const float sp = x > 20.0f ? x : std::log1p(std::exp(x));
-          gv = -std::exp(alog[h]) * sp;
-          const float sg = 1.0f / (1.0f + std::exp(-bv));
-          bv = beta.scalar_type() == at::kBFloat16 ? to_bf16(sg) : beta.scalar_type() == at::kHalf ? to_half(sg) : sg;
-        }
-        pg[h] = gv;
-        pb[h] = bv;
-      }
-      if (!all_finite(pk, H * K) || !all_finite(pv, HV * V + HV)) bad_input.store(b);  // k; v and g
-      if (rotate) {
-        float* rq = pb + HV;
-        float* rk = rq + H * K;
-        std::memcpy(rq, pq, H * K * sizeof(float));
-        std::memcpy(rk, pk, H * K * sizeof(float));
-        for (int kh = 0; kh < H; ++kh) {
-          hadamard(rq + kh * K, K);
-          hadamard(rk + kh * K, K);
-        }
-      }
-      int c = 0;
-      if (dP > 1) {
-        const float* d = reinterpret_cast<const float*>(decays.at(s));
-        for (int r = 0; r < dP; ++r) c += d[r * HV] <= 0.0f;  // buffer.records_held: head 0's decays
-      }
-      counts[b] = c;
+      if (!tok.prepare(b, q, k, v, g, beta, alog.empty() ? nullptr : alog.data(), dtb.data())) bad_input.store(b);
+      counts[b] = L.count(sl[b]);
     }
   });
   if (bad_slot.load() >= 0 || bad_input.load() >= 0) {
@@ -969,15 +1128,8 @@ void decode(const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k, c
   }
 
   // Phase B, per (row, value head).
-  const at::ScalarType out_type = out.scalar_type();
-  const int64_t es = out.element_size();
-  uint8_t* outp = static_cast<uint8_t*>(out.data_ptr());
-  const int64_t osb = out.stride(0) * es, osh = out.stride(1) * es;
-  std::atomic<bool> failed{false};
   std::atomic<int64_t> saturated{0}, stored{0};
-  float* fail_state = fail.data_ptr<float>();
-
-  at::parallel_for(0, B * HV, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, B * HV, GRAIN_ITEMS, [&](int64_t i0, int64_t i1) {
     Work& w = scratch;
     w.acc.resize(4 * V);
     w.rec.resize(2 * K + 3 * V + dP * (K + V));
@@ -987,31 +1139,26 @@ void decode(const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k, c
       const int h = static_cast<int>(item % HV), kh = h / gamma;
       const int64_t s = sl[b];
       const int c = counts[b];
-      const float* row = prepared.data() + b * row_floats;
-      const float* qt = row + kh * K;
-      const float* kt = row + H * K + kh * K;
-      const float* vt = row + 2 * H * K + h * V;
-      const float gt = row[2 * H * K + HV * V + h];
-      const float bt = row[2 * H * K + HV * V + HV + h];
-      const float* xq = rotate ? row + 2 * H * K + HV * V + 2 * HV + kh * K : qt;   // the basis the checkpoint is in
-      const float* xk = rotate ? row + 3 * H * K + HV * V + 2 * HV + kh * K : kt;
+      const float* qt = tok.q(b, kh);
+      const float* kt = tok.k(b, kh);
+      const float* vt = tok.v(b, h);
+      const float gt = tok.g(b, h), bt = tok.beta(b, h);
+      const float* xq = tok.xq(b, kh);
+      const float* xk = tok.xk(b, kh);
       float* acc_k = w.acc.data();
       float* acc_q = acc_k + V;
       float* u = acc_q + V;
       float* o = u + V;
       std::fill(acc_k, acc_k + 2 * V, 0.0f);
       const bool flush = dP == 1 || c + 1 == dP;
-      const int64_t KV = static_cast<int64_t>(K) * V;
       const float alpha = std::exp(gt);
-      float kq = 0.0f;
-      kq = dot(kt, qt, K);
+      const float kq = dot(kt, qt, K);
       float* kdeq = w.rec.data();           // k̂_t as stored
       float* udeq = kdeq + K;               // û_t as stored
       float* kr = udeq + V;                 // a record's key (rotated for the fold)
       float* ur = kr + K;                   // a record's value
       float* gsum = ur + V;                 // the records' log decays
       bool ok = true;
-      int64_t fail_kind = 0;
       if (dP == 1) {
         // recurrence.gdn_recurrent: S = α Ŝ; u = β (v − Sᵀ k); S += k uᵀ; o = Sᵀ q. Column j of the new state needs
         // only column j of the old one, so each block of columns is read once, stepped in the cache and stored.
@@ -1023,20 +1170,20 @@ void decode(const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k, c
         const float kmax = max_abs(xk, K);
         for (int j0 = 0; j0 < V; j0 += bw) {
           if (ck.kind == 0) {  // dense float32: stepped in place where the new values cannot overflow
-            float* B = reinterpret_cast<float*>(ck.dense.at(s)) + static_cast<int64_t>(h) * KV + j0;
+            float* Bp = reinterpret_cast<float*>(ck.dense.at(s)) + static_cast<int64_t>(h) * KV + j0;
             uint32_t mbits = 0;
-            block_read(B, V, K, bw, xk, acc_k + j0, mbits);
+            block_read(Bp, V, K, bw, xk, acc_k + j0, mbits);
             for (int j = j0; j < j0 + bw; ++j) u[j] = bt * (vt[j] - alpha * acc_k[j]);
             // |α S + k u| <= α max|S| + max|k| max|u|: below float32's range with a margin, nothing can overflow
             if (alpha * float_of(mbits) + kmax * max_abs(u + j0, bw) <= 1e37f) {
-              block_update(B, V, K, bw, alpha, xk, xq, u + j0, o + j0);
+              block_update(Bp, V, K, bw, alpha, xk, xq, u + j0, o + j0);
               continue;
             }
             std::fill(acc_k + j0, acc_k + j0 + bw, 0.0f);  // at the range's edge: the checked path below
           }
           ck.load_block(s, h, j0, bw, Sb, bw, w);
           uint32_t unused = 0;
-          block_read(Sb, bw, K, bw, xk, acc_k + j0, unused);
+          block_read<false>(Sb, bw, K, bw, xk, acc_k + j0, unused);
           for (int j = j0; j < j0 + bw; ++j) u[j] = bt * (vt[j] - alpha * acc_k[j]);
           block_update(Sb, bw, K, bw, alpha, xk, xq, u + j0, o + j0);
           if (!ck.stage_block(s, h, Sb, bw, j0, bw, w, sat)) {
@@ -1049,24 +1196,24 @@ void decode(const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k, c
           heads_stored += 1;
         } else {  // the new state in the scratch, for the report (a dense head's earlier blocks are stored already)
           ok = false;
-          fail_kind = FAIL_STATE;
           w.S.resize(KV);
           for (int j0 = 0; j0 < V; j0 += bw) {
-            float* B = w.S.data() + j0;
-            ck.load_block(s, h, j0, bw, B, V, w);
+            float* Bp = w.S.data() + j0;
+            ck.load_block(s, h, j0, bw, Bp, V, w);
             if (ck.kind >= 2 || j0 >= failed_at) {
               float read[1024] = {};
               for (int i = 0; i < K; ++i) {
-                for (int j = 0; j < bw; ++j) read[j] += B[static_cast<int64_t>(i) * V + j] * xk[i];
+                for (int j = 0; j < bw; ++j) read[j] += Bp[static_cast<int64_t>(i) * V + j] * xk[i];
               }
               for (int i = 0; i < K; ++i) {
                 for (int j = 0; j < bw; ++j) {
-                  B[static_cast<int64_t>(i) * V + j] =
-                      alpha * B[static_cast<int64_t>(i) * V + j] + xk[i] * (bt * (vt[j0 + j] - alpha * read[j]));
+                  Bp[static_cast<int64_t>(i) * V + j] =
+                      alpha * Bp[static_cast<int64_t>(i) * V + j] + xk[i] * (bt * (vt[j0 + j] - alpha * read[j]));
                 }
               }
             }
           }
+          rep.first(FAIL_STATE, b, h, c, w.S.data(), nullptr, V);
         }
       } else {
         // recurrence.step_records: Ŝᵀ [k_t, q_t] (the checkpoint kept in the scratch when it is to be folded), the
@@ -1074,7 +1221,7 @@ void decode(const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k, c
         if (flush) w.S.resize(KV);
         ck.dots(s, h, xk, xq, acc_k, acc_q, flush ? w.S.data() : nullptr, w);
         float G = 0.0f;
-        const float* d = reinterpret_cast<const float*>(decays.at(s));
+        const float* d = reinterpret_cast<const float*>(L.decays.at(s));
         for (int r = 0; r < c; ++r) gsum[r] = d[r * HV + h];
         for (int r = 0; r < c; ++r) G += gsum[r];
         const float eG = std::exp(G);
@@ -1100,14 +1247,13 @@ void decode(const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k, c
         // The record (k_t, u_t, g_t) as the buffer stores it.
         if (!keys.round(kt, kdeq, w.key) || !values.round(u, udeq, w.value)) {
           ok = false;
-          fail_kind = FAIL_RECORD;
+          rep.first(FAIL_RECORD, b, h, c, nullptr, u, V);
         } else if (flush) {
           // recurrence.fold_records over the c + 1 records: S = e^{G'} Ŝ + Σ_r e^{G'−G_r} k̂_r û_rᵀ.
           float* S = w.S.data();
-          const float eG1 = std::exp(G + gt);
           const int n = c + 1;
           w.t.resize(static_cast<size_t>(n) * (K + V));
-          float* ks = w.t.data();               // the records' keys [n][K] (rotated with the checkpoint)
+          float* ks = w.t.data();                        // the records' keys [n][K] (rotated with the checkpoint)
           float* us = ks + static_cast<int64_t>(n) * K;  // their delta values [n][V], weighted e^{G'−G_r}
           float after1 = 0.0f;  // Σ_{r<j<=c} g_j
           for (int r = c; r >= 0; --r) {
@@ -1125,60 +1271,143 @@ void decode(const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k, c
             for (int j = 0; j < V; ++j) ur_[j] *= wgt;
             after1 += r == c ? gt : gsum[r];
           }
-          for (int i = 0; i < K; ++i) {  // row by row, in blocks of columns held in registers over the records
-            float* __restrict Sr = S + static_cast<int64_t>(i) * V;
-            int j0 = 0;
-            for (; j0 + BLOCK <= V; j0 += BLOCK) {
-              float acc[BLOCK];
-              for (int j = 0; j < BLOCK; ++j) acc[j] = Sr[j0 + j] * eG1;
-              for (int r = 0; r < n; ++r) {
-                const float a = ks[static_cast<int64_t>(r) * K + i];
-                const float* __restrict ur_ = us + static_cast<int64_t>(r) * V + j0;
-                for (int j = 0; j < BLOCK; ++j) acc[j] += a * ur_[j];
-              }
-              for (int j = 0; j < BLOCK; ++j) Sr[j0 + j] = acc[j];
-            }
-            for (int j = j0; j < V; ++j) {
-              float acc = Sr[j] * eG1;
-              for (int r = 0; r < n; ++r) acc += ks[static_cast<int64_t>(r) * K + i] * us[static_cast<int64_t>(r) * V + j];
-              Sr[j] = acc;
-            }
-          }
+          fold_rows(S, V, K, V, std::exp(G + gt), ks, us, n);
           ok = ck.store(s, h, S, w, sat);
-          if (!ok) fail_kind = FAIL_STATE;
+          if (!ok) rep.first(FAIL_STATE, b, h, c, S, nullptr, V);
           heads_stored += ok;
         }
         if (ok) {  // the record at its row's position; a flushed row's buffer emptied (as the reference leaves it)
           if (h % gamma == 0) keys.write(s, c, kh, w.key);
           values.write(s, c, h, w.value);
-          float* dd = reinterpret_cast<float*>(decays.at(s));
+          float* dd = reinterpret_cast<float*>(L.decays.at(s));
           if (flush) {
-            for (int r = 0; r < dP; ++r) dd[r * HV + h] = EMPTY;
+            L.empty_buffer(s, h);
           } else {
             dd[c * HV + h] = gt;
           }
         }
       }
-      uint8_t* op = outp + b * osb + h * osh;
-      if (out_type == at::kFloat) {
-        std::memcpy(op, o, V * sizeof(float));
-      } else {
-        c10::BFloat16* ob = reinterpret_cast<c10::BFloat16*>(op);
-        for (int j = 0; j < V; ++j) ob[j] = c10::BFloat16(o[j]);
+      write_out(out, b, h, o, 0, V);
+    }
+    saturated.fetch_add(sat);
+    stored.fetch_add(heads_stored);
+  });
+  report[4] = saturated.load();
+  report[5] = stored.load();
+}
+
+// Prompts in slots `slots [n]`, their tokens rows starts[p] .. starts[p + 1] of the inputs, each from its slot's
+// stored state (initial[p]) or from zero: pace_core.schedule.PeriodicState.prefill on every prompt and value head
+// at once. The state runs token by token (the plain recurrence: the chunked form's function), one block of columns at
+// a time over all of a segment's tokens while the block sits in the cache; each P-token segment's end stores it (the
+// block rounded as its format stores and loads it, the last one staged and written). A prompt continued from a
+// buffer holding records starts from the folded buffer, rounded first ("flush") or not ("carry"), and leaves the
+// buffer empty.
+void prefill(const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& initial, const at::Tensor& q,
+             const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+             const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias, const at::Tensor& out,
+             at::TensorList state, at::TensorList consts, at::IntArrayRef meta, const at::Tensor& info,
+             const at::Tensor& fail) {
+  const Layout L(meta, state, consts);
+  const Ckpt& ck = L.ck;
+  const int HV = L.HV, K = L.K, V = L.V, gamma = L.gamma;
+  const int64_t KV = static_cast<int64_t>(K) * V;
+  int64_t* report = info.data_ptr<int64_t>();
+  std::fill(report, report + 6, 0);
+  Report rep{report, fail.data_ptr<float>(), KV};
+  const std::vector<int64_t> sl = indices(slots), st = indices(starts);
+  const int64_t n = slots.size(0), T = st[n];
+  const bool* init = initial.data_ptr<bool>();
+  for (int64_t p = 0; p < n; ++p) {
+    if (sl[p] < 0 || sl[p] >= L.N) {
+      report[0] = FAIL_SLOT;
+      report[1] = p;
+      return;
+    }
+  }
+  const std::vector<float> alog = params(A_log, HV), dtb = params(dt_bias, HV);
+  Tokens tok(L, T);
+  at::parallel_for(0, T, GRAIN_ROWS, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) tok.prepare(t, q, k, v, g, beta, alog.empty() ? nullptr : alog.data(), dtb.data());
+  });
+  std::vector<int> counts(n);
+  for (int64_t p = 0; p < n; ++p) counts[p] = init[p] ? L.count(sl[p]) : 0;
+
+  std::atomic<int64_t> saturated{0}, stored{0};
+  at::parallel_for(0, n * HV, 1, [&](int64_t i0, int64_t i1) {
+    Work& w = scratch;
+    int64_t sat = 0, heads_stored = 0;
+    const int bw = ck.block_width();
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t p = item / HV;
+      const int h = static_cast<int>(item % HV), kh = h / gamma;
+      const int64_t s = sl[p], t0 = st[p], Tp = st[p + 1] - st[p];
+      const int c = counts[p];
+      // the buffered records (keys rotated with the checkpoint, values weighted e^{G−G_r}) and e^G
+      w.t.resize(static_cast<size_t>(std::max(c, 1)) * (K + V));
+      float* ks = w.t.data();
+      float* us = ks + static_cast<int64_t>(std::max(c, 1)) * K;
+      float G = 0.0f;
+      if (c > 0) {
+        const float* d = reinterpret_cast<const float*>(L.decays.at(s));
+        float after = 0.0f;
+        for (int r = c - 1; r >= 0; --r) {
+          L.keys.read(s, r, kh, ks + static_cast<int64_t>(r) * K);
+          L.values.read(s, r, h, us + static_cast<int64_t>(r) * V);
+          if (L.rotate) hadamard(ks + static_cast<int64_t>(r) * K, K);
+          const float wgt = std::exp(after);
+          for (int j = 0; j < V; ++j) us[static_cast<int64_t>(r) * V + j] *= wgt;
+          after += d[r * HV + h];
+        }
+        G = after;
       }
-      if (!ok) {
-        bool expected = false;
-        if (failed.compare_exchange_strong(expected, true)) {
-          report[0] = fail_kind;
-          report[1] = b;
-          report[2] = h;
-          report[3] = c;
-          if (fail_kind == FAIL_STATE) {
-            std::memcpy(fail_state, w.S.data(), KV * sizeof(float));
+      w.blk.resize(static_cast<size_t>(K) * bw);
+      w.acc.resize(3 * static_cast<size_t>(bw));
+      float* Sb = w.blk.data();
+      float* read = w.acc.data();
+      float* u = read + bw;
+      float* o = u + bw;
+      bool ok = true;
+      for (int j0 = 0; j0 < V && ok; j0 += bw) {
+        if (init[p]) {
+          ck.load_block(s, h, j0, bw, Sb, bw, w);
+        } else {
+          std::fill(Sb, Sb + static_cast<int64_t>(K) * bw, 0.0f);
+        }
+        if (c > 0) {  // the folded buffer; "flush" stores it (one rounding) before the prompt
+          fold_rows(Sb, bw, K, bw, std::exp(G), ks, us + j0, c, V);
+          if (!L.carry && !ck.round_block(s, h, Sb, bw, j0, bw, w, sat)) ok = false;
+        }
+        for (int64_t a = 0; a < Tp && ok; a += L.period) {
+          const int64_t e = std::min<int64_t>(Tp, a + L.period);
+          for (int64_t t = t0 + a; t < t0 + e; ++t) {  // gdn_recurrent's token, on this block's columns
+            const float* xk = tok.xk(t, kh);
+            const float alpha = std::exp(tok.g(t, h)), bt = tok.beta(t, h);
+            const float* vt = tok.v(t, h) + j0;
+            std::fill(read, read + bw, 0.0f);
+            uint32_t unused = 0;
+            block_read<false>(Sb, bw, K, bw, xk, read, unused);
+            for (int j = 0; j < bw; ++j) u[j] = bt * (vt[j] - alpha * read[j]);
+            std::fill(o, o + bw, 0.0f);
+            block_update(Sb, bw, K, bw, alpha, xk, tok.xq(t, kh), u, o);
+            write_out(out, t, h, o, j0, bw);
+          }
+          if (e < Tp) {  // a segment's end inside the prompt: stored and loaded again
+            ok = ck.round_block(s, h, Sb, bw, j0, bw, w, sat);
           } else {
-            std::memcpy(fail_state + KV, u, V * sizeof(float));
+            ok = ck.stage_block(s, h, Sb, bw, j0, bw, w, sat);
           }
         }
+        if (!ok) {
+          w.S.assign(KV, 0.0f);
+          for (int i = 0; i < K; ++i) std::memcpy(w.S.data() + static_cast<int64_t>(i) * V + j0, Sb + static_cast<int64_t>(i) * bw, bw * sizeof(float));
+          rep.first(FAIL_STATE, p, h, c, w.S.data(), nullptr, V);
+        }
+      }
+      if (ok) {
+        ck.commit(s, h, w);
+        L.empty_buffer(s, h);
+        heads_stored += 1 + (Tp - 1) / L.period + (c > 0 && !L.carry);
       }
     }
     saturated.fetch_add(sat);
@@ -1194,5 +1423,10 @@ TORCH_LIBRARY(pace_cpu, m) {
   m.def(
       "decode(Tensor slots, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor(a!) out, Tensor(b!)[] state, Tensor[] consts, int[] meta, Tensor(c!) info, Tensor(d!) fail) -> ()");
+  m.def(
+      "prefill(Tensor slots, Tensor starts, Tensor initial, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+      "Tensor? A_log, Tensor? dt_bias, Tensor(a!) out, Tensor(b!)[] state, Tensor[] consts, int[] meta, "
+      "Tensor(c!) info, Tensor(d!) fail) -> ()");
   m.impl("decode", c10::DispatchKey::CPU, &decode);
+  m.impl("prefill", c10::DispatchKey::CPU, &prefill);
 }
