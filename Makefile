@@ -20,7 +20,7 @@ VENV_FLAGS :=
 REQ_FILTER := cat
 endif
 
-.PHONY: app test test-vllm vllm-env bench
+.PHONY: app test lint test-vllm vllm-env bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -43,7 +43,12 @@ app: $(VENV)/.app
 # here instead of on another CPU (tests/numerics.py says what may be compared how).
 NUMERICS_GUARD := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41 PACE_TEST_THREADS=2
 
-test: $(VENV)/.dev
+# The import layers of docs/ARCHITECTURE.md (pyproject's import-linter contracts) and ruff (pyproject's [tool.ruff]).
+lint: $(VENV)/.dev
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+
+test: lint
 	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	$(PY) -m pytest

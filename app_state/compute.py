@@ -14,13 +14,21 @@ import torch
 
 from app_state import work
 from app_state.controls import Runtime
+from app_state.markup import escape
 from app_state.session import _load_model, model_label_of
 from app_state.stored import provenance_label, stored_results
-from pace_core.analysis.calibration import Calibration, calibrate
+from pace_core.analysis.calibration import (
+    Calibration,
+    calibrate,
+    calibration_progress_total,
+    calibration_samples,
+    protocol_samples,
+)
 from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize
-from pace_core.config import PaceConfig, config_from_json, config_to_json, get_config
+from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
-from pace_core.export import admit
+from pace_core.export import admit, config_from_json, config_to_json
+from pace_core.methods import method_of
 
 PROMPT_CHARS = 1500
 
@@ -139,13 +147,15 @@ def drift(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], pre
     tokens of the analysis text: {"table", "summary", "every", "provenance_label"}. The fp32 reference run
     is kept per (model, runtime, length) and every configuration's result apart: changing one configuration
     teacher-forces only that one; without a kept reference, the reference runs in the same batch."""
-    from pace_core.analysis.drift import drift as run_drift, drift_progress_total
+    from pace_core.analysis.drift import drift as run_drift
+    from pace_core.analysis.drift import drift_progress_total
 
     loaded = _load_model(source, where)
     ids = tokenize(loaded.tokenizer, analysis_text(), max_tokens=prefill + steps + 1, min_tokens=prefill + 3)
     every = -(-steps // DRIFT_CAPTURES)
     setting = (source, where, prefill, steps)
     T = int(ids.shape[1])
+    read = escape(CALIBRATION_TEXT.name) if CALIBRATION_TEXT.is_file() else "the fixed prompt"
     reference = work.kept("drift_reference", 2)
 
     def compute(missing: dict[str, str]) -> dict:
@@ -165,8 +175,8 @@ def drift(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], pre
     return {"table": pd.concat([found[label][0].assign(config=label) for label, _ in configs], ignore_index=True),
             "summary": pd.concat([found[label][1].assign(config=label) for label, _ in configs], ignore_index=True),
             "every": every,
-            "provenance_label": f"computed live on {model_label_of(source)} ({where}), {T} tokens of "
-                                f"{CALIBRATION_TEXT.name if CALIBRATION_TEXT.is_file() else 'the fixed prompt'} "
+            "provenance_label": f"computed live on {escape(model_label_of(source))} ({escape(where)}), {T} tokens "
+                                f"of {read} "
                                 f"(states compared every {every} decode steps), "
                                 f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"}
 
@@ -196,9 +206,9 @@ def _stored_calibration(source: str, weights: str, key: str) -> tuple[Calibratio
 
 
 def _damaged_calibrations(source: str, weights: str) -> str:
-    """The damaged stored calibration files, named for a provenance line ('' when none)."""
+    """The damaged stored calibration files, named for a provenance line of Markdown ('' when none)."""
     damaged = stored_results(source, "calibration", weights).damaged
-    return "".join(f"; not used, damaged: {d.message}" for d in damaged)
+    return "".join(f"; not used, damaged: {escape(d.message)}" for d in damaged)
 
 
 def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
@@ -206,8 +216,6 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
     CLI under data/results/ when there is one, else pace_core.analysis.calibration.calibrate live on
     reference samples of the calibration text, which are taken once per model and runtime and serve every
     quantiser. {"calibration": Calibration, "provenance_label"} (kept per model, runtime and quantiser)."""
-    from pace_core.analysis.calibration import calibration_progress_total, calibration_samples
-
     found = work.kept("calibration", 64).get((source, where, key))
     if found is not None:
         return found
@@ -222,19 +230,22 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
                         "calibration of this quantiser is stored for the loaded weights; allowed: put the corpus "
                         "there, or store one with `python -m pace_core calibrate --text FILE` and these settings, "
                         "or set the share of 8-bit heads to 0 (DAMP always needs one)")
-    samples = work.kept("calibration_samples", 2).get((source, where))
+    cfg = config_from_json(key)
+    sampling = method_of(cfg).sampling(cfg)  # a method's own samples (STEPQuant's authors' protocol), else the shared
+    samples = work.kept("calibration_samples", 2).get((source, where, sampling))
     if samples is None:
-        with work.progress(calibration_progress_total(loaded),
-                           f"Reading {CALIBRATION_TOKENS} calibration tokens of {CALIBRATION_TEXT.name}",
-                           ("calibration", source, where)) as advance:
-            samples = calibration_samples(loaded, tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
-                                          progress=advance)
-        work.kept("calibration_samples", 2).put((source, where), samples)
+        what = (f"{CALIBRATION_TOKENS} calibration tokens" if sampling is None else
+                f"{sampling.total_tokens:,} calibration tokens ({sampling.describe()})")
+        with work.progress(calibration_progress_total(loaded, sampling), f"Reading {what} of {CALIBRATION_TEXT.name}",
+                           ("calibration", source, where, sampling)) as advance:
+            samples = (calibration_samples(loaded, tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
+                                           progress=advance) if sampling is None else
+                       protocol_samples(loaded, CALIBRATION_TEXT, sampling, progress=advance))
+        work.kept("calibration_samples", 2).put((source, where, sampling), samples)
     work.use_free_cores()
-    cal = calibrate(loaded, config_from_json(key), samples=samples)
+    cal = calibrate(loaded, cfg, samples=samples)
     found = {"calibration": cal,
-             "provenance_label": f"{cal.tokens} tokens of {CALIBRATION_TEXT.name}, {cal.samples} states "
-                                 f"(one every {CALIBRATION_EVERY} tokens), computed live on {model_label_of(source)}"
+             "provenance_label": f"{escape(samples.describe())}, computed live on {escape(model_label_of(source))}"
                                  + _damaged_calibrations(source, loaded.fingerprint)}
     work.kept("calibration", 64).put((source, where, key), found)
     return found

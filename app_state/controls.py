@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import streamlit as st
 import torch
 
-from pace_core.config import (METHOD_SETTINGS, NAMED_CONFIGS, SETTINGS, PaceConfig, config_to_json, default_of,
-                               get_config)
+from pace_core.config import METHOD_SETTINGS, NAMED_CONFIGS, SETTINGS, PaceConfig, default_of, get_config
 from pace_core.errors import PaceError
-from pace_core.export import admit
+from pace_core.export import admit, config_to_json
 from pace_core.methods import COMBINATIONS, method_of
 
 DEFAULT_PRESET = "pace-4"
@@ -258,6 +258,36 @@ def models_dir() -> Path | None:
     """The operator's models folder (:data:`MODELS_DIR_ENV`), or None when none is configured."""
     folder = os.environ.get(MODELS_DIR_ENV, "").strip()
     return Path(folder).expanduser().resolve() if folder else None
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SERVER_PATH = "<server path>"
+"""How :func:`hide_paths` shows a path of the server outside the models folder and the repository."""
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~\\-])~?/[^\s'\"`,;()\[\]<>{}|*]+")
+
+
+def hide_paths(text: str) -> str:
+    """``text`` with the server's paths hidden where the operator configured a models folder (a server others
+    visit): a path in the models folder as its name there, one in the repository as its path from the
+    repository's root, any other absolute path as :data:`SERVER_PATH`. Unchanged without a models folder (the
+    local user's own machine, where paths are theirs)."""
+    folder = models_dir()
+    if folder is None:
+        return text
+    raw = Path(os.environ[MODELS_DIR_ENV].strip()).expanduser().absolute()
+    roots = sorted({folder, raw, REPO_ROOT}, key=lambda r: len(str(r)), reverse=True)
+
+    def shown(match: re.Match) -> str:
+        path = match.group(0).rstrip(".:")
+        tail = match.group(0)[len(path):]  # the sentence's punctuation after the path
+        full = Path(path).expanduser()
+        for root in roots:
+            if full.is_relative_to(root):
+                inside = full.relative_to(root).as_posix()
+                return (inside if inside != "." else "the models folder" if root != REPO_ROOT else ".") + tail
+        return SERVER_PATH + tail
+
+    return _ABSOLUTE_PATH.sub(shown, text)
 
 
 def hub_allowed() -> bool:

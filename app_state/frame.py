@@ -4,17 +4,36 @@ and every setting), and the page body run so that a failure is shown as a messag
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import streamlit as st
 import torch
 
-from app_state.controls import (CONTROLS, MODEL_KINDS, NAMED_CONFIGS, EMBEDDED, LOCAL, enabled,
-                                WEIGHT_DTYPES, bind, current_config, device_options, fallback_config,
-                                on_model_change, on_preset_change, read_url_once, sync, write_url)
+from app_state.controls import (
+    CONTROLS,
+    EMBEDDED,
+    LOCAL,
+    MODEL_KINDS,
+    NAMED_CONFIGS,
+    WEIGHT_DTYPES,
+    bind,
+    current_config,
+    device_options,
+    enabled,
+    fallback_config,
+    on_model_change,
+    on_preset_change,
+    read_url_once,
+    sync,
+    write_url,
+)
+from app_state.markup import escape
+from app_state.session import model_label, stored_card
+from pace_core import figures
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.shapes import BUILTIN_SHAPES
 
 ICON = Path(__file__).resolve().parents[1] / "data" / "icon.png"
 """The favicon, a local file: an emoji or material icon would be fetched from an outside host."""
@@ -25,7 +44,7 @@ def sidebar() -> PaceConfig:
     top of the page)."""
     url_problems = read_url_once()
     for problem in url_problems:
-        st.warning(problem, icon=":material/link:")
+        st.warning(escape(problem), icon=":material/link:")
     model_problem = st.session_state.pop("_model_problem", None)
     if model_problem is not None:
         st.warning(model_problem, icon=":material/folder_off:")
@@ -55,6 +74,7 @@ def sidebar() -> PaceConfig:
                      help="A named configuration of spec §6. It only sets the controls below; every "
                           "setting stays adjustable.")
         method = st.session_state["method"]
+        widths = None
         for control in CONTROLS:
             common = dict(key=bind(control.key), help=control.help, on_change=sync,
                           args=(control.key,), disabled=not enabled(control, method))
@@ -64,17 +84,46 @@ def sidebar() -> PaceConfig:
                 st.selectbox(control.label, control.options, format_func=control.fmt, **common)
             else:
                 st.select_slider(control.label, control.options, format_func=control.fmt, **common)
+            if control.field == "bits":
+                widths = st.empty()  # what each width costs, once the configuration is known
         try:
             cfg, problem = current_config(), None
         except PaceError as err:
             cfg, problem = fallback_config(), err
-            st.error(f"These settings do not form a valid configuration: {err}.")
-        st.caption(f"Active: **{cfg.name}** · the link in the address bar reproduces this view")
+            st.error(f"These settings do not form a valid configuration: {escape(err)}.")
+        if widths is not None and problem is None:
+            widths.caption(width_costs(cfg))
+        st.caption(f"Active: **{escape(cfg.name)}** · the link in the address bar reproduces this view")
     if problem is not None:
-        st.error(f"The sidebar's settings do not form a valid configuration: {problem}. The views use "
-                 f"'{cfg.name}' until you change them.", icon=":material/tune:")
+        st.error(f"The sidebar's settings do not form a valid configuration: {escape(problem)}. The views use "
+                 f"'{escape(cfg.name)}' until you change them.", icon=":material/tune:")
     write_url()
     return cfg
+
+
+def width_costs(cfg: PaceConfig) -> str:
+    """The sidebar's line under the state bits: each width's resident bits and state bytes per sequence with the
+    other settings as they are (:func:`pace_core.figures.width_table`), on the sidebar model's stored shape, else
+    on Qwen3.5-27B's; the current width in bold."""
+    card = stored_card()
+    shape, where = (card.shape, model_label()) if card is not None else (BUILTIN_SHAPES[WIDTH_SHAPE], WIDTH_SHAPE)
+    table = figures.width_table(cfg.uncalibrated(), shape)
+    if table.empty:
+        return "A reference state has no code width."
+    cells = []
+    for row in table.to_dict("records"):
+        cell = f"{row['bits']} → {row['resident bits']:.2f} bits, {_size(row['state KiB / sequence'] * 1024)}"
+        cells.append(f"**{cell}**" if row["current"] else cell)
+    return (f"Each width with these settings on {where} (resident bits per state value, state per sequence; every "
+            "width stored densely): " + " · ".join(cells))
+
+
+WIDTH_SHAPE = "qwen3.5-27b"
+"""The shape the sidebar counts widths on when the sidebar model has no stored card (no model is loaded for it)."""
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
 
 def _out_of_memory(err: BaseException) -> bool:
@@ -96,14 +145,14 @@ def run_page(body: Callable[[PaceConfig], None]) -> None:
     try:
         body(cfg)
     except PaceError as err:
-        st.error(f"{err}\n\nChange the named setting in the sidebar (or the input on this page) and the "
+        st.error(f"{escape(err)}\n\nChange the named setting in the sidebar (or the input on this page) and the "
                  "page recomputes.", icon=":material/warning:")
     except Exception as err:  # a page failure must not take the app down: report it, keep going
         if _out_of_memory(err):
-            st.error(f"Out of memory on {st.session_state.get('device', 'the device')}: "
-                     f"{str(err).partition(chr(10))[0]}\n\nAsk for less at once on this page (fewer tokens, steps, "
-                     "sequences or configurations), or pick a smaller model or another device in the sidebar; "
+            st.error(f"Out of memory on {escape(st.session_state.get('device', 'the device'))}: "
+                     f"{escape(str(err).partition(chr(10))[0])}\n\nAsk for less at once on this page (fewer tokens, "
+                     "steps, sequences or configurations), or pick a smaller model or another device in the sidebar; "
                      "what was computed before is kept.", icon=":material/memory:")
             return
-        st.error(f"This page failed: {type(err).__name__}: {err}\n\nTry another configuration or model; "
+        st.error(f"This page failed: {type(err).__name__}: {escape(err)}\n\nTry another configuration or model; "
                  "if it persists, please report it with the link in the address bar.", icon=":material/error:")

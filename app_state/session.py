@@ -10,7 +10,18 @@ from pathlib import Path
 
 import streamlit as st
 
-from app_state.controls import EMBEDDED, Runtime, model_source, runtime
+from app_state import warmup
+from app_state.controls import (
+    EMBEDDED,
+    Runtime,
+    config_key,
+    current_config,
+    fallback_config,
+    hide_paths,
+    model_source,
+    runtime,
+)
+from app_state.markup import escape
 from pace_core.errors import PaceError
 
 
@@ -20,8 +31,9 @@ def model_label() -> str:
 
 
 def model_label_of(source: str) -> str:
-    """Human name of a model source ('' = the embedded model)."""
-    return source or f"embedded ({embedded_model_dir().name})"
+    """Human name of a model source ('' = the embedded model; in operator mode a folder of the models folder by its
+    name there, :func:`app_state.controls.hide_paths`)."""
+    return hide_paths(source) or f"embedded ({embedded_model_dir().name})"
 
 
 def embedded_model_dir() -> Path:
@@ -56,17 +68,24 @@ def _stored_card(folder: str, name: str, dtype: str, stamp: tuple, root: str):
     return load_card(folder, name, dtype, root=root)
 
 
+def stored_card():
+    """The stored card of the sidebar's model folder as it is now (pace_core.model.card.ModelCard), or None: no
+    model is loaded for it (the sidebar asks it on every page)."""
+    from pace_core.results import results_root
+
+    source = model_source()
+    if source or st.session_state.get("model_kind") == EMBEDDED:
+        return _stored_card(source or str(embedded_model_dir()), results_model_name(source), runtime().weights,
+                            _folder_stamp(source), str(results_root()))
+    return None
+
+
 def model_card(*, stop: bool = True):
     """The sidebar's model as a pace_core.model.card.ModelCard: the stored card of its folder as it is
     now, else the card of the loaded model (loading it, or showing why it cannot: see loaded_model)."""
     from pace_core.model.card import card_of
-    from pace_core.results import results_root
 
-    source = model_source()
-    card = None
-    if source or st.session_state.get("model_kind") == EMBEDDED:
-        card = _stored_card(source or str(embedded_model_dir()), results_model_name(source), runtime().weights,
-                            _folder_stamp(source), str(results_root()))
+    card = stored_card()
     if card is not None:
         return card
     loaded = loaded_model(stop=stop)
@@ -82,7 +101,19 @@ def loaded_model(*, stop: bool = True):
     loaded = _try_load_model()
     if loaded is None and stop:
         st.stop()
+    if loaded is not None:
+        _warm_up(loaded)
     return loaded
+
+
+def _warm_up(loaded) -> None:
+    """Compile ahead, in the background, the kernels the live views launch for the sidebar's configuration
+    (:mod:`app_state.warmup`; on a GPU, once per model and configuration)."""
+    try:
+        cfg = current_config()
+    except PaceError:
+        cfg = fallback_config()
+    warmup.ahead(loaded, cfg, config_key(cfg))
 
 
 def _folder_stamp(source: str) -> tuple:
@@ -108,7 +139,7 @@ def _try_load_model():
         st.info("Enter a local folder or hub id in the sidebar to load a model.", icon=":material/arrow_back:")
         return None
     if not source and not embedded_model_dir().joinpath("config.json").exists():
-        st.error(f"The embedded model is not in {embedded_model_dir()} yet. Train it with "
+        st.error(f"The embedded model is not in {escape(embedded_model_dir())} yet. Train it with "
                  "`python -m pace_core.train` (see README), or pick a local folder / hub id of a "
                  "Qwen3.5, Qwen3.6 or Qwen3-Next checkpoint in the sidebar.", icon=":material/folder_open:")
         return None
@@ -116,12 +147,13 @@ def _try_load_model():
     attempt = (source, where, _folder_stamp(source))
     if attempt not in failures:
         try:
-            with st.spinner(f"Loading {model_label()} on {where}…"):
+            with st.spinner(f"Loading {escape(model_label())} on {escape(where)}…"):
                 return _load_model(source, where)
         except Exception as err:  # any failure: a PaceError says what to do, anything else is shown as it is
             detail = str(err) if isinstance(err, PaceError) else f"{type(err).__name__}: {err}"
-            failures[attempt] = (f"Could not load model {model_label()!r}: {detail}\n\nCheck the path or hub id "
-                                 "(no hub is reachable offline) or switch back to the embedded model. It is tried "
+            failures[attempt] = (f"Could not load model {escape(repr(model_label()))}: {escape(detail)}\n\nCheck the "
+                                 "path or hub id (no hub is reachable offline) or switch back to the embedded model. "
+                                 "It is tried "
                                  "again when the source, the device, the weights or the folder's files change.")
     st.error(failures[attempt], icon=":material/folder_open:")
     st.button("Try again", key="load_try_again", on_click=failures.pop, args=(attempt, None))

@@ -5,16 +5,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import streamlit as st
 
-from app_state.controls import model_source
+from app_state.controls import REPO_ROOT, model_source
+from app_state.markup import code, escape
 from app_state.session import results_model_name
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from pace_core.results import code_label
 
 BENCH_DIR = Path(os.environ.get("PACE_BENCH_DIR", REPO_ROOT / "data" / "bench"))
 
@@ -60,8 +61,7 @@ def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], 
     newest first among equals). The chosen result's provenance is captioned, and a stale one's warning says how
     to recompute it. Damaged files of `kind` are named in a warning each, with what to do."""
     listing = (stored_sets if per_config else stored_results)(model_source(), kind, weights)
-    for damaged in listing.damaged:
-        st.warning(f"A stored {kind} result is damaged and not shown: {damaged.message}", icon=":material/warning:")
+    name_damaged(kind, listing.damaged)
     stored = listing.results if rank is None else sorted(listing.results, key=lambda r: (r.stale, rank(r)))
     if not stored and live is None:
         return None
@@ -70,17 +70,52 @@ def choose_stored(kind: str, command: str, weights: str, label: Callable[[Any], 
                  "current ones first, newest first, with their provenance; a stale one was made by another "
                  "version of the method's code" + ("; 'live' computes on the loaded model now." if live else "."))
     if live:
-        choice = st.radio(title, options, key=key, horizontal=len(options) < 3, help=help_text)
+        choice = st.radio(title, options, key=key, horizontal=len(options) < 3, help=help_text, format_func=escape)
     else:
         choice = st.selectbox(title, options, key=key, help=help_text)
     if choice == live:
         return None
     result = stored[options.index(choice) - (1 if live else 0)]
     if result.stale:
-        st.warning(f"{result.stale_label}. Its numbers may not be what the current code computes"
+        st.warning(f"{escape(result.stale_label)}. Its numbers may not be what the current code computes"
                    + ("; the first option computes them now." if live else "."), icon=":material/history:")
     st.caption(f"Source: {provenance_label(result.provenance)}")
     return result
+
+
+def name_damaged(kind: str, damaged: list) -> None:
+    """A warning per damaged stored file of ``kind`` (pace_core.results.Damaged): which file, what is wrong, what to
+    do."""
+    for d in damaged:
+        st.warning(f"A stored {kind} result is damaged and not shown: {escape(d.message)}", icon=":material/warning:")
+
+
+def mixed_code(parts: list[tuple[str, dict[str, Any]]], what: str) -> None:
+    """A warning naming the commits when the stored results shown together (``parts``: a name for each and its
+    provenance) were made by different code: their figures may differ by more than their settings. Nothing when
+    one commit made them all."""
+    made: dict[str, list[str]] = {}
+    for name, provenance in parts:
+        made.setdefault(code_label(provenance), []).append(name)
+    if len(made) > 1:
+        st.warning(f"{what} were made by different code: "
+                   + "; ".join(f"commit {escape(label)} ({escape(', '.join(names))})" for label, names in made.items())
+                   + ". Figures of different code may differ by more than their settings do: recompute them with one "
+                     "commit (the commands in their provenance, `--force`) to compare them.",
+                   icon=":material/commit:")
+
+
+def measured_by(comparison: Any, weights: str) -> list[tuple[str, dict[str, Any]]]:
+    """(configuration, provenance) of each point of a stored ``compare`` result: the provenance of the stored
+    ``perplexity`` result the point's figures were taken from (the same configuration, tokens and figures; the
+    compare command reuses stored ones, which another commit may have made), else the comparison's own."""
+    measured = stored_results(model_source(), "perplexity", weights).results
+    parts = []
+    for point in comparison.data["points"]:
+        same = (r for r in measured if "row" in r.data and r.data["row"].get("config") == point["config"]
+                and all(r.data["row"].get(k) == point.get(k) for k in ("tokens", "kl", "agreement", "bpb")))
+        parts.append((point["config"], next(same, comparison).provenance))
+    return parts
 
 
 @dataclass(frozen=True)
@@ -98,8 +133,8 @@ def measured_quality(cfg: Any, weights: str) -> list[Quality]:
     sidebar's model with the weights ``weights``: ``python -m pace_core perplexity`` results (matched by their
     configuration hash) and rows of ``python -m pace_core claims`` reports (matched by their configuration
     JSON); current before stale, then the most scored tokens first."""
-    from pace_core.config import config_from_json
     from pace_core.errors import PaceError
+    from pace_core.export import config_from_json
     from pace_core.results import config_hash
 
     def same(name: str, stored_hash: str | None) -> bool:
@@ -121,17 +156,20 @@ def measured_quality(cfg: Any, weights: str) -> list[Quality]:
 
 
 def text_name(provenance: dict[str, Any]) -> str:
-    """The file name of a stored result's text, as code ('its text' when none is recorded)."""
+    """The file name of a stored result's text, as inline code ('its text' when none is recorded)."""
     path = (provenance.get("text") or {}).get("path")
-    return f"`{Path(path).name}`" if path else "its text"
+    return code(Path(path).name) if path else "its text"
 
 
 def provenance_label(prov: dict[str, Any]) -> str:
-    """One line naming where a stored result comes from: command, date, device, text."""
+    """One line of Markdown (its values escaped) naming where a stored result comes from: command, date, device,
+    text, and the code that made it (commit)."""
     text = prov.get("text", {})
-    parts = [f"`{prov.get('command', '?')}`", prov.get("date", "?")]
+    parts = [code(prov.get("command", "?")), escape(prov.get("date", "?"))]
     if prov.get("device"):
-        parts.append(str(prov["device"]))
+        parts.append(escape(prov["device"]))
     if text:
-        parts.append(f"text {Path(text.get('path', '?')).name} (sha256 {str(text.get('sha256', ''))[:12]}…)")
+        parts.append(f"text {escape(Path(text.get('path', '?')).name)} "
+                     f"(sha256 {escape(str(text.get('sha256', ''))[:12])}…)")
+    parts.append(f"code {escape(code_label(prov))}")
     return "stored result of " + ", ".join(parts)

@@ -25,6 +25,7 @@ from typing import Any
 import streamlit as st
 import torch
 
+from app_state.markup import escape
 from pace_core.host import free_threads
 
 _STOPPED = "_work_stopped"
@@ -105,11 +106,15 @@ def progress(total: int, text: str, work: Hashable) -> Iterator[Callable[[int], 
 
     ``work`` names this computation (its inputs): once stopped, the same work is not started again on the
     following reruns; the page shows that it was stopped and a button that runs it. The computation's intra-op
-    threads are chosen at the start and at every ``advance`` (:func:`use_free_cores`)."""
+    threads are chosen at the start and at every ``advance`` (:func:`use_free_cores`). ``text`` is shown as it
+    is (:func:`app_state.markup.escape`), never as Markdown."""
+    text = escape(text)
     stopped, name = st.session_state.get(_STOPPED), f"{hash(work) & 0xFFFFFFFF:08x}"
     if stopped == work:
         st.info(f"Stopped: {text}. What was finished before is kept.", icon=":material/stop_circle:")
-        st.button("Run it", key=f"work_resume_{name}", type="primary", on_click=st.session_state.pop, args=(_STOPPED, None))
+        st.button(
+            "Run it", key=f"work_resume_{name}", type="primary", on_click=st.session_state.pop, args=(_STOPPED, None)
+        )
         st.stop()
     st.session_state.pop(_STOPPED, None)  # other work starts: a stop of earlier work is forgotten
     box = st.empty()

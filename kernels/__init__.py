@@ -6,7 +6,8 @@
 - ``fused_step``: the buffered decode step of dense and value-axis checkpoints, flush included;
 - ``recurrent_step``: the per-token recurrence (dP = 1), a run of tokens per launch on a dense or packed state;
 - ``chunk``: a prefill segment (fla's chunk kernel where installed);
-- ``primitives`` and ``records``: the shared device functions; ``plan``: launch planning;
+- ``primitives`` and ``records``: the shared device functions; ``plan``: launch planning (the typed arguments of
+  each launch); ``settings``: the launch settings, one frozen dataclass per kernel family;
 - ``backend``: these kernels as a pace_core backend (pace_core.backend).
 
 GPU correctness checks and benchmarks are in ``kernels/bench/`` (not part of the runtime package);

@@ -3,7 +3,8 @@ on the kernels of this package (CUDA tensors; CPU tensors only under ``TRITON_IN
 
 - store / load: :mod:`kernels.quantize` for rtn / pace checkpoints (bit-identical to pace_core.quant), a
   cast for method none;
-- a prefill chunk: :mod:`kernels.chunk`, a short one (a decode token of the fp32 reference) :mod:`kernels.recurrent_step`;
+- a prefill chunk: :mod:`kernels.chunk`, a short one (a decode token of the fp32 reference)
+  :mod:`kernels.recurrent_step`;
 - a buffered token: packed key-axis checkpoints (PACE-4, PACE-4/8) run :mod:`kernels.packed_step` (a window
   of tokens in one launch) and, when the schedule asks, :mod:`kernels.flush`, both on the checkpoint in place;
   dense (method none) and value-axis checkpoints run :mod:`kernels.fused_step`, which flushes in the same
@@ -33,6 +34,14 @@ from __future__ import annotations
 
 import torch
 
+from pace_core import quant
+from pace_core.backend import REFERENCE, capturing, token_by_token
+from pace_core.buffer import BufferFormat
+from pace_core.deferred import defer
+from pace_core.errors import PaceError
+from pace_core.methods import method_of
+from pace_core.recurrence import RECURRENT_BELOW, fold
+
 from . import chunk as _chunk
 from . import quantize as _quantize
 from .flush import launch_flush
@@ -40,22 +49,17 @@ from .fused_step import launch_fused
 from .packed_step import launch_packed_step, launch_window
 from .plan import DecodePlan, check_kernel_shape, is_pow2, output_tensor, plan_decode
 from .recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
-from pace_core import quant
-from pace_core.backend import REFERENCE, capturing, token_by_token
-from pace_core.buffer import BufferFormat
-from pace_core.errors import PaceError
-from pace_core.methods import method_of
-from pace_core.recurrence import RECURRENT_BELOW, fold
+from .settings import Launch
 
 
 class TritonSteps:
-    """The Triton backend of one layer (module docstring). ``launch``: launch settings over the plan's
-    defaults (``DecodePlan.meta``; the benchmark tries others)."""
+    """The Triton backend of one layer (module docstring). ``launch``: the kernels' launch settings
+    (:class:`kernels.settings.Launch`; the defaults when None, kernels/bench/bench.py tries others)."""
 
     name = "triton"
 
-    def __init__(self, launch: dict | None = None) -> None:
-        self.launch = dict(launch or {})
+    def __init__(self, launch: Launch | None = None) -> None:
+        self.launch = launch or Launch()
         self._plan: tuple[object, DecodePlan] | None = None
         self._recurrent: tuple[RecurrentPlan, float | None] | None = None
         self._chunk_plan: RecurrentPlan | None = None  # a short chunk's run on a float32 copy of its state
@@ -63,24 +67,34 @@ class TritonSteps:
     @classmethod
     def for_layer(cls, fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> TritonSteps | None:
         """A backend for a layer of format ``fmt`` with that buffer format (None at dP = 1) and head dims, or
-        None where the kernels do not cover it: other methods (DSQ, DAMP, a rounding function), a configuration
-        with a combination on (:attr:`pace_core.config.PaceConfig.combined`: stochastic rounding, the key rotation,
-        static scales), the float64 test buffer, integer buffer groups that are not powers of two, heads that are
-        not powers of two or narrower than :data:`kernels.plan.DECODE_MIN_K`."""
+        None where the kernels do not cover it (:meth:`refusal` says why)."""
+        return None if cls.refusal(fmt, buffer, d_k, d_v) else cls()
+
+    @staticmethod
+    def refusal(fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> str | None:
+        """Why the kernels do not run a layer of format ``fmt`` with that buffer format and head dims (then the
+        PyTorch reference does), or None where they do: other methods (DSQ, DAMP, a rounding function), a
+        configuration with a combination on (:attr:`pace_core.config.PaceConfig.combined`: stochastic rounding, the
+        key rotation, static scales), the float64 test buffer, integer buffer groups that are not powers of two,
+        code widths other than 3, 4 and 8 bits (:data:`kernels.plan.WIDTH_REASON`), heads that are not powers of
+        two or narrower than :data:`kernels.plan.DECODE_MIN_K`."""
         cfg = getattr(fmt, "cfg", None)
-        if cfg is None or not method_of(cfg).kernels or cfg.combined:
-            return None
+        if cfg is None or not method_of(cfg).kernels:
+            return f"method {getattr(cfg, 'method', 'of a rounding function')!r} has no kernels"
+        if cfg.combined:
+            return f"{', '.join(cfg.combined)} run on the reference"
         if buffer is not None and (buffer.precision == "fp64" or any(
                 spec is not None and not is_pow2(spec.group_size)
                 for spec in (buffer.spec("key", d_k), buffer.spec("value", d_v)))):
-            return None
+            return f"buffer {buffer.precision!r} with these groups has no kernels"
         if not cfg.quantized and fmt.dtype not in (torch.float32, torch.bfloat16):
-            return None
+            return f"a {fmt.dtype} reference state has no kernels"
         try:
-            check_kernel_shape(d_k, d_v, fmt.spec or quant.QuantSpec(8, True, "key", 1), fmt.name, decode=True)
-        except PaceError:
-            return None
-        return cls()
+            check_kernel_shape(d_k, d_v, fmt.spec or quant.QuantSpec(8, True, "key", 1), fmt.name, decode=True,
+                               widths=tuple(fmt.bits_per_head) if fmt.spec is not None else ())
+        except PaceError as e:
+            return str(e)
+        return None
 
     def store(self, fmt, S: torch.Tensor):
         """``S [B, HV, K, V]`` stored in ``fmt`` (a cast for method none; the kernels for rtn / pace), and None
@@ -144,7 +158,7 @@ class TritonSteps:
         step run all ``n`` in one launch (:func:`kernels.packed_step.launch_window`, each token exactly as
         :meth:`step` would with the one-kernel step), then the flush when asked; others token by token."""
         plan, buf, n = self.plan(st), st.buffer, q.shape[1]
-        if n == 1 or not (plan.split and plan.meta["fusable"]):
+        if n == 1 or not (plan.split and plan.split.fusable):
             return token_by_token(self, st, q, k, v, g, beta, flush=flush)
         q, k, v, g, beta = (t.transpose(0, 1).contiguous() for t in (q, k, v, g, beta))
         o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -160,17 +174,17 @@ class TritonSteps:
         in place; a packed checkpoint is replaced by the kernel's, unless a token's state was not finite or
         would overflow a group's fp16 scale: then the reference runs the tokens again from the checkpoint
         (untouched), so that the state is refused at the token and with the message a store gives. That check
-        reads the device, so it is skipped while a CUDA graph is being captured (its replays do not check,
-        as :func:`pace_core.state_store.refuse_non_finite`). ``launch``'s ``block_v`` and ``num_warps`` reach
-        the kernel; its plan and the overflow bound are made on the first run (the layer's layout does not
-        change)."""
+        reads the device: recorded while checks are deferred (:mod:`pace_core.deferred`), skipped while another
+        CUDA graph is being captured (its replays do not check, as :func:`pace_core.state_store.refuse_non_finite`).
+        The launch settings' ``recurrent`` reach the kernel; its plan and the overflow bound are made on the first
+        run (the layer's layout does not change)."""
         if self._recurrent is None:  # the layer's layout: every run's checkpoint has it
-            settings = {key: self.launch[key] for key in ("block_v", "num_warps") if key in self.launch}
             bound = None if st.fmt.spec is None else _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head))
-            self._recurrent = (plan_recurrent(st.checkpoint, **settings), bound)
+            self._recurrent = (plan_recurrent(st.checkpoint, self.launch.recurrent), bound)
         plan, bound = self._recurrent
         o, new, peak = recurrent_run(st.checkpoint, q, k, v, g, beta, plan=plan)
-        if peak is not None and not capturing(q) and not float(peak) <= bound:
+        if (peak is not None and not defer(lambda: ~(peak <= bound)) and not capturing(q)
+                and not float(peak) <= bound):
             return REFERENCE.recurrent_run(st, q, k, v, g, beta)
         st.set_checkpoint(new)
         return o

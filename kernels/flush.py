@@ -11,10 +11,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .plan import DecodePlan
-from .primitives import bf16_split, biased, expand, operand, packed_head, quant_tile
-from .records import RECORD_COUNT, load_vecs, vec_parts
 from pace_core.buffer import DecodeBuffer
+
+from .plan import DecodePlan
+from .primitives import bf16_split, biased, expand, load3, operand, pack3, packed_head, quant_tile, store3, unpack3
+from .records import RECORD_COUNT, load_vecs, vec_parts
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def _fold_records(acc_a, acc_b, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_p
     later = ridx[None, :] > ridx[:, None]
     in_group = (tl.arange(0, T) // KGR)[None, :]  # the key group (within the tile) of each row
     run = tl.sum(tl.zeros((NB,), tl.float32))  # Σ of the log decays of the newer blocks
-    for blk in range(0, tl.cdiv(n, NB)):
+    for blk in range(tl.cdiv(n, NB)):
         i = n - (blk + 1) * NB + ridx
         valid = i >= 0
         gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
@@ -111,18 +112,21 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
     """The flush of one head's columns ``c0 .. c0+BV``, ``c0 = cb BV`` (see :func:`_flush_kernel`),
     ``T = max(G, 16)`` key rows (whole groups) at a time and transposed: a tile is
     ``[N, T]``, value columns by key rows, so each group's range is a reduction along a row, inside a
-    thread and its quad of the dot's layout (no shared memory). 4-bit codes are two half tiles, the low nibbles (even columns) and
+    thread and its quad of the dot's layout (no shared memory). 4-bit codes are two half tiles, the low nibbles (even
+    columns) and
     the high nibbles (odd columns), each folded, dequantised and requantised on its own (key-axis
-    groups never mix columns) and packed back into the same bytes without any shuffle."""
-    HALVES: tl.constexpr = BITS <= 4
+    groups never mix columns) and packed back into the same bytes without any shuffle. 3-bit codes (and zero
+    points) are the three byte planes of their 24-bit words ``[N/8, T]``, unpacked to the tile and packed back
+    (:func:`kernels.primitives.unpack3`, :func:`kernels.primitives.pack3`)."""
+    HALVES: tl.constexpr = BITS == 4
     N: tl.constexpr = BV // 2 if HALVES else BV
     T: tl.constexpr = G if G >= 16 else 16  # whole groups; at most K, as K >= 16 (DECODE_MIN_K)
-    CW: tl.constexpr = V // 2 if HALVES else V  # bytes per key row of codes (and of packed zero points)
+    CW: tl.constexpr = V // 2 if HALVES else (V * 3 // 8 if BITS == 3 else V)  # bytes per key row of codes
     c0 = cb * BV
-    cbyte = cb * (BV // 2) if HALVES else c0  # first byte of the columns in a row (alignment visible)
+    cbyte = cb * (BV // 2) if HALVES else (cb * (BV * 3 // 8) if BITS == 3 else c0)  # first byte of the columns
     ridx = tl.arange(0, NB)
     total = tl.sum(tl.zeros((NB,), tl.float32))  # Σ of the n records' log decays
-    for blk in range(0, tl.cdiv(n, NB)):
+    for blk in range(tl.cdiv(n, NB)):
         i = blk * NB + ridx
         total += tl.sum(tl.load(bg_ptr + (b * cap + i) * HV + h, mask=i < n, other=0.0))
     decay = tl.exp(total)
@@ -132,8 +136,26 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
         grp = (r0 // G + tl.arange(0, T // G))[None, :]  # the tile's groups
         at = codes + (r0 + tl.arange(0, T))[None, :] * CW + cbyte + j[:, None]
         s_at = scale + grp * V + cols[:, None]
-        p = tl.load(at).to(tl.int32)
-        if HALVES:
+        if BITS == 3:
+            w3 = (cbyte + 3 * tl.arange(0, N // 8))[:, None]  # the words' first bytes in a row
+            at3 = codes + (r0 + tl.arange(0, T))[None, :] * CW + w3
+            b0, b1, b2 = load3(at3)
+            p = unpack3(b0, b1, b2, True)
+            if SYM:
+                z = tl.full((N, T // G), 1 << (BITS - 1), tl.int32)
+            else:
+                z0, z1, z2 = load3(zero + grp * CW + w3)
+                z = unpack3(z0, z1, z2, True)
+            x = _dequant_rows(p, z, decay * tl.load(s_at).to(tl.float32), G)
+            x, _ = _fold_records(x, x, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh,
+                                 H, HV, c0, r0, K, V, BV, T, KBITS, KG, KSYM, KPZ, VBITS, VG, VSYM, VPZ, K_BF16, NB,
+                                 BF16, False)
+            c, zq = _requant_rows(x, s_at, G, SYM, BITS)
+            store3(at3, pack3(c, True))
+            if not SYM:
+                store3(zero + grp * CW + w3, pack3(zq, True))
+        elif HALVES:
+            p = tl.load(at).to(tl.int32)
             if SYM:
                 z_a = tl.full((N, T // G), 1 << (BITS - 1), tl.int32)
                 z_b = z_a
@@ -153,6 +175,7 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
             if not SYM:
                 tl.store(zero + grp * CW + cbyte + j[:, None], (zq_a | (zq_b << 4)).to(tl.uint8))
         else:
+            p = tl.load(at).to(tl.int32)
             if SYM:
                 z = tl.full((N, T // G), 1 << (BITS - 1), tl.int32)
             else:
@@ -210,13 +233,17 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
     checkpoint and requantise it in place (the caller clears the buffer); launches that
     :func:`kernels.plan.gluon_flush_apply` takes run :mod:`kernels.gluon_flush`."""
     B, H, HV, K, V = plan.shape
-    m = plan.meta
-    bv = min(m["flush_columns"], V)
-    for (args, common, heads), gluon in zip(plan.launches[m["per_part"]], plan.gluon_flush[m["per_part"]]):
-        if gluon:  # decided once per plan (kernels.plan.gluon_flush_apply); imported only on a GPU
+    sp = plan.split
+    s = sp.settings
+    bv = min(s.flush_columns, V)
+    cap = {} if s.flush_maxnreg is None else {"maxnreg": s.flush_maxnreg}
+    for launch in sp.per_width:
+        if launch.gluon_flush:  # decided once per plan (kernels.plan.gluon_flush_apply); imported only on a GPU
             from . import gluon_flush
 
-            gluon_flush.launch(plan, len(buf), args, common, heads)
+            gluon_flush.launch(plan, len(buf), launch)
             continue
-        _flush_kernel[(B * heads, V // bv)](*args, *plan.records, len(buf), plan.capacity, H, HV, BV=bv, NB=16,
-                                            **plan.record_meta, num_warps=m["flush_warps"], num_stages=1, **common)
+        _flush_kernel[(B * launch.heads, V // bv)](*launch.ckpt.args(), *plan.records.args(), len(buf), plan.capacity,
+                                                   H, HV, BV=bv, NB=16, **plan.records.layout.constexprs(),
+                                                   num_warps=s.flush_warps, num_stages=1, **cap,
+                                                   **sp.constexprs(launch, K, V))

@@ -6,13 +6,15 @@ requantises it in a second pass (``FLUSH``) instead of appending the record.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from pace_core.buffer import DecodeBuffer
 
 from .plan import DecodePlan
 from .primitives import ckpt_base, ckpt_store, ckpt_tile, head_slot
 from .records import RECORD_COUNT, append_record, load_vecs, record_reads, stored_vec, token_output
-from pace_core.buffer import DecodeBuffer
 
 
 @triton.jit(do_not_specialize=RECORD_COUNT)
@@ -79,7 +81,7 @@ def _decode_kernel(
             kc = tl.sum(tl.where(rows[:, None] == kidx[None, :], khat[None, :], 0.0), axis=1)  # the stored key's rows
             acc = tl.exp(run_o) * S + kc[:, None] * uhat[None, :]
             run = g_t * 0.0
-            for blk in range(0, tl.cdiv(n, NB2)):
+            for blk in range(tl.cdiv(n, NB2)):
                 i = n - (blk + 1) * NB2 + ridx2
                 valid = i >= 0
                 gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)
@@ -98,15 +100,20 @@ def _decode_kernel(
                        K_BF16)
 
 
-def launch_fused(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o, flush: bool) -> None:
-    """One token on a dense or value-axis checkpoint: ``o [B, HV, V]``; the record goes into slot
-    ``len(buf)``, or, with ``flush``, every record is folded into the checkpoint, which is requantised in
-    place (the caller counts the record or clears the buffer). Inputs float32, contiguous."""
+def launch_fused(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor, flush: bool) -> None:
+    """One token on a dense or value-axis checkpoint: ``q, k [B, H, K]``, ``v [B, HV, V]``, ``g, beta [B, HV]``
+    float32 contiguous -> ``o [B, HV, V]``; the record goes into slot ``len(buf)``, or, with ``flush``, every record
+    is folded into the checkpoint, which is requantised in place (the caller counts the record or clears the
+    buffer)."""
     B, H, HV, K, V = plan.shape
-    meta = plan.meta
+    f = plan.fused
+    rows, warps = f.rows, f.num_warps
     if flush:  # the fold + requantise launch holds more live values: 8 warps, at most 64 rows per tile
-        meta = {**meta, "BK": min(meta["BK"], max(64, meta["G"] if meta["KEY_AXIS"] else 1)), "num_warps": 8}
-    _decode_kernel[(B * HV, V // meta["BV"])](
-        q, k, v, g, beta, o, *plan.ckpt_args, *plan.records, len(buf), plan.capacity, H, HV, FLUSH=flush,
-        NB=min(triton.next_power_of_2(buf.capacity), 16), NB2=16, **meta,
+        rows, warps = min(rows, max(64, f.group if f.key_axis else 1)), 8
+    _decode_kernel[(B * HV, V // f.columns)](
+        q, k, v, g, beta, o, f.state, *f.ckpt.args(), *plan.records.args(), len(buf), plan.capacity, H, HV,
+        FLUSH=flush, NB=min(triton.next_power_of_2(buf.capacity), 16), NB2=16, K=K, V=V, BK=rows, BV=f.columns,
+        G=f.group, KEY_AXIS=f.key_axis, SYM=f.symmetric, **f.ckpt.constexprs(), DENSE=f.dense,
+        **plan.records.layout.constexprs(), EXACT=plan.exact, num_warps=warps,
     )

@@ -30,9 +30,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .gluon_dots import LA, LB, MMA
-from .plan import part_args
-from .primitives import (TWO23, asym_code_sum, asym_scale, bf16_split, biased, code_clamp, part_head,
-                                sym_code_sum, sym_fits, sym_scale, sym_value)
+from .plan import DecodePlan, SplitLaunch
+from .primitives import (
+    TWO23,
+    asym_code_sum,
+    asym_scale,
+    bf16_split,
+    biased,
+    code_clamp,
+    part_head,
+    sym_code_sum,
+    sym_fits,
+    sym_scale,
+    sym_value,
+)
 
 COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
@@ -130,11 +141,12 @@ def _beside(x, y, L: gl.constexpr):
 
 
 @gluon.jit
-def record_log_decays(bg_ptr, n, at, HV: gl.constexpr, RB: gl.constexpr, L: gl.constexpr):
+def record_log_decays(bg_ptr, n, at, HV: gl.constexpr, RB: gl.constexpr, L: gl.constexpr, W: gl.constexpr = 1):
     """The log decays of the ``n`` held records (``RB`` slots; ``at``: the first record's decay, ``bg_ptr``'s index,
     a record's next one ``HV`` further): ``G - G_i`` of each slot (the sum of the newer records' log decays) in
-    layout ``SliceLayout(1, L)``, and ``G``, the sum of all ``n`` (:func:`kernels.records.record_reads`)."""
-    P: gl.constexpr = gl.BlockedLayout([1, RB], [32, 1], [1, 1], [1, 0])
+    layout ``SliceLayout(1, L)``, and ``G``, the sum of all ``n`` (:func:`kernels.records.record_reads`); ``W``: the
+    program's warps."""
+    P: gl.constexpr = gl.BlockedLayout([1, RB], [32, 1], [W, 1], [1, 0])
     i = gl.arange(0, RB, layout=gl.SliceLayout(1, P))
     j = gl.arange(0, RB, layout=gl.SliceLayout(0, P))
     gj = gl.load(bg_ptr + at + j * HV, mask=j < n, other=0.0)
@@ -212,7 +224,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
                   H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
                   V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr,
                   RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LW: gl.constexpr,
-                  LK: gl.constexpr, LU: gl.constexpr):
+                  LK: gl.constexpr, LU: gl.constexpr, GROUPS: gl.constexpr):
     """Fold the ``n`` buffered records into columns ``32 c .. 32 c + 31`` (``c``: program axis 1) of one (sequence,
     value head)'s 4-bit key-axis checkpoint (codes ``[K, V/2]`` bytes, fp16 scales ``[K/G, V]``, with ``SYM`` False
     zero points ``[K/G, V/2]`` bytes packed like the codes; the part holds ``HP`` heads per sequence, ``MAPPED``: slot
@@ -221,7 +233,9 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
     ``[B, cap, H, K]`` and values ``[B, cap, HV, V]`` with one fp16 scale per vector (PACE-4's buffer); ``REC`` 1 (8
     slots), 4-bit keys ``[B, cap, H, K/2]`` in groups of ``KG`` rows with fp16 scales and packed zero points,
     bfloat16 values (PACE-4/8's). ``LW``: a ``[G, 4]`` block of code words, word ``q`` of row ``r`` in lane
-    ``4 (r % 8) + q``; ``LK``, ``LU``: the keys ``[G, RB]`` and weights ``[RB, 32]`` (:func:`layouts`)."""
+    ``4 (r % 8) + q``; ``LK``, ``LU``: the keys ``[G, RB]`` and weights ``[RB, 32]`` (:func:`layouts`). ``GROUPS``: the
+    key groups of a program, ``K / G`` (all) or fewer: program axis 2 then picks the block of groups (more programs
+    at small batch, each computing the records' weights again)."""
     # the columns' scales (and zero points) once per lane: one column, or with zero points a pair (one byte)
     LC: gl.constexpr = gl.BlockedLayout([1 if SYM else 2], [32], [1], [0])
     NW: gl.constexpr = V // 8  # 32-bit words per key row
@@ -241,7 +255,13 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
     qw = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))[None, :]
     words = codes_ptr.to(gl.pointer_type(gl.int32)) + head * (K * NW) + ct * 4 + qw
     vec, r, held = _key_rows(n, cap, b, kh, H, G, RB, LK)
-    for g in gl.static_range(K // G):
+    if GROUPS < K // G:  # this program's block of key groups: every row address moves by its first row
+        first = gl.program_id(2) * GROUPS
+        words = words + first * (G * NW)
+        scale_ptr = scale_ptr + first * V
+        zero_ptr = zero_ptr + first * (NW * 4)
+        r = r + first * G
+    for g in gl.static_range(GROUPS):
         at = words + (g * G + rw) * NW
         f0, f1, f2, f3, f4, f5, f6, f7 = _unpack(gl.load(at))
         s_at = scale_ptr + head * SS + g * V
@@ -280,7 +300,7 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
         gl.store(at, _words(c.to(gl.int32, bitcast=True), LW))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layouts(G: int, RB: int) -> dict:
     """The host-built layouts of :func:`_flush_kernel` for key groups of ``G`` rows and ``RB`` record slots: ``LW``,
     a ``[G, 4]`` block of code words as the threads of the ``[G, 32]`` accumulator hold them (row ``r``: lanes
@@ -295,15 +315,19 @@ def layouts(G: int, RB: int) -> dict:
                 LU=gl.DistributedLinearLayout([[1, 0], [0, 8], [0, 16]], _LANES_B, [], [], [8, COLUMNS.value]))
 
 
-def launch(plan, n: int, args: list, common: dict, heads: int) -> None:
-    """One :func:`_flush_kernel` launch over the ``heads`` value heads per sequence of one part (``args``,
-    ``common``: :func:`kernels.plan.ckpt_launches`'s), folding the buffer's ``n`` records (``plan.records``)."""
+def launch(plan: DecodePlan, n: int, launch: SplitLaunch) -> None:
+    """One :func:`_flush_kernel` launch over the value heads of one 4-bit part (``launch``, one of
+    ``plan.split.per_width``), folding the buffer's ``n`` records (``plan.records``)."""
     B, H, HV, K, V = plan.shape
-    table, codes, scale, zero = part_args(args)
-    bk, bks, bkz, bv, bvs, _, bg = plan.records
-    r = plan.record_meta
+    sp = plan.split
+    part = launch.ckpt.parts[0]
+    r = plan.records
     RB = max(plan.record_block, 8)  # the layouts' 8 or 16 slots
-    _flush_kernel[(B * heads, V // COLUMNS.value)](
-        codes, scale, zero, table, bk, bks, bkz, bv, bvs, bg, n, plan.capacity, H=H, HV=HV, HP=heads,
-        MAPPED=common["MAPPED"], K=K, V=V, G=common["G"], SYM=common["SYM"], SS=common["SS0"], ZS=common["ZS0"], RB=RB,
-        REC=0 if r["KBITS"] == 8 else 1, KG=r["KG"], **layouts(common["G"], RB), num_warps=1)
+    cap = {} if sp.settings.flush_maxnreg is None else {"maxnreg": sp.settings.flush_maxnreg}
+    blocks = min(sp.settings.flush_row_blocks, K // sp.group)
+    _flush_kernel[(B * launch.heads, V // COLUMNS.value, blocks)](
+        part.codes, part.scale, part.zero, launch.ckpt.table, r.keys, r.key_scale, r.key_zero, r.values, r.value_scale,
+        r.log_decays, n, plan.capacity, H=H, HV=HV, HP=launch.heads, MAPPED=launch.ckpt.mapped, K=K, V=V, G=sp.group,
+        SYM=sp.symmetric, SS=part.layout.scale_size, ZS=part.layout.zero_size, RB=RB,
+        REC=0 if r.layout.keys.bits == 8 else 1, KG=r.layout.keys.group, **layouts(sp.group, RB),
+        GROUPS=K // sp.group // blocks, num_warps=1, **cap)

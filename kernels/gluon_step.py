@@ -25,12 +25,13 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .gluon_dots import head_dots, products
+from pace_core.buffer import DecodeBuffer
+
+from .gluon_dots import head_dots, head_dots_split, products
 from .gluon_flush import record_log_decays
-from .plan import DecodePlan, part_args
+from .plan import DecodePlan
 from .primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
 from .records import RECORD_COUNT
-from pace_core.buffer import DecodeBuffer
 
 
 @gluon.jit
@@ -46,6 +47,22 @@ def _columns(f0, f1, f2, f3, f4, f5, f6, f7, L1: gl.constexpr):
 
 
 @gluon.jit
+def _split_columns(f0, f1, f2, f3, L1: gl.constexpr, W: gl.constexpr):
+    """``Ŝᵀk, Ŝᵀq [V]`` in layout ``L1`` from :func:`head_dots_split`'s accumulators (row ``16 w + i`` of ``f_p``
+    is value column ``8 i + w P + p``, ``P = 8 / W``)."""
+    P: gl.constexpr = 8 // W
+    if P == 2:
+        x = gl.permute(gl.join(products(f0), products(f1)), [0, 2, 1])  # (w i, p, product)
+    else:
+        x = gl.join(gl.join(products(f0), products(f1)), gl.join(products(f2), products(f3)))
+        x = gl.reshape(gl.permute(x, [0, 3, 2, 1]), [16 * W, 4, 2])  # (w i, product, p0, p1) -> (w i, p, product)
+    x = gl.reshape(gl.permute(gl.reshape(x, [W, 16, P, 2]), [1, 0, 2, 3]), [128, 2])  # column 8 i + w P + p
+    both: gl.constexpr = gl.BlockedLayout([4 // W, 2], [32, 1], [W, 1], [1, 0])  # L1's columns, both products
+    sk, sq = gl.split(gl.convert_layout(x, both))
+    return gl.convert_layout(sk, L1), gl.convert_layout(sq, L1)
+
+
+@gluon.jit
 def _store_record(x, codes_at, scale_at, cols):
     """``x [V]`` stored as one int8 symmetric vector (pace_core.quant's layout, :func:`kernels.records.stored_vec`):
     codes at ``codes_at + cols``, its fp16 scale at ``scale_at``."""
@@ -57,14 +74,17 @@ def _store_record(x, codes_at, scale_at, cols):
 @gluon.jit(do_not_specialize=RECORD_COUNT)
 def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr,
                  bg_ptr, n, cap, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, G: gl.constexpr,
-                 SS: gl.constexpr, NB: gl.constexpr):
-    """One token of (sequence, value head) ``pid`` (one warp): ``o [B*HV, V]`` and the token's record in slot ``n``
-    of the buffer (``cap`` slots; keys ``bk [B*cap*H, K]`` uint8 with fp16 scales ``bks``, values ``bv [B*cap*HV,
-    V]`` with ``bvs``, log decays ``bg [B*cap*HV]``), from the checkpoint's codes, its ``SS`` fp16 scales per head,
-    and the ``n <= NB`` records before it; ``q, k [B, H, K]``, ``v [B, HV, V]``, ``g, beta [B, HV]`` fp32."""
-    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])  # record keys: 16 bytes per thread
-    VL: gl.constexpr = gl.BlockedLayout([NB, 4], [1, 32], [1, 1], [1, 0])  # record values: all records of 4 columns
-    L1: gl.constexpr = gl.SliceLayout(0, VL)  # [V] vectors: 4 consecutive columns per thread
+                 SS: gl.constexpr, NB: gl.constexpr, W: gl.constexpr = 1, AHEAD: gl.constexpr = 8):
+    """One token of (sequence, value head) ``pid`` (``W`` warps): ``o [B*HV, V]`` and the token's record in slot
+    ``n`` of the buffer (``cap`` slots; keys ``bk [B*cap*H, K]`` uint8 with fp16 scales ``bks``, values
+    ``bv [B*cap*HV, V]`` with ``bvs``, log decays ``bg [B*cap*HV]``), from the checkpoint's codes, its ``SS`` fp16
+    scales per head, and the ``n <= NB`` records before it; ``q, k [B, H, K]``, ``v [B, HV, V]``, ``g, beta [B, HV]``
+    fp32. With ``W`` 2 or 4 the dots are split over the value columns (:func:`head_dots_split`) and the records'
+    vectors over the warps (more warps per head where a batch leaves SMs idle); ``AHEAD``: :func:`head_dots`' steps
+    requested ahead (one warp)."""
+    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # record keys: 16 bytes per thread
+    VL: gl.constexpr = gl.BlockedLayout([NB, 4 // W], [1, 32], [1, W], [1, 0])  # record values: all records of 4 / W
+    L1: gl.constexpr = gl.SliceLayout(0, VL)  # [V] vectors: 4 / W consecutive columns per thread
     gl.static_assert(K == V, "keys and values of one length: the [V] layout serves both")
     gl.static_assert(NB == 8, "the record block of the GPU test: 8 slots (kernels.plan.gluon_step_apply)")
 
@@ -73,8 +93,11 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
     row = b * HV + h
     k_at = k_ptr + (b * H + kh) * K
     q_at = q_ptr + (b * H + kh) * K
-    f0, f1, f2, f3, f4, f5, f6, f7 = head_dots(k_at, q_at, codes_ptr + row * (K * V // 2), scale_ptr + row * SS,
-                                               scale_ptr, K, V, G, True)  # symmetric: no zero points read
+    if W == 1:
+        f0, f1, f2, f3, f4, f5, f6, f7 = head_dots(k_at, q_at, codes_ptr + row * (K * V // 2), scale_ptr + row * SS,
+                                                   scale_ptr, K, V, G, True, AHEAD)  # symmetric: no zero points
+    else:
+        f0, f1, f2, f3 = head_dots_split(k_at, q_at, codes_ptr + row * (K * V // 2), scale_ptr + row * SS, K, V, G, W)
 
     # the records' key dot products and decays (kernels.records.record_reads, all records in one block)
     r = gl.arange(0, NB, layout=gl.SliceLayout(1, KL))
@@ -83,7 +106,7 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
     krec = (b * cap + r) * H + kh
     kx = sym_value(gl.load(bk_ptr + krec[:, None] * K + kc[None, :], mask=held[:, None], other=128), 8)
     ks = gl.load(bks_ptr + krec, mask=held, other=0.0).to(gl.float32)
-    after, run = record_log_decays(bg_ptr, n, b * cap * HV + h, HV, NB, KL)  # Σ_{j>i} g_j, Σ g_j
+    after, run = record_log_decays(bg_ptr, n, b * cap * HV + h, HV, NB, KL, W)  # Σ_{j>i} g_j, Σ g_j
     g_t = gl.load(g_ptr + row)
     wk = (gl.exp(after) * ks) * gl.sum(kx * gl.load(k_at + kc)[None, :], axis=1)
     wq = (gl.exp(after + g_t) * ks) * gl.sum(kx * gl.load(q_at + kc)[None, :], axis=1)
@@ -98,7 +121,10 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
     rq = gl.sum((gl.convert_layout(wq, gl.SliceLayout(1, VL)) * us)[:, None] * ux, axis=0)
 
     # u_t and o_t (kernels.records.token_output, the exact current token)
-    sk, sq = _columns(f0, f1, f2, f3, f4, f5, f6, f7, L1)
+    if W == 1:
+        sk, sq = _columns(f0, f1, f2, f3, f4, f5, f6, f7, L1)
+    else:
+        sk, sq = _split_columns(f0, f1, f2, f3, L1, W)
     kfull = gl.load(k_at + cols)
     u = gl.load(beta_ptr + row) * (gl.load(v_ptr + row * V + cols) - gl.exp(g_t) * (gl.exp(run) * sk + rk))
     gl.store(o_ptr + row * V + cols, gl.exp(run + g_t) * sq + rq + gl.sum(kfull * gl.load(q_at + cols), axis=0) * u)
@@ -117,9 +143,12 @@ def launch(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor
     :func:`kernels.plan.gluon_step_apply`) with ``len(buf)`` records held; writes the token's record into slot
     ``len(buf)`` (the caller counts it). Inputs as :func:`kernels.packed_step.launch_packed_step`'s."""
     B, H, HV, K, V = plan.shape
-    args, common, _ = plan.launches[False][0]
-    _, codes, scale, _ = part_args(args)
-    bk, bks, _, bv, bvs, _, bg = plan.records
-    _step_kernel[(B * HV,)](q, k, v, g, beta, o, codes, scale, bk, bks, bv, bvs, bg, len(buf),
-                            plan.capacity, H=H, HV=HV, K=K, V=V, G=common["G"], SS=common["SS0"],
-                            NB=plan.record_block, num_warps=1)
+    sp = plan.split
+    part = sp.launches[False][0].ckpt.parts[0]
+    r = plan.records
+    cap = {} if sp.settings.step_maxnreg is None else {"maxnreg": sp.settings.step_maxnreg}
+    W = sp.settings.gluon_step_warps
+    split = ({} if W == 1 else {"W": W}) | ({} if sp.settings.dots_ahead == 8 else {"AHEAD": sp.settings.dots_ahead})
+    _step_kernel[(B * HV,)](q, k, v, g, beta, o, part.codes, part.scale, r.keys, r.key_scale, r.values, r.value_scale,
+                            r.log_decays, len(buf), plan.capacity, H=H, HV=HV, K=K, V=V, G=sp.group,
+                            SS=part.layout.scale_size, NB=plan.record_block, num_warps=W, **split, **cap)

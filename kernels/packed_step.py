@@ -1,4 +1,4 @@
-"""The decode step of packed key-axis checkpoints (PACE-4, PACE-4/8): two kernels per token, or one.
+"""The decode step of packed key-axis checkpoints (PACE-4, PACE-4/8, PACE-3): two kernels per token, or one.
 
 - the dots kernel (:func:`launch_dots`), one program per (sequence, value head, column block), reads the
   packed checkpoint once and forms ``Ŝᵀk_t`` and ``Ŝᵀq_t`` together on tensor cores (:func:`_ckpt_dots`:
@@ -7,7 +7,8 @@
   into the plan's workspace;
 - the record kernel (:func:`launch_records`), one small program per (sequence, value head), adds the
   buffered records' part, forms ``u_t`` and ``o_t`` and writes the record into the buffer in its precision;
-- for a batch of at most one wave the two run as one kernel (:func:`_ckpt_step_kernel`, ``SPLIT_DEFAULTS``);
+- as one kernel (:func:`_ckpt_step_kernel`, or :mod:`kernels.gluon_step`; setting ``fused_step`` of
+  :class:`kernels.settings.SplitSettings`);
 - a window of tokens known at once (teacher forcing) runs that one-kernel step over its tokens in one launch
   (:func:`launch_window`).
 
@@ -18,14 +19,16 @@ fp32 holding the same bfloat16-exact values (:func:`kernels.primitives.operand`)
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .plan import DecodePlan
-from .primitives import bf16_split, centred, nibbles_bf16, operand, packed_head
-from .records import RECORD_COUNT, append_record, record_reads, token_output
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
+
+from .plan import DecodePlan
+from .primitives import bf16_split, centred, load3, nibbles_bf16, operand, packed_head, unpack3
+from .records import RECORD_COUNT, append_record, record_reads, token_output
 
 
 @triton.jit
@@ -36,6 +39,8 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
     at ``kx, qx``. Returns ``(yk_a, yq_a, yk_b, yq_b)``, each ``[NP]`` fp32: for 4-bit codes the even
     (``_a``) and odd (``_b``) columns, ``c0 + 2j`` and ``c0 + 2j + 1``; else ``_a`` all columns
     ``c0 + j`` and ``_b`` zeros. ``NP = max(N, 16)`` (``N`` = BV / 2 or BV): entries past N are padding.
+    3-bit codes (and zero points) are read as the three byte planes of their 24-bit words and unpacked in
+    registers (:func:`kernels.primitives.unpack3`) before the dot.
 
     Per key group one ``[16, G] x [G, N]`` dot on tensor cores with fp32 accumulation: rows 0-2 hold
     ``k`` and rows 3-5 ``q``, each split into three bfloat16 terms (:func:`bf16_split`), against the
@@ -46,7 +51,7 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
     the reference, which rounds each ``s (c - z)`` to fp32 and sums in IEEE fp32, the differences are
     the summation order and the tensor cores' fp32 accumulation: float32-rounding level."""
     KB: tl.constexpr = G if G >= 16 else 16
-    HALVES: tl.constexpr = BITS <= 4
+    HALVES: tl.constexpr = BITS == 4
     N: tl.constexpr = BV // 2 if HALVES else BV
     NP: tl.constexpr = N if N >= 16 else 16  # a dot has at least 16 columns: pad with masked ones
     rr = tl.arange(0, 16)[:, None]
@@ -84,6 +89,19 @@ def _ckpt_dots(codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexpr,
                 p = raw.to(tl.int32)
                 acc_a += s_a[None, :] * tl.dot(a, centred(p & 15, off_a, BITS, BF16))
                 acc_b += s_b[None, :] * tl.dot(a, centred(p >> 4, off_b, BITS, BF16))
+        elif BITS == 3:
+            w = tl.arange(0, NP // 8)
+            wm = w < N // 8
+            b0, b1, b2 = load3(codes + (r0 + rows[:, None]) * (V * 3 // 8) + (c0 // 8 + w[None, :]) * 3,
+                               m[:, None] & wm[None, :])
+            p = unpack3(b0, b1, b2, False)
+            if SYM:
+                off = 1 << (BITS - 1)
+            else:
+                z0, z1, z2 = load3(zero + (r0 // G) * (V * 3 // 8) + (c0 // 8 + w[None, :]) * 3, wm[None, :])
+                off = unpack3(z0, z1, z2, False)
+            s_a = tl.load(srow + c0 + j, mask=cm, other=0.0).to(tl.float32)
+            acc_a += s_a[None, :] * tl.dot(a, centred(p, off, BITS, BF16))
         else:
             p = tl.load(codes + (r0 + rows[:, None]) * V + c0 + j[None, :], mask=m[:, None] & cm[None, :],
                         other=0).to(tl.int32)
@@ -111,13 +129,13 @@ def _dots_to(yx, codes, scale, zero, kx, qx, c0, K: tl.constexpr, V: tl.constexp
              G: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, PZ: tl.constexpr, BF16: tl.constexpr):
     """:func:`_ckpt_dots` stored at ``yx`` (``[2, V]``: row 0 ``Ŝᵀk``, row 1 ``Ŝᵀq``)."""
     yk_a, yq_a, yk_b, yq_b = _ckpt_dots(codes, scale, zero, kx, qx, c0, K, V, BV, G, SYM, BITS, PZ, BF16)
-    N: tl.constexpr = BV // 2 if BITS <= 4 else BV
+    N: tl.constexpr = BV // 2 if BITS == 4 else BV
     j = tl.arange(0, yk_a.shape[0])
     cm = j < N
-    cols = c0 + (2 * j if BITS <= 4 else j)
+    cols = c0 + (2 * j if BITS == 4 else j)
     tl.store(yx + cols, yk_a, mask=cm)
     tl.store(yx + V + cols, yq_a, mask=cm)
-    if BITS <= 4:
+    if BITS == 4:
         tl.store(yx + cols + 1, yk_b, mask=cm)
         tl.store(yx + V + cols + 1, yq_b, mask=cm)
 
@@ -128,7 +146,7 @@ def _head_dots(codes, scale, zero, kx, qx, K: tl.constexpr, V: tl.constexpr, G: 
     """``Ŝᵀk, Ŝᵀq [V]`` of the whole head (:func:`_ckpt_dots`, the 4-bit half tiles interleaved back);
     heads at least 32 values wide for 4-bit codes, 16 otherwise, so that nothing is padding."""
     yk_a, yq_a, yk_b, yq_b = _ckpt_dots(codes, scale, zero, kx, qx, 0, K, V, V, G, SYM, BITS, PZ, BF16)
-    if BITS <= 4:
+    if BITS == 4:
         sk = tl.reshape(tl.join(yk_a, yk_b), (V,))
         sq = tl.reshape(tl.join(yq_a, yq_b), (V,))
     else:
@@ -295,74 +313,81 @@ def _ckpt_window_kernel(
         tl.debug_barrier()
 
 
-def launch_dots(plan: DecodePlan, q, k) -> None:
-    """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]``
-    float32, contiguous); a launch of one 4-bit part on a GPU runs :mod:`kernels.gluon_dots` where it applies
-    (:func:`kernels.plan.gluon_dots_apply`; launch setting ``gluon_dots`` False: never)."""
+def _maxnreg(cap: int | None) -> dict:
+    """The launch option of a register cap (:class:`kernels.settings.SplitSettings`' ``*_maxnreg``), none when None."""
+    return {} if cap is None else {"maxnreg": cap}
+
+
+def launch_dots(plan: DecodePlan, q: torch.Tensor, k: torch.Tensor) -> None:
+    """The split path's first kernel: ``Ŝᵀk_t, Ŝᵀq_t`` into ``plan.workspace`` (``q, k [B, H, K]`` float32,
+    contiguous); a launch of one 4-bit part on a GPU runs :mod:`kernels.gluon_dots` where it applies
+    (:func:`kernels.plan.gluon_dots_apply`; setting ``gluon_dots`` False: never)."""
     B, H, HV, K, V = plan.shape
-    m = plan.meta
-    bv = min(m["dots_columns"], V)
-    per_part = m["dots_per_part"]
-    for (args, common, heads), gluon in zip(plan.launches[per_part], plan.gluon_dots[per_part]):
-        if gluon:
+    sp = plan.split
+    bv = min(sp.settings.dots_columns, V)
+    for launch in sp.dots:
+        if launch.gluon_dots:
             from . import gluon_dots  # GPU only: never imported under the interpreter
-            gluon_dots.launch(plan, q, k, args, common, heads)
+            gluon_dots.launch(plan, q, k, launch)
             continue
-        _ckpt_dots_kernel[(B * heads, V // bv)](q, k, plan.workspace, *args, H, HV, BV=bv, num_warps=m["dots_warps"],
-                                                **common)
+        _ckpt_dots_kernel[(B * launch.heads, V // bv)](q, k, plan.workspace, *launch.ckpt.args(), H, HV, BV=bv,
+                                                       num_warps=sp.settings.dots_warps,
+                                                       **_maxnreg(sp.settings.dots_maxnreg),
+                                                       **sp.constexprs(launch, K, V))
 
 
-def launch_records(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+def launch_records(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor) -> None:
     """The split path's second kernel: ``o [B, HV, V]`` from ``plan.workspace`` and the buffer's
     ``len(buf)`` records; writes the token's record into slot ``len(buf)`` (the caller counts it)."""
     B, H, HV, K, V = plan.shape
-    m = plan.meta
+    s = plan.split.settings
     _record_step_kernel[(B * HV,)](
-        q, k, v, g, beta, o, plan.workspace, *plan.records, len(buf), plan.capacity, H, HV, K=K, V=V,
-        EXACT=m["EXACT"], **plan.record_meta,
-        NB=plan.record_block,
-        num_warps=m["record_warps"],
+        q, k, v, g, beta, o, plan.workspace, *plan.records.args(), len(buf), plan.capacity, H, HV, K=K, V=V,
+        EXACT=plan.exact, **plan.records.layout.constexprs(), NB=plan.record_block, num_warps=s.record_warps,
+        **_maxnreg(s.dots_maxnreg),
     )
 
 
-def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
-    """The split path's step as one kernel (``meta["fused_step"]``, where the heads are wide enough:
-    ``meta["fusable"]``): :mod:`kernels.gluon_step` where it applies (``plan.gluon_step``), else
-    :func:`_ckpt_step_kernel`; otherwise :func:`launch_dots` then :func:`launch_records`.
-    Inputs as in :func:`buffered_decode_step`, float32 and contiguous."""
-    m = plan.meta
-    if not (m["fused_step"] and m["fusable"]):
+def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor) -> None:
+    """One buffered token on the split path: ``q, k [B, H, K]``, ``v [B, HV, V]``, ``g, beta [B, HV]`` float32
+    contiguous -> ``o [B, HV, V]``, the token's record written into slot ``len(buf)`` (the caller counts it). As one
+    kernel (setting ``fused_step``, where the heads are wide enough: ``plan.split.fusable``): :mod:`kernels.gluon_step`
+    where it applies (``plan.split.gluon_step``), else :func:`_ckpt_step_kernel`; otherwise :func:`launch_dots` then
+    :func:`launch_records`."""
+    sp = plan.split
+    if not (sp.settings.fused_step and sp.fusable):
         launch_dots(plan, q, k)
         launch_records(plan, buf, q, k, v, g, beta, o)
         return
-    if plan.gluon_step:
+    if sp.gluon_step:
         from . import gluon_step  # GPU only: never imported under the interpreter
         gluon_step.launch(plan, buf, q, k, v, g, beta, o)
         return
     B, H, HV, K, V = plan.shape
-    args, common, _ = plan.launches[False][0]
+    launch = sp.launches[False][0]
     _ckpt_step_kernel[(B * HV,)](
-        q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, EXACT=m["EXACT"],
-        **plan.record_meta,
-        NB=plan.record_block,
-        num_warps=m["step_warps"], **common,
+        q, k, v, g, beta, o, *launch.ckpt.args(), *plan.records.args(), len(buf), plan.capacity, H, HV,
+        EXACT=plan.exact, **plan.records.layout.constexprs(), NB=plan.record_block, num_warps=sp.settings.step_warps,
+        **_maxnreg(sp.settings.step_maxnreg), **sp.constexprs(launch, K, V),
     )
 
 
-def launch_window(plan: DecodePlan, buf: DecodeBuffer, q, k, v, g, beta, o) -> None:
+def launch_window(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor) -> None:
     """``T`` buffered tokens in one :func:`_ckpt_window_kernel` launch (heads wide enough for the one-kernel
-    step: ``meta["fusable"]``): ``q, k [T, B, H, K]``, ``v [T, B, HV, V]``, ``g, beta [T, B, HV]`` float32
+    step: ``plan.split.fusable``): ``q, k [T, B, H, K]``, ``v [T, B, HV, V]``, ``g, beta [T, B, HV]`` float32
     contiguous, token-major; writes ``o [T, B, HV, V]`` and the records into slots ``len(buf) ..
     len(buf) + T - 1`` (the caller counts them)."""
     B, H, HV, K, V = plan.shape
     if len(buf) + q.shape[0] > buf.capacity:
         raise PaceError(f"window: {q.shape[0]} tokens do not fit in the buffer's {buf.capacity - len(buf)} free "
                         "slots; allowed: at most the free slots (the schedule flushes before)")
-    m = plan.meta
-    for args, common, heads in plan.launches[m["per_part"]]:  # a program reads only its own records
-        _ckpt_window_kernel[(B * heads,)](
-            q, k, v, g, beta, o, *args, *plan.records, len(buf), plan.capacity, H, HV, q.shape[0],
-            EXACT=m["EXACT"], **plan.record_meta,
-            NB=plan.record_block,
-            num_warps=m["step_warps"], **common,
+    sp = plan.split
+    for launch in sp.per_width:  # a program reads only its own records
+        _ckpt_window_kernel[(B * launch.heads,)](
+            q, k, v, g, beta, o, *launch.ckpt.args(), *plan.records.args(), len(buf), plan.capacity, H, HV,
+            q.shape[0], EXACT=plan.exact, **plan.records.layout.constexprs(), NB=plan.record_block,
+            num_warps=sp.settings.step_warps, **_maxnreg(sp.settings.step_maxnreg), **sp.constexprs(launch, K, V),
         )

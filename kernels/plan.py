@@ -6,15 +6,17 @@ change from token to token.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
-from .records import record_args, record_layout
 from pace_core import quant
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
 
+from .primitives import KERNEL_BITS, zero_pairs
+from .records import Records
+from .settings import Launch, SplitSettings
 
 Checkpoint = torch.Tensor | quant.PackedTensor | quant.MixedPackedState
 
@@ -24,19 +26,23 @@ class PartLayout:
     """Compile-time layout of one bit width's part of a state (shared with the decode kernel)."""
 
     bits: int
-    pack_zero: bool
+    pack_zero: bool  # zero points read as nibble pairs (primitives.zero_pairs)
     code_cols: int   # bytes per row of codes
     scale_size: int  # fp16 scales per head
     zero_size: int   # bytes of zero points per head (0 when symmetric)
 
+    def constexprs(self, i: int) -> dict:
+        """The kernels' constexprs of part ``i``: ``BITS{i}, PZ{i}, CC{i}, SS{i}, ZS{i}``."""
+        return {f"BITS{i}": self.bits, f"PZ{i}": self.pack_zero, f"CC{i}": self.code_cols, f"SS{i}": self.scale_size,
+                f"ZS{i}": self.zero_size}
+
 
 def part_layout(spec: quant.QuantSpec, K: int, V: int) -> PartLayout:
     """Sizes per head of ``spec``'s storage for a ``[K, V]`` state (pace_core.quant's format)."""
-    sshape = quant.scale_shape((K, V), spec)
-    n_scales = sshape[0] * sshape[1]
-    pack_zero = quant.zero_packed(spec.bits, sshape[-1])
-    zero_size = 0 if spec.symmetric else (n_scales // 2 if pack_zero else n_scales)
-    return PartLayout(spec.bits, pack_zero, quant.packed_last_dim(spec.bits, V), n_scales, zero_size)
+    rows, per_row = quant.scale_shape((K, V), spec)
+    zero_size = 0 if spec.symmetric else rows * quant.packed_last_dim(spec.bits, per_row)
+    return PartLayout(spec.bits, zero_pairs(spec.bits, per_row), quant.packed_last_dim(spec.bits, V), rows * per_row,
+                      zero_size)
 
 
 def is_pow2(n: int) -> bool:
@@ -48,9 +54,30 @@ DECODE_MIN_K = 16
 checkpoints on the H200 (kernels/NOTES.md, run 5), so narrower heads decode on the reference."""
 
 
-def check_kernel_shape(K: int, V: int, spec: quant.QuantSpec, name: str = "x", decode: bool = False) -> None:
-    """Raise PaceError unless the kernels support a ``[K, V]`` state with ``spec``'s groups (``decode``:
-    the buffered decode kernels, which also need ``K >= DECODE_MIN_K``)."""
+WIDTH_REASON = ("the kernels read and write 3-, 4- and 8-bit codes only: 4 and 8 bits are PACE-4's and PACE-4/8's, "
+                "3 bits PACE-3's (the frontier's fewest bits at a usable quality, its decode step reading 3/4 of "
+                "PACE-4's code bytes: kernels/bench/NOTES.md); the other widths' densely packed codes (2, 5, 6, 7 "
+                "bits) are unpacked by the PyTorch reference")
+"""Why a configuration of another width runs on the reference (:func:`check_kernel_shape`)."""
+
+
+def check_kernel_shape(K: int, V: int, spec: quant.QuantSpec, name: str = "x", decode: bool = False,
+                       widths: tuple[int, ...] = ()) -> None:
+    """Raise PaceError, saying why, unless the kernels support a ``[K, V]`` state with ``spec``'s groups and code
+    widths (``spec.bits`` and ``widths``: :data:`kernels.primitives.KERNEL_BITS`; 3-bit codes in rows of whole
+    24-bit words, V a multiple of 8, their zero points along the key axis) (``decode``: the buffered decode
+    kernels, which also need ``K >= DECODE_MIN_K``)."""
+    for bits in {spec.bits, *widths}:
+        if bits not in KERNEL_BITS:
+            raise PaceError(f"{name}: bits={bits} is not supported by the Triton kernels; allowed: "
+                            f"{', '.join(map(str, KERNEL_BITS))} ({WIDTH_REASON})")
+    if 3 in {spec.bits, *widths} and not spec.symmetric and spec.axis != "key":
+        raise PaceError(f"{name}: 3-bit zero points along the value axis are not supported by the Triton kernels; "
+                        "allowed: symmetric codes or key-axis groups (a row of value-axis zero points is shorter "
+                        "than a 24-bit word: the PyTorch reference unpacks it)")
+    if 3 in {spec.bits, *widths} and V % 8:
+        raise PaceError(f"{name}: V={V} is not supported by the Triton kernels for 3-bit codes; allowed: V a "
+                        "multiple of 8 (rows of whole 24-bit words)")
     quant.check_divides(spec.group_size, K if spec.axis == "key" else V, spec.axis, name)
     for what, n in (("K", K), ("V", V), ("group_size", spec.group_size)):
         if not is_pow2(n):
@@ -111,7 +138,8 @@ def bits_of_heads(heads: dict[int, torch.Tensor], hv: int) -> list[int]:
     """Bits of each of the ``hv`` value heads of a head map (bits -> head indices): from the kept table
     whose map it is (no device read), else read from the device."""
     for (bits, _), (_, table) in _TABLES.items():
-        if len(bits) == hv and table.heads.keys() == heads.keys() and all(table.heads[b] is t for b, t in heads.items()):
+        if (len(bits) == hv and table.heads.keys() == heads.keys()
+                and all(table.heads[b] is t for b, t in heads.items())):
             return list(bits)
     out = [0] * hv
     for b, t in heads.items():
@@ -120,25 +148,65 @@ def bits_of_heads(heads: dict[int, torch.Tensor], hv: int) -> list[int]:
     return out
 
 
-def layout_args(layouts: list[PartLayout]) -> dict:
-    """Kernel constexprs for one or two parts (the second repeats the first when absent)."""
-    l1 = layouts[1] if len(layouts) == 2 else layouts[0]
-    return dict(
-        BITS0=layouts[0].bits, PZ0=layouts[0].pack_zero, CC0=layouts[0].code_cols,
-        SS0=layouts[0].scale_size, ZS0=layouts[0].zero_size,
-        BITS1=l1.bits, PZ1=l1.pack_zero, CC1=l1.code_cols, SS1=l1.scale_size, ZS1=l1.zero_size,
-        TWO=len(layouts) == 2,
-    )
+@dataclass(frozen=True)
+class PartStorage:
+    """One bit width's storage as a kernel takes it: ``codes [B, HP, K, CC]`` uint8, ``scale [B, HP, ...]`` fp16
+    (``SS`` per head), ``zero [B, HP, ...]`` uint8 zero points (``ZS`` bytes per head; the scale tensor where the codes
+    are symmetric: never read), and its :class:`PartLayout`."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    layout: PartLayout
+
+    @classmethod
+    def of(cls, p: quant.PackedTensor, K: int, V: int) -> PartStorage:
+        return cls(p.codes, p.scale, p.scale if p.zero is None else p.zero, part_layout(p.spec, K, V))
+
+    def pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.zero
 
 
-def part_pointers(parts: list[quant.PackedTensor]) -> list[torch.Tensor]:
-    """codes, scale, zero of part 0 and part 1 (part 0 again when there is one part; the scale
-    stands in for an absent zero point, which symmetric kernels never touch)."""
-    p1 = parts[1] if len(parts) == 2 else parts[0]
-    out = []
-    for p in (parts[0], p1):
-        out += [p.codes, p.scale, p.scale if p.zero is None else p.zero]
-    return out
+@dataclass(frozen=True)
+class CkptArgs:
+    """A checkpoint as one launch takes it: the head table ``table [HV]`` int32 (the part of value head ``h``; with
+    ``mapped``, a launch over one part's heads, ``table [HP]`` holds the value head of each slot of the part) and
+    ``slot [HV]`` int32 (``h``'s slot in its part), part 0 and part 1 (part 0 again where there is one width), the
+    value heads per sequence of each part as the kernels take them (``HV0, HV1``), and whether the heads have
+    ``two`` widths (read through the table). The kernels take it as ``table, slot, codes, scale, zero of part 0 and
+    of part 1, HV0, HV1`` (:meth:`args`) and the constexprs of :meth:`constexprs`."""
+
+    table: torch.Tensor
+    slot: torch.Tensor
+    parts: tuple[PartStorage, PartStorage]
+    heads: tuple[int, int]
+    two: bool
+    mapped: bool = False
+
+    @classmethod
+    def of_parts(cls, table: torch.Tensor, slot: torch.Tensor, parts: list[PartStorage], heads: tuple[int, int],
+                 mapped: bool = False) -> CkptArgs:
+        """One or two parts (ascending bit widths), part 0 standing in for an absent part 1."""
+        return cls(table, slot, (parts[0], parts[-1]), heads, len(parts) == 2, mapped)
+
+    @classmethod
+    def dense(cls, state: torch.Tensor, table: torch.Tensor) -> CkptArgs:
+        """A dense state's stand-in (a kernel compiled with ``DENSE`` reads no part or table): ``state`` for every
+        pointer of the parts, ``table`` for the head table's, no heads."""
+        part = PartStorage(state, state, state, part_layout(quant.QuantSpec(8, True, "key", 1), *state.shape[-2:]))
+        return cls(table, table, (part, part), (0, 0), False)
+
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        """``table, slot`` and each part's ``codes, scale, zero``."""
+        return (self.table, self.slot, *self.parts[0].pointers(), *self.parts[1].pointers())
+
+    def args(self) -> tuple:
+        """:meth:`pointers` then ``HV0, HV1``."""
+        return (*self.pointers(), *self.heads)
+
+    def constexprs(self) -> dict:
+        """The parts' layouts (``BITS0 .. ZS1``, :meth:`PartLayout.constexprs`) and ``TWO``."""
+        return {**self.parts[0].layout.constexprs(0), **self.parts[1].layout.constexprs(1), "TWO": self.two}
 
 
 def as_mixed(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.MixedPackedState:
@@ -150,25 +218,22 @@ def as_mixed(ckpt: quant.PackedTensor | quant.MixedPackedState) -> quant.MixedPa
     return quant.MixedPackedState({bits: ckpt}, {bits: table.heads[bits]}, ckpt.shape)
 
 
-def packed_args(m: quant.MixedPackedState, shape: tuple[int, int, int, int]) -> tuple[list, list[PartLayout],
-                                                                                     HeadTable]:
-    """A packed checkpoint ``m`` of ``shape = (B, HV, K, V)`` checked for the decode kernels, and its kernel
-    arguments: the head table's part and slot tensors, codes / scale / zero of part 0 and part 1
-    (:func:`part_pointers`) and the value heads per sequence of each part; with the parts' layouts (ascending
-    bit widths) and the head table."""
+def packed_ckpt(m: quant.MixedPackedState, shape: tuple[int, int, int, int]) -> tuple[CkptArgs, HeadTable]:
+    """A packed checkpoint ``m`` of ``shape = (B, HV, K, V)`` checked for the decode kernels (shape, kernel limits,
+    contiguous storage), as one launch over all its heads takes it (through the head table; the second part's heads
+    0 where there is one width), with its head table."""
     B, HV, K, V = shape
     widths = sorted(m.parts)
     parts = [m.parts[w] for w in widths]
     if m.shape != shape:
         raise PaceError(f"ckpt: shape {m.shape} not allowed; allowed: {shape}")
-    check_kernel_shape(K, V, parts[0].spec, "ckpt", decode=True)
+    check_kernel_shape(K, V, parts[0].spec, "ckpt", decode=True, widths=tuple(widths))
     _, table = head_table(bits_of_heads({w: m.heads[w] for w in widths}, HV), parts[0].codes.device)
-    ptrs = part_pointers(parts)
-    if not all(t.is_contiguous() for t in ptrs):
+    storage = [PartStorage.of(p, K, V) for p in parts]
+    if not all(t.is_contiguous() for part in storage for t in part.pointers()):
         raise PaceError("ckpt: packed tensors must be contiguous; allowed: contiguous codes/scale/zero")
     hv1 = len(m.heads[widths[1]]) if len(widths) == 2 else 0
-    args = [table.part, table.slot, *ptrs, len(m.heads[widths[0]]), hv1]
-    return args, [part_layout(p.spec, K, V) for p in parts], table
+    return CkptArgs.of_parts(table.part, table.slot, storage, (len(m.heads[widths[0]]), hv1)), table
 
 
 def whole_groups(BV: int, V: int, G: int, key_axis: bool, sym: bool, pack_zero: bool) -> int:
@@ -183,33 +248,92 @@ def column_block(buf: DecodeBuffer) -> int:
     return buf.d_v if buf.precision == "int8" else min(buf.d_v, 64)
 
 
-@dataclass
-class DecodePlan:
-    """Everything a decode launch needs that does not change from token to token: the checkpoint's
-    storage pointers and head table, the tile sizes and compile-time layout. Built once per
-    checkpoint/buffer pair (it reads the head map off the device), then reused, e.g. for every token
-    of a CUDA graph; the checkpoint is updated in place, so the plan stays valid."""
+@dataclass(frozen=True)
+class SplitLaunch:
+    """One launch of a split kernel (dots, window, flush): its checkpoint arguments (``ckpt.mapped``: over one bit
+    width's heads), the value heads per sequence it covers (the grid's ``B * heads``), and whether its dots and its
+    flush run the Gluon kernels (:func:`gluon_dots_apply`, :func:`gluon_flush_apply`)."""
 
-    shape: tuple[int, int, int, int, int]  # B, H, HV, K, V
+    ckpt: CkptArgs
+    heads: int
+    gluon_dots: bool = False
+    gluon_flush: bool = False
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """The split path of a packed key-axis checkpoint (PACE-4, PACE-4/8): the launch settings with every ``"auto"``
+    decided (:meth:`kernels.settings.SplitSettings.resolved`), the tensor-core operands (``bf16``: bfloat16 on a
+    GPU; float32 holding the same values under the interpreter), the key groups' rows ``group`` and symmetry,
+    whether the heads are wide enough for the one-kernel step (``fusable``: no padded dot columns), the launches
+    (``launches[per_part]``: one over all heads, or one per bit width, :func:`split_launches`), whether the
+    one-kernel step runs :mod:`kernels.gluon_step`, and the ``[B*HV, 2, V]`` float32 workspace of the dots kernel."""
+
+    settings: SplitSettings
+    bf16: bool
+    group: int
+    symmetric: bool
+    fusable: bool
+    launches: tuple[tuple[SplitLaunch, ...], tuple[SplitLaunch, ...]]
+    gluon_step: bool
+    workspace_size: int
+
+    def constexprs(self, launch: SplitLaunch, K: int, V: int) -> dict:
+        """The split kernels' common constexprs for ``launch``: the head shape, the key groups, the operands'
+        precision, the parts' layouts and whether the launch is mapped."""
+        return dict(K=K, V=V, G=self.group, SYM=self.symmetric, BF16=self.bf16, MAPPED=launch.ckpt.mapped,
+                    **launch.ckpt.constexprs())
+
+    @property
+    def dots(self) -> tuple[SplitLaunch, ...]:
+        """The dots kernel's launches (``dots_per_part``)."""
+        return self.launches[self.settings.dots_per_part]
+
+    @property
+    def per_width(self) -> tuple[SplitLaunch, ...]:
+        """The flush's and the window's launches (``per_part``)."""
+        return self.launches[self.settings.per_part]
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """The one-kernel step of a dense or value-axis checkpoint (:mod:`kernels.fused_step`): the dense state
+    ``[B, HV, K, V]`` (for a packed checkpoint a stand-in never read), the checkpoint's arguments, ``rows`` key rows
+    and ``columns`` value columns per tile, the groups (``group`` entries, along the keys with ``key_axis``,
+    ``symmetric``), whether the state is ``dense``, and the warps."""
+
+    state: torch.Tensor
+    ckpt: CkptArgs
+    rows: int
+    columns: int
+    group: int
+    key_axis: bool
+    symmetric: bool
+    dense: bool
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Everything a decode launch needs that does not change from token to token, for one checkpoint / buffer pair:
+    the shape ``(B, H, HV, K, V)``, the buffer's precision and capacity, whether the current token's output uses its
+    exact record (``exact``), the buffer's storage (:class:`kernels.records.Records`), and either the split path's
+    plan (packed key-axis checkpoints) or the one-kernel step's. Built once (it reads the head map off the device),
+    then reused, e.g. for every token of a CUDA graph: the checkpoint and the buffer are updated in place."""
+
+    shape: tuple[int, int, int, int, int]
     precision: str
     capacity: int
-    ckpt_args: list
-    meta: dict = field(default_factory=dict)
-    split: bool = False  # packed key-axis checkpoint: dots + record kernels, a separate flush kernel
-    workspace_size: int = 0  # split: ``Ŝᵀk_t, Ŝᵀq_t`` ``[B*HV, 2, V]`` float32 between the two kernels (scratch)
-    part_launches: list = field(default_factory=list)  # split, two bit widths: (args, PartLayout, heads) per width
-    records: tuple = ()  # the buffer's record pointers (record_args: its storage stays allocated)
-    record_meta: dict = field(default_factory=dict)  # their compile-time layout (record_layout)
-    launches: dict = field(default_factory=dict)  # split: ckpt_launches by per_part
-    gluon_dots: dict = field(default_factory=dict)  # split: per_part -> whether each dots launch runs gluon_dots
-    gluon_flush: dict = field(default_factory=dict)  # split: per_part -> whether each flush launch runs gluon_flush
-    gluon_step: bool = False  # split: whether the one-kernel step runs gluon_step
-    device: torch.device = torch.device("cpu")
+    exact: bool
+    records: Records
+    device: torch.device
+    split: SplitPlan | None = None
+    fused: FusedPlan | None = None
 
     @property
     def workspace(self) -> torch.Tensor:
         """The split step's workspace (``workspace_size`` float32 entries of :func:`scratch`)."""
-        return scratch(self.device, self.workspace_size)
+        return scratch(self.device, self.split.workspace_size)
 
     @property
     def record_block(self) -> int:
@@ -235,179 +359,136 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
     return found[:numel]
 
 
-SPLIT_DEFAULTS = {"fused_step": "auto", "step_warps": 4, "dots_columns": 128, "dots_warps": 4, "record_warps": 1,
-                  "flush_warps": 4, "flush_columns": 128, "dots_per_part": "auto", "per_part": "auto",
-                  "gluon_dots": True, "gluon_flush": True, "gluon_step": True}
-"""Launch settings of the split path (``DecodePlan.meta``; kernels/bench.py tries others, and these
-are the fastest it measured on the H200 at batch 32 to 128, data/bench/bench.json): the step as one
-kernel (``fused_step``, :func:`_ckpt_step_kernel`, with ``step_warps``) or as two (the dots kernel's
-columns per program and warps, the record kernel's warps); ``"auto"`` fuses where the step runs
-:mod:`kernels.gluon_step` (``gluon_step``, :func:`gluon_step_apply`: the dots and records of a head in one warp)
-and otherwise when there are at most as many (sequence, value head) programs as the GPU has SMs: one wave,
-where the launch saved outweighs the Triton step kernel's block-wide reductions (faster at batch 1-4 on the
-H200, slower from 8). Then warps of the flush kernel and columns per flush program (4-bit codes: two half tiles of
-``flush_columns / 2`` rows; on the GPU at least 16 for tensor-core tiles). ``gluon_dots``: a dots launch of
-one 4-bit part runs :mod:`kernels.gluon_dots` on a GPU (off: the Triton kernel; at B = 128 on the H200 433
-against 780 us per token for PACE-4, data/bench/bench.json). For two bit widths (:func:`ckpt_launches`): the
-dots kernel (``dots_per_part``), the flush and the window kernels (``per_part``) launched once per width;
-``"auto"``: when the (sequence, value head) programs are more than the SMs, so that the two launches do not
-leave most SMs idle in turn (per width, PACE-4/8's 4-bit heads take the Gluon dots kernel: 807 against 1128
-us at B = 128; in one wave one launch is faster); under the interpreter always, so that the tests run it.
-``gluon_flush``: a flush launch of one 4-bit part with PACE-4's or PACE-4/8's buffer runs :mod:`kernels.gluon_flush`
-on a GPU (off: the Triton kernel). ``gluon_step``: the one-kernel step of PACE-4 runs :mod:`kernels.gluon_step` on a GPU
-(off: the Triton kernels)."""
-
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """SMs of CUDA ``device`` (read once per device: the dense step asks on every token)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True, launch: dict | None = None
-                ) -> DecodePlan:
-    """Validate ``ckpt`` against ``buf`` and prepare the launch (see :class:`DecodePlan`); ``exact_current``:
-    the current token's output from its exact record (pace_core.recurrence.buffered_step); ``launch``: launch
-    settings over the defaults (``BK`` at most K; kernels/bench.py tries others)."""
+def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True, launch: Launch | None = None, *,
+                bf16: bool | None = None) -> DecodePlan:
+    """Validate ``ckpt`` against ``buf`` and prepare the launches (see :class:`DecodePlan`). ``ckpt``: a dense state
+    ``[B, HV, K, V]`` float32 / bfloat16 contiguous or a packed checkpoint of that shape (one or two bit widths);
+    ``exact_current``: the current token's output from its exact record (pace_core.recurrence.buffered_step);
+    ``launch``: the launch settings (:class:`kernels.settings.Launch`; kernels/bench/bench.py tries others);
+    ``bf16``: the split path's tensor-core operands in bfloat16 (None: on a GPU; kernels/bench/sass.py compiles the
+    GPU's kernels from CPU tensors)."""
+    launch = launch or Launch()
     B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
     if buf.precision == "fp64":
         raise PaceError("buffer precision: 'fp64' not supported by the kernels; allowed: fp32, bf16, int8, mixed")
-    if isinstance(ckpt, torch.Tensor):
+    common = dict(shape=(B, H, HV, K, V), precision=buf.precision, capacity=buf.capacity, exact=exact_current,
+                  records=Records.of(buf), device=buf.device)
+    dense = isinstance(ckpt, torch.Tensor)
+    if dense:
         check_kernel_shape(K, V, quant.QuantSpec(8, True, "key", 1), "ckpt", decode=True)
         if ckpt.shape != (B, HV, K, V) or ckpt.dtype not in (torch.float32, torch.bfloat16) or not ckpt.is_contiguous():
             raise PaceError(f"ckpt: dense checkpoint {tuple(ckpt.shape)} {ckpt.dtype} not allowed; "
                             f"allowed: contiguous float32/bfloat16 {(B, HV, K, V)}")
-        layouts = [part_layout(quant.QuantSpec(8, True, "key", 1), K, V)]
-        table = torch.zeros(1, dtype=torch.int32, device=ckpt.device)
-        ckpt_args = [ckpt, table, table, *([ckpt] * 6), 0, 0]
-        G, key_axis, sym, BK = 1, True, True, min(K, 32)
+        args = CkptArgs.dense(ckpt, torch.zeros(1, dtype=torch.int32, device=ckpt.device))
+        G, key_axis, sym, rows, state = 1, True, True, min(K, 32), ckpt
     else:
         m = as_mixed(ckpt)
-        widths = sorted(m.parts)
-        parts = [m.parts[w] for w in widths]
-        spec = parts[0].spec
-        args, layouts, table = packed_args(m, (B, HV, K, V))
-        ckpt_args = [parts[0].scale, *args]
+        args, table = packed_ckpt(m, (B, HV, K, V))
+        spec = m.parts[min(m.parts)].spec
         G, key_axis, sym = spec.group_size, spec.axis == "key", spec.symmetric
-        BK = min(max(G, 32) if key_axis else 32, K)
-    BV = whole_groups(column_block(buf), V, G, key_axis, sym, layouts[0].pack_zero)
-    st, records = record_args(buf)
-    record_meta = record_layout(st)
-    meta = dict(K=K, V=V, BK=BK, BV=BV, G=G, KEY_AXIS=key_axis, SYM=sym, **layout_args(layouts),
-                DENSE=isinstance(ckpt, torch.Tensor), **record_meta, EXACT=exact_current,
-                num_warps=8 if BK * BV >= 8192 else 4)
-    split = not meta["DENSE"] and key_axis
-    workspace_size = 0
-    if split:  # bfloat16 tensor-core operands on a GPU (fp32 holding the same values under the interpreter)
-        fusable = all((V // 2 if p.spec.bits <= 4 else V) >= 16 for p in parts)  # no padded dot columns
-        meta = {**meta, **SPLIT_DEFAULTS, "BF16": buf.device.type == "cuda", "fusable": fusable}
-    if launch:
-        meta = {**meta, **launch}
-        meta["BK"] = min(meta["BK"], K)
-    if split:
-        one_wave = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
-        for key in ("per_part", "dots_per_part"):
-            if meta[key] == "auto":
-                meta[key] = not one_wave
-        workspace_size = B * HV * 2 * V
-        scratch(buf.device, workspace_size)
-    part_launches = []
-    if split and len(layouts) == 2:
-        for w, part, layout in zip(widths, parts, layouts):
-            heads = table.heads[w]
-            part_launches.append(([heads, heads, *part_pointers([part]), len(heads), len(heads)], layout, len(heads)))
-    plan = DecodePlan((B, H, HV, K, V), buf.precision, buf.capacity, ckpt_args, meta, split, workspace_size,
-                      part_launches, records, record_meta, device=buf.device)
-    if split:
-        plan.launches.update({per_part: ckpt_launches(plan, per_part) for per_part in (False, True)})
-        for per_part in (False, True):
-            commons = [common for _, common, _ in plan.launches[per_part]]
-            plan.gluon_dots[per_part] = [gluon_dots_apply(plan, common) for common in commons]
-            plan.gluon_flush[per_part] = [gluon_flush_apply(plan, common) for common in commons]
-        plan.gluon_step = gluon_step_apply(plan)
-        if plan.meta["fused_step"] == "auto":
-            plan.meta["fused_step"] = plan.gluon_step or one_wave
-    return plan
+        rows, state = min(max(G, 32) if key_axis else 32, K), args.parts[0].scale
+    if dense or not key_axis:
+        BV = whole_groups(column_block(buf), V, G, key_axis, sym, args.parts[0].layout.pack_zero)
+        f = launch.fused
+        warps = f.num_warps if f.num_warps is not None else (8 if rows * BV >= 8192 else 4)
+        rows = min(f.rows if f.rows is not None else rows, K)
+        return DecodePlan(**common, fused=FusedPlan(state, args, rows, BV, G, key_axis, sym, dense, warps))
+    one_wave = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
+    split = SplitPlan(launch.split, buf.device.type == "cuda" if bf16 is None else bf16, G, sym,
+                      all((V // 2 if p.spec.bits == 4 else V) >= 16 for p in m.parts.values()), ((), ()), False,
+                      B * HV * 2 * V)
+    scratch(buf.device, split.workspace_size)
+    plan = DecodePlan(**common, split=split)
+    launches = split_launches(plan, args, m, table)
+    split = replace(split, launches=launches)
+    gluon_step = gluon_step_apply(replace(plan, split=split))
+    split = replace(split, gluon_step=gluon_step, settings=launch.split.resolved(one_wave, gluon_step))
+    return replace(plan, split=split)
 
 
-def _gluon_part(plan: DecodePlan, common: dict) -> bool:
+def split_launches(plan: DecodePlan, args: CkptArgs, m: quant.MixedPackedState, table: HeadTable
+                   ) -> tuple[tuple[SplitLaunch, ...], tuple[SplitLaunch, ...]]:
+    """The split kernels' launches: one over all heads (``args``, the head table read where there are two widths),
+    and one per bit width (each over that width's heads only, ``mapped``: slot ``i`` of the part is value head
+    ``heads[i]``), so that each launch is compiled for one width: compiled for both, a kernel branches on the head's
+    width and pays the larger register count and code size in every program (at B = 128 the per-width flush took
+    288 us against 377, the window 406 against 460, the dots 55 against 57,
+    ``git show 5dab257:data/bench/v8_ncu/ncu_summary.json``); in one wave two launches take longer than one. With
+    one width both are the one launch. Each launch knows whether its dots and its flush run the Gluon kernels
+    (:func:`gluon_dots_apply`, :func:`gluon_flush_apply`)."""
+    _, _, HV, K, V = plan.shape
+
+    def made(ckpt: CkptArgs, heads: int) -> SplitLaunch:
+        bare = SplitLaunch(ckpt, heads)
+        return replace(bare, gluon_dots=gluon_dots_apply(plan, bare), gluon_flush=gluon_flush_apply(plan, bare))
+
+    one = (made(args, HV),)
+    if not args.two:
+        return one, one
+    per_width = []
+    for w in sorted(m.parts):
+        heads = table.heads[w]
+        part = PartStorage.of(m.parts[w], K, V)
+        per_width.append(made(CkptArgs.of_parts(heads, heads, [part], (len(heads), len(heads)), mapped=True),
+                              len(heads)))
+    return one, tuple(per_width)
+
+
+def _gluon_part(plan: DecodePlan, launch: SplitLaunch) -> bool:
     """What the Gluon kernels need of a launch: bfloat16 tensor-core operands (a GPU), one part of 4-bit codes
     (symmetric or with packed zero points) and 128-wide heads."""
     _, _, _, K, V = plan.shape
-    return bool(common["BF16"] and not common["TWO"] and common["BITS0"] == 4 and (common["SYM"] or common["PZ0"])
-                and K == 128 and V == 128)
+    part = launch.ckpt.parts[0].layout
+    return bool(plan.split.bf16 and not launch.ckpt.two and part.bits == 4
+                and (plan.split.symmetric or part.pack_zero) and K == 128 and V == 128)
 
 
-def _gluon_dots_part(plan: DecodePlan, common: dict) -> bool:
+def _gluon_dots_part(plan: DecodePlan, launch: SplitLaunch) -> bool:
     """What :func:`kernels.gluon_dots.head_dots` takes: :func:`_gluon_part` in key groups of whole 16-row steps."""
-    return _gluon_part(plan, common) and common["G"] % 16 == 0
+    return _gluon_part(plan, launch) and plan.split.group % 16 == 0
 
 
-def gluon_dots_apply(plan: DecodePlan, common: dict) -> bool:
-    """Whether a dots launch with constexprs ``common`` runs :mod:`kernels.gluon_dots`: :func:`_gluon_dots_part` and
-    the plan's ``gluon_dots`` setting on."""
-    return bool(plan.meta["gluon_dots"] and _gluon_dots_part(plan, common))
+def gluon_dots_apply(plan: DecodePlan, launch: SplitLaunch) -> bool:
+    """Whether the dots ``launch`` runs :mod:`kernels.gluon_dots`: :func:`_gluon_dots_part` and the setting
+    ``gluon_dots`` on."""
+    return bool(plan.split.settings.gluon_dots and _gluon_dots_part(plan, launch))
 
 
 def _pace4_records(plan: DecodePlan) -> bool:
     """PACE-4's records: int8 keys and values, symmetric, one scale per vector, at most 16 of them."""
     _, _, _, K, V = plan.shape
-    r = plan.record_meta
-    return bool(r["KBITS"] == 8 and r["KSYM"] and r["KG"] == K and r["VBITS"] == 8 and r["VSYM"] and r["VG"] == V
+    k, v = plan.records.layout.keys, plan.records.layout.values
+    return bool(k.bits == 8 and k.symmetric and k.group == K and v.bits == 8 and v.symmetric and v.group == V
                 and plan.capacity <= 16)
 
 
 def gluon_step_apply(plan: DecodePlan) -> bool:
     """Whether the one-kernel step runs :mod:`kernels.gluon_step`: one part of symmetric codes
     (:func:`_gluon_dots_part`), PACE-4's records (:func:`_pace4_records`) in 5 to 8 slots (a block of 8, the GPU
-    test's), the exact current token, and the plan's ``gluon_step`` setting on."""
-    common = plan.launches[False][0][1]
-    return bool(plan.meta["gluon_step"] and _gluon_dots_part(plan, common) and common["SYM"] and _pace4_records(plan)
-                and 4 < plan.capacity <= 8 and plan.meta["EXACT"])
+    test's), the exact current token, and the setting ``gluon_step`` on."""
+    return bool(plan.split.settings.gluon_step and _gluon_dots_part(plan, plan.split.launches[False][0])
+                and plan.split.symmetric and _pace4_records(plan) and 4 < plan.capacity <= 8 and plan.exact)
 
 
-def gluon_flush_apply(plan: DecodePlan, common: dict) -> bool:
-    """Whether a flush launch with constexprs ``common`` runs :mod:`kernels.gluon_flush`: :func:`_gluon_part`, key
-    groups of 16 to 64 rows, in one of the two formats checked on the GPU against the Triton kernel: PACE-4's
-    (symmetric codes; int8 keys and values with one scale per vector, at most 16 records) or PACE-4/8's 4-bit heads
-    (packed zero points; 4-bit keys in groups of 16 rows with packed zero points, bfloat16 values, at most 8
-    records); and the plan's ``gluon_flush`` setting on."""
-    r = plan.record_meta
-    pace4 = common["SYM"] and _pace4_records(plan)
-    pace48 = (not common["SYM"] and common["PZ0"] and r["KBITS"] == 4 and r["KG"] == 16 and not r["KSYM"]
-              and r["KPZ"] and r["V_BF16"] and plan.capacity <= 8)
-    return bool(plan.meta["gluon_flush"] and _gluon_part(plan, common) and common["G"] in (16, 32, 64)
+def gluon_flush_apply(plan: DecodePlan, launch: SplitLaunch) -> bool:
+    """Whether the flush ``launch`` runs :mod:`kernels.gluon_flush`: :func:`_gluon_part`, key groups of 16 to 64 rows,
+    in one of the two formats checked on the GPU against the Triton kernel: PACE-4's (symmetric codes; int8 keys and
+    values with one scale per vector, at most 16 records) or PACE-4/8's 4-bit heads (packed zero points; 4-bit keys
+    in groups of 16 rows with packed zero points, bfloat16 values, at most 8 records); and the setting
+    ``gluon_flush`` on."""
+    k, v = plan.records.layout.keys, plan.records.layout.values
+    sym = plan.split.symmetric
+    pace4 = sym and _pace4_records(plan)
+    pace48 = (not sym and launch.ckpt.parts[0].layout.pack_zero and k.bits == 4 and k.group == 16
+              and not k.symmetric and k.packed_zero and v.bf16 and plan.capacity <= 8)
+    return bool(plan.split.settings.gluon_flush and _gluon_part(plan, launch) and plan.split.group in (16, 32, 64)
                 and (pace4 or pace48))
-
-
-def ckpt_common(m: dict) -> dict:
-    """The packed checkpoint's compile-time layout (the split kernels' common constexpr arguments)."""
-    return dict(K=m["K"], V=m["V"], G=m["G"], SYM=m["SYM"], TWO=m["TWO"], BF16=m["BF16"], MAPPED=False,
-                **{f"{x}{i}": m[f"{x}{i}"] for x in ("BITS", "PZ", "CC", "SS", "ZS") for i in (0, 1)})
-
-
-def ckpt_launches(plan: DecodePlan, per_part: bool) -> list[tuple[list, dict, int]]:
-    """``(checkpoint arguments, constexprs, value heads per sequence)`` of each launch of a split kernel.
-
-    A checkpoint of two bit widths (PACE-4/8) is launched once per width (``per_part``) over that width's
-    heads only (``MAPPED``: slot ``i`` of the part is value head ``heads[i]``), so each launch is compiled
-    for one width: compiled for both, a kernel branches on the head's width and pays the larger register
-    count and code size in every program (at B = 128 the per-width flush took 288 us against 377, the
-    window 406 against 460, the dots 55 against 57, ``data/bench/v8_ncu``); in one wave two launches take
-    longer than one. Otherwise one launch over all heads (``plan.ckpt_args[1:]``, the head table read where
-    there are two widths)."""
-    common = ckpt_common(plan.meta)
-    if per_part and plan.part_launches:
-        return [(args, {**common, **layout_args([layout]), "MAPPED": True}, heads)
-                for args, layout, heads in plan.part_launches]
-    return [(plan.ckpt_args[1:], common, plan.shape[2])]
-
-
-def part_args(args: list) -> tuple:
-    """``(head table, codes, fp16 scales, zero points)`` of part 0 in a launch's checkpoint arguments
-    (:func:`ckpt_launches`): what the Gluon kernels, each launched on one part, read."""
-    table, _, codes, scale, zero = args[:5]
-    return table, codes, scale, zero
 
 
 def output_tensor(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

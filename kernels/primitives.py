@@ -2,6 +2,11 @@
 :mod:`pace_core.quant`'s storage format (quantise + pack, unpack + dequantise), and the addressing of a
 packed checkpoint's parts (per-head bit widths).
 
+The kernels take the code widths of :data:`KERNEL_BITS`: 4 bits (two codes per byte, read and written as
+two half tiles of nibbles), 8 bits (a byte each) and 3 bits (:mod:`pace_core.quant`'s dense packing: 8 codes
+in one 24-bit little-endian word of 3 bytes, read and written as three byte planes, :func:`unpack3`,
+:func:`pack3`). A tile's columns are whole words (8 codes at 3 bits).
+
 Every function here is ``@triton.jit`` and follows pace_core's arithmetic step by step (fp32, IEEE
 division, round half to even, fp16 scales clamped into ``[2^-14, 65504]``), so the kernels that use them
 are bit-identical to :mod:`pace_core.quant` wherever they quantise.
@@ -12,11 +17,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 FP16_TINY = tl.constexpr(6.103515625e-05)  # 2^-14, pace_core.quant.FP16_TINY
 
 
 FP16_MAX = tl.constexpr(65504.0)
+
+
+KERNEL_BITS = (3, 4, 8)
+"""The code widths the kernels read and write (module docstring); a configuration with another width runs on the
+PyTorch reference (:func:`kernels.plan.check_kernel_shape` says why)."""
+
+
+def zero_pairs(bits: int, n: int) -> bool:
+    """Whether ``n`` zero points of ``bits`` bits along a row are read and written as nibble pairs (4 bits, an even
+    count); a single 4-bit zero point in a row is its byte, as :mod:`pace_core.quant` stores it, and 3-bit ones
+    are 24-bit words (:func:`unpack3`)."""
+    return bits == 4 and n % 2 == 0
 
 
 RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + RINT_MAGIC rounds x to an integer (|x| <= 2^22)
@@ -216,6 +232,55 @@ def unpack_pairs(p, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def unpack3(b0, b1, b2, ALONG_ROWS: tl.constexpr):
+    """3-bit codes int32 from the three byte planes of their 24-bit words (uint8, one word = 8 codes, byte 0 its
+    low byte): planes ``[W, X]`` give codes ``[8 W, X]`` (``ALONG_ROWS``: the words run down the rows), planes
+    ``[X, W]`` codes ``[X, 8 W]``; code ``i`` of a word is its bits ``3 i .. 3 i + 2``."""
+    word = b0.to(tl.int32) | (b1.to(tl.int32) << 8) | (b2.to(tl.int32) << 16)
+    if ALONG_ROWS:
+        c = (word[:, None, :] >> (tl.arange(0, 8) * 3)[None, :, None]) & 7
+        out = tl.reshape(c, (word.shape[0] * 8, word.shape[1]))
+    else:
+        c = (word[:, :, None] >> (tl.arange(0, 8) * 3)[None, None, :]) & 7
+        out = tl.reshape(c, (word.shape[0], word.shape[1] * 8))
+    return out
+
+
+@triton.jit
+def pack3(c, ALONG_ROWS: tl.constexpr):
+    """The three byte planes (uint8) of 3-bit codes ``c`` (int32 ``0 .. 7``): the inverse of :func:`unpack3`
+    (codes ``[8 W, X]`` -> planes ``[W, X]`` with ``ALONG_ROWS``, else ``[X, 8 W]`` -> ``[X, W]``)."""
+    if ALONG_ROWS:
+        c3 = tl.reshape(c, (c.shape[0] // 8, 8, c.shape[1]))
+        word = tl.sum(c3 << (tl.arange(0, 8) * 3)[None, :, None], axis=1)
+    else:
+        c3 = tl.reshape(c, (c.shape[0], c.shape[1] // 8, 8))
+        word = tl.sum(c3 << (tl.arange(0, 8) * 3)[None, None, :], axis=2)
+    return (word & 255).to(tl.uint8), ((word >> 8) & 255).to(tl.uint8), (word >> 16).to(tl.uint8)
+
+
+@triton.jit
+def load3(at, mask=None):
+    """The 3-bit codes of the words at byte offsets ``at`` (a pointer tile, one per word, ``[W, X]`` or
+    ``[X, W]``), their three planes loaded (masked: 0)."""
+    if mask is None:
+        planes = tl.load(at), tl.load(at + 1), tl.load(at + 2)
+    else:
+        planes = (tl.load(at, mask=mask, other=0), tl.load(at + 1, mask=mask, other=0),
+                  tl.load(at + 2, mask=mask, other=0))
+    return planes
+
+
+@triton.jit
+def store3(at, planes, mask=None):
+    """Store :func:`pack3`'s planes at the words' byte offsets ``at``."""
+    b0, b1, b2 = planes
+    tl.store(at, b0, mask=mask)
+    tl.store(at + 1, b1, mask=mask)
+    tl.store(at + 2, b2, mask=mask)
+
+
+@triton.jit
 def group_offsets(r0, c0, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, PACKED: tl.constexpr):
     """Offsets into one head's scale (PACKED False) or packed zero (PACKED True) array for the
@@ -247,15 +312,23 @@ def store_tile(x, codes_ptr, scale_ptr, zero_ptr, r0, c0, R: tl.constexpr, C: tl
     its codes, scales and zero points at the head's base pointers."""
     codes, scale, zero = quant_tile(x, R, C, G, KEY_AXIS, SYM, BITS)
     rows = r0 + tl.arange(0, R)
-    if BITS <= 4:
+    if BITS == 4:
         cols = c0 // 2 + tl.arange(0, C // 2)
         tl.store(codes_ptr + rows[:, None] * (V // 2) + cols[None, :], pack_pairs(codes, R, C))
+    elif BITS == 3:
+        words = c0 // 8 + tl.arange(0, C // 8)
+        store3(codes_ptr + rows[:, None] * (V * 3 // 8) + words[None, :] * 3, pack3(codes, False))
     else:
         cols = c0 + tl.arange(0, C)
         tl.store(codes_ptr + rows[:, None] * V + cols[None, :], codes.to(tl.uint8))
     tl.store(scale_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, False), scale)
     if not SYM:
-        if PACK_Z:
+        if BITS == 3:
+            tl.static_assert(KEY_AXIS, "3-bit zero points are read along the key axis only (kernels.plan)")
+            words = c0 // 8 + tl.arange(0, C // 8)
+            store3(zero_ptr + (r0 // G + tl.arange(0, R // G))[:, None] * (V * 3 // 8) + words[None, :] * 3,
+                   pack3(zero, False))
+        elif PACK_Z:
             if KEY_AXIS:
                 zp = pack_pairs(zero, R // G, C)
             else:
@@ -271,15 +344,24 @@ def load_tile(codes_ptr, scale_ptr, zero_ptr, r0, c0, R: tl.constexpr, C: tl.con
                SYM: tl.constexpr, BITS: tl.constexpr, PACK_Z: tl.constexpr):
     """Dequantised fp32 tile ``[R, C]`` (rows ``r0``, columns ``c0``) of one head: ``(q - z) * scale``."""
     rows = r0 + tl.arange(0, R)
-    if BITS <= 4:
+    if BITS == 4:
         cols = c0 // 2 + tl.arange(0, C // 2)
         codes = unpack_pairs(tl.load(codes_ptr + rows[:, None] * (V // 2) + cols[None, :]), R, C)
+    elif BITS == 3:
+        words = c0 // 8 + tl.arange(0, C // 8)
+        b0, b1, b2 = load3(codes_ptr + rows[:, None] * (V * 3 // 8) + words[None, :] * 3)
+        codes = unpack3(b0, b1, b2, False)
     else:
         cols = c0 + tl.arange(0, C)
         codes = tl.load(codes_ptr + rows[:, None] * V + cols[None, :]).to(tl.int32)
     scale = tl.load(scale_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, False))
     if SYM:
         zero = tl.zeros(scale.shape, tl.int32)
+    elif BITS == 3:
+        tl.static_assert(KEY_AXIS, "3-bit zero points are read along the key axis only (kernels.plan)")
+        words = c0 // 8 + tl.arange(0, C // 8)
+        z0, z1, z2 = load3(zero_ptr + (r0 // G + tl.arange(0, R // G))[:, None] * (V * 3 // 8) + words[None, :] * 3)
+        zero = unpack3(z0, z1, z2, False)
     else:
         if PACK_Z:
             zp = tl.load(zero_ptr + group_offsets(r0, c0, R, C, G, KEY_AXIS, K, V, True))

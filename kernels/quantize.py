@@ -15,11 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import (bits_of_heads, check_kernel_shape, head_table, layout_args, part_layout, part_pointers,
-                          row_block)
-from .primitives import ckpt_store, ckpt_tile, packed_head, store_as
 from pace_core import quant
+from pace_core.deferred import defer
 from pace_core.errors import PaceError
+
+from .plan import CkptArgs, PartStorage, bits_of_heads, check_kernel_shape, head_table, part_layout, row_block
+from .primitives import ckpt_store, ckpt_tile, packed_head, store_as
 
 
 @triton.jit
@@ -61,8 +62,9 @@ def _dequant_kernel(out_ptr, part_ptr, slot_ptr, c0_ptr, s0_ptr, z0_ptr, c1_ptr,
 
 
 def _check_state(S: torch.Tensor, name: str) -> None:
-    if not isinstance(S, torch.Tensor) or S.dim() < 3:
-        raise PaceError(f"{name}: must be a tensor [..., HV, K, V]; got shape {tuple(getattr(S, 'shape', ()))}")
+    if not isinstance(S, torch.Tensor) or S.dim() < 3 or S.shape[-3] == 0:
+        raise PaceError(f"{name}: must be a tensor [..., HV, K, V] with at least one value head; got shape "
+                        f"{tuple(getattr(S, 'shape', ()))}")
     if S.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise PaceError(f"{name}: dtype {S.dtype} not supported by the kernels; allowed: float32, bfloat16, float16")
 
@@ -71,10 +73,13 @@ def _check_values(S: torch.Tensor, spec: quant.QuantSpec, bits_per_head: list[in
     """PaceError like pace_core.quant's where ``S`` holds NaN or inf, or where a group's fp16 scale would
     overflow (the kernels would saturate it): one reduction (and one device read) decides, since the
     largest magnitude is NaN or inf when any value is; only then is the state counted, or quantised by the
-    reference to name the group."""
+    reference to name the group. Recorded instead while checks are deferred (:mod:`pace_core.deferred`)."""
     if not S.numel():
         return
-    largest = float(S.abs().amax())
+    peak = S.abs().amax()
+    if defer(lambda: ~(peak <= overflow_free(spec, bits_per_head))):  # NaN fails the comparison too
+        return
+    largest = float(peak)
     if not math.isfinite(largest):
         quant.check_finite(S, name)
     if largest > overflow_free(spec, bits_per_head):
@@ -98,7 +103,7 @@ def empty_part(lead: tuple[int, ...], hv: int, K: int, V: int, spec: quant.Quant
     scale = torch.empty(*lead, hv, *sshape, dtype=torch.float16, device=device)
     zero = None
     if not spec.symmetric:
-        zshape = (sshape[0], sshape[1] // 2) if lay.pack_zero else sshape
+        zshape = (sshape[0], quant.packed_last_dim(spec.bits, sshape[1]))
         zero = torch.empty(*lead, hv, *zshape, dtype=torch.uint8, device=device)
     return quant.PackedTensor(codes, scale, zero, spec, (*lead, hv, K, V))
 
@@ -121,10 +126,8 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
     ``out``: storage to write into (same layout as the result; reused, e.g. under CUDA graphs)."""
     _check_state(S, name)
     *lead, HV, K, V = S.shape
-    bits_per_head = [int(b) for b in bits_per_head]
-    if len(bits_per_head) != HV:
-        raise PaceError(f"bits_per_head has {len(bits_per_head)} entries; allowed: one per value head ({HV})")
-    check_kernel_shape(K, V, spec, name)
+    bits_per_head = quant.check_head_bits(bits_per_head, HV)
+    check_kernel_shape(K, V, spec, name, widths=tuple(bits_per_head))
     _check_values(S, spec, bits_per_head, name)
     widths, table = head_table(bits_per_head, S.device)
     specs = [quant.QuantSpec(b, spec.symmetric, spec.axis, spec.group_size) for b in widths]
@@ -136,12 +139,11 @@ def quantize_heads(S: torch.Tensor, bits_per_head: list[int], spec: quant.QuantS
     N = x.numel() // (K * V)
     BK = row_block(K, spec, V)
     hv1 = len(table.heads[widths[1]]) if len(widths) == 2 else 0
+    ckpt = CkptArgs.of_parts(table.part, table.slot, [PartStorage.of(p, K, V) for p in parts],
+                             (len(table.heads[widths[0]]), hv1))
     if N:
-        _quant_kernel[(N, K // BK)](
-            x, table.part, table.slot, *part_pointers(parts), HV, len(table.heads[widths[0]]), hv1,
-            K=K, V=V, BK=BK, G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric,
-            **layout_args([part_layout(s, K, V) for s in specs]),
-        )
+        _quant_kernel[(N, K // BK)](x, *ckpt.pointers(), HV, *ckpt.heads, K=K, V=V, BK=BK, G=spec.group_size,
+                                    KEY_AXIS=spec.axis == "key", SYM=spec.symmetric, **ckpt.constexprs())
     return quant.MixedPackedState(dict(zip(widths, parts)), table.heads, tuple(S.shape))
 
 
@@ -159,7 +161,7 @@ def dequantize_heads(m: quant.MixedPackedState, dtype: torch.dtype = torch.float
     bits_per_head = bits_of_heads({b: m.heads[b] for b in widths}, HV)
     parts = [m.parts[b] for b in widths]
     spec = parts[0].spec
-    check_kernel_shape(K, V, spec, "state")
+    check_kernel_shape(K, V, spec, "state", widths=tuple(widths))
     device = parts[0].codes.device
     _, table = head_table(bits_per_head, device)
     if out is None:
@@ -169,13 +171,13 @@ def dequantize_heads(m: quant.MixedPackedState, dtype: torch.dtype = torch.float
     N = out.numel() // (K * V)
     BK = row_block(K, spec, V)
     hv1 = len(table.heads[widths[1]]) if len(widths) == 2 else 0
+    storage = [PartStorage(p.codes.contiguous(), p.scale.contiguous(),
+                           (p.scale if p.zero is None else p.zero).contiguous(), part_layout(p.spec, K, V))
+               for p in parts]
+    ckpt = CkptArgs.of_parts(table.part, table.slot, storage, (len(table.heads[widths[0]]), hv1))
     if N:
-        _dequant_kernel[(N, K // BK)](
-            out, table.part, table.slot, *[t.contiguous() for t in part_pointers(parts)], HV,
-            len(table.heads[widths[0]]), hv1,
-            K=K, V=V, BK=BK, G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric,
-            **layout_args([part_layout(p.spec, K, V) for p in parts]),
-        )
+        _dequant_kernel[(N, K // BK)](out, *ckpt.pointers(), HV, *ckpt.heads, K=K, V=V, BK=BK, G=spec.group_size,
+                                      KEY_AXIS=spec.axis == "key", SYM=spec.symmetric, **ckpt.constexprs())
     return out
 
 
@@ -184,7 +186,7 @@ def quantize(x: torch.Tensor, spec: quant.QuantSpec, *, name: str = "x") -> quan
     :func:`pace_core.quant.quantize`."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise PaceError(f"{name}: must be a tensor [..., K, V]; got shape {tuple(getattr(x, 'shape', ()))}")
-    m = quantize_heads(x.reshape(-1, 1, *x.shape[-2:]), [spec.bits], spec, name=name)
+    m = quantize_heads(x.reshape(math.prod(x.shape[:-2]), 1, *x.shape[-2:]), [spec.bits], spec, name=name)
     p = m.parts[spec.bits]
     lead = tuple(x.shape[:-2])
     return quant.PackedTensor(

@@ -5,52 +5,87 @@ from the checkpoint's and the records' parts, and writing the token's record in 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from .primitives import expand, quant_tile, round_bf16, store_as, sym_value
-from pace_core import quant
 from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
+
+from .primitives import expand, quant_tile, round_bf16, store_as, sym_value, zero_pairs
 
 RECORD_COUNT = ["n"]
 """``do_not_specialize`` of the kernels that take the buffered record count ``n``: it changes every token, and
 Triton would compile a kernel apart for ``n == 1`` and for ``n % 16 == 0`` (0 included)."""
 
 
-def buffer_tensors(buf: DecodeBuffer) -> dict:
-    """The live storage of ``buf`` (:meth:`DecodeBuffer.storage`) and its record layout: for keys and
-    values the tensor, its fp16 group scales and zero points (the tensor itself where there are none,
-    never read), its bits (0 for float storage), entries per group (the vector's length for one scale per
-    vector), whether it is symmetric and whether its zero points are packed two per byte."""
-    live = buf.storage()
-    key_kind, value_kind = BUFFER_LAYOUT[buf.precision]
-    out = {"n": len(buf), "cap": buf.capacity, "log_decays": live["log_decays"]}
-    for name, single, kind, length in (("keys", "key", key_kind, buf.d_k), ("values", "value", value_kind, buf.d_v)):
-        spec = buf.format.spec(single, length)
-        bits = kind if isinstance(kind, int) else 0
-        group = spec.group_size if spec is not None else length
-        sym = spec is None or spec.symmetric
-        out[name], out[name + "_bits"], out[name + "_group"], out[name + "_sym"] = live[name], bits, group, sym
-        out[name + "_scale"] = live.get(single + "_scale", live[name])
-        out[name + "_zero"] = live.get(single + "_zero", out[name + "_scale"])
-        out[name + "_pz"] = not sym and quant.zero_packed(bits, length // group)
-    return out
+@dataclass(frozen=True)
+class VectorLayout:
+    """How the buffer stores one kind of vector (keys or values) of length ``L``: ``bits`` per entry (0: float
+    storage), ``group`` entries per fp16 scale (``L``: one scale per vector), ``symmetric`` codes or zero points,
+    ``packed_zero`` (zero points two per byte), ``bf16`` (float storage in bfloat16)."""
+
+    bits: int
+    group: int
+    symmetric: bool
+    packed_zero: bool
+    bf16: bool
 
 
-def record_args(buf: DecodeBuffer) -> tuple[dict, tuple]:
-    """(:func:`buffer_tensors`, the record pointers every decode kernel takes: keys, their scales and zero
-    points, values, theirs, log decays)."""
-    st = buffer_tensors(buf)
-    return st, (st["keys"], st["keys_scale"], st["keys_zero"], st["values"], st["values_scale"], st["values_zero"],
-                st["log_decays"])
+@dataclass(frozen=True)
+class RecordLayout:
+    """The records' compile-time layout (every decode kernel's constexprs ``KBITS .. V_BF16``)."""
+
+    keys: VectorLayout
+    values: VectorLayout
+
+    def constexprs(self) -> dict:
+        k, v = self.keys, self.values
+        return dict(KBITS=k.bits, KG=k.group, KSYM=k.symmetric, KPZ=k.packed_zero, VBITS=v.bits, VG=v.group,
+                    VSYM=v.symmetric, VPZ=v.packed_zero, K_BF16=k.bf16, V_BF16=v.bf16)
 
 
-def record_layout(st: dict) -> dict:
-    """The records' compile-time layout (every decode kernel's constexprs) from :func:`buffer_tensors`."""
-    return dict(KBITS=st["keys_bits"], KG=st["keys_group"], KSYM=st["keys_sym"], KPZ=st["keys_pz"],
-                VBITS=st["values_bits"], VG=st["values_group"], VSYM=st["values_sym"], VPZ=st["values_pz"],
-                K_BF16=st["keys"].dtype == torch.bfloat16, V_BF16=st["values"].dtype == torch.bfloat16)
+@dataclass(frozen=True)
+class Records:
+    """A decode buffer's live storage as the kernels take it (:meth:`DecodeBuffer.storage`, pace_core.buffer's
+    layout): ``keys [B, cap, H, K']`` (codes, ``K' = K`` bytes, ``K / 2`` for 4-bit, or float), ``key_scale
+    [B, cap, H, K / KG]`` fp16, ``key_zero`` (zero points; the scales, never read, where there are none),
+    ``values [B, cap, HV, V']``, ``value_scale``, ``value_zero`` likewise, ``log_decays [B, cap, HV]`` fp32; with
+    their layout and the capacity ``cap``. Made once per buffer: the storage stays allocated."""
+
+    keys: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    values: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+    log_decays: torch.Tensor
+    layout: RecordLayout
+    capacity: int
+
+    @classmethod
+    def of(cls, buf: DecodeBuffer) -> Records:
+        live = buf.storage()
+        key_kind, value_kind = BUFFER_LAYOUT[buf.precision]
+        kinds = {}
+        for single, kind, length in (("key", key_kind, buf.d_k), ("value", value_kind, buf.d_v)):
+            spec = buf.format.spec(single, length)
+            bits = kind if isinstance(kind, int) else 0
+            group = spec.group_size if spec is not None else length
+            sym = spec is None or spec.symmetric
+            kinds[single] = VectorLayout(bits, group, sym, not sym and zero_pairs(bits, length // group),
+                                         live[single + "s"].dtype == torch.bfloat16)
+        scale = {s: live.get(s + "_scale", live[s + "s"]) for s in ("key", "value")}
+        return cls(live["keys"], scale["key"], live.get("key_zero", scale["key"]), live["values"], scale["value"],
+                   live.get("value_zero", scale["value"]), live["log_decays"],
+                   RecordLayout(kinds["key"], kinds["value"]), buf.capacity)
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """The record pointers every decode kernel takes, in its order: keys, their scales and zero points, values,
+        theirs, log decays."""
+        return (self.keys, self.key_scale, self.key_zero, self.values, self.value_scale, self.value_zero,
+                self.log_decays)
 
 
 @triton.jit
@@ -158,7 +193,7 @@ def record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, 
     run = g_t * 0.0  # Σ of the log decays of the records after the current block
     rk = tl.zeros((BV,), tl.float32)
     rq = tl.zeros((BV,), tl.float32)
-    for blk in range(0, tl.cdiv(n, NB)):
+    for blk in range(tl.cdiv(n, NB)):
         i = n - (blk + 1) * NB + ridx
         valid = i >= 0
         gb = tl.load(bg_ptr + (b * cap + i) * HV + h, mask=valid, other=0.0)

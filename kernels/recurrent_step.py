@@ -22,12 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import (as_mixed, layout_args, output_tensor, packed_args, part_layout, part_pointers, sm_count,
-                          whole_groups)
-from .primitives import ckpt_base, ckpt_round, ckpt_store, ckpt_tile, head_slot, round_bf16, store_as
-from .quantize import empty_part
 from pace_core import quant
 from pace_core.errors import PaceError
+
+from .plan import CkptArgs, PartLayout, PartStorage, as_mixed, output_tensor, packed_ckpt, sm_count, whole_groups
+from .primitives import ckpt_base, ckpt_round, ckpt_store, ckpt_tile, head_slot, round_bf16, store_as
+from .quantize import empty_part
+from .settings import RecurrentSettings
 
 
 @triton.jit
@@ -102,45 +103,68 @@ def _columns(B: int, HV: int, V: int, device: torch.device, block_v: int | None)
 
 @dataclass(frozen=True)
 class RecurrentPlan:
-    """What the launches of one state's recurrence share from run to run (the storage of a packed
-    checkpoint is new after each run, its layout is not): the state's shape ``(B, HV, K, V)``, its device,
-    the grid, the kernel's constexprs and, for a packed checkpoint, its bit widths (ascending), the head
-    table's arguments (part and slot tensors, the heads of each part) and the empty parts' shapes."""
+    """What the launches of one state's recurrence share from run to run (the storage of a packed checkpoint is new
+    after each run, its layout is not): the state's shape ``(B, HV, K, V)`` and device, the grid, ``columns`` value
+    columns per program, the groups (``group`` entries, along the keys with ``key_axis``, ``symmetric``), whether
+    the state is ``dense`` (in ``bf16_state`` or float32), the warps; for a packed checkpoint its bit widths
+    (ascending), the head table (``table``, ``slot``: process-wide tensors, :func:`kernels.plan.head_table`), each
+    part's value heads per sequence and layout, and each part's storage shape (``lead + heads``, spec)."""
 
     shape: tuple[int, int, int, int]
     device: torch.device
     grid: tuple[int, int]
-    meta: dict
+    columns: int
+    group: int
+    key_axis: bool
+    symmetric: bool
+    dense: bool
+    bf16_state: bool
+    num_warps: int
     widths: tuple[int, ...] = ()
-    table_args: tuple = ()
-    parts: tuple = ()  # per width: (lead + heads, spec, K, V) of its storage
+    table: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+    heads: tuple[int, int] = (0, 0)
+    layouts: tuple[PartLayout, ...] = ()
+    parts: tuple = ()
+
+    def constexprs(self, ckpt: CkptArgs) -> dict:
+        """The kernel's constexprs, the parts' layouts taken from ``ckpt``."""
+        K, V = self.shape[2:]
+        return dict(K=K, V=V, BV=self.columns, G=self.group, KEY_AXIS=self.key_axis, SYM=self.symmetric,
+                    **ckpt.constexprs(), DENSE=self.dense, BF16_STATE=self.bf16_state, num_warps=self.num_warps)
+
+    def ckpt(self, ckpt: quant.PackedTensor | quant.MixedPackedState) -> CkptArgs:
+        """A packed checkpoint of this plan's layout as the kernel takes it (the plan's head table and layouts)."""
+        parts = _parts_of(ckpt, self.widths)
+        return CkptArgs.of_parts(self.table, self.slot, [PartStorage(p.codes, p.scale, p.scale if p.zero is None
+                                                                     else p.zero, layout)
+                                                         for p, layout in zip(parts, self.layouts)], self.heads)
 
 
-def plan_recurrent(ckpt: Checkpoint, block_v: int | None = None, num_warps: int = 4) -> RecurrentPlan:
-    """Validate ``ckpt`` (as :func:`recurrent_run` takes it) and plan its launches (:class:`RecurrentPlan`)."""
+def plan_recurrent(ckpt: Checkpoint, settings: RecurrentSettings | None = None) -> RecurrentPlan:
+    """Validate ``ckpt`` (as :func:`recurrent_run` takes it) and plan its launches (:class:`RecurrentPlan`) with the
+    launch ``settings`` (:class:`kernels.settings.RecurrentSettings`: columns per program and warps)."""
+    settings = settings or RecurrentSettings()
     if isinstance(ckpt, torch.Tensor):
         if ckpt.dim() != 4 or ckpt.dtype not in (torch.float32, torch.bfloat16) or not ckpt.is_contiguous():
             raise PaceError(f"ckpt: {tuple(ckpt.shape)} {ckpt.dtype} not allowed; "
                             "allowed: contiguous float32/bfloat16 [B, HV, K, V]")
         B, HV, K, V = ckpt.shape
-        BV = _columns(B, HV, V, ckpt.device, block_v)
-        layout = part_layout(quant.QuantSpec(8, True, "key", 1), K, V)
-        meta = dict(K=K, V=V, BV=BV, G=1, KEY_AXIS=True, SYM=True, **layout_args([layout]), DENSE=True,
-                    BF16_STATE=ckpt.dtype == torch.bfloat16, num_warps=num_warps)
-        return RecurrentPlan((B, HV, K, V), ckpt.device, (B * HV, V // BV), meta)
+        BV = _columns(B, HV, V, ckpt.device, settings.block_v)
+        return RecurrentPlan((B, HV, K, V), ckpt.device, (B * HV, V // BV), BV, 1, True, True, True,
+                             ckpt.dtype == torch.bfloat16, settings.num_warps)
     m = as_mixed(ckpt)
     B, HV, K, V = ckpt.shape
     widths = tuple(sorted(m.parts))
     device = m.parts[widths[0]].codes.device
     spec = m.parts[widths[0]].spec
-    ckpt_args, layouts, _ = packed_args(m, (B, HV, K, V))
-    BV = whole_groups(_columns(B, HV, V, device, block_v), V, spec.group_size, spec.axis == "key", spec.symmetric,
-                      layouts[0].pack_zero)
-    meta = dict(K=K, V=V, BV=BV, G=spec.group_size, KEY_AXIS=spec.axis == "key", SYM=spec.symmetric,
-                **layout_args(layouts), DENSE=False, BF16_STATE=False, num_warps=num_warps)
+    table, _ = packed_ckpt(m, (B, HV, K, V))
+    BV = whole_groups(_columns(B, HV, V, device, settings.block_v), V, spec.group_size, spec.axis == "key",
+                      spec.symmetric, table.parts[0].layout.pack_zero)
     parts = tuple((m.parts[w].shape[:-2], m.parts[w].spec) for w in widths)
-    return RecurrentPlan((B, HV, K, V), device, (B * HV, V // BV), meta, widths,
-                         (ckpt_args[0], ckpt_args[1], *ckpt_args[-2:]), parts)
+    return RecurrentPlan((B, HV, K, V), device, (B * HV, V // BV), BV, spec.group_size, spec.axis == "key",
+                         spec.symmetric, False, False, settings.num_warps, widths, table.table, table.slot,
+                         table.heads, tuple(p.layout for p in table.parts[:len(widths)]), parts)
 
 
 def _parts_of(ckpt: quant.PackedTensor | quant.MixedPackedState, widths: tuple[int, ...]) -> list[quant.PackedTensor]:
@@ -158,25 +182,24 @@ def _empty_like(ckpt: quant.PackedTensor | quant.MixedPackedState, plan: Recurre
 
 
 def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, block_v: int | None = None, out: torch.Tensor | None = None,
-                  num_warps: int = 4, plan: RecurrentPlan | None = None
-                  ) -> tuple[torch.Tensor, Checkpoint, torch.Tensor | None]:
+                  beta: torch.Tensor, settings: RecurrentSettings | None = None, out: torch.Tensor | None = None,
+                  plan: RecurrentPlan | None = None) -> tuple[torch.Tensor, Checkpoint, torch.Tensor | None]:
     """``T`` tokens of the plain recurrence from ``ckpt``, rounded after each as it is stored (module
     docstring).
 
     ``ckpt``: a dense state ``[B, HV, K, V]`` float32 / bfloat16 contiguous (updated IN PLACE), or a packed
     checkpoint of that shape (pace_core.quant's format; key-axis or value-axis groups, at most two bit
     widths). ``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``, T >= 1;
-    ``block_v``: columns per program (:func:`_columns` when None), ``out``: a contiguous float32 tensor for
-    ``o``; ``plan``: :func:`plan_recurrent` of a checkpoint of ``ckpt``'s layout (then ``block_v`` and
-    ``num_warps`` are the plan's; a caller that runs one state again and again makes it once). Returns
+    ``settings``: columns per program and warps (:class:`kernels.settings.RecurrentSettings`), ``out``: a contiguous
+    float32 tensor for ``o``; ``plan``: :func:`plan_recurrent` of a checkpoint of ``ckpt``'s layout (then
+    ``settings`` are the plan's; a caller that runs one state again and again makes it once). Returns
     ``o [B, T, HV, V]`` float32, the state after the last token (``ckpt`` itself when dense, else new
     storage) and, for a packed checkpoint, the largest ``|S_t|`` of the unrounded states as a float32 device
     tensor ``[1]`` (inf where one held NaN or inf), else None. Matches
     :func:`pace_core.recurrence.gdn_recurrent` token by token with a store after each to float32 rounding
     (dots of length K, another summation order), and a rounded entry one code apart where a state lies
     within that of a rounding boundary."""
-    plan = plan if plan is not None else plan_recurrent(ckpt, block_v, num_warps)
+    plan = plan if plan is not None else plan_recurrent(ckpt, settings)
     B, HV, K, V = plan.shape
     if q.dim() != 4:
         raise PaceError(f"q: shape {tuple(q.shape)} not allowed; allowed: [B, T, H, K]")
@@ -187,30 +210,29 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
                         f"[B, T, HV], [B, T, HV] with T >= 1 and HV a multiple of H (the state is {(B, HV, K, V)})")
     q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q, k, v, g, beta))
     o = output_tensor(out, (B, T, HV, V), plan.device)
-    if plan.meta["DENSE"]:
-        args = [ckpt, *([ckpt] * 8), 0, 0, *([ckpt] * 6)]  # a dense program reads no head table or part
-        new, peak = ckpt, None
+    if plan.dense:  # a dense program reads no head table or part: the state stands in for every pointer
+        src = dst = CkptArgs.dense(ckpt, ckpt)
+        new, peak, state = ckpt, None, ckpt
     else:
         new = _empty_like(ckpt, plan)
-        part, slot, hv0, hv1 = plan.table_args
-        parts = _parts_of(ckpt, plan.widths)
+        src, dst = plan.ckpt(ckpt), plan.ckpt(new)
         peak = torch.zeros(1, dtype=torch.float32, device=plan.device)
-        args = [parts[0].scale, part, slot, *part_pointers(parts), hv0, hv1,
-                *part_pointers(_parts_of(new, plan.widths))]
-    _recurrent_kernel[plan.grid](q, k, v, g, beta, o, o if peak is None else peak, *args, T, H, HV, **plan.meta)
+        state = src.parts[0].scale
+    _recurrent_kernel[plan.grid](q, k, v, g, beta, o, o if peak is None else peak, state, *src.args(),
+                                 *dst.pointers()[2:], T, H, HV, **plan.constexprs(src))
     return o, new, peak
 
 
 def dense_recurrent_step(S: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
-                         g_t: torch.Tensor, beta_t: torch.Tensor, block_v: int | None = None,
-                         out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                         g_t: torch.Tensor, beta_t: torch.Tensor, settings: RecurrentSettings | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """One token on a dense state updated IN PLACE (the fp32 / bf16 per-token baseline):
     ``S [B, HV, K, V]`` float32/bfloat16 contiguous, ``q_t, k_t [B, H, K]``, ``v_t [B, HV, V]``,
-    ``g_t, beta_t [B, HV]``; ``out [B, HV, V]`` float32 contiguous or None. Returns ``o_t [B, HV, V]``
-    float32 (:func:`recurrent_run` with T = 1)."""
+    ``g_t, beta_t [B, HV]``; ``settings``: columns per program and warps; ``out [B, HV, V]`` float32 contiguous or
+    None. Returns ``o_t [B, HV, V]`` float32 (:func:`recurrent_run` with T = 1)."""
     if out is not None and (tuple(out.shape) != (S.shape[0], S.shape[1], S.shape[3]) or not out.is_contiguous()):
         raise PaceError(f"out: {tuple(out.shape)} not allowed; allowed: contiguous float32 "
                         f"{(S.shape[0], S.shape[1], S.shape[3])}")
-    o, _, _ = recurrent_run(S, *(x[:, None] for x in (q_t, k_t, v_t, g_t, beta_t)), block_v=block_v,
-                            out=None if out is None else out[:, None], num_warps=num_warps)
+    o, _, _ = recurrent_run(S, *(x[:, None] for x in (q_t, k_t, v_t, g_t, beta_t)), settings,
+                            out=None if out is None else out[:, None])
     return o[:, 0] if out is None else out

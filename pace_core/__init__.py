@@ -3,7 +3,7 @@
 Never imports streamlit; the dashboard (app.py, pages/) only calls into this package.
 """
 
-__version__ = "0.1.0"
+from pace_core._version import __version__
 
 __all__ = ["__version__", "apply"]
 

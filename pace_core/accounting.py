@@ -21,19 +21,30 @@
   codes alone (:func:`paper_c`). There is no buffer at dP = 1 (per-token rounding): the term is 0 there
   (``c`` is still reported).
 - ``metadata`` **[ours]**: what the implementation stores beyond payload and ``c · dP``: DAMP's outlier-row
-  indices and PACE-4/8's head map (int16 per value head, once per layer), and the padding of 2- and 3-bit
-  codes (stored two per byte). So ``resident`` equals the exact stored bits (``exact_bits``).
+  indices and PACE-4/8's head map (int16 per value head, once per layer), and the padding of a row of codes or
+  zero points to a whole byte (every width is packed densely: 0 where rows of b-bit codes fill whole bytes, e.g.
+  3-bit zero points of 4 value-axis groups a row take 2 bytes for 12 bits). So ``resident`` equals the exact
+  stored bits (``exact_bits``).
 
 **Exact bits** (``exact_bits``, :func:`state_bytes`): the bytes the implementation stores, from the
-storage code itself: :func:`pace_core.quant.packed_nbytes` (2..4-bit codes two per byte, so a 3-bit
-code occupies 4 bits; 5..8-bit codes one byte; fp16 scales; zero points packed two per byte when
-b <= 4, else one byte), separate packed parts for the low- and high-bit heads (the head map is part
-of the configuration, not of a sequence), :meth:`pace_core.outliers.DampQuantizer.nbytes` (fp16
+storage code itself: :func:`pace_core.quant.packed_nbytes` (b-bit codes packed densely, ``ceil(n b / 8)``
+bytes a row of n; fp16 scales; zero points packed the same way along their rows), separate packed parts for the
+low- and high-bit heads (the head map is part
+of the configuration, not of a sequence), :meth:`pace_core.methods.damp.DampQuantizer.nbytes` (fp16
 outlier rows, INT-b rest with fp16 scales, and the int16 outlier-row indices ``[HV, r]`` once per
 layer), DSQ's packed codes with fp16 row scales ``[K]`` and column scales ``[V]`` per head, and
 :func:`pace_core.buffer.record_bytes` times dP records (int8 / mixed buffers add one fp16 scale per
 key vector and, for int8, per value vector). ``exact_bits`` is ``8 · state_bytes(cfg, shape, 1)``
 divided by the state values of one sequence.
+
+**Outside the state, by design** (:func:`host_bytes`): stochastic rounding's generator (``pace-4-sr``). Each
+GDN layer's format holds one ``torch.Generator`` (:attr:`pace_core.checkpoint.StateFormat.generator`), a host object
+whose state is 5,056 bytes on the CPU (torch's Mersenne Twister: 121,344 B = 121 KB at Qwen3.5-4B's 24 GDN layers)
+and 16 bytes on the host for a CUDA generator (Philox seed and offset). It is the rounding's source of randomness,
+not a sequence's state: it is kept once per layer whatever the number of sequences, never in the device memory
+that :func:`capacity` budgets, never in a serving pool (a vLLM pool refuses stochastic rounding), and it is no
+tensor, so :func:`state_bytes` and the bytes held (:func:`pace_core.memory.held_bytes`) both leave it out.
+:func:`host_bytes` reports it.
 
 Readings of the seeds' numbers (reported, and checked in tests/test_accounting.py):
 
@@ -61,6 +72,8 @@ Readings of the seeds' numbers (reported, and checked in tests/test_accounting.p
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -69,6 +82,7 @@ import torch
 from pace_core.buffer import BUFFER_LAYOUT, entry_bits, record_bytes
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.frontier import KL, Axis, Point, best_under
 from pace_core.methods import method_of
 from pace_core.shapes import ModelShape
 
@@ -150,6 +164,16 @@ def state_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int) -> int:
         record = record_bytes(cfg.buffer_format, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v)
         total += shape.num_gdn_layers * n_seq * cfg.decode_period * record
     return total
+
+
+def host_bytes(cfg: PaceConfig, shape: ModelShape, device: torch.device | str = "cpu") -> int:
+    """Bytes ``cfg`` keeps on the host beside its state on ``device``, outside :func:`state_bytes` by design
+    (module docstring): stochastic rounding's generators, one per GDN layer (the size of a ``torch.Generator``'s
+    state on ``device``: 5,056 on the CPU, 16 for CUDA); 0 for every other configuration."""
+    _check(cfg, shape)
+    if cfg.rounding != "stochastic":
+        return 0
+    return shape.num_gdn_layers * torch.Generator(device).get_state().numel()
 
 
 def state_bytes_per_sequence(cfg: PaceConfig, shape: ModelShape) -> int:
@@ -249,6 +273,29 @@ def capacity(cfg: PaceConfig, shape: ModelShape, budget_bytes: int, *, weight_bi
     return Capacity(sequences=n, weight_bytes=weights, fixed_bytes=fixed, state_bytes_per_sequence=per_state,
                     kv_bytes_per_sequence=kv,
                     state_bytes=state, state_share=state / budget_bytes if budget_bytes else 0.0)
+
+
+def best_in_memory(points: Sequence[Point], configs: Mapping[str, PaceConfig], shape: ModelShape, memory_bytes: int,
+                   sequences: int, *, context: int = 0, weight_bits: int | None = None,
+                   axis: Axis = KL) -> Point | None:
+    """The recommendation for a memory: among the ``points`` whose configuration (``configs[point.config]``, as
+    calibrated on the model) holds ``sequences`` sequences of ``context`` tokens in ``memory_bytes`` by
+    :func:`capacity`, the best on the quality ``axis`` (:func:`pace_core.frontier.best_under` with no bit budget left
+    to it: lowest KL by default; ties: fewer bits, then the name); None when none with a value on the axis fits.
+
+    Like with like: :func:`capacity` takes the weights and what a configuration keeps once per layer or per model
+    (head maps, DAMP's row indices, STEPQuant's widths and impact weights, static scales' ranges) from the memory
+    first, then counts each sequence's state bytes and attention KV against what is left. One sequence's resident
+    bits, which carry the once-per-layer bytes whole, are never set against a per-sequence budget."""
+    _check_n(sequences, "sequences")
+    if sequences < 1:
+        raise PaceError(f"sequences={sequences!r} is not allowed; allowed: an integer >= 1")
+    missing = [p.config for p in points if p.config not in configs]
+    if missing:
+        raise PaceError(f"no configuration for the points {', '.join(missing)}; allowed: one per point")
+    fit = [p for p in points if capacity(configs[p.config], shape, memory_bytes, weight_bits=weight_bits,
+                                         context=context).sequences >= sequences]
+    return best_under(fit, math.inf, axis)
 
 
 def sequences_that_fit(cfg: PaceConfig, shape: ModelShape, budget_bytes: int) -> int:

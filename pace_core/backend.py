@@ -33,9 +33,8 @@ from pace_core.errors import PaceError
 from pace_core.recurrence import buffered_step, buffered_window, fold, gdn_recurrent, gdn_segment
 
 if TYPE_CHECKING:
-    from pace_core.buffer import BufferFormat
+    from pace_core.buffer import BufferFormat, DecodeBuffer
     from pace_core.checkpoint import Checkpoint, RoundingFormat, StateFormat
-    from pace_core.schedule import PeriodicState
 
 KERNELS_ENV = "PACE_KERNELS"
 KERNELS_SOURCE = Path(__file__).resolve().parents[1] / "kernels"
@@ -51,6 +50,22 @@ def backend_setting(setting: str | None = None) -> str:
         source = "backend" if setting is not None else KERNELS_ENV
         raise PaceError(f"{source}={value!r} not allowed; allowed: {', '.join(BACKEND_SETTINGS)}")
     return value
+
+
+class PeriodicState(Protocol):
+    """What a backend reads and writes of the schedule it steps (:class:`pace_core.schedule.PeriodicState`, which
+    calls it): the format, the stored checkpoint and the decode buffer."""
+
+    fmt: StateFormat | RoundingFormat
+    checkpoint: Checkpoint
+    buffer: DecodeBuffer
+    exact_current: bool
+
+    def loaded(self) -> torch.Tensor: ...
+
+    def store(self, S: torch.Tensor) -> None: ...
+
+    def set_checkpoint(self, checkpoint: Checkpoint, loaded: torch.Tensor | None = None) -> None: ...
 
 
 class Steps(Protocol):

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
 
 import torch
 
 from pace_core import quant
 from pace_core.errors import PaceError
 
-Precision = Literal["fp32", "bf16", "int8", "mixed", "fp64"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8", "mixed", "fp64")
 
 # precision -> (key storage, value storage): a torch dtype or an integer bit width (kernels read it too)
@@ -271,8 +269,10 @@ class DecodeBuffer:
             held = records_held(self._decays)
             self._len = int(held[0]) if held.numel() else 0
             if not bool((held == self._len).all()):
-                raise PaceError(f"storage: rows holding {sorted(set(held.tolist()))} records not allowed in one buffer; "
-                                "allowed: rows holding the same number of records")
+                raise PaceError(
+                    f"storage: rows holding {sorted(set(held.tolist()))} records not allowed in one buffer; "
+                    "allowed: rows holding the same number of records"
+                )
 
     def __len__(self) -> int:
         return self._len
@@ -386,6 +386,13 @@ class DecodeBuffer:
                 f"n: {n!r} not allowed; allowed: an integer 0..{self.capacity - self._len} (free slots)"
             )
         self._len += n
+
+    def recount(self, n: int) -> None:
+        """The count of records in the storage, set from outside: what a recorded CUDA graph's call left after
+        its replay wrote them (:mod:`pace_core.graphs`)."""
+        if not isinstance(n, int) or not 0 <= n <= self.capacity:
+            raise PaceError(f"n: {n!r} not allowed; allowed: an integer 0..{self.capacity}")
+        self._len = n
 
     def clear(self) -> None:
         """Forget all records (storage stays allocated; their log decays marked :data:`EMPTY`)."""

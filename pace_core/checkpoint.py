@@ -16,15 +16,17 @@ several quantisers on slices of one stacked batch this way).
 
 from __future__ import annotations
 
+import functools
+import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from pace_core import quant
-
-if TYPE_CHECKING:
-    from pace_core.config import PaceConfig
+from pace_core.errors import PaceError
+from pace_core.settings import Configuration
 
 Checkpoint = Any
 """A stored checkpoint: a plain tensor, or an object of the protocol of the module docstring."""
@@ -65,6 +67,35 @@ def reorder(c: Checkpoint, index: torch.Tensor) -> None:
         t.copy_(t.index_select(0, index))
 
 
+def hadamard(n: int, *, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> torch.Tensor:
+    """Normalised Sylvester Hadamard matrix H [n, n] (n a power of two): H = Hᵀ, H Hᵀ = I. Kept per size,
+    dtype and device (a decode step rotates with it twice per layer): shared, never to be written."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise PaceError(f"hadamard size (the rotated head dim)={n!r} is not supported; allowed: powers of two "
+                        "1, 2, 4, ..., or no rotation")
+    return _hadamard(n, dtype, torch.device("cpu") if device is None else torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).to(dtype)
+
+
+def rotate_keys(S: torch.Tensor) -> torch.Tensor:
+    """``H S`` along the key axis of ``S [..., K, V]`` (H the orthonormal Sylvester Hadamard of size K, a power of
+    two), computed in float64 and rounded once to float32: the state a key-rotated format quantises."""
+    return torch.matmul(hadamard(S.shape[-2], device=S.device), S.to(torch.float64)).to(torch.float32)
+
+
+def unrotate_keys(Y: torch.Tensor) -> torch.Tensor:
+    """``Hᵀ Y`` along the key axis of ``Y [..., K, V]`` (the inverse of :func:`rotate_keys`; ``Hᵀ = H``), computed
+    in float64 and rounded once to float32."""
+    return torch.matmul(hadamard(Y.shape[-2], device=Y.device).T, Y.to(torch.float64)).to(torch.float32)
+
+
 class StateFormat(ABC):
     """The storage of one GDN layer's checkpoint under ``cfg``; each method's subclass implements
     :meth:`store_loaded` and :meth:`load`.
@@ -85,7 +116,7 @@ class StateFormat(ABC):
     dtype: torch.dtype | None = None
     """The dtype of a plain-tensor checkpoint (method ``none``), else None."""
 
-    def __init__(self, cfg: PaceConfig, bits_per_head: tuple[int, ...], layer: dict[str, torch.Tensor] | None = None,
+    def __init__(self, cfg: Configuration, bits_per_head: tuple[int, ...], layer: dict[str, torch.Tensor] | None = None,
                  name: str = "state", gdn_index: int = 0) -> None:
         self.cfg, self.bits_per_head, self.layer, self.name = cfg, tuple(bits_per_head), layer, name
         self.gdn_index, self.device = gdn_index, torch.device("cpu")
@@ -118,15 +149,11 @@ class StateFormat(ABC):
 
     def rotate(self, S: torch.Tensor) -> torch.Tensor:
         """``S [B, HV, K, V]`` in the basis the format quantises: ``H S`` along the key axis with ``key_hadamard``
-        (:func:`pace_core.outliers.rotate_keys`), else ``S`` itself."""
-        from pace_core.outliers import rotate_keys
-
+        (:func:`rotate_keys`), else ``S`` itself."""
         return rotate_keys(S) if self.cfg.key_hadamard else S
 
     def unrotate(self, Y: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`rotate` (``Hᵀ Y`` with ``key_hadamard``, else ``Y``)."""
-        from pace_core.outliers import unrotate_keys
-
         return unrotate_keys(Y) if self.cfg.key_hadamard else Y
 
     def store(self, S: torch.Tensor) -> Checkpoint:
@@ -149,23 +176,16 @@ class StateFormat(ABC):
     nbytes = staticmethod(checkpoint_bytes)
 
 
-def state_format(cfg: PaceConfig, bits_per_head: tuple[int, ...], layer: dict[str, torch.Tensor] | None = None,
-                 name: str = "state", gdn_index: int = 0) -> StateFormat:
-    """The :class:`StateFormat` of ``cfg``'s method for GDN layer ``gdn_index`` (:attr:`pace_core.methods.Method.format`)."""
-    from pace_core.methods import method_of
-
-    return method_of(cfg).format(cfg, bits_per_head, layer, name, gdn_index)
-
-
 class RoundingFormat:
     """A dense checkpoint in ``dtype`` rounded by ``round_fn(S [B, HV, K, V]) -> S`` (e.g. fake quantisation,
-    bit-identical to storing and loading :mod:`pace_core.quant`'s format)."""
+    bit-identical to storing and loading :mod:`pace_core.quant`'s format). ``dtype`` has no default: a float64
+    analysis keeps float64 checkpoints, a float32 one float32 (the caller says which)."""
 
     exact = False
     spec = None
 
-    def __init__(self, round_fn: Callable[[torch.Tensor], torch.Tensor], name: str = "state",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, round_fn: Callable[[torch.Tensor], torch.Tensor], name: str = "state", *,
+                 dtype: torch.dtype) -> None:
         self.round_fn, self.name, self.dtype = round_fn, name, dtype
 
     def to(self, device: torch.device) -> RoundingFormat:

@@ -7,7 +7,8 @@ a pandas DataFrame or an HTML string, so each can be unit-tested without a brows
 from __future__ import annotations
 
 import html
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -15,7 +16,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from pace_core.accounting import capacity, resident_bits
-from pace_core.config import PaceConfig
+from pace_core.config import PaceConfig, get_config
+from pace_core.errors import PaceError
 from pace_core.shapes import ModelShape
 
 MIB = 2**20
@@ -161,7 +163,7 @@ def rms_profiles(col_rms: Any, row_rms: Any, col_ratio: float, row_ratio: float,
     col, row = _np(col_rms), _np(row_rms)
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
         f"column RMS (max/median {col_ratio:.2f})", f"row RMS (max/median {row_ratio:.2f})"))
-    outliers = set(int(j) for j in outlier_columns)
+    outliers = {int(j) for j in outlier_columns}
     for c, prof, axis_name, marked in ((1, col, "value column j", outliers), (2, row, "key row i", set())):
         med = float(np.median(prof))
         colours = ["#d62728" if j in marked else "#4a78c2" for j in range(len(prof))]
@@ -318,6 +320,57 @@ def resident_bits_table(configs: Mapping[str, PaceConfig], shape: ModelShape) ->
     return pd.DataFrame(rows)
 
 
+def at_width(cfg: PaceConfig, bits: int) -> PaceConfig:
+    """``cfg`` with its codes at ``bits`` bits, its high-bit heads (if any) at least as wide (PACE-4/8 at 3 bits
+    is PACE-3/8); the rest as it is."""
+    return cfg.replace(bits=bits, high_bits=max(cfg.high_bits, bits))
+
+
+def width_table(cfg: PaceConfig, shape: ModelShape, widths: Iterable[int] = range(2, 9), *,
+                budget_bytes: int | None = None, weight_bits: int | None = None, context: int = 0) -> pd.DataFrame:
+    """What each code width costs with the other settings of ``cfg`` on ``shape`` (:func:`at_width`), from
+    :mod:`pace_core.accounting`: the resident bits per state value (every width stored densely), the state bytes
+    each sequence adds, their saving against fp32 states and, with ``budget_bytes``, the sequences that fit beside
+    the weights (``weight_bits``) and ``context`` tokens of attention KV each (:func:`pace_core.accounting.capacity`).
+    One row per width the method takes (a width it refuses, e.g. STEPQuant's other than 4 and 6, is left out);
+    ``current``: the width of ``cfg``. Empty for the references (no codes)."""
+    columns = ["bits", "resident bits", "state KiB / sequence", "× fewer than fp32", "current"]
+    if budget_bytes is not None:
+        columns.append("sequences")
+    if not cfg.quantized:
+        return pd.DataFrame(columns=columns)
+    fp32 = capacity(get_config("fp32"), shape, 0).state_bytes_per_sequence
+    rows = []
+    for b in widths:
+        try:
+            other = at_width(cfg, b)
+            other.validate_for(shape)
+        except PaceError:
+            continue
+        per = capacity(other, shape, budget_bytes or 0, weight_bits=weight_bits, context=context)
+        row = {"bits": b, "resident bits": resident_bits(other, shape).resident_bits,
+               "state KiB / sequence": per.state_bytes_per_sequence / 1024,
+               "× fewer than fp32": fp32 / per.state_bytes_per_sequence, "current": b == cfg.bits}
+        if budget_bytes is not None:
+            row["sequences"] = per.sequences
+        rows.append(row)
+    return pd.DataFrame(rows, columns=columns)
+
+
+def width_figure(table: pd.DataFrame, label: str) -> go.Figure:
+    """Resident bits per state value of each code width (:func:`width_table`), the saving against fp32 states on
+    each bar, the current width darker."""
+    fig = go.Figure(go.Bar(
+        x=[f"{b}-bit" for b in table["bits"]], y=table["resident bits"],
+        marker_color=["#2f6fdf" if current else "#9dbcf0" for current in table["current"]],
+        text=[f"{r:.2f} bits · {x:.1f}× fewer" for r, x in zip(table["resident bits"], table["× fewer than fp32"])],
+        textposition="outside", hovertemplate=f"{label} at %{{x}}<br>%{{y:.3f}} bits/value<extra></extra>"))
+    fig.update_layout(height=360, yaxis_title="resident bits per state value", xaxis_title="code width",
+                      margin=dict(t=30, l=60, r=20, b=50),
+                      yaxis_range=[0, float(table["resident bits"].max()) * 1.2 if len(table) else 1])
+    return fig
+
+
 def resident_bits_figure(table: pd.DataFrame) -> go.Figure:
     """Stacked bars payload / metadata / c·dP per configuration with the total on top."""
     fig = go.Figure()
@@ -396,26 +449,35 @@ def capacity_figure(capacities: Mapping[str, Any], budget_bytes: int) -> go.Figu
     return fig
 
 
-def compare_figure(table: pd.DataFrame, best: str | None = None, budget_bits: float | None = None) -> go.Figure:
-    """Resident bits per state value against KL to fp32, both on log axes, one labelled point per configuration
-    (``table``: config, resident_bits, kl, frontier; :func:`pace_core.analysis.compare.comparison`), the Pareto
-    frontier as a line through its points, ``best`` ringed and ``budget_bits`` as a dashed vertical line. A point of
-    KL 0 (the fp32 reference) cannot sit on a log axis and is left out."""
-    shown = table[table["kl"] > 0].sort_values(["resident_bits", "kl"])
+def compare_figure(table: pd.DataFrame, best: str | None = None, budget_bits: float | None = None, *, y: str = "kl",
+                   y_title: str = "KL to fp32 (nats per token, log scale)", log_y: bool = True,
+                   error: str | None = None) -> go.Figure:
+    """Resident bits per state value (log axis) against a quality column ``y`` (default KL to fp32, log axis), one
+    labelled point per configuration (``table``: config, resident_bits, ``y``, frontier;
+    :func:`pace_core.analysis.compare.comparison` or :func:`~pace_core.analysis.compare.axis_table`), the Pareto
+    frontier as a line through its points, ``best`` ringed, ``budget_bits`` as a dashed vertical line and, with
+    ``error``, the column of each value's standard error as error bars. On a log axis a point of value 0 or less
+    (the fp32 reference's KL) cannot sit and is left out."""
+    shown = table[table[y] > 0] if log_y else table[table[y].notna()]
+    shown = shown.sort_values(["resident_bits", y])
     on = shown[shown["frontier"]]
+    bars = None
+    if error is not None and shown[error].notna().any():
+        bars = dict(type="data", array=list(shown[error].fillna(0.0)), visible=True, color="#8a8f98")
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=on["resident_bits"], y=on["kl"], mode="lines", name="frontier",
+    fig.add_trace(go.Scatter(x=on["resident_bits"], y=on[y], mode="lines", name="frontier",
                              line=dict(color="#3aa675", width=2), hoverinfo="skip"))
-    fig.add_trace(go.Scatter(x=shown["resident_bits"], y=shown["kl"], mode="markers+text", name="configurations",
-                             text=list(shown["config"]), textfont=dict(size=11),
+    fig.add_trace(go.Scatter(x=shown["resident_bits"], y=shown[y], mode="markers+text", name="configurations",
+                             text=list(shown["config"]), textfont=dict(size=11), error_y=bars,
                              # neighbours' labels above and below in turn: points of close bits crowd
                              textposition=["top right" if i % 2 == 0 else "bottom right" for i in range(len(shown))],
                              marker=dict(size=9, color=np.where(shown["frontier"], "#3aa675", "#2f6fdf")),
                              customdata=shown["config"],
-                             hovertemplate="%{customdata}<br>%{x:.3f} bits, KL %{y:.2e}<extra></extra>"))
+                             hovertemplate="%{customdata}<br>%{x:.3f} bits, "
+                                           + ("KL %{y:.2e}" if y == "kl" else "%{y:.4g}") + "<extra></extra>"))
     if best is not None and best in set(shown["config"]):
         row = shown[shown["config"] == best].iloc[0]
-        fig.add_trace(go.Scatter(x=[row["resident_bits"]], y=[row["kl"]], mode="markers", name=f"best: {best}",
+        fig.add_trace(go.Scatter(x=[row["resident_bits"]], y=[row[y]], mode="markers", name=f"best: {best}",
                                  marker=dict(size=20, color="rgba(0,0,0,0)", line=dict(color="#d62728", width=3)),
                                  hoverinfo="skip"))
     bits = list(shown["resident_bits"])
@@ -426,8 +488,10 @@ def compare_figure(table: pd.DataFrame, best: str | None = None, budget_bits: fl
     fig.update_xaxes(type="log", title="resident bits per state value (log scale; dashed: the budget)",
                      tickvals=[2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64],
                      range=[np.log10(min(bits) / 1.1), np.log10(max(bits) * 1.25)] if bits else None)
-    fig.update_yaxes(type="log", title="KL to fp32 (nats per token, log scale)", tickvals=log_ticks(shown["kl"]),
-                     tickformat=".0e")
+    if log_y:
+        fig.update_yaxes(type="log", title=y_title, tickvals=log_ticks(shown[y]), tickformat=".0e")
+    else:
+        fig.update_yaxes(title=y_title)
     fig.update_layout(height=480, margin=dict(t=30, l=70, r=20, b=50), legend=dict(orientation="h", y=1.08))
     return fig
 

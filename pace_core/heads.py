@@ -5,21 +5,24 @@ so with one rounding every dP tokens the retained error is ``E_h = e_h / (1 − 
 **[seed]**. **[ours]**: ``a_h`` is the mean of ``α_t = exp(g_t)`` over calibration tokens;
 ``e_h`` is the mean over calibration states of ``‖Q(S) − S‖²_F`` with the config's low-bit
 quantiser (:func:`pace_core.quant.fake_quantize`). In each layer the ``round(share · HV)`` heads
-with the largest ``E_h`` keep the high bit width (:func:`pace_core.config.num_high_heads`, ¼ of 48
+with the largest ``E_h`` keep the high bit width (:func:`num_high_heads`, ¼ of 48
 heads = 12); ties go to the lower head index.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
 
 import torch
 
 from pace_core.errors import PaceError
 from pace_core.quant import QuantSpec, check_finite, fake_quantize
+from pace_core.settings import Configuration
 
-if TYPE_CHECKING:
-    from pace_core.config import PaceConfig
+
+def num_high_heads(share: float, num_heads: int) -> int:
+    """Heads per layer kept at ``high_bits``: ``share · num_heads`` rounded half up (¼ of 48 = 12)."""
+    return math.floor(share * num_heads + 0.5)
 
 
 def head_decay(g: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,7 +87,9 @@ def retained_error(e: torch.Tensor, a: torch.Tensor, dP: int) -> torch.Tensor:
     return e / (1.0 - a.clamp(max=MAX_DECAY).pow(2 * dP))
 
 
-def high_heads_for(a: torch.Tensor, e: torch.Tensor, cfg: PaceConfig) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
+def high_heads_for(
+    a: torch.Tensor, e: torch.Tensor, cfg: Configuration
+) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
     """The allocation of PACE-4/8 (spec §4) from a calibration: ``E [L, HV]`` (:func:`retained_error` at the
     config's dP) and the heads per layer that keep ``cfg.high_bits`` (:func:`allocate_high_heads` at its
     share). ``a, e [L, HV]``."""
@@ -104,8 +109,6 @@ def allocate_high_heads(E: torch.Tensor, share: float) -> tuple[tuple[int, ...],
         raise PaceError("E holds NaN; allowed: retained errors >= 0 (inf allowed)")
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise PaceError(f"share={share!r} is not allowed; allowed: a number in [0, 1]")
-    from pace_core.config import num_high_heads
-
     n = num_high_heads(float(share), E.shape[1])
     heads = []
     for row in E.to(torch.float64).cpu():

@@ -1,7 +1,8 @@
 """Bytes as held, counted from the objects themselves (the check of :mod:`pace_core.accounting`'s figures):
 
 - :func:`held_storages`: the storage of every tensor reachable from an object (a
-  :class:`~pace_core.state_store.StateStore`, a cache), each counted once, whatever views share it;
+  :class:`~pace_core.state_store.StateStore`, a cache), each counted once, whatever views share it
+  (:func:`reachable_tensors`: those tensors);
 - :class:`PeakBytes`: while active, the bytes of the tensors that torch operations allocate and are still
   alive, and their peak (the transient workspace of a call: what it needs beyond the state it started with);
 - :func:`keep_freed_memory`: the process's C allocator told to reuse freed memory (a CPU step's workspace).
@@ -24,12 +25,11 @@ _ATOMS = (type, types.ModuleType, types.FunctionType, types.MethodType, types.Bu
           float, bool, complex, type(None))
 
 
-def held_storages(root: Any, skip: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:
-    """``{storage address: bytes}`` of every tensor reachable from ``root`` through attributes, ``__slots__``,
-    dataclass fields, dicts, lists, tuples and sets (not through modules, classes or functions), leaving out
-    the storages at the addresses ``skip``."""
+def reachable_tensors(root: Any) -> list[torch.Tensor]:
+    """Every tensor reachable from ``root`` through attributes, ``__slots__``, dataclass fields, dicts, lists,
+    tuples and sets (not through modules, classes or functions), each object once."""
     seen: set[int] = set()
-    found: dict[int, int] = {}
+    found: list[torch.Tensor] = []
     todo = [root]
     while todo:
         obj = todo.pop()
@@ -37,9 +37,7 @@ def held_storages(root: Any, skip: frozenset[int] | set[int] = frozenset()) -> d
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in skip:
-                found[storage.data_ptr()] = storage.nbytes()
+            found.append(obj)
         elif isinstance(obj, dict):
             todo.extend(obj.keys())
             todo.extend(obj.values())
@@ -50,6 +48,13 @@ def held_storages(root: Any, skip: frozenset[int] | set[int] = frozenset()) -> d
             todo.extend(getattr(obj, name) for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())
                         if isinstance(name, str) and hasattr(obj, name))
     return found
+
+
+def held_storages(root: Any, skip: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:
+    """``{storage address: bytes}`` of every tensor reachable from ``root`` (:func:`reachable_tensors`), each
+    storage counted once whatever views share it, leaving out the storages at the addresses ``skip``."""
+    storages = (t.untyped_storage() for t in reachable_tensors(root))
+    return {st.data_ptr(): st.nbytes() for st in storages if st.data_ptr() not in skip}
 
 
 def held_bytes(root: Any, skip: frozenset[int] | set[int] = frozenset()) -> int:

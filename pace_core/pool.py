@@ -30,9 +30,10 @@ import torch
 
 from pace_core.backend import backend_setting, select_steps
 from pace_core.buffer import EMPTY, DecodeBuffer, records_held
-from pace_core.checkpoint import checkpoint_tensors, state_format, with_tensors
+from pace_core.checkpoint import checkpoint_tensors, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.methods import state_format
 from pace_core.pool_cpu import Failure, FusedPool
 from pace_core.quant import all_finite
 from pace_core.recurrence import fold_records, gdn_gates, prepare_qk, step_records
@@ -191,8 +192,9 @@ class StatePool:
     def decode_projected(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                          out: torch.Tensor) -> None:
-        """:meth:`decode` of a GDN layer's projections: ``q, k [B, H, K]`` before :func:`pace_core.recurrence.prepare_qk`,
-        ``v [B, HV, V]``, ``a, b [B, HV]`` and the layer's ``A_log, dt_bias [HV]`` (:func:`pace_core.recurrence.gdn_gates`),
+        """:meth:`decode` of a GDN layer's projections: ``q, k [B, H, K]`` before
+        :func:`pace_core.recurrence.prepare_qk`, ``v [B, HV, V]``, ``a, b [B, HV]`` and the layer's
+        ``A_log, dt_bias [HV]`` (:func:`pace_core.recurrence.gdn_gates`),
         ``o`` written into ``out [B, HV, V]`` in its dtype. The fused CPU step does it all in one operator."""
         if self.fused is not None and all(x.dtype != torch.float64 for x in (q, k, v, a, b)):
             self._run_fused(slots, (q, k, v, a, b), out, (A_log, dt_bias))
@@ -217,7 +219,8 @@ class StatePool:
         if failure.kind == "input":
             raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
         if failure.kind == "slot":
-            raise PaceError(f"slots: {int(slots[failure.row])} not allowed for {self.name}; allowed: 0..{self.slots - 1}")
+            raise PaceError(f"slots: {int(slots[failure.row])} not allowed for {self.name}; "
+                            f"allowed: 0..{self.slots - 1}")
         if failure.kind == "record":
             u = torch.zeros(1, HV, V)
             u[0, failure.head] = failure.u
@@ -235,7 +238,9 @@ class StatePool:
         """:meth:`decode` of rows at any counts at once (the reference: the method's docstring)."""
         cfg, records = self.cfg, self.records
         counts = records_held(self.tensors["log_decays"].index_select(0, slots))
-        checkpoint = with_tensors(self.template, {n: self.tensors[n].index_select(0, slots) for n in self.checkpoint_names})
+        checkpoint = with_tensors(
+            self.template, {n: self.tensors[n].index_select(0, slots) for n in self.checkpoint_names}
+        )
         S_hat = self.fmt.load(checkpoint)
         o, u = step_records(S_hat, records.masked_records(slots, counts, int(counts.max())), q, k, v, g, beta,
                             cfg.exact_current_token, records.rounded, records.dtype)
@@ -283,8 +288,8 @@ class StatePool:
         bounds = starts.tolist()
         if self.fused is not None and all(e > s for s, e in zip(bounds, bounds[1:])) and \
                 all(x.dtype != torch.float64 for x in (q, k, v, a, b)):
-            failure = self.fused.prefill(slots.contiguous(), starts.contiguous(), initial.bool().contiguous(), q, k, v, a, b,
-                                         out, (A_log, dt_bias))
+            failure = self.fused.prefill(slots.contiguous(), starts.contiguous(), initial.bool().contiguous(), q, k, v,
+                                         a, b, out, (A_log, dt_bias))
             if failure is not None:
                 self._refuse(slots, failure)
             return

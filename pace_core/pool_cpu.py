@@ -267,5 +267,6 @@ class FusedPool:
             return None
         K, V = self.dims[2], self.dims[3]
         kind = FAILURES[info[0]]
-        return Failure(kind, info[1], info[2], info[3], self.fail[:K * V].view(K, V).clone() if kind == "state" else None,
+        return Failure(kind, info[1], info[2], info[3],
+                       self.fail[:K * V].view(K, V).clone() if kind == "state" else None,
                        self.fail[K * V:].clone() if kind == "record" else None)

@@ -7,10 +7,13 @@ along the value axis (`x[..., i, j0:j0+g]`, scales `[..., K, V/g]`).
 Storage format (the kernels read and write exactly this):
 - codes are unsigned: symmetric stores `q + 2^(b-1)` with `q` in `[-qmax, qmax]`,
   `qmax = 2^(b-1) - 1`; zero point stores `q` in `[0, 2^b - 1]`.
-- bits 2..4: two codes per byte along the last (V) dim, `byte[..., j] = code[..., 2j] |
-  code[..., 2j+1] << 4`; an odd last dim is padded with one zero code. bits 5..8: one uint8 each.
+- every width 2..8 is packed densely along the last (V) dim (:func:`pack_codes`): a row of n b-bit codes is
+  one little-endian bit stream, code i in bits `[i b, (i + 1) b)`, byte j holding bits `[8 j, 8 j + 8)`, so
+  `ceil(n b / 8)` bytes (a row padded only to a whole byte, with zero bits). 4 bits: `byte[..., j] =
+  code[..., 2j] | code[..., 2j+1] << 4`; 8 bits: one byte each; 3 bits: 8 codes in 3 bytes. (Before export
+  schema 7, 2- and 3-bit codes took a nibble each and 5- to 7-bit codes a byte: :data:`PACKING`.)
 - scales: float16. Zero points (zero-point mode): integers in `[0, 2^b - 1]`, shaped like the
-  scales, packed like codes when b <= 4 and the scales' last dim is even, else one uint8 each.
+  scales, packed like codes along the scales' last dim.
 - Leading dims are kept as they are in codes, scales and zero points, so indexing them (a batch
   reorder, a head subset) is indexing the three tensors.
 
@@ -44,11 +47,14 @@ points derived from it (:func:`static_scales`) and the codes of a state saturati
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
+from pace_core.deferred import defer
 from pace_core.errors import PaceError
 
 GroupAxis = Literal["key", "value"]
@@ -67,8 +73,11 @@ def check_bits(bits: int, field: str = "bits") -> None:
 def all_finite(*tensors: torch.Tensor) -> bool:
     """True when no tensor holds NaN or inf: one float64 sum per tensor and one read of their total (a NaN or
     an inf makes it non-finite; finite float32/bfloat16 values cannot overflow it). ``torch.isfinite`` over
-    the tensors would launch several kernels each, on every decode token of every layer."""
+    the tensors would launch several kernels each, on every decode token of every layer. While checks are
+    deferred (:mod:`pace_core.deferred`) the total's check is recorded and this returns True."""
     total = sum(t.sum(dtype=torch.float64) for t in tensors)
+    if defer(lambda: ~torch.isfinite(total)):
+        return True
     return math.isfinite(float(total))
 
 
@@ -145,8 +154,8 @@ class QuantSpec:
 class PackedTensor:
     """A quantised `[..., K, V]` tensor as stored (see the module docstring for the format).
 
-    codes [..., K, ceil(V/2)] (bits <= 4) or [..., K, V] uint8; scale float16 [..., K/g, V] (key
-    axis) or [..., K, V/g] (value axis); zero: packed uint8 like the scales, or None (symmetric).
+    codes uint8 [..., K, ceil(V b / 8)]; scale float16 [..., K/g, V] (key axis) or [..., K, V/g] (value
+    axis); zero: uint8 packed like codes along the scales' last dim, or None (symmetric).
     """
 
     codes: torch.Tensor
@@ -218,9 +227,10 @@ def check_divides(group_size: int, length: int, axis: str, name: str) -> None:
 def _check_scale_range(ratio: torch.Tensor, span: torch.Tensor, shape: Sequence[int], spec: QuantSpec,
                        name: str) -> None:
     """PaceError naming the first group whose scale ``ratio`` (float32, one per group, grouped shape with
-    the group's dim kept) exceeds fp16's largest value; ``span`` is the group's max |x| or range."""
+    the group's dim kept) exceeds fp16's largest value; ``span`` is the group's max |x| or range. Recorded
+    instead while checks are deferred (:mod:`pace_core.deferred`)."""
     over = ratio > FP16_MAX
-    if not bool(over.any()):
+    if defer(lambda: over) or not bool(over.any()):
         return
     at = [int(i) for i in torch.nonzero(over)[0]]
     *lead, k, v = shape
@@ -250,10 +260,15 @@ def round_codes(y: torch.Tensor, generator: torch.Generator | None = None) -> to
     return torch.floor(y + torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device))
 
 
-def _quantize_codes(x: torch.Tensor, spec: QuantSpec, name: str = "x", values: torch.dtype | None = None, *,
-                    generator: torch.Generator | None = None,
-                    fixed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def _quantize_codes(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    name: str = "x",
+    values: torch.dtype | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    fixed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Unpacked codes uint8 [..., K, V], fp16 scale and uint8 zero points (or None) of checked `x`, with `values`
     the dequantised values in that dtype (from the signed codes: no second pass over the uint8 codes), else None,
     and the number of saturated values (int64, 0-dim) under ``fixed`` scales, else None. ``generator``: stochastic
@@ -303,46 +318,92 @@ def _dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     return (q * scale.unsqueeze(dim).to(w)).reshape(codes.shape).to(dtype)
 
 
+PACKING = "dense"
+"""The packing of codes and zero points every path stores (:func:`pack_codes`); an export records it (its
+``state_layout.packing``, :func:`packing_layout`). Before export schema 7 the packing was not recorded: 2- to 4-bit
+codes were stored two per byte, 5- to 8-bit codes one per byte, zero points two per byte only at 2..4 bits with an
+even count (the same bytes as the dense packing at 4 and 8 bits; :mod:`pace_core.export` reads such files)."""
+
+
+def code_word(bits: int) -> tuple[int, int]:
+    """``(codes, bytes)`` of the smallest whole-byte word of ``bits``-bit codes: ``8 / gcd(b, 8)`` codes in
+    ``b / gcd(b, 8)`` bytes (2: 4 in 1, 3: 8 in 3, 4: 2 in 1, 6: 4 in 3, 8: 1 in 1)."""
+    d = math.gcd(bits, 8)
+    return 8 // d, bits // d
+
+
+def packing_layout() -> str:
+    """How codes lie in bytes (the export's description of :data:`PACKING`)."""
+    return (f"{PACKING}: a row of b-bit codes along the last axis is one little-endian bit stream (code i in bits "
+            "[b i, b i + b), byte j holding bits [8 j, 8 j + 8): 4 bits two per byte low nibble first, 3 bits 8 codes "
+            "in 3 bytes, 8 bits one per byte), padded with zero bits to a whole byte; zero points packed the same way "
+            "along their last axis")
+
+
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[..., n]`` (< 2^bits) -> uint8 ``[..., ceil(n bits / 8)]`` (module docstring)."""
     codes = codes.to(torch.uint8)
-    if bits > 4:
+    n = codes.shape[-1]
+    if bits == 8:
         return codes.contiguous()
-    if codes.shape[-1] % 2:
-        codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], 1)], dim=-1)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    if bits == 4:  # the general packing below, in two operations
+        if n % 2:
+            codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], 1)], dim=-1)
+        return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    per, nbytes = code_word(bits)
+    words = -(-n // per)
+    if words * per != n:
+        codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], words * per - n)], dim=-1)
+    wide = torch.int32 if per * bits < 32 else torch.int64
+    groups = codes.to(wide).unflatten(-1, (words, per))
+    word = (groups << (torch.arange(per, device=codes.device, dtype=wide) * bits)).sum(-1)
+    out = (word.unsqueeze(-1) >> (torch.arange(nbytes, device=codes.device, dtype=wide) * 8)) & 255
+    return out.to(torch.uint8).flatten(-2)[..., :packed_last_dim(bits, n)]
 
 
 def _unpack(packed: torch.Tensor, bits: int, last_dim: int) -> torch.Tensor:
-    if bits > 4:
+    """Inverse of :func:`_pack`: uint8 ``[..., ceil(last_dim bits / 8)]`` -> codes uint8 ``[..., last_dim]``."""
+    if bits == 8:
         return packed
-    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)[..., :last_dim]
-
-
-def zero_packed(bits: int, last_dim: int) -> bool:
-    """Whether zero points of ``last_dim`` groups along the last dim are packed two per byte, as the codes
-    are (2..4 bits and an even count), else one byte each."""
-    return bits <= 4 and last_dim % 2 == 0
+    if bits == 4:
+        return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)[..., :last_dim]
+    per, nbytes = code_word(bits)
+    words = -(-last_dim // per)
+    short = words * nbytes - packed.shape[-1]
+    if short:
+        packed = torch.cat([packed, packed.new_zeros(*packed.shape[:-1], short)], dim=-1)
+    wide = torch.int32 if per * bits < 32 else torch.int64
+    byte = packed.to(wide).unflatten(-1, (words, nbytes))
+    word = (byte << (torch.arange(nbytes, device=packed.device, dtype=wide) * 8)).sum(-1)
+    codes = (word.unsqueeze(-1) >> (torch.arange(per, device=packed.device, dtype=wide) * bits)) & ((1 << bits) - 1)
+    return codes.to(torch.uint8).flatten(-2)[..., :last_dim]
 
 
 def packed_last_dim(bits: int, last_dim: int) -> int:
-    """Bytes along the last dim that `pack_codes` stores for `last_dim` codes of `bits` bits."""
-    return (last_dim + 1) // 2 if bits <= 4 else last_dim
+    """Bytes along the last dim that `pack_codes` stores for `last_dim` codes of `bits` bits: ``ceil(n b / 8)``."""
+    return -(-last_dim * bits // 8)
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes [..., n] (values in [0, 2^bits - 1]) into uint8 [..., ceil(n/2)] (bits
-    2..4, two per byte, low nibble first, odd n padded with a zero code) or [..., n] (bits 5..8)."""
+def pack_codes(codes: torch.Tensor, bits: int, *, checked: bool = False) -> torch.Tensor:
+    """Pack unsigned codes [..., n] (values in [0, 2^bits - 1]) densely into uint8 [..., ceil(n bits / 8)]: one
+    little-endian bit stream per row (module docstring; 4 bits: two per byte, low nibble first). ``checked``: the
+    caller made the codes in range (a quantiser's own), so their range is not read back from the device."""
     check_bits(bits)
     if not isinstance(codes, torch.Tensor) or codes.is_floating_point() or codes.is_complex() or codes.dim() < 1:
         raise PaceError("codes must be an integer tensor [..., n]; allowed: integer dtypes")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 2**bits - 1):
+    if (
+        not checked
+        and codes.numel()
+        and not defer(lambda: (codes.min() < 0) | (codes.max() > 2**bits - 1))
+        and (int(codes.min()) < 0 or int(codes.max()) > 2**bits - 1)
+    ):
         raise PaceError(f"codes hold values outside [0, {2**bits - 1}] for bits={bits}; "
                         f"allowed: integers 0..{2**bits - 1}")
     return _pack(codes, bits)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, last_dim: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: uint8 [..., ceil(n/2)] or [..., n] -> codes uint8 [..., last_dim]."""
+    """Inverse of `pack_codes`: uint8 [..., ceil(n bits / 8)] -> codes uint8 [..., last_dim]."""
     check_bits(bits)
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() < 1:
         raise PaceError("packed must be a uint8 tensor [..., m]; allowed: torch.uint8")
@@ -360,8 +421,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, name: str = "x", checked: bool
     if not checked:
         _check_input(x, spec, name)
     codes, scale, zero, _, _ = _quantize_codes(x, spec, name, generator=generator)
-    if zero is not None and zero_packed(spec.bits, zero.shape[-1]):
-        zero = _pack(zero, spec.bits)
+    zero = None if zero is None else _pack(zero, spec.bits)
     return PackedTensor(_pack(codes, spec.bits), scale, zero, spec, tuple(x.shape))
 
 
@@ -376,17 +436,14 @@ def quantize_with_values(x: torch.Tensor, spec: QuantSpec, *, name: str = "x", d
     if not checked:
         _check_input(x, spec, name)
     codes, scale, zero, values, _ = _quantize_codes(x, spec, name, dtype, generator=generator)
-    if zero is not None and zero_packed(spec.bits, zero.shape[-1]):
-        zero = _pack(zero, spec.bits)
+    zero = None if zero is None else _pack(zero, spec.bits)
     return PackedTensor(_pack(codes, spec.bits), scale, zero, spec, tuple(x.shape)), values
 
 
 def dequantize(p: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantised values [..., K, V] of a PackedTensor, in `dtype` (exact for float32/float64)."""
     bits, v = p.spec.bits, p.shape[-1]
-    zero = p.zero
-    if zero is not None and zero_packed(bits, p.scale.shape[-1]):
-        zero = _unpack(zero, bits, p.scale.shape[-1])
+    zero = None if p.zero is None else _unpack(p.zero, bits, p.scale.shape[-1])
     return _dequantize_codes(_unpack(p.codes, bits, v), p.scale, zero, p.spec, dtype)
 
 
@@ -417,6 +474,8 @@ def group_ranges(states: torch.Tensor, spec: QuantSpec, name: str = "states") ->
     per-checkpoint scales include it), each ``[..., K/g, V]`` or ``[..., K, V/g]`` float16 rounded outward (never
     inside the observed range; at most 65504 in magnitude)."""
     _check_input(states, spec, name)
+    if states.shape[0] == 0:
+        raise PaceError(f"{name} must hold at least one state [N >= 1, ..., K, V]; got shape {tuple(states.shape)}")
     grouped, dim = _group_dims(states.shape, spec)
     xg = states.to(work_dtype(states.dtype)).reshape(grouped)
     if spec.symmetric:
@@ -473,9 +532,7 @@ def packed_nbytes(shape: Sequence[int], spec: QuantSpec) -> int:
     sshape = scale_shape(shape, spec)
     n_scales = math.prod(sshape)
     code_bytes = math.prod(lead) * k * packed_last_dim(spec.bits, v)
-    zero_bytes = 0
-    if not spec.symmetric:
-        zero_bytes = n_scales // 2 if zero_packed(spec.bits, sshape[-1]) else n_scales
+    zero_bytes = 0 if spec.symmetric else n_scales // sshape[-1] * packed_last_dim(spec.bits, sshape[-1])
     return code_bytes + 2 * n_scales + zero_bytes
 
 
@@ -526,19 +583,30 @@ class MixedPackedState:
         return sum(p for p, _ in parts), sum(m for _, m in parts) + self.map_nbytes()
 
 
+def check_head_bits(bits_per_head: Sequence[int] | torch.Tensor, hv: int) -> list[int]:
+    """The per-head widths as a list of ints; PaceError unless there is one integer in 2..8 per value head (a
+    fractional width is refused, never truncated)."""
+    widths = bits_per_head.tolist() if isinstance(bits_per_head, torch.Tensor) else list(bits_per_head)
+    for b in widths:
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+            raise PaceError(f"bits_per_head holds {b!r}; allowed: integers 2..8, one per value head")
+    if len(widths) != hv:
+        raise PaceError(f"bits_per_head has {len(widths)} entries; allowed: one per value head ({hv})")
+    for b in widths:
+        check_bits(int(b), "bits_per_head")
+    return [int(b) for b in widths]
+
+
 def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor, spec: QuantSpec, *,
                    name: str = "state", generator: torch.Generator | None = None) -> MixedPackedState:
     """Quantise `S [..., HV, K, V]` with head h at `bits_per_head[h]` bits (2..8); the other
     settings come from `spec` (its own `bits` is not used). ``generator``: stochastic rounding
     (:func:`round_codes`), one draw per width, in ascending order of the widths."""
-    if not isinstance(S, torch.Tensor) or S.dim() < 3:
-        raise PaceError(f"{name} must be a tensor [..., HV, K, V]; got shape {tuple(getattr(S, 'shape', ()))}")
-    bits = [int(b) for b in (bits_per_head.tolist() if isinstance(bits_per_head, torch.Tensor) else bits_per_head)]
+    if not isinstance(S, torch.Tensor) or S.dim() < 3 or S.shape[-3] == 0:
+        raise PaceError(f"{name} must be a tensor [..., HV, K, V] with at least one value head; got shape "
+                        f"{tuple(getattr(S, 'shape', ()))}")
+    bits = check_head_bits(bits_per_head, S.shape[-3])
     hv = S.shape[-3]
-    if len(bits) != hv:
-        raise PaceError(f"bits_per_head has {len(bits)} entries; allowed: one per value head ({hv})")
-    for b in bits:
-        check_bits(b, "bits_per_head")
     parts, heads = {}, {}
     for b in sorted(set(bits)):
         idx = torch.tensor([h for h in range(hv) if bits[h] == b], dtype=torch.int16, device=S.device)
@@ -546,3 +614,24 @@ def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor,
         parts[b] = quantize(S.index_select(S.dim() - 3, idx.long()), replace(spec, bits=b), name=name,
                             generator=generator)
     return MixedPackedState(parts, heads, tuple(S.shape))
+
+
+def check_state(x: torch.Tensor, name: str, min_dim: int) -> None:
+    """PaceError unless ``x`` is a finite floating-point tensor of at least ``min_dim`` dims (a matrix
+    ``[..., K, V]`` or a state ``[..., HV, K, V]``)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < min_dim:
+        layout = "[..., K, V]" if min_dim == 2 else "[..., HV, K, V]"
+        raise PaceError(f"{name} must be a floating-point tensor {layout}; got "
+                        f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}")
+    check_finite(x, name)
+
+
+def check_fp16(amax: torch.Tensor, name: str, what: str) -> None:
+    """PaceError naming the first entry of ``amax [..., n]`` (a row's max |x|, stored in fp16) beyond fp16's
+    largest value 65504 (never saturated). Recorded instead while checks are deferred (:mod:`pace_core.deferred`)."""
+    over = amax > FP16_MAX
+    if not defer(lambda: over) and bool(over.any()):
+        at = [int(i) for i in torch.nonzero(over)[0]]
+        raise PaceError(f"{name}: a {what} scale overflows fp16 (index {tuple(at)}): |x| up to "
+                        f"{float(amax[tuple(at)]):.4g} > 65504; allowed: values within fp16's range (another "
+                        "quantiser, or inputs that keep the state in range)")

@@ -16,7 +16,7 @@ stay float64; bfloat16 / float16 inputs are computed in float32), and return tha
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

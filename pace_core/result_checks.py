@@ -12,12 +12,16 @@ checks of the document.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from pace_core.config import NAMED_CONFIGS, PaceConfig
 from pace_core.errors import PaceError
+from pace_core.export import config_from_dict
+from pace_core.frontier import Point, frontier
 from pace_core.methods import method_of
 
 REFERENCE = "fp32"
@@ -125,8 +129,6 @@ def _values(values: Any, what: str, *, lo: float | None = None, hi: float | None
 def _config_of(data: dict) -> Any | None:
     """The configuration a per-configuration result was measured with: its ``configuration`` (stored since
     method version 1), else the named configuration of its ``config`` (older results), else None."""
-    from pace_core.config import NAMED_CONFIGS, config_from_dict
-
     if "configuration" in data:
         return config_from_dict(data["configuration"])
     return NAMED_CONFIGS.get(data.get("config"))
@@ -155,7 +157,7 @@ def _bounded(name: str, cfg: Any, errors: Any, roundings: int, what: str) -> Non
     median = float(np.median(errors))
     if bound is not None and median > bound:
         raise PaceError(f"{name}'s median {what} is {median:.4g}; allowed for {cfg.method} "
-                        f"{cfg.reference_dtype if cfg.method == 'none' else f'{cfg.bits}-bit'} over {roundings} "
+                        f"{cfg.reference_dtype if not cfg.quantized else f'{cfg.bits}-bit'} over {roundings} "
                         f"roundings: at most {bound:.3g} (pace_core.result_checks.state_error_bound)")
 
 
@@ -169,8 +171,6 @@ def _model_card(data: dict, table: pd.DataFrame | None) -> None:
 
 
 def _calibration(data: dict, table: pd.DataFrame | None) -> None:
-    from pace_core.config import config_from_dict
-
     _fields(data, ("config", "layers", "a", "e", "E", "tokens", "samples"), "the data")
     cfg = config_from_dict(data["config"])
     shape = (len(data["layers"]),)
@@ -244,7 +244,9 @@ def _perplexity(data: dict, table: pd.DataFrame | None) -> None:
         if not math.isclose(max(total, 0.0), mean, rel_tol=WINDOW_SUM_TOLERANCE, abs_tol=WINDOW_SUM_TOLERANCE):
             raise PaceError(f"{name}: its windows' {field} adds up to {total!r}, its row to {mean!r}")
     if name == REFERENCE and ((table["kl"] != 0).any() or (table["agreed"].to_numpy() != tokens).any()):
-        raise PaceError(f"the reference {REFERENCE} differs from itself in a window; allowed: KL 0, every token agreeing")
+        raise PaceError(
+            f"the reference {REFERENCE} differs from itself in a window; allowed: KL 0, every token agreeing"
+        )
 
 
 def _generation(data: dict, table: pd.DataFrame | None) -> None:
@@ -265,8 +267,6 @@ def _generation(data: dict, table: pd.DataFrame | None) -> None:
 
 
 def _sweep(data: dict, table: pd.DataFrame | None) -> None:
-    from pace_core.config import PaceConfig
-
     _fields(data, ("steps", "tokens", "decode_tokens", "mode"), "the data")
     errors = ("prefill_rel_error", "final_rel_error", "mean_rel_error", "output_rel_error")
     table = _columns(table, ("config", "bits", "decode_period", "group_axis", "group_size", "buffer",
@@ -295,6 +295,8 @@ def _claims(data: dict, table: pd.DataFrame | None) -> None:
                 raise PaceError(f"claim {claim['claim']}'s margin interval [{low!r}, {high!r}] is not in order")
             _values(spread["holds_share"], f"claim {claim['claim']}'s share of resamples", lo=0, hi=1)
             _values(spread["n"], f"claim {claim['claim']}'s resampled units", above=0)
+        if "resident_bits" in claim:  # claims (a) (since issue 48) and (e): the bits each labelled one stores
+            _values(claim["resident_bits"], f"claim {claim['claim']}'s resident bits", above=0)
         if "kl" in claim:
             _values(claim["kl"], f"claim {claim['claim']}'s KL", lo=0)
         else:
@@ -310,9 +312,7 @@ def _claims(data: dict, table: pd.DataFrame | None) -> None:
 
 def _compare(data: dict, table: pd.DataFrame | None) -> None:
     """Every point's fields and figures (resident bits > 0, KL >= 0, agreement in [0, 1], bpb > 0), the reference's
-    KL 0, and the frontier the Pareto frontier of the points (:func:`pace_core.analysis.compare.frontier`)."""
-    from pace_core.analysis.compare import Point, frontier
-
+    KL 0, and the frontier the Pareto frontier of the points (:func:`pace_core.frontier.frontier`)."""
     _fields(data, ("points", "frontier", "tokens"), "the data")
     points = []
     for p in data["points"]:
@@ -330,9 +330,35 @@ def _compare(data: dict, table: pd.DataFrame | None) -> None:
     _columns(table, ("config", "resident_bits", "kl", "agreement", "bpb", "frontier"))
 
 
+PROPORTIONS = frozenset({"acc", "acc_norm", "exact_match", "string_match_all", "prompt_level_strict_acc",
+                         "prompt_level_loose_acc", "inst_level_strict_acc", "inst_level_loose_acc", "f1"})
+"""lm-eval metrics that are shares of the items (or of their instructions), so in [0, 1]."""
+
+
+def _task(data: dict, table: pd.DataFrame | None) -> None:
+    """A task result (:mod:`pace_core.analysis.task_scores`): at least one score, each finite, a standard error
+    >= 0 or none, a proportion of the items (a metric of lm-eval's that averages per-item 0/1 scores: acc,
+    exact_match, ...) in [0, 1]; at least one item scored, no more than the task has; its per-item table."""
+    _fields(data, ("task", "scores", "samples", "output_type", "config", "configuration"), "the data")
+    if not data["scores"]:
+        raise PaceError("it holds no score")
+    for s in data["scores"]:
+        _fields(s, ("task", "metric", "filter", "value", "stderr", "higher_is_better"), "a score")
+        where = f"{s['task']} {s['metric']} ({s['filter']})"
+        _values(s["value"], where)
+        if s["stderr"] is not None:
+            _values(s["stderr"], f"{where}'s standard error", lo=0)
+        if s["metric"] in PROPORTIONS:
+            _values(s["value"], where, lo=0, hi=1)
+    effective, original = int(data["samples"]["effective"]), int(data["samples"]["original"])
+    if not 1 <= effective <= original:
+        raise PaceError(f"it scored {effective} of {original} items; allowed: 1 to all of them")
+    _columns(table, ("task", "doc_id", "filter"))
+
+
 _CHECKS: dict[str, Callable[[dict, pd.DataFrame | None], None]] = {
     "model_card": _model_card, "calibration": _calibration, "drift": _drift, "structure": _structure,
     "perplexity": _perplexity, "claims_quality": _perplexity, "generation": _generation, "sweep": _sweep,
-    "claims": _claims, "compare": _compare,
+    "claims": _claims, "compare": _compare, "task": _task,
 }
 """The check of each kind the CLI stores."""

@@ -45,13 +45,18 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
+from pace_core._version import __version__
+from pace_core.config import NAMED_CONFIGS
 from pace_core.errors import PaceError
+from pace_core.export import config_to_dict
+from pace_core.result_checks import check_result
 from pace_core.version import METHOD_VERSION, code_commit
 
 SCHEMA_VERSION = 2
@@ -104,14 +109,19 @@ class Result:
         return stale_label(self.provenance) if self.stale else None
 
 
+def code_label(provenance: dict[str, Any]) -> str:
+    """The code that made a result, from its provenance: its commit's first 12 hex digits, ``with uncommitted
+    changes`` when its files differed from that commit (``unknown`` when no commit was recorded)."""
+    code = provenance.get("code") or {}
+    return str(code.get("commit") or "unknown")[:12] + (" with uncommitted changes" if code.get("dirty") else "")
+
+
 def stale_label(provenance: dict[str, Any]) -> str:
     """What made a result of another method version and how to recompute it (its own command: the key of a
     new run holds the current method version, so the command computes instead of reusing)."""
     version = provenance.get("method_version")
-    code = provenance.get("code") or {}
-    commit = str(code.get("commit") or "unknown")[:12] + (" with uncommitted changes" if code.get("dirty") else "")
     made = "before method versions were recorded" if version is None else f"by method version {version}"
-    return (f"stale: made {made} (code {commit}; the current method version is {METHOD_VERSION}), "
+    return (f"stale: made {made} (code {code_label(provenance)}; the current method version is {METHOD_VERSION}), "
             f"recompute with `{provenance.get('command') or 'python -m pace_core <command>'}`")
 
 
@@ -188,8 +198,6 @@ def result_key(params: dict[str, Any]) -> str:
 
 def config_hash(cfg: Any) -> str:
     """sha256 (16 hex digits) of a PaceConfig's canonical JSON form."""
-    from pace_core.config import config_to_dict
-
     return result_key(config_to_dict(cfg))
 
 
@@ -207,10 +215,8 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    import pace_core
-
     return {
-        "pace_core": getattr(pace_core, "__version__", "unknown"),
+        "pace_core": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -309,8 +315,6 @@ def save_result(
     """Check and publish a result (module docstring: its table under a content-addressed name, then the
     JSON naming it) and return it. A result that fails its checks (:mod:`pace_core.result_checks`) is
     refused with PaceError and nothing is written. Afterwards the folder's orphans are cleaned."""
-    from pace_core.result_checks import check_result
-
     _check_kind_key(kind, key)
     folder = results_dir(model, root)
     path = folder / f"{kind}-{key}.json"
@@ -342,8 +346,6 @@ def load_result(kind: str, model: str, key: str, *, root: str | os.PathLike | No
     """The stored result of ``kind`` for ``model`` under ``key``, or None if there is none. A file that cannot
     be read (not UTF-8 JSON of a result object, a field missing, its table missing, damaged or not the
     one its JSON names) or that fails its checks raises :class:`DamagedResult` naming it and the reason."""
-    from pace_core.result_checks import check_result
-
     _check_kind_key(kind, key)
     folder = results_dir(model, root)
     path = folder / f"{kind}-{key}.json"
@@ -535,8 +537,6 @@ class ResultSet:
 
 
 def _config_order(result: Result) -> tuple[int, str]:
-    from pace_core.config import NAMED_CONFIGS
-
     names = list(NAMED_CONFIGS)
     name = result.data.get("config", "")
     return (names.index(name) if name in names else len(names), name)

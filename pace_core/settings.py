@@ -1,14 +1,41 @@
 """A configuration setting's metadata (:class:`Setting`): the one place that names a PaceConfig setting
 everywhere it appears. The core settings are listed in :data:`pace_core.config.SETTINGS`; a method module adds
 its own (:attr:`pace_core.methods.Method.settings`), which :class:`~pace_core.config.PaceConfig` holds in its
-``options`` and reads like its fields."""
+``options`` and reads like its fields. :class:`Configuration` is a configuration as the layers below
+:mod:`pace_core.config` see it (checkpoint formats, methods, head allocation), which PaceConfig implements."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Protocol
 
 from pace_core.errors import PaceError
+
+
+class Configuration(Protocol):
+    """What the layers below :mod:`pace_core.config` read of a configuration
+    (:class:`pace_core.config.PaceConfig`, which imports them): its settings by name (fields and methods' own
+    settings alike), the exact-storage flag and the group quantiser."""
+
+    name: str
+    method: str
+    bits: int
+    high_bits: int
+    high_share: float
+    high_heads: tuple[tuple[int, ...], ...] | None
+    symmetric: bool
+    group_axis: str
+    group_size: int
+    decode_period: int
+    calibrated: Any
+
+    @property
+    def exact(self) -> bool: ...
+
+    def quant_spec(self, bits: int | None = None) -> Any: ...
+
+    def __getattr__(self, name: str) -> Any: ...
 
 
 @dataclass(frozen=True)

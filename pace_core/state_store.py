@@ -21,15 +21,18 @@ All batch rows step together (as in HF ``generate``). Computation is float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from pace_core import deferred
 from pace_core.backend import backend_setting, capturing
 from pace_core.errors import PaceError
-from pace_core.quant import all_finite
+from pace_core.graphs import DecodeGraphs
 from pace_core.pool import StatePool
+from pace_core.quant import all_finite
 from pace_core.schedule import Capture
 from pace_core.shapes import ModelShape
 
@@ -41,8 +44,9 @@ if TYPE_CHECKING:
 
 def refuse_non_finite(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, name: str) -> None:
     """PaceError when decode inputs ``k, v, g`` hold NaN or inf: one check (:func:`pace_core.quant.all_finite`,
-    a device read), skipped while a CUDA graph is being captured (its replays do not check their inputs)."""
-    if capturing(k):
+    a device read; recorded while checks are deferred), skipped while another CUDA graph is being captured (its
+    replays do not check their inputs)."""
+    if capturing(k) and not deferred.active():
         return
     if not all_finite(k, v, g):
         raise PaceError(f"k, v, g of {name}: non-finite values; allowed: finite inputs")
@@ -90,6 +94,16 @@ class LayerState:
     def buffer(self) -> DecodeBuffer | None:
         """The decode buffer (None at dP = 1)."""
         return self.state.buffer
+
+    def records_held(self) -> int:
+        """The decode buffer's record count, which the host keeps (0 at dP = 1)."""
+        return 0 if self.buffer is None else len(self.buffer)
+
+    def recount(self, n: int) -> None:
+        """Set the buffer's record count to ``n``: the count a recorded call left, after its replay wrote the
+        records (:mod:`pace_core.graphs`)."""
+        if self.buffer is not None:
+            self.buffer.recount(n)
 
     def uses_kernels(self) -> bool:
         """Whether the layer runs on the Triton kernels (fixed per device; :mod:`pace_core.backend`)."""
@@ -293,22 +307,47 @@ class StoreStack:
         self.teacher_forcing = False
         self.capture: Callable[[int, int], Capture | None] | None = None
         self.progress: Callable[[int], None] | None = None
-        """Called with 1 after each member's part of a core call (a progress bar's unit)."""
+        """Called with 1 for each member after each core call (a progress bar's unit)."""
+        self.graphs: DecodeGraphs | None = None
+        """Where teacher-forced calls are recorded and replayed as CUDA graphs (None: every call runs as it is)."""
 
     def run(self, layer: int, q, k, v, g, beta, decode: bool) -> torch.Tensor:
         """One core call of a GDN layer, each member on its rows (:meth:`StateStore.run`): ``o [B, T, HV, V]``.
-        Decode inputs are checked once for every member."""
+        Decode inputs are checked once for every member. A teacher-forced call that captures no state runs through
+        :attr:`graphs` where the stack has them (:mod:`pace_core.graphs`)."""
+        checked = (decode or self.teacher_forcing) and q.shape[1] > 0
+        captures = [None if self.capture is None else self.capture(i, layer) for i in range(len(self.stores))]
+        for i, store in enumerate(self.stores):
+            store.teacher_forcing = self.teacher_forcing
+            store.capture = (lambda lay, c=captures[i]: c) if captures[i] is not None else None
+        inputs = (q, k, v, g, beta)
+        if self.graphs is not None and checked and self.teacher_forcing and not any(captures):
+            key = (layer, tuple(q.shape), self._host_state(layer))
+            o = self.graphs.run(key, lambda *x: self._run(layer, decode, *x), inputs,
+                                lambda: self._host_state(layer), lambda counts: self._set_host_state(layer, counts))
+        else:
+            o = self._run(layer, decode, *inputs)
+        if self.progress is not None:
+            for _ in self.stores:
+                self.progress(1)
+        return o
+
+    def _run(self, layer: int, decode: bool, q, k, v, g, beta) -> torch.Tensor:
+        """Every member's part of one core call (the inputs' finiteness checked first, for all members at once)."""
         checked = (decode or self.teacher_forcing) and q.shape[1] > 0
         if checked:
             refuse_non_finite(k, v, g, f"state of GDN layer {layer}")
-        outputs = []
-        for i, (store, *inputs) in enumerate(zip(self.stores, *(t.split(self.rows) for t in (q, k, v, g, beta)))):
-            store.teacher_forcing = self.teacher_forcing
-            store.capture = None if self.capture is None else (lambda lay, i=i: self.capture(i, lay))
-            outputs.append(store.run(layer, *inputs, decode, checked))
-            if self.progress is not None:
-                self.progress(1)
+        outputs = [store.run(layer, *inputs, decode, checked)
+                   for store, *inputs in zip(self.stores, *(t.split(self.rows) for t in (q, k, v, g, beta)))]
         return torch.cat(outputs)
+
+    def _host_state(self, layer: int) -> tuple[int, ...]:
+        """What the host keeps of one layer's states: each member's count of buffered records."""
+        return tuple(s.layer(layer).records_held() for s in self.stores)
+
+    def _set_host_state(self, layer: int, counts: tuple[int, ...]) -> None:
+        for store, n in zip(self.stores, counts):
+            store.layer(layer).recount(n)
 
     def effective_state(self, layer: int) -> torch.Tensor:
         """Every member's checkpoint + folded buffer, stacked like the rows: ``S [B, HV, K, V]`` float32."""

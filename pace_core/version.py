@@ -19,19 +19,32 @@ import ast
 import functools
 import hashlib
 import json
+import os
 import subprocess
+import tempfile
 from pathlib import Path
 
-METHOD_VERSION = 1
+METHOD_VERSION = 2
 """Bumped whenever a change of the numerics modules changes a result (see the module docstring)."""
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 NUMERICS_MODULES = (
-    "pace_core/quant.py", "pace_core/recurrence.py", "pace_core/schedule.py", "pace_core/buffer.py",
-    "pace_core/checkpoint.py", "pace_core/outliers.py", "pace_core/stepquant.py", "pace_core/heads.py",
-    "pace_core/backend.py", "pace_core/state_store.py", "pace_core/methods/*.py", "pace_core/analysis/*.py",
-    "pace_core/model/teacher.py", "pace_core/model/capture.py", "pace_core/model/patch.py", "kernels/*.py",
+    "pace_core/quant.py",
+    "pace_core/recurrence.py",
+    "pace_core/schedule.py",
+    "pace_core/buffer.py",
+    "pace_core/checkpoint.py",
+    "pace_core/heads.py",
+    "pace_core/backend.py",
+    "pace_core/state_store.py",
+    "pace_core/methods/*.py",
+    "pace_core/methods/*/*.py",
+    "pace_core/analysis/*.py",
+    "pace_core/model/teacher.py",
+    "pace_core/model/capture.py",
+    "pace_core/model/patch.py",
+    "kernels/*.py",
 )
 """The modules whose code makes the numbers of a stored result (paths or globs under the repository)."""
 
@@ -77,7 +90,7 @@ def numerics_hash(root: Path = REPO_ROOT) -> str:
     h = hashlib.sha256()
     for path in numerics_files(root):
         tree = _strip_docstrings(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
-        h.update(f"{path.relative_to(root).as_posix()}\n{_canonical(tree)}\n".encode("utf-8"))
+        h.update(f"{path.relative_to(root).as_posix()}\n{_canonical(tree)}\n".encode())
     return h.hexdigest()
 
 
@@ -86,15 +99,29 @@ def record(root: Path = REPO_ROOT) -> dict[str, object]:
     return {"method_version": METHOD_VERSION, "numerics_hash": numerics_hash(root)}
 
 
+COMMIT_ENV, TREE_ENV = "PACE_COMMIT", "PACE_TREE"
+"""For a copy of the tree without its own history (a GPU machine's copy, whose ``.git`` may be another's): the
+commit it was copied from and that commit's tree hash (``git rev-parse HEAD HEAD^{tree}`` where it was copied)."""
+
+
 @functools.cache
 def code_commit() -> dict[str, object] | None:
-    """``{"commit": sha, "dirty": bool}`` of the repository's checkout (dirty: tracked files differ from the
-    commit), or None without git or outside a checkout. Read once per process."""
-    def git(*args: str) -> str:
+    """``{"commit": sha, "dirty": bool}`` of the code (dirty: its files differ from the commit's), or None without
+    git or outside a checkout. With :data:`COMMIT_ENV` set, the commit is that one, and the files are compared
+    with :data:`TREE_ENV`'s tree by hashing them (the files git would commit: tracked and untracked, not
+    ignored), so a copy whose ``.git`` is stale still names its own commit. Read once per process."""
+    def git(*args: str, env: dict[str, str] | None = None) -> str:
         return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip()
+                              timeout=60, env=env).stdout.strip()
 
     try:
+        given = os.environ.get(COMMIT_ENV)
+        if given:
+            with tempfile.TemporaryDirectory() as tmp:
+                env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+                git("add", "--all", ".", env=env)
+                tree = git("write-tree", env=env)
+            return {"commit": given, "dirty": tree != os.environ.get(TREE_ENV)}
         commit = git("rev-parse", "HEAD")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):

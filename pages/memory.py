@@ -7,10 +7,9 @@ import pandas as pd
 import streamlit as st
 
 from app_state import frame, session, stored
+from app_state.library import BUILTIN_SHAPES, NAMED_CONFIGS, PaceConfig, capacity, tagged
+from app_state.markup import code, escape
 from pace_core import figures
-from pace_core.accounting import capacity
-from pace_core.config import NAMED_CONFIGS, PaceConfig
-from pace_core.shapes import BUILTIN_SHAPES
 
 
 def page(cfg: PaceConfig) -> None:
@@ -29,25 +28,38 @@ def page(cfg: PaceConfig) -> None:
     shape_name = col_shape.selectbox("Model shape", list(shapes), key="memory_shape",
                                      help="The sidebar model's shape, or a built-in Qwen shape (no download).")
     shape = shapes[shape_name]
-    default_named = ["fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8", "damp-int8", "damp-int4",
-                     "qmamba-dsq"]
-    chosen = col_cfgs.multiselect("Configurations to compare", list(NAMED_CONFIGS),
-                                  default=[n for n in default_named if n in NAMED_CONFIGS], key="memory_cfgs")
+    chosen = col_cfgs.multiselect("Configurations to compare", list(NAMED_CONFIGS), default=list(tagged("memory-page")),
+                                  key="memory_cfgs")
     configs = {"sidebar: " + cfg.name: cfg}
     configs.update({n: NAMED_CONFIGS[n] for n in chosen})
 
     table = figures.resident_bits_table(configs, shape)
-    st.subheader(f"Resident bits per state value on {shape_name}")
+    st.subheader(f"Resident bits per state value on {escape(shape_name)}")
     st.plotly_chart(figures.resident_bits_figure(table), key="memory_bits_chart")
-    st.dataframe(table.style.format({c: "{:.4f}" for c in ["payload", "metadata", "buffer c·dP", "resident",
-                                                            "exact", "c"]}),
-                 hide_index=True, key="memory_bits_table")
+    st.dataframe(
+        table.style.format(dict.fromkeys(["payload", "metadata", "buffer c·dP", "resident", "exact", "c"], "{:.4f}")),
+        hide_index=True,
+        key="memory_bits_table",
+    )
+
+    st.subheader(f"Each code width with the sidebar's other settings on {shape_name}")
+    widths = figures.width_table(cfg, shape)
+    if widths.empty:
+        st.caption(f"'{cfg.name}' keeps a reference state: it has no code width.")
+    else:
+        st.caption("Every width 2–8 is stored densely (b bits a code, a row padded only to a whole byte), so each "
+                   "bit less is a real saving: resident bits per state value and the state bytes each sequence "
+                   "adds, against fp32 states (pace_core.accounting). The darker bar is the sidebar's width; the "
+                   "Compare page shows what each costs in quality.")
+        st.plotly_chart(figures.width_figure(widths, cfg.name), key="memory_width_chart")
+        st.dataframe(widths.style.format({"resident bits": "{:.3f}", "state KiB / sequence": "{:,.1f}",
+                                          "× fewer than fp32": "{:.2f}"}), hide_index=True, key="memory_width_table")
 
     st.subheader("Resident bits against the decode period dP")
     st.caption("Rounding less often shrinks the rounding error's growth but the buffer holds dP records: "
                "the buffer term grows linearly with dP.")
     curve_cfgs = {"sidebar: " + cfg.name: cfg}
-    curve_cfgs.update({n: NAMED_CONFIGS[n] for n in ("pace-4", "pace-4-8") if n in NAMED_CONFIGS and n != cfg.name})
+    curve_cfgs.update({n: NAMED_CONFIGS[n] for n in tagged("dp-curve") if n != cfg.name})
     st.plotly_chart(figures.dp_curve_figure(curve_cfgs, shape), key="memory_dp_chart")
 
     st.subheader("Measured error against resident bits")
@@ -99,21 +111,28 @@ def _measured() -> None:
             doc = json.loads(path.read_text(encoding="utf-8"))
             rows, prov = pd.DataFrame(doc["rows"]), doc["provenance"]
         except (OSError, ValueError, KeyError, TypeError) as err:
-            st.error(f"{path.name} is not a memory measurement ({err}); run `python scripts/measure_memory.py` "
-                     "again to rewrite it.", icon=":material/block:")
+            st.error(f"{escape(path.name)} is not a memory measurement ({escape(err)}); run "
+                     "`python scripts/measure_memory.py` again to rewrite it.", icon=":material/block:")
             continue
-        st.caption(f"{prov.get('model')} on {prov.get('device')}, {prov.get('batch')} sequences, "
-                   f"{prov.get('prompt_tokens')} prompt + {prov.get('new_tokens')} generated tokens; commit "
-                   f"{str(prov.get('commit'))[:10]}, {prov.get('date')} (`{path.name}`). *held* counts every tensor "
-                   "the generation's state keeps (equal to the accounted bytes); *cache* adds the attention KV and "
+        made = (f"{escape(prov.get('model'))} on {escape(prov.get('device'))}, {escape(prov.get('batch'))} sequences, "
+                f"{escape(prov.get('prompt_tokens'))} prompt + {escape(prov.get('new_tokens'))} generated tokens; "
+                f"commit {escape(str(prov.get('commit'))[:10])}, {escape(prov.get('date'))} ({code(path.name)})")
+        st.caption(f"{made}. *held* counts every tensor the generation's state keeps (equal to the accounted bytes); "
+                   "*cache* adds the attention KV and "
                    "conv states; *step peak* is the largest workspace of one further decode step (freed after it).")
         mib = 1 << 20
-        table = pd.DataFrame({
-            "configuration": rows["config"], "resident bits": rows["resident_bits"],
-            "state MiB (accounted)": rows["state_bytes_accounted"] / mib, "state MiB (held)": rows["state_bytes_held"] / mib,
-            "× fewer than fp32": rows["saving_vs_fp32"], "whole cache MiB": rows["cache_bytes_held"] / mib,
-            "step peak MiB": rows["decode_step_peak_bytes"] / mib})
-        st.dataframe(table.style.format({c: "{:.3f}" for c in table.columns[1:]}), hide_index=True,
+        table = pd.DataFrame(
+            {
+                "configuration": rows["config"],
+                "resident bits": rows["resident_bits"],
+                "state MiB (accounted)": rows["state_bytes_accounted"] / mib,
+                "state MiB (held)": rows["state_bytes_held"] / mib,
+                "× fewer than fp32": rows["saving_vs_fp32"],
+                "whole cache MiB": rows["cache_bytes_held"] / mib,
+                "step peak MiB": rows["decode_step_peak_bytes"] / mib,
+            }
+        )
+        st.dataframe(table.style.format(dict.fromkeys(table.columns[1:], "{:.3f}")), hide_index=True,
                      key=f"memory_measured_{path.stem}")
 
 
@@ -136,19 +155,19 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> tuple[str, in
                               key="plan_context")
     shape, budget = shapes[name], int(gb * figures.GB)
     if not shape.kv_bytes_per_token:
-        st.caption(f"{name}: the attention layers' head shape is unknown, so their KV cache is not counted.")
-    configs = {"fp32": NAMED_CONFIGS["fp32"], "bf16": NAMED_CONFIGS["bf16"], f"chosen: {cfg.name}": cfg}
+        st.caption(f"{escape(name)}: the attention layers' head shape is unknown, so their KV cache is not counted.")
+    configs = {**{n: NAMED_CONFIGS[n] for n in tagged("capacity-baseline")}, f"chosen: {cfg.name}": cfg}
     caps = {label: capacity(c, shape, budget, weight_bits=figures.WEIGHT_PRECISIONS[weights], context=int(context))
             for label, c in configs.items()}
     chosen = caps[f"chosen: {cfg.name}"]
     if chosen.sequences == 0:
-        st.warning(f"The weights of {name} in {weights} ({chosen.weight_bytes / figures.GB:.1f} GB) leave no room "
-                   f"for a sequence in {gb:g} GB: choose more memory or lower-precision weights.",
+        st.warning(f"The weights of {escape(name)} in {weights} ({chosen.weight_bytes / figures.GB:.1f} GB) leave no "
+                   f"room for a sequence in {gb:g} GB: choose more memory or lower-precision weights.",
                    icon=":material/memory:")
         return weights, int(context)
     cols = st.columns(len(caps) + 1)
     for col, (label, cap) in zip(cols, caps.items()):
-        col.metric(f"max sequences, {label}", f"{cap.sequences:,}",
+        col.metric(f"max sequences, {escape(label)}", f"{cap.sequences:,}",
                    help=f"state {cap.state_bytes_per_sequence / figures.MIB:.2f} MiB + KV "
                         f"{cap.kv_bytes_per_sequence / figures.MIB:.1f} MiB per sequence")
     gain = chosen.sequences / max(caps["bf16"].sequences, 1)
@@ -157,6 +176,16 @@ def _planner(cfg: PaceConfig, shapes: dict, default_shape: str) -> tuple[str, in
     st.caption(f"At its maximum the chosen state takes {chosen.state_share:.1%} of the {gb:g} GB "
                f"(fp32 states: {caps['fp32'].state_share:.1%}).")
     st.plotly_chart(figures.capacity_figure(caps, budget), key="plan_chart")
+    widths = figures.width_table(cfg, shape, budget_bytes=budget, weight_bits=figures.WEIGHT_PRECISIONS[weights],
+                                 context=int(context))
+    if not widths.empty:
+        bf16 = max(caps["bf16"].sequences, 1)
+        widths["gain over bf16 states"] = widths["sequences"] / bf16
+        st.caption(f"The chosen configuration at each code width, the rest as it is: sequences that fit in {gb:g} GB "
+                   f"beside {weights} weights and {int(context):,} tokens of KV each.")
+        st.dataframe(widths.style.format({"resident bits": "{:.3f}", "state KiB / sequence": "{:,.1f}",
+                                          "× fewer than fp32": "{:.2f}", "sequences": "{:,}",
+                                          "gain over bf16 states": "{:.2f}×"}), hide_index=True, key="plan_widths")
     return weights, int(context)
 
 

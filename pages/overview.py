@@ -4,10 +4,9 @@ what each PACE part does."""
 import pandas as pd
 import streamlit as st
 
-from app_state import frame, session, stored
-from pace_core.accounting import state_bytes, state_share
-from pace_core.analysis.claims import SPREAD_LEVEL, verdict
-from pace_core.config import PaceConfig, get_config
+from app_state import controls, frame, session, stored
+from app_state.library import SPREAD_LEVEL, PaceConfig, get_config, state_bytes, state_share, verdict
+from app_state.markup import escape
 from pace_core.figures import MIB
 
 
@@ -21,7 +20,7 @@ def page(cfg: PaceConfig) -> None:
     card = session.model_card(stop=False)  # the stored card: no model load for this page
     if card is not None:
         shape = card.shape
-        st.subheader(f"Model: {session.model_label()}")
+        st.subheader(f"Model: {escape(session.model_label())}")
         gamma = shape.num_v_heads // shape.num_k_heads
         cols = st.columns(6)
         cols[0].metric("Layers", shape.num_layers)
@@ -33,7 +32,7 @@ def page(cfg: PaceConfig) -> None:
         cols[4].metric("Head dims d_k × d_v", f"{shape.d_k} × {shape.d_v}")
         cols[5].metric("Parameters", f"{shape.weight_params / 1e6:.1f} M")
         with st.expander("Full architecture summary (from the checkpoint's config and weights)"):
-            st.dataframe(pd.DataFrame({"value": {k: str(v) for k, v in card.summary.items()}}),
+            st.dataframe(pd.DataFrame({"value": {k: controls.hide_paths(str(v)) for k, v in card.summary.items()}}),
                          key="overview_summary", column_config={"value": st.column_config.TextColumn(width="large")})
 
         st.subheader("Recurrent state memory")
@@ -48,7 +47,7 @@ def page(cfg: PaceConfig) -> None:
         cols = st.columns(3)
         cols[0].metric(f"fp32 state, N = {n_seq}", f"{rows[0][n_col]:,.2f} MiB",
                        help="fp32 recurrent state of every GDN layer for N sequences.")
-        cols[1].metric(f"{cfg.name} state, N = {n_seq}", f"{rows[1][n_col]:,.2f} MiB",
+        cols[1].metric(f"{escape(cfg.name)} state, N = {n_seq}", f"{rows[1][n_col]:,.2f} MiB",
                        delta=f"{rows[1][n_col] / rows[0][n_col] - 1:+.1%}", delta_color="inverse",
                        help="Real resident bytes of the sidebar configuration: packed codes, scales, zero "
                             "points and the decode buffer.")
@@ -77,6 +76,8 @@ def page(cfg: PaceConfig) -> None:
             st.dataframe(result.table.style.format({"nll": "{:.4f}", "ppl": "{:.3f}", "agreement": "{:.2%}",
                                                     "kl": "{:.5f}", "bpb": "{:.4f}"}),
                          hide_index=True, key="overview_quality")
+            stored.mixed_code([(r.data.get("config", "?"), r.provenance) for r in result.results],
+                              "The rows of this table")
 
         st.subheader("The paper's claims and ours, measured, with their spread")
         claims = stored.choose_stored(
@@ -84,55 +85,97 @@ def page(cfg: PaceConfig) -> None:
             lambda r: f"{r.provenance.get('date', '?')} · {r.data.get('tokens', '?')} tokens", "overview_claims_run",
             title="Stored claims report")
         if claims is None:
-            st.caption("No stored claims report for the loaded model: `python -m pace_core claims` measures the "
-                       "paper's claims (a)–(d) (periodic rounding, key-axis groups, head allocation, drift against dP), "
-                       "ours (e) (PACE against STEPQuant at equal resident bits), each margin with its spread, and the "
-                       "main table on held-out text, and this section then shows them.")
+            st.caption(
+                "No stored claims report for the loaded model: `python -m pace_core claims` measures the "
+                "paper's claims (a)–(d) (periodic rounding, key-axis groups, head allocation, drift against dP), "
+                "ours (e) (PACE against STEPQuant at equal resident bits), each margin with its spread, and the "
+                "main table on held-out text, and this section then shows them."
+            )
         else:
             _claims(claims.data, claims.provenance, None if result is None else result.table)
 
     st.subheader("The parts of PACE")
     st.caption("“From the paper”: what the PACE paper specifies; “our choice”: our reading where it is silent "
                "(each is a setting you can change).")
-    parts = pd.DataFrame([
-        {"part": "Key-axis (channel-aligned) groups", "source": "from the paper", "setting": "Group axis, group size",
-         "now": f"{cfg.group_axis}, g = {cfg.group_size}",
-         "what it does": "One fp16 scale per g consecutive key rows of one value column: an outlier value "
-                         "column widens only its own quantisation step."},
-        {"part": "Periodic decode rounding", "source": "from the paper", "setting": "Decode period dP",
-         "now": f"dP = {cfg.decode_period}",
-         "what it does": "Round the state once every dP tokens instead of every token; fewer roundings, less "
-                         "accumulated error in slowly decaying heads."},
-        {"part": "Decode buffer of (k_t, u_t, g_t)", "source": "[ours: u_t, not v_t]", "setting": "Buffer precision",
-         "now": cfg.buffer,
-         "what it does": "Holds the tokens since the last rounding so outputs use the exact state "
-                         "e^G·Ŝ + Σ e^(G−G_i) k_i u_iᵀ without re-rounding."},
-        {"part": "Exact current token", "source": "our choice", "setting": "Exact current token",
-         "now": "on" if cfg.exact_current_token else "off",
-         "what it does": "A token's own output and delta value use its exact k_t, u_t (at hand when it is "
-                         "processed); only the record kept for later tokens is rounded. No memory cost."},
-        {"part": "Buffer scale groups", "source": "our choice", "setting": "Buffer key / value group, symmetric",
-         "now": f"keys {cfg.buffer_key_group or 'per vector'}{'' if cfg.buffer_key_symmetric else ' + zero point'}, "
-                f"values {cfg.buffer_value_group or 'per vector'}{'' if cfg.buffer_value_symmetric else ' + zero point'}",
-         "what it does": "Entries of a buffered integer vector sharing one fp16 scale (and zero point): finer groups "
-                         "follow outlier channels of u_t and k_t for 16/g bits per entry in c · dP."},
-        {"part": "Prefill in P-token segments", "source": "from the paper", "setting": "Prefill period P",
-         "now": f"P = {cfg.prefill_period}",
-         "what it does": "The prompt runs chunked from the dequantised state; the state is rounded once per "
-                         "segment."},
-        {"part": "Prompt after decoded tokens", "source": "our choice", "setting": "Prompt after decoded tokens",
-         "now": cfg.prefill_after_decode,
-         "what it does": "flush: round the checkpoint plus buffer before the prompt; carry: run the prompt from "
-                         "that exact state, one rounding fewer (serving multi-turn chats; no view here has a "
-                         "second prompt)."},
-        {"part": "Head-level precision (PACE-4/8)", "source": "from the paper; a_h, e_h estimates our choice",
-         "setting": "Share of 8-bit heads", "now": f"{cfg.high_share:.1%}",
-         "what it does": "Heads with the largest retained error E_h = e_h / (1 − a_h^(2·dP)) keep 8 bits."},
-        {"part": "fp16 scales, integer zero point", "source": "fp16 scale our choice", "setting": "Symmetric",
-         "now": "symmetric" if cfg.symmetric else "zero point",
-         "what it does": "Codes are computed from the stored fp16 scale so dequantisation is exact; all-zero "
-                         "groups stay zero."},
-    ])
+    parts = pd.DataFrame(
+        [
+            {
+                "part": "Key-axis (channel-aligned) groups",
+                "source": "from the paper",
+                "setting": "Group axis, group size",
+                "now": f"{cfg.group_axis}, g = {cfg.group_size}",
+                "what it does": "One fp16 scale per g consecutive key rows of one value column: an outlier value "
+                "column widens only its own quantisation step.",
+            },
+            {
+                "part": "Periodic decode rounding",
+                "source": "from the paper",
+                "setting": "Decode period dP",
+                "now": f"dP = {cfg.decode_period}",
+                "what it does": "Round the state once every dP tokens instead of every token; fewer roundings, less "
+                "accumulated error in slowly decaying heads.",
+            },
+            {
+                "part": "Decode buffer of (k_t, u_t, g_t)",
+                "source": "[ours: u_t, not v_t]",
+                "setting": "Buffer precision",
+                "now": cfg.buffer,
+                "what it does": "Holds the tokens since the last rounding so outputs use the exact state "
+                "e^G·Ŝ + Σ e^(G−G_i) k_i u_iᵀ without re-rounding.",
+            },
+            {
+                "part": "Exact current token",
+                "source": "our choice",
+                "setting": "Exact current token",
+                "now": "on" if cfg.exact_current_token else "off",
+                "what it does": "A token's own output and delta value use its exact k_t, u_t (at hand when it is "
+                "processed); only the record kept for later tokens is rounded. No memory cost.",
+            },
+            {
+                "part": "Buffer scale groups",
+                "source": "our choice",
+                "setting": "Buffer key / value group, symmetric",
+                "now": f"keys {cfg.buffer_key_group or 'per vector'}"
+                f"{'' if cfg.buffer_key_symmetric else ' + zero point'}, "
+                f"values {cfg.buffer_value_group or 'per vector'}"
+                f"{'' if cfg.buffer_value_symmetric else ' + zero point'}",
+                "what it does": "Entries of a buffered integer vector sharing one fp16 scale (and zero point): finer "
+                "groups follow outlier channels of u_t and k_t for 16/g bits per entry in c · dP.",
+            },
+            {
+                "part": "Prefill in P-token segments",
+                "source": "from the paper",
+                "setting": "Prefill period P",
+                "now": f"P = {cfg.prefill_period}",
+                "what it does": "The prompt runs chunked from the dequantised state; the state is rounded once per "
+                "segment.",
+            },
+            {
+                "part": "Prompt after decoded tokens",
+                "source": "our choice",
+                "setting": "Prompt after decoded tokens",
+                "now": cfg.prefill_after_decode,
+                "what it does": "flush: round the checkpoint plus buffer before the prompt; carry: run the prompt from "
+                "that exact state, one rounding fewer (serving multi-turn chats; no view here has a "
+                "second prompt).",
+            },
+            {
+                "part": "Head-level precision (PACE-4/8)",
+                "source": "from the paper; a_h, e_h estimates our choice",
+                "setting": "Share of 8-bit heads",
+                "now": f"{cfg.high_share:.1%}",
+                "what it does": "Heads with the largest retained error E_h = e_h / (1 − a_h^(2·dP)) keep 8 bits.",
+            },
+            {
+                "part": "fp16 scales, integer zero point",
+                "source": "fp16 scale our choice",
+                "setting": "Symmetric",
+                "now": "symmetric" if cfg.symmetric else "zero point",
+                "what it does": "Codes are computed from the stored fp16 scale so dequantisation is exact; all-zero "
+                "groups stay zero.",
+            },
+        ]
+    )
     st.dataframe(parts, hide_index=True, key="overview_parts", row_height=TEXT_ROW_HEIGHT, height="content",
                  column_config=_widths(part=180, source=140, setting=170, now=150, **{"what it does": 340}))
 
@@ -193,19 +236,20 @@ def _claims(report: dict, provenance: dict, quality: pd.DataFrame | None) -> Non
     rows = [{"claim": f"({c['claim']}) {CLAIMS[c['claim']][0]}" if c["claim"] in CLAIMS else c["claim"],
              "what": c["what"], "holds": "yes" if c["holds"] else "no", "margin": c["margin"],
              "spread": _spread(c), "verdict": verdict(c),
-             "figures": ", ".join(f"{label}: KL {kl:.2e}" for label, kl in zip(c["labels"], c["kl"])) if "kl" in c
-             else ", ".join(f"{label}: {e:.2%}" for label, e in zip(c["labels"], c["state_error"]))}
+             "figures": _figures(c)}
             for c in report["claims"]]
-    st.caption(f"{report['tokens']:,} held-out tokens of {stored.text_name(provenance)} scored (KL to fp32, nats per token); "
-               f"state errors on {report['drift_tokens']:,} tokens at the steps where every dP has just rounded. "
-               "Margin: the relative KL (or error) reduction of the claimed better configuration over the best it is "
-               f"compared with; negative where the claim does not hold. Spread: the margin's central {SPREAD_LEVEL:.0%} "
-               "over bootstrap resamples of the scored windows (the compared configurations resampled together; "
-               "claim (d): of the decode steps, which are correlated, so its interval is too narrow), and the share of "
-               "resamples in which the claim holds. Verdict: it holds beyond the spread in 97.5% of the resamples or "
-               "more, fails beyond it in 2.5% or fewer, else it is within the spread. Claim (c) also varies with the "
-               "random allocations it is compared with (below the table). The whole test split: `python -m pace_core "
-               "claims --max-tokens 0 --device cuda --batch 128` on a GPU host.")
+    st.caption(
+        f"{report['tokens']:,} held-out tokens of {stored.text_name(provenance)} scored (KL to fp32, nats per token); "
+        f"state errors on {report['drift_tokens']:,} tokens at the steps where every dP has just rounded. "
+        "Margin: the relative KL (or error) reduction of the claimed better configuration over the best it is "
+        f"compared with; negative where the claim does not hold. Spread: the margin's central {SPREAD_LEVEL:.0%} "
+        "over bootstrap resamples of the scored windows (the compared configurations resampled together; "
+        "claim (d): of the decode steps, which are correlated, so its interval is too narrow), and the share of "
+        "resamples in which the claim holds. Verdict: it holds beyond the spread in 97.5% of the resamples or "
+        "more, fails beyond it in 2.5% or fewer, else it is within the spread. Claim (c) also varies with the "
+        "random allocations it is compared with (below the table). The whole test split: `python -m pace_core "
+        "claims --max-tokens 0 --device cuda --batch 128` on a GPU host."
+    )
     st.dataframe(pd.DataFrame(rows).style.format({"margin": "{:+.1%}"}), hide_index=True, key="overview_claims",
                  row_height=TEXT_ROW_HEIGHT, height="content",
                  column_config=_widths(claim=150, what=190, holds=50, margin=65, spread=170,
@@ -213,10 +257,12 @@ def _claims(report: dict, provenance: dict, quality: pd.DataFrame | None) -> Non
     for c in report["claims"]:
         if "random" in c:
             drawn = c["random"]
-            st.caption(f"Claim ({c['claim']}) over its {drawn['n']} random allocations: their KL {drawn['kl_mean']:.2e} "
-                       f"± {drawn['kl_sd']:.2e} (mean ± standard deviation); E_h's margin over their mean "
-                       f"{drawn['margin_vs_mean']:+.1%}; E_h's KL is below "
-                       + ("every one of them." if drawn["below_all"] else "not every one of them."))
+            st.caption(
+                f"Claim ({escape(c['claim'])}) over its {drawn['n']} random allocations: their KL "
+                f"{drawn['kl_mean']:.2e} ± {drawn['kl_sd']:.2e} (mean ± standard deviation); E_h's margin over "
+                f"their mean {drawn['margin_vs_mean']:+.1%}; E_h's KL is below "
+                + ("every one of them." if drawn["below_all"] else "not every one of them.")
+            )
     main = pd.DataFrame(report["main"])
     st.caption(f"Table 2, the paper's main table in shape, over the claims report's {report['tokens']:,} tokens (its "
                "command above): resident bits on the loaded model and on Qwen3.5-27B (the share of 8-bit heads, not "
@@ -226,6 +272,16 @@ def _claims(report: dict, provenance: dict, quality: pd.DataFrame | None) -> Non
                                     "kl": "{:.2e}", "agreement": "{:.2%}"}),
                  hide_index=True, key="overview_main_table",
                  column_config={"config": st.column_config.TextColumn(width=220)})
+
+
+def _figures(claim: dict) -> str:
+    """A claim's figures per label: its KL (or state error) and, where the report has them (claims (a) and (e)), the
+    resident bits the configuration stores on the model."""
+    values = ([f"KL {kl:.2e}" for kl in claim["kl"]] if "kl" in claim
+              else [f"{e:.2%}" for e in claim["state_error"]])
+    if "resident_bits" in claim:
+        values = [f"{v}, {bits:.2f} bits" for v, bits in zip(values, claim["resident_bits"])]
+    return ", ".join(f"{label}: {v}" for label, v in zip(claim["labels"], values))
 
 
 def _spread(claim: dict) -> str:
@@ -246,7 +302,7 @@ def _two_tables(report: dict, main: pd.DataFrame, quality: pd.DataFrame | None) 
     example = ""
     if both:
         name = both[0]
-        example = (f" ({name}: KL {float(quality.set_index('config').loc[name, 'kl']):.2e} in Table 1, "
+        example = (f" ({escape(name)}: KL {float(quality.set_index('config').loc[name, 'kl']):.2e} in Table 1, "
                    f"{float(main.set_index('config').loc[name, 'kl']):.2e} here)")
     return (f"Table 1 above is over {_scored(quality['tokens'])}, this one over {report['tokens']:,}: the same "
             f"configuration's figures differ between them{example}, and those over fewer tokens vary more with "

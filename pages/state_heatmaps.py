@@ -4,10 +4,8 @@ import streamlit as st
 import torch
 
 from app_state import compute, controls, frame, session
+from app_state.library import PaceConfig, QuantSpec, fake_quantize, strongest_outlier_head, structure_stats
 from pace_core import figures
-from pace_core.analysis.structure import strongest_outlier_head, structure_stats
-from pace_core.quant import QuantSpec, fake_quantize
-from pace_core.config import PaceConfig
 
 
 def page(cfg: PaceConfig) -> None:
@@ -73,10 +71,12 @@ def page(cfg: PaceConfig) -> None:
                    f"value column, so {'the ▼ outlier columns set' if outliers else 'each column sets'} only their "
                    f"own scales (columns differ {col_ratio:.1f}× here, rows {row_ratio:.1f}×).")
     else:
-        st.caption(f"Value-axis groups win here ({value_err:.1%} vs {key_err:.1%}): this head's rows differ more "
-                   f"({row_ratio:.1f}×) than its columns ({col_ratio:.1f}×{', no outlier column' if not outliers else ''}), "
-                   "and a value-axis group lies inside one key row, so a large row sets only its own scales. "
-                   "PACE's key-axis groups pay off on heads with outlier columns, which the page opens on.")
+        st.caption(
+            f"Value-axis groups win here ({value_err:.1%} vs {key_err:.1%}): this head's rows differ more "
+            f"({row_ratio:.1f}×) than its columns ({col_ratio:.1f}×{', no outlier column' if not outliers else ''}), "
+            "and a value-axis group lies inside one key row, so a large row sets only its own scales. "
+            "PACE's key-axis groups pay off on heads with outlier columns, which the page opens on."
+        )
     st.plotly_chart(figures.state_heatmaps(S[head], views, groups=groups, sidebar=sidebar, outlier_columns=outliers,
                                            title=f"layer {layer}, value head {head}, after {position} tokens"),
                     key="heat_chart")

@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_provenance import host_provenance  # noqa: E402
+
 from pace_core.config import get_config  # noqa: E402
 from pace_core.pool import StatePool  # noqa: E402
 from pace_core.recurrence import gdn_gates, prepare_qk  # noqa: E402
@@ -68,8 +70,24 @@ def projections(B: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Raw bfloat16 projections of B decode tokens, and the layer's gate parameters."""
     return {"q": torch.randn(B, H, K, generator=gen).bfloat16(), "k": torch.randn(B, H, K, generator=gen).bfloat16(),
             "v": torch.randn(B, HV, V, generator=gen).bfloat16(), "a": torch.randn(B, HV, generator=gen).bfloat16(),
-            "b": torch.randn(B, HV, generator=gen).bfloat16(), "A_log": (torch.rand(HV, generator=gen) - 2.0).bfloat16(),
+            "b": torch.randn(B, HV, generator=gen).bfloat16(),
+            "A_log": (torch.rand(HV, generator=gen) - 2.0).bfloat16(),
             "dt_bias": torch.rand(HV, generator=gen).bfloat16()}
+
+
+def projected(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The projections in the order of ``StatePool.decode_projected`` / ``prefill_projected``."""
+    return x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"]
+
+
+def vllm_own_prefill(x: dict[str, torch.Tensor], state: torch.Tensor, idx: torch.Tensor, cu: torch.Tensor) -> None:
+    """vLLM's CPU prefill of one prompt from zero on its float32 state (gates, then the chunked rule)."""
+    g, beta = vllm_ops.fused_gdn_gating_cpu(A_log=x["A_log"], a=x["a"], b=x["b"], dt_bias=x["dt_bias"])
+    state[idx.long()] = 0
+    vllm_ops.chunk_gated_delta_rule_cpu(
+        query=x["q"][None], key=x["k"][None], value=x["v"][None], g=g, beta=beta, initial_state=state,
+        output_final_state=True, cu_seqlens=cu, head_first=False, use_qk_l2norm_in_kernel=True,
+        initial_state_indices=idx)
 
 
 def prepared(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -152,29 +170,29 @@ def main(argv: list[str] | None = None) -> int:
                 x = projections(B, gen)
                 inputs = prepared(x)
                 steps = args.steps if label != "reference" or B <= 32 else max(5, args.steps // 4)
-                times[label] = median_time(lambda: pool.decode(slots, *inputs), steps)
+                times[label] = median_time(partial(pool.decode, slots, *inputs), steps)
                 if label == "fused":
                     out = torch.empty(B, HV, V, dtype=torch.bfloat16)
-                    times["fused_projected"] = median_time(lambda: pool.decode_projected(
-                        slots, x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out), args.steps)
+                    times["fused_projected"] = median_time(
+                        partial(pool.decode_projected, slots, *projected(x), out), args.steps)
             if vllm_ops is not None:
                 state = torch.zeros(2 * B, HV, V, K)
                 idx = slots.int()
                 cu = torch.arange(B + 1, dtype=torch.int32)
                 x = projections(B, gen)
-                times["vllm_own"] = median_time(lambda: vllm_ops.fused_sigmoid_gating_delta_rule_update_cpu(
-                    A_log=x["A_log"], dt_bias=x["dt_bias"], q=x["q"][None], k=x["k"][None], v=x["v"][None],
-                    a=x["a"], b=x["b"], initial_state_source=state, initial_state_indices=idx, cu_seqlens=cu,
-                    use_qk_l2norm_in_kernel=True), args.steps)
+                times["vllm_own"] = median_time(partial(
+                    vllm_ops.fused_sigmoid_gating_delta_rule_update_cpu, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                    q=x["q"][None], k=x["k"][None], v=x["v"][None], a=x["a"], b=x["b"], initial_state_source=state,
+                    initial_state_indices=idx, cu_seqlens=cu, use_qk_l2norm_in_kernel=True), args.steps)
             if name in compiled:
                 fn = compiled[name]
                 q, k, v, g, beta = prepared(projections(B, gen))
                 if name == "fp32":
                     state = torch.zeros(2 * B, HV, K, V)
-                    call = lambda: fn(state, slots, q, k, v, g, beta)  # noqa: E731
+                    call = partial(fn, state, slots, q, k, v, g, beta)
                 else:
                     pool = StatePool(cfg, (H, HV, K, V), 2 * B, "cpu")
-                    call = lambda: fn(pool.tensors["codes"], pool.tensors["scale"], slots, k, q)  # noqa: E731
+                    call = partial(fn, pool.tensors["codes"], pool.tensors["scale"], slots, k, q)
                 t = time.perf_counter()
                 call()
                 times["inductor_compile_s"] = time.perf_counter() - t
@@ -198,22 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                 pool = StatePool(cfg, (H, HV, K, V), 2, "cpu", backend=backend)
                 out = torch.empty(T, HV, V, dtype=torch.bfloat16)
                 starts, slot, initial = torch.tensor([0, T]), torch.tensor([1]), torch.tensor([False])
-                times[label] = median_time(lambda: pool.prefill_projected(
-                    slot, starts, initial, x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out),
-                    max(3, args.steps // 8))
+                times[label] = median_time(partial(pool.prefill_projected, slot, starts, initial, *projected(x), out),
+                                           max(3, args.steps // 8))
             if vllm_ops is not None:
                 state = torch.zeros(2, HV, K, V)
                 idx, cu = torch.tensor([1], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32)
-
-                def own() -> None:
-                    g, beta = vllm_ops.fused_gdn_gating_cpu(A_log=x["A_log"], a=x["a"], b=x["b"], dt_bias=x["dt_bias"])
-                    state[1] = 0
-                    vllm_ops.chunk_gated_delta_rule_cpu(
-                        query=x["q"][None], key=x["k"][None], value=x["v"][None], g=g, beta=beta, initial_state=state,
-                        output_final_state=True, cu_seqlens=cu, head_first=False, use_qk_l2norm_in_kernel=True,
-                        initial_state_indices=idx)
-                times["vllm_own"] = median_time(own, max(3, args.steps // 8))
-            row = {"config": name, "prompt_tokens": T, "load_avg_1m": load, **{f"{k}_ms": v * 1e3 for k, v in times.items()}}
+                times["vllm_own"] = median_time(partial(vllm_own_prefill, x, state, idx, cu), max(3, args.steps // 8))
+            row = {"config": name, "prompt_tokens": T, "load_avg_1m": load,
+                   **{f"{k}_ms": v * 1e3 for k, v in times.items()}}
             row["ratios_over_fused_projected"] = {k: v / times["fused_projected"] for k, v in times.items()}
             rows.append(row)
             print(f"{name:9s} T={T:4d} " + " ".join(f"{k} {v * 1e3:8.3f} ms" for k, v in times.items())

@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from bench_provenance import host_provenance  # noqa: E402
+
 from pace_core.results import list_results  # noqa: E402
 
 
@@ -36,12 +37,20 @@ def compare(gpu_root: str, cpu_root: str, model: str) -> list[dict]:
         m = g.table.merge(c.table, on=["config", "step"], suffixes=("_gpu", "_cpu"))
         d_err = (m.rel_error_gpu - m.rel_error_cpu).abs()
         d_nll = (m.excess_nll_gpu - m.excess_nll_cpu).abs()
-        rows.append({"config": key[1], "params_key": key[0], "steps": len(m),
-                     "gpu_device": g.provenance.get("device"), "cpu_device": c.provenance.get("device"),
-                     "mean_rel_error_gpu": float(m.rel_error_gpu.mean()), "mean_rel_error_cpu": float(m.rel_error_cpu.mean()),
-                     "max_abs_diff_rel_error": float(d_err.max()),
-                     "max_rel_diff_rel_error": float((d_err / m.rel_error_cpu.abs().clip(lower=1e-30)).max()),
-                     "max_abs_diff_excess_nll": float(d_nll.max())})
+        rows.append(
+            {
+                "config": key[1],
+                "params_key": key[0],
+                "steps": len(m),
+                "gpu_device": g.provenance.get("device"),
+                "cpu_device": c.provenance.get("device"),
+                "mean_rel_error_gpu": float(m.rel_error_gpu.mean()),
+                "mean_rel_error_cpu": float(m.rel_error_cpu.mean()),
+                "max_abs_diff_rel_error": float(d_err.max()),
+                "max_rel_diff_rel_error": float((d_err / m.rel_error_cpu.abs().clip(lower=1e-30)).max()),
+                "max_abs_diff_excess_nll": float(d_nll.max()),
+            }
+        )
     return rows
 
 
@@ -56,7 +65,10 @@ def main() -> int:
     if not rows:
         print("no drift result is held by both folders (same settings)", file=sys.stderr)
         return 2
-    print(f"{'config':<12}{'steps':>6}{'mean gpu':>11}{'mean cpu':>11}{'max |d|':>11}{'max |d|/cpu':>13}{'max |d nll|':>13}")
+    print(
+        f"{'config':<12}{'steps':>6}{'mean gpu':>11}{'mean cpu':>11}{'max |d|':>11}{'max |d|/cpu':>13}"
+        f"{'max |d nll|':>13}"
+    )
     for r in rows:
         print(f"{r['config']:<12}{r['steps']:>6}{r['mean_rel_error_gpu']:>11.6f}{r['mean_rel_error_cpu']:>11.6f}"
               f"{r['max_abs_diff_rel_error']:>11.2e}{r['max_rel_diff_rel_error']:>13.2e}{r['max_abs_diff_excess_nll']:>13.2e}")

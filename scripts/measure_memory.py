@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from bench_provenance import host_provenance  # noqa: E402
 
-CONFIGS = ("fp32", "bf16", "rtn-int8", "rtn-int4", "pace-4", "pace-4-8", "qmamba-dsq")
+CONFIGS = ("fp32", "bf16", "rtn-int8", "rtn-int4", "rtn-int3", "pace-4", "pace-3", "pace-4-8", "qmamba-dsq")
 """The named configurations ``pace_core.apply`` runs (DAMP needs its outlier rows passed to apply_pace)."""
 
 
@@ -92,7 +92,7 @@ def main() -> None:
     for row in rows:
         row["saving_vs_fp32"] = fp32 / row["state_bytes_held"]
     doc = {"kind": "apply_memory",
-           "provenance": {**host_provenance(), "model": loaded.source, "weights": loaded.fingerprint,
+           "provenance": {**host_provenance(), "model": loaded.reference, "weights": loaded.fingerprint,
                           "device": str(loaded.device), "batch": args.batch, "prompt_tokens": args.prompt_tokens,
                           "new_tokens": args.new_tokens},
            "rows": rows}
@@ -103,8 +103,10 @@ def main() -> None:
     tmp.replace(out)
     print(f"{'config':12} {'bits':>7} {'accounted':>12} {'held':>12} {'x fp32':>7} {'cache':>12} {'step peak':>11}")
     for r in rows:
-        print(f"{r['config']:12} {r['resident_bits']:7.3f} {r['state_bytes_accounted']:12,} {r['state_bytes_held']:12,} "
-              f"{r['saving_vs_fp32']:7.2f} {r['cache_bytes_held']:12,} {r['decode_step_peak_bytes']:11,}")
+        print(
+            f"{r['config']:12} {r['resident_bits']:7.3f} {r['state_bytes_accounted']:12,} {r['state_bytes_held']:12,} "
+            f"{r['saving_vs_fp32']:7.2f} {r['cache_bytes_held']:12,} {r['decode_step_peak_bytes']:11,}"
+        )
     print(f"wrote {out}")
 
 

@@ -22,14 +22,16 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from bench_provenance import host_provenance  # noqa: E402
+
 from pace_core.shapes import PUBLISHED_CONFIGS  # noqa: E402
 
 MODEST: dict[str, int] = {"calibration-tokens": 256, "sweep-tokens": 256, "sweep-decode-tokens": 16,
@@ -96,8 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Make the checkpoint if needed, run ``all`` step by step and write ``args.json`` after each step."""
     import torch
 
-    from pace_core.cli import build_parser
-    from pace_core.model import commands
+    from pace_core.cli import build_parser, context, study
     from pace_core.results import atomic_write
 
     doc: dict[str, Any] = {"kind": "multigpu_run", "status": "running", "label": args.label, "shape": args.shape,
@@ -153,14 +154,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc["pace_core_command"] = "python -m pace_core " + " ".join(all_argv(args))
 
     def load() -> int:
-        ctx = commands._context(pace_args)  # the Context every step of ``all`` reuses (one load)
+        ctx = context._context(pace_args)  # the Context every step of ``all`` reuses (one load)
         doc["placement"] = placement(ctx.loaded)
         doc["summary"] = {k: v for k, v in ctx.loaded.summary().items() if k != "gdn_layer_indices"}
         return 0
 
     step("load", load)
     code = 0
-    for name, action in commands.all_steps(pace_args):
+    for name, action in study.all_steps(pace_args):
         code = step(name, action)
         if code:
             break

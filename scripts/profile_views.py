@@ -22,8 +22,9 @@ import io
 import pstats
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -36,6 +37,7 @@ from pace_core.analysis.generation import generate_side_by_side  # noqa: E402
 from pace_core.analysis.text import CALIBRATION_TEXT, read_text, tokenize  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
 from pace_core.model.loading import load_model  # noqa: E402
+
 
 def timed(label: str, fn: Callable[[], Any], device: str) -> Any:
     """``fn()``, its wall time printed (synchronised on CUDA)."""
@@ -82,12 +84,15 @@ def generations(model, prompt: str, configs: dict, dev: str, tokens: int = 64) -
     profiled("generate warm", lambda: run(configs), dev, rows=60)
     names = list(configs)
     for n in range(len(names) - 1, -1, -1):
-        timed(f"generate warm, {n} configurations and the reference", lambda: run({k: configs[k] for k in names[:n]}),
-              dev)
+        timed(
+            f"generate warm, {n} configurations and the reference",
+            lambda n=n: run({k: configs[k] for k in names[:n]}),
+            dev,
+        )
     ids = model.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
     for rows in (1, 5):
         batch = ids.repeat(rows, 1)
-        timed(f"transformers generate, no PACE, {rows} rows", lambda: model.model.generate(
+        timed(f"transformers generate, no PACE, {rows} rows", lambda batch=batch: model.model.generate(
             input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=tokens, do_sample=False,
             min_new_tokens=tokens, pad_token_id=model.tokenizer.pad_token_id), dev)
 
@@ -154,7 +159,11 @@ def profile_drift(model, dev: str) -> None:
     timed("drift recompute cold", lambda: drift(model, three, ids, 256, every=8, reference=result.reference), dev)
     for p in periods:
         one = {f"b3 dP{p}": three[f"b3 dP{p}"]}
-        timed(f"drift one config dP{p}", lambda: drift(model, one, ids, 256, every=8, reference=result.reference), dev)
+        timed(
+            f"drift one config dP{p}",
+            lambda one=one: drift(model, one, ids, 256, every=8, reference=result.reference),
+            dev,
+        )
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DIR = REPO_ROOT / "data" / "models" / "pace-tiny-qwen35"
@@ -105,6 +106,12 @@ def served_app(folder: Path, timeout_s: float = 90) -> Iterator[tuple[str, int, 
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def plain(markdown: str) -> str:
+    """The text a reader sees of Markdown whose values went through app_state.markup.escape: its backslash escapes
+    undone and its invisible word joiners removed (what AppTest gives is the Markdown source)."""
+    return re.sub(r"\\(.)", r"\1", markdown).replace("\u2060", "")
 
 
 def outbound_attempts(log: Path) -> list[str]:

@@ -29,7 +29,7 @@ def calibrated(cfg: PaceConfig, hv: int, d_k: int, layers: int, seed: int = 0, d
                 {"rows": torch.stack([torch.randperm(d_k, generator=gen)[:cfg.damp_outlier_rows] for _ in range(hv)])
                  .to(torch.int16)} for _ in range(layers)]))
         if cfg.method == "stepquant":
-            from pace_core.stepquant import CANDIDATES, PIVOT
+            from pace_core.methods.stepquant.algorithm import CANDIDATES, PIVOT
 
             widths = torch.tensor([*CANDIDATES[cfg.bits], PIVOT], dtype=torch.int16)
             return cfg.replace(calibrated=Calibrated([

@@ -23,6 +23,7 @@ logit difference can swap the reference's top two tokens.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 U = 2.0**-24
@@ -43,21 +44,23 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_same_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, logits: torch.Tensor,
-                       ref_logits: torch.Tensor, tol: float) -> int:
+                       ref_logits: torch.Tensor, tol: float | torch.Tensor) -> int:
     """Two greedy continuations of the same prompts by two code paths: ``tokens, ref_tokens [B, N]`` and
     the logits each path chose them from, ``logits, ref_logits [N, B, vocab]`` (step-major, as
     ``generate(output_logits=True)`` gives them).
 
     Row by row and step by step, until the rows' tokens first differ: the logits agree to ``tol``
-    (relative, per step and row), and a differing token is allowed only where the reference's top-1
-    margin is at most twice the largest measured logit difference (a near tie that float32 rounding can
-    swap). After that step the continuations have different prefixes and are not compared. Returns the
-    number of rows that parted."""
+    (relative; one for all, or ``[N, B]`` one per step and row), and a differing token is allowed only where the
+    reference's top-1 margin is at most twice the largest measured logit difference (a near tie that float32
+    rounding can swap). After that step the continuations have different prefixes and are not compared. Returns
+    the number of rows that parted."""
     parted = 0
     for b in range(tokens.shape[0]):
         for t in range(tokens.shape[1]):
             step, ref_step = logits[t][b].double(), ref_logits[t][b].double()
-            assert rel(step, ref_step) <= tol, f"row {b}, step {t}: logits differ by {rel(step, ref_step):.3g} > {tol:.3g}"
+            bound = float(tol[t][b]) if isinstance(tol, torch.Tensor) else tol
+            assert rel(step, ref_step) <= bound, (f"row {b}, step {t}: logits differ by {rel(step, ref_step):.3g} > "
+                                                  f"{bound:.3g}")
             if tokens[b, t] != ref_tokens[b, t]:
                 top2 = ref_step.topk(2).values
                 margin = float(top2[0] - top2[1])
@@ -78,3 +81,16 @@ def assert_same_parameters(model: torch.nn.Module, reference: torch.nn.Module, r
     for name, tensor in mine.items():
         other = ref[rename(name)]
         assert tensor.shape == other.shape and torch.equal(tensor, other), f"{name} differs from {rename(name)}"
+
+
+def mean_difference_bound(diff: np.ndarray, blocks: int = 8, z: float = 4.0) -> float:
+    """How far the mean of ``diff`` (per decode step, the difference of one statistic between two code paths) may
+    lie from 0 when the paths are two realisations of one rounding process: ``z`` standard errors of the mean,
+    estimated from the means of ``blocks`` consecutive blocks of steps (all steps, blocks of nearly equal size;
+    blocks absorb the correlation between
+    neighbouring steps of one decode). Where a rounding's float32 differences put a code on the other side of a
+    boundary, the two states part by a code step, and the delta rule spreads it over the state: from then on the
+    paths round independently (the same distribution, other draws), so per-step values differ by the rounding
+    noise itself and only their means are comparable."""
+    means = np.array([b.mean() for b in np.array_split(np.asarray(diff, dtype=np.float64), blocks) if len(b)])
+    return z * float(means.std(ddof=1)) / len(means) ** 0.5

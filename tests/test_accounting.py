@@ -1,7 +1,9 @@
 import pytest
 import torch
+from calibration_support import calibrated
 
 from pace_core.accounting import (
+    best_in_memory,
     buffer_c,
     capacity,
     resident_bits,
@@ -9,12 +11,11 @@ from pace_core.accounting import (
     state_bytes,
     state_share,
 )
-from calibration_support import calibrated
 from pace_core.buffer import DecodeBuffer
-from pace_core.checkpoint import state_format
 from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
-from pace_core.methods.groups import high_head_counts
 from pace_core.errors import PaceError
+from pace_core.methods import Calibrated, state_format
+from pace_core.methods.groups import high_head_counts
 from pace_core.shapes import BUILTIN_SHAPES, PAPER_BACKBONES, ModelShape, get_shape
 
 S4, S27 = BUILTIN_SHAPES["qwen3.5-4b"], BUILTIN_SHAPES["qwen3.5-27b"]
@@ -88,9 +89,13 @@ def test_formula_terms_of_the_baselines():
         for b in range(2, 9):
             rb = resident_bits(get_config(f"rtn-int{b}"), shape)
             assert (rb.code_bits, rb.scale_bits, rb.payload_bits) == (b, 0.5, b + 0.5)
-            # the storage format keeps 2..4-bit codes in nibbles and 5..8-bit codes in bytes: padding is metadata
-            assert rb.exact_bits == rb.resident_bits == (4.5 if b <= 4 else 8.5)
-            assert rb.metadata_bits == (4 - b if b <= 4 else 8 - b)
+            # every width stored densely (issue 48): rows of 128 codes fill whole bytes, nothing is padding
+            assert rb.exact_bits == rb.resident_bits == b + 0.5
+            assert rb.metadata_bits == 0.0
+            zp = resident_bits(get_config(f"rtn-int{b}").replace(symmetric=False), shape)
+            # zero points: 4 of b bits in a row of value-axis groups, padded to whole bytes (3, 5, 7 bits: 4 bits)
+            assert zp.scale_bits == 0.5 + b / 32
+            assert zp.metadata_bits == (-(-4 * b // 8) * 8 - 4 * b) / 128
         zp = resident_bits(get_config("rtn-int4").replace(symmetric=False, group_size=64), shape)
         assert (zp.code_bits, zp.scale_bits, zp.metadata_bits) == (4.0, 16 / 64 + 4 / 64, 0.0)
         for b in (8, 4):
@@ -251,6 +256,66 @@ def test_capacity_is_the_largest_count_that_fits(name, shape_name, weight_bits, 
     if shape_name == "qwen3.5-27b":
         assert shape.kv_bytes_per_token == 2 * 2 * 4 * 256 * 16
     assert sequences_that_fit(cfg, shape, budget) == capacity(cfg, shape, budget).sequences
+
+
+EMBEDDED = ModelShape("embedded", 8, 6, 2, 4, 128, 128, 24_176_432, 4, gdn_layers=(0, 1, 2, 4, 5, 6),
+                      attention_kv_heads=2, attention_head_dim=128)
+"""The embedded model's shape (data/models/pace-tiny-qwen35), where issue 46 found the wrong recommendation."""
+
+
+def test_the_recommendation_for_a_memory_is_the_best_of_what_capacity_fits():
+    """For every named configuration (calibrated at random where its method needs it) with seeded random KLs, on a
+    grid of memories, sequence counts, contexts and weight widths: best_in_memory is the lowest KL among the
+    configurations of which capacity() fits the sequences, and those are the ones whose weights, state bytes and KV
+    fit the memory, counted here from state_bytes. Issue 46's case (62,351,354 B, 64 sequences, 16-bit weights, no
+    context) is on the grid, with stepquant-4's heads all at 4 bits (4.25 bits per sequence, 4.502 resident bits for
+    one: its impact weights, widths and head map once per layer): the per-sequence budget of budget_bits (4.45
+    bits) left it out, though the memory holds 66 of its sequences; the old choice differs elsewhere on the grid
+    too."""
+    from pace_core.analysis.compare import budget_bits
+    from pace_core.frontier import Point, best_under
+
+    rng = torch.Generator().manual_seed(46)
+    configs = {name: calibrated(cfg, EMBEDDED.num_v_heads, EMBEDDED.d_k, EMBEDDED.num_gdn_layers, seed=i)
+               for i, (name, cfg) in enumerate(NAMED_CONFIGS.items())}
+    kl = dict(zip(configs, (torch.rand(len(configs), generator=rng) * 1e-2).tolist()))
+    kl["stepquant-4"], kl["qmamba-dsq"] = 1.82e-4, 1.29e-3  # the shipped comparison's, as the issue found them
+    configs["stepquant-4"] = configs["stepquant-4"].replace(calibrated=Calibrated(  # every head at 4 bits
+        [{"widths": torch.full((4,), 4, dtype=torch.int16), "impact": torch.ones(4, 128)}] * 6))
+    points = [Point(name, resident_bits(cfg, EMBEDDED).resident_bits, kl[name], 1 - kl[name], 1.5)
+              for name, cfg in configs.items()]
+    differs = 0
+    for memory in (49_000_000, 55_000_000, 62_351_354, 80_000_000, 300_000_000):
+        for sequences in (1, 2, 16, 64, 65, 400):
+            for context in (0, 512, 4096):
+                for weight_bits in (16, 32):
+                    kv = EMBEDDED.kv_bytes_per_token * context
+                    weights = EMBEDDED.weight_params * weight_bits // 8
+                    fit = {name for name, cfg in configs.items()
+                           if capacity(cfg, EMBEDDED, memory, weight_bits=weight_bits, context=context).sequences
+                           >= sequences}
+                    assert fit == {name for name, cfg in configs.items()
+                                   if weights + state_bytes(cfg, EMBEDDED, sequences) + sequences * kv <= memory}
+                    want = min(((kl[n], resident_bits(configs[n], EMBEDDED).resident_bits, n) for n in fit),
+                               default=(None, None, None))[2]
+                    got = best_in_memory(points, configs, EMBEDDED, memory, sequences, context=context,
+                                         weight_bits=weight_bits)
+                    assert (got.config if got else None) == want, (memory, sequences, context, weight_bits)
+                    old = best_under(points, budget_bits(EMBEDDED, memory, sequences, context=context,
+                                                         weight_bits=weight_bits))
+                    differs += (old.config if old else None) != want
+    issue = best_in_memory(points, configs, EMBEDDED, 62_351_354, 64, weight_bits=16)
+    assert issue.config == "stepquant-4"
+    assert capacity(configs["stepquant-4"], EMBEDDED, 62_351_354, weight_bits=16).sequences == 66
+    budget = budget_bits(EMBEDDED, 62_351_354, 64, weight_bits=16)
+    bits = resident_bits(configs["stepquant-4"], EMBEDDED)
+    assert round(budget, 2) == 4.45 and (bits.sequence_bits, bits.resident_bits) == (4.25, 4.501953125)
+    assert best_under(points, budget).config == "qmamba-dsq"
+    assert differs > 0
+    with pytest.raises(PaceError, match="no configuration for the points"):
+        best_in_memory(points, {}, EMBEDDED, 10**9, 1)
+    with pytest.raises(PaceError, match="sequences=0"):
+        best_in_memory(points, configs, EMBEDDED, 10**9, 0)
 
 
 def test_capacity_refuses_bad_input():

@@ -9,19 +9,23 @@ Tolerances, from what the two backends compute differently:
 
 - unrounded arithmetic (fp32 reference states, structure statistics, calibration decays) differs only by
   summation order: :func:`numerics.fp32_bound` of the longest dependent chain;
-- a rounding to few bits after two such paths puts a value on the other side of a rounding boundary where it
-  lies within float32 rounding of it (tests/numerics.py): one code step in a few entries. Such a flip moves
-  a state's error by one step in one entry among ``HV·K·V`` per layer, so the relative state error of a
-  configuration (drift) agrees to :data:`FLIP_SHARE` of itself; the measured difference is 7e-4 for bf16
-  (whose rounding step is the finest, 2^-8 relative, so flips are most frequent), 5e-6 for RTN-INT4, 7e-8
-  for PACE-4;
-- a log-probability moves with the state it reads: means of per-token NLLs (a drift's mean excess NLL,
-  log perplexity, KL) agree to :data:`NLL_ABS` nats, a 1e-3 relative change of a logit margin, which a few
-  one-step flips per layer do not reach (measured up to 2e-4); a single token's NLL to :data:`STEP_NLL_ABS`:
-  at dP = 1 integer rounding carries each flip into the rounding of every later token, so the trajectories
-  part by a few code steps (measured up to 1.8e-3 nats for RTN-INT4, 7e-6 for bf16, 1e-6 for PACE-4);
-- greedy generations may part only where the reference's top-2 margin is within the measured logit
-  difference (:func:`numerics.assert_same_greedy`).
+- a rounding to few bits after two such paths can put a value on the other side of a rounding boundary where it
+  lies within float32 rounding of it: one code step in one entry. The delta rule spreads that step over the
+  state's row and column at the next token, where more entries then lie near a boundary, so after the first such
+  flip the two paths round independently: two realisations of one rounding process, whose per-step state errors
+  and excess NLLs differ by the rounding noise itself (measured on an H100 over 256 decode steps: up to 2.4 % of
+  bf16's state error per step, 0.17 nats of RTN-INT4's NLL at one step, while their means agree to 0.2 % and
+  5.5e-4 nats). Drift therefore compares each configuration's means over the decode steps, to
+  :func:`numerics.mean_difference_bound` (4 standard errors of the mean difference, from block means) plus
+  :data:`FP32_SHARE` of the mean for the float32 differences the paths share from the start;
+- a log-probability moves with the state it reads: means of per-token NLLs over windows (log perplexity, KL)
+  agree to :data:`NLL_ABS` nats (those windows are short: measured up to 2e-4);
+- greedy generations: the first step's logits read the prompt's state, computed alike by both paths, so they agree
+  to float32 rounding (:data:`FP32_SHARE`); later steps read states the paths rounded, which may have parted
+  (above): each step's logits of the kernels' path lie within twice the reference path's own distance to the
+  fp32 model's logits on the same tokens (the triangle bound of two realisations of one error size; a path that
+  adds an error of its own exceeds it), and the continuations may part only where the reference's top-2 margin is
+  within the measured logit difference (:func:`numerics.assert_same_greedy`).
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ import math
 
 import pytest
 import torch
-
 from kernels_support import DEVICE, ON_GPU, kernel_modules
-from numerics import assert_same_greedy, fp32_bound
+from numerics import assert_same_greedy, fp32_bound, mean_difference_bound, rel
+
 from pace_core.analysis.calibration import calibrate
 from pace_core.analysis.drift import drift
 from pace_core.analysis.quality import perplexity
@@ -50,8 +54,11 @@ pytestmark = [pytest.mark.numerics,
 KERNEL_MODULES = kernel_modules()
 
 FLIP_SHARE = 0.01
+"""A calibration statistic's relative difference where a flip moves one entry of a sample by a code step."""
+FP32_SHARE = 1e-5
+"""Relative difference of values both paths compute from the same state in float32: the logits of a prompt (about
+2e-7 measured), a state error's mean before any flip."""
 NLL_ABS = 1e-3
-STEP_NLL_ABS = 5e-3
 TOKENS = 512 if ON_GPU else 24
 """Drift text: half prefilled, half decoded (through a flush of PACE-4's dP = 8)."""
 CONFIGS = ("bf16", "rtn-int8", "rtn-int4", "pace-4", "pace-4-8") if ON_GPU else ("bf16", "rtn-int4", "pace-4")
@@ -86,11 +93,12 @@ def test_drift_through_the_kernels_is_the_reference(loaded, pace48, monkeypatch)
     ref, ker = both(monkeypatch, lambda: drift(loaded, configs(pace48), ids, TOKENS // 2, every=1))
     merged = ref.table.merge(ker.table, on=["config", "step"], suffixes=("_r", "_k"))
     assert len(merged) == len(ref.table) == len(ker.table) > 0
-    assert ((merged.rel_error_k - merged.rel_error_r).abs() <= FLIP_SHARE * merged.rel_error_r).all()
-    assert ((merged.excess_nll_k - merged.excess_nll_r).abs() <= STEP_NLL_ABS).all()
-    assert (merged.rel_error_r > 0).all()
-    summary = ref.summary.merge(ker.summary, on="config", suffixes=("_r", "_k"))
-    assert ((summary.mean_excess_nll_k - summary.mean_excess_nll_r).abs() <= NLL_ABS).all()
+    assert (merged.rel_error_r > 0).all() and (merged.rel_error_k > 0).all()
+    for name, rows in merged.groupby("config"):
+        for column in ("rel_error", "excess_nll"):
+            diff = (rows[f"{column}_k"] - rows[f"{column}_r"]).to_numpy()
+            bound = mean_difference_bound(diff) + FP32_SHARE * abs(rows[f"{column}_r"]).mean()
+            assert abs(diff.mean()) <= bound, f"{name} {column}: means differ by {diff.mean():.3g} > {bound:.3g}"
 
 
 def test_structure_and_calibration_through_the_kernels_are_the_reference(loaded, monkeypatch):
@@ -141,4 +149,9 @@ def test_generation_through_the_kernels_is_the_reference(loaded, pace48, monkeyp
             return out.sequences[:, ids.shape[1]:], torch.stack(out.logits)
 
         (tok_r, log_r), (tok_k, log_k) = both(monkeypatch, run)
-        assert_same_greedy(tok_k, tok_r, log_k, log_r, tol=NLL_ABS)
+        with torch.no_grad():  # the fp32 model's logits on the reference path's tokens
+            fp32 = loaded.model(torch.cat([ids, tok_r], 1)).logits[:, ids.shape[1] - 1:-1].transpose(0, 1)
+        own = torch.tensor([[rel(log_r[t][b], fp32[t][b]) for b in range(ids.shape[0])] for t in range(new)])
+        tol = (2 * own).clamp(min=FP32_SHARE)
+        tol[0] = FP32_SHARE
+        assert_same_greedy(tok_k, tok_r, log_k, log_r, tol=tol)

@@ -5,10 +5,23 @@ import torch
 
 from pace_core.accounting import resident_bits
 from pace_core.analysis.calibration import calibrate
-from pace_core.analysis.claims import (CLAIM_BITS, DRIFT_PERIODS, EQUAL_BITS_GROUPS, EQUAL_BITS_PERIODS,
-                                       SPREAD_RESAMPLES, SPREAD_SEED, claim_configs, claims_progress_total,
-                                       claims_table, equal_bits_pace, measure_claims, random_allocations,
-                                       resample_counts, spread, verdict)
+from pace_core.analysis.claims import (
+    CLAIM_BITS,
+    DRIFT_PERIODS,
+    EQUAL_BITS_GROUPS,
+    EQUAL_BITS_PERIODS,
+    SPREAD_RESAMPLES,
+    SPREAD_SEED,
+    claim_configs,
+    claims_progress_total,
+    claims_table,
+    equal_bits_pace,
+    measure_claims,
+    random_allocations,
+    resample_counts,
+    spread,
+    verdict,
+)
 from pace_core.analysis.quality import perplexity
 from pace_core.analysis.text import read_text, tokenize
 from pace_core.config import get_config
@@ -165,6 +178,11 @@ def test_measure_claims_reports_what_it_measured(loaded, text):
             assert c["spread"]["unit"] == "windows" and c["spread"]["n"] == windows
         sp = c["spread"]
         assert sp["low"] <= sp["high"] and 0 <= sp["holds_share"] <= 1
+    for b in CLAIM_BITS:  # (a): the bits each stores, densely packed (issue 48): b + 1/2 at dP 1, + c · 8 at dP 8
+        a = claims[("a", f"{b}-bit RTN (value g32): dP 8 vs dP 1")]
+        cfg = get_config("rtn-int4").replace(group_axis="value", group_size=32, bits=b)
+        assert a["resident_bits"][1] == resident_bits(cfg, loaded.shape).resident_bits == b + 0.5
+        assert a["resident_bits"][0] > a["resident_bits"][1]
     e = claims[next(k for k in claims if k[0] == "e")]
     pace, rival = e["labels"]
     assert rival == "stepquant-4" and e["resident_bits"][0] <= e["resident_bits"][1]

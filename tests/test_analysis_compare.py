@@ -1,11 +1,22 @@
+import math
+
 import numpy as np
 import pytest
 
 from pace_core.accounting import capacity, resident_bits, state_bytes, state_bytes_per_sequence
-from pace_core.analysis.compare import (Point, best_under, budget_bits, comparison, dominates, frontier, point,
-                                        recommendation, stored_config)
+from pace_core.analysis.compare import (
+    axis_table,
+    budget_bits,
+    comparison,
+    evidence,
+    gap,
+    point,
+    recommendation,
+    stored_config,
+)
 from pace_core.config import NAMED_CONFIGS, get_config
 from pace_core.errors import PaceError
+from pace_core.frontier import KL, PERPLEXITY, Axis, Point, best_under, dominates, frontier
 from pace_core.shapes import BUILTIN_SHAPES
 
 
@@ -61,7 +72,7 @@ def test_budget_bits_is_what_capacity_lets_the_states_take():
     """A configuration whose resident bits fit the budget holds the sequences (accounting.capacity); one that
     stores nothing once per layer holds them exactly when it fits."""
     rng = np.random.default_rng(int(np.random.default_rng().integers(2**31)))
-    configs = [c for c in NAMED_CONFIGS.values()]
+    configs = list(NAMED_CONFIGS.values())
     for name, shape in BUILTIN_SHAPES.items():
         for _ in range(10):
             memory = int(rng.uniform(1.0, 3.0) * shape.weight_bytes)
@@ -119,3 +130,62 @@ def test_recommendation_states_cost_and_gain():
     assert "1 sequence on 1 GB at 8,192 tokens of context with 16-bit weights, where fp32 states fit none" in \
         recommendation(p, cfg, shape, tight, "1 GB", context=8192, weight_bits=16)
     assert "no sequence fits on 1 GB" in recommendation(p, cfg, shape, 10**9, "1 GB", context=8192, weight_bits=16)
+
+
+def _scored(rng: np.random.Generator, points: list[Point]) -> dict[str, float]:
+    """Random task scores (ties included) for a random subset of the points (the others were not measured)."""
+    return {p.config: float(rng.choice([0.1, 0.35, 0.5, 0.62, 0.9])) for p in points if rng.random() < 0.7}
+
+
+def test_a_task_axis_judges_on_its_scores_higher_better_over_the_points_it_measured():
+    """Frontier and best on a task score (higher better) equal the KL ones computed on a point whose KL is the
+    negated score (the independent reference: the KL-axis code of before, on relabelled points), over the points
+    that have a score; points without one are on neither."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(2**31)))
+    for _ in range(200):
+        points = _points(rng, int(rng.integers(1, 12)))
+        values = _scored(rng, points)
+        axis = Axis("task:x", "x · acc", higher_is_better=True, scores=values)
+        as_kl = [Point(p.config, p.resident_bits, -values[p.config], p.agreement, p.bpb) for p in points
+                 if p.config in values]
+        assert {p.config for p in frontier(points, axis)} == _sweep_frontier(as_kl)
+        for budget in (3.0, 4.3, 7.0, 40.0):
+            best, reference = best_under(points, budget, axis), best_under(as_kl, budget)
+            assert (best is None) == (reference is None)
+            if best is not None:
+                assert best.config == reference.config and values[best.config] == max(
+                    values[p.config] for p in as_kl if p.resident_bits <= budget)
+        lower = Axis("task:y", "y", scores=values)  # lower better: the KL rule on the scores themselves
+        assert {p.config for p in frontier(points, lower)} == _sweep_frontier(
+            [Point(p.config, p.resident_bits, values[p.config], 0, 1) for p in points if p.config in values])
+
+
+def test_axes_of_the_comparisons_own_figures_and_their_words():
+    points = [Point("fp32", 32.0, 0.0, 1.0, 1.5, 20.0), Point("a", 4.25, 2e-2, 0.9, 1.6, 23.0),
+              Point("b", 5.0, 1e-3, 0.97, 1.55, 20.5), Point("c", 8.5, 1e-4, 0.99, 1.5, 20.02)]
+    assert frontier(points) == frontier(points, KL) and best_under(points, 6.0) == best_under(points, 6.0, KL)
+    assert [p.config for p in frontier(points, PERPLEXITY)] == ["a", "b", "c", "fp32"]
+    old = Point.of({"config": "x", "resident_bits": 4, "kl": 0.1, "agreement": 0.5, "bpb": 1})  # no ppl stored
+    assert PERPLEXITY.value(old) is None and PERPLEXITY.measured([old]) == [] and KL.value(old) == 0.1
+    scores = {"fp32": 0.62, "a": 0.31, "c": 0.6}
+    axis = Axis("task:s", "gsm8k · exact_match", higher_is_better=True, scores=scores,
+                stderr={"fp32": 0.013, "a": 0.012, "c": float("nan")}, evidence={"task": "gsm8k"})
+    assert axis.shown(points[1]) == "0.310 ± 0.012" and axis.shown(points[3]) == "0.600"
+    shape = BUILTIN_SHAPES["qwen3.5-4b"]
+    sentence = recommendation(points[3], get_config("rtn-int8"), shape, int(141e9), "an H200", context=8192,
+                              weight_bits=16, axis=axis)
+    assert sentence.startswith("c: 8.50 bits per state value, gsm8k · exact_match 0.600 (KL 1.0e-04 to fp32), ")
+    assert recommendation(points[3], get_config("rtn-int8"), shape, int(141e9), "an H200", context=8192,
+                          weight_bits=16) == sentence.replace(
+        "gsm8k · exact_match 0.600 (KL 1.0e-04 to fp32)", "KL 1.0e-04 to fp32 (top-1 agreement 99.0%)")
+    table = axis_table(points, axis)
+    assert list(table["config"]) == ["a", "c", "fp32"] and list(table["frontier"]) == [True, True, True]
+    assert table["stderr"].isna().tolist() == [False, True, False]
+    picked = evidence(axis, points[1], points, 4.5)
+    assert picked == {"axis": "task:s", "label": "gsm8k · exact_match", "higher_is_better": True, "config": "a",
+                      "value": 0.31, "stderr": 0.012, "reference": {"config": "fp32", "value": 0.62},
+                      "budget_bits": 4.5, "resident_bits": 4.25, "frontier": ["a", "c", "fp32"], "task": "gsm8k"}
+    assert evidence(KL, points[2], points, 6.0)["reference"] == {"config": "fp32", "value": 0.0}
+    difference, se = gap(axis, points[1], points[0])
+    assert difference == pytest.approx(0.31 - 0.62) and se == pytest.approx(math.sqrt(0.012**2 + 0.013**2))
+    assert gap(axis, points[3], points[0])[1] is None  # c's standard error is unknown

@@ -2,8 +2,8 @@ import math
 
 import pytest
 import torch
-
 from numerics import fp32_bound
+
 from pace_core.analysis.drift import drift, drift_reference
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError

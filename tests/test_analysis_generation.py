@@ -1,13 +1,12 @@
 import pandas as pd
 import pytest
 import torch
-
-from pace_core.methods import Calibrated
-
 from numerics import fp32_bound
+
 from pace_core.analysis.generation import first_divergence, generate_side_by_side
 from pace_core.config import get_config
 from pace_core.errors import PaceError
+from pace_core.methods import Calibrated
 from pace_core.model.loading import load_model
 
 pytestmark = pytest.mark.numerics

@@ -2,17 +2,26 @@ import math
 
 import pytest
 import torch
+from numerics import fp32_bound
 
-from pace_core.methods import Calibrated
-
-from pace_core.analysis.quality import (MOST_WINDOWS_PER_BATCH, WINDOW_COLUMNS, batched_windows, evaluate_quality,
-                                        perplexity, prompt_tokens, quality_run, scored_bytes, sliding_windows,
-                                        windows_per_batch)
+from pace_core.analysis.quality import (
+    MOST_WINDOWS_PER_BATCH,
+    WINDOW_COLUMNS,
+    batched_windows,
+    evaluate_quality,
+    perplexity,
+    prompt_tokens,
+    quality_run,
+    scored_bytes,
+    sliding_windows,
+    windows_per_batch,
+)
 from pace_core.analysis.text import tokenize
 from pace_core.config import get_config
 from pace_core.errors import PaceError
+from pace_core.methods import Calibrated
 from pace_core.model.loading import load_model
-from numerics import fp32_bound
+from pace_core.model.teacher import DECODE_CHUNK
 
 pytestmark = pytest.mark.numerics
 
@@ -152,7 +161,7 @@ def test_default_batch_is_one_on_the_cpu_and_what_half_the_free_gpu_memory_holds
     vocab = loaded.model.config.get_text_config(decoder=True).vocab_size
     for dtype, item in ((torch.float32, 4), (torch.bfloat16, 6)):  # fp32 logits, plus the bf16 ones they come from
         gpu = _on_gpus(loaded, 0, 0, dtype)
-        per_window = 9 * 512 * vocab * item  # 9 members x max(prompt 512, decode chunk 256) positions
+        per_window = 9 * 512 * vocab * item  # 9 members x max(prompt 512, decode chunk) positions
         for windows in (1, 3, 7):
             free = 2 * windows * per_window + per_window  # half of it holds `windows` and a half window
             monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
@@ -161,9 +170,12 @@ def test_default_batch_is_one_on_the_cpu_and_what_half_the_free_gpu_memory_holds
         assert windows_per_batch(gpu, 9, 1024, 512) == 1  # never fewer than one
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 50, 1 << 51))
         assert windows_per_batch(gpu, 9, 1024, 512) == MOST_WINDOWS_PER_BATCH
-        per_chunk = 9 * 256 * vocab * item  # prompt 64 tokens: the decode chunk of 256 is the larger forward
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * 5 * per_chunk, 1 << 51))
-        assert windows_per_batch(gpu, 9, 1024, 64) == 5
+        prompt = DECODE_CHUNK // 2  # the decode chunk is the larger forward
+        per_chunk = 9 * DECODE_CHUNK * vocab * item
+        monkeypatch.setattr(
+            torch.cuda, "mem_get_info", lambda device, per_chunk=per_chunk: (2 * 5 * per_chunk, 1 << 51)
+        )
+        assert windows_per_batch(gpu, 9, 1024, prompt) == 5
 
 
 def test_default_batch_counts_the_free_memory_of_the_gpu_the_logits_are_on(loaded, monkeypatch):
@@ -181,7 +193,9 @@ def test_default_batch_counts_the_free_memory_of_the_gpu_the_logits_are_on(loade
 def test_batched_windows_score_as_one_by_one(loaded):
     ids = torch.randint(3, 100, (1, 120))
     heads = tuple((int(torch.randint(0, loaded.shape.num_v_heads, ())),) for _ in range(loaded.shape.num_gdn_layers))
-    cfgs = [get_config(n) for n in ("pace-4", "rtn-int4", "qmamba-dsq")] + [get_config("pace-4-8").replace(high_heads=heads)]
+    cfgs = [get_config(n) for n in ("pace-4", "rtn-int4", "qmamba-dsq")] + [
+        get_config("pace-4-8").replace(high_heads=heads)
+    ]
     one = evaluate_quality(loaded, cfgs, ids, window=40, stride=20, decode_from=20).set_index("config")
     many = evaluate_quality(loaded, cfgs, ids, window=40, stride=20, decode_from=20, batch=4).set_index("config")
     assert list(many.index) == list(one.index) and (many.tokens == one.tokens).all()
@@ -212,7 +226,9 @@ def test_damp_quality_runs_with_the_given_outlier_rows(loaded):
                          for _ in range(shape.num_v_heads)]) for _ in range(shape.num_gdn_layers)]
     ids = torch.randint(3, 100, (1, 48))
     calibrated = cfg.replace(calibrated=Calibrated([{"rows": r.to(torch.int16)} for r in rows]))
-    table = evaluate_quality(loaded, {"damp": calibrated}, ids, window=48, stride=24, decode_from=24).set_index("config")
+    table = evaluate_quality(loaded, {"damp": calibrated}, ids, window=48, stride=24, decode_from=24).set_index(
+        "config"
+    )
     # one window: the damp row's NLL is that of the same run made directly
     logits = run_with_states(loaded, calibrated, ids, decode_from=24).logits[0, :-1].double()
     want = float(torch.nn.functional.cross_entropy(logits, ids[0, 1:]))

@@ -3,12 +3,15 @@ import math
 import pytest
 import torch
 
+from pace_core.analysis import sweep as sweep_module
 from pace_core.analysis.sweep import GDNInputs, grid_configs, record_gdn_inputs, sweep, sweep_states
+from pace_core.checkpoint import RoundingFormat
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model.capture import run_with_states
 from pace_core.model.loading import load_model
-from pace_core.recurrence import gdn_recurrent, prepare_qk
+from pace_core.quant import fake_quantize
+from pace_core.recurrence import gdn_chunked, gdn_recurrent, prepare_qk
 from pace_core.state_store import LayerState
 
 pytestmark = pytest.mark.numerics
@@ -25,9 +28,9 @@ def _layer_state_final(inp, cfg, D):
     L, T, H, K = inp.q.shape
     HV, V = inp.v.shape[2:]
     out = []
-    for l in range(L):
+    for layer in range(L):
         st = LayerState(cfg, 1, H, HV, K, V, "cpu")
-        x = [t[l : l + 1] for t in (inp.q, inp.k, inp.v, inp.g, inp.beta)]
+        x = [t[layer : layer + 1] for t in (inp.q, inp.k, inp.v, inp.g, inp.beta)]
         st.prefill(*(t[:, :D] for t in x))
         st.decode(*(t[:, D:] for t in x))
         out.append(st.effective_state())
@@ -90,3 +93,43 @@ def test_whole_prompt_prefill_is_the_rounded_reference_state():
     assert summary.prefill_rel_error[0] == summary.prefill_rel_error[1] > 0
     segmented, _ = sweep_states(inp, [base.replace(name="P8", prefill_period=8)], decode_tokens=16)
     assert segmented.prefill_rel_error[0] != summary.prefill_rel_error[0]
+
+
+
+def test_a_float64_sweep_keeps_float64_checkpoints(monkeypatch):
+    """A sweep of float64 inputs keeps its checkpoints in float64 (issue 46: they were float32, the default of
+    RoundingFormat), and its errors are those of the float64 recurrence rounded at every token, to float64's
+    rounding over these few steps."""
+    made = []
+
+    def recording(*args, **kwargs):
+        made.append(RoundingFormat(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(sweep_module, "RoundingFormat", recording)
+    inp = _inputs(T=40)
+    inp = GDNInputs(inp.layers, *(t.double() for t in (inp.q, inp.k, inp.v, inp.g, inp.beta)))
+    cfgs = [get_config("pace-4").replace(name="a", bits=8, group_size=32, decode_period=1, prefill_period=16),
+            get_config("pace-4").replace(name="b", bits=4, group_size=32, decode_period=1, prefill_period=4096)]
+    summary, _ = sweep_states(inp, cfgs, decode_tokens=16)
+    assert made and {f.dtype for f in made} == {torch.float64}
+    spec = cfgs[1].quant_spec()
+    _, S = gdn_chunked(*inp.part(slice(0, 24)))
+    want = float(torch.linalg.norm(fake_quantize(S, spec) - S) / torch.linalg.norm(S))
+    assert summary.prefill_rel_error[1] == pytest.approx(want, rel=1e-12)
+    S_dec = fake_quantize(S, spec)
+    for t in range(24, 40):  # per-token rounding, every step's state float64
+        _, S_dec = gdn_chunked(*inp.part(slice(t, t + 1)), S_dec)
+        S_dec = fake_quantize(S_dec, spec)
+    _, S_ref = gdn_chunked(*inp.part(slice(0, 40)))
+    want = float(torch.linalg.norm(S_dec - S_ref) / torch.linalg.norm(S_ref))
+    assert summary.final_rel_error[1] == pytest.approx(want, rel=1e-9)
+
+
+def test_a_rounding_format_states_its_dtype():
+    """RoundingFormat has no silent float32 default: the caller names the dtype of its checkpoints."""
+    with pytest.raises(TypeError):
+        RoundingFormat(lambda S: S)
+    fmt = RoundingFormat(lambda S: S, dtype=torch.float64)
+    S = torch.randn(1, 1, 2, 2, dtype=torch.float64) / 3
+    assert fmt.zeros((1, 1, 2, 2), torch.device("cpu")).dtype == torch.float64 and torch.equal(fmt.store(S), S)

@@ -13,19 +13,20 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from app_support import REPO_ROOT, app_model_param, plain
+from conftest import BROKEN_CHECKPOINTS
+from numerics import fp32_bound, rel
 from streamlit.testing.v1 import AppTest
 
 from app_state import compute, controls, exporting, frame, session, stored
-from app_support import REPO_ROOT, app_model_param
-from conftest import BROKEN_CHECKPOINTS
-from numerics import fp32_bound, rel
-from pace_core.accounting import capacity, resident_bits, state_bytes
+from pace_core.accounting import capacity, resident_bits, state_bytes, state_bytes_per_sequence
 from pace_core.analysis.structure import structure_stats
 from pace_core.analysis.text import tokenize
-from pace_core.config import config_to_json, document_from_json, get_config, num_high_heads
+from pace_core.config import get_config
 from pace_core.errors import PaceError
-from pace_core.export import used_settings
+from pace_core.export import config_to_json, document_from_json, used_settings
 from pace_core.figures import MIB
+from pace_core.heads import num_high_heads
 from pace_core.methods import METHODS
 from pace_core.model.capture import run_with_states
 from pace_core.model.loading import load_model
@@ -92,12 +93,12 @@ def opened(params: dict[str, str], page: str | None = None, **query: str) -> App
 
 def check(at: AppTest) -> None:
     assert not at.exception, [e.value for e in at.exception]
-    assert not at.error, [e.value for e in at.error]
+    assert not at.error, [plain(e.value) for e in at.error]
 
 
 def metric(at: AppTest, label: str) -> str:
-    found = [m.value for m in at.metric if m.label == label]
-    assert found, f"no metric {label!r}; have {[m.label for m in at.metric]}"
+    found = [m.value for m in at.metric if plain(m.label) == label]
+    assert found, f"no metric {label!r}; have {[plain(m.label) for m in at.metric]}"
     return found[0]
 
 
@@ -116,7 +117,7 @@ def chart(at: AppTest, key: str) -> dict:
 def test_url_values_are_validated_and_fall_back(params):
     at = start(params, preset="pace-4", bits="11", dp="0", axis="diagonal", device="tpu", pad="later",
                weights="fp8")
-    warnings = " ".join(w.value for w in at.warning)
+    warnings = " ".join(plain(w.value) for w in at.warning)
     assert "allowed: flush, carry" in warnings and "allowed: float32, bfloat16" in warnings
     for name in ("'bits'", "'dp'", "'axis'", "'device'", "'pad'", "'weights'"):
         assert f"URL parameter {name}" in warnings
@@ -135,7 +136,8 @@ def test_combination_controls_follow_the_methods_that_take_them(params):
         assert {m for m in METHODS if controls.enabled(controls.CONTROL_BY_KEY[key], m)} == methods
     at = start(params, preset="pace-4-sr", kh="1", method="stepquant")
     assert at.sidebar.selectbox(key="w_rnd").value == "stochastic" and at.sidebar.toggle(key="w_kh").value
-    assert at.sidebar.selectbox(key="w_rnd").disabled and "**custom**" in at.sidebar.caption[0].value
+    active = next(c.value for c in at.sidebar.caption if c.value.startswith("Active:"))
+    assert at.sidebar.selectbox(key="w_rnd").disabled and "**custom**" in active
     at.sidebar.select_slider(key="w_method").set_value("pace").run()
     check(at)
     assert str(at.query_params["rnd"]).strip("[]'") == "stochastic" and not at.sidebar.selectbox(key="w_rnd").disabled
@@ -183,15 +185,15 @@ def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, mo
     at = AppTest.from_file(APP, default_timeout=180)
     at.query_params["model"] = str(tmp_path / "nowhere")
     at.run()
-    assert not at.exception and "Could not load model" in at.error[0].value and len(calls) == 1
+    assert not at.exception and "Could not load model" in plain(at.error[0].value) and len(calls) == 1
     at.sidebar.select_slider(key="w_bits").set_value(3).run()
-    assert "Could not load model" in at.error[0].value and len(calls) == 1
+    assert "Could not load model" in plain(at.error[0].value) and len(calls) == 1
     (tmp_path / "nowhere").mkdir()  # the folder changed: tried at once (still not a checkpoint)
     at.sidebar.select_slider(key="w_bits").set_value(5).run()
-    assert "Could not load model" in at.error[0].value and len(calls) == 2
+    assert "Could not load model" in plain(at.error[0].value) and len(calls) == 2
     (tmp_path / "nowhere" / "config.json").write_text("{")  # a file appears: tried again
     at.sidebar.select_slider(key="w_bits").set_value(6).run()
-    assert "Could not load model" in at.error[0].value and len(calls) == 3
+    assert "Could not load model" in plain(at.error[0].value) and len(calls) == 3
     at.button(key="load_try_again").click().run()
     assert not at.exception and len(calls) == 4
 
@@ -209,9 +211,9 @@ def test_a_load_failure_of_any_kind_is_remembered(params, monkeypatch):
     for key, value in params.items():
         at.query_params[key] = value
     at.switch_page("pages/state_heatmaps.py").run()
-    assert not at.exception and "RuntimeError: the loader broke" in at.error[0].value and len(calls) == 1
+    assert not at.exception and "RuntimeError: the loader broke" in plain(at.error[0].value) and len(calls) == 1
     at.sidebar.select_slider(key="w_bits").set_value(3).run()
-    assert "RuntimeError: the loader broke" in at.error[0].value and len(calls) == 1
+    assert "RuntimeError: the loader broke" in plain(at.error[0].value) and len(calls) == 1
 
 
 @pytest.mark.parametrize("broken", list(BROKEN_CHECKPOINTS))
@@ -226,10 +228,10 @@ def test_a_broken_checkpoint_is_shown_once_and_not_loaded_again(broken_checkpoin
     at = AppTest.from_file(APP, default_timeout=180)
     at.query_params["model"] = str(folder)
     at.run()
-    assert not at.exception and [message in e.value for e in at.error] == [True] and len(calls) == 1
+    assert not at.exception and [message in plain(e.value) for e in at.error] == [True] and len(calls) == 1
     at.sidebar.select_slider(key="w_bits").set_value(3).run()
     at.switch_page("pages/drift.py").run()
-    assert not at.exception and [message in e.value for e in at.error] == [True] and len(calls) == 1
+    assert not at.exception and [message in plain(e.value) for e in at.error] == [True] and len(calls) == 1
 
 
 def test_out_of_memory_is_recognised():
@@ -289,6 +291,36 @@ def test_memory_table_follows_the_bits_control(params, loaded):
     assert table.loc["sidebar: custom", "resident"] == pytest.approx(expected.resident_bits)
 
 
+def test_each_width_shows_its_cost_before_the_user_moves_to_it(params, loaded):
+    """Issue 48: the sidebar's line under the state bits, the Memory page's table of widths and the capacity
+    planner's give each width's resident bits, state bytes and sequences from the accounting (every width stored
+    densely: a bit less is a real saving), the sidebar's width marked."""
+    at = start(params, page="memory", preset="pace-4")
+    cfg = get_config("pace-4")
+    line = next(c.value for c in at.sidebar.caption if c.value.startswith("Each width with these settings"))
+    for b in range(2, 9):
+        bits = resident_bits(cfg.replace(bits=b), loaded.shape).resident_bits
+        assert f"{b} → {bits:.2f} bits" in line
+    assert "**4 → " in line and "**3 → " not in line
+    widths = next(d.value for d in at.dataframe if "current" in d.value.columns and "sequences" not in d.value.columns)
+    assert widths["bits"].tolist() == list(range(2, 9)) and widths.set_index("bits").loc[4, "current"]
+    for b, row in widths.set_index("bits").iterrows():
+        assert row["resident bits"] == pytest.approx(resident_bits(cfg.replace(bits=b), loaded.shape).resident_bits)
+        assert row["state KiB / sequence"] * 1024 == state_bytes_per_sequence(cfg.replace(bits=b), loaded.shape)
+    assert widths["resident bits"].is_monotonic_increasing  # each bit less is saved
+    planner = next(d.value for d in at.dataframe if "current" in d.value.columns and "sequences" in d.value.columns)
+    shape = loaded.shape
+    for b, row in planner.set_index("bits").iterrows():
+        assert row["sequences"] == capacity(cfg.replace(bits=b), shape, int(141e9), weight_bits=16,
+                                            context=8192).sequences
+    at.sidebar.select_slider(key="w_bits").set_value(3).run()
+    check(at)
+    line = next(c.value for c in at.sidebar.caption if c.value.startswith("Each width with these settings"))
+    assert "**3 → " in line and "**4 → " not in line
+    at.sidebar.select_slider(key="w_method").set_value("none").run()
+    assert not at.exception and any(c.value == "A reference state has no code width." for c in at.sidebar.caption)
+
+
 def test_memory_page_shows_the_measured_apply_bytes(params, tmp_path, monkeypatch):
     """The measured table (scripts/measure_memory.py's JSON) is shown as stored, and a damaged file is named."""
     doc = {"kind": "apply_memory", "provenance": {"model": "m", "device": "cpu", "batch": 4, "commit": "abc"},
@@ -305,7 +337,7 @@ def test_memory_page_shows_the_measured_apply_bytes(params, tmp_path, monkeypatc
     assert table.loc["pace-4", "state MiB (held)"] == 1.0 and table.loc["pace-4", "× fewer than fp32"] == 4.0
     (tmp_path / "memory_cuda.json").write_text("{not json")
     at.run()
-    assert not at.exception and [e.value for e in at.error if "memory_cuda.json" in e.value]
+    assert not at.exception and [plain(e.value) for e in at.error if "memory_cuda.json" in plain(e.value)]
 
 
 def test_capacity_planner_numbers_are_the_accounting(params):
@@ -315,7 +347,9 @@ def test_capacity_planner_numbers_are_the_accounting(params):
     at.number_input(key="plan_context").set_value(4096).run()
     check(at)
     shape = BUILTIN_SHAPES["qwen3.5-27b"]
-    caps = {n: capacity(get_config(n), shape, int(141e9), weight_bits=8, context=4096) for n in ("fp32", "bf16", "pace-4")}
+    caps = {
+        n: capacity(get_config(n), shape, int(141e9), weight_bits=8, context=4096) for n in ("fp32", "bf16", "pace-4")
+    }
     assert metric(at, "max sequences, fp32") == f"{caps['fp32'].sequences:,}"
     assert metric(at, "max sequences, bf16") == f"{caps['bf16'].sequences:,}"
     assert metric(at, "max sequences, chosen: pace-4") == f"{caps['pace-4'].sequences:,}"
@@ -325,7 +359,7 @@ def test_capacity_planner_numbers_are_the_accounting(params):
     assert fig["layout"]["xaxis"]["title"]["text"] == "concurrent sequences N"
     at.selectbox(key="plan_gpu").set_value("custom").run()
     at.number_input(key="plan_gb").set_value(20.0).run()  # the 27B weights in fp8 alone take ~27 GB
-    assert not at.exception and any("leave no room" in w.value for w in at.warning)
+    assert not at.exception and any("leave no room" in plain(w.value) for w in at.warning)
 
 
 def test_state_heatmap_opens_on_the_strongest_outlier_head_and_says_which_axis_wins(params, loaded):
@@ -339,7 +373,8 @@ def test_state_heatmap_opens_on_the_strongest_outlier_head_and_says_which_axis_w
     best = max(ratios.values())
     layer, head = at.selectbox(key="heat_layer").value, at.slider(key="heat_head").value
     assert ratios[(layer, head)] == pytest.approx(best, rel=1e-3)  # one prefill vs another: fp32 rounding
-    assert any(w in c.value for c in at.caption for w in ("Key-axis groups win here", "Value-axis groups win here"))
+    assert any(w in plain(c.value) for c in at.caption
+               for w in ("Key-axis groups win here", "Value-axis groups win here"))
 
 
 def test_state_heatmap_shows_the_quantisation_error_of_the_reference_state(params, loaded):
@@ -406,11 +441,11 @@ def test_generations_show_a_stored_run_per_mode(params, loaded, tmp_path, monkey
                           "ref_nll": [1.5, 2.5, 1.25, 1.25], "ref_agreement": [1.0, 0.5, 1.0, 1.0]})
     _store("generation", params, loaded, table, monkeypatch, tmp_path, {"prompt": "Once upon a time"})
     at = start(params, page="generations")
-    stored = [o for o in at.radio(key="gen_source").options if o.startswith("stored: ")]
+    stored = [plain(o) for o in at.radio(key="gen_source").options if plain(o).startswith("stored: ")]
     assert stored == [o for o in stored if "“Once upon a time” · fp32, pace-4" in o] and len(stored) == 1
     at.radio(key="gen_source").set_value(stored[0]).run()
     check(at)
-    assert [h.value for h in at.subheader if h.value in ("greedy", "sampled")] == ["greedy", "sampled"]
+    assert [plain(h.value) for h in at.subheader if plain(h.value) in ("greedy", "sampled")] == ["greedy", "sampled"]
     greedy, sampled = at.dataframe[0].value, at.dataframe[1].value
     assert list(greedy["first divergence"]) == ["none", "token 1"] and list(greedy["NLL (nats/token)"]) == [1.5, 2.5]
     assert list(sampled["first divergence"]) == ["none", "none"]
@@ -418,14 +453,14 @@ def test_generations_show_a_stored_run_per_mode(params, loaded, tmp_path, monkey
     assert len(bodies) == 4 and "dog" in bodies[1] and "dog" not in bodies[0]
     assert len(at.columns) >= 2 and "dog" in at.columns[1].get("html")[0].proto.body  # side by side
     assert "differs from token 1 on" in [c.value for c in at.columns[1].caption]
-    assert any("degenerate continuation" in c.value for c in at.caption)
-    assert any("`python -m pace_core generation --n 1`" in c.value for c in at.caption)
+    assert any("degenerate continuation" in plain(c.value) for c in at.caption)
+    assert any("`python -m pace_core generation --n 1`" in plain(c.value) for c in at.caption)
 
 
 def test_benchmarks_without_results_say_what_to_run(params, tmp_path, monkeypatch):
     monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
     at = start(params, page="benchmarks")
-    assert "No benchmark results yet" in at.info[0].value and stored.BENCH_COMMAND in at.info[0].value
+    assert "No benchmark results yet" in plain(at.info[0].value) and stored.BENCH_COMMAND in plain(at.info[0].value)
 
 
 def test_benchmarks_lead_with_a_headline_table_in_units(params, tmp_path, monkeypatch):
@@ -441,8 +476,8 @@ def test_benchmarks_lead_with_a_headline_table_in_units(params, tmp_path, monkey
     at.run()
     at.switch_page("pages/benchmarks.py").run()
     assert not at.exception
-    assert [e.value.split(":")[0] for e in at.error] == ["a_list.json", "b_bytes.json"]
-    assert at.subheader[0].value.startswith("Decode step of 24 GDN layers")
+    assert [plain(e.value).split(":")[0] for e in at.error] == ["a_list.json", "b_bytes.json"]
+    assert plain(at.subheader[0].value).startswith("Decode step of 24 GDN layers")
     assert at.json[0].value == json.dumps({"device": "NVIDIA H200", "date": "2026-11-30"})
     assert any(c.value.startswith("Measured on device NVIDIA H200, date 2026-11-30") for c in at.caption)
     headline = at.dataframe[1].value.set_index("variant")  # after the lead table of speed-ups
@@ -462,22 +497,24 @@ def test_export_preview_import_and_load(params):
     serve = at.code[1].value  # the vllm serve line for the same file and model
     assert serve.startswith(f"vllm serve {exported.model_info['source']} --enforce-eager --no-enable-prefix-caching")
     assert json.loads(serve.split("--additional-config ")[1].strip("'")) == {"pace_config": "pace-4.json"}
-    measured = next(c.value for c in at.caption if "vllm_cpu.json" in c.value)  # the shipped vLLM figures
-    assert f"pace-4-8 {json.loads((REPO_ROOT / 'data/bench/vllm_cpu.json').read_text())['rows'][-1]['teacher_forced']:.1%}" \
+    measured = next(plain(c.value) for c in at.caption if "vllm_cpu.json" in plain(c.value))  # the shipped vLLM figures
+    assert (
+        f"pace-4-8 {json.loads((REPO_ROOT / 'data/bench/vllm_cpu.json').read_text())['rows'][-1]['teacher_forced']:.1%}"
         in measured
+    )
     served = next(d.value for d in at.dataframe if "burst wall time ×" in d.value.columns)  # vllm_serve_cpu.json
     stored = json.loads((REPO_ROOT / "data/bench/vllm_serve_cpu.json").read_text())["ratios"]
     assert list(served["burst wall time ×"]) == [round(r["wall_ratio"], 2) for r in stored if r["concurrency"] == 64]
     assert at.get("download_button")[0].proto.label == "Download pace-4.json"
     at.text_area(key="export_paste").set_value('{"schema_version": 99}').run()
-    assert at.error and "schema_version" in at.error[0].value
+    assert at.error and "schema_version" in plain(at.error[0].value)
     assert not at.exception
     imported = get_config("rtn-int5").replace(decode_period=4, name="mine")
     at.text_area(key="export_paste").set_value(config_to_json(imported)).run()
     check(at)
-    assert "Valid configuration 'mine'" in at.success[0].value and not at.warning
+    assert "Valid configuration 'mine'" in plain(at.success[0].value) and not at.warning
     at.text_area(key="export_paste").set_value(config_to_json(imported.replace(decode_period=100))).run()
-    assert "Decode period dP (tokens) = 100" in at.warning[0].value
+    assert "Decode period dP (tokens) = 100" in plain(at.warning[0].value)
     at.text_area(key="export_paste").set_value(config_to_json(imported)).run()
     at.button(key="export_load").click().run()
     check(at)
@@ -495,7 +532,7 @@ def test_imported_heads_must_fit_the_model_and_memory_takes_calibrated_heads(par
     at = start(params, page="export", preset="pace-4-8")
     wrong = get_config("pace-4-8").replace(name="wrong", high_heads=((0,), (999,)))
     at.text_area(key="export_paste").set_value(config_to_json(wrong)).run()
-    assert not at.exception and "Not accepted: high_heads has 2 layers" in at.error[0].value
+    assert not at.exception and "Not accepted: high_heads has 2 layers" in plain(at.error[0].value)
     assert not at.success and "export_load" not in [b.key for b in at.button]
     n = num_high_heads(0.25, HV)
     fitting = get_config("pace-4-8").replace(name="fitting", high_heads=tuple(tuple(range(n)) for _ in range(L)))
@@ -517,9 +554,9 @@ def test_an_invalid_sidebar_is_said_at_the_top_and_export_offers_no_file(params)
     assert not at.exception
     main = list(at.main)
     title = next(i for i, e in enumerate(main) if type(e).__name__ == "Title")
-    top = [e.value for e in main[:title] if type(e).__name__ == "Error"]
+    top = [plain(e.value) for e in main[:title] if type(e).__name__ == "Error"]
     assert len(top) == 1 and "group_axis='key' is not allowed for method 'damp'" in top[0]
-    assert "Nothing to export" in at.main.error[1].value and not at.get("download_button") and not at.code
+    assert "Nothing to export" in plain(at.main.error[1].value) and not at.get("download_button") and not at.code
     at.sidebar.selectbox(key="w_axis").set_value("value").run()
     check(at)
     assert at.get("download_button")[0].proto.label == "Download custom.json"
@@ -557,11 +594,11 @@ def test_import_admits_as_every_path_does(params, loaded):
                          (str(REPO_ROOT / "README.md"), "not valid JSON")]:
         _paste(at, doc)
         assert not at.exception and not at.success, message
-        assert at.error[-1].value.startswith("Not accepted:") and message in at.error[-1].value
+        assert plain(at.error[-1].value).startswith("Not accepted:") and message in plain(at.error[-1].value)
         assert "export_load" not in [b.key for b in at.button]
     _paste(at, exported())
     check(at)
-    assert "Valid configuration 'mine' (checked against the loaded model)" in at.success[0].value
+    assert "Valid configuration 'mine' (checked against the loaded model)" in plain(at.success[0].value)
     at.button(key="export_load").click().run()
     check(at)
     assert at.sidebar.select_slider(key="w_bits").value == 5
@@ -571,7 +608,7 @@ def test_url_aliases_and_unknown_keys(params):
     """The sidebar's names (dP, P) and the settings' names are URL aliases; unknown keys and a key given twice
     are named in a warning, and the URL is rewritten with the keys the app reads."""
     at = start(params, dP="16", P="128", prefill_after_decode="carry", config="x", Bits="3", bits="5")
-    warnings = [w.value for w in at.warning]
+    warnings = [plain(w.value) for w in at.warning]
     assert any("URL parameter 'config' is unknown and was ignored; allowed: preset, model" in w for w in warnings)
     assert any("URL parameter 'bits' is given twice ('Bits' and 'bits'); using Bits = 3" in w for w in warnings)
     assert at.sidebar.select_slider(key="w_dp").value == 16 and at.sidebar.select_slider(key="w_pp").value == 128
@@ -593,7 +630,7 @@ def test_a_link_opens_only_the_models_the_operator_offers(tiny_checkpoints, monk
         at = opened({}, model=model)  # the URL is read on the first run: its warnings are on the first page
         assert not at.exception and at.sidebar.radio(key="w_model_kind").value == controls.EMBEDDED
         assert "model" not in at.query_params
-        [warning] = [w.value for w in at.warning if "'model'" in w.value]
+        [warning] = [plain(w.value) for w in at.warning if "'model'" in plain(w.value)]
         assert model not in warning and "Traceback" not in warning
         answers.add(warning)
     assert len(answers) == 1 and "allowed: the embedded model" in answers.pop()
@@ -608,7 +645,7 @@ def test_a_link_opens_only_the_models_the_operator_offers(tiny_checkpoints, monk
     at.sidebar.radio(key="w_model_kind").set_value(controls.LOCAL).run()
     at.sidebar.text_input(key="w_model_text").input("/").run()
     assert at.sidebar.radio(key="w_model_kind").value == controls.EMBEDDED
-    assert any("opens only the models its operator offers" in w.value for w in at.warning)
+    assert any("opens only the models its operator offers" in plain(w.value) for w in at.warning)
 
 
 def test_model_rules_of_links_and_the_sidebar(tmp_path, monkeypatch):
@@ -723,11 +760,11 @@ def test_drift_shows_stored_results_with_provenance(params, loaded, tmp_path, mo
                          "tokens": 8}, prov, part)
     stored.stored_sets.clear()          # the listing is cached for 30 s; this test just wrote two sets
     at = start(params, page="drift", preset="pace-4")
-    options = [o for o in at.radio(key="drift_source").options if o.startswith("stored: ")]
+    options = [plain(o) for o in at.radio(key="drift_source").options if plain(o).startswith("stored: ")]
     assert len(options) == 1 and options[0].startswith("stored: rtn-int4, pace-4")
     at.radio(key="drift_source").set_value(options[0]).run()
     check(at)
-    assert any("`python -m pace_core drift --tokens 1`" in c.value for c in at.caption)
+    assert any("`python -m pace_core drift --tokens 1`" in plain(c.value) for c in at.caption)
     fig = chart(at, "drift_chart")
     assert [t["name"] for t in fig["data"]] == ["rtn-int4", "rtn-int4", "pace-4", "pace-4"]
     # the state error's log axis is labelled in % (d3's percent type), and each panel's axis names its quantity
@@ -780,7 +817,7 @@ def test_overview_shows_stored_perplexity_with_provenance(params, loaded, tmp_pa
     assert at.selectbox(key="overview_quality_run").options == [
         at.selectbox(key="overview_quality_run").value]  # only the loaded weights' run
     assert at.selectbox(key="overview_quality_run").value.endswith("fp32, rtn-int4, pace-4")
-    assert any("`python -m pace_core perplexity --n 1`" in c.value for c in at.caption)
+    assert any("`python -m pace_core perplexity --n 1`" in plain(c.value) for c in at.caption)
     shown = [d.value for d in at.dataframe if "ppl" in d.value.columns]  # AppTest keeps no dataframe keys
     assert len(shown) == 1
     pd.testing.assert_frame_equal(shown[0].reset_index(drop=True), table)
@@ -791,7 +828,7 @@ def test_overview_without_stored_quality_says_what_to_run(params, tmp_path, monk
     stored.stored_results.clear()
     stored.stored_sets.clear()
     at = start(params)
-    assert any("python -m pace_core perplexity" in c.value for c in at.caption)
+    assert any("python -m pace_core perplexity" in plain(c.value) for c in at.caption)
     assert not [d for d in at.dataframe if "ppl" in d.value.columns]
 
 
@@ -814,7 +851,7 @@ def test_only_stale_and_damaged_results_stored(params, loaded, tmp_path, monkeyp
     damaged.write_text("{not json")
     at = start(params)
     assert at.selectbox(key="overview_quality_run").value.startswith(stored.STALE)
-    warning = [w.value for w in at.warning if "stale: made by method version" in w.value]
+    warning = [plain(w.value) for w in at.warning if "stale: made by method version" in plain(w.value)]
     assert warning == [f"stale: made by method version {METHOD_VERSION - 1} (code c0ffeec0ffee; the current method "
                        f"version is {METHOD_VERSION}), recompute with `python -m pace_core perplexity --n 1`. Its "
                        "numbers may not be what the current code computes."]
@@ -822,7 +859,7 @@ def test_only_stale_and_damaged_results_stored(params, loaded, tmp_path, monkeyp
     pd.testing.assert_frame_equal(shown[0].reset_index(drop=True), ppl)
     at = start(params, page="drift", preset="pace-4")
     assert at.radio(key="drift_source").value.startswith("live")  # live stays the first choice
-    [named] = [w.value for w in at.warning if str(damaged) in w.value]
+    [named] = [plain(w.value) for w in at.warning if str(damaged) in plain(w.value)]
     assert named.startswith("A stored drift result is damaged and not shown: ") and "not a readable JSON" in named
     assert "Delete it, or recompute it with" in named and chart(at, "drift_chart")
 
@@ -930,18 +967,21 @@ def test_export_summarises_what_it_ships_with_a_portable_model(params, loaded, t
     cfg, shape = get_config("pace-4"), loaded.shape
     rb = resident_bits(cfg, shape)
     assert metric(at, "Resident bits per state value") == f"{rb.resident_bits:.3f}"
-    terms = next(c.value for c in at.caption if c.value.startswith("= payload"))
+    terms = next(plain(c.value) for c in at.caption if plain(c.value).startswith("= payload"))
     assert f"payload {rb.payload_bits:.3f}" in terms and f"metadata {rb.metadata_bits:.3f}" in terms
     assert f"c·dP {rb.buffer_bits:.3f}" in terms
     assert metric(at, "KL to fp32 (nats/token)") == f"{table.kl[1]:.2e}"
-    quality = next(c.value for c in at.caption if c.value.startswith("Top-1 agreement"))
+    quality = next(plain(c.value) for c in at.caption if plain(c.value).startswith("Top-1 agreement"))
     assert "97.00%" in quality and "over 99 scored tokens" in quality and "the perplexity result of 'pace-4'" in quality
     assert "`python -m pace_core perplexity --n 1`" in quality and "--n 2" not in quality  # not the other weights'
-    caps = {n: capacity(get_config(n), shape, int(141e9), weight_bits=16, context=8192) for n in ("fp32", "bf16", "pace-4")}
+    caps = {
+        n: capacity(get_config(n), shape, int(141e9), weight_bits=16, context=8192) for n in ("fp32", "bf16", "pace-4")
+    }
     assert metric(at, "Sequences that fit") == f"{caps['pace-4'].sequences:,}"
     gain = next(m for m in at.metric if m.label == "Sequences that fit").proto.delta
     assert gain == f"{caps['pace-4'].sequences / caps['fp32'].sequences:.2f}× fp32 states"
-    fits = next(c.value for c in at.caption if c.value.startswith("On one H200 141 GB GPU, 16-bit weights, 8,192"))
+    fits = next(plain(c.value) for c in at.caption
+                if plain(c.value).startswith("On one H200 141 GB GPU, 16-bit weights, 8,192"))
     assert f"fp32 states {caps['fp32'].sequences:,}, bf16 states {caps['bf16'].sequences:,}" in fits
     source = document_from_json(at.code[0].value).model_info["source"]
     expected = params.get("model", "data/models/pace-tiny-qwen35")  # a folder outside the repository: as given
@@ -949,7 +989,7 @@ def test_export_summarises_what_it_ships_with_a_portable_model(params, loaded, t
     at.sidebar.select_slider(key="w_bits").set_value(5).run()  # no stored result of this one
     check(at)
     assert metric(at, "KL to fp32 (nats/token)") == "not measured yet"
-    run = next(c.value for c in at.caption if c.value.startswith("Not measured yet"))
+    run = next(plain(c.value) for c in at.caption if plain(c.value).startswith("Not measured yet"))
     model = f" --model {params['model']}" if params else ""
     assert f"`python -m pace_core perplexity{model} --configs custom.json` with the file below" in run
 
@@ -957,7 +997,7 @@ def test_export_summarises_what_it_ships_with_a_portable_model(params, loaded, t
 def test_export_quality_is_matched_by_the_settings_not_the_name(params, loaded, monkeypatch):
     """A perplexity result stored under the name 'pace-4' for other settings is not pace-4's; a claims report's
     row of pace-4's settings under another label is, and it is named."""
-    from pace_core.config import config_to_json
+    from pace_core.export import config_to_json
     from pace_core.results import Listing, Result, config_hash
     from pace_core.version import METHOD_VERSION
 
@@ -976,7 +1016,7 @@ def test_export_quality_is_matched_by_the_settings_not_the_name(params, loaded, 
         [r for r in found.get(kind, []) if r.provenance["weights"] == weights], []))
     at = start(params, page="export", preset="pace-4")
     assert metric(at, "KL to fp32 (nats/token)") == "1.25e-03"
-    quality = next(c.value for c in at.caption if c.value.startswith("Top-1 agreement"))
+    quality = next(plain(c.value) for c in at.caption if plain(c.value).startswith("Top-1 agreement"))
     assert "87.50%" in quality and "2,047 scored tokens: the row 'the same settings' of the claims report" in quality
     assert "Also stored" not in quality  # neither the misnamed result nor the row of other settings
 
@@ -999,7 +1039,8 @@ def test_memory_fit_table_counts_as_the_planner(params, loaded):
         planner = int(metric(at, "max sequences, chosen: pace-4").replace(",", ""))
         expected = capacity(get_config("pace-4"), loaded.shape, int(141e9), weight_bits=bits, context=context).sequences
         assert shown_fit() == planner == expected
-    assert any(f"at {2048:,} tokens of context" in c.value and "int4 (4 bits) weights" in c.value for c in at.caption)
+    assert any(f"at {2048:,} tokens of context" in plain(c.value) and "int4 (4 bits) weights" in plain(c.value)
+               for c in at.caption)
 
 
 def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params, loaded, tmp_path, monkeypatch):
@@ -1015,7 +1056,7 @@ def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params
     at = start(params)
     text = _shown_text(at)
     assert not re.search(r"\bseeds?\b", text, re.IGNORECASE), re.findall(r".{40}\bseeds?\b.{40}", text, re.I)
-    assert "The paper's claims and ours, measured, with their spread" in [s.value for s in at.subheader]
+    assert "The paper's claims and ours, measured, with their spread" in [plain(s.value) for s in at.subheader]
     names = next(d.value for d in at.dataframe if "the paper claims" in d.value.columns)
     assert [c[:3] for c in names["claim"]] == ["(a)", "(b)", "(c)", "(d)", "(e)"]
     assert "every token" in names["the paper claims"][0] and "key axis" in names["the paper claims"][1]
@@ -1031,6 +1072,11 @@ def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params
         assert spread == (f"[{sp['low']:+.1%}, {sp['high']:+.1%}] over {sp['n']} {sp['unit']}; holds in "
                           f"{sp['holds_share']:.1%} of resamples")
         assert shown in ("holds beyond the spread", "within the spread", "fails beyond the spread")
+    for claim, figures in zip(claims.data["claims"], results["figures"]):  # the bits each stores, where reported
+        assert all(f"{label}: " in figures for label in claim["labels"])
+        assert ("resident_bits" in claim) == (" bits" in figures)
+        for bits in claim.get("resident_bits", []):
+            assert f"{bits:.2f} bits" in figures
     random = next(c["random"] for c in claims.data["claims"] if c["claim"] == "c")
     assert any(c.value.startswith(f"Claim (c) over its {random['n']} random allocations: their KL "
                                   f"{random['kl_mean']:.2e} ± {random['kl_sd']:.2e}") for c in at.caption)
@@ -1039,14 +1085,14 @@ def test_overview_says_paper_names_the_claims_and_explains_its_two_tables(params
         if any(c in columns for c in ("what it does", "the paper claims", "figures")):
             assert element.proto.row_height > 64  # Streamlit wraps text only in rows taller than 4rem
             assert all(spec.get("width") for name, spec in columns.items() if name != "_index")
-    first = next(c.value for c in at.caption if c.value.startswith("Table 1,"))
+    first = next(plain(c.value) for c in at.caption if plain(c.value).startswith("Table 1,"))
     assert "4,096 scored tokens" in first
-    second = next(c.value for c in at.caption if c.value.startswith("Table 2,"))
+    second = next(plain(c.value) for c in at.caption if plain(c.value).startswith("Table 2,"))
     kl = next(r["kl"] for r in claims.data["main"] if r["config"] == "pace-4")
     assert f"over the claims report's {claims.data['tokens']:,} tokens" in second
     assert f"Table 1 above is over 4,096 scored tokens, this one over {claims.data['tokens']:,}" in second
     assert f"pace-4: KL 3.00e-03 in Table 1, {kl:.2e} here" in second
-    assert any("`python -m pace_core claims --n 1`" in c.value for c in at.caption)  # the command that made it
+    assert any("`python -m pace_core claims --n 1`" in plain(c.value) for c in at.caption)  # the command that made it
 
 
 def test_benchmarks_lead_with_the_servers_gain_and_keep_the_dashboards_times_last(params, tmp_path, monkeypatch):
@@ -1056,7 +1102,9 @@ def test_benchmarks_lead_with_the_servers_gain_and_keep_the_dashboards_times_las
     step = [{"batch": b, "variant": v, "seconds_per_token": t * 1e-6} for v, ts in
             (("bf16 per-token", (50, 400)), ("PACE-4 dP=8", (20, 100)), ("PACE-4/8 dP=8", (100, 200)))
             for b, t in zip((1, 8), ts)]
-    e2e = [{"batch": 128, "variant": v, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.009), ("PACE-4 dP=8", 0.006))]
+    e2e = [
+        {"batch": 128, "variant": v, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.009), ("PACE-4 dP=8", 0.006))
+    ]
     (tmp_path / "bench.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": step}))
     (tmp_path / "bench_e2e_compiled.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": e2e}))
     (tmp_path / "app_cpu.json").write_text(json.dumps({"kind": "app_responsiveness", "figures": [
@@ -1064,21 +1112,34 @@ def test_benchmarks_lead_with_the_servers_gain_and_keep_the_dashboards_times_las
     (tmp_path / "vllm_cpu.json").write_text((REPO_ROOT / "data" / "bench" / "vllm_cpu.json").read_text())
     monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
     at = start(params, page="benchmarks")
-    assert [h.value for h in at.header] == ["What the state kernels give a server",
-                                            "Every measurement, with its provenance", "This dashboard's own response times"]
+    assert [plain(h.value) for h in at.header] == [
+        "What the state kernels give a server",
+        "Every measurement, with its provenance",
+        "This dashboard's own response times",
+    ]
     lead = at.dataframe[0].value
     lead = getattr(lead, "data", lead).set_index(["measured", "variant"])
-    step_label, e2e_label = "GDN decode step (24 layers, Qwen3.5-4B shapes)", "end to end under torch.compile (Qwen3.5-4B-sized model)"
+    step_label, e2e_label = (
+        "GDN decode step (24 layers, Qwen3.5-4B shapes)",
+        "end to end under torch.compile (Qwen3.5-4B-sized model)",
+    )
     assert lead.loc[(step_label, "PACE-4 dP=8"), "B = 1"] == pytest.approx(2.5)      # 50 / 20
     assert lead.loc[(step_label, "PACE-4 dP=8"), "B = 8"] == pytest.approx(4.0)      # 400 / 100
     assert lead.loc[(step_label, "PACE-4/8 dP=8"), "B = 1"] == pytest.approx(0.5)
     assert lead.loc[(e2e_label, "PACE-4 dP=8"), "B = 128"] == pytest.approx(1.5)
     assert np.isnan(lead.loc[(e2e_label, "PACE-4 dP=8"), "B = 1"])                   # not measured there
-    titles = [s.value for s in at.subheader]
-    order = [next(i for i, t in enumerate(titles) if t.startswith(p)) for p in
-             ("Decode step", "End to end under torch.compile", "vLLM serving the PACE state", "Dashboard responsiveness")]
+    titles = [plain(s.value) for s in at.subheader]
+    order = [
+        next(i for i, t in enumerate(titles) if t.startswith(p))
+        for p in (
+            "Decode step",
+            "End to end under torch.compile",
+            "vLLM serving the PACE state",
+            "Dashboard responsiveness",
+        )
+    ]
     assert order == sorted(order)
-    vllm = next(c.value for c in at.caption if c.value.startswith("Engine: vLLM 0.32.0"))
+    vllm = next(plain(c.value) for c in at.caption if plain(c.value).startswith("Engine: vLLM 0.32.0"))
     assert "Not a speed measurement" in vllm and "pace-tiny-qwen35" in vllm and "python -m pace_core.vllm.check" in vllm
 
 
@@ -1088,14 +1149,16 @@ def test_state_heatmap_marks_the_sidebars_groups(params, loaded):
     at = start(params, page="state_heatmaps", preset="pace-4")  # key axis, g = 64
 
     def lines() -> dict[str, dict]:
-        return {t["name"]: t for t in chart(at, "heat_chart")["data"] if t.get("mode") == "lines" and t.get("showlegend")}
+        return {
+            t["name"]: t for t in chart(at, "heat_chart")["data"] if t.get("mode") == "lines" and t.get("showlegend")
+        }
 
     K = loaded.shape.d_k
     shown = lines()
     key = shown["scale groups of key-axis g=64: 64 key rows (sidebar)"]
     assert [y for y in key["y"] if y is not None] == [b - 0.5 for b in range(64, K, 64) for _ in range(2)]
     assert "scale groups of value-axis g=64: 64 value columns" in shown
-    assert any("'(sidebar)'" in c.value and "key axis" in c.value for c in at.caption)
+    assert any("'(sidebar)'" in plain(c.value) and "key axis" in plain(c.value) for c in at.caption)
     at.sidebar.selectbox(key="w_axis").set_value("value").run()
     check(at)
     assert "scale groups of value-axis g=64: 64 value columns (sidebar)" in lines()
@@ -1111,7 +1174,7 @@ def test_generations_default_prompt_gives_text_and_shows_seed_and_temperature(pa
     assert "<unk>" not in prompt and not prompt.rstrip().endswith(".")
     bodies = [h.proto.body for h in at.get("html")]
     assert bodies and not any("&lt;unk&gt;" in b for b in bodies)
-    decoding = next(c.value for c in at.caption if c.value.startswith("Decoding: **greedy**"))
+    decoding = next(plain(c.value) for c in at.caption if plain(c.value).startswith("Decoding: **greedy**"))
     assert f"seed {compute.GENERATION_SEED}, temperature 0.8, top-p 0.95" in decoding
     if not params:  # the embedded model: a 4-bit state parts from fp32 within the default 32 tokens
         assert set(at.dataframe[0].value["first divergence"][1:]) != {"none"}
@@ -1124,7 +1187,7 @@ def test_generations_default_prompt_gives_text_and_shows_seed_and_temperature(pa
 def test_head_ranking_says_how_to_enable_8_bit_heads_at_share_0(params):
     at = start(params, page="head_ranking", preset="pace-4")
     assert metric(at, "8-bit heads per layer").startswith("0 of")
-    [info] = [i.value for i in at.info if "No head keeps 8 bits" in i.value]
+    [info] = [plain(i.value) for i in at.info if "No head keeps 8 bits" in i.value]
     assert "**Share of 8-bit heads** (sidebar, under Configuration) to 25%" in info and "pace-4-8" in info
     at.sidebar.select_slider(key="w_hi").set_value(0.25).run()
     check(at)
@@ -1151,7 +1214,7 @@ def test_compare_says_which_command_makes_its_results(params, tmp_path, monkeypa
     monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
     stored.stored_results.clear()
     at = start(params, page="compare")
-    assert "python -m pace_core compare" in at.info[0].value and not at.get("plotly_chart")
+    assert "python -m pace_core compare" in plain(at.info[0].value) and not at.get("plotly_chart")
     assert not at.get("download_button")
 
 
@@ -1185,10 +1248,10 @@ def test_compare_recommends_the_best_under_a_budget_and_exports_it_without_loadi
         check(at)
         best = expected(budget)
         if best is None:
-            assert "No configuration fits" in at.warning[0].value and not at.success
+            assert "No configuration fits" in plain(at.warning[0].value) and not at.success
             continue
         p = points[best]
-        assert at.success[0].value == recommendation(Point.of(p), get_config(best), loaded.shape, int(141e9),
+        assert plain(at.success[0].value) == recommendation(Point.of(p), get_config(best), loaded.shape, int(141e9),
                                                      "an H200 141 GB", context=CAPACITY_CONTEXT,
                                                      weight_bits=CAPACITY_WEIGHT_BITS)
         assert at.get("download_button")[0].proto.label == f"Export {best}.json"
@@ -1213,12 +1276,60 @@ def test_compare_recommends_the_best_under_a_budget_and_exports_it_without_loadi
         check(at)
         budget = budget_bits(loaded.shape, 10**9, sequences, context=2048, weight_bits=8)
         assert any(c.value.startswith(f"{budget:.2f} bits per state value") for c in at.caption)
-        best = expected(budget)
-        shown = at.success[0].value if best is not None else at.warning[0].value
-        assert shown.startswith(f"{best}: ") if best is not None else "No configuration fits" in shown
+        holds = sorted((p["kl"], p["resident_bits"], name) for name, p in points.items()
+                       if capacity(get_config(name), loaded.shape, 10**9, weight_bits=8, context=2048).sequences
+                       >= sequences)
+        best = holds[0][2] if holds else None
+        shown = plain(at.success[0].value) if best is not None else plain(at.warning[0].value)
+        assert shown.startswith(f"{best}: ") if best is not None else "No configuration holds" in shown
         if best is not None:
             assert "on 1 GB at 2,048 tokens of context with 8-bit weights" in shown
     assert calls == []  # the stored path: no model loaded
+
+
+def test_compare_recommends_for_a_gpu_what_its_memory_holds(params, loaded, tmp_path, monkeypatch):
+    """GPU mode recommends the lowest KL among the configurations of which the memory holds the sequences by the
+    accounting's capacity (issue 46: the page set one sequence's resident bits, which carry what STEPQuant keeps once
+    per layer, against the per-sequence budget, and recommended Q-Mamba DSQ of 7x the KL where STEPQuant-4 fits)."""
+    from pace_core.analysis.compare import budget_bits, comparison, point
+    from pace_core.methods import Calibrated
+
+    shape = loaded.shape
+    sq4 = get_config("stepquant-4").replace(calibrated=Calibrated(  # every head at 4 bits
+        [{"widths": torch.full((shape.num_v_heads,), 4, dtype=torch.int16),
+          "impact": torch.ones(shape.num_v_heads, shape.d_k)}] * shape.num_gdn_layers))
+    cfgs = {"fp32": get_config("fp32"), "bf16": get_config("bf16"), "qmamba-dsq": get_config("qmamba-dsq"),
+            "stepquant-4": sq4}
+    kls = {"fp32": 0.0, "bf16": 1.9e-7, "qmamba-dsq": 1.29e-3, "stepquant-4": 1.82e-4}
+    data, table = comparison([point(c, shape, {"kl": kls[n], "agreement": 1 - kls[n], "bpb": 1.5, "ppl": 20.0,
+                                               "tokens": 4095}) for n, c in cfgs.items()])
+    _store("compare", params, loaded, table, monkeypatch, tmp_path, {**data, "tokens": 4095, "window": 1024})
+    session._load_model.clear()
+    session._stored_card.clear()
+    start(params)  # one load, which stores the card in this results folder
+    n = capacity(sq4, shape, 10**9, weight_bits=8, context=2048).sequences
+    budget = budget_bits(shape, 10**9, n, context=2048, weight_bits=8)
+    # the page's old choice: stepquant-4's resident bits (one sequence) above the per-sequence budget
+    assert resident_bits(sq4, shape).resident_bits > budget >= resident_bits(cfgs["qmamba-dsq"], shape).resident_bits
+    at = start(params, page="compare")
+    at.radio(key="compare_budget_kind").set_value("GPU, sequences and context").run()
+    at.selectbox(key="compare_gpu").set_value("custom").run()
+    at.number_input(key="compare_gb").set_value(1.0).run()
+    at.selectbox(key="compare_weights").set_value("fp8 (8 bits)").run()
+    at.number_input(key="compare_context").set_value(2048).run()
+    at.number_input(key="compare_sequences").set_value(n).run()
+    check(at)
+    assert plain(at.success[0].value).startswith("stepquant-4: ") and f"({n:,} against" in at.success[0].value
+    holds = {name: capacity(c, shape, 10**9, weight_bits=8, context=2048).sequences for name, c in cfgs.items()}
+    most = max(holds, key=lambda name: (holds[name], -kls[name]))  # the most sequences, ties: the lower KL
+    for sequences, best in ((n + 1, "qmamba-dsq" if holds["qmamba-dsq"] > n else None), (holds[most] + 1, None)):
+        at.number_input(key="compare_sequences").set_value(sequences).run()
+        check(at)
+        if best is None:
+            assert plain(at.warning[0].value).startswith(f"No configuration holds {sequences:,} sequences on 1 GB")
+            assert f"the most, {most}, holds {holds[most]:,}" in plain(at.warning[0].value)
+        else:
+            assert plain(at.success[0].value).startswith(f"{best}: ")
 
 
 def test_overview_shows_the_perplexity_run_over_the_most_tokens_first(params, loaded, tmp_path, monkeypatch):
@@ -1318,3 +1429,192 @@ def test_no_page_shows_its_docstrings(params):
         check(at)
         shown = {m.value.strip() for m in at.markdown}
         assert literals and not literals & shown, (path.name, literals & shown)
+
+
+HOSTILE = "![i](http://evil.example/i.png) [Fix this](www.evil.example) <img src=x> :material/home: $x$"
+"""A URL value or a name that would be a live link, an outside image, HTML, an icon and LaTeX if shown as Markdown."""
+ESCAPE = re.compile(r"\\[!-/:-@\[-`{-~]")
+"""A backslash escape of an ASCII punctuation character: shown as the character itself."""
+
+
+def _literal(markdown: str) -> bool:
+    """Whether Markdown shows no construct: once its escapes are dropped, no bracket, angle bracket, colon or dollar
+    is left to start a link, an image, HTML, a directive, an icon or LaTeX, and no web address to linkify."""
+    bare = ESCAPE.sub("", markdown).replace("\u2060", "")
+    return not set(bare) & set("[]<>$`") and not re.search(r"(?i)https?://|www\.|:\w", markdown.replace("\\", ""))
+
+
+def test_a_links_values_are_shown_as_text(params):
+    """Every value of a link echoed in a warning (preset, device, weights, a setting, an unknown key) reads as the
+    value itself and forms no Markdown (before: `?bits=[Fix this](http://…)` was a live link in the app's own
+    warning, `![i](http://…)` an image fetched from another host; the browser test checks the rendering)."""
+    at = opened(params, preset=HOSTILE, device=HOSTILE, weights=HOSTILE, bits=HOSTILE, dp=HOSTILE, **{HOSTILE: "1"})
+    assert not at.exception and not at.error
+    warnings = [w.value for w in at.warning]
+    for key in ("preset", "device", "weights", "bits", "dp"):
+        [warning] = [w for w in warnings if f"URL parameter '{key}'" in plain(w)]
+        assert HOSTILE in plain(warning) and _literal(warning), warning
+    [unknown] = [w for w in warnings if "is unknown and was ignored" in plain(w)]
+    assert f"URL parameter {HOSTILE!r} is unknown" in plain(unknown) and _literal(unknown)
+    active = next(c.value for c in at.sidebar.caption if c.value.startswith("Active:"))
+    assert active.startswith("Active: **pace-4** ·")  # the named configuration instead
+
+
+def test_an_imported_name_that_is_not_a_name_is_refused_and_shown_as_text(params):
+    """A file whose configuration name is Markdown is refused by the name rule (pace_core.names), its name shown as
+    text (before: accepted as "Valid configuration '![i](…)'" and rendered)."""
+    at = start(params, page="export", preset="pace-4")
+    doc = json.loads(config_to_json(get_config("rtn-int5").replace(name=HOSTILE)))
+    _paste(at, doc)
+    assert not at.exception and not at.success and "export_load" not in [b.key for b in at.button]
+    error = at.error[-1].value
+    assert plain(error).startswith(f"Not accepted: the field pace.name={HOSTILE[:60]!r}… (92 characters) is not "
+                                   "allowed; allowed: a configuration name of 1 to 64 characters") and _literal(error)
+
+
+def test_an_empty_file_and_json_that_is_no_object_get_a_message(params):
+    """An empty upload is said to be empty (before: nothing happened); JSON that is not an object is refused with
+    what the import takes, JSON only (before: it offered configuration names and paths, which it does not read)."""
+    at = start(params, page="export", preset="pace-4")
+    at.file_uploader(key="export_upload").set_value(("empty.json", b"", "application/json")).run()
+    assert not at.exception and plain(at.error[-1].value) == (
+        "Not accepted: the uploaded file empty.json is empty; allowed: a PACE configuration JSON object as the Export "
+        "page or `python -m pace_core export` writes it.")
+    at.file_uploader(key="export_upload").set_value(None).run()
+    for text, what in (("[1,2,3]", "a list"), ('"pace-4"', "a string"), ("3", "a number"), ("null", "null")):
+        _paste(at, text)
+        shown = plain(at.error[-1].value)
+        assert shown == (f"Not accepted: this JSON is {what}, not an object; allowed: a PACE configuration JSON object "
+                         "as the Export page or `python -m pace_core export` writes it"), shown
+        assert "name" not in shown and "path" not in shown
+
+
+def _page_protos(at: AppTest) -> str:
+    """Everything the page holds as text: each element's and block's message (bodies, labels, values, options,
+    help texts, tables' data)."""
+    out = []
+
+    def walk(node) -> None:
+        if getattr(node, "proto", None) is not None:
+            out.append(str(node.proto))
+        for child in getattr(node, "children", {}).values():
+            walk(child)
+
+    walk(at._tree)
+    return "\n".join(out)
+
+
+def test_operator_mode_shows_no_server_path(tiny_checkpoints, broken_checkpoints, monkeypatch):
+    """With a models folder (a server others visit) no page shows a path of the server: the model by its name in
+    the folder, in the page, the exported file and the commands it suggests; a failed load's message too (before:
+    the folder's absolute path in the Overview's heading, the architecture table, the file and the commands)."""
+    folder = tiny_checkpoints["qwen3_5_text"].parent
+    monkeypatch.setenv(controls.MODELS_DIR_ENV, str(folder))
+    at = start({}, model="qwen3_5_text")
+    for page in (None, "export", "compare", "memory"):
+        if page is not None:
+            at.switch_page(f"pages/{page}.py").run()
+            check(at)
+        text = _page_protos(at)
+        assert "qwen3_5_text" in text and str(folder) not in text and str(REPO_ROOT) not in text, page
+    assert document_from_json(at.switch_page("pages/export.py").run().code[0].value).model == "qwen3_5_text"
+    for name in ("truncated weights", "a missing weight"):
+        broken, message = broken_checkpoints[name]
+        monkeypatch.setenv(controls.MODELS_DIR_ENV, str(broken.parent))
+        at = opened({}, model=broken.name)
+        assert message in plain(at.error[0].value)
+        text = _page_protos(at)
+        assert str(broken.parent) not in text and str(REPO_ROOT) not in text and "/tmp/" not in text
+
+
+def _quality_result(name: str, loaded, config: str, tokens: int, commit: str, dirty: bool, params_key: str) -> dict:
+    """A perplexity result of ``config`` as the CLI stores it (its row), made by the code ``commit``; its row."""
+    from pace_core.results import make_provenance, result_key, save_result
+
+    reference = config == "fp32"
+    row = {"config": config, "tokens": tokens, "nll": 3.0 + tokens / 1e4, "ppl": float(np.exp(3.0 + tokens / 1e4)),
+           "agreement": 1.0 if reference else 0.97, "kl": 0.0 if reference else 1e-3 + tokens / 1e6, "bpb": 1.5}
+    prov = make_provenance("m", configs=[get_config(config)], command=f"python -m pace_core perplexity --n {tokens}",
+                           extra={"weights": loaded.fingerprint})
+    prov["code"] = {"commit": commit, "dirty": dirty}
+    save_result("perplexity", name, result_key({"config": config, "tokens": tokens}),
+                {"row": row, "decode_from": 1, "params_key": params_key, "config": config}, prov, None)
+    return row
+
+
+def test_results_of_different_commits_are_named_where_they_are_shown_together(params, loaded, tmp_path, monkeypatch):
+    """Overview's table, the Export summary's figures and the Compare page's points, each from stored results of
+    two or three commits: a warning names each commit and what it made; each provenance line names its commit
+    (before: combined silently)."""
+    from pace_core.analysis.compare import comparison, point
+    from pace_core.results import make_provenance, result_key, save_result
+
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    name = stored.results_model_name(params.get("model", ""))
+    a, b, c = "a" * 40, "b" * 40, "c" * 40
+    rows = {"fp32": _quality_result(name, loaded, "fp32", 99, a, False, "set 1"),
+            "pace-4": _quality_result(name, loaded, "pace-4", 99, b, True, "set 1")}
+    _quality_result(name, loaded, "pace-4", 50, a, False, "set 2")
+    points = [point(get_config(n), loaded.shape, rows.get(n, {"kl": 0.02, "agreement": 0.9, "bpb": 1.6, "ppl": 30.0,
+                                                               "tokens": 99})) for n in ("fp32", "pace-4", "rtn-int4")]
+    data, table = comparison(points)
+    prov = make_provenance("m", configs=[get_config("pace-4")], command="python -m pace_core compare",
+                           extra={"weights": loaded.fingerprint})
+    prov["code"] = {"commit": c, "dirty": False}
+    save_result("compare", name, result_key({"compare": 1}), {**data, "tokens": 99, "window": 512}, prov, table)
+    stored.stored_results.clear()
+    stored.stored_sets.clear()
+    session._stored_card.clear()
+    at = start(params, preset="pace-4")
+    warning = [plain(w.value) for w in at.warning if "made by different code" in w.value]
+    assert warning == ["The rows of this table were made by different code: commit aaaaaaaaaaaa (fp32); commit "
+                       "bbbbbbbbbbbb with uncommitted changes (pace-4). Figures of different code may differ by more "
+                       "than their settings do: recompute them with one commit (the commands in their provenance, "
+                       "`--force`) to compare them."]
+    assert any("code aaaaaaaaaaaa" in plain(c.value) or "code bbbbbbbbbbbb" in plain(c.value) for c in at.caption)
+    at.switch_page("pages/export.py").run()
+    check(at)
+    [warning] = [plain(w.value) for w in at.warning if "made by different code" in w.value]
+    assert warning.startswith("The stored figures of this configuration were made by different code: commit "
+                              "bbbbbbbbbbbb with uncommitted changes (the perplexity result of 'pace-4' over 99 "
+                              "tokens); commit aaaaaaaaaaaa (the perplexity result of 'pace-4' over 50 tokens).")
+    quality = next(plain(c.value) for c in at.caption if plain(c.value).startswith("Top-1 agreement"))
+    assert "code bbbbbbbbbbbb with uncommitted changes" in quality
+    at.switch_page("pages/compare.py").run()
+    check(at)
+    [warning] = [plain(w.value) for w in at.warning if "made by different code" in w.value]
+    assert warning.startswith("The points of this comparison were made by different code: commit aaaaaaaaaaaa (fp32); "
+                              "commit bbbbbbbbbbbb with uncommitted changes (pace-4); commit cccccccccccc (rtn-int4).")
+
+
+def test_export_names_a_damaged_result_instead_of_not_measured(params, loaded, tmp_path, monkeypatch):
+    """A stored perplexity file that cannot be read: the Export summary names it and what to do, as the Overview
+    does (before: "not measured yet", as if nothing were stored)."""
+    from pace_core import results
+
+    monkeypatch.setenv("PACE_RESULTS_DIR", str(tmp_path))
+    folder = results.results_dir(stored.results_model_name(params.get("model", "")))
+    folder.mkdir(parents=True, exist_ok=True)
+    damaged = folder / f"perplexity-{'e' * 16}.json"
+    damaged.write_text("{not json")
+    stored.stored_results.clear()
+    at = start(params, page="export", preset="pace-4")
+    assert metric(at, "KL to fp32 (nats/token)") == "stored result damaged"
+    [named] = [plain(w.value) for w in at.warning if damaged.name in w.value.replace("\\", "")]
+    assert named.startswith("A stored perplexity result is damaged and not shown: ") and "Delete it" in named
+    assert any(plain(c.value).startswith("No readable stored result of this configuration") for c in at.caption)
+
+
+def test_install_advice_is_the_readmes():
+    """The project publishes no package: every install advice is the README's, from a clone (before: the Export
+    page and pace_core/vllm advised `pip install "pace-studio[vllm]"`, a registry name anyone may hold)."""
+    import subprocess
+
+    from pace_core.vllm import INSTALL_COMMAND
+
+    assert f"```bash\n{INSTALL_COMMAND}" in (REPO_ROOT / "README.md").read_text()
+    files = subprocess.run(["git", "-C", str(REPO_ROOT), "ls-files", "*.py", "*.md", "*.toml", "*.txt"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    advised = [f for f in files if not f.startswith("tests/") and re.search(
+        r"pip install\s+\\?[\"']?pace-studio", (REPO_ROOT / f).read_text(encoding="utf-8", errors="replace"))]
+    assert advised == []

@@ -1,14 +1,16 @@
 """The app as the README starts it (`streamlit run app.py --server.headless true --server.port PORT`): it
 listens on the loopback interface only, its first page runs for a real session (a websocket client, as a
 browser connects), and it makes no outbound network attempt on the way (tests/outbound/sitecustomize.py
-records and refuses every one)."""
+records and refuses every one), nor when another site's page or a name rebound to the loopback tries its
+websocket, which it refuses."""
 
 from __future__ import annotations
 
-import tomllib
+import socket
 import urllib.request
 from pathlib import Path
 
+import tomllib
 from app_support import REPO_ROOT, outbound_attempts, served_app
 
 LISTEN = "0A"  # the TCP state LISTEN in /proc/net/tcp{,6}
@@ -72,3 +74,41 @@ def test_local_by_default_listens_on_loopback_and_reaches_nothing_outside(tmp_pa
         assert outbound_attempts(outbound) == []
     assert "URL: http://127.0.0.1:" in (tmp_path / "streamlit.log").read_text()
     assert "Did not auto detect external IP" not in (tmp_path / "streamlit.log").read_text()
+
+
+def _handshake(base: str, origin: str, host: str | None = None) -> int:
+    """The HTTP status with which the app answers a websocket opened from a page of ``origin`` (as a browser opens
+    it) under the name ``host`` (the Host header; default: the app's own address), the connection going to the
+    app's loopback port either way: 101 when accepted."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        try:
+            with connect(f"ws://{host or f'127.0.0.1:{port}'}/_stcore/stream", sock=sock, origin=origin,
+                         subprotocols=["streamlit"], open_timeout=60):
+                return 101
+        except InvalidStatus as refused:
+            return refused.response.status_code
+
+
+def test_a_foreign_page_and_a_rebound_name_are_refused_without_reaching_outside(tmp_path):
+    """A page of another site that opens the app's websocket (any page the user has open may) is refused with
+    Streamlit's 403, and the server looks nothing up to decide it (before app_state.offline it connected to a
+    public resolver's address and asked an external-IP service, on every attempt); a name an attacker's DNS
+    rebinds to 127.0.0.1 is refused by server.allowedHosts (before: accepted, 101). The loopback's names are
+    accepted. The look-ups are turned off by app.py, so from the app's first run on (opening the app runs it)."""
+    settings = tomllib.loads((REPO_ROOT / ".streamlit" / "config.toml").read_text())
+    assert settings["server"]["allowedHosts"] == ["localhost", "127.0.0.1"]
+    with served_app(tmp_path) as (base, _, outbound):
+        port = int(base.rsplit(":", 1)[1])
+        rebound = f"evil.example:{port}"
+        assert _handshake(base, f"http://{rebound}", rebound) == 403  # refused from the start: configuration
+        assert ("heading", "PACE Studio") in _first_page(base)  # the user opens the app
+        for origin in ("http://evil.example", "https://evil.example:8443", "null", f"http://{rebound}"):
+            assert _handshake(base, origin) == 403, origin
+        assert _handshake(base, f"http://{rebound}", rebound) == 403
+        assert _handshake(base, base) == 101
+        assert _handshake(base, f"http://localhost:{port}", f"localhost:{port}") == 101
+        assert outbound_attempts(outbound) == []

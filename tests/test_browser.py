@@ -9,15 +9,17 @@ downloaded browser).
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.parse
 from pathlib import Path
 
 import pytest
-
 from app_support import EMBEDDED_DIR, REPO_ROOT, app_model_param, outbound_attempts, served_app
+
 from pace_core.accounting import capacity
-from pace_core.config import config_from_dict, config_from_json, get_config
+from pace_core.config import get_config
+from pace_core.export import config_from_dict, config_from_json, config_to_json
 from pace_core.shapes import load_shape
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -185,7 +187,9 @@ def test_compare_recommends_the_frontiers_best_under_a_budget_and_exports_it(ser
     budget_box = page.get_by_role("spinbutton", name="Bits per state value", exact=True)
     pairs = [(here, above, round((here["resident_bits"] + above["resident_bits"]) / 2, 3))
              for here, above in zip(frontier, frontier[1:])]
-    pairs = [(here, budget) for here, above, budget in pairs if here["resident_bits"] <= budget < above["resident_bits"]]
+    pairs = [
+        (here, budget) for here, above, budget in pairs if here["resident_bits"] <= budget < above["resident_bits"]
+    ]
     assert len(pairs) >= 2
     for here, budget in pairs[:4]:  # a budget between two frontier points: the one of fewer bits is the best
         want = f"{here['config']}: {here['resident_bits']:.2f} bits per state value, KL {here['kl']:.1e} to fp32"
@@ -205,6 +209,42 @@ def test_compare_recommends_the_frontiers_best_under_a_budget_and_exports_it(ser
     cfg = config_from_json(Path(info.value.path()).read_text(encoding="utf-8"))
     assert cfg == config_from_dict(here["configuration"])  # the configuration measured, its calibration included
     page.screenshot(path=str(SHOTS / "compare_budget.png"), full_page=True)
+
+
+def test_a_link_and_a_file_show_their_values_as_text(server, page):
+    """A shared link whose values are Markdown (a link, an image on another host, HTML, a web address) shows them as
+    text in the app's warnings: no link, no image, no request to another host (before: the warning held a live link
+    and the browser fetched the image). A pasted file whose configuration name is such Markdown is refused, its name
+    shown as text."""
+    base, params, _ = server
+    image, link, html = ("![i](http://evil.example/track.png)", "[Fix this](http://evil.example/phish)",
+                         "<img src=http://evil.example/x.png>")
+    key = "![k](http://evil.example/key.png)"
+    sent = len(page.outside_requests)
+    query = dict(params, preset=image, bits=link, weights=html, device="www.evil.example", **{key: "1"})
+    page.goto(_url(base, "", query))
+    _settle(page)
+    warnings = page.locator('[data-testid="stAlertContentWarning"]')
+    shown = " ".join(warnings.nth(i).inner_text() for i in range(warnings.count())).replace("\u2060", "")
+    for value in (image, link, html, "www.evil.example", key):
+        assert value in shown, value
+    app = page.locator('[data-testid="stApp"]')
+    assert not [h for h in (a.get_attribute("href") for a in app.locator("a").all()) if h and "evil" in h]
+    assert app.locator('img[src*="evil"]').count() == 0
+
+    page.goto(_url(base, "export", params))
+    _settle(page)
+    doc = json.loads(config_to_json(get_config("rtn-int5").replace(name=image)))
+    box = page.get_by_label("…or paste JSON here")
+    box.fill(json.dumps(doc))
+    box.press("Control+Enter")
+    page.wait_for_selector('[data-testid="stAlertContentError"]', timeout=PAGE_TIMEOUT_MS)
+    _settle(page)
+    error = page.locator('[data-testid="stAlertContentError"]').first.inner_text().replace("\u2060", "")
+    assert f"pace.name={image!r} is not allowed" in error
+    assert not [h for h in (a.get_attribute("href") for a in app.locator("a").all()) if h and "evil" in h]
+    page.wait_for_timeout(1000)
+    assert page.outside_requests[sent:] == []
 
 
 def test_the_server_reached_nothing_outside(server, page):

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from references import periodic_decode
 
 from pace_core.buffer import PRECISIONS, DecodeBuffer, record_bytes
 from pace_core.errors import PaceError
 from pace_core.recurrence import gdn_recurrent, prepare_qk
-from references import periodic_decode
 
 pytestmark = pytest.mark.numerics
 

@@ -8,11 +8,30 @@ import pytest
 
 from pace_core import cli
 from pace_core.accounting import resident_bits, sequences_that_fit, state_bytes, state_share
-from pace_core.config import NAMED_CONFIGS, config_to_json, get_config
+from pace_core.cli import bits
+from pace_core.config import NAMED_CONFIGS, get_config
+from pace_core.export import config_to_json
 from pace_core.shapes import BUILTIN_SHAPES, load_shape
 
-KEYS = {"model", "config", "code_bits", "scale_bits", "formula_bits", "payload_bits", "metadata_bits", "buffer_bits", "resident_bits", "c", "exact_bits",
-        "paper_c", "decode_period", "sequences", "state_bytes", "state_share", "sequence_bits"}
+KEYS = {
+    "model",
+    "config",
+    "code_bits",
+    "scale_bits",
+    "formula_bits",
+    "payload_bits",
+    "metadata_bits",
+    "buffer_bits",
+    "resident_bits",
+    "c",
+    "exact_bits",
+    "paper_c",
+    "decode_period",
+    "sequences",
+    "state_bytes",
+    "state_share",
+    "sequence_bits",
+}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -140,9 +159,9 @@ def test_argparse_usage_errors_exit_2(capsys):
 def test_commands_register_on_the_parser():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert "bits" in sub.choices and cli.register in cli.REGISTRARS
+    assert "bits" in sub.choices and bits.register in cli.REGISTRARS
     args = parser.parse_args(["bits", "--model", "qwen3.5-4b"])
-    assert args.func is cli.run_bits and args.config is None and args.sequences == 64
+    assert args.func is bits.run_bits and args.config is None and args.sequences == 64
 
 
 def test_subprocess_entry_point():

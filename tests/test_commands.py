@@ -3,9 +3,11 @@ import pytest
 import torch
 
 from pace_core.analysis.text import TEST_TEXT
+from pace_core.cli import context as commands
 from pace_core.cli import main
-from pace_core.model import commands
-from pace_core.config import NAMED_CONFIGS, config_from_dict, config_from_json
+from pace_core.cli.calibration import export_differences
+from pace_core.config import NAMED_CONFIGS
+from pace_core.export import config_from_dict, config_from_json
 from pace_core.results import config_hash, list_results, result_sets
 
 
@@ -123,7 +125,7 @@ def test_perplexity_whole_text_in_batches(env, tmp_path):
 
 
 def test_compare_stores_every_point_the_frontier_and_reuses_perplexity(env, capsys, tmp_path):
-    from pace_core.accounting import resident_bits
+    from pace_core.accounting import capacity, resident_bits
     from pace_core.shapes import load_shape
 
     out = str(tmp_path / "results")
@@ -161,6 +163,41 @@ def test_compare_stores_every_point_the_frontier_and_reuses_perplexity(env, caps
     assert "reusing stored perplexity of fp32, pace-4" in printed and "saved" not in printed
     assert main(compare) == 0
     assert "reusing stored compare" in capsys.readouterr().out
+    # without --window, --max-tokens, --text or --configs: the stored comparison of any window, named, no measuring;
+    # with a budget, the frontier and then, last, the recommendation (issue 46: no budget option, a silent re-run)
+    short = ["compare", "--model", env["model"], "--out", out, "--quiet"]
+    configs = {p["config"]: config_from_dict(p["configuration"]) for p in points}
+    sq4_bits = next(p["resident_bits"] for p in points if p["config"] == "stepquant-4")
+    best = min((p["kl"], p["resident_bits"], p["config"]) for p in points if p["resident_bits"] <= sq4_bits)[2]
+    assert main([*short, "--budget-bits", str(sq4_bits)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith(f"using the stored comparison {cmp.path}: windows of 64 tokens, "
+                               f"{cmp.data['tokens']:,} scored tokens of text.txt, made by commit ")
+    assert "--force to measure again" in lines[0] and "saved" not in "".join(lines)
+    assert lines[-3] == printed_frontier(cmp) and lines[-1] == f"recommended: {best}"
+    assert main([*short, "--budget-bits", "1"]) == 0
+    fewest = min(points, key=lambda p: p["resident_bits"])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"recommended: none — the fewest, {fewest['config']}, takes {fewest['resident_bits']:.4f} bits per state "
+        "value, above 1")
+    for memory, sequences, context in ((10**8, 50, 0), (10**8, 400, 256), (3 * 10**7, 7, 0), (10**6, 1, 0)):
+        argv = [*short, "--memory", str(memory), "--sequences", str(sequences), "--context", str(context),
+                "--weight-bits", "16"]
+        assert main(argv) == 0
+        holds = [(p["kl"], p["resident_bits"], p["config"]) for p in points
+                 if capacity(configs[p["config"]], shape, memory, weight_bits=16, context=context).sequences
+                 >= sequences]
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last == f"recommended: {min(holds)[2]}" if holds else last.startswith("recommended: none — ")
+    ppl_best = min((p["ppl"], p["resident_bits"], p["config"]) for p in points if p["resident_bits"] <= sq4_bits)[2]
+    assert main([*short, "--budget-bits", str(sq4_bits), "--axis", "ppl"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"recommended: {ppl_best}"
+    assert main([*short, "--sequences", "3"]) == 2
+    assert "--sequences without a budget" in capsys.readouterr().err
+
+
+def printed_frontier(result) -> str:
+    return f"frontier (no configuration with fewer bits and lower KL): {', '.join(result.data['frontier'])}"
 
 
 def test_stored_results_belong_to_the_weights(env, capsys, tmp_path):
@@ -216,6 +253,15 @@ def test_perplexity_with_stride_equal_to_window_still_decodes(env, tmp_path):
     assert main(["perplexity", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"],
                  "--window", "32", "--max-tokens", "64", "--configs", "rtn-int2"]) == 0  # stride: half the window
     assert {r.data["decode_from"] for r in list_results(env["model"], "perplexity", root=out).results} == {1, 16}
+
+
+def test_drift_says_when_tokens_ask_for_more_than_the_text(env, capsys):
+    """Before: --tokens 1000000000 silently meant the whole text."""
+    assert _run(env, "drift", "--text", env["text"], "--tokens", "1000000000", "--every", "8", "--configs", "fp32") == 0
+    out = capsys.readouterr().out
+    [r] = [r for r in list_results(env["model"], "drift", root=env["out"]).results if r.data["config"] == "fp32"]
+    assert (f"drift: --tokens 1,000,000,000 is more than the text holds: using the whole text, "
+            f"{r.data['tokens']:,} tokens") in out
 
 
 def test_errors_exit_2(env, capsys, tmp_path):
@@ -333,8 +379,29 @@ def test_all_small(env, tmp_path, capsys, bars, monkeypatch):
     quality[0].path.unlink()
     capsys.readouterr()
     bars.clear()
-    assert main(["claims", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--max-tokens", "64",
-                 "--window", "512", "--calibration-text", env["text"], "--calibration-tokens", "64"]) == 0
+    assert (
+        main(
+            [
+                "claims",
+                "--model",
+                env["model"],
+                "--out",
+                out,
+                "--quiet",
+                "--text",
+                env["text"],
+                "--max-tokens",
+                "64",
+                "--window",
+                "512",
+                "--calibration-text",
+                env["text"],
+                "--calibration-tokens",
+                "64",
+            ]
+        )
+        == 0
+    )
     _assert_filled(bars)  # the resumed run announces only the configuration it measures
     printed = capsys.readouterr().out
     assert "reusing stored claims_quality" in printed
@@ -503,8 +570,8 @@ def test_export_never_silently_replaces_another_calibration(env, capsys, tmp_pat
     assert "--force replaces it" in err and path.read_bytes() == first
     assert main([*argv, "--tokens", "64", "--force"]) == 0
     assert config_from_json(path.read_text()) is not None and b'"calibration_tokens": 64' in path.read_bytes()
-    assert commands.export_differences(first, path.read_text())[0] == "calibration.tokens 128 in the file, 64 now"
-    assert commands.export_differences(b"[1]", path.read_text()) == ["it is not a configuration JSON (not an object)"]
+    assert export_differences(first, path.read_text())[0] == "calibration.tokens 128 in the file, 64 now"
+    assert export_differences(b"[1]", path.read_text()) == ["it is not a configuration JSON (not an object)"]
 
 
 def test_results_are_keyed_by_the_reference_another_clone_names(env, capsys, monkeypatch, tmp_path):

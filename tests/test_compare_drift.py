@@ -9,8 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from compare_drift import compare  # noqa: E402
-from pace_core.results import list_results, results_root, save_result  # noqa: E402
+from compare_drift import compare
+
+from pace_core.results import list_results, results_root, save_result
 
 MODEL = "pace-tiny-qwen35"
 
@@ -32,5 +33,7 @@ def test_the_same_drift_in_two_folders_is_compared_step_by_step(tmp_path):
     assert row["config"] == "pace-4" and row["steps"] == len(pace4.table)
     assert row["max_rel_diff_rel_error"] == pytest.approx(1e-3, rel=1e-9)
     assert row["max_abs_diff_rel_error"] == pytest.approx(base * 1e-3, rel=1e-9)
-    assert row["mean_rel_error_gpu"] - row["mean_rel_error_cpu"] == pytest.approx(base * 1e-3 / len(pace4.table), rel=1e-6)
+    assert row["mean_rel_error_gpu"] - row["mean_rel_error_cpu"] == pytest.approx(
+        base * 1e-3 / len(pace4.table), rel=1e-6
+    )
     assert row["max_abs_diff_excess_nll"] == 0.0

@@ -7,22 +7,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pace_core import __version__
-from pace_core.config import (
-    METHOD_SETTINGS,
-    NAMED_CONFIGS,
+from pace_core.config import METHOD_SETTINGS, NAMED_CONFIGS, SETTING_OF, SETTINGS, PaceConfig, get_config
+from pace_core.errors import PaceError
+from pace_core.export import (
     SCHEMA_VERSION,
-    SETTING_OF,
-    SETTINGS,
-    PaceConfig,
     config_from_dict,
     config_from_json,
     config_to_dict,
     config_to_json,
     document_from_json,
-    get_config,
-    num_high_heads,
 )
-from pace_core.errors import PaceError
+from pace_core.heads import num_high_heads
 from pace_core.methods import COMBINATIONS, METHODS
 from pace_core.quant import QuantSpec
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape
@@ -87,12 +82,13 @@ def test_unknown_name_lists_the_names():
     ({"scale_dtype": "float32"}, "scale_dtype", "'float16'"),
     ({"symmetric": 1}, "symmetric", "True"),
     ({"name": " "}, "name", "non-empty"),
-    ({"damp_outlier_rows": 129}, "damp_outlier_rows", "0..128"),
     ({"reference_dtype": "float16"}, "reference_dtype", "'bfloat16'"),
+    ({"damp_outlier_rows": 129}, "damp_outlier_rows", "0..128"),
+    ({"damp_hadamard": 1}, "damp_hadamard", "True, False"),
 ])
 def test_bad_settings_name_the_field_and_allowed_values(changes, field, allowed):
     with pytest.raises(PaceError) as e:
-        get_config("pace-4").replace(**changes)
+        get_config("damp-int4" if field.startswith("damp") else "pace-4").replace(**changes)
     msg = str(e.value)
     assert msg.startswith(field) and "allowed" in msg and allowed in msg
 
@@ -230,7 +226,7 @@ def test_quant_spec_and_head_bits():
 def test_json_document_is_shaped_like_a_kv_cache_scheme():
     cfg = get_config("pace-4-8").replace(high_heads=((2, 9), (0, 1)))
     d = config_to_dict(cfg, model="qwen3.5-27b", provenance={"calibration": "wikitext2-valid.txt"})
-    assert d["schema_version"] == SCHEMA_VERSION == 6
+    assert d["schema_version"] == SCHEMA_VERSION == 7
     assert d["producer"] == {"name": "pace-studio", "version": __version__}
     assert d["model"] == "qwen3.5-27b"
     assert d["state_cache_scheme"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
@@ -269,8 +265,11 @@ def configs(draw) -> PaceConfig:
     if share > 0 and draw(st.booleans()):
         layers = draw(st.lists(st.sets(st.integers(0, 63), max_size=6), min_size=1, max_size=4))
         heads = tuple(tuple(sorted(layer)) for layer in layers)
-    return PaceConfig(
-        name=draw(st.text("abcxyz-_.0123 ", min_size=1, max_size=12).filter(str.strip)),
+    damp = (
+        dict(damp_outlier_rows=draw(st.integers(0, 128)), damp_hadamard=draw(st.booleans())) if method == "damp" else {}
+    )
+    return PaceConfig.make(
+        **damp, name=draw(st.text("abcxyz-_.0123 ", min_size=1, max_size=12).filter(str.strip)),
         method=method, bits=bits, reference_dtype=ref,
         high_bits=draw(st.integers(bits if method != "none" else 2, 8)), high_share=share,
         symmetric=True if method in ("damp", "dsq") else draw(st.booleans()),
@@ -278,7 +277,7 @@ def configs(draw) -> PaceConfig:
         group_size=draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128])),
         decode_period=draw(st.integers(1, 4096)), prefill_period=draw(st.integers(1, 1 << 20)),
         buffer=draw(st.sampled_from(["fp32", "bf16", "int8", "mixed"])),
-        damp_outlier_rows=draw(st.integers(0, 128)), damp_hadamard=draw(st.booleans()), high_heads=heads,
+        high_heads=heads,
         prefill_after_decode=draw(st.sampled_from(["flush", "carry"])),
         rounding=draw(st.sampled_from(["nearest", "stochastic"])) if method != "none" else "nearest",
         rounding_seed=draw(st.integers(0, 2**16 - 1)),
@@ -298,12 +297,14 @@ def test_generated_configs_round_trip_exactly(cfg, model):
 
 def _doc(**changes) -> dict:
     """PACE-4/8's record with ``changes`` (``section__key``: a value, or KeyError to remove it); a record of an
-    older ``schema_version`` lacks the methods' settings, which every method adds at schema 5 or later, and before
-    schema 6 the combinations' settings."""
+    older ``schema_version`` lacks the methods' settings added at schema 5 or later (STEPQuant's; DAMP's are schema
+    1's), before schema 6 the combinations' settings, before schema 7 STEPQuant's calibration samples."""
     d = config_to_dict(get_config("pace-4-8"))
     version = changes.get("schema_version", SCHEMA_VERSION)
     for setting in SETTINGS:
-        if (setting.field in METHOD_SETTINGS and version in (1, 2, 3)) or (setting.schema == 6 and version in (1, 2, 3, 5)):
+        if (setting.field in METHOD_SETTINGS and setting.schema >= 5 and version in (1, 2, 3)) or (
+            setting.schema >= 6 and version in (1, 2, 3, 5)
+        ) or (setting.schema == 7 and version == 6):
             del d["pace"][setting.json]
     for path, value in changes.items():
         *head, last = path.split("__")
@@ -318,8 +319,8 @@ def _doc(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"schema_version": 7}, "schema_version=7 is newer than this PACE Studio understands; allowed: 1..6"),
-    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..6"),
+    ({"schema_version": 8}, "schema_version=8 is newer than this PACE Studio understands; allowed: 1..7"),
+    ({"schema_version": 0}, "schema_version=0 is not allowed; allowed: 1..7"),
     ({"schema_version": 4}, "the document lacks kind"),  # a complete record labelled as an export
     ({"schema_version": "1"}, "schema_version='1' is not allowed"),
     ({"schema_version": KeyError}, "schema_version is missing"),

@@ -6,11 +6,14 @@ import json
 import pytest
 
 from pace_core.accounting import resident_bits
-from pace_core.config import NAMED_CONFIGS, PaceConfig, config_to_json, document_from_json, get_config, num_high_heads
+from pace_core.cli.calibration import export_differences
+from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.export import (
     admit,
     check_model,
+    config_to_json,
+    document_from_json,
     export_document,
     export_filename,
     export_json,
@@ -18,6 +21,7 @@ from pace_core.export import (
     used_fields,
     used_settings,
 )
+from pace_core.heads import num_high_heads
 from pace_core.shapes import ModelShape, get_shape
 
 SHAPE = get_shape("qwen3.5-27b")  # γ = 3: GDN ordinals and decoder layers differ from layer 3 on
@@ -40,7 +44,7 @@ def test_only_the_fields_the_method_reads():
     mixed = used_fields(get_config("pace-4-8"))
     assert "buffer_key_group" in mixed and "buffer_value_group" not in mixed  # mixed: bf16 values
     # what is left out does not change behaviour: its defaults are what the method ignores
-    custom = get_config("pace-4").replace(damp_outlier_rows=3, damp_hadamard=False)
+    custom = get_config("pace-4").replace(high_bits=6, reference_dtype="bfloat16")  # read with a share; by method none
     assert used_settings(custom) == get_config("pace-4")
     # a combination is written where it is on, with the settings read with it
     combined = {"rounding", "rounding_seed", "key_hadamard", "scales", "static_margin", "calibrated"}
@@ -50,9 +54,10 @@ def test_only_the_fields_the_method_reads():
     assert {"scales", "static_margin", "calibrated"} == combined & set(used_fields(get_config("pace-4-static")))
     assert used_settings(get_config("pace-4-sr").replace(static_margin=2.0)) == get_config("pace-4-sr")
     sr = export_document(get_config("pace-4-sr"), shape=SHAPE)
-    assert sr["schema_version"] == 6 and (sr["pace"]["rounding"], sr["pace"]["rounding_seed"]) == ("stochastic", 0)
+    assert sr["schema_version"] == 7 and (sr["pace"]["rounding"], sr["pace"]["rounding_seed"]) == ("stochastic", 0)
     older = export_document(get_config("pace-4"), shape=SHAPE)
     older["schema_version"] = 5  # an export made before the combinations: the same keys, read as their defaults
+    del older["state_layout"]["packing"]  # nor did it record the packing (schema 7)
     assert document_from_json(json.dumps(older)).config == get_config("pace-4")
 
 
@@ -81,6 +86,8 @@ def test_layout_and_resident_bits_are_named():
     assert doc["resident_bits"]["resident_bits"] == r.resident_bits == pytest.approx(6.7822265625)
     assert doc["resident_bits"]["c"] == r.c and doc["resident_bits"]["decode_period"] == 8
     assert export_document(get_config("qmamba-dsq"))["state_layout"]["groups_along"] == "rows and columns"
+    assert doc["state_layout"]["packing"] == "dense" and "little-endian bit stream" in doc["state_layout"]["codes"]
+    assert export_document(get_config("fp32"))["state_layout"]["packing"] is None
     assert export_document(cfg)["resident_bits"] is None and export_document(cfg)["model"] is None
 
 
@@ -163,7 +170,7 @@ def _exported(**changes) -> dict:
 @pytest.mark.parametrize("changes, message", [
     ({"pace.bits": 99}, "pace.bits is not allowed: it is state_cache_scheme.num_bits"),
     ({"pace.group_size": 16}, "pace.group_size is not allowed: it is state_cache_scheme.group_size"),
-    ({"pace.damp_outlier_rows": 4}, "pace.damp_outlier_rows is not read by these settings"),
+    ({"pace.damp_outlier_rows": 4}, "damp_outlier_rows=4 is not allowed for method 'pace'.*a setting of method 'damp'"),
     ({"state_cache_scheme.type": "float"}, "state_cache_scheme.type='float' does not match pace.method='pace'"),
     ({"state_cache_scheme.zp_dtype": None}, "state_cache_scheme.zp_dtype=None does not match"),
     ({"state_layout.groups_along": "value"}, "state_layout.groups_along='value' contradicts"),
@@ -236,3 +243,82 @@ def test_read_config_takes_every_form(tmp_path):
         read_config(tmp_path / "missing.json")
     with pytest.raises(PaceError, match="int is not allowed"):
         read_config(3)
+
+
+def test_the_evidence_a_configuration_was_picked_on_is_recorded_and_read_back():
+    """provenance.evidence (issue 47): written with the file, read back as written, checked on both sides; a file
+    without it (every file before) reads as before, and the configuration is the same with or without it."""
+    evidence = {"axis": "task:k:gsm8k:exact_match:strict-match", "label": "gsm8k · exact_match (strict-match)",
+                "higher_is_better": True, "config": "pace-4", "value": 0.52, "stderr": 0.014,
+                "reference": {"config": "fp32", "value": 0.55}, "budget_bits": 6.0, "resident_bits": 4.6,
+                "frontier": ["rtn-int2", "pace-4", "fp32"], "task": "gsm8k", "lm_eval": "0.4.13"}
+    cfg = get_config("pace-4")
+    plain = export_json(cfg, shape=SHAPE, source="m", provenance={"command": "x"})
+    picked = export_json(cfg, shape=SHAPE, source="m", provenance={"command": "x"}, evidence=evidence)
+    doc = document_from_json(picked)
+    assert doc.provenance == {"command": "x", "evidence": evidence}
+    assert "evidence" not in json.loads(plain)["provenance"]
+    assert doc.config == document_from_json(plain).config and export_differences(plain.encode(), picked) == []
+    for field, value, allowed in (("value", None, "a finite number"), ("frontier", "pace-4", "a list"),
+                                  ("stderr", -1.0, "null or a number >= 0"), ("higher_is_better", 1, "a bool")):
+        bad = {**evidence, field: value}
+        with pytest.raises(PaceError, match=rf"provenance\.evidence\.{field}=.*allowed: {allowed}"):
+            export_json(cfg, shape=SHAPE, evidence=bad)
+        edited = json.loads(picked)
+        edited["provenance"]["evidence"] = bad
+        with pytest.raises(PaceError, match=rf"provenance\.evidence\.{field}"):
+            document_from_json(json.dumps(edited))
+    with pytest.raises(PaceError, match="provenance.evidence must be an object"):
+        export_json(cfg, shape=SHAPE, evidence=["kl"])
+
+
+def _schema6(name: str, padding: float) -> dict:
+    """The export of ``name`` as schema 6 wrote it: no packing in the layout, the codes' padding (bits per value)
+    counted in the metadata and the resident bits."""
+    doc = export_document(get_config(name), shape=SHAPE, source="27b")
+    doc["schema_version"] = 6
+    del doc["state_layout"]["packing"], doc["state_layout"]["codes"]
+    doc["state_layout"]["update"] = doc["state_layout"].pop("update")  # schema 6's key order
+    for key in ("metadata_bits", "resident_bits"):
+        doc["resident_bits"][key] += padding
+    return doc
+
+
+@pytest.mark.parametrize("name,padding", [("rtn-int2", 2.0), ("rtn-int3", 1.0), ("rtn-int5", 3.0), ("rtn-int6", 2.0),
+                                          ("rtn-int7", 1.0), ("rtn-int4", 0.0), ("pace-4-8", 0.0)])
+def test_a_file_of_the_padded_layout_is_migrated(name, padding):
+    """A schema 6 export (codes of 2, 3, 5, 6, 7 bits stored padded to 4 or 8 bits, its resident bits counting the
+    padding as metadata: rtn-int3 4.5 instead of 3.5) is read as the same settings, now stored densely; 4- and 8-bit
+    files, whose bytes did not change, read as they are. Its resident bits must be the padded storage's: the same
+    padding in the metadata and the total, every other term the settings'."""
+    old = _schema6(name, padding)
+    doc = document_from_json(json.dumps(old))
+    assert doc.config == used_settings(get_config(name))
+    assert export_document(doc.config, shape=SHAPE)["resident_bits"]["resident_bits"] == pytest.approx(
+        old["resident_bits"]["resident_bits"] - padding)
+    edited = json.loads(json.dumps(old))
+    edited["resident_bits"]["resident_bits"] += 0.5  # padding in the total but not in the metadata
+    with pytest.raises(PaceError, match="resident_bits.metadata_bits" if padding == 0 else
+                       "neither the bits these settings store now .* nor those of its padded"):
+        document_from_json(json.dumps(edited))
+    with pytest.raises(PaceError, match="state_layout.packing is not allowed in a schema 6 file"):
+        document_from_json(json.dumps({**old, "state_layout": {**old["state_layout"], "packing": "dense"}}))
+
+
+def test_a_schema_7_file_must_name_the_packing():
+    doc = export_document(get_config("rtn-int3"), shape=SHAPE)
+    del doc["state_layout"]["packing"]
+    with pytest.raises(PaceError, match="state_layout.packing=None contradicts"):
+        document_from_json(json.dumps(doc))
+    newer = {**export_document(get_config("rtn-int3"), shape=SHAPE), "schema_version": 8}
+    with pytest.raises(PaceError, match="schema_version=8 is newer"):
+        document_from_json(json.dumps(newer))
+
+
+def test_the_shipped_schema_6_export_is_read():
+    """data/results' PACE-4/8 export (schema 6, 4- and 8-bit codes: the same bytes densely packed) is read as is."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "data" / "results" / "pace-tiny-qwen35" / "config-pace-4-8.json"
+    assert json.loads(path.read_text())["schema_version"] == 6
+    assert read_config(path).config.name == "pace-4-8"

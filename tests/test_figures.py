@@ -242,7 +242,9 @@ def test_bench_speedups_are_the_baseline_time_over_each_variants_at_the_same_bat
         for b in (1, 8, 32):
             expected = times[("bf16 per-token", b)] / times[(v, b)]
             assert np.isnan(table.loc[v, f"B = {b}"]) if (v, b) == ("B", 8) else table.loc[v, f"B = {b}"] == expected
-    e2e = pd.DataFrame([{"variant": v, "batch": 16, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.2), ("A", 0.1))])
+    e2e = pd.DataFrame(
+        [{"variant": v, "batch": 16, "tpot_median_s": t} for v, t in (("bf16 per-token", 0.2), ("A", 0.1))]
+    )
     assert figures.bench_speedups(e2e).set_index("variant").loc["A", "B = 16"] == 2.0
     assert figures.bench_speedups(pd.DataFrame(rows[3:])) is None  # no baseline
 
@@ -267,3 +269,14 @@ def test_compare_figure_draws_the_points_the_frontier_the_best_and_the_budget(rn
     assert fig.layout.xaxis.type == fig.layout.yaxis.type == "log"
     assert [s.x0 for s in fig.layout.shapes] == [7.0]
     assert len(figures.compare_figure(table, best="fp32").data) == 2  # the reference: no ring off the axis
+
+
+def test_compare_figure_on_another_axis_is_linear_with_error_bars():
+    table = pd.DataFrame({"config": ["fp32", "a", "b"], "resident_bits": [32.0, 4.25, 8.5], "value": [0.6, 0.0, 0.55],
+                          "stderr": [0.02, None, 0.03], "frontier": [True, True, True]})
+    fig = figures.compare_figure(table, best="a", budget_bits=5.0, y="value", y_title="gsm8k (higher is better)",
+                                 log_y=False, error="stderr")
+    frontier, points, ring = fig.data
+    assert list(points.text) == ["a", "b", "fp32"]  # a value 0 stays on a linear axis
+    assert list(points.error_y.array) == [0.0, 0.03, 0.02] and list(ring.y) == [0.0]
+    assert fig.layout.yaxis.type != "log" and fig.layout.yaxis.title.text == "gsm8k (higher is better)"

@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from numerics import assert_same_greedy, fp32_bound
 from transformers import DynamicCache
 
 from kernels.bench import bench_e2e
-from numerics import assert_same_greedy, fp32_bound
 from pace_core.config import get_config
 from pace_core.model.patch import get_state_store, pace
 from pace_core.shapes import BUILTIN_SHAPES, shape_from_hf_config

@@ -9,16 +9,17 @@ import copy
 
 import pytest
 import torch
-
 from calibration_support import calibrated
-from kernels_support import DEVICE, ON_GPU, SIZES, kernel_modules
+from kernels_support import DEVICE, SIZES, kernel_modules
 from numerics import fp32_bound, rel
+
+from kernels.settings import Launch, RecurrentSettings, SplitSettings
 from pace_core import quant
 from pace_core.backend import REFERENCE
 from pace_core.buffer import BufferFormat, DecodeBuffer
-from pace_core.checkpoint import state_format
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
+from pace_core.methods import state_format
 from pace_core.recurrence import RECURRENT_BELOW, gdn_recurrent, prepare_qk
 from pace_core.schedule import Capture, PeriodicState
 
@@ -39,6 +40,9 @@ CONFIGS = {
     "bf16": get_config("bf16").replace(decode_period=PERIOD, buffer="bf16"),
     "pace-4": get_config("pace-4").replace(group_size=2 * GROUP, decode_period=PERIOD),
     "pace-4-8": get_config("pace-4-8").replace(group_size=GROUP, decode_period=PERIOD),
+    "pace-3": get_config("pace-3").replace(group_size=2 * GROUP, decode_period=PERIOD),
+    "pace-3-8": get_config("pace-4-8").replace(name="pace-3-8", bits=3, group_size=GROUP, decode_period=PERIOD),
+    "rtn-value-3": get_config("rtn-int3").replace(group_size=GROUP, decode_period=PERIOD, buffer="int8"),
     "rtn-value": get_config("rtn-int4").replace(symmetric=False, group_size=GROUP, decode_period=PERIOD,
                                                 buffer="int8"),
     "pace-4 stored current": get_config("pace-4").replace(group_size=2 * GROUP, decode_period=PERIOD,
@@ -68,14 +72,15 @@ def _config(name: str, hv: int, group: int | None = None) -> PaceConfig:
     return cfg
 
 
-def _states(name: str, hv: int, v_dim: int = V, group: int | None = None, S: torch.Tensor | None = None):
+def _states(name: str, hv: int, v_dim: int = V, group: int | None = None, S: torch.Tensor | None = None,
+            launch: Launch | None = None):
     """The same layer state ``(kernels, reference)``: checkpoint of ``S [B, HV, K, V]`` (random when None)
-    in the configuration's format, empty buffers of dP records."""
+    in the configuration's format, empty buffers of dP records; the kernels with the ``launch`` settings."""
     cfg = _config(name, hv, group)
     fmt = state_format(cfg, cfg.head_bits(0, hv) if cfg.quantized else (cfg.bits,) * hv)
     S = torch.randn(B, hv, K, v_dim) * 0.3 if S is None else S
     out = []
-    for steps in (backend.TritonSteps(), REFERENCE):
+    for steps in (backend.TritonSteps(launch), REFERENCE):
         st = PeriodicState(fmt, steps, (B, H, hv, K, v_dim), DEVICE, prefill_period=SIZES["P"], decode_period=PERIOD,
                            buffer=cfg.buffer_format, exact_current=cfg.exact_current_token, chunk_size=SIZES["CHUNK"])
         st.set_checkpoint(REFERENCE.store(fmt, S)[0])
@@ -115,8 +120,9 @@ def _poison_slot(buf: DecodeBuffer) -> None:
 
 def _step_size(p: quant.PackedTensor) -> torch.Tensor:
     """One code step of ``p`` at every entry (its group's scale), ``[..., K, V]``."""
-    one = (0x99 if p.spec.bits <= 4 else 0x81) if p.zero is None else (0x11 if p.spec.bits <= 4 else 0x01)
-    return quant.dequantize(quant.PackedTensor(torch.full_like(p.codes, one), p.scale,
+    one = 1 + (0 if p.zero is not None else 1 << (p.spec.bits - 1))
+    codes = quant.pack_codes(torch.full(p.shape, one, dtype=torch.uint8, device=p.codes.device), p.spec.bits)
+    return quant.dequantize(quant.PackedTensor(codes, p.scale,
                                                None if p.zero is None else torch.zeros_like(p.zero),
                                                p.spec, p.shape)).abs()  # q - z = 1 everywhere
 
@@ -205,13 +211,13 @@ def _check_flush_token_output(split: bool, o_flush, o_kept, slack) -> None:
         assert ((o_flush - o_kept).abs() <= STEP_TOL * o_kept.pow(2).mean().sqrt() + slack).all()
 
 
-def _one_token(name: str, gamma: int, n: int, v_dim: int = V, group: int | None = None):
+def _one_token(name: str, gamma: int, n: int, v_dim: int = V, group: int | None = None, launch: Launch | None = None):
     """One token with n records buffered, value heads ``v_dim`` wide (key groups of ``group`` rows, else
-    the configuration's): output and appended record (:func:`_token_without_flush`), and at n = dP - 1
-    the fold + requantise. Returns the launch plan (whether it took the split path, and with which
-    kernels)."""
+    the configuration's), the kernels with the ``launch`` settings: output and appended record
+    (:func:`_token_without_flush`), and at n = dP - 1 the fold + requantise. Returns the launch plan (whether it
+    took the split path, and with which kernels)."""
     HV = H * gamma
-    states = _states(name, HV, v_dim, group)
+    states = _states(name, HV, v_dim, group, launch=launch)
     _fill(states, n)
     token = _token(HV, v_dim)
     o_kept, slack = _token_without_flush(states, token, gamma)
@@ -263,7 +269,7 @@ def test_dense_step_matches_recurrence(dtype: torch.dtype, gamma: int) -> None:
     o_ref, S_ref = gdn_recurrent(q[:, None].double(), k[:, None].double(), v[:, None].double(),
                                  g[:, None].double(), beta[:, None].double(), initial_state=S.double())
     out = torch.full((B, HV, V), float("nan"))
-    o = recurrent_step.dense_recurrent_step(S, q, k, v, g, beta, block_v=8, out=out)
+    o = recurrent_step.dense_recurrent_step(S, q, k, v, g, beta, RecurrentSettings(block_v=8), out=out)
     assert o is out
     assert rel(o, o_ref[:, 0]) <= fp32_bound(3 * K)
     assert rel(S, S_ref) <= (fp32_bound(3 * K) if dtype == torch.float32 else 2.0**-8)
@@ -316,15 +322,23 @@ def test_kernels_cover_what_they_support() -> None:
         return backend.TritonSteps.for_layer(state_format(cfg, bits, None if cal is None else cal.layers[0]),
                                              buffer and BufferFormat(buffer), k_dim, V) is not None
     assert covered(CONFIGS["pace-4"], "int8") and covered(CONFIGS["fp32"], "fp32") and covered(get_config("bf16"), None)
-    assert covered(get_config("rtn-int4").replace(group_size=GROUP), None) and not covered(get_config("qmamba-dsq"), None)
+    assert covered(get_config("rtn-int4").replace(group_size=GROUP), None)
+    assert not covered(get_config("qmamba-dsq"), None)
     assert not covered(CONFIGS["pace-4"], "fp64") and not covered(CONFIGS["pace-4"].replace(group_size=8), "int8", 8)
     assert not covered(get_config("damp-int4"), None)
+    assert covered(CONFIGS["pace-3"], "int8") and covered(_config("pace-3-8", 2 * H), "mixed")
+    assert covered(get_config("rtn-int3").replace(group_size=GROUP), None)
+    for bits in (2, 5, 6, 7):  # densely packed widths without a kernel: the reference, for a stated reason
+        assert not covered(get_config(f"rtn-int{bits}").replace(group_size=GROUP), None)
+        if bits > 4:
+            assert not covered(_config("pace-4-8", 2 * H).replace(high_bits=bits), "mixed")
+    assert not covered(get_config("rtn-int3").replace(group_size=GROUP, symmetric=False), None)
     for combination in (dict(rounding="stochastic"), dict(key_hadamard=True), dict(scales="static")):
         cfg = CONFIGS["pace-4"].replace(**combination)  # covered without it
         assert not covered(cfg, "int8") and not covered(cfg.replace(decode_period=1), None)
 
 
-@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3)])
+@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3), ("pace-3", 3), ("pace-3-8", 2)])
 def test_packed_key_axis_split_path_over_two_periods(name: str, gamma: int) -> None:
     """Packed key-axis checkpoints take the split path (dots and record kernels, then a separate flush
     kernel). Two whole periods through the schedule, every token against the reference run from the
@@ -352,18 +366,17 @@ def test_packed_key_axis_split_path_over_two_periods(name: str, gamma: int) -> N
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3)])
-def test_split_path_on_half_tiles(name: str, gamma: int, fused: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3), ("pace-3", 2)])
+def test_split_path_on_half_tiles(name: str, gamma: int, fused: bool) -> None:
     """Heads at least 32 values wide, so that the dots kernel takes 4-bit codes as even / odd half
     tiles of 16 or more columns (narrower heads pad them) and the step may run as one kernel
     (``fused``) or as the dots and record kernels: a period's last token, its output and the fold +
     requantisation against the reference."""
-    monkeypatch.setitem(plan_mod.SPLIT_DEFAULTS, "fused_step", fused)
-    plan = _one_token(name, gamma, PERIOD - 1, max(V, 32))
-    assert plan.split and plan.meta["fusable"] and plan.meta["fused_step"] == fused
+    plan = _one_token(name, gamma, PERIOD - 1, max(V, 32), launch=Launch.of(SplitSettings(fused_step=fused)))
+    assert plan.split and plan.split.fusable and plan.split.settings.fused_step == fused
 
 
-@pytest.mark.parametrize("name", ["pace-4", "pace-4-8"])
+@pytest.mark.parametrize("name", ["pace-4", "pace-4-8", "pace-3-8"])
 def test_split_path_on_small_groups(name: str) -> None:
     """Key groups of 8 rows, so that a flush tile of 16 key rows holds two groups."""
     assert _one_token(name, 2, PERIOD - 1, group=8).split
@@ -402,7 +415,7 @@ def test_per_token_decode_backends_agree(dtype: torch.dtype) -> None:
     assert rel(S_k, S_r) <= (fp32_bound(3 * K) if dtype == torch.float32 else 2.0**-8)
 
 
-@pytest.mark.parametrize("name", ["rtn-int4", "pace-4"])
+@pytest.mark.parametrize("name", ["rtn-int4", "pace-4", "rtn-int3", "pace-3"])
 def test_per_token_rounding_backends_agree(name: str) -> None:
     """dP = 1 of a quantised state: the kernels' load, in-place step and store against the reference's
     recurrence step and store, three tokens through the schedule, each from the kernels' own checkpoint
@@ -434,7 +447,7 @@ def _run_and_single_tokens(fmt, S0, T: int, at: frozenset[int]):
         st = PeriodicState(fmt, backend.TritonSteps(), (B, H, HV, K, V), DEVICE, prefill_period=8, decode_period=1)
         st.set_checkpoint(copy.deepcopy(S0))
         seen = {}
-        capture = Capture(at, lambda n, S: seen.setdefault(n, S.clone()))
+        capture = Capture(at, lambda n, S, seen=seen: seen.setdefault(n, S.clone()))
         if single:
             o = []
             for t in range(T):
@@ -458,7 +471,7 @@ def _checkpoints_equal(got, ref) -> None:
         _same_run(quant.dequantize(a), quant.dequantize(r))
 
 
-@pytest.mark.parametrize("name", ["rtn-int4", "pace-4", "pace-4-8", "rtn-value", "bf16"])
+@pytest.mark.parametrize("name", ["rtn-int4", "pace-4", "pace-4-8", "rtn-value", "bf16", "pace-3-8"])
 def test_per_token_run_is_its_tokens_one_by_one(name: str) -> None:
     """dP = 1: a run of tokens in one launch (the state rounded in registers after each) is the same kernel
     code, token by token, as one launch per token (the state through memory): outputs, the states captured
@@ -557,18 +570,17 @@ def _same_run(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3), ("pace-4 stored current", 2),
                                         ("pace-4 grouped buffer", 2)])
-def test_window_kernel_is_the_one_kernel_step(name: str, gamma: int, monkeypatch) -> None:
+def test_window_kernel_is_the_one_kernel_step(name: str, gamma: int) -> None:
     """Tokens known at once (teacher forcing) in one window launch against the same tokens through the
     one-kernel step one at a time: each token is that step's code with the records before it, the
     window's own included. Windows of 1, 2 and the rest of a period (its flush after the last), on heads
     wide enough for the one-kernel step: outputs, every record and the flushed checkpoint."""
-    monkeypatch.setitem(plan_mod.SPLIT_DEFAULTS, "fused_step", True)
-    monkeypatch.setitem(plan_mod.SPLIT_DEFAULTS, "gluon_step", False)  # the Triton step, the window's code
+    launch = Launch.of(SplitSettings(fused_step=True, gluon_step=False))  # the Triton step, the window's code
     HV, v_dim = H * gamma, max(V, 32)
-    st_w, _ = _states(name, HV, v_dim)
-    assert st_w.steps.plan(st_w).meta["fusable"]
+    st_w, _ = _states(name, HV, v_dim, launch=launch)
+    assert st_w.steps.plan(st_w).split.fusable
     st_t = copy.deepcopy(st_w)
-    st_t.steps = backend.TritonSteps()  # its own launch plan, on its own tensors
+    st_t.steps = backend.TritonSteps(launch)  # its own launch plan, on its own tensors
     tokens = _tokens(HV, PERIOD, v_dim)
     for lo, hi in ((0, 1), (1, 3), (3, PERIOD)):
         part = [x[:, lo:hi] for x in tokens]
@@ -604,9 +616,10 @@ def test_launches_per_bit_width_are_the_one_launch(gamma: int) -> None:
     HV, v_dim = H * gamma, max(V, 32)
     st_p, _ = _states("pace-4-8", HV, v_dim)
     st_o = copy.deepcopy(st_p)
-    st_p.steps = backend.TritonSteps({"fused_step": False, "per_part": True, "dots_per_part": True})
-    st_o.steps = backend.TritonSteps({"fused_step": False, "per_part": False, "dots_per_part": False})
-    assert len(st_p.steps.plan(st_p).part_launches) == 2 and st_p.steps.plan(st_p).meta["fusable"]
+    st_p.steps = backend.TritonSteps(Launch.of(SplitSettings(fused_step=False, per_part=True, dots_per_part=True)))
+    st_o.steps = backend.TritonSteps(Launch.of(SplitSettings(fused_step=False, per_part=False, dots_per_part=False)))
+    split = st_p.steps.plan(st_p).split
+    assert len(split.launches[True]) == 2 and split.fusable
     tokens = _tokens(HV, PERIOD + 1, v_dim)
     outputs = {}
     for st in (st_p, st_o):
@@ -666,18 +679,20 @@ def test_nibbles_unpack_every_code_of_a_byte() -> None:
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon dots kernel is compiled-only (tests/test_kernels_sass.py "
                     "compiles it for sm_90a on any machine)")
-@pytest.mark.parametrize("name,gamma", [("pace-4", 2), ("pace-4-8", 3)])
-def test_gluon_dots_are_the_triton_dots(name: str, gamma: int) -> None:
-    """kernels.gluon_dots (4-bit parts, symmetric and zero-point) against the Triton dots kernel on the same
-    checkpoint and token: ``Ŝᵀk, Ŝᵀq`` agree to float32 rounding (both sum exact products in fp32, in other
-    orders; STEP_TOL), every entry written (the workspace poisoned first)."""
+@pytest.mark.parametrize("name,gamma,cap", [("pace-4", 2, None), ("pace-4-8", 3, None), ("pace-4-8", 3, 128),
+                                            ("pace-4", 3, 80)])
+def test_gluon_dots_are_the_triton_dots(name: str, gamma: int, cap: int | None) -> None:
+    """kernels.gluon_dots (4-bit parts, symmetric and zero-point; with a register ``cap``) against the Triton dots
+    kernel on the same checkpoint and token: ``Ŝᵀk, Ŝᵀq`` agree to float32 rounding (both sum exact products in
+    fp32, in other orders; STEP_TOL), every entry written (the workspace poisoned first)."""
     packed_step = KERNELS["packed_step"]
     st, _ = _states(name, H * gamma)
     q, k, *_ = _token(H * gamma)
     out = {}
     for gluon in (True, False):
-        plan = backend.TritonSteps({"gluon_dots": gluon, "dots_per_part": True}).plan(st)
-        assert any(plan.gluon_dots[True]) == gluon
+        plan = backend.TritonSteps(Launch.of(SplitSettings(gluon_dots=gluon, dots_per_part=True,
+                                                           dots_maxnreg=cap))).plan(st)
+        assert any(launch.gluon_dots for launch in plan.split.launches[True]) == gluon
         plan.workspace.fill_(float("nan"))
         packed_step.launch_dots(plan, q, k)
         out[gluon] = plan.workspace.clone()
@@ -687,11 +702,14 @@ def test_gluon_dots_are_the_triton_dots(name: str, gamma: int) -> None:
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon step kernel is compiled-only (tests/test_kernels_sass.py "
                     "compiles it for sm_90a on any machine)")
-@pytest.mark.parametrize("group,gamma,n", [(None, 2, 0), (None, 2, 3), (None, 3, PERIOD - 1), (16, 2, 5),
-                                           (GROUP, 3, PERIOD - 1)])
-def test_gluon_step_is_the_triton_step(group: int | None, gamma: int, n: int) -> None:
+@pytest.mark.parametrize("group,gamma,n,warps,cap", [
+    (None, 2, 0, 1, None), (None, 2, 3, 1, None), (None, 3, PERIOD - 1, 1, None), (16, 2, 5, 1, None),
+    (GROUP, 3, PERIOD - 1, 1, None), (None, 2, 0, 4, None), (None, 3, PERIOD - 1, 4, None), (16, 2, 5, 2, None),
+    (GROUP, 3, 3, 2, 80), (None, 2, PERIOD - 1, 1, 96)])
+def test_gluon_step_is_the_triton_step(group: int | None, gamma: int, n: int, warps: int, cap: int | None) -> None:
     """kernels.gluon_step against the Triton dots and record kernels on the same PACE-4 checkpoint, token and ``n``
-    records. ``o_t`` agrees to float32 rounding (exact products, fp32 sums in other orders: STEP_TOL), every entry
+    records, on one warp per head or split over ``warps`` (the value columns' code places), with a register ``cap``.
+    ``o_t`` agrees to float32 rounding (exact products, fp32 sums in other orders: STEP_TOL), every entry
     written (the output poisoned first). The token's record: its log decay, key codes and key scale are equal (the
     same quantisation of the same ``k_t``: the range is a maximum, free of order, and the rest is correctly rounded);
     the value ``u_t`` agrees to float32 rounding, so its codes are equal except near a rounding boundary (at most
@@ -706,8 +724,9 @@ def test_gluon_step_is_the_triton_step(group: int | None, gamma: int, n: int) ->
     out, rec = {}, {}
     for gluon in (True, False):
         st = copy.deepcopy(st0)
-        plan = backend.TritonSteps({"gluon_step": gluon, "fused_step": gluon, "gluon_dots": gluon}).plan(st)
-        assert plan.gluon_step == gluon
+        plan = backend.TritonSteps(Launch.of(SplitSettings(gluon_step=gluon, fused_step=gluon, gluon_dots=gluon,
+                                                           gluon_step_warps=warps, step_maxnreg=cap))).plan(st)
+        assert plan.split.gluon_step == gluon
         out[gluon] = torch.full((B, HV, V), float("nan"))
         packed_step.launch_packed_step(plan, st.buffer, q, k, v, g, beta, out[gluon])
         rec[gluon] = {name: x[:, n] for name, x in st.buffer.storage().items()}
@@ -722,18 +741,23 @@ def test_gluon_step_is_the_triton_step(group: int | None, gamma: int, n: int) ->
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon flush kernel is compiled-only (tests/test_kernels_sass.py "
                     "compiles it for sm_90a on any machine)")
-@pytest.mark.parametrize("name,group,gamma,n,big", [
-    ("pace-4", None, 2, PERIOD, False), ("pace-4", None, 3, 3, False), ("pace-4", GROUP, 2, PERIOD, False),
-    ("pace-4", 16, 3, PERIOD, False), ("pace-4", None, 2, 0, False), ("pace-4", None, 2, PERIOD, True),
-    ("pace-4-8", None, 3, PERIOD, False), ("pace-4-8", 16, 2, 5, False), ("pace-4-8", 2 * GROUP, 2, PERIOD, False)])
-def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: int, n: int, big: bool) -> None:
+@pytest.mark.parametrize("name,group,gamma,n,big,blocks,cap", [
+    ("pace-4", None, 2, PERIOD, False, 1, None), ("pace-4", None, 3, 3, False, 1, None),
+    ("pace-4", GROUP, 2, PERIOD, False, 1, None), ("pace-4", 16, 3, PERIOD, False, 1, None),
+    ("pace-4", None, 2, 0, False, 1, None), ("pace-4", None, 2, PERIOD, True, 1, None),
+    ("pace-4-8", None, 3, PERIOD, False, 1, None), ("pace-4-8", 16, 2, 5, False, 1, None),
+    ("pace-4-8", 2 * GROUP, 2, PERIOD, False, 1, None), ("pace-4", None, 2, PERIOD, False, 2, None),
+    ("pace-4", 16, 3, PERIOD, True, 8, 80), ("pace-4-8", None, 3, PERIOD, False, 4, 96)])
+def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: int, n: int, big: bool, blocks: int,
+                                         cap: int | None) -> None:
     """kernels.gluon_flush against the Triton flush kernel on the same checkpoint and ``n`` records: PACE-4 (4-bit
     symmetric key groups of 16 to 64 rows, int8 records) and PACE-4/8's 4-bit heads (zero points, 4-bit keys in
     groups of 16 and bfloat16 values; the flush launched per bit width, the 8-bit heads on the Triton kernel in
     both). Both fold exact products with fp32 sums in other orders and requantise alike, so the checkpoints are equal
     except near a rounding boundary (:func:`_assert_within_one_step`, nearly every entry equal). ``big``: records of
     values near 1e6, so that the folded state overflows fp16 scales (clamped at 65504) and the symmetric codes take
-    the clamp of the rare branch."""
+    the clamp of the rare branch. ``blocks``: programs per head along the key rows (whole key groups), ``cap``: a
+    register cap."""
     flush = KERNELS["flush"]
     HV = H * gamma
     st0, _ = _states(name, HV, group=group)
@@ -741,8 +765,9 @@ def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: in
     out = {}
     for gluon in (True, False):
         st = copy.deepcopy(st0)
-        plan = backend.TritonSteps({"gluon_flush": gluon, "per_part": True}).plan(st)
-        assert any(plan.gluon_flush[True]) == gluon
+        plan = backend.TritonSteps(Launch.of(SplitSettings(gluon_flush=gluon, per_part=True, flush_row_blocks=blocks,
+                                                           flush_maxnreg=cap))).plan(st)
+        assert any(launch.gluon_flush for launch in plan.split.launches[True]) == gluon
         flush.launch_flush(plan, st.buffer)
         out[gluon] = st.checkpoint
     if big:  # the clamp was needed: some scales at fp16's largest
@@ -750,7 +775,11 @@ def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: in
     _assert_within_one_step(out[True], out[False])
 
 
-KERNEL_RESIDENT = ("fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", "pace-4-8")
+KERNEL_RESIDENT = {**{name: name for name in ("fp32", "bf16", "rtn-int3", "rtn-int4", "rtn-int8", "pace-3", "pace-4",
+                                                "pace-4-8")},
+                   "pace-3-8": get_config("pace-4-8").replace(name="pace-3-8", bits=3)}
+"""The configurations (names or PaceConfigs) whose store on the kernels is counted (PACE-4/8 at 3 bits: two widths
+of which one is 3-bit)."""
 
 
 @pytest.mark.parametrize("name", KERNEL_RESIDENT)
@@ -761,10 +790,11 @@ def test_kernel_path_holds_the_accounted_bytes(name):
     pace_core.accounting.state_bytes counts; the launch plans' head tables are process-wide (kernels.plan's
     table per head layout, shared by every layer and store of it) and their scratch is not any store's."""
     from test_state_store import RESIDENT_SHAPE, resident_store
+
     from pace_core.accounting import state_bytes
     from pace_core.memory import held_bytes, held_storages
 
-    store = resident_store(name, "triton", DEVICE)
+    store = resident_store(KERNEL_RESIDENT[name], "triton", DEVICE)
     assert all(store.layer(layer).uses_kernels() for layer in store.layers)
     tables = set(held_storages(plan_mod._TABLES))
     assert held_bytes(store, skip=tables) == state_bytes(store.cfg, RESIDENT_SHAPE, store.batch) == store.nbytes()

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernels_support import kernel_modules
+
+from kernels.settings import Launch, SplitSettings
 from pace_core.backend import REFERENCE
-from pace_core.checkpoint import state_format
 from pace_core.config import get_config
+from pace_core.methods import state_format
 from pace_core.schedule import PeriodicState
 
 plan_mod = kernel_modules()["plan"]
@@ -30,8 +31,14 @@ def _state(name: str, **changes) -> PeriodicState:
     return st
 
 
-def _plan(st: PeriodicState, **launch) -> plan_mod.DecodePlan:
-    return plan_mod.plan_decode(st.checkpoint, st.buffer, st.exact_current, {"BF16": True, **launch})
+def _plan(st: PeriodicState, **settings) -> plan_mod.DecodePlan:
+    return plan_mod.plan_decode(st.checkpoint, st.buffer, st.exact_current, Launch.of(SplitSettings(**settings)),
+                                bf16=True)
+
+
+def _gluon(plan: plan_mod.DecodePlan, per_part: bool, kernel: str) -> list[bool]:
+    """Whether each launch (one, or per width) of the dots or the flush runs the Gluon kernel."""
+    return [getattr(launch, kernel) for launch in plan.split.launches[per_part]]
 
 
 @pytest.mark.parametrize("name,per_part,flush,dots", [
@@ -41,11 +48,12 @@ def _plan(st: PeriodicState, **launch) -> plan_mod.DecodePlan:
 ])
 def test_gluon_kernels_take_the_checked_formats(name: str, per_part: bool, flush: list, dots: list) -> None:
     plan = _plan(_state(name), per_part=per_part, dots_per_part=per_part)
-    assert plan.gluon_flush[per_part] == flush and plan.gluon_dots[per_part] == dots
+    assert _gluon(plan, per_part, "gluon_flush") == flush and _gluon(plan, per_part, "gluon_dots") == dots
     off = _plan(_state(name), per_part=per_part, dots_per_part=per_part, gluon_flush=False, gluon_dots=False)
-    assert not any(off.gluon_flush[per_part]) and not any(off.gluon_dots[per_part])
-    cpu = plan_mod.plan_decode(_state(name).checkpoint, _state(name).buffer, True, {"per_part": per_part})
-    assert not any(cpu.gluon_flush[per_part])  # float32 operands (the interpreter): the Triton kernels
+    assert not any(_gluon(off, per_part, "gluon_flush")) and not any(_gluon(off, per_part, "gluon_dots"))
+    cpu = plan_mod.plan_decode(_state(name).checkpoint, _state(name).buffer, True,
+                               Launch.of(SplitSettings(per_part=per_part)))
+    assert not any(_gluon(cpu, per_part, "gluon_flush"))  # float32 operands (the interpreter): the Triton kernels
 
 
 @pytest.mark.parametrize("name,changes,gluon", [
@@ -60,10 +68,10 @@ def test_gluon_step_takes_the_checked_format(name: str, changes: dict, gluon: bo
     """The one-kernel Gluon step takes PACE-4's format (the GPU test's) and is then the step's default; elsewhere
     the step stays on the Triton kernels, and on the dots and record kernels unless in one wave."""
     plan = _plan(_state(name, **changes))
-    assert plan.gluon_step == gluon and plan.meta["fused_step"] == gluon
-    assert not _plan(_state(name, **changes), gluon_step=False).gluon_step
+    assert plan.split.gluon_step == gluon and plan.split.settings.fused_step == gluon
+    assert not _plan(_state(name, **changes), gluon_step=False).split.gluon_step
     cpu = plan_mod.plan_decode(_state(name).checkpoint, _state(name).buffer, True)
-    assert not cpu.gluon_step and not cpu.meta["fused_step"]
+    assert not cpu.split.gluon_step and not cpu.split.settings.fused_step
 
 
 @pytest.mark.parametrize("name,changes", [
@@ -77,4 +85,4 @@ def test_gluon_step_takes_the_checked_format(name: str, changes: dict, gluon: bo
 ])
 def test_other_formats_keep_the_triton_flush(name: str, changes: dict) -> None:
     plan = _plan(_state(name, **changes), per_part=True)
-    assert not any(plan.gluon_flush[True])
+    assert not any(_gluon(plan, True, "gluon_flush"))

@@ -112,6 +112,19 @@ def test_dots_planes_give_each_code_of_two_rows_as_bfloat16() -> None:
             assert _bf16_pair(bits) == (128.0 + ((w0 >> (4 * m)) & 15), 128.0 + ((w1 >> (4 * m)) & 15))
 
 
+def test_dots_byte_planes_are_the_planes_of_byte_0() -> None:
+    """gluon_dots._BYTE_PLANES (the step split over warps: each warp its bytes, shifted to byte 0): code places 0 and 1
+    of two words as the bfloat16 pairs ``128 + c``, the same as places 0 and 1 of :data:`gluon_dots._PLANES`, and of
+    byte ``b`` after the words are shifted right by ``8 b`` (arithmetic: the sign bits land above byte 0)."""
+    rng = np.random.default_rng()
+    words = _words(rng)
+    for w0, w1 in zip(words, words[::-1]):
+        planes = run_ptx(gluon_dots._PLANES.value, [w0, w1], 8)
+        for b in range(4):
+            shifted = [(int(np.array([w], dtype=np.uint32).view(np.int32)[0]) >> (8 * b)) & MASK for w in (w0, w1)]
+            assert run_ptx(gluon_dots._BYTE_PLANES.value, shifted, 2) == planes[2 * b:2 * b + 2]
+
+
 @pytest.mark.parametrize("asm,args,expected", [
     ("prmt.b32 $0, $1, $2, 0x3210;", [0x44332211, 0x88776655], 0x44332211),
     ("prmt.b32 $0, $1, $2, 0x7654;", [0x44332211, 0x88776655], 0x88776655),

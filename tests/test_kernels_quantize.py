@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernels_support import SIZES, kernel_modules
 
 from pace_core import quant
 from pace_core.backend import REFERENCE
-from pace_core.checkpoint import state_format
 from pace_core.config import get_config
 from pace_core.errors import PaceError
-from kernels_support import SIZES, kernel_modules
+from pace_core.methods import state_format
 
 pytestmark = pytest.mark.numerics
 
@@ -47,9 +47,12 @@ def _assert_packed_equal(a: quant.PackedTensor, b: quant.PackedTensor) -> None:
     assert a.shape == b.shape and a.spec == b.spec
 
 
-@pytest.mark.parametrize("axis", ["key", "value"])
-@pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("bits", [4, 8])
+KERNEL_CASES = [(axis, symmetric, bits) for axis in ("key", "value") for symmetric in (True, False)
+                for bits in (3, 4, 8) if not (bits == 3 and axis == "value" and not symmetric)]
+"""The layouts the kernels take: 3-, 4- and 8-bit codes (3-bit zero points along the key axis only)."""
+
+
+@pytest.mark.parametrize("axis,symmetric,bits", KERNEL_CASES)
 def test_quantize_matches_reference(axis: str, symmetric: bool, bits: int) -> None:
     spec = quant.QuantSpec(bits, symmetric, axis, SIZES["GROUP"])
     x = _state(SIZES["QUANT_SHAPE"])
@@ -64,19 +67,21 @@ def test_quantize_matches_reference(axis: str, symmetric: bool, bits: int) -> No
     assert torch.equal(qp.dequantize(ref), quant.dequantize(ref))
 
 
-@pytest.mark.parametrize("axis,symmetric,group", [("key", False, 1), ("value", True, 2), ("value", False, 1)])
+@pytest.mark.parametrize("axis,symmetric,group,low", [
+    ("key", False, 1, 4), ("value", True, 2, 4), ("value", False, 1, 4), ("key", False, 1, 3), ("value", True, 1, 3)])
 @pytest.mark.parametrize("gamma", [2, 3])
-def test_per_head_bits_one_launch(axis: str, symmetric: bool, group: int, gamma: int) -> None:
-    """PACE-4/8: a quarter of the heads at 8 bits, the rest at 4, in one launch (group in GROUP units)."""
-    spec = quant.QuantSpec(4, symmetric, axis, group * SIZES["GROUP"])
+def test_per_head_bits_one_launch(axis: str, symmetric: bool, group: int, low: int, gamma: int) -> None:
+    """PACE-4/8 (PACE-3/8): a quarter of the heads at 8 bits, the rest at 4 (3), in one launch (group in GROUP
+    units)."""
+    spec = quant.QuantSpec(low, symmetric, axis, group * SIZES["GROUP"])
     num_heads = 2 * gamma if SIZES["B"] == 2 else 16 * gamma
     x = _state((SIZES["B"], num_heads, *SIZES["QUANT_SHAPE"][2:]))
-    bits = [8 if h % 4 == 1 else 4 for h in range(num_heads)]
+    bits = [8 if h % 4 == 1 else low for h in range(num_heads)]
     ref = quant.quantize_heads(x, bits, spec)
     out = _poisoned_like(ref)
     got = qp.quantize_heads(x, bits, spec, out=out)
-    assert got.parts[4] is out.parts[4]
-    for b in (4, 8):
+    assert got.parts[low] is out.parts[low]
+    for b in (low, 8):
         _assert_packed_equal(got.parts[b], ref.parts[b])
         assert torch.equal(got.heads[b], ref.heads[b])
     for dtype in (torch.float32, torch.bfloat16):
@@ -128,9 +133,7 @@ def _at_rounding_boundaries(shape: tuple[int, ...], bits: int, symmetric: bool, 
     return x.reshape(shape)
 
 
-@pytest.mark.parametrize("axis", ["key", "value"])
-@pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("axis,symmetric,bits", KERNEL_CASES)
 def test_rounding_boundaries_match_reference(axis: str, symmetric: bool, bits: int) -> None:
     """Ties (rounded to even) and their float32 neighbours: the kernels divide through the group's
     reciprocal with an fma correction, which must round exactly as IEEE division."""
@@ -139,7 +142,9 @@ def test_rounding_boundaries_match_reference(axis: str, symmetric: bool, bits: i
     if axis == "key":
         x = _at_rounding_boundaries(shape, bits, symmetric, spec.group_size)
     else:
-        x = _at_rounding_boundaries((*shape[:-2], shape[-1], shape[-2]), bits, symmetric, spec.group_size).mT.contiguous()
+        x = _at_rounding_boundaries(
+            (*shape[:-2], shape[-1], shape[-2]), bits, symmetric, spec.group_size
+        ).mT.contiguous()
     ref = quant.quantize(x, spec)
     assert (ref.codes != quant.quantize(torch.nextafter(x, x + 1), spec).codes).any()  # values on boundaries
     _assert_packed_equal(qp.quantize(x, spec), ref)
@@ -156,7 +161,47 @@ def test_bad_inputs_raise() -> None:
     with pytest.raises(PaceError, match="non-finite"):
         qp.quantize(bad, spec)
     with pytest.raises(PaceError, match="at most 2"):
-        qp.quantize_heads(torch.randn(1, 3, 16, 16), [2, 4, 8], spec)
+        qp.quantize_heads(torch.randn(1, 3, 16, 16), [3, 4, 8], spec)
+
+
+@pytest.mark.parametrize("bits", [2, 5, 6, 7])
+def test_other_widths_are_refused_with_the_reason(bits: int) -> None:
+    """Densely packed 2-, 5-, 6- and 7-bit codes have no kernel: the kernels refuse them saying why, and a layer of
+    such a configuration runs on the PyTorch reference (kernels.backend.TritonSteps.refusal)."""
+    spec = quant.QuantSpec(bits, True, "key", 8)
+    with pytest.raises(PaceError, match=rf"bits={bits} is not supported by the Triton kernels; allowed: 3, 4, 8 "
+                                        r"\(the kernels read and write 3-, 4- and 8-bit codes only"):
+        qp.quantize(torch.randn(1, 16, 16), spec)
+    with pytest.raises(PaceError, match=rf"bits={bits} is not supported"):
+        qp.quantize_heads(torch.randn(1, 4, 16, 16), [bits, 8, 8, 8], quant.QuantSpec(8, True, "key", 8))
+    cfg = get_config(f"rtn-int{bits}").replace(group_size=8)
+    fmt = state_format(cfg, cfg.head_bits(0, 4))
+    assert "the PyTorch reference" in KERNELS["backend"].TritonSteps.refusal(fmt, None, 16, 16)
+    assert KERNELS["backend"].TritonSteps.for_layer(fmt, None, 16, 16) is None
+    for ok in ("rtn-int3", "rtn-int4", "rtn-int8"):
+        cfg = get_config(ok).replace(group_size=8)
+        fmt = state_format(cfg, cfg.head_bits(0, 4))
+        assert KERNELS["backend"].TritonSteps.refusal(fmt, None, 16, 16) is None
+
+
+def test_three_bit_zero_points_along_the_value_axis_are_refused() -> None:
+    """A row of value-axis zero points is shorter than a 24-bit word: the kernels refuse it, saying so."""
+    with pytest.raises(PaceError, match="3-bit zero points along the value axis are not supported"):
+        qp.quantize(torch.randn(1, 16, 16), quant.QuantSpec(3, False, "value", 8))
+
+
+def test_empty_states_and_fractional_widths_get_a_paceerror() -> None:
+    """Before: a tensor without values made the reshape raise a RuntimeError, and 4.5 bits were truncated to 4."""
+    spec = quant.QuantSpec(4, True, "key", 8)
+    for empty, what in ((torch.empty(1, 0, 16), "K=0"), (torch.empty(1, 16, 0), "V=0"), (torch.empty(0, 0), "K=0")):
+        with pytest.raises(PaceError, match=f"{what} is not supported by the Triton kernels"):
+            qp.quantize(empty, spec)
+    empty = torch.empty(0, 16, 16)
+    assert qp.quantize(empty, spec).codes.shape == quant.quantize(empty, spec).codes.shape
+    with pytest.raises(PaceError, match="at least one value head"):
+        qp.quantize_heads(torch.empty(1, 0, 16, 16), [], spec)
+    with pytest.raises(PaceError, match="bits_per_head holds 4.5; allowed: integers 2..8"):
+        qp.quantize_heads(torch.randn(1, 2, 16, 16), [4.5, 4], spec)
 
 
 @pytest.mark.parametrize("high_heads", [None, (1, 3)])
@@ -192,7 +237,7 @@ def test_a_single_width_checkpoint_maps_its_heads_by_the_kept_table():
     kept table's tensor, so the decode kernels read its bits without a device read."""
     from kernels.plan import as_mixed, head_table
 
-    bits, hv = int(torch.randint(2, 9, ())), int(torch.randint(1, 8, ()))
+    bits, hv = (3, 4, 8)[int(torch.randint(0, 3, ()))], int(torch.randint(1, 8, ()))
     p = quant.quantize(torch.randn(2, hv, 16, 32), quant.QuantSpec(bits, True, "key", 8))
     heads = as_mixed(p).heads
     assert list(heads) == [bits] and heads[bits] is head_table([bits] * hv, p.codes.device)[1].heads[bits]

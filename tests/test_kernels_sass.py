@@ -42,3 +42,46 @@ def test_gluon_kernels_compile_for_the_h200(variant: str, tmp_path: Path) -> Non
         st = report["kernels"]["gluon_step"]
         assert st["stack_bytes"] == 0 and st["ops"]["HMMA.16816.F32.BF16"] == gluon["ops"]["HMMA.16816.F32.BF16"]
         assert st["ops"].get("PRMT", 0) >= gluon["ops"]["PRMT"]
+
+
+@pytest.mark.parametrize("settings,kernels", [
+    (["gluon_step_warps=4", "flush_row_blocks=2"], {"gluon_step": (4, None), "gluon_flush": (1, None)}),
+    (["gluon_step_warps=2", "step_maxnreg=112"], {"gluon_step": (2, 112)}),
+])
+def test_issue43_launch_settings_compile_for_the_h200(settings: list[str], kernels: dict, tmp_path: Path) -> None:
+    """The launch settings the bench tries beside the defaults (kernels.settings.SplitSettings) compile for sm_90a: the
+    Gluon step over 2 or 4 warps per head (each warp a 1 / W share of the tensor-core products, no local memory), the
+    Gluon flush over blocks of key groups, a register cap kept."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "kernels/bench/sass.py", "--variant", "PACE-4 dP=8", "--batch", "4",
+                           "--kernel", *kernels, "--settings", *settings, "--dump", str(tmp_path)],
+                          cwd=ROOT, env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "sass.json").read_text())
+    assert set(report["kernels"]) == set(kernels)
+    for name, (warps, cap) in kernels.items():
+        k = report["kernels"][name]
+        assert k["stack_bytes"] == 0 and (cap is None or k["registers"] <= cap)
+        assert k["ops"]["HMMA.16816.F32.BF16"] == (64 // warps if name == "gluon_step" else 32)  # one key group
+
+
+def test_three_bit_kernels_compile_for_the_h200(tmp_path: Path) -> None:
+    """PACE-3's split path (issue 48: 3-bit codes read as three byte planes of 24-bit words, unpacked in registers):
+    the Triton dots kernel, the one-kernel step and the flush compile for sm_90a, the products on tensor cores and
+    nothing spilled to local memory; the Gluon kernels (4-bit codes only) are not launched for it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "kernels/bench/sass.py", "--variant", "PACE-3 dP=8", "--batch", "4",
+                           "--dump", str(tmp_path)],
+                          cwd=ROOT, env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "sass.json").read_text())
+    assert report["target"] == "sm_90a"
+    assert set(report["kernels"]) == {"dots", "records", "step", "flush"}  # no Gluon kernel takes 3-bit codes
+    for name in ("dots", "step"):
+        kernel = report["kernels"][name]
+        assert kernel["stack_bytes"] == 0 and kernel["ops"].get("HMMA.16816.F32.BF16", 0) > 0
+    flush = report["kernels"]["flush"]
+    assert flush["stack_bytes"] == 0 and any(op.startswith(("HMMA", "HGMMA")) for op in flush["ops"])
+    assert all(report["kernels"][name]["ops"].get("LDG.E.U8", 0) > 0 for name in ("dots", "step", "flush"))  # planes

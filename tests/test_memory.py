@@ -30,7 +30,9 @@ class Slotted:
 def test_held_storages_count_each_storage_once_through_every_container():
     base = torch.zeros(10, 10)  # 400 bytes
     other = torch.zeros(3, dtype=torch.float64)  # 24 bytes
-    obj = Holder(base, {"view": base[2:5], "list": [other, (base.T,)], "slots": Slotted(torch.ones(2, dtype=torch.int16))})
+    obj = Holder(
+        base, {"view": base[2:5], "list": [other, (base.T,)], "slots": Slotted(torch.ones(2, dtype=torch.int16))}
+    )
     assert held_bytes(obj) == 400 + 24 + 4
     assert held_bytes(obj, skip={base.untyped_storage().data_ptr()}) == 24 + 4
     assert set(held_storages([base, base[1]])) == {base.untyped_storage().data_ptr()}

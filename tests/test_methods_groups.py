@@ -12,11 +12,10 @@ import torch
 
 from pace_core import quant
 from pace_core.accounting import resident_bits, state_bytes, state_bytes_per_sequence
-from pace_core.checkpoint import state_format
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.memory import held_bytes
-from pace_core.methods import method_of
+from pace_core.methods import method_of, state_format
 from pace_core.methods.groups import StaticCodes, calibrate
 from pace_core.recurrence import prepare_qk
 from pace_core.shapes import ModelShape
@@ -212,7 +211,8 @@ def _calibrated(cfg, states: torch.Tensor):
 
 
 def ref_range(states: torch.Tensor, g: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each group's max |x|, min(x, 0) and max(x, 0) over the snapshots ``[N, HV, K, V]`` (float64, ``[HV, groups]``)."""
+    """Each group's max |x|, min(x, 0) and max(x, 0) over the snapshots ``[N, HV, K, V]`` (float64, ``[HV,
+    groups]``)."""
     xg, dim = _grouped(states.double(), g, axis)
     return (xg.abs().amax(dim).amax(0), xg.amin(dim).amin(0).clamp(max=0), xg.amax(dim).amax(0).clamp(min=0))
 

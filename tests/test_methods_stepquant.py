@@ -6,19 +6,30 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pace_core import stepquant as sq
 from pace_core.accounting import resident_bits, state_bytes
 from pace_core.analysis.calibration import calibrate, calibration_samples
 from pace_core.analysis.drift import drift
 from pace_core.analysis.text import tokenize
-from pace_core.config import config_from_json, config_to_json, get_config
+from pace_core.config import SETTING_OF, get_config
 from pace_core.errors import PaceError
-from pace_core.export import export_json, read_config
+from pace_core.export import (
+    config_from_dict,
+    config_from_json,
+    config_to_dict,
+    config_to_json,
+    export_document,
+    export_json,
+    read_config,
+    used_fields,
+)
 from pace_core.memory import held_bytes
+from pace_core.methods import stepquant as sq_method
+from pace_core.methods.stepquant import algorithm as sq
 from pace_core.model.deploy import apply
 from pace_core.model.loading import load_model
 from pace_core.model.patch import get_state_store, remove_pace
@@ -45,14 +56,14 @@ def samples(loaded, text):
 
 @pytest.mark.parametrize("name, share", [("stepquant-4", 1 / 72), ("stepquant-6", 1 / 18)])
 def test_calibration_allocates_every_head_within_the_nominal_budget(loaded, samples, name, share):
-    """Widths from the method's candidates (or pivots), the P = round(share · N) costliest heads as pivots, the
+    """Widths from the method's candidates (or pivots), the P = share · N (halves up) costliest heads as pivots, the
     nominal budget kept (a pivot charged 8 bits), and the allocation the one of the model's own inputs: the
     impact of each layer's recorded q, k, beta and exp(g), its lifetime from g's mean, its cost from its states."""
     cfg = get_config(name).replace(stepquant_pivot_share=share)
     cal = calibrate(loaded, cfg, samples=samples).config
     widths = torch.stack([layer["widths"] for layer in cal.calibrated.layers]).long()
     n_heads = widths.numel()
-    pivots = round(share * n_heads)
+    pivots = sq.pivot_count(share, n_heads)
     assert set(widths.flatten().tolist()) <= {*sq.CANDIDATES[cfg.bits], sq.PIVOT}
     assert int((widths == sq.PIVOT).sum()) == pivots
     charged = sum(sq.PIVOT_CHARGE if b == sq.PIVOT else b for b in widths.flatten().tolist())
@@ -67,6 +78,47 @@ def test_calibration_allocates_every_head_within_the_nominal_budget(loaded, samp
     assert torch.equal(widths, sq.allocate(torch.stack(costs), cfg.bits, pivots, sq.CANDIDATES[cfg.bits]).long())
     for layer, w in zip(cal.calibrated.layers, impact):
         assert torch.equal(layer["impact"], w)
+
+
+@pytest.mark.parametrize("layers, pivots", [(9, 1), (18, 1), (27, 2)])
+def test_the_pivot_count_rounds_halves_up_as_documented(layers, pivots):
+    """The method's calibration keeps share · N pivots rounded halves up, as its setting's help and the docstring
+    say (issue 46: 1/72 of 36 heads gave 0, Python's round to even): 36 heads -> 1, 72 -> 1, 108 (1.5) -> 2."""
+    gen = torch.Generator().manual_seed(layers)
+    T, H, HV, K = 16, 2, 4, 32
+    inputs = {i: {"q": torch.randn(T, H, K, generator=gen), "k": torch.randn(T, H, K, generator=gen),
+                  "g": -torch.rand(T, HV, generator=gen), "beta": torch.rand(T, HV, generator=gen)}
+              for i in range(layers)}
+    states = {i: torch.randn(2, HV, K, K, generator=gen) for i in range(layers)}
+    cfg = get_config("stepquant-4")
+    widths = sq_method.calibrate(cfg, SimpleNamespace(inputs=inputs, states=states, sums=None), list(range(layers)))
+    assert sum(int((layer["widths"] == sq.PIVOT).sum()) for layer in widths) == pivots
+    assert [sq.pivot_count(1 / 72, n) for n in (35, 36, 107, 108)] == [0, 1, 1, 2]
+
+
+def test_the_calibration_samples_are_a_visible_named_setting():
+    """Which samples STEPQuant calibrates on is a setting (issue 46: it calibrated on PACE's shared samples where its
+    authors sample 32 × 2,048 tokens, and nothing said so): 'shared' by default, 'authors' for their protocol, in the
+    record and the export, with a sidebar control and URL key whose help explains the default; records made before
+    it read as what they were made with (the shared samples)."""
+    setting = SETTING_OF["stepquant_calibration"]
+    assert (setting.default, setting.before, setting.url, setting.options) == ("shared", "shared", "sqc",
+                                                                               ("shared", "authors"))
+    assert all(words in setting.help for words in ("'shared' (default)", "2,048 tokens", "a state every 64",
+                                                    "32 segments", "every 8 tokens", "64-state reservoir",
+                                                    "WikiText-2 train", "validation split"))
+    cfg = get_config("stepquant-4")
+    authors = cfg.replace(stepquant_calibration="authors")
+    assert cfg.stepquant_calibration == "shared" and "stepquant_calibration" in used_fields(cfg)
+    assert sq_method.METHOD.sampling(authors) is sq_method.AUTHORS and sq_method.METHOD.sampling(cfg) is None
+    assert config_from_dict(config_to_dict(authors)) == authors
+    assert export_document(authors)["pace"]["stepquant_calibration"] == "authors"
+    older = config_to_dict(cfg)
+    older["schema_version"] = 6
+    del older["pace"]["stepquant_calibration"]
+    assert config_from_dict(older) == cfg
+    with pytest.raises(PaceError, match="stepquant_calibration='train' is not allowed; allowed: 'shared'"):
+        cfg.replace(stepquant_calibration="train")
 
 
 def test_bytes_and_bits_are_those_of_the_calibrated_widths(loaded, samples):
@@ -115,7 +167,7 @@ def test_settings_are_checked():
     with pytest.raises(PaceError, match="is a setting of method 'stepquant'"):
         get_config("pace-4").replace(stepquant_pivot_share=1 / 36)
     with pytest.raises(PaceError, match="not calibrated on the model"):
-        from pace_core.checkpoint import state_format
+        from pace_core.methods import state_format
 
         state_format(get_config("stepquant-4"), (4,) * 4)
     assert get_config("stepquant-4").needs_calibration and get_config("stepquant-4").prefill_period == 1 << 20

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from numerics import fp32_bound, rel
+
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model.capture import run_with_states

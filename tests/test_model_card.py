@@ -15,8 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from pace_core.model import DEFAULT_MODEL_DIR
-from pace_core.model.card import (LOAD_ONLY_FIELDS, STAMP_EDGE_VALUES, card_of, checkpoint_stamp, load_card,
-                                  save_card)
+from pace_core.model.card import LOAD_ONLY_FIELDS, STAMP_EDGE_VALUES, card_of, checkpoint_stamp, load_card, save_card
 from pace_core.model.loading import FINGERPRINT_VALUES, load_model
 from pace_core.results import REPO_ROOT
 

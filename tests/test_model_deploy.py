@@ -7,11 +7,13 @@ import pytest
 import torch
 
 import pace_core
+from pace_core.accounting import state_bytes
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.export import export_json
+from pace_core.memory import held_bytes
 from pace_core.model.loading import load_model
-from pace_core.model.patch import current_config, pace, remove_pace
+from pace_core.model.patch import current_config, get_state_store, pace, remove_pace
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,13 @@ def test_a_file_whose_sections_disagree_is_refused(loaded, tmp_path, section, ke
     assert current_config(loaded.model) is None
 
 
+def test_apply_to_what_is_not_a_transformers_model_is_refused():
+    """Before: AttributeError ('object' object has no attribute 'config')."""
+    for model in (object(), None, torch.nn.Linear(2, 2)):
+        with pytest.raises(PaceError, match="is not allowed; allowed: a transformers model"):
+            pace_core.apply(model, "pace-4")
+
+
 def test_what_needs_calibration_or_cannot_be_read_is_refused(loaded, tmp_path):
     with pytest.raises(PaceError, match="does not say which"):
         pace_core.apply(loaded.model, "pace-4-8")
@@ -82,3 +91,23 @@ def test_what_needs_calibration_or_cannot_be_read_is_refused(loaded, tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(PaceError, match="not valid JSON"):
         pace_core.apply(loaded.model, tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("name,bits", [*((f"rtn-int{b}", b) for b in range(2, 9)), ("pace-3", 3), ("pace-4-8", 3),
+                                       ("pace-4-8", 4), ("pace-4-8", 6)])
+def test_apply_holds_the_accounted_bytes_at_every_width(loaded, tmp_path, name, bits):
+    """What a model applied with ``pace_core.apply`` keeps after generating is the accounting's state bytes, for every
+    code width stored densely (issue 48): the exported file (8-bit heads chosen) applied, two sequences generated."""
+    cfg = get_config(name).replace(prefill_period=4, bits=bits)
+    if cfg.high_share > 0:
+        cfg = cfg.replace(high_heads=tuple((1,) for _ in loaded.shape.gdn_layers))
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    try:
+        pace_core.apply(loaded.model, _export(loaded, cfg, tmp_path))
+        with torch.no_grad():
+            out = loaded.model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
+                                        return_dict_in_generate=True)
+        store = get_state_store(out.past_key_values)
+        assert held_bytes(store) == state_bytes(cfg, loaded.shape, 2) == store.nbytes()
+    finally:
+        remove_pace(loaded.model)

@@ -182,7 +182,9 @@ def test_config_values_are_checked_for_every_published_shape():
     """No published configuration is refused by the bounds (each is 8x the largest published value)."""
     for name, config in PUBLISHED_CONFIGS.items():
         check_config_values(config, name)
-    with pytest.raises(PaceError, match=r"linear_num_value_heads = 513 is not allowed; allowed: an integer in 1\.\.512"):
+    with pytest.raises(
+        PaceError, match=r"linear_num_value_heads = 513 is not allowed; allowed: an integer in 1\.\.512"
+    ):
         check_config_values({**PUBLISHED_CONFIGS["qwen3.5-27b"], "linear_num_value_heads": 513}, "qwen3.5-27b")
     with pytest.raises(PaceError, match="hidden_size = True is not allowed"):
         check_config_values({"text_config": {"hidden_size": True}}, "composite")

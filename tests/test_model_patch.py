@@ -9,14 +9,13 @@ import threading
 import pandas as pd
 import pytest
 import torch
-
-from pace_core.methods import Calibrated
 from conftest import HYBRID_TYPES
 from numerics import assert_same_greedy, fp32_bound, rel
 
 from pace_core.accounting import state_bytes
 from pace_core.config import get_config
 from pace_core.errors import PaceError
+from pace_core.methods import Calibrated
 from pace_core.model.capture import run_with_states
 from pace_core.model.loading import load_model
 from pace_core.model.patch import (

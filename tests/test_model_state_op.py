@@ -7,9 +7,9 @@ import gc
 
 import pytest
 import torch
+from numerics import assert_same_greedy, fp32_bound, rel
 
 from kernels.bench import bench_e2e
-from numerics import assert_same_greedy, fp32_bound, rel
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model import state_op

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from calibration_support import calibrated
 from numerics import rel
+
 from pace_core.accounting import state_bytes
 from pace_core.config import get_config
 from pace_core.errors import PaceError
@@ -125,9 +125,27 @@ def test_prefill_from_zero_or_from_the_stored_state():
     assert all(torch.equal(t[1], stored[n]) for n, t in pool.tensors.items())
 
 
-@pytest.mark.parametrize("name", ["pace-4", "pace-4-8", "rtn-int8", "bf16", "damp-int4", "qmamba-dsq", "stepquant-4"])
+WIDTHS = [(name, b) for b in range(2, 9) for name in ("rtn-int4", "pace-4", "pace-4-8", "damp-int4", "qmamba-dsq")]
+"""Every code width of each method a pool row holds (issue 48: stored densely, rows padded only to whole bytes)."""
+
+
+@pytest.mark.parametrize("name", ["pace-3", "pace-4", "pace-4-8", "rtn-int8", "bf16", "damp-int4",
+                                  "qmamba-dsq", "stepquant-4"])
 def test_the_pool_holds_the_accounted_bytes_per_slot(name):
-    changes = {"high_heads": ((1,),)} if name == "pace-4-8" else {}
+    _holds_the_accounted_bytes(name)
+
+
+@pytest.mark.parametrize("name,bits", WIDTHS)
+def test_the_pool_holds_the_accounted_bytes_at_every_width(name, bits):
+    _holds_the_accounted_bytes(name, bits=bits, **({} if name == "pace-4-8" else {"symmetric": False}))
+
+
+def _holds_the_accounted_bytes(name: str, **changes) -> None:
+    """A pool of five slots holds five times its fields' bytes, each slot what the accounting adds per sequence."""
+    if get_config(name).high_share > 0:
+        changes["high_heads"] = ((1,),)
+    if get_config(name).method in ("damp", "dsq"):
+        changes.pop("symmetric", None)  # symmetric only
     pool = pool_for(name, 5, **changes)
     per_slot = sum(f.nbytes for f in pool_fields(pool.cfg, (H, HV, K, V)))
     assert sum(t.numel() * t.element_size() for t in pool.tensors.values()) == 5 * per_slot

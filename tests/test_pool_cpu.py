@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from calibration_support import calibrated
 from numerics import fp32_bound, rel
+
 from pace_core import quant
 from pace_core.config import NAMED_CONFIGS, PaceConfig
 from pace_core.errors import PaceError
@@ -44,10 +44,12 @@ REPO = Path(__file__).resolve().parents[1]
 SERVED = [name for name, cfg in NAMED_CONFIGS.items() if pool_refusal(cfg) is None]
 """Every named configuration a pool row holds (what the vLLM plugin serves)."""
 SLOTS = 7
+VARIANTS = {f"{name}-zero": NAMED_CONFIGS[name].replace(symmetric=False) for name in ("pace-3", "rtn-int5")}
+"""Odd widths with zero points (dense packing of codes and zero points at widths no named configuration combines)."""
 
 
 def config(name: str, hv: int, k: int, v: int) -> PaceConfig:
-    cfg = NAMED_CONFIGS[name]
+    cfg = {**NAMED_CONFIGS, **VARIANTS}[name]
     if cfg.quantized and cfg.group_axis == "value" and v % cfg.group_size:  # value heads of 48: groups of 16
         cfg = cfg.replace(group_size=16)
     if cfg.high_share:
@@ -72,11 +74,11 @@ def token(dims, B: int, gen: torch.Generator, scale: float = 1.0):
 
 
 def _step_size(p: quant.PackedTensor) -> torch.Tensor:
-    """One code step of every entry of ``p`` (its group's scale)."""
-    one = quant.PackedTensor(torch.full_like(p.codes, 0x99 if p.spec.bits <= 4 else 0x81) if p.zero is None else
-                             torch.full_like(p.codes, 0x11 if p.spec.bits <= 4 else 0x01), p.scale,
-                             None if p.zero is None else torch.zeros_like(p.zero), p.spec, p.shape)
-    return quant.dequantize(one).abs()
+    """One code step of every entry of ``p`` (its group's scale): the codes one level above the zero point."""
+    b = p.spec.bits
+    code = torch.full(p.shape, 1 if p.zero is not None else (1 << (b - 1)) + 1, dtype=torch.uint8)
+    zero = None if p.zero is None else quant.pack_codes(torch.zeros(p.scale.shape, dtype=torch.uint8), b)
+    return quant.dequantize(quant.PackedTensor(quant.pack_codes(code, b), p.scale, zero, p.spec, p.shape)).abs()
 
 
 def _within_one_step(got, ref) -> None:
@@ -87,7 +89,8 @@ def _within_one_step(got, ref) -> None:
         return
     if hasattr(ref, "codes") and isinstance(ref.codes, dict):  # static scales: the codes alone
         for b in ref.codes:
-            d = (got.codes[b].int() & 15) - (ref.codes[b].int() & 15) if b <= 4 else got.codes[b].int() - ref.codes[b].int()
+            d = quant.unpack_codes(got.codes[b], b, got.shape[-1]).int() - \
+                quant.unpack_codes(ref.codes[b], b, ref.shape[-1]).int()
             assert d.abs().max() <= 1 and (d == 0).float().mean() > 0.98
         return
     parts_ref = {ref.spec.bits: ref} if isinstance(ref, quant.PackedTensor) else ref.parts
@@ -131,8 +134,9 @@ def _compare(fused: StatePool, reference: StatePool, slots: torch.Tensor, counts
             if part == "key":
                 assert torch.equal(mine, theirs), fmt_part
             elif got.spec is not None:  # one integer step per vector group at most, nearly all equal
+                span = (theirs.amax(-1, keepdim=True) - theirs.amin(-1, keepdim=True)).clamp(min=0)
                 step = theirs.abs().amax(-1, keepdim=True) / got.spec.qmax * 1.01 if got.spec.symmetric else \
-                    (theirs.amax(-1, keepdim=True) - theirs.amin(-1, keepdim=True)).clamp(min=0) / got.spec.levels * 1.02
+                    span / got.spec.levels * 1.02
                 assert ((mine - theirs).abs() <= step + 1e-30).all() and (mine == theirs).float().mean() > 0.95
             else:
                 tol = fp32_bound(4 * fused.dims[2]) if got.kind == torch.float32 else 2.0**-8
@@ -179,10 +183,11 @@ def test_fused_step_is_the_reference_step(name: str) -> None:
     _run_schedule(name, dims, 3 * (cfg.decode_period if cfg.buffered else 4) + 2, seed=1)
 
 
-@pytest.mark.parametrize("name", ["fp32", "rtn-int4", "pace-4", "pace-4-8"])
+@pytest.mark.parametrize("name", ["fp32", "rtn-int4", "pace-4", "pace-4-8", "pace-3", *VARIANTS])
 def test_fused_step_on_other_widths(name: str) -> None:
     """Value heads 48 wide (no whole blocks of 32 or 64 columns: the step's general loops; RTN's value groups of 16)
-    and 128 wide (the embedded model's), one key head per value head and three per key head."""
+    and 128 wide (the embedded model's), one key head per value head and three per key head; odd code widths with
+    zero points packed densely."""
     for dims in ((2, 2, 64, 48), (1, 3, 128, 128)):
         _run_schedule(name, dims, 10, seed=2)
 

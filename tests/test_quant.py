@@ -17,6 +17,7 @@ from pace_core.quant import (
     all_finite,
     dequantize,
     fake_quantize,
+    group_ranges,
     pack_codes,
     packed_nbytes,
     quantize,
@@ -73,10 +74,15 @@ def ref_quantize(x: np.ndarray, bits: int, symmetric: bool, axis: str, g: int):
 
 
 def _zero_codes(p) -> torch.Tensor:
-    n = p.scale.shape[-1]
-    if p.spec.bits <= 4 and n % 2 == 0:
-        return unpack_codes(p.zero, p.spec.bits, n)
-    return p.zero
+    return unpack_codes(p.zero, p.spec.bits, p.scale.shape[-1])
+
+
+def ref_pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """numpy reference of the dense packing: each row's codes as one little-endian bit string, ``bits`` bits per
+    code, LSB first, cut into bytes (the last one padded with zero bits)."""
+    stream = np.unpackbits(codes.astype(np.uint8)[..., None], axis=-1, bitorder="little")[..., :bits]
+    stream = stream.reshape(*codes.shape[:-1], codes.shape[-1] * bits)
+    return np.packbits(stream, axis=-1, bitorder="little")
 
 
 def _state(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -116,7 +122,8 @@ def test_two_dim_input_and_scale_shapes():
     assert quantize(x, QuantSpec(4, True, "key", 4)).scale.shape == (2, 6)
     assert quantize(x, QuantSpec(4, False, "value", 3)).scale.shape == (8, 2)
     assert quantize(x, QuantSpec(4, True, "value", 6)).codes.shape == (8, 3)
-    assert quantize(x, QuantSpec(6, True, "value", 6)).codes.shape == (8, 6)
+    assert quantize(x, QuantSpec(6, True, "value", 6)).codes.shape == (8, 5)  # 36 bits in 5 bytes
+    assert quantize(x, QuantSpec(8, True, "value", 6)).codes.shape == (8, 6)
 
 
 def test_round_half_to_even():
@@ -214,7 +221,9 @@ def test_huge_values_are_refused_not_saturated(case):
     if spec.symmetric:
         ratio = xg.abs().amax(dim).float() / torch.tensor(float(spec.qmax))
     else:
-        ratio = (xg.amax(dim).clamp(min=0).float() - xg.amin(dim).clamp(max=0).float()) / torch.tensor(float(spec.levels))
+        ratio = (xg.amax(dim).clamp(min=0).float() - xg.amin(dim).clamp(max=0).float()) / torch.tensor(
+            float(spec.levels)
+        )
     if bool((ratio > F16_MAX).any()):
         with pytest.raises(PaceError, match="fp16 scale overflows"):
             quantize(x, spec, name="state")
@@ -226,18 +235,43 @@ def test_huge_values_are_refused_not_saturated(case):
 
 @pytest.mark.parametrize("bits", range(2, 9))
 @PROPERTY
-@given(arrays(np.int64, st.tuples(st.integers(1, 3), st.integers(1, 11)), elements=st.integers(0, 255)))
+@given(arrays(np.int64, st.tuples(st.integers(1, 3), st.integers(1, 19)), elements=st.integers(0, 255)))
 def test_pack_unpack_round_trip(bits, codes):
+    """Every width packs densely, a row padded only to a whole byte, as the numpy bit-string reference does."""
     codes = torch.from_numpy(codes % 2**bits)
     packed = pack_codes(codes, bits)
     assert packed.dtype == torch.uint8
-    assert packed.shape[-1] == (math.ceil(codes.shape[-1] / 2) if bits <= 4 else codes.shape[-1])
+    assert packed.shape[-1] == math.ceil(codes.shape[-1] * bits / 8)
+    assert np.array_equal(packed.numpy(), ref_pack(codes.numpy(), bits))
     assert torch.equal(unpack_codes(packed, bits, codes.shape[-1]).long(), codes)
+
+
+@PROPERTY
+@given(cases())
+def test_stored_codes_and_zero_points_round_trip(case):
+    """For every width, group size, axis, symmetric or zero point: the stored codes and zero points are the
+    reference's packed densely (rows of whole bytes), and unpacking and packing them again gives the same bytes."""
+    x, spec = case
+    p = quantize(x, spec)
+    codes, _, zero, _ = ref_quantize(x.numpy(), spec.bits, spec.symmetric, spec.axis, spec.group_size)
+    assert np.array_equal(p.codes.numpy(), ref_pack(codes, spec.bits))
+    assert torch.equal(pack_codes(unpack_codes(p.codes, spec.bits, x.shape[-1]), spec.bits), p.codes)
+    if not spec.symmetric:
+        assert np.array_equal(p.zero.numpy(), ref_pack(zero.astype(np.int64), spec.bits))
+        assert torch.equal(pack_codes(_zero_codes(p), spec.bits), p.zero)
 
 
 def test_pack_layout():
     assert pack_codes(torch.tensor([1, 2, 15, 0, 7]), 4).tolist() == [0x21, 0x0F, 0x07]
     assert pack_codes(torch.tensor([200, 3]), 8).tolist() == [200, 3]
+    # 3 bits: codes 1..7, 0 in one 24-bit word 1 | 2 << 3 | ... | 7 << 18 = 0x1F58D1, low byte first
+    assert pack_codes(torch.tensor([1, 2, 3, 4, 5, 6, 7, 0]), 3).tolist() == [0xD1, 0x58, 0x1F]
+    assert pack_codes(torch.tensor([1, 2, 3]), 3).tolist() == [0xD1, 0x00]  # 9 bits: two bytes
+    # 6 bits: 1 | 2 << 6 | 3 << 12 | 4 << 18 = 0x103081
+    assert pack_codes(torch.tensor([1, 2, 3, 4], dtype=torch.uint8), 6).tolist() == [0x81, 0x30, 0x10]
+    assert pack_codes(torch.tensor([3, 0, 1, 2, 3]), 2).tolist() == [0b10010011, 0b11]
+    assert pack_codes(torch.tensor([31, 1]), 5).tolist() == [0x3F, 0x00]
+    assert pack_codes(torch.tensor([127, 127]), 7).tolist() == [0xFF, 0x3F]
 
 
 @PROPERTY
@@ -267,12 +301,17 @@ def test_nbytes_is_real(bits, symmetric, axis, shape, g):
 
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("axis", ["key", "value"])
-def test_nbytes_formula_4bit(symmetric, axis):
-    b, g, (batch, hv, k, v) = 4, 32, (2, 4, 128, 128)
+@pytest.mark.parametrize("b", range(2, 9))
+def test_nbytes_formula(symmetric, axis, b):
+    """b bits per code and per zero point, 16 per scale; a row of zero points padded to a whole byte (value axis:
+    4 per row, so 3, 5 and 7 bits pad 4 bits a row)."""
+    g, (batch, hv, k, v) = 32, (2, 4, 128, 128)
     p = quantize(_state((batch, hv, k, v), seed=3), QuantSpec(b, symmetric, axis, g))
     n_scales = batch * hv * k * v // g
-    expected = batch * hv * k * v * b // 8 + n_scales * 2 + (0 if symmetric else n_scales * b // 8)
-    assert p.nbytes() == expected
+    per_row = v if axis == "key" else v // g
+    zero = n_scales // per_row * math.ceil(per_row * b / 8)
+    expected = batch * hv * k * v * b // 8 + n_scales * 2 + (0 if symmetric else zero)
+    assert p.nbytes() == expected == packed_nbytes((batch, hv, k, v), QuantSpec(b, symmetric, axis, g))
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
@@ -312,7 +351,9 @@ def test_group_size_not_dividing():
     with pytest.raises(PaceError, match=r"group_size=48 does not divide the key axis of state \(length 128\); "
                                         r"allowed: 1, 2, 4, 8, 16, 32, 64, 128"):
         quantize(x, QuantSpec(4, True, "key", 48), name="state")
-    with pytest.raises(PaceError, match=r"group_size=64 .* value axis .*allowed: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96"):
+    with pytest.raises(
+        PaceError, match=r"group_size=64 .* value axis .*allowed: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96"
+    ):
         fake_quantize(x, QuantSpec(4, True, "value", 64))
     with pytest.raises(PaceError, match="group_size=5"):
         packed_nbytes((128, 96), QuantSpec(4, True, "key", 5))
@@ -353,9 +394,12 @@ def test_quantize_heads_mixed(symmetric):
     for h, b in enumerate(bits):
         expected = fake_quantize(S[:, h], QuantSpec(b, symmetric, "key", 8))
         assert torch.equal(deq[:, h], expected)
-    assert mixed.nbytes() == 2 * 5 + sum(packed_nbytes((2, len(mixed.heads[b]), 16, 8), QuantSpec(b, symmetric, "key", 8))
-                                 for b in (2, 4, 8))
-    assert torch.equal(quantize_heads(S, [4] * 5, spec).dequantize(torch.float64), fake_quantize(S, spec, torch.float64))
+    assert mixed.nbytes() == 2 * 5 + sum(
+        packed_nbytes((2, len(mixed.heads[b]), 16, 8), QuantSpec(b, symmetric, "key", 8)) for b in (2, 4, 8)
+    )
+    assert torch.equal(
+        quantize_heads(S, [4] * 5, spec).dequantize(torch.float64), fake_quantize(S, spec, torch.float64)
+    )
 
 
 def test_quantize_heads_bad_input():
@@ -364,6 +408,22 @@ def test_quantize_heads_bad_input():
         quantize_heads(S, [4, 8], QuantSpec(4, True, "key", 8))
     with pytest.raises(PaceError, match=r"bits_per_head=16 .*allowed: integers 2\.\.8"):
         quantize_heads(S, [4, 16, 4], QuantSpec(4, True, "key", 8))
+
+
+def test_fractional_widths_no_heads_and_no_states_are_refused():
+    """Before: 4.5 bits were truncated to 4 (a float tensor of widths too), a state without value heads and ranges of
+    no states raised StopIteration and IndexError."""
+    spec = QuantSpec(4, True, "key", 8)
+    S = _state((1, 2, 16, 8), seed=3)
+    for widths in ([4.5, 4], [4, 7.9], torch.tensor([4.0, 8.0])):
+        with pytest.raises(PaceError, match=r"bits_per_head holds .*; allowed: integers 2\.\.8"):
+            quantize_heads(S, widths, spec)
+    assert torch.equal(quantize_heads(S, torch.tensor([4, 8]), spec).dequantize(),
+                       quantize_heads(S, [4, 8], spec).dequantize())
+    with pytest.raises(PaceError, match="at least one value head"):
+        quantize_heads(torch.empty(1, 0, 16, 8), [], spec)
+    with pytest.raises(PaceError, match="at least one state"):
+        group_ranges(torch.empty(0, 16, 8), spec)
 
 
 @pytest.mark.gpu
@@ -390,7 +450,11 @@ def test_all_finite_finds_any_nan_or_inf_and_no_false_alarm_at_float32_max():
     base = [torch.randn(s, generator=g) for s in shapes]
     assert all_finite(*base)
     big = torch.finfo(torch.float32).max
-    assert all_finite(torch.full((1000,), big), torch.full((10,), -big), torch.full((7, 3), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16))
+    assert all_finite(
+        torch.full((1000,), big),
+        torch.full((10,), -big),
+        torch.full((7, 3), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16),
+    )
     for bad in (float("nan"), float("inf"), -float("inf")):
         for which in range(len(base)):
             poisoned = [t.clone() for t in base]

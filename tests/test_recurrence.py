@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import fp32_bound, rel
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
@@ -12,15 +13,14 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
-from numerics import fp32_bound, rel
 from pace_core.recurrence import (
-    RECURRENT_BELOW,
-    gdn_segment,
     L2NORM_EPS,
+    RECURRENT_BELOW,
     buffered_step,
     fold,
     gdn_chunked,
     gdn_recurrent,
+    gdn_segment,
     prepare_qk,
 )
 

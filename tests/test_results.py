@@ -127,7 +127,7 @@ def test_concurrent_writers_and_readers_never_see_a_mixed_pair(tmp_path):
             for i in range(25):
                 n, rows = 1000 * w + i, int(rng.integers(1, 400))
                 R.save_result(KIND, "m", key, {"n": n, "rows": rows}, _prov(), _table(rng, n, rows), root=tmp_path)
-        except BaseException as err:  # noqa: BLE001 - reported by the test thread
+        except BaseException as err:
             errors.append(err)
 
     def reader(r: int) -> None:
@@ -138,7 +138,7 @@ def test_concurrent_writers_and_readers_never_see_a_mixed_pair(tmp_path):
                 assert set(found.table.n) == {found.data["n"]} and len(found.table) == found.data["rows"], \
                     f"mixed pair: JSON of {found.data}, table of {set(found.table.n)} ({len(found.table)} rows)"
                 reads.append(found.data["n"])
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
 
     writers = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
@@ -371,6 +371,24 @@ def test_the_shipped_results_are_current_and_sane():
         assert not listing.damaged, "\n".join(d.message for d in listing.damaged)
         stale = [r.path.name for r in listing.results if r.stale and r.kind != "model_card"]
         assert not stale, f"{len(stale)} stale results in {folder}, e.g. {stale[:3]}"
+
+
+@pytest.mark.xfail(strict=True, reason="the lead regenerates the shipped set from a clean tree after all merges")
+def test_the_shipped_results_were_made_from_a_clean_tree():
+    """Every result file shipped in data/results names the commit that made it, a commit of this repository, and
+    was made from that commit's files (``code.dirty`` false), so the code of every shipped number can be checked
+    out. Today none is (76 of 76 record uncommitted changes): strict xfail until the shipped set is regenerated."""
+    files = sorted(SHIPPED.glob("*/*.json"))
+    unclean = []
+    for path in files:
+        code = json.loads(path.read_text(encoding="utf-8")).get("provenance", {}).get("code") or {}
+        known = code.get("commit") and subprocess.run(
+            ["git", "-C", str(REPO), "cat-file", "-e", f"{code['commit']}^{{commit}}"], capture_output=True
+        ).returncode == 0
+        if not known or code.get("dirty") is not False:
+            unclean.append(path.name)
+    assert files and not unclean, (f"{len(unclean)} of {len(files)} shipped result files were not made from a clean "
+                                   f"commit of this repository, e.g. {unclean[:3]}")
 
 
 def test_the_drift_shipped_before_method_versions_is_refused_where_the_arithmetic_bounds_it(tmp_path):

@@ -4,15 +4,15 @@ recurrence (float64) and the schedule written out plainly (tests/references.py).
 import pytest
 import torch
 import torch.nn.functional as F
-
 from numerics import fp32_bound, rel
+from references import periodic_decode
+from test_recurrence import make_inputs
+
 from pace_core import quant
 from pace_core.backend import REFERENCE
 from pace_core.checkpoint import RoundingFormat
 from pace_core.recurrence import gdn_recurrent, prepare_qk
 from pace_core.schedule import Capture, PeriodicState
-from references import periodic_decode
-from test_recurrence import make_inputs
 
 pytestmark = pytest.mark.numerics
 
@@ -140,7 +140,7 @@ def test_decode_windows_are_the_token_by_token_decode(precision, exact_current):
         st = state(S0, 2, round_fn, decode_period=6, precision=precision)
         st.exact_current = exact_current
         seen = {}
-        capture = Capture(frozenset({2, 9, 17}), lambda c, S: seen.__setitem__(c, S.clone()))
+        capture = Capture(frozenset({2, 9, 17}), lambda c, S, seen=seen: seen.__setitem__(c, S.clone()))
         o = torch.cat([st.decode(*(x[:, t:t + per_call] for x in (q, k, v, g, beta)),
                                  capture=capture if per_call > 1 else None) for t in range(0, 23, per_call)], 1)
         runs.append((o, st.effective_state(), seen, len(st.buffer)))
@@ -169,7 +169,8 @@ def test_periodic_rounding_beats_per_token_on_slow_decays():
     spec = quant.QuantSpec(bits=4, symmetric=True, axis="key", group_size=32)
     errors = {}
     for dP in (1, 8):
-        st = PeriodicState(RoundingFormat(lambda S: quant.fake_quantize(S, spec)), REFERENCE, (B, H, HV, K, V),
+        fmt = RoundingFormat(lambda S: quant.fake_quantize(S, spec), dtype=S_prompt.dtype)
+        st = PeriodicState(fmt, REFERENCE, (B, H, HV, K, V),
                            S_prompt.device, prefill_period=256, decode_period=dP, buffer="fp64")
         st.set_checkpoint(S_prompt)
         st.decode(*dec)

@@ -3,19 +3,19 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from calibration_support import calibrated as random_calibration
+from numerics import fp32_bound
+from references import per_token_decode, periodic_decode, segmented_prefill
 
 from pace_core import quant
-from pace_core.accounting import state_bytes, transient_bytes
-from pace_core.config import NAMED_CONFIGS, get_config
+from pace_core.accounting import host_bytes, state_bytes, transient_bytes
+from pace_core.config import NAMED_CONFIGS, PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.memory import PeakBytes, held_bytes
-from pace_core.outliers import dsq_dequantize, dsq_quantize
+from pace_core.methods.dsq import dsq_dequantize, dsq_quantize
 from pace_core.recurrence import gdn_recurrent, prepare_qk
-from pace_core.shapes import ModelShape
+from pace_core.shapes import ModelShape, get_shape
 from pace_core.state_store import StateStore
-from calibration_support import calibrated as random_calibration
-from references import per_token_decode, periodic_decode, segmented_prefill
-from numerics import fp32_bound
 
 pytestmark = pytest.mark.numerics
 
@@ -27,7 +27,9 @@ LAYERS = [0, 2]
 def make_tokens(T, seed, batch=B, alpha=(0.9, 0.999)):
     """Prepared GDN inputs in float32: q, k [b, T, H, K], v [b, T, HV, V], g, beta [b, T, HV]."""
     gen, cpu = torch.Generator().manual_seed(seed), dict(device="cpu")  # CPU draws, also where CUDA is the default
-    q, k = prepare_qk(torch.randn(batch, T, H, K, generator=gen, **cpu), torch.randn(batch, T, H, K, generator=gen, **cpu))
+    q, k = prepare_qk(
+        torch.randn(batch, T, H, K, generator=gen, **cpu), torch.randn(batch, T, H, K, generator=gen, **cpu)
+    )
     v = torch.randn(batch, T, HV, V, generator=gen, **cpu)
     g = torch.empty(batch, T, HV, **cpu).uniform_(*alpha, generator=gen).log()
     beta = torch.rand(batch, T, HV, generator=gen, **cpu)
@@ -436,10 +438,11 @@ def test_kernel_backend_setting(monkeypatch):
 RESIDENT_SHAPE = ModelShape("residency", 3, 2, H, HV, K, V, 0, gdn_layers=(0, 2))
 
 
-def resident_store(name: str, backend: str, device: str | torch.device = "cpu") -> StateStore:
-    """A store of named configuration ``name`` at :data:`RESIDENT_SHAPE` (PACE-4/8 with one 8-bit head per layer,
-    DAMP with random outlier rows) after a prefill and decode tokens through a flush and into the next buffer."""
-    cfg = get_config(name)
+def resident_store(name: str | PaceConfig, backend: str, device: str | torch.device = "cpu") -> StateStore:
+    """A store of named configuration ``name`` (or a configuration) at :data:`RESIDENT_SHAPE` (PACE-4/8 with one
+    8-bit head per layer, DAMP with random outlier rows) after a prefill and decode tokens through a flush and into
+    the next buffer."""
+    cfg = get_config(name) if isinstance(name, str) else name
     if cfg.high_share > 0:
         cfg = cfg.replace(high_heads=((1,), (3,)))
     store = StateStore(calibrated(cfg), RESIDENT_SHAPE, B, device, H, HV, K, V, LAYERS, backend=backend)
@@ -453,7 +456,7 @@ def resident_store(name: str, backend: str, device: str | torch.device = "cpu") 
     return store
 
 
-@pytest.mark.parametrize("name", [n for n in NAMED_CONFIGS])
+@pytest.mark.parametrize("name", list(NAMED_CONFIGS))
 def test_resident_bytes_are_the_accounted_bytes(name):
     """Every tensor a store holds after a prefill and decode (the reference backend) is what
     pace_core.accounting.state_bytes counts: no dequantised checkpoint, fp32 copy of the buffer or earlier
@@ -462,7 +465,29 @@ def test_resident_bytes_are_the_accounted_bytes(name):
     assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B) == store.nbytes()
 
 
-@pytest.mark.parametrize("name", [n for n in NAMED_CONFIGS])
+WIDTH_VARIANTS = {
+    "rtn zero point": lambda b: get_config(f"rtn-int{b}").replace(symmetric=False),  # value axis: rows padded
+    "pace": lambda b: get_config("pace-4").replace(bits=b, group_size=32),
+    "pace 8-bit heads": lambda b: get_config("pace-4-8").replace(bits=b),
+    "pace static": lambda b: get_config("pace-4-static").replace(bits=b),
+    "damp": lambda b: get_config("damp-int4").replace(bits=b),
+    "dsq": lambda b: get_config("qmamba-dsq").replace(bits=b),
+}
+"""Each method's storage at any width (issue 48: every width packed densely; STEPQuant's widths 2/4/6/8 and pivots
+are its named configurations'), with its zero points, 8-bit heads and static scales where it has them."""
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("variant", list(WIDTH_VARIANTS))
+def test_resident_bytes_are_the_accounted_bytes_at_every_width(variant, bits):
+    """Held = counted for every code width of every method: the densely packed codes and zero points a store holds
+    after a prefill and decode through a flush are the bytes pace_core.accounting counts (its rows padded only to a
+    whole byte)."""
+    store = resident_store(WIDTH_VARIANTS[variant](bits), "reference")
+    assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B) == store.nbytes()
+
+
+@pytest.mark.parametrize("name", list(NAMED_CONFIGS))
 @pytest.mark.parametrize("tokens", [5, 40, 300])
 def test_peak_transient_is_within_the_stated_bound(name, tokens):
     """The workspace of a prefill of ``tokens`` tokens and of single-token decode calls (their peak allocation
@@ -481,3 +506,16 @@ def test_peak_transient_is_within_the_stated_bound(name, tokens):
             store.decode(0, *split(tokens_, t, t + 1))
         assert 0 < decode.peak <= transient_bytes(cfg, RESIDENT_SHAPE, B)
         assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B)
+
+
+def test_stochastic_rounding_keeps_its_generator_outside_the_state():
+    """pace-4-sr's generators live in each layer's format on the host (StateFormat.generator), one per GDN layer:
+    not tensors, so neither the bytes held nor state_bytes hold them; accounting.host_bytes counts them (issue 46:
+    they were counted nowhere), 121,344 B at Qwen3.5-4B's 24 GDN layers on the CPU."""
+    store = resident_store("pace-4-sr", "reference")
+    generators = [store.layer(layer).fmt.generator for layer in LAYERS]
+    assert all(isinstance(g, torch.Generator) and g.device == torch.device("cpu") for g in generators)
+    assert sum(g.get_state().numel() for g in generators) == host_bytes(store.cfg, RESIDENT_SHAPE) == 2 * 5056
+    assert held_bytes(store) == state_bytes(store.cfg, RESIDENT_SHAPE, B)
+    assert host_bytes(get_config("pace-4-sr"), get_shape("qwen3.5-4b")) == 121_344
+    assert all(host_bytes(get_config(name), RESIDENT_SHAPE) == 0 for name in NAMED_CONFIGS if name != "pace-4-sr")

@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from numerics import assert_same_parameters, fp32_bound, rel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pace_core.errors import PaceError
 from scripts.train.tokenizer import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
@@ -34,7 +33,9 @@ from scripts.train.train import (
 pytestmark = pytest.mark.numerics
 
 SHIPPED = REPO_ROOT / "data" / "models" / "pace-tiny-qwen35"
-TINY = ModelSize(hidden_size=64, num_layers=4, intermediate_size=96, gdn_key_heads=1, attention_heads=2, kv_heads=1, head_dim=32)
+TINY = ModelSize(
+    hidden_size=64, num_layers=4, intermediate_size=96, gdn_key_heads=1, attention_heads=2, kv_heads=1, head_dim=32
+)
 TINY_ARGS = dict(
     hidden_size=64, num_layers=4, intermediate_size=96, gdn_key_heads=1, attention_heads=2, kv_heads=1
 )
@@ -81,7 +82,9 @@ def test_build_config_shape() -> None:
     assert config.model_type == "qwen3_5_text"
     assert config.linear_key_head_dim == config.linear_value_head_dim == 128
     assert config.linear_num_value_heads == 2 * config.linear_num_key_heads
-    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"
+    ]
     with pytest.raises(PaceError, match="num_layers"):
         build_config(500, 0, 1, ModelSize(num_layers=6))
 
@@ -107,8 +110,14 @@ def test_training_reduces_loss_saves_and_resumes(tmp_path: Path) -> None:
     assert resumed["curve"][: len(log["curve"])] == log["curve"]
     assert [h["final_step"] for h in resumed["history"]] == [18] and resumed["history"][0]["args"]["max_steps"] == 18
 
-    from_best = train(TrainArgs(out=str(tmp_path / "c"), max_steps=log["best"]["step"] + 3, resume=str(tmp_path / "a"), **common))
-    assert from_best["resumed_from"] == {"path": str(tmp_path / "a"), "kind": "best_bf16_weights", "step": log["best"]["step"]}
+    from_best = train(
+        TrainArgs(out=str(tmp_path / "c"), max_steps=log["best"]["step"] + 3, resume=str(tmp_path / "a"), **common)
+    )
+    assert from_best["resumed_from"] == {
+        "path": str(tmp_path / "a"),
+        "kind": "best_bf16_weights",
+        "step": log["best"]["step"],
+    }
     assert from_best["curve"][0]["step"] <= log["best"]["step"] < from_best["curve"][-1]["step"]
     assert from_best["history"] == [{k: log[k] for k in from_best["history"][0]}]
 

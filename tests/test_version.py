@@ -35,7 +35,8 @@ def _tree(root: Path, quant: str, drift: str = "def drift(x):\n    return x\n") 
 
 
 def test_the_hash_follows_code_and_ignores_comments_docstrings_and_formatting(tmp_path):
-    base = '"""Quantiser."""\n\nSTEP = 2 ** -8\n"""The step."""\n\n\ndef scale(x):\n    """Scale."""\n    return x * STEP\n'
+    base = ('"""Quantiser."""\n\nSTEP = 2 ** -8\n"""The step."""\n\n\n'
+            'def scale(x):\n    """Scale."""\n    return x * STEP\n')
     same = ('"""Another module docstring."""\n# a comment\nSTEP = 2**-8  # the step\n\n'
             'def scale(x):\n    """Another docstring,\n    two lines."""\n    # why\n    return (x * STEP)\n')
     other = base.replace("x * STEP", "x / STEP")
@@ -55,3 +56,43 @@ def test_the_record_command_prints_the_record():
                          check=True).stdout
     assert json.loads(out) == V.record()
     assert "python -m pace_core.version" in V.RECORD_COMMAND
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_copy_with_a_stale_history_names_the_commit_it_was_copied_from(tmp_path, monkeypatch):
+    """A GPU machine's copy of the tree may carry another, older ``.git``: with PACE_COMMIT / PACE_TREE the
+    provenance names the commit the files were copied from, and ``dirty`` compares the files themselves with
+    that commit's tree (an added untracked file counts, an ignored one does not)."""
+    root = tmp_path / "copy"
+    root.mkdir()
+    _git(root, "init", "-q")
+    (root / ".gitignore").write_text("ignored/\n")
+    (root / "a.py").write_text("A = 1\n")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "stale")
+    stale = _git(root, "rev-parse", "HEAD")
+    (root / "a.py").write_text("A = 2\n")  # the files of a later commit, elsewhere
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "later")
+    later, tree = _git(root, "rev-parse", "HEAD"), _git(root, "rev-parse", "HEAD^{tree}")
+    _git(root, "reset", "-q", "--soft", stale)  # the copy's history stops at the stale commit
+    monkeypatch.setattr(V, "REPO_ROOT", root)
+
+    def commit() -> dict:
+        V.code_commit.cache_clear()
+        return V.code_commit()
+
+    assert commit() == {"commit": stale, "dirty": True}
+    monkeypatch.setenv(V.COMMIT_ENV, later)
+    monkeypatch.setenv(V.TREE_ENV, tree)
+    assert commit() == {"commit": later, "dirty": False}
+    (root / "ignored").mkdir()
+    (root / "ignored" / "out.json").write_text("{}")
+    assert commit() == {"commit": later, "dirty": False}
+    (root / "b.py").write_text("B = 1\n")
+    assert commit() == {"commit": later, "dirty": True}
+    V.code_commit.cache_clear()

@@ -44,8 +44,12 @@ def test_ratios_compare_each_plugin_row_with_vllms_own_of_the_same_run():
 
 def test_the_stored_burst_is_read_as_a_short_table(tmp_path):
     path = tmp_path / "vllm_serve_cpu.json"
-    rows = [_row(1, "vllm-own", 64, 1000.0, 21, 10.0), _row(1, "data/results/m/config-pace-4-8.json", 64, 250.0, 63, 40.0),
-            _row(1, "data/results/m/config-pace-4-8.json", 8, 90.0, 8, 3.0), _row(1, "vllm-own", 8, 700.0, 8, 0.4)]
+    rows = [
+        _row(1, "vllm-own", 64, 1000.0, 21, 10.0),
+        _row(1, "data/results/m/config-pace-4-8.json", 64, 250.0, 63, 40.0),
+        _row(1, "data/results/m/config-pace-4-8.json", 8, 90.0, 8, 3.0),
+        _row(1, "vllm-own", 8, 700.0, 8, 0.4),
+    ]
     path.write_text(json.dumps({"rows": rows, "ratios": bench.ratios(rows)}))
     assert bench.shipped_table(path) == [{"configuration": "pace-4-8", "run": 1, "output tok/s ×": 0.25,
                                           "peak running ×": 3.0, "burst wall time ×": 4.0}]

@@ -8,11 +8,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from app_support import EMBEDDED_DIR
-from pace_core.config import get_config, num_high_heads
+
+from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.export import export_document
+from pace_core.heads import num_high_heads
 from pace_core.shapes import load_shape
 from pace_core.vllm.settings import served
 

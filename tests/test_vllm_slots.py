@@ -8,20 +8,21 @@ import random
 
 import pytest
 import torch
-
-from pace_core import accounting
-from pace_core.config import NAMED_CONFIGS
-from pace_core.errors import PaceError
-from pace_core.recurrence import prepare_qk
-from pace_core.shapes import ModelShape
-from pace_core.state_store import LayerState
-from pace_core.pool import StatePool
-from pace_core.vllm.slots import SlotLayout
 from calibration_support import calibrated
 from kernels_support import kernel_modules
 from numerics import fp32_bound, rel
 
-SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8", "pace-4-hadamard", "pace-4-static")
+from pace_core import accounting
+from pace_core.config import NAMED_CONFIGS
+from pace_core.errors import PaceError
+from pace_core.pool import StatePool
+from pace_core.recurrence import prepare_qk
+from pace_core.shapes import ModelShape
+from pace_core.state_store import LayerState
+from pace_core.vllm.slots import SlotLayout
+
+SERVED = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8", "pace-4-hadamard", "pace-4-static", "pace-3",
+          *(f"rtn-int{b}" for b in (2, 3, 5, 6, 7, 8)))
 
 
 def _config(name: str, num_v_heads: int, layers: int = 1, d_k: int = 128, d_v: int = 128):

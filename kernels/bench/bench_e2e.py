@@ -19,7 +19,8 @@ records, and the flush, is compiled before timing), then ``--tokens`` decode ste
 dP, so the flushes are counted in proportion), each the whole model with the greedy next token fed
 back on the GPU, timed one by one with CUDA events. TPOT = the mean over the timed steps (the median
 is kept too; for PACE-4 it leaves out the flush, one step in dP). The static cache has the same
-length for both variants (:func:`cache_length`). The attention layers decode with :func:`gqa_decode_attention` (no repeat of the
+length for both variants (:func:`cache_length`). The attention layers decode with :func:`gqa_decode_attention` (no
+repeat of the
 key / value heads over the static length), for both variants alike.
 
 **CUDA graphs** (the default on a GPU; ``--eager`` turns them off): PACE's decode keeps host-side
@@ -64,10 +65,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pace_core.config import get_config  # noqa: E402
-from pace_core.model.patch import pace  # noqa: E402
-from pace_core.results import atomic_write  # noqa: E402
-from pace_core.shapes import PUBLISHED_CONFIGS  # noqa: E402
+from pace_core.config import get_config
+from pace_core.model.patch import pace
+from pace_core.results import atomic_write
+from pace_core.shapes import PUBLISHED_CONFIGS
 
 VARIANTS = {"bf16 per-token": "bf16", "PACE-4 dP=8": "pace-4"}
 WARMUP = 16  # untimed decode steps: two periods of dP = 8

@@ -13,18 +13,23 @@ profiles (``--profile-from-start off``):
   (:func:`kernels.bench.bench.split_breakdown`'s set), and the window kernel over dP / 2 tokens from an empty
   buffer (:func:`kernels.packed_step.launch_window`).
 
+``--settings-from`` profiles each variant and batch with the launch settings a bench run found fastest there
+(:mod:`kernels.bench.bench`'s JSON): a period's kernels with them (its step as set, then its flush), so that the
+profile is of the kernels behind the figure.
+
 Usage (on the GPU machine, from the repository root)::
 
-    python3 kernels/bench/ncu_profile.py --out DIR [--batches 1,32,128]
+    python3 kernels/bench/ncu_profile.py --out DIR [--batches 1,32,128] [--settings-from BENCH_JSON]
 
 writes ``DIR/ncu_<variant>_B<batch>.csv`` (ncu's raw page) and ``DIR/ncu_summary.json`` (the figures
-below, per kernel) and prints a table.
+below, per kernel, with the settings) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import shutil
@@ -35,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from kernels.settings import Launch, RecurrentSettings, SplitSettings  # noqa: E402
 
 VARIANTS = ("bf16 per-token", "PACE-4 dP=8", "PACE-4/8 dP=8")
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
@@ -53,13 +60,27 @@ def _slug(variant: str) -> str:
     return variant.split(" ")[0].replace("/", "-").replace(".", "")
 
 
-def launch(variant: str, B: int) -> None:
-    """Build one layer of ``variant`` at batch ``B``, compile its kernels, then launch each once inside
-    the profiler's range (its buffer filled before the range opens, so ncu sees only the kernel)."""
+def settings_of(bench_json: Path | None, variant: str, B: int) -> dict | None:
+    """The launch settings (fields) of ``variant``'s fastest configuration at batch ``B`` in a bench run's JSON
+    (:mod:`kernels.bench.bench`), or None (the defaults) where there is none."""
+    if bench_json is None or not bench_json.exists():
+        return None
+    rows = json.loads(bench_json.read_text())["rows"]
+    found = [r for r in rows if r["variant"] == variant and r["batch"] == B and "error" not in r]
+    return found[0]["config"] if found else None
+
+
+def launch(variant: str, B: int, settings: dict | None = None, window: bool = True) -> None:
+    """Build one layer of ``variant`` at batch ``B``, compile its kernels, then launch each once inside the profiler's
+    range (its buffer filled before the range opens, so ncu sees only the kernel). Without ``settings``: every split
+    kernel with the default settings (the dots, record, one-kernel step, the Triton step beside the Gluon one, flush;
+    ``window``: the window kernel too); with ``settings`` (fields of the variant's family in :mod:`kernels.settings`,
+    e.g. a bench's fastest): the kernels a decode period runs with them (the step as it is set, and the flush), so
+    that the profile is of the figure's kernels and nothing compiles that the bench did not."""
     import torch
 
-    from kernels.bench import bench
     from kernels.backend import TritonSteps
+    from kernels.bench import bench
     from kernels.flush import launch_flush
     from kernels.packed_step import launch_dots, launch_packed_step, launch_records, launch_window
     from kernels.recurrent_step import dense_recurrent_step
@@ -69,19 +90,28 @@ def launch(variant: str, B: int) -> None:
     layers = bench.build(variant, B, torch.device("cuda"))[0]
     (kind, st, (q, k, v, g, beta), out), = layers
     if kind == "dense":  # (records to buffer first, kernel)
-        work = [(None, lambda: dense_recurrent_step(st, q, k, v, g, beta, out=out))]
+        dense = RecurrentSettings(**settings) if settings else None
+        work = [(None, lambda: dense_recurrent_step(st, q, k, v, g, beta, dense, out=out))]
     else:
-        plan = TritonSteps().plan(st)
-        fused = TritonSteps({"fused_step": True}).plan(st)  # the Gluon step where it applies
-        triton_step = TritonSteps({"fused_step": True, "gluon_step": False}).plan(st)
+        split = SplitSettings(**settings) if settings else SplitSettings()
+        plan = TritonSteps(Launch.of(split)).plan(st)
+        # the one-kernel step: the Gluon one where it applies
+        fused = TritonSteps(Launch.of(dataclasses.replace(split, fused_step=True))).plan(st)
+        triton_step = TritonSteps(Launch.of(dataclasses.replace(split, fused_step=True, gluon_step=False))).plan(st)
         n = bench.PERIOD // 2
         qw, kw, vw, gw, bw = (x[None].expand(n, *x.shape).contiguous() for x in (q, k, v, g, beta))  # [T, B, ...]
-        work = [(n, lambda: launch_dots(plan, q, k)),
-                (n, lambda: launch_records(plan, st.buffer, q, k, v, g, beta, out)),
-                (n, lambda: launch_packed_step(fused, st.buffer, q, k, v, g, beta, out)),
-                *([(n, lambda: launch_packed_step(triton_step, st.buffer, q, k, v, g, beta, out))] * fused.gluon_step),
-                (bench.PERIOD, lambda: launch_flush(plan, st.buffer)),
-                (0, lambda: launch_window(fused, st.buffer, qw, kw, vw, gw, bw, torch.empty_like(vw)))]
+        if settings:  # the period's kernels: its step as set (one kernel or two), then its flush
+            work = [(n, lambda: launch_packed_step(plan, st.buffer, q, k, v, g, beta, out)),
+                    (bench.PERIOD, lambda: launch_flush(plan, st.buffer))]
+        else:
+            work = [(n, lambda: launch_dots(plan, q, k)),
+                    (n, lambda: launch_records(plan, st.buffer, q, k, v, g, beta, out)),
+                    (n, lambda: launch_packed_step(fused, st.buffer, q, k, v, g, beta, out)),
+                    *([(n, lambda: launch_packed_step(triton_step, st.buffer, q, k, v, g, beta, out))]
+                      * fused.split.gluon_step),
+                    (bench.PERIOD, lambda: launch_flush(plan, st.buffer)),
+                    *([(0, lambda: launch_window(fused, st.buffer, qw, kw, vw, gw, bw, torch.empty_like(vw)))]
+                      * window)]
     for profiled in (False, True):  # compile, then profile only the kernel (the buffer is filled before)
         for records, kernel in work:
             if records is not None:
@@ -133,48 +163,75 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("data/bench/ncu"))
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--launch", nargs=2, metavar=("VARIANT", "B"), help=argparse.SUPPRESS)
+    ap.add_argument("--settings-from", type=Path, default=None,
+                    help="a bench.json: profile each variant and batch with its fastest configuration there")
+    ap.add_argument("--no-window", action="store_true", help="leave out the window kernel (teacher forcing)")
+    ap.add_argument("--no-precompile", action="store_true",
+                    help="no compile run outside the profiler first (Triton's cache already holds the kernels)")
+    ap.add_argument("--timeout-s", type=float, default=240.0, help="the longest one ncu run may take")
+    ap.add_argument("--deadline-s", type=float, default=None, help="start no ncu run after this many seconds")
+    ap.add_argument("--launch", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.launch:
-        launch(args.launch[0], int(args.launch[1]))
+        variant, B, *rest = args.launch
+        launch(variant, int(B), json.loads(rest[0]) if rest else None, not args.no_window)
         return 0
     ncu = shutil.which("ncu")
     if ncu is None:
         print("ncu_profile: Nsight Compute (ncu) is not on the PATH; run this on the GPU machine", file=sys.stderr)
         return 2
+    started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "command": " ".join([sys.executable, *sys.argv]), "ncu": subprocess.run(
                    [ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:],
-               "shape": "Qwen3.5-4B GDN layer: H 16, HV 32, K = V = 128, dP 8 (one layer)", "rows": []}
+               "shape": "Qwen3.5-4B GDN layer: H 16, HV 32, K = V = 128, dP 8 (one layer)", "rows": [],
+               "not_run": []}
     for B in (int(b) for b in args.batches.split(",")):
         for variant in args.variants.split(","):
-            # compile outside the profiler first (Triton's cache keeps it): under ncu it takes minutes
-            subprocess.run([sys.executable, __file__, "--launch", variant, str(B)], cwd=ROOT, check=True)
-            for metrics in (METRICS + STALLS, METRICS):  # without the stall metrics if this ncu lacks one
-                cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-                       *(a for s in SECTIONS for a in ("--section", s)), "--metrics", ",".join(metrics),
-                       sys.executable, __file__, "--launch", variant, str(B)]
-                done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-                rows = _rows(done.stdout)
-                if rows:
-                    break
+            if args.deadline_s is not None and time.monotonic() - started > args.deadline_s:
+                summary["not_run"].append({"variant": variant, "batch": B, "why": "past the deadline"})
+                continue
+            settings = settings_of(args.settings_from, variant, B)
+            child = [sys.executable, __file__, "--launch", variant, str(B), json.dumps(settings),
+                     *(["--no-window"] if args.no_window else [])]
+            try:
+                if not args.no_precompile:  # compile outside the profiler first: under ncu it takes minutes
+                    subprocess.run(child, cwd=ROOT, check=True, timeout=args.timeout_s)
+                for metrics in (METRICS + STALLS, METRICS):  # without the stall metrics if this ncu lacks one
+                    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
+                           *(a for s in SECTIONS for a in ("--section", s)), "--metrics", ",".join(metrics), *child]
+                    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
+                    rows = _rows(done.stdout)
+                    if rows:
+                        break
+            except (subprocess.SubprocessError, OSError) as err:
+                summary["not_run"].append({"variant": variant, "batch": B, "why": f"{type(err).__name__}: {err}"})
+                print(f"B={B} {variant}: not profiled: {type(err).__name__}: {err}", flush=True)
+                continue
             (args.out / f"ncu_{_slug(variant)}_B{B}.csv").write_text(done.stdout + "\n# stderr\n" + done.stderr[-4000:])
             if done.returncode or not rows:
+                summary["not_run"].append({"variant": variant, "batch": B, "why": f"ncu rc {done.returncode}"})
                 print(f"B={B} {variant}: ncu failed (rc {done.returncode}): {(done.stdout + done.stderr)[-600:]}",
                       flush=True)
                 continue
             for row in rows:
-                s = {"variant": variant, "batch": B, **summarise(row)}
+                s = {"variant": variant, "batch": B, "settings": settings, **summarise(row)}
                 summary["rows"].append(s)
-                bw = s["dram_bytes_per_second"]
-                print(f"B={B:4d} {variant:15s} {s['kernel'][:22]:22s} {s['seconds'] * 1e6:8.2f} us "
-                      f"{(bw or 0) / 1e12:5.2f} TB/s ({s['dram_pct_of_peak'] or 0:4.1f}% peak) regs {s['registers']} "
-                      f"occ {s['achieved_occupancy_pct'] or 0:4.1f}% issue {s['issue_active_pct'] or 0:4.1f}% "
-                      f"instr {(s['instructions'] or 0) / 1e6:.2f} M stalls "
-                      + ", ".join(f"{k} {v:.1f}" for k, v in s["top_stalls"]), flush=True)
+                print(row_text(s), flush=True)
             (args.out / "ncu_summary.json").write_text(json.dumps(summary, indent=1))
+    (args.out / "ncu_summary.json").write_text(json.dumps(summary, indent=1))
     return 0
+
+
+def row_text(s: dict) -> str:
+    """One printed line of a kernel's summary."""
+    bw = s["dram_bytes_per_second"]
+    return (f"B={s['batch']:4d} {s['variant']:15s} {s['kernel'][:22]:22s} {s['seconds'] * 1e6:8.2f} us "
+            f"{(bw or 0) / 1e12:5.2f} TB/s ({s['dram_pct_of_peak'] or 0:4.1f}% peak) regs {s['registers']} "
+            f"occ {s['achieved_occupancy_pct'] or 0:4.1f}% issue {s['issue_active_pct'] or 0:4.1f}% "
+            f"instr {(s['instructions'] or 0) / 1e6:.2f} M stalls "
+            + ", ".join(f"{k} {v:.1f}" for k, v in s["top_stalls"]))
 
 
 if __name__ == "__main__":

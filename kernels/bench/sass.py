@@ -4,9 +4,12 @@ stack, shared memory and the SASS instruction mix of each kernel a decode token 
 Each kernel is compiled from the arguments of its real launch (the launch functions of :mod:`kernels` called on
 one layer of a benchmark variant, CPU tensors, the kernel's run replaced by a capture), specialised as Triton
 specialises a launch, with the GPU's bfloat16 operands: what is reported is what the H200 would run at those
-shapes. Triton's version here may differ from the GPU machine's; the report names it. Usage::
+shapes. Triton's version here may differ from the GPU machine's; the report names it. ``--settings`` compiles the
+launches of other launch settings (:class:`kernels.settings.SplitSettings` fields, e.g. ``step_maxnreg=96``); with
+``--all-launches`` every launch of a kernel is reported (PACE-4/8's launches per bit width: ``dots``, ``dots#2``),
+else its first. Usage::
 
-    python3 kernels/bench/sass.py --variant "PACE-4 dP=8" [--kernel dots] [--dump DIR]
+    python3 kernels/bench/sass.py --variant "PACE-4 dP=8" [--kernel dots] [--settings step_maxnreg=96] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels.bench.bench import HV, K, V, _inputs, _layer_state  # noqa: E402
-from kernels.plan import DecodePlan, plan_decode  # noqa: E402
-from pace_core.backend import REFERENCE  # noqa: E402
+from kernels.bench.bench import HV, K, V, _inputs, _layer_state
+from kernels.plan import DecodePlan, plan_decode
+from kernels.settings import Launch, SplitSettings
+from pace_core.backend import REFERENCE
 
 TARGET = GPUTarget("cuda", 90, 32)
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 def compile_launch(fn, args: tuple, kwargs: dict):
@@ -46,6 +50,10 @@ def compile_launch(fn, args: tuple, kwargs: dict):
     options = {k: kwargs[k] for k in OPTIONS if k in kwargs}
     constants = {k: v for k, v in kwargs.items() if k not in OPTIONS}
     params = [p for p in fn.params if p.name not in constants]
+    for p in params[len(args):]:  # constexprs left at their defaults
+        if p.is_constexpr and p.has_default:
+            constants[p.name] = p.default
+    params = [p for p in params if p.name not in constants]
     if len(params) != len(args):
         raise ValueError(f"{fn.__name__}: {len(args)} run-time arguments for {len(params)} parameters")
     signature, attrs = {}, {}
@@ -86,12 +94,13 @@ def sass_report(compiled) -> dict:
             "instructions": sum(ops.values()), "ops": dict(ops.most_common()), "sass": sass}
 
 
-def launches(variant: str, B: int) -> dict[str, tuple]:
-    """Each decode kernel of ``variant``'s token and flush: name -> (kernel, args, kwargs) of its first launch, one
-    layer at batch ``B`` on CPU tensors (stored by the reference), the GPU's bfloat16 operands, the buffer holding
-    half a period of records. ``dots``: the Triton dots kernel; ``gluon_dots``: the Gluon one (launched per width);
-    ``step``: the Triton one-kernel step, ``gluon_step``: the Gluon one (PACE-4 only, one launch); ``flush``,
-    ``gluon_flush``: as the dots."""
+def launches(variant: str, B: int, settings: dict | None = None, every: bool = False) -> dict[str, tuple]:
+    """Each decode kernel of ``variant``'s token and flush: name -> (kernel, args, kwargs) of its first launch (with
+    ``every``, each launch, the second and later named ``name#2`` ..), one layer at batch ``B`` on CPU tensors (stored
+    by the reference), the GPU's bfloat16 operands, the buffer holding half a period of records, the launch
+    ``settings`` (:class:`kernels.settings.SplitSettings` fields) over the defaults. ``dots``: the Triton dots kernel;
+    ``gluon_dots``: the Gluon one (launched per width); ``step``: the Triton one-kernel step, ``gluon_step``: the Gluon
+    one (PACE-4 only, one launch); ``flush``, ``gluon_flush``: as the dots."""
     from kernels import flush, gluon_dots, gluon_flush, gluon_step, packed_step
 
     st = _layer_state(variant, torch.randn(B, HV, K, V) * 0.05, REFERENCE)
@@ -101,7 +110,8 @@ def launches(variant: str, B: int) -> dict[str, tuple]:
     o = torch.empty(B, HV, V)
 
     def plan(**launch) -> DecodePlan:
-        return plan_decode(st.checkpoint, st.buffer, st.exact_current, {"BF16": True, **launch})
+        return plan_decode(st.checkpoint, st.buffer, st.exact_current,
+                           Launch.of(SplitSettings(**{**(settings or {}), **launch})), bf16=True)
 
     calls = {
         "dots": (packed_step._ckpt_dots_kernel, lambda: packed_step.launch_dots(plan(gluon_dots=False), q, k)),
@@ -127,8 +137,17 @@ def launches(variant: str, B: int) -> dict[str, tuple]:
         finally:
             for kernel in kernels:
                 del kernel.run
-        if seen[fn]:  # a kernel the variant launches
-            out[name] = (fn, *seen[fn][0])
+        for i, call in enumerate(seen[fn][:None if every else 1]):  # a kernel the variant launches
+            out[name if i == 0 else f"{name}#{i + 1}"] = (fn, *call)
+    return out
+
+
+def settings_arg(pairs: list[str]) -> dict:
+    """``key=value`` pairs as launch settings (ints, True / False / None, else the text)."""
+    out = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        out[key] = {"True": True, "False": False, "None": None}.get(value, int(value) if value.isdigit() else value)
     return out
 
 
@@ -137,10 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", default="PACE-4 dP=8")
     ap.add_argument("--kernel", nargs="*", help="kernels to report (default: all)")
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--settings", nargs="*", default=[], help="launch settings over the defaults, key=value")
+    ap.add_argument("--all-launches", action="store_true", help="every launch of a kernel, not only its first")
     ap.add_argument("--dump", type=Path, help="write each kernel's SASS and the reports (JSON) into this folder")
     a = ap.parse_args(argv)
     reports = {}
-    for name, (fn, args, kwargs) in launches(a.variant, a.batch).items():
+    settings = settings_arg(a.settings)
+    for name, (fn, args, kwargs) in launches(a.variant, a.batch, settings, a.all_launches).items():
         if a.kernel and name not in a.kernel:
             continue
         rep = reports[name] = sass_report(compile_launch(fn, args, kwargs))
@@ -153,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{rep['shared_bytes']} B shared, {rep['instructions']} SASS instructions")
         print("   " + " ".join(f"{op} {n}" for op, n in rep["ops"].items()))
     if a.dump:
-        meta = {"variant": a.variant, "batch": a.batch, "triton": triton.__version__, "target": "sm_90a"}
+        meta = {"variant": a.variant, "batch": a.batch, "triton": triton.__version__, "target": "sm_90a",
+                "settings": settings}
         (a.dump / "sass.json").write_text(json.dumps({**meta, "kernels": reports}, indent=1))
     return 0
 

@@ -53,8 +53,9 @@ from pace_core.accounting import resident_bits
 from pace_core.analysis.drift import drift, drift_progress_total
 from pace_core.analysis.quality import QualityRun, perplexity_run, quality_progress_total
 from pace_core.analysis.text import read_text, tokenize
-from pace_core.config import PaceConfig, config_to_json, get_config
+from pace_core.config import PaceConfig, get_config, tagged
 from pace_core.errors import PaceError
+from pace_core.export import config_to_json
 from pace_core.model.loading import LoadedModel
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape
 
@@ -66,7 +67,13 @@ EQUAL_BITS_PERIODS = (2, 4, 8, 16)
 EQUAL_BITS_GROUPS = (32, 64, 128)
 """The decode periods and group sizes :func:`equal_bits_pace` chooses from (dP >= 2: periodic rounding, PACE's
 own; group sizes that divide the model's key axis)."""
-STEPQUANT = "stepquant-4"
+(STEPQUANT,) = tagged("equal-bits-rival")
+"""Claim (e)'s rival of PACE-4 at equal resident bits (STEPQuant-4)."""
+CALIBRATED = tuple(
+    name for name in ("pace-4-8", *tagged("paper-table"), STEPQUANT) if get_config(name).needs_calibration
+)
+"""The named configurations of the report calibrated on the model first (PACE-4/8's heads, the main table's and the
+rival's calibrated tensors)."""
 SPREAD_RESAMPLES = 2000
 SPREAD_LEVEL = 0.95
 SPREAD_SEED = 0
@@ -134,7 +141,7 @@ def claim_configs(calibrated_pace48: PaceConfig, random_heads: list[tuple[tuple[
     main = {"pace-4": pace4}
     for buf in MAIN_BUFFERS:
         main[f"pace-4-8 ({buf} buffer)"] = calibrated_pace48.replace(name=f"pace-4-8-{buf}", buffer=buf)
-    for name in ("damp-int4", "damp-int8", "qmamba-dsq", "rtn-int4", "rtn-int8"):
+    for name in tagged("paper-table"):
         main[name] = (calibrated or {}).get(name) or get_config(name)
     rival = (calibrated or {}).get(STEPQUANT) or get_config(STEPQUANT)
     pace = equal_bits_pace(resident_bits(rival, shape).resident_bits, shape)
@@ -190,9 +197,18 @@ def quality_configs(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: i
     return {label: cfg.replace(name=label) for label, cfg in run.items()}
 
 
-def claims_progress_total(loaded: LoadedModel, calibrated_pace48: PaceConfig, seeds: int, n_tokens: int,
-                          window: int, stride: int, batch: int, drift_tokens: int,
-                          groups: Sequence[int] | None = None, calibrated: Mapping[str, PaceConfig] | None = None) -> int:
+def claims_progress_total(
+    loaded: LoadedModel,
+    calibrated_pace48: PaceConfig,
+    seeds: int,
+    n_tokens: int,
+    window: int,
+    stride: int,
+    batch: int,
+    drift_tokens: int,
+    groups: Sequence[int] | None = None,
+    calibrated: Mapping[str, PaceConfig] | None = None,
+) -> int:
     """The progress units of :func:`measure_claims` on ``n_tokens`` tokens of its text. ``groups``: the sizes of
     the groups of configurations whose perplexity is measured in one :func:`perplexity_run` call each (each with
     its own run of the reference; none when all are stored); None: all of them in one call, as
@@ -300,9 +316,10 @@ def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace
     claims = []
     for b in CLAIM_BITS:
         one, eight = f"rtn{b} value g32 dP1", f"rtn{b} value g32 dP8"
+        bits = [resident_bits(cfgs.periodic[label], shape).resident_bits for label in (eight, one)]
         claims.append({"claim": "a", "what": f"{b}-bit RTN (value g32): dP 8 vs dP 1", "labels": [eight, one],
                        "holds": bool(q[eight].kl < q[one].kl), "margin": _margin(q[eight].kl, q[one].kl),
-                       "spread": _kl_spread(windows, eight, [one], alias),
+                       "spread": _kl_spread(windows, eight, [one], alias), "resident_bits": bits,
                        "kl": [float(q[eight].kl), float(q[one].kl)],
                        "agreement": [float(q[eight].agreement), float(q[one].agreement)],
                        "state_error": [err[eight], err[one]]})

@@ -132,7 +132,8 @@ def generate_side_by_side(
     progress: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
     """One row per (mode, configuration), the reference first in each mode: mode, config, tokens
-    (new ids), pieces (their texts), text, first_divergence (Int64, <NA> when identical to the reference's continuation),
+    (new ids), pieces (their texts), text, first_divergence (Int64, <NA> when identical to the reference's
+    continuation),
     ref_nll (mean nats per generated token under the reference), ref_agreement. Each configuration is
     calibrated on the model where its method needs it.
 

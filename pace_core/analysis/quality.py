@@ -5,7 +5,8 @@ Sliding windows follow the usual transformers recipe: windows of ``window`` toke
 ``stride`` tokens; each window scores only the tokens not scored by an earlier window (so with
 ``stride < window`` every token after the first is scored exactly once, with up to ``window - stride``
 tokens of context before the first scored one; with ``stride == window`` each window's first token has
-no context in its window and is not scored). Each window is one independent run from an empty state. With ``decode_from``
+no context in its window and is not scored). Each window is one independent run from an empty state. With
+``decode_from``
 set, a window's first ``decode_from`` tokens are the prompt (prefill, P-token segments) and the rest
 is teacher-forced token by token through the decode path (buffer, flush every dP); without it the
 whole window is prefilled. Note that a prefill rounds the state only at P-token segment ends, after
@@ -203,6 +204,7 @@ def quality_run(
     totals = torch.zeros(len(members), 3, dtype=torch.float64, device=loaded.output_device)  # nll, agreement, kl
     per_window = torch.zeros(len(members), len(windows), 3, dtype=torch.float64, device=loaded.output_device)
     count, done = 0, 0
+    stacks: dict = {}  # batches of one shape run on one store stack (its CUDA graphs recorded once)
     for group in batched_windows(windows, batch):
         chunk = torch.cat([ids[:, w.begin : w.end] for w in group]).to(device)
         n, W = chunk.shape
@@ -211,7 +213,7 @@ def quality_run(
         count += sum(W - f for f in first_scored)
 
         def on_logits(logits: torch.Tensor, first: int, chunk=chunk, n=n, first_scored=first_scored,
-                      done=done) -> None:
+                      done=done, W=W) -> None:
             for i, f in enumerate(first_scored):
                 lo, hi = max(f - 1, first), min(W - 1, first + logits.shape[1])  # positions predicting targets
                 if lo >= hi:
@@ -229,7 +231,7 @@ def quality_run(
                     per_window[m, done + i] += sums
 
         teacher_forced(loaded, members, chunk, d, on_logits=on_logits, logits_from=min(first_scored) - 1,
-                       progress=progress)
+                       progress=progress, stacks=stacks)
         done += len(group)
     totals, per_window = totals.cpu(), per_window.cpu()
     table = pd.DataFrame([{"config": name, "tokens": count, "nll": float(totals[m, 0]) / count,

@@ -35,13 +35,13 @@ import torch
 
 from pace_core.accounting import resident_bits
 from pace_core.analysis.metrics import relative_error, squared_norms
+from pace_core.backend import REFERENCE
+from pace_core.checkpoint import RoundingFormat
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
 from pace_core.methods import METHODS, method_of
 from pace_core.methods.groups import GroupFormat
 from pace_core.model.loading import LoadedModel
-from pace_core.backend import REFERENCE
-from pace_core.checkpoint import RoundingFormat
 from pace_core.model.patch import core_inputs, gdn_modules, pace, tapped
 from pace_core.quant import fake_quantize
 from pace_core.recurrence import gdn_chunked
@@ -56,7 +56,8 @@ DEFAULT_GROUP_SIZES = (32,)
 @dataclass
 class GDNInputs:
     """Core inputs of all GDN layers stacked in the batch dim (L = GDN layers, ``layers`` order):
-    q, k [L, T, H, K] (prepared), v [L, T, HV, V], g, beta [L, T, HV], float32."""
+    q, k [L, T, H, K] (prepared), v [L, T, HV, V], g, beta [L, T, HV], float32 (float64: a float64 sweep, whose
+    checkpoints are float64 too)."""
 
     layers: list[int]
     q: torch.Tensor
@@ -67,7 +68,9 @@ class GDNInputs:
 
     def part(self, sl: slice, repeat: int = 1) -> tuple[torch.Tensor, ...]:
         """(q, k, v, g, beta) of tokens ``sl``, repeated ``repeat`` times along the batch."""
-        return tuple(x[:, sl].repeat(repeat, *([1] * (x.dim() - 1))) for x in (self.q, self.k, self.v, self.g, self.beta))
+        return tuple(
+            x[:, sl].repeat(repeat, *([1] * (x.dim() - 1))) for x in (self.q, self.k, self.v, self.g, self.beta)
+        )
 
 
 @torch.no_grad()
@@ -167,8 +170,9 @@ def sweep_states(
         if cfg.prefill_period >= D:
             prefilled[key] = fake_quantize(ref_states[0], spec)
         else:
-            st = PeriodicState(RoundingFormat(lambda S, spec=spec: fake_quantize(S, spec)), REFERENCE,
-                               (L, H, HV, K, V), inputs.q.device, prefill_period=cfg.prefill_period, decode_period=1)
+            fmt = RoundingFormat(lambda S, spec=spec: fake_quantize(S, spec), dtype=inputs.q.dtype)
+            st = PeriodicState(fmt, REFERENCE, (L, H, HV, K, V), inputs.q.device, prefill_period=cfg.prefill_period,
+                               decode_period=1)
             st.prefill(*inputs.part(slice(0, D)))
             prefilled[key] = st.loaded()
     if progress is not None:
@@ -185,8 +189,9 @@ def sweep_states(
             """Each member's slice [L, HV, K, V] of S [n·L, HV, K, V] through its quantiser."""
             return torch.cat([fake_quantize(S[i * L:(i + 1) * L], sp) for i, sp in enumerate(specs)])
 
-        st = PeriodicState(RoundingFormat(round_fn), REFERENCE, (n * L, H, HV, K, V), inputs.q.device,
-                           prefill_period=D, decode_period=dp, buffer=buffer or "fp32", exact_current=exact)
+        st = PeriodicState(RoundingFormat(round_fn, dtype=inputs.q.dtype), REFERENCE, (n * L, H, HV, K, V),
+                           inputs.q.device, prefill_period=D, decode_period=dp, buffer=buffer or "fp32",
+                           exact_current=exact)
         st.set_checkpoint(torch.cat([prefilled[(c.quant_spec(), min(c.prefill_period, D))] for c in members]))
         errs = [(squared_norms(st.loaded() - ref_states[0].repeat(n, 1, 1, 1), n))]
         out_err = torch.zeros(n, dtype=torch.float64, device=inputs.q.device)
@@ -241,7 +246,9 @@ def sweep(
     return summary_table(summary, loaded.shape), steps
 
 
-def sweep_progress_total(configs: Sequence[PaceConfig], T: int, decode_tokens: int, record_every: int | None = None) -> int:
+def sweep_progress_total(
+    configs: Sequence[PaceConfig], T: int, decode_tokens: int, record_every: int | None = None
+) -> int:
     """Number of progress ticks :func:`sweep` makes (for a progress bar)."""
     periods = sorted({c.decode_period for c in configs})
     every = record_every if record_every is not None else min(math.lcm(*periods), decode_tokens)

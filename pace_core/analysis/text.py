@@ -37,7 +37,9 @@ def read_text(path: str | os.PathLike, field: str = "text") -> str:
     return text
 
 
-def tokenize(tokenizer, text: str, max_tokens: int | None = None, min_tokens: int = 2, field: str = "text") -> torch.Tensor:
+def tokenize(
+    tokenizer, text: str, max_tokens: int | None = None, min_tokens: int = 2, field: str = "text"
+) -> torch.Tensor:
     """Token ids of ``text`` (no special tokens added), truncated to ``max_tokens``: -> [1, T] int64.
 
     PaceError if fewer than ``min_tokens`` tokens remain.

@@ -70,25 +70,38 @@ inline float fp16_scale(float ratio, bool nonzero) {
   return nonzero ? to_half(std::min(std::max(ratio, FP16_TINY), FP16_MAX)) : 0.0f;
 }
 
-inline int packed_len(int bits, int n) { return bits <= 4 ? (n + 1) / 2 : n; }
+// Codes are packed densely (quant.pack_codes): a row of n b-bit codes is one little-endian bit stream, code j in bits
+// [j b, j b + b), padded with zero bits to a whole byte; 4 bits two per byte (low nibble first), 8 bits one per byte.
+inline int packed_len(int bits, int n) { return (n * bits + 7) / 8; }
+
+// Byte offset of column j0 in a packed row (j0 b a whole number of bytes: blocks start at multiples of 8 columns).
+inline int packed_offset(int bits, int j0) { return j0 * bits / 8; }
 
 inline int get_code(const uint8_t* row, int bits, int j) {
-  return bits <= 4 ? ((row[j >> 1] >> ((j & 1) * 4)) & 15) : row[j];
+  if (bits == 8) return row[j];
+  if (bits == 4) return (row[j >> 1] >> ((j & 1) * 4)) & 15;
+  const int pos = j * bits, b = pos >> 3, sh = pos & 7;
+  int v = row[b] >> sh;
+  if (sh + bits > 8) v |= row[b + 1] << (8 - sh);
+  return v & ((1 << bits) - 1);
 }
 
 inline void put_code(uint8_t* row, int bits, int j, int code) {
-  if (bits > 4) {
+  if (bits == 8) {
     row[j] = static_cast<uint8_t>(code);
-  } else if (j & 1) {
-    row[j >> 1] = static_cast<uint8_t>((row[j >> 1] & 15) | (code << 4));
-  } else {
-    row[j >> 1] = static_cast<uint8_t>((row[j >> 1] & 0xF0) | code);
+    return;
+  }
+  const int pos = j * bits, b = pos >> 3, sh = pos & 7, mask = (1 << bits) - 1;
+  row[b] = static_cast<uint8_t>((row[b] & ~(mask << sh)) | ((code & mask) << sh));
+  if (sh + bits > 8) {
+    const int hi = 8 - sh;
+    row[b + 1] = static_cast<uint8_t>((row[b + 1] & ~(mask >> hi)) | ((code & mask) >> hi));
   }
 }
 
-// Unpacked codes of one row of n codes (two per byte at bits <= 4, low nibble first) as floats.
+// Unpacked codes of one row of n codes as floats.
 inline void unpack_row(const uint8_t* __restrict row, int bits, int n, float* __restrict out) {
-  if (bits <= 4) {
+  if (bits == 4) {
     const int pairs = n / 2;
     for (int j = 0; j < pairs; ++j) {
       const uint8_t byte = row[j];
@@ -96,18 +109,45 @@ inline void unpack_row(const uint8_t* __restrict row, int bits, int n, float* __
       out[2 * j + 1] = static_cast<float>(byte >> 4);
     }
     if (n & 1) out[n - 1] = static_cast<float>(row[pairs] & 15);
-  } else {
+  } else if (bits == 8) {
     for (int j = 0; j < n; ++j) out[j] = static_cast<float>(row[j]);
+  } else {  // a bit stream read through a 64-bit window, refilled a byte at a time
+    const uint32_t mask = (1u << bits) - 1;
+    uint64_t window = 0;
+    int have = 0, b = 0;
+    for (int j = 0; j < n; ++j) {
+      while (have < bits) {
+        window |= static_cast<uint64_t>(row[b++]) << have;
+        have += 8;
+      }
+      out[j] = static_cast<float>(static_cast<uint32_t>(window) & mask);
+      window >>= bits;
+      have -= bits;
+    }
   }
 }
 
+// Codes [0, n) packed into row[0 .. packed_len(bits, n)) (every byte written; the last one's spare bits zero).
 inline void pack_row(const int32_t* __restrict codes, int bits, int n, uint8_t* __restrict row) {
-  if (bits <= 4) {
+  if (bits == 4) {
     const int pairs = n / 2;
     for (int j = 0; j < pairs; ++j) row[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
     if (n & 1) row[pairs] = static_cast<uint8_t>(codes[n - 1]);
-  } else {
+  } else if (bits == 8) {
     for (int j = 0; j < n; ++j) row[j] = static_cast<uint8_t>(codes[j]);
+  } else {
+    uint64_t window = 0;
+    int have = 0, b = 0;
+    for (int j = 0; j < n; ++j) {
+      window |= static_cast<uint64_t>(codes[j]) << have;
+      have += bits;
+      while (have >= 8) {
+        row[b++] = static_cast<uint8_t>(window);
+        window >>= 8;
+        have -= 8;
+      }
+    }
+    if (have) row[b] = static_cast<uint8_t>(window);
   }
 }
 
@@ -380,7 +420,6 @@ struct VecStore {
   int n = 0, heads = 0, dP = 0;
   Quant q;
   int ngroups = 0, cbytes = 0, zbytes = 0;
-  bool zpacked = false;
   Slab data, scale, zero;
 
   int64_t vec_index(int r, int head) const { return static_cast<int64_t>(r) * heads + head; }
@@ -404,7 +443,7 @@ struct VecStore {
     for (int gi = 0; gi < ngroups; ++gi) {
       const float step = static_cast<float>(sc[gi]);
       const float z = q.sym ? static_cast<float>(q.qmax() + 1)
-                            : static_cast<float>(zpacked ? get_code(zp, q.bits, gi) : zp[gi]);
+                            : static_cast<float>(get_code(zp, q.bits, gi));
       for (int j = gi * q.group; j < (gi + 1) * q.group; ++j) out[j] = (out[j] - z) * step;
     }
   }
@@ -441,11 +480,7 @@ struct VecStore {
       if (!group_scale(q, x + gi * q.group, q.group, sc, z)) return false;
       st.scale[gi] = c10::Half(sc);
       if (!q.sym) {
-        if (zpacked) {
-          put_code(st.zero.data(), q.bits, gi, static_cast<int>(z));
-        } else {
-          st.zero[gi] = static_cast<uint8_t>(z);
-        }
+        put_code(st.zero.data(), q.bits, gi, static_cast<int>(z));
       }
       std::fill(st.step.begin() + gi * q.group, st.step.begin() + (gi + 1) * q.group, sc == 0.0f ? 1.0f : sc);
       std::fill(st.zf.begin() + gi * q.group, st.zf.begin() + (gi + 1) * q.group, z);
@@ -492,7 +527,6 @@ struct Part {
   const float* sscale = nullptr;   // static: [hv_p, sK, sV] float32 (the layer's)
   const float* szero = nullptr;    // static zero points (float, integer-valued) or null
   int vb = 0, sK = 0, sV = 0, zb = 0;  // packed codes per row, scale dims, zero bytes per scale row
-  bool zpacked = false;
 };
 
 struct Ckpt {
@@ -526,7 +560,7 @@ struct Ckpt {
     } else {
       const uint8_t* zr = p.zero.at(s) + (static_cast<int64_t>(head_index[h]) * p.sK + sr) * p.zb;
       for (int c = 0; c < n; ++c) {
-        z[c] = static_cast<float>(p.zpacked ? get_code(zr, p.q.bits, c0 + c) : zr[c0 + c]);
+        z[c] = static_cast<float>(get_code(zr, p.q.bits, c0 + c));
       }
     }
   }
@@ -557,7 +591,7 @@ struct Ckpt {
     w.z.resize(V);
     float* __restrict sc = w.sc.data();
     float* __restrict z = w.z.data();
-    const int byte0 = p.q.bits <= 4 ? j0 / 2 : j0;
+    const int byte0 = packed_offset(p.q.bits, j0);
     for (int i = 0; i < K; ++i) {
       float* __restrict r = out + static_cast<int64_t>(i) * ld;
       unpack_row(code_row(s, h, i) + byte0, p.q.bits, bw, r);
@@ -608,7 +642,7 @@ struct Ckpt {
       for (int r = 0; r < K / g; ++r) {
         scales(s, h, r, 0, V, w.sc.data(), w.z.data());
         std::fill(tk, tk + 2 * V, 0.0f);
-        if (p.q.bits <= 4 && V % (2 * NIB) == 0) {
+        if (p.q.bits == 4 && V % (2 * NIB) == 0) {
           // NIB bytes (2 NIB columns) at a time: low nibbles are the even columns, high nibbles the odd ones, each
           // summed in its own registers and interleaved once per group
           for (int b0 = 0; b0 < V / 2; b0 += NIB) {
@@ -747,7 +781,7 @@ struct Ckpt {
     w.step.resize(bw);
     w.zc.resize(bw);
     w.codes.resize(bw);
-    const int byte0 = p.q.bits <= 4 ? j0 / 2 : j0;
+    const int byte0 = packed_offset(p.q.bits, j0);
     for (int i = 0; i < K; ++i) {
       const float* rs = sc + (axis == 0 ? i / g : i) * p.sV + c0;
       const float* rz = z + (axis == 0 ? i / g : i) * p.sV + c0;
@@ -781,7 +815,7 @@ struct Ckpt {
     if (!stage_block(s, h, Sb, ld, j0, bw, w, saturated)) return false;
     const Part& p = part(h);
     const int g = p.q.group;
-    const int byte0 = p.q.bits <= 4 ? j0 / 2 : j0;
+    const int byte0 = packed_offset(p.q.bits, j0);
     for (int i = 0; i < K; ++i) {
       float* __restrict r = Sb + static_cast<int64_t>(i) * ld;
       unpack_row(w.staged.data() + static_cast<int64_t>(i) * p.vb + byte0, p.q.bits, bw, r);
@@ -811,11 +845,7 @@ struct Ckpt {
         uint8_t* zr = zo + static_cast<int64_t>(r) * p.zb;
         for (int c = 0; c < p.sV; ++c) {
           const int zc = static_cast<int>(w.sz[r * p.sV + c]);
-          if (p.zpacked) {
-            put_code(zr, p.q.bits, c, zc);
-          } else {
-            zr[c] = static_cast<uint8_t>(zc);
-          }
+          put_code(zr, p.q.bits, c, zc);
         }
       }
     }
@@ -921,8 +951,7 @@ struct Layout {
         p.vb = packed_len(p.q.bits, V);
         p.sK = ck.axis == 0 ? K / p.q.group : K;
         p.sV = ck.axis == 0 ? V : V / p.q.group;
-        p.zpacked = p.q.bits <= 4 && p.sV % 2 == 0;
-        p.zb = p.zpacked ? p.sV / 2 : p.sV;
+        p.zb = packed_len(p.q.bits, p.sV);
         p.codes = slab(state[ti++]);
         if (ck.kind == 2) {
           p.scale = slab(state[ti++]);
@@ -953,8 +982,7 @@ struct Layout {
         if (st.kind == 2) {
           st.ngroups = st.n / st.q.group;
           st.cbytes = packed_len(st.q.bits, st.n);
-          st.zpacked = st.q.bits <= 4 && st.ngroups % 2 == 0;
-          st.zbytes = st.q.sym ? 0 : (st.zpacked ? st.ngroups / 2 : st.ngroups);
+          st.zbytes = st.q.sym ? 0 : packed_len(st.q.bits, st.ngroups);
         }
       }
       decays = slab(state[ti++]);

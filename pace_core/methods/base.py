@@ -11,20 +11,50 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pace_core.checkpoint import StateFormat
 from pace_core.errors import PaceError
+from pace_core.settings import Configuration, Setting
 
 if TYPE_CHECKING:
-    from pace_core.checkpoint import StateFormat
-    from pace_core.config import PaceConfig
-    from pace_core.settings import Setting
     from pace_core.shapes import ModelShape
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The calibration samples a method takes instead of the shared ones (:attr:`Method.sampling`;
+    :func:`pace_core.analysis.calibration.protocol_samples` takes them): ``segments`` windows of ``tokens`` tokens at
+    offsets of the calibration text drawn by a ``torch.Generator`` seeded ``seed`` (each window read from a zero
+    state); after every ``every``-th token of a window each GDN layer's state is offered to that layer's reservoir of
+    ``reservoir`` states (the k-th state offered, k > ``reservoir``, replaces slot ``i = randint(k)`` when
+    ``i < reservoir``; one generator seeded ``seed`` per layer); each window's recorded inputs of a layer are
+    reduced by ``reduce`` (``{"q", "k": [T, H, K], "g", "beta": [T, HV]} -> {name: float64 sum over the window's
+    tokens}``), added up over the windows. ``name`` is how the samples are named to the user."""
+
+    name: str
+    segments: int
+    tokens: int
+    every: int
+    reservoir: int
+    seed: int
+    reduce: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+    @property
+    def total_tokens(self) -> int:
+        """The tokens read: ``segments · tokens``."""
+        return self.segments * self.tokens
+
+    def describe(self) -> str:
+        """The samples in words: '32 segments of 2,048 tokens at random offsets (seed 0), a state every 8 tokens into
+        a reservoir of 64 per layer'."""
+        return (f"{self.segments} segments of {self.tokens:,} tokens at random offsets (seed {self.seed}), a state "
+                f"every {self.every} tokens into a reservoir of {self.reservoir} per layer")
 
 
 @dataclass(frozen=True)
@@ -108,6 +138,10 @@ COMBINATIONS: dict[str, tuple[str, ...]] = {
 a Hadamard rotation of the state along the key axis, static scales), each with the settings read with it
 (:class:`pace_core.config.PaceConfig`'s fields; off at their defaults). A method takes those in its ``composes``."""
 
+HOST_STATE_COMBINATIONS: tuple[str, ...] = ("rounding", "scales")
+"""The combinations whose format keeps state on the host between stores (stochastic rounding's random generator,
+static scales' saturation counts), which a recorded CUDA graph's replay would not advance (:mod:`pace_core.graphs`)."""
+
 
 @dataclass(frozen=True)
 class Method:
@@ -126,8 +160,9 @@ class Method:
     - ``composes``: the combinations of :data:`COMBINATIONS` it takes (its ``reads`` then include their settings);
       a configuration of another method keeps them at their defaults;
     - ``kernels``: the Triton kernels store and step it; ``pool``: a serving engine's pool row holds it;
-    - ``per_token_only``: it rounds after every token (dP = 1) by definition;
-    - ``named``: its named configurations, as PaceConfig field values;
+    - ``named``: its named configurations, as PaceConfig field values; ``tags``: each named configuration's tags
+      (:data:`pace_core.config.named.TAGS`: the lists of configurations the study, the CLI, the app and the serving
+      checks take are those of a tag);
     - ``format``: ``(cfg, bits_per_head, layer tensors or None, name, gdn_index) -> StateFormat``, how a layer's
       checkpoint is stored (:mod:`pace_core.checkpoint`);
     - ``payload``: ``(cfg, shape) -> (code bits, scale bits)`` per state value, the accounting's payload
@@ -140,7 +175,8 @@ class Method:
       (PaceError naming the field);
     - ``groups_along``: ``(cfg) -> str | None``, the axis its groups run along (the export's state layout);
     - ``calibrate``: ``(cfg, samples, layers) -> per-layer tensors`` on :class:`pace_core.analysis.calibration`
-      samples, when ``calibration`` is set.
+      samples, when ``calibration`` is set; ``sampling``: ``(cfg) -> Sampling | None``, the samples it takes instead
+      of the shared ones (None: the shared ones).
     """
 
     name: str
@@ -148,31 +184,38 @@ class Method:
     label: str
     description: str
     format: Callable[..., StateFormat]
-    payload: Callable[[PaceConfig, ModelShape], tuple[Fraction, Fraction]]
-    layer_bytes: Callable[[PaceConfig, ModelShape, int, int], int]
+    payload: Callable[[Configuration, ModelShape], tuple[Fraction, Fraction]]
+    layer_bytes: Callable[[Configuration, ModelShape, int, int], int]
     quantized: bool = True
     reads: tuple[str, ...] = ()
     group_axes: tuple[str, ...] = ()
     symmetric_only: bool = False
     head_widths: bool = False
     strategy: str | None = "group"
-    calibration: Callable[[PaceConfig], LayerCalibration | None] = lambda cfg: None
+    calibration: Callable[[Configuration], LayerCalibration | None] = lambda cfg: None
     composes: tuple[str, ...] = ()
     kernels: bool = False
     pool: bool = False
-    per_token_only: bool = False
     named: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tags: dict[str, tuple[str, ...]] = field(default_factory=dict)
     settings: tuple[Setting, ...] = ()
-    fixed_bytes: Callable[[PaceConfig, ModelShape, int], int] = lambda cfg, shape, layer: 0
-    check: Callable[[PaceConfig], None] = lambda cfg: None
-    check_for: Callable[[PaceConfig, ModelShape], None] = lambda cfg, shape: None
-    groups_along: Callable[[PaceConfig], str | None] = lambda cfg: None
+    fixed_bytes: Callable[[Configuration, ModelShape, int], int] = lambda cfg, shape, layer: 0
+    check: Callable[[Configuration], None] = lambda cfg: None
+    check_for: Callable[[Configuration, ModelShape], None] = lambda cfg, shape: None
+    groups_along: Callable[[Configuration], str | None] = lambda cfg: None
     calibrate: Callable[..., list[dict[str, torch.Tensor]]] | None = None
+    sampling: Callable[[Configuration], Sampling | None] = lambda cfg: None
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.composes if c not in COMBINATIONS]
         if unknown:
-            raise PaceError(f"method {self.name!r}: composes={unknown!r} is not allowed; allowed: {', '.join(COMBINATIONS)}")
+            raise PaceError(
+                f"method {self.name!r}: composes={unknown!r} is not allowed; allowed: {', '.join(COMBINATIONS)}"
+            )
+        untagged = [name for name in self.tags if name not in self.named]
+        if untagged:
+            raise PaceError(f"method {self.name!r}: tags for {untagged!r}, which it does not name; allowed: "
+                            f"{', '.join(self.named)}")
         extra = [f for c in self.composes for f in COMBINATIONS[c] if f not in self.reads]
         object.__setattr__(self, "reads", (*self.reads, *dict.fromkeys(extra)))
 
@@ -192,6 +235,13 @@ def register(method: Method) -> Method:
         raise PaceError(f"method {method.name!r} is registered twice")
     METHODS[method.name] = method
     return method
+
+
+def state_format(cfg: Configuration, bits_per_head: tuple[int, ...], layer: dict[str, torch.Tensor] | None = None,
+                 name: str = "state", gdn_index: int = 0) -> StateFormat:
+    """The :class:`~pace_core.checkpoint.StateFormat` of ``cfg``'s method for GDN layer ``gdn_index``
+    (:attr:`Method.format`)."""
+    return method_of(cfg).format(cfg, bits_per_head, layer, name, gdn_index)
 
 
 def method_of(name_or_cfg: Any) -> Method:

@@ -11,7 +11,7 @@ under any periodic rounding (dP, P) and any head widths:
   is not the accumulated per-checkpoint bias that stochastic rounding exists to remove.
 - **key rotation** (``key_hadamard``): the format stores ``Q(H S)`` and loads ``Hᵀ Q(H S)``, H the orthonormal
   Sylvester Hadamard of size d_k on the key axis of each head's ``[K, V]`` state
-  (:func:`pace_core.outliers.rotate_keys`; d_k a power of two). Its bytes are the plain format's.
+  (:func:`pace_core.checkpoint.rotate_keys`; d_k a power of two). Its bytes are the plain format's.
 - **static scales** (``scales`` "static", ``static_margin``): each group's range is calibrated once per layer
   (:func:`calibrate`: the group's max |x| over the calibration snapshots, or its min and max with 0, in the
   rotated basis with ``key_hadamard``; :func:`pace_core.quant.group_ranges`) and kept once per layer in fp16
@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from pace_core import quant
-from pace_core.checkpoint import StateFormat, checkpoint_bytes
+from pace_core.checkpoint import StateFormat, checkpoint_bytes, rotate_keys
 from pace_core.errors import PaceError
+from pace_core.heads import num_high_heads
 from pace_core.methods.base import LayerCalibration
 from pace_core.quant import QuantSpec, packed_last_dim, packed_nbytes, scale_shape
+from pace_core.settings import Configuration
 
 if TYPE_CHECKING:
-    from pace_core.config import PaceConfig
     from pace_core.shapes import ModelShape
 
 SCALE_BITS = 16
@@ -54,13 +55,13 @@ COMPOSES = ("rounding", "key_hadamard", "scales")
 """The combinations (pace_core.methods.COMBINATIONS) RTN and PACE take: all three."""
 
 
-def range_names(cfg: PaceConfig) -> tuple[str, ...]:
+def range_names(cfg: Configuration) -> tuple[str, ...]:
     """The calibrated tensors of static scales (:data:`pace_core.quant.RANGE_NAMES`), ``rotated_`` in front when
     they were taken in the key-rotated basis: the names tell a calibration of the other basis apart."""
     return tuple(("rotated_" if cfg.key_hadamard else "") + n for n in quant.RANGE_NAMES[cfg.symmetric])
 
 
-def calibration(cfg: PaceConfig) -> LayerCalibration | None:
+def calibration(cfg: Configuration) -> LayerCalibration | None:
     """Static scales need each group's range calibrated on the model; per-checkpoint scales need nothing."""
     if cfg.scales != "static":
         return None
@@ -198,11 +199,9 @@ def _joined(out: torch.Tensor | None, part: torch.Tensor, heads: torch.Tensor | 
     return out.index_copy_(len(shape) - 3, heads, part)
 
 
-def high_head_counts(cfg: PaceConfig, shape: ModelShape) -> tuple[int, ...]:
+def high_head_counts(cfg: Configuration, shape: ModelShape) -> tuple[int, ...]:
     """Heads kept at ``high_bits`` in each GDN layer: from ``high_heads`` when calibrated, else
     ``num_high_heads(high_share, HV)`` (0 for methods without high-bit heads)."""
-    from pace_core.config import num_high_heads
-
     if cfg.high_share == 0:
         return (0,) * shape.num_gdn_layers
     if cfg.high_heads is not None:
@@ -210,7 +209,7 @@ def high_head_counts(cfg: PaceConfig, shape: ModelShape) -> tuple[int, ...]:
     return (num_high_heads(cfg.high_share, shape.num_v_heads),) * shape.num_gdn_layers
 
 
-def payload(cfg: PaceConfig, shape: ModelShape) -> tuple[Fraction, Fraction]:
+def payload(cfg: Configuration, shape: ModelShape) -> tuple[Fraction, Fraction]:
     """Code bits ``(1 − s)·b + s·b_high`` (``s`` the share of high-bit heads over all layers) and scale bits
     ``16/g`` plus, with zero points, the codes' bits over ``g``; none per sequence with static scales (they are kept
     once per layer: :func:`fixed_bytes`)."""
@@ -222,7 +221,7 @@ def payload(cfg: PaceConfig, shape: ModelShape) -> tuple[Fraction, Fraction]:
     return codes, Fraction(SCALE_BITS, cfg.group_size) + zero
 
 
-def layer_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int, layer: int) -> int:
+def layer_bytes(cfg: Configuration, shape: ModelShape, n_seq: int, layer: int) -> int:
     """Bytes of one layer's packed parts (low- and high-bit heads) for ``n_seq`` sequences: codes, scales and zero
     points, or the codes alone with static scales."""
     hv, k, v = shape.num_v_heads, shape.d_k, shape.d_v
@@ -237,36 +236,37 @@ def layer_bytes(cfg: PaceConfig, shape: ModelShape, n_seq: int, layer: int) -> i
     return total
 
 
-def fixed_bytes(cfg: PaceConfig, shape: ModelShape, layer: int) -> int:
-    """Kept once per layer: the head map of a layer that mixes two widths (one int16 per value head), and with
-    static scales the calibrated ranges (one or two fp16 per scale group of every head)."""
+def fixed_bytes(cfg: Configuration, shape: ModelShape, layer: int) -> int:
+    """Kept once per layer: the head map of a layer that mixes two widths (one int16 per value head; none where the
+    high-bit heads have the others' width), and with static scales the calibrated ranges (one or two fp16 per scale
+    group of every head)."""
     hv = shape.num_v_heads
-    total = 2 * hv if 0 < high_head_counts(cfg, shape)[layer] < hv else 0
+    total = 2 * hv if 0 < high_head_counts(cfg, shape)[layer] < hv and cfg.high_bits != cfg.bits else 0
     if cfg.scales == "static":
         groups = len(quant.RANGE_NAMES[cfg.symmetric]) * hv * (shape.d_k * shape.d_v // cfg.group_size)
         total += groups * RANGE_BITS // 8
     return total
 
 
-def groups_along(cfg: PaceConfig) -> str:
+def groups_along(cfg: Configuration) -> str:
     return cfg.group_axis
 
 
-def calibrate(cfg: PaceConfig, samples, layers: list[int]) -> list[dict[str, torch.Tensor]]:
+def calibrate(cfg: Configuration, samples, layers: list[int]) -> list[dict[str, torch.Tensor]]:
     """Static scales' ranges per GDN layer (:func:`pace_core.quant.group_ranges` of the calibration states
     ``[N, HV, K, V]``, key-rotated with ``key_hadamard``), named by :func:`range_names`, on the CPU."""
-    from pace_core.outliers import rotate_keys
-
     spec = cfg.quant_spec()
     out = []
     for layer in layers:
         states = samples.states[layer]
-        ranges = quant.group_ranges(rotate_keys(states) if cfg.key_hadamard else states, spec, name="calibration states")
+        ranges = quant.group_ranges(
+            rotate_keys(states) if cfg.key_hadamard else states, spec, name="calibration states"
+        )
         out.append({("rotated_" if cfg.key_hadamard else "") + n: t.cpu() for n, t in ranges.items()})
     return out
 
 
-def check_for(cfg: PaceConfig, shape: ModelShape) -> None:
+def check_for(cfg: Configuration, shape: ModelShape) -> None:
     """Static scales' calibrated ranges fit the model: :func:`range_names`, float16 ``[HV, groups]``, amax >= 0,
     low <= 0 <= high."""
     if cfg.calibrated is None:
@@ -274,7 +274,9 @@ def check_for(cfg: PaceConfig, shape: ModelShape) -> None:
     want = (shape.num_v_heads, *scale_shape((shape.d_k, shape.d_v), cfg.quant_spec()))
     for i, layer in enumerate(cfg.calibrated.layers):
         ok = set(layer) == set(range_names(cfg)) and all(
-            t.dtype == torch.float16 and tuple(t.shape) == want and bool(torch.isfinite(t).all()) for t in layer.values())
+            t.dtype == torch.float16 and tuple(t.shape) == want and bool(torch.isfinite(t).all())
+            for t in layer.values()
+        )
         signs = {"amax": 1, "high": 1, "low": -1}
         if ok and not all(bool((signs[n.removeprefix("rotated_")] * t >= 0).all()) for n, t in layer.items()):
             ok = False

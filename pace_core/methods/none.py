@@ -35,4 +35,6 @@ METHOD = register(Method(
     payload=lambda cfg, shape: (Fraction(cfg.bits), Fraction(0)),
     layer_bytes=lambda cfg, shape, n, layer: n * shape.num_v_heads * shape.d_k * shape.d_v * cfg.bits // 8,
     named={"fp32": dict(bits=32, reference_dtype="float32", decode_period=1, buffer="fp32"),
-           "bf16": dict(bits=16, reference_dtype="bfloat16", decode_period=1, buffer="fp32")}))
+           "bf16": dict(bits=16, reference_dtype="bfloat16", decode_period=1, buffer="fp32")},
+    tags={"fp32": ("memory-page", "capacity-baseline", "pool", "serve-check"),
+          "bf16": ("cli-default", "all", "memory-page", "capacity-baseline", "pool", "serve-check")}))

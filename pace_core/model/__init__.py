@@ -1,7 +1,7 @@
 """PACE inside transformers' Qwen hybrid models: loading, patching the GDN layers, state capture.
 
-The names below are imported on first use (PEP 562), so importing ``pace_core.model.commands``
-(the CLI) does not import transformers until a model command runs.
+The names below are imported on first use (PEP 562), so importing ``pace_core.model`` (the CLI, the embedded
+model's path) does not import transformers.
 """
 
 import importlib
@@ -20,7 +20,6 @@ _EXPORTS: dict[str, str] = {
     "pace": "patch",
     "remove_pace": "patch",
     "RunResult": "capture",
-    "cache_states": "capture",
     "run_with_states": "capture",
 }
 

@@ -20,7 +20,6 @@ import torch
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.model.loading import LoadedModel
-from pace_core.model.patch import get_state_store
 from pace_core.model.teacher import Member, teacher_forced
 
 
@@ -57,16 +56,6 @@ def _check_inputs(input_ids, decode_from, capture_steps: Iterable[int], exact: b
         allowed = f"1..T = 1..{T}" if exact else f"decode_from..T = {start}..{T} (inside the prompt only for fp32)"
         raise PaceError(f"capture_steps: {bad} not allowed; allowed: integers in {allowed}")
     return start, steps
-
-
-def cache_states(cache, gdn_layers: list[int]) -> dict[int, torch.Tensor]:
-    """The current state ``S [B, HV, K, V]`` (float32, CPU copy) of every GDN layer held in a
-    forward / generate cache: the PACE store's effective state, or the cache's own fp32 tensor on
-    transformers' reference path."""
-    store = get_state_store(cache)
-    if store is not None:
-        return {layer: store.effective_state(layer).float().cpu() for layer in gdn_layers}
-    return {layer: cache.layers[layer].recurrent_states[0].float().cpu().clone() for layer in gdn_layers}
 
 
 def run_with_states(

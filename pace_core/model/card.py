@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from pace_core.errors import PaceError
+from pace_core.model import DEFAULT_MODEL_DIR
+from pace_core.results import DamagedResult, load_result, make_provenance, result_key, save_result
 from pace_core.shapes import ModelShape
 
 CARD_KIND = "model_card"
@@ -69,8 +71,6 @@ def checkpoint_stamp(source: str | os.PathLike | None) -> str | None:
     """16 hex digits over ``config.json`` and every safetensors file's header and tensor edges, or None
     where ``source`` is not a local checkpoint folder of safetensors files (a hub id, ``.bin`` weights)
     or cannot be read. ``source`` None is the embedded model, as for ``load_model``."""
-    from pace_core.model import DEFAULT_MODEL_DIR
-
     folder = Path(source if source is not None else DEFAULT_MODEL_DIR).expanduser()
     h = hashlib.sha256()
     try:
@@ -96,8 +96,6 @@ def card_of(loaded: Any) -> ModelCard:
 def _key(stamp: str, dtype: str) -> str:
     """The card's result key. No method version in it: a card holds the checkpoint's shape and fingerprint,
     which the method's numerics do not change (CARD_VERSION covers the card's own form)."""
-    from pace_core.results import result_key
-
     return result_key({"kind": CARD_KIND, "version": CARD_VERSION, "stamp": stamp, "dtype": dtype})
 
 
@@ -111,8 +109,6 @@ def save_card(loaded: Any, model: str, before: str | None, *, root: str | os.Pat
     hub id, a folder that changed during the load, a load with offloaded (``meta``) weights (the fingerprint
     counts those by name only) or an unwritable results folder: the card only spares a later load. A card
     of the same stamp and dtype is kept as it is."""
-    from pace_core.results import DamagedResult, load_result, make_provenance, save_result
-
     if before is None or checkpoint_stamp(loaded.source) != before or any(
             p.device.type == "meta" for p in loaded.model.parameters()):
         return False
@@ -139,8 +135,6 @@ def load_card(source: str | os.PathLike, model: str, dtype: str, *,
     in ``dtype`` (e.g. ``float32``), or None (no folder, no card, a damaged card: the caller loads the model,
     whose load stores the card again). The card names ``source``
     where it named the folder it was made from (a clone of the repository elsewhere, a moved folder)."""
-    from pace_core.results import DamagedResult, load_result
-
     stamp = checkpoint_stamp(source)
     try:
         found = None if stamp is None else load_result(CARD_KIND, model, _key(stamp, _dtype_name(dtype)), root=root)

@@ -22,9 +22,13 @@ from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model import DEFAULT_MODEL_DIR
 from pace_core.results import REPO_ROOT
-from pace_core.shapes import (GDN_LAYER_TYPE, SUPPORTED_MODEL_TYPES, ModelShape, check_config_values,
-                              shape_from_hf_config)
-
+from pace_core.shapes import (
+    GDN_LAYER_TYPE,
+    SUPPORTED_MODEL_TYPES,
+    ModelShape,
+    check_config_values,
+    shape_from_hf_config,
+)
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -218,8 +222,10 @@ def _weights_error(resolved: str, err: Exception) -> PaceError:
     """The PaceError of a failed ``from_pretrained`` of ``resolved``, naming the damaged file when there is one."""
     damaged = _unreadable_weights(resolved)
     if damaged:
-        return PaceError(f"source: a weights file of {resolved!r} cannot be read, it is damaged or incomplete: "
-                         f"{'; '.join(damaged)}; allowed: a complete copy of the checkpoint (copy or download it again)")
+        return PaceError(
+            f"source: a weights file of {resolved!r} cannot be read, it is damaged or incomplete: "
+            f"{'; '.join(damaged)}; allowed: a complete copy of the checkpoint (copy or download it again)"
+        )
     if isinstance(err, OSError):  # a hub id offline, a folder without weights
         return PaceError(f"source: could not load the weights from {resolved!r} ({err}); allowed: a local "
                          "checkpoint directory with config.json and its weights, or a reachable hub id")

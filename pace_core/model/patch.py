@@ -57,6 +57,8 @@ from torch import nn
 
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.graphs import DecodeGraphs, graphs_setting
+from pace_core.methods import HOST_STATE_COMBINATIONS
 from pace_core.model import state_op
 from pace_core.recurrence import prepare_qk
 from pace_core.shapes import ModelShape, shape_from_hf_config
@@ -111,7 +113,7 @@ class _Scope:
     taps: tuple[Tap, ...] = ()
 
 
-_SCOPES: contextvars.ContextVar[dict[int, _Scope]] = contextvars.ContextVar("pace_scopes", default={})
+_SCOPES: contextvars.ContextVar[dict[int, _Scope]] = contextvars.ContextVar("pace_scopes", default={})  # noqa: B039 (never mutated)
 """The open scopes of this context by ``id(model)`` (a new dict for every change: contexts never share one)."""
 _TRACE_SCOPES: dict[int, _Scope] = {}
 """The scopes as the last :func:`_scoped` left them, read while ``torch.compile`` traces (dynamo cannot trace a
@@ -156,7 +158,7 @@ def is_reference(cfg: PaceConfig) -> bool:
     """True for the configuration that is transformers' own fp32 path (no store, no wrapping):
     method ``none``, ``float32``, ``decode_period`` 1. (``none`` + ``float32`` with dP > 1 runs the
     decode buffer without any rounding: the "quantisation off, buffering on" check.)"""
-    return cfg.method == "none" and cfg.reference_dtype == "float32" and cfg.decode_period == 1
+    return cfg.exact and cfg.decode_period == 1
 
 
 def gdn_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -463,15 +465,13 @@ class StackKey:
     configs: tuple[PaceConfig, ...]
 
 
-@contextlib.contextmanager
-def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *, device: torch.device | None = None
-            ) -> Iterator[tuple[object, StoreStack]]:
-    """Run several configurations in one batch inside the block: yields ``(cache, stack)``, a fresh
-    transformers cache whose forwards give rows ``[i·rows, (i+1)·rows)`` to ``configs[i]`` (a
-    :class:`~pace_core.state_store.StoreStack`). Feed the
-    cache to the model's forwards inside the block (this context's scope: module docstring)."""
-    from transformers import DynamicCache
-
+def new_stack(model: nn.Module, configs: list[PaceConfig], rows: int, *, device: torch.device | None = None,
+              graphs: bool = True) -> StoreStack:
+    """A :class:`~pace_core.state_store.StoreStack` of ``configs`` for ``rows`` sequences each on ``model``'s GDN
+    layers (zero states), to run in :func:`stacked`; on one CUDA device its teacher-forced calls are recorded as
+    CUDA graphs (:mod:`pace_core.graphs`) unless ``graphs`` is False, a member keeps state on the host between
+    stores (:data:`pace_core.methods.HOST_STATE_COMBINATIONS`) or graphs are off
+    (:data:`pace_core.graphs.GRAPHS_ENV`)."""
     modules = _modules_or_refuse(model)
     shape = _shape(model)
     devices = layer_devices(modules, device if device is not None else next(model.parameters()).device)
@@ -479,6 +479,30 @@ def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *, device: t
     stores = [StateStore(cfg, shape, rows, devices, shape.num_k_heads, shape.num_v_heads, shape.d_k, shape.d_v,
                          layers) for cfg in configs]
     stack = StoreStack(stores, rows)
+    places = {torch.device(d) for d in devices.values()}
+    if (graphs and len(places) == 1 and next(iter(places)).type == "cuda" and graphs_setting() == "auto"
+            and not any(set(cfg.combined) & set(HOST_STATE_COMBINATIONS) for cfg in configs)):
+        stack.graphs = DecodeGraphs(next(iter(places)))
+    return stack
+
+
+@contextlib.contextmanager
+def stacked(model: nn.Module, configs: list[PaceConfig], rows: int, *, device: torch.device | None = None,
+            stack: StoreStack | None = None) -> Iterator[tuple[object, StoreStack]]:
+    """Run several configurations in one batch inside the block: yields ``(cache, stack)``, a fresh
+    transformers cache whose forwards give rows ``[i·rows, (i+1)·rows)`` to ``configs[i]`` (a
+    :class:`~pace_core.state_store.StoreStack`: ``stack``, made by :func:`new_stack` for these configurations and
+    rows and reset to zero states, so that its recorded graphs serve again; else a new one). Feed the
+    cache to the model's forwards inside the block (this context's scope: module docstring)."""
+    from transformers import DynamicCache
+
+    if stack is None:
+        stack = new_stack(model, configs, rows, device=device)
+    elif [s.cfg for s in stack.stores] != list(configs) or stack.rows != rows:
+        raise PaceError(f"stack: made for {[s.cfg.name for s in stack.stores]} x {stack.rows} rows; allowed: one "
+                        f"made for {[c.name for c in configs]} x {rows} rows")
+    else:
+        stack.reset()
     key = StackKey(tuple(configs))
     cache = DynamicCache(config=model.config)
     setattr(cache, _STORE_ATTR, stack)

@@ -20,6 +20,7 @@ them there (errors, NLL, KL); only what they return crosses to the CPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -27,9 +28,11 @@ import torch
 
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
+from pace_core.graphs import GRAPHS_ENV
 from pace_core.model.loading import LoadedModel
-from pace_core.model.patch import stacked
+from pace_core.model.patch import new_stack, stacked
 from pace_core.schedule import Capture
+from pace_core.state_store import StoreStack
 
 StateHook = Callable[[int, int, int, torch.Tensor], None]
 """``on_state(member, layer, step, S [N, HV, K, V])``: member index, GDN layer, token count, effective state."""
@@ -60,8 +63,10 @@ def _check(ids: torch.Tensor, decode_from: int, capture_steps: Collection[int]) 
     return steps
 
 
-DECODE_CHUNK = 256
-"""Teacher-forced tokens per decode forward (:func:`teacher_forced`'s default)."""
+DECODE_CHUNK = 64
+"""Teacher-forced tokens per decode forward (:func:`teacher_forced`'s default). Attention and MLP cost the same in
+total whatever the chunk; short chunks let a run's later chunks replay the CUDA graphs its second chunk recorded
+(:mod:`pace_core.graphs`: a window's 512 decoded tokens are 8 chunks, 6 of them replays, where 256 gave none)."""
 
 
 def forwards(T: int, decode_from: int, decode_chunk: int = DECODE_CHUNK) -> int:
@@ -78,7 +83,8 @@ def progress_total(members: int, gdn_layers: int, T: int, decode_from: int, deco
 def teacher_forced(loaded: LoadedModel, members: Sequence[Member], ids: torch.Tensor, decode_from: int, *,
                    capture_steps: Collection[int] = (), on_state: StateHook | None = None,
                    on_logits: LogitsHook | None = None, logits_from: int = 0, decode_chunk: int = DECODE_CHUNK,
-                   progress: Callable[[int], None] | None = None) -> list[dict[int, dict[str, int]]]:
+                   progress: Callable[[int], None] | None = None,
+                   stacks: dict[tuple, StoreStack] | None = None) -> list[dict[int, dict[str, int]]]:
     """Run ``ids [N, T]`` through ``loaded.model`` under every member at once (module docstring): prefill
     ``ids[:, :decode_from]``, teacher-force the rest through the decode path.
 
@@ -86,13 +92,38 @@ def teacher_forced(loaded: LoadedModel, members: Sequence[Member], ids: torch.Te
     layer; counts below ``decode_from`` fall inside the prompt, which only exact members (the fp32
     reference) allow. ``on_logits`` gets the logits of positions ``logits_from`` (at most
     ``decode_from - 1``) to ``T - 1``, one call per forward. ``progress(n)``: units of
-    :func:`progress_total`. Returns each member's state bytes per GDN layer at the end (``{"payload",
-    "metadata", "buffer"}``)."""
+    :func:`progress_total`. ``stacks``: the caller's store stacks by members and rows, kept between runs so that
+    a later run of the same shape replays the CUDA graphs an earlier one recorded (:mod:`pace_core.graphs`).
+    Returns each member's state bytes per GDN layer at the end (``{"payload", "metadata", "buffer"}``).
+
+    A run whose graphs report a failed check (a state that overflowed or turned non-finite) is run again
+    without graphs, which raises that check's error where it happens."""
     steps = _check(ids, decode_from, capture_steps)
     if not 0 <= logits_from <= decode_from - 1:
         raise PaceError(f"logits_from: {logits_from} not allowed; allowed: 0..{decode_from - 1}")
     if decode_chunk < 1:
         raise PaceError(f"decode_chunk: {decode_chunk} not allowed; allowed: an integer >= 1")
+    cfgs = [m.cfg for m in members]
+    key = (tuple(cfgs), ids.shape[0])
+    stack = None if stacks is None else stacks.get(key)
+    if stack is None:
+        stack = new_stack(loaded.model, cfgs, ids.shape[0], device=loaded.device)
+        if stacks is not None:
+            stacks[key] = stack
+    run = functools.partial(_run, loaded, members, ids, decode_from, steps, on_state, on_logits, logits_from,
+                            decode_chunk, progress)
+    sizes = run(stack)
+    if stack.graphs is not None and stack.graphs.check():
+        run(new_stack(loaded.model, cfgs, ids.shape[0], device=loaded.device, graphs=False))
+        raise PaceError("a state check failed in a run recorded as CUDA graphs and passed when the run was "
+                        f"repeated without them; allowed: runs that agree (set {GRAPHS_ENV}=off and report this)")
+    return sizes
+
+
+def _run(loaded: LoadedModel, members: Sequence[Member], ids: torch.Tensor, decode_from: int, steps: list[int],
+         on_state: StateHook | None, on_logits: LogitsHook | None, logits_from: int, decode_chunk: int,
+         progress: Callable[[int], None] | None, stack: StoreStack) -> list[dict[int, dict[str, int]]]:
+    """One :func:`teacher_forced` run on ``stack`` (reset to zero states first)."""
     N, T = ids.shape
     model = loaded.model
     rows = ids.repeat(len(members), 1).to(loaded.device)
@@ -104,8 +135,9 @@ def teacher_forced(loaded: LoadedModel, members: Sequence[Member], ids: torch.Te
             return None
         return lambda i, layer: Capture(wanted, lambda c, S, i=i, layer=layer: on_state(i, layer, lo + c, S))
 
-    with stacked(model, [m.cfg for m in members], N, device=loaded.device) as (cache, stack):
+    with stacked(model, [m.cfg for m in members], N, stack=stack) as (cache, stack):
         stack.progress = progress
+        stack.teacher_forcing = False
         stack.capture = hook(0, decode_from)
         out = model(input_ids=rows[:, :decode_from], past_key_values=cache, use_cache=True,
                     logits_to_keep=decode_from - logits_from)

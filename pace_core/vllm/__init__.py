@@ -1,7 +1,8 @@
 """Serving PACE states in vLLM: a general plugin (entry point ``vllm.general_plugins``: ``pace``).
 
-    pip install "pace-studio[vllm]"
-    vllm serve <model> --enforce-eager --no-enable-prefix-caching --additional-config '{"pace_config": "my-config.json"}'
+    pip install ".[vllm]"        # in a clone of this repository (README, "Serving with vLLM")
+    vllm serve <model> --enforce-eager --no-enable-prefix-caching \\
+        --additional-config '{"pace_config": "my-config.json"}'
 
 (or ``PACE_CONFIG=my-config.json``; :mod:`pace_core.vllm.settings`). vLLM loads :func:`register` in each
 of its processes; it registers, by name and lazily (nothing of vLLM's model code is imported here):
@@ -19,9 +20,11 @@ but has not been run (README).
 
 from __future__ import annotations
 
-ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-                 "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
-"""The vLLM architectures served with PACE pages (:mod:`pace_core.vllm.models` has one class each)."""
+from pace_core.vllm.architectures import ARCHITECTURES
+
+INSTALL_COMMAND = 'pip install ".[vllm]"'
+"""How the plugin is installed: in a clone of this repository, beside vLLM (README). The project publishes no package
+to a registry, so a registry name would install whatever holds it."""
 
 
 def register() -> None:

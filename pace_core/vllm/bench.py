@@ -12,7 +12,8 @@ the same engine settings without a configuration), ``--kv-cache-memory-bytes`` o
 ``--max-model-len 512``. At each concurrency ``c`` it sends ``max(c, 8)`` requests, at most ``c`` in flight,
 of ``--tokens`` greedy tokens each (``ignore_eos``) on the 24-token prompts of
 :func:`pace_core.vllm.check.prompts` in turn, and measures: output tokens per second (all output tokens over
-the wall time; one request before the first level warms the server up), mean and 99th-percentile latency of a request, peak running sequences (vLLM's
+the wall time; one request before the first level warms the server up), mean and 99th-percentile latency of a request,
+peak running sequences (vLLM's
 ``vllm:num_requests_running`` on ``/metrics``, polled every 0.1 s) and the wall time; ``c = 64`` is the burst
 of 64 requests. ``ratios``: each plugin row over ``vllm-own``'s row of the same run and concurrency. The
 machine may be shared: the one-minute load average is recorded beside each configuration, and the ratios
@@ -35,16 +36,17 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from pace_core.vllm.check import EMBEDDED, REPO_ROOT, VLLM_OWN, MAX_MODEL_LEN, _label
+from pace_core.vllm.check import EMBEDDED, MAX_MODEL_LEN, REPO_ROOT, VLLM_OWN, _label, served_configs
 from pace_core.vllm.settings import serve_command
 
-PACE_4_8 = REPO_ROOT / "data" / "results" / "pace-tiny-qwen35" / "config-pace-4-8.json"
-CONFIGS = (VLLM_OWN, "fp32", "bf16", "rtn-int4", "rtn-int8", "pace-4", str(PACE_4_8))
-"""vLLM's own state and every named configuration a pool row holds (PACE-4/8 as the embedded model's export)."""
+CONFIGS = (VLLM_OWN, *served_configs("pool"))
+"""vLLM's own state and the named configurations served from a pool row (tag ``pool``; PACE-4/8 as the embedded
+model's export)."""
 SHIPPED = REPO_ROOT / "data" / "bench" / "vllm_serve_cpu.json"
 """The figures this project measured (``python -m pace_core.vllm.bench``), shown on the Benchmarks and Export pages."""
 READY_S = 300
@@ -244,9 +246,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             log = logs / f"run{run}-{Path(_label(config)).stem}.log"
             for row in measure(args.model, config, ids, args.concurrency, args.tokens, args.memory_mib << 20, log):
                 rows.append({"run": run, **row})
-                print(f"run {run} {row['config']:<48} c={row['concurrency']:<3} {row['output_tokens_per_s']:8.1f} tok/s "
-                      f"mean {row['latency_mean_s']:6.2f} s p99 {row['latency_p99_s']:6.2f} s peak "
-                      f"{row['peak_running']:3d} wall {row['wall_s']:6.1f} s load {row['load_avg_1m']:.2f}", flush=True)
+                print(
+                    f"run {run} {row['config']:<48} c={row['concurrency']:<3} {row['output_tokens_per_s']:8.1f} tok/s "
+                    f"mean {row['latency_mean_s']:6.2f} s p99 {row['latency_p99_s']:6.2f} s peak "
+                    f"{row['peak_running']:3d} wall {row['wall_s']:6.1f} s load {row['load_avg_1m']:.2f}",
+                    flush=True,
+                )
     doc = {"kind": "vllm-serve-bench", "memory_mib": args.memory_mib, "tokens": args.tokens,
            "prompt_tokens": len(ids[0]), "device": f"CPU {platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

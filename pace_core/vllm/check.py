@@ -41,14 +41,19 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from pace_core.config import get_config, tagged
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = REPO_ROOT / "data" / "models" / "pace-tiny-qwen35"
+SHIPPED_RESULTS = REPO_ROOT / "data" / "results" / "pace-tiny-qwen35"
+"""The embedded model's shipped results, with the exports of its calibrated configurations."""
 PROMPT_TOKENS = 24
 VLLM_OWN = "vllm-own"
 """The configuration name that runs vLLM without the plugin's state (its own fp32 state), compared with the
@@ -172,7 +177,7 @@ def teacher_forced_margins(loaded: Any, config: str, prompt_ids: Sequence[Sequen
         ids = torch.tensor([list(p) + list(c)], device=loaded.device)
         chunks: list[torch.Tensor] = []
         teacher_forced(loaded, [member], ids, len(p), logits_from=len(p) - 1,
-                       on_logits=lambda logits, first: chunks.append(logits[0]))
+                       on_logits=lambda logits, first, chunks=chunks: chunks.append(logits[0]))
         logits = torch.cat(chunks)[: len(c)]
         top = logits.max(-1).values
         out.append((top - logits[torch.arange(len(c)), torch.tensor(list(c))], top))
@@ -263,11 +268,17 @@ def _label(config: str) -> str:
         else config
 
 
+def served_configs(tag: str) -> list[str]:
+    """The named configurations of ``tag`` as vLLM is given them: by name, or as the embedded model's shipped export
+    (``data/results/pace-tiny-qwen35/config-<name>.json``) where a configuration needs a calibration on it."""
+    return [str(SHIPPED_RESULTS / f"config-{name}.json") if get_config(name).needs_calibration else name
+            for name in tagged(tag)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(EMBEDDED))
-    parser.add_argument("--configs", nargs="+", default=[VLLM_OWN, "fp32", "bf16", "pace-4", str(
-        REPO_ROOT / "data" / "results" / "pace-tiny-qwen35" / "config-pace-4-8.json")])
+    parser.add_argument("--configs", nargs="+", default=[VLLM_OWN, *served_configs("serve-check")])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--join-every", dest="join_every", type=int, default=4)
@@ -293,8 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{_label(args.own_state)}: {equal} of {len(own)} prompts equal over {args.tokens} greedy tokens")
         for r in own:
             if r.first_difference is not None:
-                print(f"  prompt {r.prompt}: step {r.first_difference}, vLLM's top-2 margin {r.margin:.4f}, "
-                      f"largest margin change before it {r.drift:.4f}: {'near tie' if r.near_tie else 'NOT a near tie'}")
+                print(
+                    f"  prompt {r.prompt}: step {r.first_difference}, vLLM's top-2 margin {r.margin:.4f}, "
+                    f"largest margin change before it {r.drift:.4f}: {'near tie' if r.near_tie else 'NOT a near tie'}"
+                )
         doc = {"kind": "vllm-own-state", "config": _label(args.own_state), "prompts": args.prompts,
                "tokens": args.tokens, "equal_prompts": equal, "rows": [r.__dict__ for r in own],
                "provenance": provenance}

@@ -35,10 +35,10 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from pace_core import accounting
 from pace_core.errors import PaceError
 from pace_core.memory import keep_freed_memory
-from pace_core.vllm import ARCHITECTURES
+from pace_core.pool import StatePool
+from pace_core.vllm.architectures import ARCHITECTURES
 from pace_core.vllm.pages import padded_page, smallest_kernel_block
 from pace_core.vllm.settings import served
-from pace_core.pool import StatePool
 
 if current_platform.is_cpu():
     from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu as conv_prefill

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pace_core.config import NAMED_CONFIGS, ConfigDocument, PaceConfig
+from pace_core.config import NAMED_CONFIGS, PaceConfig
 from pace_core.errors import PaceError
 from pace_core.export import admit
 from pace_core.shapes import ModelShape, shape_from_hf_config
@@ -55,7 +55,11 @@ def serve_command(model: str, config_file: str | None) -> str:
     """The ``vllm serve`` command line that serves ``model`` with the exported ``config_file`` (None: the same
     engine settings with vLLM's own state, as benchmarks compare)."""
     line = f"vllm serve {shlex.quote(model)} --enforce-eager --no-enable-prefix-caching"
-    return line if config_file is None else f"{line} --additional-config {shlex.quote(json.dumps({CONFIG_KEY: config_file}))}"
+    return (
+        line
+        if config_file is None
+        else f"{line} --additional-config {shlex.quote(json.dumps({CONFIG_KEY: config_file}))}"
+    )
 
 
 def config_source(additional_config: Any) -> str | None:

@@ -3,7 +3,7 @@ served PACE configuration is checked there, and published on ``/metrics``.
 
 vLLM gives a model architecture a configuration hook (``MODELS_CONFIG_MAP``: ``verify_and_update_config``,
 called while ``VllmConfig`` is built, in the process that builds it); :func:`install` wraps the hooks of
-:data:`pace_core.vllm.ARCHITECTURES` so that :func:`check` runs there, after vLLM's own. A configuration
+:data:`pace_core.vllm.architectures.ARCHITECTURES` so that :func:`check` runs there, after vLLM's own. A configuration
 the plugin refuses (:func:`pace_core.vllm.settings.served`) stops ``vllm serve`` at once with one line,
 ``PACE: <what to change>``, and exit status 1; an in-process engine (``LLM(...)``) gets the
 :class:`~pace_core.errors.PaceError`. The engine's workers check again (a setting vLLM resolves later).
@@ -25,7 +25,7 @@ from typing import Any
 
 from pace_core import accounting
 from pace_core.errors import PaceError
-from pace_core.vllm import ARCHITECTURES
+from pace_core.vllm.architectures import ARCHITECTURES
 from pace_core.vllm.settings import Served, config_source, served
 
 METRICS: dict[str, Any] = {}

@@ -63,8 +63,8 @@ from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: pace_core
 
-from pace_core.errors import PaceError  # noqa: E402
-from scripts.train.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer  # noqa: E402
+from pace_core.errors import PaceError
+from scripts.train.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "corpus"
@@ -166,7 +166,9 @@ class ModelSize:
     max_position_embeddings: int = 8192
 
 
-def build_config(vocab_size: int, eos_token_id: int, pad_token_id: int, size: ModelSize = ModelSize()) -> Qwen3_5TextConfig:
+def build_config(
+    vocab_size: int, eos_token_id: int, pad_token_id: int, size: ModelSize = ModelSize()
+) -> Qwen3_5TextConfig:
     """A ``Qwen3_5TextConfig`` with 3 GDN layers per full-attention layer, d_k = d_v = 128, γ = 2."""
     if size.num_layers % (GDN_PER_ATTENTION + 1):
         raise PaceError(f"num_layers must be a multiple of {GDN_PER_ATTENTION + 1}, got {size.num_layers}")
@@ -225,7 +227,9 @@ def next_token_loss(model: PreTrainedModel, batch: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
-def evaluate(model: PreTrainedModel, tokens: torch.Tensor, seq_len: int, batch_size: int, device: torch.device) -> float:
+def evaluate(
+    model: PreTrainedModel, tokens: torch.Tensor, seq_len: int, batch_size: int, device: torch.device
+) -> float:
     """Mean token loss (nats) over non-overlapping ``seq_len`` windows of ``tokens [N]``.
 
     Every token after the first is predicted once, from the tokens before it in its window.
@@ -236,7 +240,10 @@ def evaluate(model: PreTrainedModel, tokens: torch.Tensor, seq_len: int, batch_s
     n_full = (tokens.numel() - 1) // seq_len
     full = tokens[: n_full * seq_len + 1]
     starts = list(range(0, n_full * seq_len, seq_len))
-    groups = [torch.stack([full[s : s + seq_len + 1] for s in starts[i : i + batch_size]]) for i in range(0, len(starts), batch_size)]
+    groups = [
+        torch.stack([full[s : s + seq_len + 1] for s in starts[i : i + batch_size]])
+        for i in range(0, len(starts), batch_size)
+    ]
     if tokens.numel() - 1 > n_full * seq_len:
         groups.append(tokens[n_full * seq_len :].unsqueeze(0))
     for batch in groups:
@@ -289,7 +296,7 @@ class TrainArgs:
     attention_heads: int = ModelSize.attention_heads
     kv_heads: int = ModelSize.kv_heads
 
-    def validate(self) -> "TrainArgs":
+    def validate(self) -> TrainArgs:
         if self.minutes is None and self.max_steps is None:
             raise PaceError("minutes or max_steps must be given (a run needs a stopping point)")
         if self.total_minutes is None and self.max_steps is None:
@@ -604,7 +611,9 @@ def export(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path) -> di
     model.save_pretrained(str(out), max_shard_size=CHECKPOINT_SHARD)
     tokenizer.save_pretrained(str(out))
     training = {k: log[k] for k in ("args", "parameters", "data", "device", "torch", "resumed_from", "history", "best")}
-    training.update({k: log.get(k) for k in ("gdn_kernel", "stop_reason", "final_step", "tokens_seen", "train_seconds_total")})
+    training.update(
+        {k: log.get(k) for k in ("gdn_kernel", "stop_reason", "final_step", "tokens_seen", "train_seconds_total")}
+    )
     (out / "training_config.json").write_text(json.dumps(training, indent=1))
     write_curve_csv(log["curve"], out / "loss_curve.csv")
     plot_loss_curve(log["curve"], out / "loss_curve.png")
@@ -632,7 +641,14 @@ def main(argv: list[str] | None = None) -> None:
     rest = argv[1:] if argv and argv[0] == command else argv
     if command == "train":
         log = train(TrainArgs(**vars(_train_parser().parse_args(rest))))
-        print(json.dumps({k: log.get(k) for k in ("best", "stop_reason", "final_step", "tokens_seen", "run_seconds", "gdn_kernel")}))
+        print(
+            json.dumps(
+                {
+                    k: log.get(k)
+                    for k in ("best", "stop_reason", "final_step", "tokens_seen", "run_seconds", "gdn_kernel")
+                }
+            )
+        )
         return
     parser = argparse.ArgumentParser(prog=f"python scripts/train/train.py {command}")
     if command == "prepare":

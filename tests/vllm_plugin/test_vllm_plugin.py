@@ -19,12 +19,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pace_core import accounting  # noqa: E402
-from pace_core.export import read_config  # noqa: E402
-from pace_core.model.loading import load_model  # noqa: E402
-from pace_core.shapes import shape_from_hf_config  # noqa: E402
-from pace_core.vllm import check  # noqa: E402
-from pace_core.vllm.layer import PaceGatedDeltaNetAttention  # noqa: E402
+from pace_core import accounting
+from pace_core.export import read_config
+from pace_core.model.loading import load_model
+from pace_core.shapes import shape_from_hf_config
+from pace_core.vllm import check
+from pace_core.vllm.layer import PaceGatedDeltaNetAttention
 
 pytestmark = pytest.mark.vllm
 

@@ -24,7 +24,9 @@ from pace_core import accounting  # noqa: E402
 from pace_core.export import read_config  # noqa: E402
 from pace_core.model.loading import load_model  # noqa: E402
 from pace_core.vllm import check  # noqa: E402
-from pace_core.vllm.bench import PACE_4_8, VllmServer  # noqa: E402
+from pace_core.vllm.bench import VllmServer  # noqa: E402
+
+PACE_4_8 = check.SHIPPED_RESULTS / "config-pace-4-8.json"
 
 pytestmark = pytest.mark.vllm
 

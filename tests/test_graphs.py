@@ -1,0 +1,155 @@
+"""The analyses' decode calls as CUDA graphs (pace_core.graphs) and the checks they defer (pace_core.deferred).
+
+On the CPU: every check that reads the device records its failure instead while checks are deferred (and raises as
+before otherwise); a store stack's host state round-trips; a run whose graphs report a failed check is run again
+without them. With ``PACE_KERNEL_TESTS=cuda`` (the GPU check): a teacher-forced quality run through recorded graphs
+is the run without them bit for bit (the same kernels on the same inputs: a replay runs what was recorded), every
+GDN layer's call recorded once and replayed for the later batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernels_support import DEVICE, ON_GPU, kernel_modules
+
+from pace_core import deferred
+from pace_core.config import get_config
+from pace_core.errors import PaceError
+from pace_core.quant import QuantSpec, all_finite, check_finite, quantize
+
+
+def _recorded(run) -> list[bool]:
+    with deferred.deferring() as failures:
+        run()
+    return [bool(f.any()) for f in failures]
+
+
+def test_checks_record_their_failures_while_deferred():
+    spec = QuantSpec(4, True, "key", 4)
+    fine = torch.randn(2, 3, 8, 4, generator=torch.Generator().manual_seed(0), device="cpu")
+    huge = fine.clone()
+    huge[1, 2, 5, 3] = 1e9  # a group's scale 1e9 / 7 > 65504
+    nan = fine.clone()
+    nan[0, 1, 2, 0] = math.nan
+    assert not deferred.active()
+    assert _recorded(lambda: quantize(fine, spec)) == [False, False]  # finiteness, scale range
+    assert _recorded(lambda: quantize(huge, spec)) == [False, True]
+    assert _recorded(lambda: check_finite(nan, "S"))[0]
+    with deferred.deferring() as failures:
+        assert deferred.active() and all_finite(nan)  # recorded, not read
+    assert len(failures) == 1 and bool(failures[0])
+    with pytest.raises(PaceError, match="fp16 scale overflows"):
+        quantize(huge, spec, name="state")
+    with pytest.raises(PaceError, match="non-finite"):
+        check_finite(nan, "S")
+
+
+def test_the_kernels_state_check_records_while_deferred():
+    quantize_kernels = kernel_modules()["quantize"]
+    spec = QuantSpec(4, True, "key", 4)
+    S = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(1), device="cpu").to(DEVICE)
+    S[0, 1, 3, 2] = 1e9
+    assert _recorded(lambda: quantize_kernels._check_values(S, spec, [4, 4], "S")) == [True]
+    assert _recorded(lambda: quantize_kernels._check_values(S / 1e9, spec, [4, 4], "S")) == [False]
+    with pytest.raises(PaceError, match="overflows"):
+        quantize_kernels._check_values(S, spec, [4, 4], "S")
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from pace_core.model import DEFAULT_MODEL_DIR
+    from pace_core.model.loading import load_model
+
+    if not (DEFAULT_MODEL_DIR / "config.json").exists():
+        pytest.skip("no embedded model")
+    return load_model(None, device=DEVICE)
+
+
+def test_a_stacks_host_state_round_trips(embedded):
+    from pace_core.model.patch import new_stack
+
+    stack = new_stack(embedded.model, [get_config("fp32"), get_config("pace-4"), get_config("rtn-int4")], 2,
+                      device=DEVICE, graphs=False)
+    layer = stack.layers[0]
+    assert stack._host_state(layer) == (0, 0, 0)
+    stack._set_host_state(layer, (0, 5, 0))
+    assert stack._host_state(layer) == (0, 5, 0)
+    assert len(stack.stores[1].layer(layer).buffer) == 5
+    with pytest.raises(PaceError, match="0..8"):
+        stack._set_host_state(layer, (0, 9, 0))
+
+
+class _FailingGraphs:
+    """Runs every call as it is and reports a failed deferred check, as a replay whose state overflowed does."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def run(self, key, call, inputs, host_state, set_host_state):
+        self.calls += 1
+        return call(*inputs)
+
+    def check(self) -> bool:
+        return True
+
+
+def test_a_run_whose_graphs_failed_a_check_runs_again_without_them(embedded, monkeypatch):
+    """The rerun without graphs passes its checks here (nothing overflows), so the disagreement itself is the
+    error; where the state does fail, the rerun raises that failure's own error before (GPU test below)."""
+    from pace_core.analysis.text import TEST_TEXT, read_text, tokenize
+    from pace_core.model import patch, teacher
+
+    graphs = _FailingGraphs()
+    made = []
+
+    def with_graphs(model, configs, rows, *, device=None, **kw):
+        stack = original(model, configs, rows, device=device, graphs=False)
+        if kw.get("graphs", True):
+            stack.graphs = graphs
+        made.append(stack)
+        return stack
+
+    original = patch.new_stack
+    monkeypatch.setattr(teacher, "new_stack", with_graphs)
+    ids = tokenize(embedded.tokenizer, read_text(TEST_TEXT), 24).to(DEVICE)
+    members = [teacher.Member("fp32", get_config("fp32")), teacher.Member("pace-4", get_config("pace-4"))]
+    with pytest.raises(PaceError, match="passed when the run was repeated without them"):
+        teacher.teacher_forced(embedded, members, ids, 8, decode_chunk=8)
+    assert graphs.calls > 0
+    assert len(made) == 2 and made[1].graphs is None
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: the GPU check (PACE_KERNEL_TESTS=cuda)")
+@pytest.mark.parametrize("names", [("bf16", "pace-4", "rtn-int4", "qmamba-dsq"), ("pace-4-8", "damp-int8")])
+def test_graphed_quality_is_the_run_without_graphs(embedded, monkeypatch, names):
+    from pace_core.analysis.calibration import calibrate
+    from pace_core.analysis.quality import perplexity
+    from pace_core.analysis.text import CALIBRATION_TEXT, TEST_TEXT
+    from pace_core.graphs import GRAPHS_ENV, DecodeGraphs
+
+    cfgs = [calibrate(embedded, get_config(n), str(CALIBRATION_TEXT), tokens=256, sample_every=32).config
+            if get_config(n).needs_calibration else get_config(n) for n in names]
+
+    def run():
+        return perplexity(embedded, cfgs, TEST_TEXT, window=256, stride=128, max_tokens=256 + 128 * 15, batch=4,
+                          decode_from=128)
+
+    recorded = []
+    record = DecodeGraphs._record
+
+    def counted(self, key, *args):
+        recorded.append((key, record(self, key, *args)))
+        return recorded[-1][1]
+
+    monkeypatch.setattr(DecodeGraphs, "_record", counted)
+    monkeypatch.setenv(GRAPHS_ENV, "off")
+    plain = run()
+    assert not recorded
+    monkeypatch.setenv(GRAPHS_ENV, "auto")
+    graphed = run()
+    assert plain.equals(graphed), f"{plain}\n{graphed}"
+    # 4 batches of 4 windows, one decode chunk each: seen in the first, recorded in the second, replayed after
+    assert len(recorded) == len(embedded.gdn_layers) and all(r is not None for _, r in recorded), recorded
