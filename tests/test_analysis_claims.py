@@ -15,6 +15,7 @@ from pace_core.analysis.claims import (
     claim_configs,
     claims_progress_total,
     claims_table,
+    drift_sequence,
     equal_bits_pace,
     measure_claims,
     random_allocations,
@@ -25,6 +26,7 @@ from pace_core.analysis.claims import (
 from pace_core.analysis.quality import perplexity
 from pace_core.analysis.text import read_text, tokenize
 from pace_core.config import get_config
+from pace_core.errors import PaceError
 from pace_core.model.loading import load_model
 from pace_core.shapes import BUILTIN_SHAPES
 
@@ -153,10 +155,12 @@ def test_measure_claims_reports_what_it_measured(loaded, text):
                   for n in ("damp-int4", "damp-int8", "stepquant-4")}
     done = []
     report = measure_claims(loaded, text, pace48, max_tokens=160, window=32, stride=16, batch=4, seeds=3,
-                            drift_tokens=64, calibrated=calibrated, progress=done.append)
+                            drift_tokens=192, calibrated=calibrated, progress=done.append)
     n_tokens = tokenize(loaded.tokenizer, read_text(text), 160).shape[1]
+    drift_n = drift_sequence(loaded, text, 192).shape[1]
+    assert drift_n == 192 > n_tokens  # the drift sequence is read apart from the perplexity's tokens
     # the time-left estimate
-    assert sum(done) == claims_progress_total(loaded, pace48, 3, n_tokens, 32, 16, 4, 64, calibrated=calibrated)
+    assert sum(done) == claims_progress_total(loaded, pace48, 3, n_tokens, 32, 16, 4, drift_n, calibrated=calibrated)
     claims = {(c["claim"], c["what"]): c for c in report["claims"]}
     assert [c["claim"] for c in report["claims"]] == ["a"] * len(CLAIM_BITS) + ["b", "c", "d", "d", "e"]
     windows = len(range(0, n_tokens - 16, 16))  # windows of 32 every 16 up to the text's end
@@ -198,3 +202,12 @@ def test_measure_claims_reports_what_it_measured(loaded, text):
     assert main["rtn-int8"]["kl"] == pytest.approx(alone.loc["rtn-int8", "kl"], rel=1e-2, abs=1e-6)
     assert main["rtn-int8"]["resident_bits"] == resident_bits(get_config("rtn-int8"), loaded.shape).resident_bits
     assert report["tokens"] == int(alone.loc["rtn-int8", "tokens"])
+
+
+def test_a_drift_sequence_too_short_for_the_periods_is_refused(loaded, text):
+    """Claims (c) and (d) compare the periods at a common decode step: a decoded half shorter than the longest
+    period has none (before: a KeyError from the empty table, after the whole perplexity part had run)."""
+    least = 2 * max(DRIFT_PERIODS)
+    assert drift_sequence(loaded, text, least).shape == (1, least)
+    with pytest.raises(PaceError, match=rf"drift tokens: {least - 1} not allowed .*allowed: at least {least}"):
+        drift_sequence(loaded, text, least - 1)

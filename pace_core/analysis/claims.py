@@ -212,15 +212,28 @@ def claims_progress_total(
     """The progress units of :func:`measure_claims` on ``n_tokens`` tokens of its text. ``groups``: the sizes of
     the groups of configurations whose perplexity is measured in one :func:`perplexity_run` call each (each with
     its own run of the reference; none when all are stored); None: all of them in one call, as
-    :func:`measure_claims` does without ``quality``; ``calibrated`` as there."""
+    :func:`measure_claims` does without ``quality``; ``calibrated`` as there. ``drift_tokens``: the tokens of the
+    drift sequence, read from the text independently of ``n_tokens`` (:func:`drift_sequence`)."""
     cfgs = _configs(loaded, calibrated_pace48, seeds, calibrated)
     if groups is None:
         groups = [len(_unique(cfgs.quality())[0])]
-    T = min(drift_tokens, n_tokens)
+    T = drift_tokens
     states = len({**cfgs.drift, **cfgs.periodic, **cfgs.axis})
     return (sum(quality_progress_total(loaded, n, n_tokens, window, stride, max(window - stride, 1), batch)
                 for n in groups)
             + drift_progress_total(loaded, states, T, T // 2))
+
+
+def drift_sequence(loaded: LoadedModel, text: str | os.PathLike, drift_tokens: int) -> torch.Tensor:
+    """``ids [1, T]``: the first ``drift_tokens`` tokens of ``text`` (fewer if it is shorter), of which claims (c)
+    and (d) decode the second half; refused when that half is shorter than the longest period they compare."""
+    ids = tokenize(loaded.tokenizer, read_text(text), drift_tokens)
+    least = 2 * max(DRIFT_PERIODS)
+    if ids.shape[1] < least:
+        raise PaceError(f"drift tokens: {ids.shape[1]} not allowed (the text has {ids.shape[1]} of the "
+                        f"{drift_tokens} asked); allowed: at least {least}, so that the decoded half reaches a "
+                        f"multiple of every period compared ({', '.join(map(str, DRIFT_PERIODS))})")
+    return ids
 
 
 def _margin(better: float, other: float) -> float:
@@ -305,7 +318,7 @@ def measure_claims(loaded: LoadedModel, text: str | os.PathLike, calibrated_pace
         raise PaceError(f"quality: no perplexity row for {', '.join(absent)}; allowed: a row per quality_configs label")
     q = {label: quality.loc[alias[label]] for label in cfgs.quality()}
 
-    ids = tokenize(loaded.tokenizer, read_text(text), drift_tokens)
+    ids = drift_sequence(loaded, text, drift_tokens)
     decode_from = ids.shape[1] // 2
     state_cfgs = {**cfgs.drift, **cfgs.periodic, **cfgs.axis}
     dres = drift(loaded, state_cfgs, ids, decode_from, every=1, progress=progress)

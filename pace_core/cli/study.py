@@ -219,6 +219,7 @@ def run_claims(args: argparse.Namespace) -> int:
         CALIBRATED,
         claims_progress_total,
         claims_table,
+        drift_sequence,
         measure_claims,
         quality_configs,
     )
@@ -241,6 +242,7 @@ def run_claims(args: argparse.Namespace) -> int:
     if _reuse(found, "claims"):
         return 0
     n = tokenize(ctx.loaded.tokenizer, read_text(text), args.max_tokens or None).shape[1]
+    drift_n = drift_sequence(ctx.loaded, text, args.drift_tokens).shape[1]  # refused before the long part
     stride = max(args.window // 2, 1)
     decode_from = max(args.window - stride, 1)
     per_window = {"tables": "per window"}  # results of before carry no per-window table: not reused
@@ -251,7 +253,7 @@ def run_claims(args: argparse.Namespace) -> int:
     groups = config_groups([c for c in cfgs if found[c.name] is None])
     batch = args.batch or windows_per_batch(ctx.loaded, CONFIG_GROUP + 1, args.window, decode_from)
     with ctx.bar(claims_progress_total(ctx.loaded, pace48, args.seeds, n, args.window, stride, batch,
-                                       args.drift_tokens, groups=[len(g) for g in groups], calibrated=calibrated),
+                                       drift_n, groups=[len(g) for g in groups], calibrated=calibrated),
                  "claims") as bar:
         found = measure_quality(ctx, "claims_quality", cfgs, text, window=args.window, stride=stride,
                                 max_tokens=args.max_tokens, decode_from=decode_from, batch=batch, params=per_window,
