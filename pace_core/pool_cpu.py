@@ -11,13 +11,14 @@ PyTorch operators and scatter.
   (:meth:`FusedPool.decode` given ``A_log, dt_bias``) it also prepares ``q, k`` (:func:`~pace_core.recurrence.
   prepare_qk`) and the gates (:func:`~pace_core.recurrence.gdn_gates`), and writes ``o`` in the output's dtype.
 - **What it serves** (:func:`refusal`): every configuration a pool row holds (:mod:`pace_core.vllm.slots`): the
-  float32 and bfloat16 references, RTN and PACE at any width, group axis and size, symmetric or with zero points,
+  float32 and bfloat16 references, RTN and PACE at any width 2..8 (codes and zero points packed densely, as
+  :func:`pace_core.quant.pack_codes` stores them), group axis and size, symmetric or with zero points,
   a share of 8-bit heads, the key-axis Hadamard rotation and static scales, any dP and buffer precision, on
   float32 (or, raw, bfloat16 / float16) inputs with the exact current token. The rest runs on the reference.
 - **Build**: the first use compiles ``csrc/pool_cpu.cpp`` with the machine's C++ compiler (``$CXX``, else
   ``c++``; ``-O3 -march=native -fopenmp``, against the running torch) into a cache folder (``$PACE_CPU_CACHE``, else
   ``$XDG_CACHE_HOME/pace-studio`` or ``~/.cache/pace-studio``) keyed by the source, torch and the CPU, and loads it
-  as ``torch.ops.pace_cpu.decode`` (10-30 s once; later processes load the cached library, with or without a
+  as ``torch.ops.pace_cpu.decode`` and ``torch.ops.pace_cpu.prefill`` (10-30 s once; later processes load the cached library, with or without a
   compiler). Without a compiler, or if the build fails, the pool steps on the reference and the first pool to ask
   warns once, naming why (:func:`library`). Threads: torch's (``at::parallel_for`` over rows and heads).
 
