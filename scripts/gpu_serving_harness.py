@@ -195,12 +195,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_config(name: str, args: argparse.Namespace, device: torch.device, log) -> tuple[dict, dict]:
-    """Stages 1, 2 and 4 (module docstring) of configuration ``name``: its result, and what stage 3 needs."""
-    H, HV, K, V = dims = (args.heads, args.v_heads, args.dim, args.dim)
+def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log) -> tuple[dict, dict]:
+    """Stages 1, 2 and 4 (module docstring) of configuration ``name`` with ``layer`` (and ``compiled``, its
+    torch.compile, shared by the configurations: one compilation): its result, and what stage 3 needs."""
+    H, HV, K, V = dims = layer.dims
+    device = layer.A_log.device
     cfg = config(name, HV)
-    gen = torch.Generator().manual_seed(0)
-    layer = Layer(dims, gen, device)
+    gen = torch.Generator().manual_seed(1)
     pool = StatePool(cfg, dims, args.batch, device, backend="triton")
     ref = StatePool(cfg, dims, args.batch, device, backend="reference")
     POOLS.clear()
@@ -237,9 +238,8 @@ def run_config(name: str, args: argparse.Namespace, device: torch.device, log) -
         f"{worst_s:.2e} (limit {LIMIT}) {'ok' if ok else 'FAILED'}")
 
     # 2. torch.compile of the layer around the operator against the eager layer
-    if args.compile:
+    if compiled is not None:
         try:
-            compiled = torch.compile(layer, dynamic=True)
             worst_o = worst_s = 0.0
             t0 = time.perf_counter()
             for _ in range(args.compile_steps):
@@ -377,10 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results = []
     torch.set_grad_enabled(False)  # serving: no autograd around the operator or the projections
+    layer = Layer((args.heads, args.v_heads, args.dim, args.dim), torch.Generator().manual_seed(0), device)
+    compiled = torch.compile(layer, dynamic=True) if args.compile else None
     graphs = []
     for name in args.configs:
         try:
-            result, ctx = run_config(name, args, device, log)
+            result, ctx = run_config(name, args, layer, compiled, log)
             results.append(result)
             graphs.append((result, ctx))
         except Exception as err:
