@@ -18,7 +18,8 @@ PyTorch operators and scatter.
 - **Build**: the first use compiles ``csrc/pool_cpu.cpp`` with the machine's C++ compiler (``$CXX``, else
   ``c++``; ``-O3 -march=native -fopenmp``, against the running torch) into a cache folder (``$PACE_CPU_CACHE``, else
   ``$XDG_CACHE_HOME/pace-studio`` or ``~/.cache/pace-studio``) keyed by the source, torch and the CPU, and loads it
-  as ``torch.ops.pace_cpu.decode`` and ``torch.ops.pace_cpu.prefill`` (10-30 s once; later processes load the cached library, with or without a
+  as ``torch.ops.pace_cpu.decode`` and ``torch.ops.pace_cpu.prefill`` (10-30 s once;
+  later processes load the cached library, with or without a
   compiler). Without a compiler, or if the build fails, the pool steps on the reference and the first pool to ask
   warns once, naming why (:func:`library`). Threads: torch's (``at::parallel_for`` over rows and heads).
 
