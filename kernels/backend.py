@@ -177,8 +177,9 @@ class TritonSteps:
         reads the device: recorded while checks are deferred (:mod:`pace_core.deferred`), skipped while another
         CUDA graph is being captured (its replays do not check, as :func:`pace_core.state_store.refuse_non_finite`).
         The launch settings' ``recurrent`` reach the kernel; its plan and the overflow bound are made on the first
-        run (the layer's layout does not change)."""
-        if self._recurrent is None:  # the layer's layout: every run's checkpoint has it
+        run (the layer's layout does not change), the plan again when the batch does (a state pool steps rows of
+        other batch sizes through the same layer)."""
+        if self._recurrent is None or self._recurrent[0].shape != tuple(st.checkpoint.shape):
             bound = None if st.fmt.spec is None else _quantize.overflow_free(st.fmt.spec, list(st.fmt.bits_per_head))
             self._recurrent = (plan_recurrent(st.checkpoint, self.launch.recurrent), bound)
         plan, bound = self._recurrent

@@ -28,14 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from pace_core.backend import select_steps
+from pace_core.backend import backend_setting, select_steps
 from pace_core.buffer import EMPTY, DecodeBuffer, records_held
 from pace_core.checkpoint import checkpoint_tensors, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.methods import state_format
+from pace_core.pool_cpu import Failure, FusedPool
 from pace_core.quant import all_finite
-from pace_core.recurrence import fold_records, step_records
+from pace_core.recurrence import fold_records, gdn_gates, prepare_qk, step_records
 from pace_core.schedule import PeriodicState
 
 
@@ -89,7 +90,26 @@ class StatePool:
             slots, H, HV, K, V, cfg.decode_period, cfg.buffer_format, self.device,
             {n: t for n, t in tensors.items() if n not in self.checkpoint_names}, per_row=True)
         """The decode buffer over every slot's records, each row holding its own count (its per-row methods)."""
+        self._backend = backend
+        self._fused: tuple[FusedPool | None, str | None] | None = None
         self.reset()
+
+    @property
+    def fused(self) -> FusedPool | None:
+        """The fused CPU step of :meth:`decode` and :meth:`prefill`, or None; chosen at the first step that asks (so
+        a pool that is never stepped by slot, such as the transformers path's, never builds it), once."""
+        if self._fused is None:
+            why = "the backend setting is not auto" if backend_setting(self._backend) != "auto" else (
+                "not on a CPU" if self.device.type != "cpu" else None)
+            self._fused = (None, why) if why else FusedPool.for_pool(self.cfg, self.fmt, self.dims, self.tensors,
+                                                                    self.checkpoint_names)
+        return self._fused[0]
+
+    @property
+    def step(self) -> str:
+        """Who steps the pool by slot: the fused CPU step, or the backend and why not the fused step."""
+        return "fused CPU step (pace_core.pool_cpu)" if self.fused is not None else \
+            f"{self.steps.name} ({self._fused[1]})"
 
     def state(self, rows: dict[str, torch.Tensor] | None = None) -> PeriodicState:
         """The schedule over every slot of the pool at once (``rows``: over these gathered rows instead), all at the
@@ -138,13 +158,20 @@ class StatePool:
         """One decode token for each slot of ``slots [B]`` (integers, distinct): ``q, k [B, H, K]`` prepared,
         ``v [B, HV, V]``, ``g, beta [B, HV]`` float32 (float64 computes in float64) -> ``o [B, HV, V]``. Each row's
         record goes into its own buffer; a row whose buffer the token fills is flushed (its checkpoint written back,
-        its buffer emptied); the other rows' checkpoints are not written.
+        its buffer emptied); the other rows' checkpoints are not written. Non-finite ``k, v, g`` are refused before
+        anything is written.
 
         On the reference backend all rows step at once (:func:`pace_core.recurrence.step_records` on each row's
         records, a slot beyond its count masked; the record written at each row's own position; the rows the token
         fills folded and stored together); the kernels take rows of one count per launch, so there the rows run
         in groups of equal count through the schedule."""
+        if self.fused is not None and all(x.dtype == torch.float32 for x in (q, k, v, g, beta)):
+            out = torch.empty(v.shape, dtype=torch.float32)
+            self._run_fused(slots, (q, k, v, g, beta), out, None)
+            return out
         slots = slots.long()
+        if not all_finite(k, v, g):
+            raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
         if self.records is not None and self.steps.name == "reference":
             return self._decode_rows(slots, q, k, v, g, beta)
         out = torch.empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
@@ -162,11 +189,53 @@ class StatePool:
             self._write(sub, rows, changed)
         return out
 
+    def decode_projected(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                         out: torch.Tensor) -> None:
+        """:meth:`decode` of a GDN layer's projections: ``q, k [B, H, K]`` before
+        :func:`pace_core.recurrence.prepare_qk`, ``v [B, HV, V]``, ``a, b [B, HV]`` and the layer's
+        ``A_log, dt_bias [HV]`` (:func:`pace_core.recurrence.gdn_gates`),
+        ``o`` written into ``out [B, HV, V]`` in its dtype. The fused CPU step does it all in one operator."""
+        if self.fused is not None and all(x.dtype != torch.float64 for x in (q, k, v, a, b)):
+            self._run_fused(slots, (q, k, v, a, b), out, (A_log, dt_bias))
+            return
+        q, k = prepare_qk(q, k)
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        out.copy_(self.decode(slots, q, k, v.float(), g, beta))
+
+    def _run_fused(self, slots: torch.Tensor, inputs: tuple[torch.Tensor, ...], out: torch.Tensor,
+               gates: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The fused step (:meth:`decode`, :meth:`decode_projected`), raising the reference's error when a row could
+        not be stepped."""
+        failure = self.fused.decode(slots.contiguous(), *inputs, out, gates)
+        if failure is not None:
+            self._refuse(slots, failure)
+
+    def _refuse(self, slots: torch.Tensor, failure: Failure) -> None:
+        """Raise the error the reference raises for the step the fused operator could not complete: its inputs, its
+        slot, or the state or record it could not store (stored here by the reference's own format or buffer, which
+        refuses it). The failing row and head wrote nothing; the batch's other rows may have stepped."""
+        H, HV, K, V = self.dims
+        if failure.kind == "input":
+            raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
+        if failure.kind == "slot":
+            raise PaceError(f"slots: {int(slots[failure.row])} not allowed for {self.name}; "
+                            f"allowed: 0..{self.slots - 1}")
+        if failure.kind == "record":
+            u = torch.zeros(1, HV, V)
+            u[0, failure.head] = failure.u
+            self.records.rounded("value", u)
+        else:
+            S = torch.zeros(1, HV, K, V)
+            S[0, failure.head] = failure.S
+            self.fmt.store(self.fmt.unrotate(S) if self.cfg.key_hadamard else S)
+        raise PaceError(f"{self.name}: the {failure.kind} of slot {int(slots[failure.row])}, value head {failure.head} "
+                        "lies at the limit of what its format stores (float32 or an fp16 scale); allowed: states "
+                        "within range")
+
     def _decode_rows(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor) -> torch.Tensor:
         """:meth:`decode` of rows at any counts at once (the reference: the method's docstring)."""
-        if not all_finite(k, v, g):
-            raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
         cfg, records = self.cfg, self.records
         counts = records_held(self.tensors["log_decays"].index_select(0, slots))
         checkpoint = with_tensors(
@@ -191,6 +260,14 @@ class StatePool:
         """A prompt in ``slot``: ``q, k [T, H, K]`` prepared, ``v [T, HV, V]``, ``g, beta [T, HV]`` float32, from
         the slot's stored state (``initial``: a prompt continued, e.g. a chunked prefill's next part) or from
         zero -> ``o [T, HV, V]`` float32."""
+        if self.fused is not None and q.shape[0] and all(x.dtype == torch.float32 for x in (q, k, v, g, beta)):
+            out = torch.empty(v.shape, dtype=torch.float32)
+            slots = torch.tensor([slot])
+            failure = self.fused.prefill(slots, torch.tensor([0, q.shape[0]]), torch.tensor([initial]), q, k, v, g,
+                                         beta, out)
+            if failure is not None:
+                self._refuse(slots, failure)
+            return out
         sub = torch.tensor([slot], device=self.tensors[self.checkpoint_names[0]].device)
         if not initial:
             self.reset(sub)
@@ -200,6 +277,26 @@ class StatePool:
             o = state.prefill(*(x.unsqueeze(0) for x in (q, k, v, g, beta)))
         self._write(sub, rows, rows)
         return o[0]
+
+    def prefill_projected(self, slots: torch.Tensor, starts: torch.Tensor, initial: torch.Tensor, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                          dt_bias: torch.Tensor, out: torch.Tensor) -> None:
+        """:meth:`prefill` of several prompts from a GDN layer's projections (as :meth:`decode_projected`'s, one row
+        per token): prompt ``p`` in slot ``slots[p]`` is rows ``starts[p] .. starts[p + 1]`` (``starts [n + 1]``), from
+        its stored state where ``initial[p]``; ``o`` written into the same rows of ``out``. The fused CPU step runs
+        every prompt and head in one operator."""
+        bounds = starts.tolist()
+        if self.fused is not None and all(e > s for s, e in zip(bounds, bounds[1:])) and \
+                all(x.dtype != torch.float64 for x in (q, k, v, a, b)):
+            failure = self.fused.prefill(slots.contiguous(), starts.contiguous(), initial.bool().contiguous(), q, k, v,
+                                         a, b, out, (A_log, dt_bias))
+            if failure is not None:
+                self._refuse(slots, failure)
+            return
+        for p, (s, e) in enumerate(zip(bounds, bounds[1:])):
+            qp, kp = prepare_qk(q[s:e], k[s:e])
+            g, beta = gdn_gates(a[s:e], b[s:e], A_log, dt_bias)
+            out[s:e] = self.prefill(int(slots[p]), qp, kp, v[s:e].float(), g, beta, bool(initial[p])).to(out.dtype)
 
 
 def layer_format(cfg: PaceConfig, num_v_heads: int, gdn_index: int = 0, tp: tuple[int, int] = (0, 1),

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
@@ -46,6 +47,15 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     dtype = _compute_dtype(q, k)
     q, k = q.to(dtype), k.to(dtype)
     return _l2norm(q) * q.shape[-1] ** -0.5, _l2norm(k)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GDN layer's gates from its projections ``a, b [..., HV]`` and parameters ``A_log, dt_bias [HV]`` (Qwen3.5 /
+    Qwen3-Next, as vLLM and transformers compute them): ``g = −exp(A_log) · softplus(a + dt_bias)`` in float32 and
+    ``beta = sigmoid(b)`` in ``b``'s dtype, both returned float32."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid().float()
 
 
 def _check_sequence(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int, int, int, int]:

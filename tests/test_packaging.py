@@ -38,10 +38,13 @@ x = torch.randn(2, 3, 16, 32)
 spec = quant.QuantSpec(4, True, "key", 8)
 got, ref = qp.quantize(x, spec), quant.quantize(x, spec)
 assert torch.equal(got.codes, ref.codes) and torch.equal(got.scale, ref.scale)
+from pace_core.pool_cpu import SOURCE, library
+assert library() is None and SOURCE.is_file(), library()
 print("ours", pace_kernels.__file__)
 """
 """Imports both, checks that pace_core resolves its kernels to ``pace_kernels`` and runs the quantise kernel
-against the reference (bit-identical, as tests/test_kernels_quantize.py holds it)."""
+against the reference (bit-identical, as tests/test_kernels_quantize.py holds it), and loads the fused CPU step from
+the installed source (pace_core.pool_cpu)."""
 
 
 ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "TRITON_INTERPRET": "1"}
@@ -83,6 +86,7 @@ def test_the_wheel_installs_beside_the_kernel_hub_package(tmp_path: Path):
     sources = {f"pace_core/{p.relative_to(REPO / 'pace_core').as_posix()}" for p in (REPO / "pace_core").rglob("*.py")
                if "__pycache__" not in p.parts}
     sources |= {f"pace_kernels/{p.name}" for p in (REPO / "kernels").glob("*.py")}
+    sources |= {f"pace_core/csrc/{p.name}" for p in (REPO / "pace_core" / "csrc").glob("*.cpp")}
     assert sources <= names, sorted(sources - names)
     assert not any(n.startswith("kernels/") for n in names)
 

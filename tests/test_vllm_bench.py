@@ -28,9 +28,16 @@ def test_percentile_interpolates_between_ranks():
     assert bench.percentile(values, 0) == 1.0 and bench.percentile([5.0], 99) == 5.0
 
 
-def _row(run, config, c, tok_s, peak, wall):
-    return {"run": run, "config": config, "concurrency": c, "output_tokens_per_s": tok_s, "peak_running": peak,
-            "wall_s": wall}
+def _row(run, config, c, tok_s, peak, wall, shape=(24, 32)):
+    return {"run": run, "config": config, "prompt_tokens": shape[0], "tokens": shape[1], "concurrency": c,
+            "output_tokens_per_s": tok_s, "peak_running": peak, "wall_s": wall}
+
+
+def test_a_shape_is_prompt_and_output_tokens():
+    assert bench.shape("512x256") == (512, 256) and [bench.shape(s) for s in bench.SHAPES] == [(24, 32), (512, 256)]
+    for bad in ("512", "0x4", "ax3", "3x-1"):
+        with pytest.raises(ValueError, match="PROMPTxOUTPUT"):
+            bench.shape(bad)
 
 
 def test_ratios_compare_each_plugin_row_with_vllms_own_of_the_same_run():
@@ -42,6 +49,15 @@ def test_ratios_compare_each_plugin_row_with_vllms_own_of_the_same_run():
     assert got[0]["wall_ratio"] == 4.0 and got[1]["tokens_per_s_ratio"] == 0.5 and got[1]["wall_ratio"] == 1.5
 
 
+def test_ratios_compare_rows_of_the_same_shape():
+    long = (512, 256)
+    rows = [_row(1, "vllm-own", 8, 400.0, 8, 5.0), _row(1, "vllm-own", 8, 100.0, 8, 20.0, long),
+            _row(1, "fp32", 8, 380.0, 8, 5.2), _row(1, "fp32", 8, 99.0, 8, 20.2, long)]
+    got = bench.ratios(rows)
+    assert [(r["prompt_tokens"], r["tokens"], r["tokens_per_s_ratio"]) for r in got] == [(24, 32, 0.95),
+                                                                                          (512, 256, 0.99)]
+
+
 def test_the_stored_burst_is_read_as_a_short_table(tmp_path):
     path = tmp_path / "vllm_serve_cpu.json"
     rows = [
@@ -51,8 +67,8 @@ def test_the_stored_burst_is_read_as_a_short_table(tmp_path):
         _row(1, "vllm-own", 8, 700.0, 8, 0.4),
     ]
     path.write_text(json.dumps({"rows": rows, "ratios": bench.ratios(rows)}))
-    assert bench.shipped_table(path) == [{"configuration": "pace-4-8", "run": 1, "output tok/s ×": 0.25,
-                                          "peak running ×": 3.0, "burst wall time ×": 4.0}]
+    assert bench.shipped_table(path) == [{"configuration": "pace-4-8", "run": 1, "prompt + output tokens": "24 + 32",
+                                          "output tok/s ×": 0.25, "peak running ×": 3.0, "burst wall time ×": 4.0}]
     path.write_text("{")
     assert bench.shipped_table(path) is None
     assert bench.shipped_table(tmp_path / "missing.json") is None

@@ -114,10 +114,14 @@ def test_staggered_sequences_keep_their_own_state(name):
     rounding: for the unrounded fp32 state the outputs agree to fp32_bound of the chain (T steps of
     K-term dot products); a quantised state may move a few codes by one step where such a difference
     crosses a rounding boundary (|ΔS| / |S| well under 1e-2), while a sequence given another's state or
-    flush point is off by several 1e-2 (measured: 0.05-0.08 with every row's count taken as the largest)."""
+    flush point is off by several 1e-2 (measured: 0.05-0.08 with every row's count taken as the largest). The pool
+    steps on the reference here, as the alone runs do: the fused CPU step sums in another order, and at dP = 1 a code
+    it moves is carried through every later token (rtn-int5: up to 9e-3 over 20 seeds, near the bound), so its
+    agreement with the reference is tested step by step from the same stored state (tests/test_pool_cpu.py)."""
     cfg = _config(name, 4, d_k=64, d_v=64)
     limit = fp32_bound(24 * 4 * 64) if cfg.exact else 1e-2
-    for o_pool, o_alone, s_pool, s_alone, count, buffered in _staggered(cfg, 2, 4, 64, 64):
+    torch.manual_seed(0)
+    for o_pool, o_alone, s_pool, s_alone, count, buffered in _staggered(cfg, 2, 4, 64, 64, backend="reference"):
         assert rel(o_pool, o_alone) <= limit
         assert rel(s_pool, s_alone) <= limit
         assert count == buffered
@@ -131,6 +135,7 @@ def test_staggered_sequences_on_the_kernels():
     cfg = NAMED_CONFIGS["pace-4"]
     layout = SlotLayout(cfg, 2, 4, 64, 64)
     assert _pool(layout, 1, "triton").steps.name == "triton"
+    torch.manual_seed(0)
     for o_pool, o_alone, s_pool, s_alone, count, buffered in _staggered(cfg, 2, 4, 64, 64,
                                                                         backend="triton"):
         assert rel(o_pool, o_alone) <= 1e-2
@@ -141,11 +146,12 @@ def test_staggered_sequences_on_the_kernels():
 @pytest.mark.numerics
 def test_a_continued_prompt_starts_from_the_stored_state():
     """A prompt in two parts (vLLM's chunked prefill) continues from the stored state and buffer: the same
-    as the same two prefill calls of one LayerState (same code, same shapes: bit for bit)."""
+    as the same two prefill calls of one LayerState (the reference step on both: same code, same shapes, bit for
+    bit; the fused CPU step is held to it in tests/test_pool_cpu.py)."""
     H, HV, K, V = 2, 4, 64, 64
     cfg = NAMED_CONFIGS["pace-4"]
     layout = SlotLayout(cfg, H, HV, K, V)
-    pool = _pool(layout, 2)
+    pool = _pool(layout, 2, backend="reference")
     x = _inputs(1, 30, H, HV, K, V)
     ref = LayerState(cfg, 1, H, HV, K, V, "cpu")
     for lo, hi, initial in ((0, 12, False), (12, 30, True)):

@@ -2,22 +2,23 @@
 state and cache memory budget.
 
     python -m pace_core.vllm.bench [--model data/models/pace-tiny-qwen35] [--configs vllm-own fp32 ... FILE]
-                                   [--memory-mib 64] [--concurrency 1 8 32 64] [--tokens 32] [--runs 2]
-                                   [--out data/bench/vllm_serve_cpu.json]
+                                   [--memory-mib 64] [--concurrency 1 8 32 64] [--shapes 24x32 512x256]
+                                   [--runs 2] [--out data/bench/vllm_serve_cpu.json]
 
 (in the vLLM environment: ``make vllm-env``). Each run serves every configuration in turn (by default vLLM's
 own state, ``vllm-own``, and each named configuration a pool row holds, PACE-4/8 with the embedded model's
 exported heads) with the documented command (:func:`pace_core.vllm.settings.serve_command`; ``vllm-own``:
 the same engine settings without a configuration), ``--kv-cache-memory-bytes`` of ``--memory-mib`` and
-``--max-model-len 512``. At each concurrency ``c`` it sends ``max(c, 8)`` requests, at most ``c`` in flight,
-of ``--tokens`` greedy tokens each (``ignore_eos``) on the 24-token prompts of
-:func:`pace_core.vllm.check.prompts` in turn, and measures: output tokens per second (all output tokens over
-the wall time; one request before the first level warms the server up), mean and 99th-percentile latency of a request,
-peak running sequences (vLLM's
-``vllm:num_requests_running`` on ``/metrics``, polled every 0.1 s) and the wall time; ``c = 64`` is the burst
-of 64 requests. ``ratios``: each plugin row over ``vllm-own``'s row of the same run and concurrency. The
-machine may be shared: the one-minute load average is recorded beside each configuration, and the ratios
-within one run are the figures to read.
+``--max-model-len`` of the longest shape (at least :data:`pace_core.vllm.check.MAX_MODEL_LEN`). Per shape
+``PxT`` of ``--shapes`` (short prompts and outputs, 24x32; long ones, 512x256, where prefill and the buffer's
+flushes weigh differently) and each concurrency ``c`` it sends ``max(c, 8)`` requests, at most ``c`` in flight,
+of ``T`` greedy tokens each (``ignore_eos``) on the ``P``-token prompts of :func:`pace_core.vllm.check.prompts`
+in turn (the text has 8 lines of 512 tokens; prefix caching is off), and measures: output tokens per second (all
+output tokens over the wall time; one request before the first level warms the server up), mean and
+99th-percentile latency of a request, peak running sequences (vLLM's ``vllm:num_requests_running`` on
+``/metrics``, polled every 0.1 s) and the wall time; ``c = 64`` is the burst of 64 requests. ``ratios``: each
+plugin row over ``vllm-own``'s row of the same run, shape and concurrency. The machine may be shared: the
+one-minute load average is recorded beside each level, and the ratios within one run are the figures to read.
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ SHIPPED = REPO_ROOT / "data" / "bench" / "vllm_serve_cpu.json"
 READY_S = 300
 """How long a server may take to answer ``/health`` (about 40 s on two shared cores)."""
 MIN_REQUESTS = 8
+SHAPES = ("24x32", "512x256")
+"""Prompt and output tokens of the measured requests, ``PxT``: short ones, and long prompts with long outputs."""
+
+
+def shape(text: str) -> tuple[int, int]:
+    """``(prompt tokens, output tokens)`` of a shape ``PxT`` (both positive); ValueError naming the allowed form."""
+    try:
+        p, t = (int(x) for x in text.split("x"))
+    except ValueError:
+        p = t = 0
+    if p <= 0 or t <= 0:
+        raise ValueError(f"shape {text!r} not allowed; allowed: PROMPTxOUTPUT tokens, both positive, e.g. 512x256")
+    return p, t
 
 
 @dataclass
@@ -166,38 +180,45 @@ async def _level(server: VllmServer, model: str, prompt_ids: Sequence[Sequence[i
             "latency_p99_s": percentile(latencies, 99), "peak_running": peak, "wall_s": wall}
 
 
-def measure(model: str, config: str, prompt_ids: Sequence[Sequence[int]], concurrency: Sequence[int], tokens: int,
-            memory_bytes: int, log: Path) -> list[dict[str, Any]]:
-    """Rows of one configuration (``vllm-own``: vLLM's own state) served by ``vllm serve``, one per level."""
-    args = ["--kv-cache-memory-bytes", str(memory_bytes), "--max-model-len", str(MAX_MODEL_LEN)]
+def measure(model: str, config: str, prompt_sets: Mapping[tuple[int, int], Sequence[Sequence[int]]],
+            concurrency: Sequence[int], memory_bytes: int, log: Path) -> list[dict[str, Any]]:
+    """Rows of one configuration (``vllm-own``: vLLM's own state) served by one ``vllm serve``, one per shape
+    ``(P, T)`` of ``prompt_sets`` (its prompts) and level."""
+    longest = max(MAX_MODEL_LEN, *(p + t for p, t in prompt_sets))
+    args = ["--kv-cache-memory-bytes", str(memory_bytes), "--max-model-len", str(longest)]
     server = VllmServer.start(model, None if config == VLLM_OWN else config, log, args,
                               env={"VLLM_CPU_KVCACHE_SPACE": None})  # it would override the budget
     try:
         server.wait_ready()
         served = json.loads(server.get("/v1/models"))["data"][0]["id"]
         blocks = re.search(r'num_gpu_blocks="(\d+)"', server.get("/metrics"))
-        asyncio.run(_level(server, served, prompt_ids[:1], 1, tokens, requests=1))  # warm-up, not counted
         rows = []
-        for c in concurrency:
-            load = os.getloadavg()[0]
-            row = asyncio.run(_level(server, served, prompt_ids, c, tokens))
-            rows.append({"config": _label(config), **row, "blocks": int(blocks.group(1)) if blocks else None,
-                         "load_avg_1m": load})
+        for (p, t), prompt_ids in prompt_sets.items():
+            asyncio.run(_level(server, served, prompt_ids[:1], 1, t, requests=1))  # warm-up, not counted
+            for c in concurrency:
+                load = os.getloadavg()[0]
+                row = asyncio.run(_level(server, served, prompt_ids, c, t))
+                rows.append({"config": _label(config), "prompt_tokens": p, "tokens": t, **row,
+                             "blocks": int(blocks.group(1)) if blocks else None, "load_avg_1m": load})
     finally:
         server.stop()
     return rows
 
 
 def ratios(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Each plugin row over ``vllm-own``'s of the same run and concurrency: output tokens/s, peak running
+    """Each plugin row over ``vllm-own``'s of the same run, shape and concurrency: output tokens/s, peak running
     sequences and wall time."""
-    own = {(r["run"], r["concurrency"]): r for r in rows if r["config"] == VLLM_OWN}
+    def key(r: Mapping[str, Any]) -> tuple:
+        return r["run"], r.get("prompt_tokens"), r.get("tokens"), r["concurrency"]
+
+    own = {key(r): r for r in rows if r["config"] == VLLM_OWN}
     out = []
     for r in rows:
-        base = own.get((r["run"], r["concurrency"]))
+        base = own.get(key(r))
         if r["config"] == VLLM_OWN or base is None:
             continue
-        out.append({"run": r["run"], "config": r["config"], "concurrency": r["concurrency"],
+        out.append({"run": r["run"], "config": r["config"], "prompt_tokens": r.get("prompt_tokens"),
+                    "tokens": r.get("tokens"), "concurrency": r["concurrency"],
                     "tokens_per_s_ratio": r["output_tokens_per_s"] / base["output_tokens_per_s"],
                     "peak_running_ratio": r["peak_running"] / max(base["peak_running"], 1),
                     "wall_ratio": r["wall_s"] / base["wall_s"]})
@@ -205,11 +226,13 @@ def ratios(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def shipped_table(path: Path = SHIPPED, concurrency: int = 64) -> list[dict[str, Any]] | None:
-    """The stored ratios at ``concurrency`` (the burst), one row per configuration and run: tokens/s, peak
+    """The stored ratios at ``concurrency`` (the burst), one row per configuration, shape and run: tokens/s, peak
     running and wall time over vLLM's own (None when the file is missing or unreadable)."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         return [{"configuration": Path(r["config"]).stem.removeprefix("config-"), "run": r["run"],
+                 "prompt + output tokens": f"{r.get('prompt_tokens', doc.get('prompt_tokens'))} + "
+                                           f"{r.get('tokens', doc.get('tokens'))}",
                  "output tok/s ×": round(r["tokens_per_s_ratio"], 2),
                  "peak running ×": round(r["peak_running_ratio"], 2), "burst wall time ×": round(r["wall_ratio"], 2)}
                 for r in doc["ratios"] if r["concurrency"] == concurrency]
@@ -223,8 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--memory-mib", dest="memory_mib", type=int, default=64)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--shapes", nargs="+", type=shape, default=[shape(s) for s in SHAPES],
+                        help="PROMPTxOUTPUT tokens of the requests, e.g. 24x32 512x256")
+    parser.add_argument("--prompts", type=int, default=16, help="distinct prompts per shape (fewer where the text "
+                        "has fewer lines that long)")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=SHIPPED)
     parser.add_argument("--logs", type=Path, default=None, help="folder for the servers' output (default: a new "
@@ -236,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pace_core.results import atomic_write, make_provenance
     from pace_core.vllm.check import prompts
 
-    ids = prompts(AutoTokenizer.from_pretrained(args.model), args.prompts)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompt_sets = {(p, t): prompts(tokenizer, args.prompts, p, fewer=True) for p, t in args.shapes}
     load_start, rows = os.getloadavg(), []
     logs = args.logs or Path(tempfile.mkdtemp(prefix="vllm-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -244,16 +270,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for run in range(1, args.runs + 1):
         for config in args.configs:
             log = logs / f"run{run}-{Path(_label(config)).stem}.log"
-            for row in measure(args.model, config, ids, args.concurrency, args.tokens, args.memory_mib << 20, log):
+            for row in measure(args.model, config, prompt_sets, args.concurrency, args.memory_mib << 20, log):
                 rows.append({"run": run, **row})
                 print(
-                    f"run {run} {row['config']:<48} c={row['concurrency']:<3} {row['output_tokens_per_s']:8.1f} tok/s "
+                    f"run {run} {row['config']:<48} {row['prompt_tokens']:>3}+{row['tokens']:<3} "
+                    f"c={row['concurrency']:<3} {row['output_tokens_per_s']:8.1f} tok/s "
                     f"mean {row['latency_mean_s']:6.2f} s p99 {row['latency_p99_s']:6.2f} s peak "
                     f"{row['peak_running']:3d} wall {row['wall_s']:6.1f} s load {row['load_avg_1m']:.2f}",
                     flush=True,
                 )
-    doc = {"kind": "vllm-serve-bench", "memory_mib": args.memory_mib, "tokens": args.tokens,
-           "prompt_tokens": len(ids[0]), "device": f"CPU {platform.processor() or platform.machine()}, "
+    doc = {"kind": "vllm-serve-bench", "memory_mib": args.memory_mib,
+           "shapes": [{"prompt_tokens": p, "tokens": t, "prompts": len(ids)} for (p, t), ids in prompt_sets.items()],
+           "device": f"CPU {platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "rows": rows, "ratios": ratios(rows),
            "provenance": make_provenance(str(args.model), command=" ".join(["python -m pace_core.vllm.bench",

@@ -93,8 +93,9 @@ def shipped(path: Path = SHIPPED) -> Measured | None:
         return None
 
 
-def prompts(tokenizer: Any, n: int, tokens: int = PROMPT_TOKENS) -> list[list[int]]:
-    """``n`` prompts of ``tokens`` token ids: the first lines of the validation text that are that long."""
+def prompts(tokenizer: Any, n: int, tokens: int = PROMPT_TOKENS, *, fewer: bool = False) -> list[list[int]]:
+    """``n`` prompts of ``tokens`` token ids: the first lines of the validation text that are that long (``fewer``:
+    as many as it has, at least one, when it has fewer than ``n``)."""
     from pace_core.analysis.text import CALIBRATION_TEXT
 
     out = []
@@ -104,6 +105,8 @@ def prompts(tokenizer: Any, n: int, tokens: int = PROMPT_TOKENS) -> list[list[in
             out.append(ids[:tokens])
         if len(out) == n:
             return out
+    if fewer and out:
+        return out
     raise ValueError(f"wikitext2-valid has fewer than {n} lines of {tokens} tokens")
 
 

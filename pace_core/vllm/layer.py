@@ -6,8 +6,9 @@ With one, its state pool holds, per sequence, vLLM's conv state and a row of byt
 (:class:`pace_core.vllm.slots.SlotLayout`), and its forward is vLLM's projections, vLLM's causal conv
 (the CPU or the Triton one, by platform), then the state step of :class:`pace_core.pool.StatePool` over the pages:
 the same q, k, v, g, beta and the same schedule and arithmetic as the transformers path
-(:mod:`pace_core.model.patch`): the PyTorch reference on a CPU, the project's Triton kernels for CUDA
-tensors (:mod:`pace_core.backend`).
+(:mod:`pace_core.model.patch`): on a CPU vLLM's own CPU conv (its C++ one where vLLM uses it) and the pool's fused CPU
+step (:mod:`pace_core.pool_cpu`: the projections in, every decode row or every prompt of the batch in one operator),
+the project's Triton kernels for CUDA tensors (:mod:`pace_core.backend`).
 
 The state step is one custom operator, ``torch.ops.vllm.pace_gdn_state`` (as vLLM's own GDN core is), which
 reads vLLM's forward context for the batch's metadata: torch.compile keeps it an opaque node of the compiled
@@ -22,7 +23,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
@@ -36,7 +36,6 @@ from pace_core import accounting
 from pace_core.errors import PaceError
 from pace_core.memory import keep_freed_memory
 from pace_core.pool import StatePool
-from pace_core.recurrence import prepare_qk
 from pace_core.vllm.architectures import ARCHITECTURES
 from pace_core.vllm.pages import padded_page, smallest_kernel_block
 from pace_core.vllm.settings import served
@@ -44,6 +43,9 @@ from pace_core.vllm.settings import served
 if current_platform.is_cpu():
     from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu as conv_prefill
     from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu as conv_decode
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _causal_conv1d_fwd_cpu as cpp_conv_prefill
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _causal_conv1d_update_cpu as cpp_conv_decode
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
 else:
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn as conv_prefill
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update as conv_decode
@@ -87,8 +89,10 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if self.served is None:
             return
         self.pool = self.layout.pool(self.kv_cache[1], name=f"state of GDN layer {self.layer_idx}")
+        step = self.pool.step  # the fused CPU step is built (once per process) here, before any request
         if self.layer_idx == self.served.shape.gdn_layers[0]:
             self._log_pool(kv_cache)
+            logger.info("PACE: the state pool steps on the %s", step)
 
     def _log_pool(self, kv_cache: torch.Tensor) -> None:
         """Say at start-up how many sequences' states the pool holds, and how many vLLM's own state would in the
@@ -138,39 +142,55 @@ class PaceGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         w = self.conv1d.weight
         return w.view(w.size(0), w.size(2))
 
-    def _inputs(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The recurrence inputs of tokens ``x [T, conv_dim]`` (after the conv), ``b, a [T, HV]``, as the
-        transformers path takes them: ``q, k [T, H, K]`` prepared, ``v [T, HV, V]``, ``g, beta [T, HV]``,
-        float32 (``beta = sigmoid(b)``, ``g = -exp(A_log) softplus(a + dt_bias)``)."""
-        q, k, v = self.rearrange_mixed_qkv(x)
-        q, k = prepare_qk(q[0], k[0])
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return q, k, v[0].float(), g, b.sigmoid().float()
+    def _cpp_conv(self) -> bool:
+        """Whether vLLM's CPU path convolves with its C++ operator and packed weights (as its own layer does:
+        ``vllm.model_executor.layers.mamba.ops.cpu.gdn_attention``)."""
+        return current_platform.is_cpu() and (torch.cpu._is_avx512_bf16_supported() or is_arm_bf16())
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output ``x [T, conv_dim]`` as views ``q, k [T, H, K]``, ``v [T, HV, V]`` (vLLM's
+        ``rearrange_mixed_qkv`` without its copy: the pool's step reads strided rows)."""
+        key, value = self.key_dim // self.tp_size, self.value_dim // self.tp_size
+        q, k, v = x.split([key, key, value], dim=-1)
+        return (q.unflatten(-1, (-1, self.head_k_dim)), k.unflatten(-1, (-1, self.head_k_dim)),
+                v.unflatten(-1, (-1, self.head_v_dim)))
 
     def state_step(self, meta: GDNAttentionMetadata, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                   out: torch.Tensor) -> None:
         """Conv and state step of one forward (decode tokens first, then the prompts, as vLLM orders them);
-        writes ``out [T, HV, V]``."""
+        writes ``out [T, HV, V]``. The state step takes the projections (``q, k`` before their l2norm, ``a, b``
+        before the gates: :meth:`pace_core.pool.StatePool.decode_projected`, ``prefill_projected``)."""
+        cpp = self._cpp_conv()
+        if cpp:
+            mixed_qkv = mixed_qkv.contiguous()  # vLLM's C++ conv reads contiguous rows (its own layer copies too)
         conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
         weight, activation = self._conv_weight(), self.activation
         slots, starts = meta.non_spec_state_indices_tensor, meta.non_spec_query_start_loc
         nd, ndt, npf = meta.num_decodes, meta.num_decode_tokens, meta.num_prefills
         if nd:
-            x = conv_decode(mixed_qkv[:ndt], conv_state, weight, self.conv1d.bias, activation,
-                            conv_state_indices=slots[:nd])
-            out[:ndt] = self.pool.decode(slots[:nd], *self._inputs(x, b[:ndt], a[:ndt])).to(out.dtype)
+            if cpp:
+                x = cpp_conv_decode(x=mixed_qkv[:ndt], conv_states=conv_state, weight=self.conv1d.weight,
+                                    bias=self.conv1d.bias, silu_activation=activation == "silu",
+                                    conv_state_indices=slots[:nd], is_weight_packed=True)
+            else:
+                x = conv_decode(mixed_qkv[:ndt], conv_state, weight, self.conv1d.bias, activation,
+                                conv_state_indices=slots[:nd])
+            self.pool.decode_projected(slots[:nd], *self._split(x), a[:ndt], b[:ndt], self.A_log, self.dt_bias,
+                                       out[:ndt])
         if npf:
             end = ndt + meta.num_prefill_tokens
             local = starts[nd:nd + npf + 1] - ndt
             rows, initial = slots[nd:nd + npf], meta.has_initial_state[nd:nd + npf]
-            x = conv_prefill(mixed_qkv[ndt:end].transpose(0, 1), weight, self.conv1d.bias, conv_state, local,
-                             cache_indices=rows, has_initial_state=initial, activation=activation).transpose(0, 1)
-            q, k, v, g, beta = self._inputs(x, b[ndt:end], a[ndt:end])
-            bounds = local.tolist()
-            for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
-                o = self.pool.prefill(int(rows[i]), q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], bool(initial[i]))
-                out[ndt + s:ndt + e] = o.to(out.dtype)
-
+            if cpp:
+                x = cpp_conv_prefill(x=mixed_qkv[ndt:end].transpose(0, 1), weight=self.conv1d.weight,
+                                     bias=self.conv1d.bias, conv_states=conv_state, query_start_loc=local,
+                                     cache_indices=rows, has_initial_state=initial,
+                                     silu_activation=activation == "silu", is_weight_packed=True).transpose(0, 1)
+            else:
+                x = conv_prefill(mixed_qkv[ndt:end].transpose(0, 1), weight, self.conv1d.bias, conv_state, local,
+                                 cache_indices=rows, has_initial_state=initial, activation=activation).transpose(0, 1)
+            self.pool.prefill_projected(rows, local, initial, *self._split(x), a[ndt:end], b[ndt:end], self.A_log,
+                                        self.dt_bias, out[ndt:end])
 
 
 def pace_gdn_state(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, out: torch.Tensor,

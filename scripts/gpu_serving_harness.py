@@ -1,0 +1,413 @@
+"""The vLLM plugin's state step on the GPU kernels without vLLM (issue 44.2): a continuous-batching harness.
+
+    python3 scripts/gpu_serving_harness.py --out DIR [--configs pace-4 pace-4-8 bf16] [--batch 128] [--steps 48]
+                                           [--heads 16 --v-heads 32 --dim 128] [--device cuda]
+
+vLLM's CUDA wheel does not reach the GPU host, so this drives what the plugin's custom operator
+(``torch.ops.vllm.pace_gdn_state``, :mod:`pace_core.vllm.layer`) runs after vLLM's conv: ``StatePool.decode_projected``
+on the batch's decode rows, then ``StatePool.prefill_projected`` on its prompts, on a pool of ``--batch`` slots whose
+backend is the project's Triton kernels. The step is registered as a custom operator of its own
+(``pace_harness::state_step``, opaque to torch.compile as the plugin's is) over one GDN layer of Qwen3.5's shape
+(``--heads`` key heads, ``--v-heads`` value heads, ``--dim`` = K = V), bfloat16 projections in and out.
+
+Per configuration (``--configs``; bf16 is the dense bfloat16 state the targets compare with):
+
+1. ``continuous``: ``--steps`` forwards of a scheduler as vLLM's: requests join free slots at random (prompts of 1 to
+   ``--prompt`` tokens, a prompt longer than ``--chunk`` split over forwards as a chunked prefill, its next part
+   continued from the stored state), decode ``--min-out``..``--max-out`` tokens, and leave (their slots reused);
+   every forward mixes decode rows and prompt rows, slots in random order. Before each forward the reference pool
+   (``backend="reference"``, the definition of correct) is given the kernel pool's stored state; both run the
+   forward; outputs must agree within ``LIMIT`` (relative Frobenius norm, tests/test_vllm_slots.py's bound for the
+   kernels against the reference) and so must every state written (compared dequantised). Tokens per second of
+   the kernel pool's forwards (decode and prompt tokens over the operator's time).
+2. ``compiled``: ``torch.compile`` of a layer around the operator (in projection, the operator, out projection; dynamic
+   in the row count) against the same layer eager, from the same stored state, over mixed forwards: outputs and
+   states within ``LIMIT``.
+3. ``graph`` (after every configuration's other stages): one decode forward of every slot captured in one CUDA
+   graph (``torch.cuda.CUDAGraph``) and replayed against the eager forward from the same stored state; a capture the
+   step cannot take (a device-to-host read inside the pool's step) is recorded with its error.
+4. ``decode``: the state step alone at B = ``--batch`` (every slot decoding, rows at staggered buffer positions so
+   about one in dP flushes per step): the median time of a forward over ``--timed`` forwards (CUDA events), tokens
+   per second; ``ratio_over_bf16``: that of bf16 over this configuration's time (the target: PACE-4 >= 2.5).
+
+JSON (``harness.json``) and the log (``harness_log.txt``) under ``--out``; exit status 1 when a check fails. On a
+CPU (``--device cpu``, Triton under ``TRITON_INTERPRET=1``) it runs at small sizes as its test
+(tests/test_gpu_serving_harness.py); there the graph stage is skipped (no CUDA) and times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_provenance import host_provenance  # noqa: E402
+
+from pace_core.config import get_config  # noqa: E402
+from pace_core.pool import StatePool  # noqa: E402
+
+LIMIT = 1e-2
+"""Relative Frobenius bound of kernels against reference (tests/test_vllm_slots.py: their float32 rounding may move a
+code by one step where a value lies at a rounding boundary; a row given another's state or flush point is off by
+several 1e-2)."""
+POOLS: dict[int, StatePool] = {}
+"""The pools the operator steps, by the id it is given (the plugin's operator finds its layer by name)."""
+
+
+@torch.library.custom_op("pace_harness::state_step", mutates_args=("out",))
+def state_step(pool: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+               initial: torch.Tensor, decodes: int, out: torch.Tensor) -> None:
+    """The plugin's state step after the conv (:meth:`pace_core.vllm.layer.PaceGatedDeltaNetAttention.state_step`):
+    rows ``[0, decodes)`` decode tokens of ``slots[:decodes]``; then prompt ``p`` is rows ``decodes + starts[p] ..
+    decodes + starts[p + 1]`` of slot ``slots[decodes + p]``, continued where ``initial[p]``. ``q, k [T, H, K]``,
+    ``v [T, HV, V]``, ``a, b [T, HV]`` projections; ``out [T, HV, V]`` written."""
+    p = POOLS[pool]
+    if decodes:
+        p.decode_projected(slots[:decodes], q[:decodes], k[:decodes], v[:decodes], a[:decodes], b[:decodes], A_log,
+                           dt_bias, out[:decodes])
+    if slots.shape[0] > decodes:
+        p.prefill_projected(slots[decodes:], starts, initial, q[decodes:], k[decodes:], v[decodes:], a[decodes:],
+                            b[decodes:], A_log, dt_bias, out[decodes:])
+
+
+@state_step.register_fake
+def _(pool, q, k, v, a, b, A_log, dt_bias, slots, starts, initial, decodes, out) -> None:
+    return None
+
+
+class Layer(torch.nn.Module):
+    """A GDN layer's state path around the operator: ``x [T, D]`` -> projections -> state step -> ``[T, D]``."""
+
+    def __init__(self, dims: tuple[int, int, int, int], gen: torch.Generator, device: torch.device) -> None:
+        super().__init__()
+        H, HV, K, V = dims
+        self.dims, self.split = dims, [H * K, H * K, HV * V, HV, HV]
+        D = HV * V
+        self.inp = torch.nn.Parameter((torch.randn(D, sum(self.split), generator=gen) / D**0.5).bfloat16().to(device))
+        self.outp = torch.nn.Parameter((torch.randn(D, D, generator=gen) / D**0.5).bfloat16().to(device))
+        self.A_log = (torch.rand(HV, generator=gen) - 2.0).bfloat16().to(device)
+        self.dt_bias = torch.rand(HV, generator=gen).bfloat16().to(device)
+
+    def forward(self, pool: int, x: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, initial: torch.Tensor,
+                decodes: int) -> torch.Tensor:
+        H, HV, K, V = self.dims
+        q, k, v, a, b = (x @ self.inp).split(self.split, dim=-1)
+        out = torch.empty(x.shape[0], HV, V, dtype=x.dtype, device=x.device)
+        torch.ops.pace_harness.state_step(pool, q.unflatten(-1, (H, K)), k.unflatten(-1, (H, K)),
+                                          v.unflatten(-1, (HV, V)), a, b, self.A_log, self.dt_bias, slots, starts,
+                                          initial, decodes, out)
+        return out.flatten(1) @ self.outp
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    den = float(b.norm())
+    return float((a - b).norm()) / den if den else float((a - b).norm())
+
+
+def config(name: str, HV: int):
+    cfg = get_config(name)
+    if cfg.high_share:  # an export's 8-bit heads: every fourth value head, as the tests choose them
+        cfg = cfg.replace(high_heads=(tuple(h for h in range(HV) if h % 4 == 1),))
+    return cfg
+
+
+def copy_state(src: StatePool, dst: StatePool) -> None:
+    for name, t in src.tensors.items():
+        dst.tensors[name].copy_(t)
+
+
+def state_rel(a: StatePool, b: StatePool, slots: torch.Tensor) -> float:
+    """The largest relative difference over ``slots`` of the two pools' effective states (checkpoint and buffer)."""
+    worst = 0.0
+    for s in slots.tolist():
+        one = torch.tensor([s], device=slots.device)
+        sa, sb = (p.state({n: t.index_select(0, one) for n, t in p.tensors.items()}) for p in (a, b))
+        with sa.call(), sb.call():
+            worst = max(worst, rel(sa.effective_state(), sb.effective_state()))
+    return worst
+
+
+class Scheduler:
+    """Requests joining free slots, decoding and leaving (module docstring, stage 1), one forward at a time."""
+
+    def __init__(self, slots: int, args: argparse.Namespace, gen: torch.Generator) -> None:
+        self.free = list(range(slots))
+        self.decoding: dict[int, int] = {}  # slot -> tokens left to decode
+        self.prompting: dict[int, int] = {}  # slot -> prompt tokens left (a chunked prefill in progress)
+        self.args, self.gen = args, gen
+
+    def _draw(self, lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=self.gen))
+
+    def forward(self) -> tuple[list[int], list[tuple[int, int, bool]]]:
+        """The next forward: decode slots, and prompts as ``(slot, tokens, continued)``."""
+        a = self.args
+        joining = min(len(self.free), self._draw(0, a.join))
+        order = torch.randperm(len(self.free), generator=self.gen).tolist()
+        for i in sorted(order[:joining], reverse=True):
+            self.prompting[self.free.pop(i)] = -self._draw(1, a.prompt)  # negative: not started
+        prompts = []
+        for slot in list(self.prompting):
+            left = self.prompting[slot]
+            continued, left = left > 0, abs(left)
+            take = min(left, a.chunk)
+            prompts.append((slot, take, continued))
+            if take == left:
+                del self.prompting[slot]
+                self.decoding[slot] = self._draw(a.min_out, a.max_out)
+            else:
+                self.prompting[slot] = left - take
+        decodes = [s for s in self.decoding if not any(p[0] == s for p in prompts)]
+        decodes = [decodes[i] for i in torch.randperm(len(decodes), generator=self.gen).tolist()]
+        for slot in decodes:
+            self.decoding[slot] -= 1
+            if self.decoding[slot] == 0:
+                del self.decoding[slot]
+                self.free.append(slot)
+        return decodes, prompts
+
+
+def batch_inputs(decodes: list[int], prompts: list[tuple[int, int, bool]], device: torch.device):
+    slots = torch.tensor(decodes + [p[0] for p in prompts], dtype=torch.int32, device=device)
+    bounds = [0]
+    for _, n, _ in prompts:
+        bounds.append(bounds[-1] + n)
+    starts = torch.tensor(bounds, dtype=torch.int32, device=device)
+    initial = torch.tensor([p[2] for p in prompts], dtype=torch.bool, device=device)
+    return slots, starts, initial, len(decodes) + bounds[-1]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log) -> tuple[dict, dict]:
+    """Stages 1, 2 and 4 (module docstring) of configuration ``name`` with ``layer`` (and ``compiled``, its
+    torch.compile, shared by the configurations: one compilation): its result, and what stage 3 needs."""
+    H, HV, K, V = dims = layer.dims
+    device = layer.A_log.device
+    cfg = config(name, HV)
+    gen = torch.Generator().manual_seed(1)
+    pool = StatePool(cfg, dims, args.batch, device, backend="triton")
+    ref = StatePool(cfg, dims, args.batch, device, backend="reference")
+    POOLS.clear()
+    POOLS.update({0: pool, 1: ref})
+    result = {"config": name, "backend": pool.steps.name, "checks": {}}
+    log(f"{name}: backend {pool.steps.name}, {args.batch} slots, H {H} HV {HV} K {K} V {V}")
+    D = HV * V
+
+    # 1. continuous batching against the reference
+    sched, worst_o, worst_s, tokens, op_time, mixed = Scheduler(args.batch, args, gen), 0.0, 0.0, 0, 0.0, 0
+    for _ in range(args.steps):
+        decodes, prompts = sched.forward()
+        if not decodes and not prompts:
+            continue
+        slots, starts, initial, T = batch_inputs(decodes, prompts, device)
+        x = (torch.randn(T, D, generator=gen) * 0.5).bfloat16().to(device)
+        copy_state(pool, ref)
+        sync(device)
+        t0 = time.perf_counter()
+        o = layer(0, x, slots, starts, initial, len(decodes))
+        sync(device)
+        op_time += time.perf_counter() - t0
+        o_ref = layer(1, x, slots, starts, initial, len(decodes))
+        worst_o = max(worst_o, rel(o.float(), o_ref.float()))
+        worst_s = max(worst_s, state_rel(pool, ref, slots.long()))
+        tokens += T
+        mixed += bool(decodes) and bool(prompts)
+    ok = worst_o <= LIMIT and worst_s <= LIMIT and mixed > 0
+    result["continuous"] = {"forwards": args.steps, "mixed_forwards": mixed, "tokens": tokens,
+                            "output_rel_max": worst_o, "state_rel_max": worst_s, "limit": LIMIT,
+                            "tokens_per_s_with_projections": tokens / op_time, "ok": ok}
+    result["checks"]["continuous"] = ok
+    log(f"  continuous: {mixed}/{args.steps} mixed forwards, {tokens} tokens, output rel {worst_o:.2e}, state rel "
+        f"{worst_s:.2e} (limit {LIMIT}) {'ok' if ok else 'FAILED'}")
+
+    # 2. torch.compile of the layer around the operator against the eager layer
+    if compiled is not None:
+        try:
+            worst_o = worst_s = 0.0
+            t0 = time.perf_counter()
+            for _ in range(args.compile_steps):
+                decodes, prompts = sched.forward()
+                if not decodes and not prompts:
+                    continue
+                slots, starts, initial, T = batch_inputs(decodes, prompts, device)
+                x = (torch.randn(T, D, generator=gen) * 0.5).bfloat16().to(device)
+                copy_state(pool, ref)
+                o = compiled(0, x, slots, starts, initial, len(decodes))
+                o_eager = layer(1, x, slots, starts, initial, len(decodes))
+                worst_o = max(worst_o, rel(o.float(), o_eager.float()))
+                worst_s = max(worst_s, state_rel(pool, ref, slots.long()))
+            ok = worst_o <= LIMIT and worst_s <= LIMIT
+            result["compiled"] = {"forwards": args.compile_steps, "output_rel_max": worst_o, "state_rel_max": worst_s,
+                                  "seconds": time.perf_counter() - t0, "ok": ok}
+        except Exception as err:  # recorded: a stage the step does not support yet is a result
+            ok = False
+            result["compiled"] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000],
+                                  "traceback": traceback.format_exc()[-4000:]}
+        result["checks"]["compiled"] = ok
+        log(f"  compiled: {json.dumps({k: v for k, v in result['compiled'].items() if k != 'traceback'})[:400]}")
+
+    # staggered buffer positions for the graph and the timing: every slot holds a sequence, rows at every count
+    period = cfg.decode_period if cfg.buffered else 1
+    every = torch.arange(args.batch, dtype=torch.int32, device=device)
+    for count in range(period):
+        rows = every[every % period >= count] if count else every
+        T = rows.shape[0]
+        x = (torch.randn(T, D, generator=gen) * 0.5).bfloat16().to(device)
+        layer(0, x, rows, torch.zeros(1, dtype=torch.int32, device=device),
+              torch.zeros(0, dtype=torch.bool, device=device), T)
+    slots = every[torch.randperm(args.batch, generator=gen).to(device)]
+    starts0 = torch.zeros(1, dtype=torch.int32, device=device)
+    none = torch.zeros(0, dtype=torch.bool, device=device)
+    x = (torch.randn(args.batch, D, generator=gen) * 0.5).bfloat16().to(device)
+
+    # 4. the state step alone at B = --batch
+    q, k, v, a, b = (x @ layer.inp).split(layer.split, dim=-1)
+    q, k, v = q.unflatten(-1, (H, K)).contiguous(), k.unflatten(-1, (H, K)).contiguous(), v.unflatten(-1, (HV, V))
+    v, a, b = v.contiguous(), a.contiguous(), b.contiguous()
+    out = torch.empty(args.batch, HV, V, dtype=torch.bfloat16, device=device)
+    times = []
+    for i in range(args.warmup + args.timed):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            pool.decode_projected(slots, q, k, v, a, b, layer.A_log, layer.dt_bias, out)
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            pool.decode_projected(slots, q, k, v, a, b, layer.A_log, layer.dt_bias, out)
+            elapsed = time.perf_counter() - t0
+        if i >= args.warmup:
+            times.append(elapsed)
+    step = statistics.median(times)
+    result["decode"] = {"batch": args.batch, "forwards": args.timed, "median_s": step, "min_s": min(times),
+                        "tokens_per_s": args.batch / step}
+    log(f"  decode B={args.batch}: median {step * 1e3:.3f} ms, {args.batch / step:,.0f} tokens/s")
+    return result, {"pool": pool, "ref": ref, "layer": layer, "x": x, "slots": slots, "starts0": starts0,
+                    "none": none, "device": device}
+
+
+def graph_stage(result: dict, ctx: dict, log) -> None:
+    """Stage 3 (module docstring): one CUDA graph of a decode forward of every slot, replayed against the eager
+    forward from the same stored state. Run after every configuration's other stages, so that a capture the step
+    cannot take leaves nothing behind for them."""
+    pool, ref, layer, x, slots, starts0, none, device = (ctx[k] for k in (
+        "pool", "ref", "layer", "x", "slots", "starts0", "none", "device"))
+    POOLS.clear()
+    POOLS.update({0: pool, 1: ref})
+    batch = slots.shape[0]
+    copy_state(pool, ref)
+    saved = {n: t.clone() for n, t in pool.tensors.items()}
+    try:
+        layer(0, x, slots, starts0, none, batch)  # eager first: kernels compiled, workspaces allocated
+        for n, t in pool.tensors.items():
+            t.copy_(saved[n])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph = layer(0, x, slots, starts0, none, batch)
+        for n, t in pool.tensors.items():
+            t.copy_(saved[n])
+        graph.replay()
+        sync(device)
+        o_ref = layer(1, x, slots, starts0, none, batch)
+        r_o, r_s = rel(o_graph.float(), o_ref.float()), state_rel(pool, ref, slots.long())
+        ok = r_o <= LIMIT and r_s <= LIMIT
+        result["graph"] = {"captured": True, "output_rel": r_o, "state_rel": r_s, "ok": ok}
+    except Exception as err:
+        ok = False
+        result["graph"] = {"captured": False, "error": f"{type(err).__name__}: {err}"[:2000],
+                           "traceback": traceback.format_exc()[-4000:], "ok": False}
+        try:
+            torch.cuda.synchronize(device)
+        except RuntimeError as sticky:  # a capture's error the context keeps: later stages would fail with it
+            result["graph"]["after"] = f"{type(sticky).__name__}: {sticky}"[:1000]
+    for n, t in pool.tensors.items():
+        t.copy_(saved[n])
+    result["checks"]["graph"] = ok
+    log(f"  graph: {json.dumps({k: v for k, v in result['graph'].items() if k != 'traceback'})[:400]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--configs", nargs="+", default=["bf16", "pace-4", "pace-4-8"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, default=128, help="slots of the pool, and the timed decode batch")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--v-heads", dest="v_heads", type=int, default=32)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=48, help="continuous-batching forwards checked")
+    parser.add_argument("--compile-steps", dest="compile_steps", type=int, default=8)
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--join", type=int, default=6, help="most requests joining per forward")
+    parser.add_argument("--prompt", type=int, default=300, help="longest prompt")
+    parser.add_argument("--chunk", type=int, default=128, help="longest part of a prompt per forward")
+    parser.add_argument("--min-out", dest="min_out", type=int, default=4)
+    parser.add_argument("--max-out", dest="max_out", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--timed", type=int, default=50)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+        (args.out / "harness_log.txt").write_text("\n".join(lines) + "\n")
+
+    started = time.perf_counter()
+    results = []
+    torch.set_grad_enabled(False)  # serving: no autograd around the operator or the projections
+    layer = Layer((args.heads, args.v_heads, args.dim, args.dim), torch.Generator().manual_seed(0), device)
+    compiled = torch.compile(layer, dynamic=True) if args.compile else None
+    graphs = []
+    for name in args.configs:
+        try:
+            result, ctx = run_config(name, args, layer, compiled, log)
+            results.append(result)
+            graphs.append((result, ctx))
+        except Exception as err:
+            log(f"{name}: FAILED {type(err).__name__}: {err}")
+            results.append({"config": name, "checks": {"ran": False}, "error": f"{type(err).__name__}: {err}"[:2000],
+                            "traceback": traceback.format_exc()[-4000:]})
+    if device.type == "cuda":
+        for result, ctx in graphs:
+            log(f"{result['config']}:")
+            graph_stage(result, ctx, log)
+    base = next((r for r in results if r["config"] == "bf16" and "decode" in r), None)
+    for r in results:
+        if base is not None and "decode" in r:
+            r["decode"]["ratio_over_bf16"] = base["decode"]["median_s"] / r["decode"]["median_s"]
+            log(f"{r['config']}: state step {r['decode']['ratio_over_bf16']:.2f}x bf16's at B={args.batch}")
+    doc = {"kind": "gpu-serving-harness", "device": str(device), "args": {k: str(v) for k, v in vars(args).items()},
+           "limit": LIMIT, "results": results, "wall_s": time.perf_counter() - started,
+           "provenance": {**host_provenance(), "triton_interpret": os.environ.get("TRITON_INTERPRET")}}
+    tmp = args.out / "harness.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, args.out / "harness.json")
+    failed = [f"{r['config']}.{k}" for r in results for k, ok in r["checks"].items() if not ok]
+    log(f"checks failed: {', '.join(failed)}" if failed else "all checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

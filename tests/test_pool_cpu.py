@@ -1,0 +1,373 @@
+"""pace_core.pool_cpu: the fused CPU decode step against the pool's reference step, for every named configuration a
+pool row holds, over random schedules (random slot orders, rows at every position of their buffer, flush boundaries,
+B = 1 to every slot). Each step starts both pools from the same stored state (the fused pool's, copied), so every
+step is compared alone and a difference of one code cannot grow over the steps that follow.
+
+Tolerances (tests/numerics.py):
+
+- ``o_t``: ``STEP_TOL = fp32_bound(4 K + 2 dP)``: the checkpoint's dots of length K, the records' key dots, the sum
+  over at most dP records and the output's sum, each in another order (a blocked sum, a per-group scale applied
+  after the group's sum); float32 throughout.
+- the records' keys and log decays: equal. A key record is the same float32 ``k_t`` rounded by the same correctly
+  rounded operations (a maximum, one IEEE division per group, round half to even, fp16 and bfloat16 rounding to
+  nearest even), so both sides store the same bits on any CPU.
+- the records' delta values ``u_t`` and a flushed or per-token checkpoint: computed from float32 sums in another
+  order, so a stored entry may land on the other side of a rounding boundary: within one storage step of the
+  reference's (``_within_one_step``; float32 and bfloat16 storage: the fold's float32 bound, then bfloat16's half
+  ulp), and nearly all equal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from calibration_support import calibrated
+from numerics import fp32_bound, rel
+
+from pace_core import quant
+from pace_core.config import NAMED_CONFIGS, PaceConfig
+from pace_core.errors import PaceError
+from pace_core.pool import StatePool
+from pace_core.pool_cpu import library
+from pace_core.recurrence import gdn_gates, prepare_qk
+from pace_core.vllm.slots import pool_refusal
+
+pytestmark = pytest.mark.numerics
+
+REPO = Path(__file__).resolve().parents[1]
+SERVED = [name for name, cfg in NAMED_CONFIGS.items() if pool_refusal(cfg) is None]
+"""Every named configuration a pool row holds (what the vLLM plugin serves)."""
+SLOTS = 7
+VARIANTS = {f"{name}-zero": NAMED_CONFIGS[name].replace(symmetric=False) for name in ("pace-3", "rtn-int5")}
+"""Odd widths with zero points (dense packing of codes and zero points at widths no named configuration combines)."""
+
+
+def config(name: str, hv: int, k: int, v: int) -> PaceConfig:
+    cfg = {**NAMED_CONFIGS, **VARIANTS}[name]
+    if cfg.quantized and cfg.group_axis == "value" and v % cfg.group_size:  # value heads of 48: groups of 16
+        cfg = cfg.replace(group_size=16)
+    if cfg.high_share:
+        cfg = cfg.replace(high_heads=(tuple(h for h in range(hv) if h % 4 == 1),))
+    return calibrated(cfg, hv, k, 1, d_v=v)
+
+
+def pools(name: str, dims: tuple[int, int, int, int]) -> tuple[StatePool, StatePool]:
+    cfg = config(name, dims[1], dims[2], dims[3])
+    fused = StatePool(cfg, dims, SLOTS, "cpu")
+    reference = StatePool(cfg, dims, SLOTS, "cpu", backend="reference")
+    assert fused.fused is not None, fused.step
+    assert reference.fused is None
+    return fused, reference
+
+
+def token(dims, B: int, gen: torch.Generator, scale: float = 1.0):
+    H, HV, K, V = dims
+    q, k = prepare_qk(torch.randn(B, H, K, generator=gen), torch.randn(B, H, K, generator=gen))
+    return (q, k, torch.randn(B, HV, V, generator=gen) * scale, -torch.rand(B, HV, generator=gen) * 0.7,
+            torch.rand(B, HV, generator=gen))
+
+
+def _step_size(p: quant.PackedTensor) -> torch.Tensor:
+    """One code step of every entry of ``p`` (its group's scale): the codes one level above the zero point."""
+    b = p.spec.bits
+    code = torch.full(p.shape, 1 if p.zero is not None else (1 << (b - 1)) + 1, dtype=torch.uint8)
+    zero = None if p.zero is None else quant.pack_codes(torch.zeros(p.scale.shape, dtype=torch.uint8), b)
+    return quant.dequantize(quant.PackedTensor(quant.pack_codes(code, b), p.scale, zero, p.spec, p.shape)).abs()
+
+
+def _within_one_step(got, ref) -> None:
+    """Two stored checkpoints of the same slots: each entry within one storage step of the other (the two sides'
+    steps, with the zero point's fp16 slack), nearly all equal; dense: float32 / bfloat16 rounding."""
+    if isinstance(ref, torch.Tensor):
+        assert rel(got, ref) <= (fp32_bound(4 * got.shape[-2]) if ref.dtype == torch.float32 else 2.0**-8)
+        return
+    if hasattr(ref, "codes") and isinstance(ref.codes, dict):  # static scales: the codes alone
+        for b in ref.codes:
+            d = quant.unpack_codes(got.codes[b], b, got.shape[-1]).int() - \
+                quant.unpack_codes(ref.codes[b], b, ref.shape[-1]).int()
+            assert d.abs().max() <= 1 and (d == 0).float().mean() > 0.98
+        return
+    parts_ref = {ref.spec.bits: ref} if isinstance(ref, quant.PackedTensor) else ref.parts
+    parts_got = {got.spec.bits: got} if isinstance(got, quant.PackedTensor) else got.parts
+    for b, r in parts_ref.items():
+        g = parts_got[b]
+        d = (quant.dequantize(g) - quant.dequantize(r)).abs()
+        levels = 0 if r.zero is None else (1 << b) - 1
+        bound = (_step_size(g) + _step_size(r)) * (0.5 + levels * 2.0**-11) * 1.01 + 1e-30
+        assert (d <= bound).all()
+        assert (d == 0).float().mean() > 0.98
+
+
+def _compare(fused: StatePool, reference: StatePool, slots: torch.Tensor, counts: torch.Tensor) -> None:
+    """The pools' tensors after one step of ``slots`` (their record counts before it ``counts``): rows not stepped
+    and checkpoints not flushed are untouched on both sides (the same bytes), records and flushed checkpoints as the
+    module docstring says."""
+    cfg = fused.cfg
+    period = cfg.decode_period if cfg.buffered else 1
+    flushed = slots[counts + 1 == period] if cfg.buffered else slots
+    kept = slots[counts + 1 < period] if cfg.buffered else slots[:0]
+    others = torch.tensor([s for s in range(SLOTS) if s not in set(slots.tolist())], dtype=torch.long)
+    for name, t in fused.tensors.items():
+        assert torch.equal(t[others], reference.tensors[name][others]), name
+        if name in fused.checkpoint_names:
+            assert torch.equal(t[kept], reference.tensors[name][kept]), name
+    if flushed.numel():
+        f, r = fused.state({n: t[flushed] for n, t in fused.tensors.items()}), \
+            reference.state({n: t[flushed] for n, t in reference.tensors.items()})
+        _within_one_step(f.checkpoint, r.checkpoint)
+    if not cfg.buffered:
+        return
+    assert torch.equal(fused.tensors["log_decays"], reference.tensors["log_decays"])
+    rows, at = kept, counts[counts + 1 < period]
+    if rows.numel():
+        for part, fmt_part in (("key", "keys"), ("value", "values")):
+            got = fused.records._keys if part == "key" else fused.records._values
+            ref = reference.records._keys if part == "key" else reference.records._values
+            mine = got.read(period, torch.float32, rows=rows)[torch.arange(rows.numel()), at]
+            theirs = ref.read(period, torch.float32, rows=rows)[torch.arange(rows.numel()), at]
+            if part == "key":
+                assert torch.equal(mine, theirs), fmt_part
+            elif got.spec is not None:  # one integer step per vector group at most, nearly all equal
+                span = (theirs.amax(-1, keepdim=True) - theirs.amin(-1, keepdim=True)).clamp(min=0)
+                step = theirs.abs().amax(-1, keepdim=True) / got.spec.qmax * 1.01 if got.spec.symmetric else \
+                    span / got.spec.levels * 1.02
+                assert ((mine - theirs).abs() <= step + 1e-30).all() and (mine == theirs).float().mean() > 0.95
+            else:
+                tol = fp32_bound(4 * fused.dims[2]) if got.kind == torch.float32 else 2.0**-8
+                assert rel(mine, theirs) <= tol
+
+
+def _run_schedule(name: str, dims: tuple[int, int, int, int], steps: int, seed: int) -> None:
+    fused, reference = pools(name, dims)
+    period = fused.cfg.decode_period if fused.cfg.buffered else 1
+    gen = torch.Generator().manual_seed(seed)
+    H, HV, K, V = dims
+    for s in range(SLOTS):  # a prompt of 3..9 tokens in every slot (the reference prefill on both pools)
+        T = 3 + s
+        x = [y[0] for y in token(dims, 1, gen)]
+        prompt = [torch.stack([y] * T) + 0.01 * torch.randn(T, *y.shape, generator=gen) for y in x]
+        prompt[0], prompt[1] = prepare_qk(prompt[0], prompt[1])
+        prompt[3] = -prompt[3].abs()
+        fused.prefill(s, *prompt, initial=False)
+    tol = fp32_bound(4 * K + 2 * period)
+    for t in range(steps):
+        for n_, tensor in fused.tensors.items():  # both from the same stored state
+            reference.tensors[n_].copy_(tensor)
+        B = 1 if t % 5 == 0 else (SLOTS if t % 5 == 1 else int(torch.randint(2, SLOTS, (1,), generator=gen)))
+        slots = torch.randperm(SLOTS, generator=gen)[:B]
+        counts = fused.counts(slots)
+        x = token(dims, B, gen)
+        static = fused.cfg.scales == "static"
+        before = [(p.fmt.saturated, p.fmt.stored) for p in (fused, reference)] if static else None
+        o_fused = fused.decode(slots, *x)
+        o_ref = reference.decode(slots, *x)
+        assert rel(o_fused, o_ref) <= tol, (t, rel(o_fused, o_ref))
+        _compare(fused, reference, slots, counts)
+        if static:  # the values stored and those saturated (GroupFormat's counts), counted alike
+            after = [(p.fmt.saturated, p.fmt.stored) for p in (fused, reference)]
+            counted = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
+            assert counted[0] == counted[1]
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_fused_step_is_the_reference_step(name: str) -> None:
+    """Every named configuration a pool row holds, H = 2, HV = 4, K = V = 64: 3 dP steps of random batches."""
+    dims = (2, 4, 64, 64)
+    cfg = NAMED_CONFIGS[name]
+    _run_schedule(name, dims, 3 * (cfg.decode_period if cfg.buffered else 4) + 2, seed=1)
+
+
+@pytest.mark.parametrize("name", ["fp32", "rtn-int4", "pace-4", "pace-4-8", "pace-3", *VARIANTS])
+def test_fused_step_on_other_widths(name: str) -> None:
+    """Value heads 48 wide (no whole blocks of 32 or 64 columns: the step's general loops; RTN's value groups of 16)
+    and 128 wide (the embedded model's), one key head per value head and three per key head; odd code widths with
+    zero points packed densely."""
+    for dims in ((2, 2, 64, 48), (1, 3, 128, 128)):
+        _run_schedule(name, dims, 10, seed=2)
+
+
+def test_projected_step_is_the_reference_with_its_gates() -> None:
+    """decode_projected: bfloat16 projections, q and k prepared and the gates computed in the operator, o written in
+    bfloat16, against the reference path (prepare_qk, gdn_gates, decode, the cast). The output's bfloat16 rounding of
+    two float32 values within STEP_TOL may part by one ulp (2^-8 relative), and beta = sigmoid(b) rounded to
+    bfloat16 from two float32 sigmoids one float32 ulp apart may too, moving u_t by 2^-8 relative: 2^-7."""
+    dims = (2, 4, 64, 64)
+    for name in ("fp32", "pace-4", "pace-4-8"):
+        fused, reference = pools(name, dims)
+        gen = torch.Generator().manual_seed(3)
+        A_log, dt_bias = (torch.rand(4, generator=gen) - 1).bfloat16(), torch.rand(4, generator=gen).bfloat16()
+        for t in range(12):
+            for n_, tensor in fused.tensors.items():
+                reference.tensors[n_].copy_(tensor)
+            B = 1 + t % SLOTS
+            slots = torch.randperm(SLOTS, generator=gen)[:B].int()
+            q, k = (torch.randn(B, 2, 64, generator=gen).bfloat16() for _ in range(2))
+            v = torch.randn(B, 4, 64, generator=gen).bfloat16()
+            a, b = (torch.randn(B, 4, generator=gen).bfloat16() for _ in range(2))
+            outs = [torch.empty(B, 4, 64, dtype=torch.bfloat16) for _ in range(2)]
+            fused.decode_projected(slots, q, k, v, a, b, A_log, dt_bias, outs[0])
+            qp, kp = prepare_qk(q, k)
+            g, beta = gdn_gates(a, b, A_log, dt_bias)
+            outs[1].copy_(reference.decode(slots.long(), qp, kp, v.float(), g, beta))
+            assert rel(outs[0].float(), outs[1].float()) <= 2.0**-7, (name, t)
+
+
+def test_float64_and_the_reference_setting_run_the_reference() -> None:
+    """float64 inputs compute in float64 on the reference, so the fused pool gives the reference's bits."""
+    dims = (2, 4, 64, 64)
+    fused, reference = pools("pace-4", dims)
+    gen = torch.Generator().manual_seed(4)
+    x = [y.double() for y in token(dims, 3, gen)]
+    slots = torch.tensor([5, 0, 2])
+    assert torch.equal(fused.decode(slots, *x), reference.decode(slots, *x))
+    assert all(torch.equal(t, reference.tensors[n]) for n, t in fused.tensors.items())
+    assert fused.step.startswith("fused") and reference.step == "reference (the backend setting is not auto)"
+
+
+@pytest.mark.parametrize("name", ["pace-4", "fp32"])
+def test_bad_steps_raise_the_reference_errors(name: str) -> None:
+    """Non-finite inputs and a slot outside the pool are refused before anything is written; a state or record that
+    cannot be stored raises the error the reference's format or buffer raises for it, that row and head unwritten."""
+    dims = (2, 4, 64, 64)
+    fused, reference = pools(name, dims)
+    gen = torch.Generator().manual_seed(5)
+    x = list(token(dims, 2, gen))
+    before = {n: t.clone() for n, t in fused.tensors.items()}
+    bad = [y.clone() for y in x]
+    bad[2][1, 3, 5] = float("nan")
+    for pool in (fused, reference):
+        with pytest.raises(PaceError, match="non-finite values; allowed: finite inputs"):
+            pool.decode(torch.tensor([1, 4]), *bad)
+    with pytest.raises(PaceError, match=f"slots: {SLOTS} not allowed"):
+        fused.decode(torch.tensor([1, SLOTS]), *x)
+    assert all(torch.equal(t, before[n]) for n, t in fused.tensors.items())
+    huge = [y.clone() for y in x]
+    huge[2] = huge[2] * 1e30  # u_t beyond any fp16 scale of an 8-bit record
+    huge[3] = huge[3].abs() + 80.0  # a decay of e^80 a token: float32 states overflow on the second token
+    errors = []
+    for pool in (fused, reference):
+        with pytest.raises(PaceError) as err:
+            for _ in range(8):
+                pool.decode(torch.tensor([1, 4]), *huge)
+        errors.append(re.split(r"\d", str(err.value))[0])  # the counts and places name the rows each side stepped
+    assert errors[0] == errors[1] and errors[0]
+
+
+def test_a_missing_compiler_leaves_the_reference_with_one_warning(tmp_path: Path) -> None:
+    """No C++ compiler and nothing built yet: a pool steps on the reference, and the process is told why once, when
+    a pool first asks for the fused step (a pool that never steps by slot never builds it)."""
+    code = ("import warnings, torch\nwarnings.simplefilter('always')\n"
+            "from pace_core.config import get_config\nfrom pace_core.pool import StatePool\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    pools = [StatePool(get_config('pace-4'), (2, 4, 64, 64), 2, 'cpu') for _ in range(2)]\n"
+            "    built = len(seen)\n"
+            "    steps = [pool.step for pool in pools]\n"
+            "print(steps[0])\nprint(built, len(seen))\nprint(seen[0].message)\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "PACE_CPU_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, check=True)
+    step, count, message = out.stdout.strip().splitlines()
+    assert step == f"reference (no C++ compiler ({tmp_path / 'no-such-compiler'} not found; set CXX or install g++))"
+    assert count == "0 1"  # nothing built until a pool is to step by slot; then one warning for both
+    assert message.startswith("PACE: the state pool's fused CPU step is unavailable: no C++ compiler")
+
+
+def test_the_library_is_built_once_and_cached(tmp_path: Path) -> None:
+    """The build goes to the cache folder and a second process loads it without compiling."""
+    assert library() is None
+    env = {**os.environ, "PACE_CPU_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
+    code = "from pace_core.pool_cpu import library\nprint(library())\n"
+    for _ in range(2):
+        assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                              check=True).stdout.strip() == "None"
+    assert len(list(tmp_path.glob("pool_cpu-*.so"))) == 1
+    env["CXX"] = str(tmp_path / "no-such-compiler")  # built already: no compiler needed
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          check=True).stdout.strip() == "None"
+
+
+def _steps(checkpoint) -> torch.Tensor:
+    """One storage step of every entry of a stored checkpoint ``[n, HV, K, V]`` (in its format's basis)."""
+    if isinstance(checkpoint, torch.Tensor):
+        return checkpoint.float().abs() * (2.0**-8 if checkpoint.dtype == torch.bfloat16 else 0.0)
+    parts = {checkpoint.spec.bits: checkpoint} if isinstance(checkpoint, quant.PackedTensor) else \
+        getattr(checkpoint, "parts", None)
+    if parts is None:  # static scales: the layer's steps, the same on both sides
+        return torch.zeros(checkpoint.shape)
+    return torch.cat([_step_size(p).flatten() for p in parts.values()])
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_fused_prefill_is_the_reference_prefill(name: str) -> None:
+    """Prompts of 1 to 16 tokens (one segment, P = 16) from the same stored state on both sides: from zero, and
+    continued from a state with records in the buffer (folded into the prompt's starting state unrounded: "carry").
+    The reference runs a segment chunked (the plain recurrence below 16 tokens), the fused step token by token: the
+    same function, agreeing to float32 rounding over the segment's tokens (fp32_bound(3 K T)); stored checkpoints
+    within one step. A continued prompt that stores the folded buffer first ("flush", the default) may start from
+    states a step apart where a folded value lies within float32 rounding of a rounding boundary; the step
+    S_t = α (I − β k kᵀ) S_{t−1} + β k vᵀ is a contraction (α <= 1, β in [0, 1], |k| = 1), so the outputs then
+    differ by at most ||ΔS_0||_F · sqrt(Σ_t |q_t|²), ||ΔS_0||_F at most one step of every entry. Longer prompts: a
+    prompt of several segments is, bit for bit, its segments run one after the other as continued prompts (the same
+    code from the same codes), and an unrounded one (fp32) is the reference's to float32 rounding."""
+    dims = (2, 4, 64, 64)
+    H, HV, K, V = dims
+    for after in ("carry", "flush"):
+        cfg = config(name, HV, K, V).replace(prefill_period=16, prefill_after_decode=after)
+        fused, reference = StatePool(cfg, dims, SLOTS, "cpu"), StatePool(cfg, dims, SLOTS, "cpu", backend="reference")
+        gen = torch.Generator().manual_seed(6)
+        for t, (T, initial) in enumerate([(5, False), (16, False), (1, True), (13, True), (16, True), (9, False)]):
+            slot = t % SLOTS
+            for _ in range(3):  # records in the buffer of a continued prompt
+                fused.decode(torch.tensor([slot]), *token(dims, 1, gen))
+            for n_, tensor in fused.tensors.items():
+                reference.tensors[n_].copy_(tensor)
+            one = torch.tensor([slot])
+            rows = {n: t_[one].clone() for n, t_ in reference.tensors.items()}
+            x = token(dims, T, gen)
+            o_fused = fused.prefill(slot, *x, initial=initial)
+            o_ref = reference.prefill(slot, *x, initial=initial)
+            slack = 0.0
+            if after == "flush" and initial and cfg.buffered and not cfg.exact:
+                flushed = reference.state(rows)
+                with flushed.call():
+                    flushed.flush()
+                slack = float(_steps(flushed.checkpoint).norm() * x[0].norm())
+            assert float((o_fused - o_ref).norm()) <= fp32_bound(3 * K * T) * float(o_ref.norm()) + slack, (t, after)
+            _within_one_step(fused.state({n: t_[one] for n, t_ in fused.tensors.items()}).checkpoint,
+                             reference.state({n: t_[one] for n, t_ in reference.tensors.items()}).checkpoint)
+            assert int(fused.counts(one)) == int(reference.counts(one)) == 0
+    x = token(dims, 40, gen)
+    whole = fused.prefill(3, *x, initial=False)
+    kept = {n: t_[3].clone() for n, t_ in fused.tensors.items()}
+    parts = [fused.prefill(3, *(y[a:e] for y in x), initial=a > 0) for a, e in ((0, 16), (16, 32), (32, 40))]
+    assert torch.equal(whole, torch.cat(parts)) and all(torch.equal(t_[3], kept[n]) for n, t_ in fused.tensors.items())
+    if cfg.exact:
+        assert rel(whole, reference.prefill(3, *x, initial=False)) <= fp32_bound(3 * K * 40)
+
+
+def test_projected_prefill_is_the_reference_with_its_gates() -> None:
+    """prefill_projected: three prompts in one call against the reference path, one prompt at a time (bfloat16
+    output and beta as test_projected_step_is_the_reference_with_its_gates)."""
+    dims = (2, 4, 64, 64)
+    for name in ("fp32", "pace-4", "pace-4-8"):
+        fused, reference = pools(name, dims)
+        gen = torch.Generator().manual_seed(7)
+        A_log, dt_bias = (torch.rand(4, generator=gen) - 1).bfloat16(), torch.rand(4, generator=gen).bfloat16()
+        fused.decode(torch.tensor([2, 5]), *token(dims, 2, gen))
+        for n_, tensor in fused.tensors.items():
+            reference.tensors[n_].copy_(tensor)
+        starts, slots, initial = torch.tensor([0, 7, 8, 30]), torch.tensor([2, 0, 5], dtype=torch.int32), \
+            torch.tensor([True, False, True])
+        q, k = (torch.randn(30, 2, 64, generator=gen).bfloat16() for _ in range(2))
+        v = torch.randn(30, 4, 64, generator=gen).bfloat16()
+        a, b = (torch.randn(30, 4, generator=gen).bfloat16() for _ in range(2))
+        outs = [torch.empty(30, 4, 64, dtype=torch.bfloat16) for _ in range(2)]
+        for pool, out in zip((fused, reference), outs):
+            pool.prefill_projected(slots, starts, initial, q, k, v, a, b, A_log, dt_bias, out)
+        assert rel(outs[0].float(), outs[1].float()) <= 2.0**-7, name
