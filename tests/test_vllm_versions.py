@@ -1,5 +1,5 @@
 """The vLLM releases the plugin registers on (pace_core.vllm.SUPPORTED_VLLM) and the one line it gives on another
-(no vLLM needed; tests/vllm_plugin/test_vllm_versions.py loads the entry point in vLLM itself)."""
+(no vLLM needed; tests/vllm_plugin/test_vllm_plugin_versions.py loads the entry point in vLLM itself)."""
 
 from __future__ import annotations
 
