@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import shutil
 import subprocess
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kernels.bench import bench  # noqa: E402
+from kernels.bench.widths_gpu import Tee  # noqa: E402
 
 PACE4, PACE48, BF16 = "PACE-4 dP=8", "PACE-4/8 dP=8", "bf16 per-token"
 NCU_VARIANTS = (PACE4, PACE48)
@@ -134,7 +134,7 @@ def run_bench(out: Path, argv: list[str], deadline_s: float, device=None) -> int
     """The bench (in this process, its output teed into ``out/bench_log.txt``), starting no batch after
     ``deadline_s``."""
     log = out / "bench_log.txt"
-    with log.open("w") as f, contextlib.redirect_stdout(_Tee(sys.stdout, f)):
+    with log.open("w") as f, contextlib.redirect_stdout(Tee(sys.stdout, f)):
         try:
             return bench.main([*argv, "--out", str(out), "--deadline-s", f"{deadline_s:.0f}"], device=device)
         except Exception as err:
@@ -142,15 +142,6 @@ def run_bench(out: Path, argv: list[str], deadline_s: float, device=None) -> int
             return 1
 
 
-class _Tee(io.TextIOBase):
-    def __init__(self, *streams) -> None:
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for s in self.streams:
-            s.write(text)
-            s.flush()
-        return len(text)
 
 
 def run_ncu(out: Path, batches: str, variants: str, deadline_s: float) -> int:
