@@ -15,8 +15,10 @@ set to what the recorded call left after each replay.
 - Rounding checks inside the graph are deferred (:mod:`pace_core.deferred`): the graph ORs their failures into
   :attr:`DecodeGraphs.failed`, which :meth:`DecodeGraphs.check` reads once per run; a run that failed is computed
   again without graphs, where the checks raise their own errors (:func:`pace_core.model.teacher.teacher_forced`).
-- A call that cannot be recorded (an operation a graph does not allow) runs as it is from then on, and
-  :attr:`DecodeGraphs.refused` says why.
+- A call that cannot be recorded (an operation a graph does not allow: a host read, a tensor made from host
+  data) runs as it is from then on, as does every later key (:attr:`DecodeGraphs.broken`), and
+  :attr:`DecodeGraphs.refused` says why. ``tests/test_graphs.py`` checks on the CPU that no recordable call
+  holds such an operation.
 
 Graphs are used on CUDA devices unless :data:`GRAPHS_ENV` is ``off``, and only for configurations whose formats
 keep no state on the host between stores (:data:`pace_core.methods.HOST_STATE_COMBINATIONS`: a graph would replay
@@ -25,6 +27,7 @@ the same random draws, and count nothing).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -68,6 +71,15 @@ class DecodeGraphs:
         """Keys that run without a graph, and why."""
         self._recorded: dict[Hashable, _Recorded] = {}
         self._seen: set[Hashable] = set()
+        self.broken: str | None = None
+        """Why a capture failed: none is tried after one did (a failed capture can leave the memory pool allocating
+        for it, and every later capture into that pool then fails as well), so each later key runs as it is."""
+
+    def _release_pool(self) -> None:
+        """End the allocation to the pool of a capture that failed before its end (PyTorch leaves it open when
+        ending the capture raises); nothing where it was ended."""
+        with contextlib.suppress(RuntimeError):
+            torch._C._cuda_endAllocateToPool(self.device.index or 0, self.pool)
 
     def run(self, key: Hashable, call: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
             host_state: Callable[[], Hashable], set_host_state: Callable[[Hashable], None]) -> torch.Tensor:
@@ -91,17 +103,22 @@ class DecodeGraphs:
                 host_state: Callable[[], Hashable], set_host_state: Callable[[Hashable], None]) -> _Recorded | None:
         """Record ``call`` on copies of ``inputs`` (the host state restored afterwards: recording runs nothing on
         the device); None where it cannot be recorded (:attr:`refused`)."""
+        if self.broken is not None:
+            self.refused[key] = self.broken
+            return None
         before = host_state()
         static = tuple(t.clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
-        try:
-            with deferred.deferring() as failures, torch.cuda.graph(graph, pool=self.pool):
+        try:  # thread-local: the app's background kernel compilation may use the device meanwhile
+            with (deferred.deferring() as failures,
+                  torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")):
                 output = call(*static)
                 if failures:
                     self.failed.logical_or_(torch.stack([f.any() for f in failures]).any())
         except (RuntimeError, PaceError) as err:  # an operation the graph cannot hold: run as it is from now
             set_host_state(before)
-            self.refused[key] = f"{type(err).__name__}: {err}"
+            self.broken = self.refused[key] = f"{type(err).__name__}: {err}"
+            self._release_pool()
             return None
         recorded = _Recorded(graph, static, output, host_state())
         set_host_state(before)

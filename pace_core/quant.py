@@ -46,6 +46,7 @@ points derived from it (:func:`static_scales`) and the codes of a state saturati
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -108,8 +109,9 @@ def fp16_scale(ratio: torch.Tensor, nonzero: torch.Tensor, floor: float = FP16_T
 
 def div_by_int(a: torch.Tensor, n: int) -> torch.Tensor:
     """`a / n` as a true IEEE division on every device (CUDA turns a division by a Python scalar
-    into a multiplication by its reciprocal, which rounds differently)."""
-    return a / torch.tensor(n, dtype=a.dtype, device=a.device)
+    into a multiplication by its reciprocal, which rounds differently). The divisor is filled on the device: a
+    tensor made from a host number is a copy that a CUDA graph's capture cannot hold."""
+    return a / torch.full((), n, dtype=a.dtype, device=a.device)
 
 
 def safe_divisor(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -313,7 +315,7 @@ def _dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     """`(q - z) * scale` [..., K, V] from unpacked codes; exact in float32, then cast to `dtype`."""
     w = work_dtype(dtype)
     grouped, dim = _group_dims(codes.shape, spec)
-    offset = torch.tensor(spec.qmax + 1, dtype=w, device=codes.device) if zero is None else zero.unsqueeze(dim).to(w)
+    offset = spec.qmax + 1 if zero is None else zero.unsqueeze(dim).to(w)  # a number: no host-to-device copy
     q = codes.reshape(grouped).to(w) - offset
     return (q * scale.unsqueeze(dim).to(w)).reshape(codes.shape).to(dtype)
 
@@ -597,6 +599,14 @@ def check_head_bits(bits_per_head: Sequence[int] | torch.Tensor, hv: int) -> lis
     return [int(b) for b in widths]
 
 
+@functools.lru_cache(maxsize=256)
+def heads_at(bits: tuple[int, ...], b: int, device: torch.device) -> torch.Tensor:
+    """The ascending indices (int64, on ``device``) of the heads whose width in ``bits`` is ``b``: made once per
+    device and kept, since a tensor made from host data inside a CUDA graph's capture is a host-to-device copy,
+    which a capture cannot hold (:mod:`pace_core.graphs`). Callers never write into it."""
+    return torch.tensor([h for h, x in enumerate(bits) if x == b], dtype=torch.long, device=device)
+
+
 def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor, spec: QuantSpec, *,
                    name: str = "state", generator: torch.Generator | None = None) -> MixedPackedState:
     """Quantise `S [..., HV, K, V]` with head h at `bits_per_head[h]` bits (2..8); the other
@@ -605,14 +615,12 @@ def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor,
     if not isinstance(S, torch.Tensor) or S.dim() < 3 or S.shape[-3] == 0:
         raise PaceError(f"{name} must be a tensor [..., HV, K, V] with at least one value head; got shape "
                         f"{tuple(getattr(S, 'shape', ()))}")
-    bits = check_head_bits(bits_per_head, S.shape[-3])
-    hv = S.shape[-3]
+    bits = tuple(check_head_bits(bits_per_head, S.shape[-3]))
     parts, heads = {}, {}
     for b in sorted(set(bits)):
-        idx = torch.tensor([h for h in range(hv) if bits[h] == b], dtype=torch.int16, device=S.device)
-        heads[b] = idx
-        parts[b] = quantize(S.index_select(S.dim() - 3, idx.long()), replace(spec, bits=b), name=name,
-                            generator=generator)
+        idx = heads_at(bits, b, S.device)
+        heads[b] = idx.to(torch.int16)
+        parts[b] = quantize(S.index_select(S.dim() - 3, idx), replace(spec, bits=b), name=name, generator=generator)
     return MixedPackedState(parts, heads, tuple(S.shape))
 
 

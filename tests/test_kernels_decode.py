@@ -127,6 +127,10 @@ def _step_size(p: quant.PackedTensor) -> torch.Tensor:
                                                p.spec, p.shape)).abs()  # q - z = 1 everywhere
 
 
+CHUNK_AGREEMENT = 2e-3
+"""fla's tensor-core chunk against the reference's float32 chunk, of a head's scale (_assert_within_one_step)."""
+
+
 def _assert_within_one_step(got, ref, exact_rounding: bool = True) -> None:
     """Requantised checkpoints: equal except near a rounding boundary. Each side's entry is within
     half a step ``s / 2`` of the (nearly equal) folded value; with a zero point, a value at its
@@ -137,8 +141,13 @@ def _assert_within_one_step(got, ref, exact_rounding: bool = True) -> None:
     less than half a step.) Dense checkpoints: float32 rounding of the fold (one term per record and
     the decayed checkpoint), then the bfloat16 cast's half ulp. ``exact_rounding``: the folded values
     agree to float32 rounding, so nearly every entry is equal; False where they agree less closely (fla's
-    tensor-core prefill, about 1e-3: a group's range and so its fp16 scale moves, and all its entries
-    with it, each still within the bound)."""
+    tensor-core prefill: a group's range and so its fp16 scale moves, and all its entries with it). There
+    each entry's bound adds the folded values' own difference, CHUNK_AGREEMENT of the largest |value| of its
+    head: fla's chunk kernel rounds its inputs to tf32 (10 mantissa bits, 2^-11 relative each, 2^-10 a
+    product) and accumulates in float32 over a chunk's tokens, two matmul stages deep, so an entry moves by
+    up to about 2^-9 of the magnitudes it sums, which the head's largest value bounds; 2e-3 is the agreement
+    the prefill test states for fla's outputs and dense checkpoints (the H100 of 2026-12-06 met an 8-bit
+    entry 1 % beyond the bound without this term)."""
     if isinstance(ref, torch.Tensor):
         bound = fp32_bound(2 * PERIOD + 2) if ref.dtype == torch.float32 else 2.0**-8
         assert rel(got, ref) <= bound
@@ -150,6 +159,8 @@ def _assert_within_one_step(got, ref, exact_rounding: bool = True) -> None:
         d = (quant.dequantize(g) - quant.dequantize(r)).abs()
         levels = 0 if r.zero is None else (1 << b) - 1
         bound = (_step_size(g) + _step_size(r)) * (0.5 + levels * 2.0 ** -11) * 1.01 + 1e-30
+        if not exact_rounding:  # the two folded values differ too: by at most CHUNK_AGREEMENT of the head's scale
+            bound = bound + CHUNK_AGREEMENT * quant.dequantize(r).abs().amax((-2, -1), keepdim=True)
         assert torch.isfinite(d).all()
         worst = int((d / bound).argmax())
         assert (d <= bound).all(), (f"{b}-bit entry {worst}: |got - ref| {d.flatten()[worst]:.4g} > bound "

@@ -90,9 +90,10 @@ class DampTensor:
 
 def _rest_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending indices [HV, K - r] of the rows not in `rows [HV, r]`."""
-    keep = torch.ones(rows.shape[0], k, dtype=torch.bool, device=rows.device)
-    keep.scatter_(1, rows, False)
-    return keep.nonzero()[:, 1].view(rows.shape[0], k - rows.shape[1])
+    outlier = torch.zeros(rows.shape[0], k, dtype=torch.uint8, device=rows.device)
+    outlier.scatter_(1, rows, 1)
+    # a stable sort puts each head's kept rows first, in ascending order (nonzero() would read the device)
+    return outlier.sort(dim=-1, stable=True).indices[:, :k - rows.shape[1]]
 
 
 class DampQuantizer:

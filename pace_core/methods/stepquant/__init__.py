@@ -56,9 +56,12 @@ class StepQuantFormat(StateFormat):
                             "allowed: a configuration calibrated on it (pace_core.analysis.calibration.calibrate, or "
                             "an exported file)")
         self.widths = tuple(int(b) for b in layer["widths"].tolist())
+        self._impact: dict[torch.device, torch.Tensor] = {}
 
     def store_loaded(self, S: torch.Tensor) -> tuple[sq.StepQuantState, torch.Tensor]:
-        return sq.quantize_with_values(S, self.widths, self.layer["impact"], name=self.name)
+        if S.device not in self._impact:  # copied once per device: a copy inside a CUDA graph's capture is refused
+            self._impact[S.device] = self.layer["impact"].to(S.device)
+        return sq.quantize_with_values(S, self.widths, self._impact[S.device], name=self.name)
 
     def load(self, c: sq.StepQuantState) -> torch.Tensor:
         return sq.dequantize(c)

@@ -86,6 +86,7 @@ from pace_core.quant import (
     check_finite,
     div_by_int,
     fp16_scale,
+    heads_at,
     pack_codes,
     safe_divisor,
     unpack_codes,
@@ -306,7 +307,7 @@ def _quantize(S: torch.Tensor, widths: Sequence[int] | torch.Tensor, w: torch.Te
     out = None if dtype is None else torch.empty(S.shape, dtype=dtype, device=S.device)
     for b in sorted(set(widths)):
         ids = [h for h in range(hv) if widths[h] == b]
-        idx = torch.tensor(ids, dtype=torch.long, device=S.device)
+        idx = heads_at(widths, b, S.device)
         heads[b] = idx.to(torch.int16)
         x = S.index_select(S.dim() - 3, idx)
         if b == PIVOT:
