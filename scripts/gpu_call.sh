@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU correctness call of issue 40 on one CUDA machine, from the repository root:
-#   scripts/gpu_call.sh [checks] [results] [timing] [study4b] [app4b]
-# checks:  the kernels' tests compiled at full Qwen3.5 shapes (kernels/bench/gpu_check.py), GPU = CPU for every
-#          analysis and the decode graphs = the runs without them (tests/test_analysis_backends.py, tests/test_graphs.py
-#          with PACE_KERNEL_TESTS=cuda), logs in $OUT;
+#   scripts/gpu_call.sh [checks | kernels analyses] [results] [timing] [study4b] [app4b]
+# kernels: the kernels' tests compiled at full Qwen3.5 shapes (kernels/bench/gpu_check.py; about 6 minutes on an H100
+#          with compilation: a call of its own), log in $OUT;
+# analyses: GPU = CPU for every analysis and the decode graphs = the runs without them (tests/test_analysis_backends.py,
+#          tests/test_graphs.py with PACE_KERNEL_TESTS=cuda; about 2 minutes), log in $OUT;
+# checks:  kernels, then analyses;
 # results: `python -m pace_core all --device cuda --ppl-tokens 0` (the embedded model's stored results on the whole
 #          test split: calibration, export, structure, sweep, drift, perplexity, generations, compare, claims) into
 #          $RESULTS (default /tmp/results), resuming from .gpu_results/results.tar.gz where an earlier call left one,
@@ -31,13 +33,18 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
   "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee "$OUT/versions.txt"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/versions.txt"
 stages=("$@"); [ $# -gt 0 ] || stages=(checks results)
+expanded=()
 for stage in "${stages[@]}"; do
+  if [ "$stage" = checks ]; then expanded+=(kernels analyses); else expanded+=("$stage"); fi
+done
+for stage in "${expanded[@]}"; do
   case $stage in
-    checks)
+    kernels)
       timeout "$(left)" python3 kernels/bench/gpu_check.py > "$OUT/gpu_check_log.txt" 2>&1
-      echo "gpu_check exit $? after ${SECONDS}s"; tail -3 "$OUT/gpu_check_log.txt"
-      PACE_KERNEL_TESTS=cuda timeout "$(left)" python3 -m pytest -p no:cacheprovider -rfE tests/test_analysis_backends.py \
-        tests/test_graphs.py > "$OUT/analysis_backends_log.txt" 2>&1
+      echo "gpu_check exit $? after ${SECONDS}s"; tail -3 "$OUT/gpu_check_log.txt" ;;
+    analyses)
+      PACE_KERNEL_TESTS=cuda timeout "$(left)" python3 -m pytest -p no:cacheprovider -rfE -vv --durations=15 \
+        tests/test_analysis_backends.py tests/test_graphs.py > "$OUT/analysis_backends_log.txt" 2>&1
       echo "analysis backends exit $? after ${SECONDS}s"; tail -3 "$OUT/analysis_backends_log.txt" ;;
     results)
       [ -f .gpu_results/results.tar.gz ] && tar -xzf .gpu_results/results.tar.gz -C "$RESULTS"
@@ -63,6 +70,6 @@ for stage in "${stages[@]}"; do
       timeout "$(left)" python3 scripts/measure_app.py --model /tmp/q4b --device cuda --repeats 2 --out "$OUT" \
         > "$OUT/app_4b_log.txt" 2>&1
       echo "measure_app on the 4B shape exit $? after ${SECONDS}s" ;;
-    *) echo "unknown stage $stage (allowed: checks, results, timing, study4b, app4b)"; exit 2 ;;
+    *) echo "unknown stage $stage (allowed: checks, kernels, analyses, results, timing, study4b, app4b)"; exit 2 ;;
   esac
 done

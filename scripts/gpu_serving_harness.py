@@ -190,6 +190,17 @@ def batch_inputs(decodes: list[int], prompts: list[tuple[int, int, bool]], devic
     return slots, starts, initial, len(decodes) + bounds[-1]
 
 
+def forwards(sched: Scheduler, n: int, gen: torch.Generator, D: int, device: torch.device):
+    """The non-empty ones of ``n`` scheduled forwards: ``(decodes, prompts, slots, starts, initial, T, x)`` with
+    the batch's inputs (:func:`batch_inputs`) and random bfloat16 hidden states ``x [T, D]``."""
+    for _ in range(n):
+        decodes, prompts = sched.forward()
+        if decodes or prompts:
+            slots, starts, initial, T = batch_inputs(decodes, prompts, device)
+            x = (torch.randn(T, D, generator=gen) * 0.5).bfloat16().to(device)
+            yield decodes, prompts, slots, starts, initial, T, x
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -212,12 +223,7 @@ def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log)
 
     # 1. continuous batching against the reference
     sched, worst_o, worst_s, tokens, op_time, mixed = Scheduler(args.batch, args, gen), 0.0, 0.0, 0, 0.0, 0
-    for _ in range(args.steps):
-        decodes, prompts = sched.forward()
-        if not decodes and not prompts:
-            continue
-        slots, starts, initial, T = batch_inputs(decodes, prompts, device)
-        x = (torch.randn(T, D, generator=gen) * 0.5).bfloat16().to(device)
+    for decodes, prompts, slots, starts, initial, T, x in forwards(sched, args.steps, gen, D, device):
         copy_state(pool, ref)
         sync(device)
         t0 = time.perf_counter()
@@ -242,12 +248,7 @@ def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log)
         try:
             worst_o = worst_s = 0.0
             t0 = time.perf_counter()
-            for _ in range(args.compile_steps):
-                decodes, prompts = sched.forward()
-                if not decodes and not prompts:
-                    continue
-                slots, starts, initial, T = batch_inputs(decodes, prompts, device)
-                x = (torch.randn(T, D, generator=gen) * 0.5).bfloat16().to(device)
+            for decodes, _, slots, starts, initial, _, x in forwards(sched, args.compile_steps, gen, D, device):
                 copy_state(pool, ref)
                 o = compiled(0, x, slots, starts, initial, len(decodes))
                 o_eager = layer(1, x, slots, starts, initial, len(decodes))

@@ -135,3 +135,12 @@ def test_the_shipped_card_of_the_embedded_model_is_its_load():
     Read from the repository's own results (the tests write into a copy, conftest.py)."""
     found = load_card(DEFAULT_MODEL_DIR, str(DEFAULT_MODEL_DIR), "float32", root=SHIPPED_RESULTS)
     assert found == card_of(load_model())
+
+
+@pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "config.json").exists(), reason="the embedded model is not trained")
+def test_a_cards_provenance_names_the_model_as_another_machine_finds_it(tmp_path):
+    """Not this machine's absolute path: the repository-relative folder (what result keys use too)."""
+    loaded = load_model(DEFAULT_MODEL_DIR)
+    assert save_card(loaded, str(DEFAULT_MODEL_DIR), checkpoint_stamp(DEFAULT_MODEL_DIR), root=tmp_path)
+    [doc] = [json.loads(p.read_text()) for p in tmp_path.rglob("model_card-*.json")]
+    assert doc["provenance"]["model"] == "data/models/pace-tiny-qwen35" == loaded.reference

@@ -51,7 +51,7 @@ def run_export(args: argparse.Namespace) -> int:
     ctx = _context(args)
     cfg = ctx.admit(doc, lambda c: ctx.calibration(c, args.text, args.tokens, args.sample_every).config,
                     ready_for="run")
-    prov = make_provenance(ctx.model_name, configs=[cfg], text_path=args.text or CALIBRATION_TEXT,
+    prov = make_provenance(ctx.loaded.reference, configs=[cfg], text_path=args.text or CALIBRATION_TEXT,
                            command=_command(), extra={"calibration_tokens": args.tokens})
     text = export_json(cfg, shape=ctx.loaded.shape, source=ctx.loaded.reference,
                        weights_fingerprint=ctx.loaded.fingerprint, provenance=prov)

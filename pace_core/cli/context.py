@@ -91,7 +91,7 @@ class Context:
         return key, found
 
     def save(self, kind: str, key: str, data: dict, table=None, *, configs=(), text=None, extra=None):
-        prov = make_provenance(self.model_name, configs=list(configs), text_path=text, command=_command(),
+        prov = make_provenance(self.loaded.reference, configs=list(configs), text_path=text, command=_command(),
                                extra={"weights": self.loaded.fingerprint, "dtype": self.args.dtype,
                                       "device": str(self.loaded.device), **(extra or {})})
         result = save_result(kind, self.model_name, key, data, prov, table, root=self.args.out)

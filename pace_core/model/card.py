@@ -122,8 +122,8 @@ def save_card(loaded: Any, model: str, before: str | None, *, root: str | os.Pat
             card = card_of(loaded)
             data = {"source": card.source, "shape": dataclasses.asdict(card.shape), "summary": card.summary,
                     "fingerprint": card.fingerprint}
-            save_result(CARD_KIND, model, key, data, make_provenance(model, extra={"weights": card.fingerprint}),
-                        root=root)
+            provenance = make_provenance(loaded.reference, extra={"weights": card.fingerprint})
+            save_result(CARD_KIND, model, key, data, provenance, root=root)
     except (OSError, PaceError):  # a results folder that cannot be written or named
         return False
     return True

@@ -258,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vllm
     from transformers import AutoTokenizer
 
+    from pace_core.model.loading import portable_reference
     from pace_core.results import atomic_write, make_provenance
     from pace_core.vllm.check import prompts
 
@@ -284,8 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
            "device": f"CPU {platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "rows": rows, "ratios": ratios(rows),
-           "provenance": make_provenance(str(args.model), command=" ".join(["python -m pace_core.vllm.bench",
-                                                                            *sys.argv[1:]]),
+           "provenance": make_provenance(portable_reference(str(args.model)),
+                                         command=" ".join(["python -m pace_core.vllm.bench", *sys.argv[1:]]),
                                          extra={"vllm": vllm.__version__, "platform": platform.platform(),
                                                 "load_avg_start": load_start, "load_avg_end": os.getloadavg()})}
     text = json.dumps(doc, indent=1) + "\n"
