@@ -142,8 +142,6 @@ def run_bench(out: Path, argv: list[str], deadline_s: float, device=None) -> int
             return 1
 
 
-
-
 def run_ncu(out: Path, batches: str, variants: str, deadline_s: float) -> int:
     """:mod:`kernels.bench.ncu_profile` on the bench's fastest settings, as a child process (ncu runs children of its
     own), its raw pages packed into ``out/ncu_raw.tar.gz`` and its summary moved to ``out/ncu_summary.json``."""
