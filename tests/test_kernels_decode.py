@@ -11,7 +11,7 @@ import pytest
 import torch
 from calibration_support import calibrated
 from kernels_support import DEVICE, SIZES, kernel_modules
-from numerics import fp32_bound, rel
+from numerics import assert_within_one_step, fp32_bound, rel
 
 from kernels.settings import Launch, RecurrentSettings, SplitSettings
 from pace_core import quant
@@ -118,56 +118,27 @@ def _poison_slot(buf: DecodeBuffer) -> None:
     buf._decays[:, slot] = float("nan")
 
 
-def _step_size(p: quant.PackedTensor) -> torch.Tensor:
-    """One code step of ``p`` at every entry (its group's scale), ``[..., K, V]``."""
-    one = 1 + (0 if p.zero is not None else 1 << (p.spec.bits - 1))
-    codes = quant.pack_codes(torch.full(p.shape, one, dtype=torch.uint8, device=p.codes.device), p.spec.bits)
-    return quant.dequantize(quant.PackedTensor(codes, p.scale,
-                                               None if p.zero is None else torch.zeros_like(p.zero),
-                                               p.spec, p.shape)).abs()  # q - z = 1 everywhere
-
-
 CHUNK_AGREEMENT = 2e-3
-"""fla's tensor-core chunk against the reference's float32 chunk, of a head's scale (_assert_within_one_step)."""
+"""fla's tensor-core chunk against the reference's float32 chunk, of a head's largest |value|
+(:func:`_assert_within_one_step`)."""
 
 
 def _assert_within_one_step(got, ref, exact_rounding: bool = True) -> None:
-    """Requantised checkpoints: equal except near a rounding boundary. Each side's entry is within
-    half a step ``s / 2`` of the (nearly equal) folded value; with a zero point, a value at its
-    group's range end may be ``s (1/2 + L 2^-11)`` away (the range's top ``(L - z) s`` misses it by
-    the rounded zero point and the fp16 rounding of the scale over the ``L = 2^b - 1`` steps), so
-    where the two sides' scales differ by an fp16 ulp an 8-bit entry may differ by a little more
-    than one step. (Symmetric groups: ``q_max s`` misses the maximum by at most ``q_max s 2^-11``,
-    less than half a step.) Dense checkpoints: float32 rounding of the fold (one term per record and
-    the decayed checkpoint), then the bfloat16 cast's half ulp. ``exact_rounding``: the folded values
-    agree to float32 rounding, so nearly every entry is equal; False where they agree less closely (fla's
-    tensor-core prefill: a group's range and so its fp16 scale moves, and all its entries with it). There
-    each entry's bound adds the folded values' own difference, CHUNK_AGREEMENT of the largest |value| of its
-    head: fla's chunk kernel rounds its inputs to tf32 (10 mantissa bits, 2^-11 relative each, 2^-10 a
-    product) and accumulates in float32 over a chunk's tokens, two matmul stages deep, so an entry moves by
-    up to about 2^-9 of the magnitudes it sums, which the head's largest value bounds; 2e-3 is the agreement
-    the prefill test states for fla's outputs and dense checkpoints (the H100 of 2026-12-06 met an 8-bit
-    entry 1 % beyond the bound without this term)."""
+    """Requantised checkpoints: equal except near a rounding boundary (:func:`numerics.assert_within_one_step`
+    derives the bound). Dense checkpoints: float32 rounding of the fold (one term per record and the decayed
+    checkpoint), then the bfloat16 cast's half ulp. ``exact_rounding``: the folded values agree to float32
+    rounding, so nearly every entry is equal; False where they agree less closely (fla's tensor-core prefill: a
+    group's range and so its fp16 scale moves, and all its entries with it). There each entry's bound adds the
+    folded values' own difference, CHUNK_AGREEMENT of the largest |value| of its head: fla's chunk kernel rounds
+    its inputs to tf32 (10 mantissa bits, 2^-11 relative each, 2^-10 a product) and accumulates in float32 over a
+    chunk's tokens, two matmul stages deep, so an entry moves by up to about 2^-9 of the magnitudes it sums, which
+    the head's largest value bounds; 2e-3 is the agreement the prefill test states for fla's outputs and dense
+    checkpoints (the H100 of 2026-12-06 met an 8-bit entry 1 % beyond the bound without this term)."""
     if isinstance(ref, torch.Tensor):
         bound = fp32_bound(2 * PERIOD + 2) if ref.dtype == torch.float32 else 2.0**-8
         assert rel(got, ref) <= bound
         return
-    parts_ref = {ref.spec.bits: ref} if isinstance(ref, quant.PackedTensor) else ref.parts
-    parts_got = {got.spec.bits: got} if isinstance(got, quant.PackedTensor) else got.parts
-    for b, r in parts_ref.items():
-        g = parts_got[b]
-        d = (quant.dequantize(g) - quant.dequantize(r)).abs()
-        levels = 0 if r.zero is None else (1 << b) - 1
-        bound = (_step_size(g) + _step_size(r)) * (0.5 + levels * 2.0 ** -11) * 1.01 + 1e-30
-        if not exact_rounding:  # the two folded values differ too: by at most CHUNK_AGREEMENT of the head's scale
-            bound = bound + CHUNK_AGREEMENT * quant.dequantize(r).abs().amax((-2, -1), keepdim=True)
-        assert torch.isfinite(d).all()
-        worst = int((d / bound).argmax())
-        assert (d <= bound).all(), (f"{b}-bit entry {worst}: |got - ref| {d.flatten()[worst]:.4g} > bound "
-                                    f"{bound.flatten()[worst]:.4g}; steps {_step_size(g).flatten()[worst]:.4g} / "
-                                    f"{_step_size(r).flatten()[worst]:.4g}")
-        if exact_rounding:  # folded values within float32 rounding: nearly all codes and scales equal
-            assert (d == 0).float().mean() > 0.98
+    assert_within_one_step(got, ref, 0.0 if exact_rounding else CHUNK_AGREEMENT)
 
 
 def _storage_step(precision: str, u: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from calibration_support import calibrated
-from numerics import fp32_bound, rel
+from numerics import assert_within_one_step, fp32_bound, rel, step_size
 
 from pace_core import quant
 from pace_core.config import NAMED_CONFIGS, PaceConfig
@@ -73,17 +73,9 @@ def token(dims, B: int, gen: torch.Generator, scale: float = 1.0):
             torch.rand(B, HV, generator=gen))
 
 
-def _step_size(p: quant.PackedTensor) -> torch.Tensor:
-    """One code step of every entry of ``p`` (its group's scale): the codes one level above the zero point."""
-    b = p.spec.bits
-    code = torch.full(p.shape, 1 if p.zero is not None else (1 << (b - 1)) + 1, dtype=torch.uint8)
-    zero = None if p.zero is None else quant.pack_codes(torch.zeros(p.scale.shape, dtype=torch.uint8), b)
-    return quant.dequantize(quant.PackedTensor(quant.pack_codes(code, b), p.scale, zero, p.spec, p.shape)).abs()
-
-
 def _within_one_step(got, ref) -> None:
-    """Two stored checkpoints of the same slots: each entry within one storage step of the other (the two sides'
-    steps, with the zero point's fp16 slack), nearly all equal; dense: float32 / bfloat16 rounding."""
+    """Two stored checkpoints of the same slots: each entry within one storage step of the other, nearly all equal
+    (:func:`numerics.assert_within_one_step`); dense: float32 / bfloat16 rounding."""
     if isinstance(ref, torch.Tensor):
         assert rel(got, ref) <= (fp32_bound(4 * got.shape[-2]) if ref.dtype == torch.float32 else 2.0**-8)
         return
@@ -93,15 +85,7 @@ def _within_one_step(got, ref) -> None:
                 quant.unpack_codes(ref.codes[b], b, ref.shape[-1]).int()
             assert d.abs().max() <= 1 and (d == 0).float().mean() > 0.98
         return
-    parts_ref = {ref.spec.bits: ref} if isinstance(ref, quant.PackedTensor) else ref.parts
-    parts_got = {got.spec.bits: got} if isinstance(got, quant.PackedTensor) else got.parts
-    for b, r in parts_ref.items():
-        g = parts_got[b]
-        d = (quant.dequantize(g) - quant.dequantize(r)).abs()
-        levels = 0 if r.zero is None else (1 << b) - 1
-        bound = (_step_size(g) + _step_size(r)) * (0.5 + levels * 2.0**-11) * 1.01 + 1e-30
-        assert (d <= bound).all()
-        assert (d == 0).float().mean() > 0.98
+    assert_within_one_step(got, ref)
 
 
 def _compare(fused: StatePool, reference: StatePool, slots: torch.Tensor, counts: torch.Tensor) -> None:
@@ -300,7 +284,7 @@ def _steps(checkpoint) -> torch.Tensor:
         getattr(checkpoint, "parts", None)
     if parts is None:  # static scales: the layer's steps, the same on both sides
         return torch.zeros(checkpoint.shape)
-    return torch.cat([_step_size(p).flatten() for p in parts.values()])
+    return torch.cat([step_size(p).flatten() for p in parts.values()])
 
 
 @pytest.mark.parametrize("name", SERVED)
