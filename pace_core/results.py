@@ -57,12 +57,11 @@ from pace_core.config import NAMED_CONFIGS
 from pace_core.errors import PaceError
 from pace_core.export import config_to_dict
 from pace_core.result_checks import check_result
-from pace_core.version import METHOD_VERSION, code_commit
+from pace_core.version import METHOD_VERSION, REPO_ROOT, code_commit
 
 SCHEMA_VERSION = 2
 LEGACY_SCHEMA_VERSION = 1
 """Schema 1: the table in ``<kind>-<key>.parquet`` (``has_table``), no hash; read, never written."""
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS_ROOT = REPO_ROOT / "data" / "results"
 RESULTS_ENV = "PACE_RESULTS_DIR"
 ORPHAN_GRACE_S = 600.0
@@ -223,6 +222,29 @@ def versions() -> dict[str, str]:
     }
 
 
+def invocation() -> str:
+    """This process's command line as another machine would type it, without this machine's paths: a module of the
+    repository run with ``-m`` as ``python -m <module>``, a script of the repository by its path from the
+    repository's root, any other program (``pace``, ``streamlit``, ``pytest``) by its name."""
+    if not sys.argv or not sys.argv[0]:
+        return "python"
+    path = Path(sys.argv[0]).resolve()
+    try:
+        rel = path.relative_to(REPO_ROOT)
+    except ValueError:
+        rel = None
+    if rel is None:
+        program = ("python " if path.suffix == ".py" else "") + path.name
+    elif path.suffix != ".py":
+        program = path.name
+    elif rel.parts[0] == "pace_core":
+        parts = rel.with_suffix("").parts
+        program = "python -m " + ".".join(parts[:-1] if parts[-1] == "__main__" else parts)
+    else:
+        program = f"python {rel.as_posix()}"
+    return " ".join([program, *sys.argv[1:]])
+
+
 def make_provenance(
     model: str,
     *,
@@ -241,7 +263,7 @@ def make_provenance(
         "method_version": METHOD_VERSION,
         "code": code_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command if command is not None else " ".join(sys.argv),
+        "command": command if command is not None else invocation(),
     }
     if text_path is not None:
         prov["text"] = {"path": str(text_path), "sha256": text_sha256(text_path)}
