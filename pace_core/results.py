@@ -336,12 +336,13 @@ def save_result(
 ) -> Result:
     """Check and publish a result (module docstring: its table under a content-addressed name, then the
     JSON naming it) and return it. A result that fails its checks (:mod:`pace_core.result_checks`) is
-    refused with PaceError and nothing is written. Afterwards the folder's orphans are cleaned."""
+    refused with PaceError and nothing is written. Afterwards the folder's orphans are cleaned. ``model`` names the
+    folder; the file names the model as its provenance does (as another machine finds it), else as ``model``."""
     _check_kind_key(kind, key)
     folder = results_dir(model, root)
     path = folder / f"{kind}-{key}.json"
     data = json.loads(json.dumps(data, default=_json_default, allow_nan=True))  # as a reader will see it
-    result = Result(kind, model, key, data, provenance, table, path)
+    result = Result(kind, provenance.get("model") or model, key, data, provenance, table, path)
     try:
         check_result(result)
     except PaceError as err:
@@ -354,7 +355,7 @@ def save_result(
         sha = hashlib.sha256(blob).hexdigest()
         ref = {"file": f"{kind}-{key}.{sha[:8]}.parquet", "sha256": sha}
         atomic_write(folder / ref["file"], lambda p: p.write_bytes(blob))
-    doc = {"schema_version": SCHEMA_VERSION, "kind": kind, "model": model, "key": key, "table": ref,
+    doc = {"schema_version": SCHEMA_VERSION, "kind": kind, "model": result.model, "key": key, "table": ref,
            "provenance": provenance, "data": data}
     text = json.dumps(doc, indent=1, default=_json_default, allow_nan=True)
     atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))

@@ -143,4 +143,4 @@ def test_a_cards_provenance_names_the_model_as_another_machine_finds_it(tmp_path
     loaded = load_model(DEFAULT_MODEL_DIR)
     assert save_card(loaded, str(DEFAULT_MODEL_DIR), checkpoint_stamp(DEFAULT_MODEL_DIR), root=tmp_path)
     [doc] = [json.loads(p.read_text()) for p in tmp_path.rglob("model_card-*.json")]
-    assert doc["provenance"]["model"] == "data/models/pace-tiny-qwen35" == loaded.reference
+    assert doc["provenance"]["model"] == doc["model"] == "data/models/pace-tiny-qwen35" == loaded.reference

@@ -405,6 +405,21 @@ def test_the_shipped_results_were_made_from_a_clean_tree():
                                    f"commit of this repository, e.g. {unclean[:3]}")
 
 
+def test_the_shipped_results_name_no_folder_of_the_machine_that_made_them():
+    """A shipped file names its model and command as another machine would (the model's folder relative to the
+    repository, ``python -m ...``), never a machine's absolute path (until 2026-12-06 all 79 named
+    /work/wt-regen/...)."""
+    files = sorted(SHIPPED.glob("*/*.json"))
+    absolute = []
+    for path in files:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        prov = doc.get("provenance") or {}
+        named = [doc.get("model"), prov.get("model"), (prov.get("command") or "").split(" ")[0]]
+        if any(isinstance(x, str) and x.startswith("/") for x in named):
+            absolute.append(path.name)
+    assert files and not absolute, f"{len(absolute)} of {len(files)} shipped files name absolute paths: {absolute[:3]}"
+
+
 def test_the_drift_shipped_before_method_versions_is_refused_where_the_arithmetic_bounds_it(tmp_path):
     """The drift results shipped until 2026-12-04 (tests/data/drift-2026-12-01: made on cuda by the first wave's
     code, a median relative state error of 1.21 for every configuration) are refused for bf16, rtn-int8 and
