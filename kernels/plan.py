@@ -125,7 +125,7 @@ def head_table(bits_per_head: list[int], device: torch.device) -> tuple[list[int
             raise PaceError(f"bits_per_head: {widths} distinct widths not supported in one launch; allowed: at most 2")
         part = [widths.index(b) for b in bits_per_head]
         slot = [sum(1 for p in part[:h] if p == part[h]) for h in range(len(part))]
-        heads = {b: quant.heads_at(key[0], b, key[1]).to(torch.int16) for b in widths}
+        heads = {b: quant.heads_at(key[0], b, key[1], torch.int16) for b in widths}
         as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()

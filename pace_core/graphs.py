@@ -17,8 +17,8 @@ set to what the recorded call left after each replay.
   again without graphs, where the checks raise their own errors (:func:`pace_core.model.teacher.teacher_forced`).
 - A call that cannot be recorded (an operation a graph does not allow: a host read, a tensor made from host
   data) runs as it is from then on, as does every later key (:attr:`DecodeGraphs.broken`), and
-  :attr:`DecodeGraphs.refused` says why. ``tests/test_graphs.py`` checks on the CPU that no recordable call
-  holds such an operation.
+  :attr:`DecodeGraphs.refused` says why, as does a warning (once per stack: the run is slower, not
+  different). ``tests/test_graphs.py`` checks on the CPU that no recordable call holds such an operation.
 
 Graphs are used on CUDA devices unless :data:`GRAPHS_ENV` is ``off``, and only for configurations whose formats
 keep no state on the host between stores (:data:`pace_core.methods.HOST_STATE_COMBINATIONS`: a graph would replay
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -119,6 +120,9 @@ class DecodeGraphs:
             set_host_state(before)
             self.broken = self.refused[key] = f"{type(err).__name__}: {err}"
             self._release_pool()
+            warnings.warn(f"PACE: a decode call could not be recorded as a CUDA graph ({self.broken}); this run's "
+                          f"later calls run without graphs: the same results, more slowly. Please report it; "
+                          f"{GRAPHS_ENV}=off turns graphs off", RuntimeWarning, stacklevel=2)
             return None
         recorded = _Recorded(graph, static, output, host_state())
         set_host_state(before)
