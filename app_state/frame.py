@@ -4,6 +4,7 @@ and every setting), and the page body run so that a failure is shown as a messag
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,5 +155,6 @@ def run_page(body: Callable[[PaceConfig], None]) -> None:
                      "steps, sequences or configurations), or pick a smaller model or another device in the sidebar; "
                      "what was computed before is kept.", icon=":material/memory:")
             return
+        logging.getLogger("pace_studio").error("a page failed", exc_info=err)  # the server's log keeps where
         st.error(f"This page failed: {type(err).__name__}: {escape(err)}\n\nTry another configuration or model; "
                  "if it persists, please report it with the link in the address bar.", icon=":material/error:")

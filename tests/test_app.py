@@ -175,6 +175,25 @@ def test_weights_in_bfloat16_are_a_sidebar_choice_with_their_own_model_and_resul
     assert not np.array_equal(array(chart(at, "heat_chart")["data"][0]["z"]), array(bf16_map))
 
 
+def test_a_page_that_fails_says_so_and_the_log_keeps_where(caplog):
+    """A page's own failure (not a PaceError) is shown with what to do, the app keeps running, and the server's log
+    holds its traceback for the report the message asks for."""
+
+    def page():
+        from app_state.frame import run_page
+
+        def body(cfg):
+            raise ValueError(f"a failure of the page's own at {cfg.bits} bits")
+
+        run_page(body)
+
+    at = AppTest.from_function(page, default_timeout=180).run()
+    assert not at.exception and "This page failed: ValueError: a failure of the page's own" in plain(at.error[0].value)
+    logged = [r for r in caplog.records if r.name == "pace_studio" and r.exc_info]
+    assert len(logged) == 1 and "a failure of the page's own at 4 bits" in str(logged[0].exc_info[1])
+    assert "in body" in caplog.text
+
+
 def test_a_model_that_failed_to_load_is_not_retried_on_every_change(tmp_path, monkeypatch):
     """A path or hub id that fails (offline, a hub id takes about 30 s to fail) is shown as failed on the
     next changes, tried again at once when its folder changes, and on "Try again"."""

@@ -127,7 +127,8 @@ def test_a_run_whose_graphs_failed_a_check_runs_again_without_them(embedded, mon
 
 def test_a_refused_capture_warns_once_and_runs_every_later_call_as_it_is(monkeypatch):
     """A capture that fails (here every capture: the CPU stands in for the device) is said once, with its reason,
-    and every later call, of its key or another, runs as it is."""
+    its allocation to the graphs' memory pool is ended, and every later call, of its key or another, runs as it
+    is."""
     from pace_core.graphs import DecodeGraphs
 
     class _Refusing:
@@ -140,9 +141,11 @@ def test_a_refused_capture_warns_once_and_runs_every_later_call_as_it_is(monkeyp
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    released = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Refusing)
     monkeypatch.setattr(torch.cuda, "graph", _Refusing)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda *args: released.append(args), raising=False)
     graphs, calls = DecodeGraphs(torch.device("cpu")), []
     x = torch.arange(4.0)
 
@@ -156,7 +159,7 @@ def test_a_refused_capture_warns_once_and_runs_every_later_call_as_it_is(monkeyp
         warnings.simplefilter("error")
         assert torch.equal(run("a"), x * 2) and torch.equal(run("b"), x * 2) and torch.equal(run("b"), x * 2)
     assert calls == ["a", "a", "a", "b", "b"] and set(graphs.refused) == {"a", "b"}
-    assert "not permitted" in graphs.broken
+    assert "not permitted" in graphs.broken and released == [(0, "pool")]  # the failed capture's pool ended once
 
 
 class _HostReads(TorchFunctionMode):
