@@ -11,8 +11,9 @@ against PACE-4 (and the bf16 per-token baseline) on the same card in the same ru
    ``--deadline-s``: the batches left are named in bench.json); a variant that cannot run at a batch gets bench.py's
    error row, and no ratio there.
 
-Writes ``DIR/widths_gpu.json`` (device, versions, the tests' exit status and summary line, the ratios per batch),
-``DIR/bench.json`` and ``DIR/bench.png`` (bench.py's) and ``DIR/widths_gpu_log.txt`` (everything printed).
+Writes ``DIR/widths_gpu.json`` (device, versions, code commit and command, the tests' exit status and summary
+line, the ratios per batch), ``DIR/bench.json`` and ``DIR/bench.png`` (bench.py's) and ``DIR/widths_gpu_log.txt``
+(everything printed).
 
 Usage (on the GPU machine, from the repository root): ``python3 kernels/bench/widths_gpu.py --out DIR``.
 """
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kernels.bench import bench  # noqa: E402
+from pace_core.version import code_commit  # noqa: E402
 
 TESTS = ("tests/test_kernels_quantize.py", "tests/test_kernels_decode.py")
 SELECT = ("pace-3 or rtn-int3 or rtn-value-3 or True-3 or False-3 or False-1-3 or True-1-3 or other_widths "
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         start = time.time()
         doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "variants": list(VARIANTS)}
+               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "code": code_commit(),
+               "command": " ".join([sys.executable, *sys.argv]), "variants": list(VARIANTS)}
         print(f"device {doc['device']}  torch {doc['torch']}  triton {doc['triton']}", flush=True)
         doc["tests"] = None if args.skip_tests else run_tests()
         left = max(args.budget_s - (time.time() - start), 0.0)
