@@ -183,7 +183,7 @@ class _HostReads(TorchFunctionMode):
 
 
 def test_a_recordable_call_reads_nothing_on_the_host(embedded, monkeypatch):
-    """Every configuration that graphs take (:data:`pace_core.methods.HOST_STATE_COMBINATIONS` excluded), in one
+    """Every configuration that graphs take (:func:`pace_core.methods.keeps_host_state` excluded), in one
     stack: the teacher-forced calls a :class:`~pace_core.graphs.DecodeGraphs` would record (a key's second call and
     later: its first runs as it is, filling the kept head maps and plans) hold no host read while checks are
     deferred (the H100 of 2026-12-06 refused every capture after a reference dequantisation's ``torch.tensor`` of a
@@ -193,12 +193,12 @@ def test_a_recordable_call_reads_nothing_on_the_host(embedded, monkeypatch):
     from pace_core.analysis.quality import perplexity
     from pace_core.analysis.text import CALIBRATION_TEXT, TEST_TEXT
     from pace_core.config import NAMED_CONFIGS
-    from pace_core.methods import HOST_STATE_COMBINATIONS
+    from pace_core.methods import keeps_host_state
     from pace_core.state_store import StoreStack
 
     cfgs = [get_config(n) for n in NAMED_CONFIGS]
     cfgs = [calibrate(embedded, c, str(CALIBRATION_TEXT), tokens=64, sample_every=16).config
-            if c.needs_calibration else c for c in cfgs if not set(c.combined) & set(HOST_STATE_COMBINATIONS)]
+            if c.needs_calibration else c for c in cfgs if not keeps_host_state(c)]
     modes, seen_keys, run = [], set(), StoreStack._run
 
     def watched(self, layer, decode, *inputs):

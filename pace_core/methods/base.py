@@ -143,6 +143,12 @@ HOST_STATE_COMBINATIONS: tuple[str, ...] = ("rounding", "scales")
 static scales' saturation counts), which a recorded CUDA graph's replay would not advance (:mod:`pace_core.graphs`)."""
 
 
+def keeps_host_state(cfg: Configuration) -> bool:
+    """Whether ``cfg``'s format keeps state on the host between stores (:data:`HOST_STATE_COMBINATIONS`): its
+    decode calls run without CUDA graphs."""
+    return bool(set(cfg.combined) & set(HOST_STATE_COMBINATIONS))
+
+
 @dataclass(frozen=True)
 class Method:
     """One state quantiser.
