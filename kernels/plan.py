@@ -125,7 +125,7 @@ def head_table(bits_per_head: list[int], device: torch.device) -> tuple[list[int
             raise PaceError(f"bits_per_head: {widths} distinct widths not supported in one launch; allowed: at most 2")
         part = [widths.index(b) for b in bits_per_head]
         slot = [sum(1 for p in part[:h] if p == part[h]) for h in range(len(part))]
-        heads = {b: quant.heads_at(key[0], b, key[1], torch.int16) for b in widths}
+        heads = {b: quant.heads_at(key[0], b, key[1]).to(torch.int16) for b in widths}
         as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
@@ -133,18 +133,30 @@ def head_table(bits_per_head: list[int], device: torch.device) -> tuple[list[int
     return list(found[0]), found[1]
 
 
+_READ_MAPS: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], list[int]]] = {}
+"""Head maps read from the device once, by the identities of their tensors (kept alive here, so an identity is never
+another map's): a checkpoint's later plans, e.g. inside a CUDA graph's capture, know its bits without a read."""
+
+
 def bits_of_heads(heads: dict[int, torch.Tensor], hv: int) -> list[int]:
     """Bits of each of the ``hv`` value heads of a head map (bits -> head indices): from the kept table
-    whose map it is (no device read), else read from the device."""
+    whose map it is, or from the map's earlier read (no device read), else read from the device once."""
     for (bits, _), (_, table) in _TABLES.items():
         if (len(bits) == hv and table.heads.keys() == heads.keys()
                 and all(table.heads[b] is t for b, t in heads.items())):
             return list(bits)
+    key = tuple(id(t) for t in heads.values())
+    found = _READ_MAPS.get(key)
+    if found is not None and found[0].keys() == heads.keys() and all(found[0][b] is t for b, t in heads.items()):
+        return list(found[1])
     out = [0] * hv
     for b, t in heads.items():
         for h in t.tolist():
             out[h] = b
-    return out
+    if len(_READ_MAPS) >= _MAX_TABLES:
+        _READ_MAPS.clear()
+    _READ_MAPS[key] = (dict(heads), out)
+    return list(out)
 
 
 @dataclass(frozen=True)

@@ -599,14 +599,12 @@ def check_head_bits(bits_per_head: Sequence[int] | torch.Tensor, hv: int) -> lis
     return [int(b) for b in widths]
 
 
-@functools.lru_cache(maxsize=512)
-def heads_at(bits: tuple[int, ...], b: int, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """The ascending indices (``dtype``: int64 to index with, int16 for a :class:`MixedPackedState`'s map, on
-    ``device``) of the heads whose width in ``bits`` is ``b``: made once per device and kept, since a tensor made
-    from host data inside a CUDA graph's capture is a host-to-device copy, which a capture cannot hold
-    (:mod:`pace_core.graphs`), and since the kernels know a kept map by its identity without reading it back
-    (``kernels.plan.bits_of_heads``). Callers never write into it."""
-    return torch.tensor([h for h, x in enumerate(bits) if x == b], dtype=dtype, device=device)
+@functools.lru_cache(maxsize=256)
+def heads_at(bits: tuple[int, ...], b: int, device: torch.device) -> torch.Tensor:
+    """The ascending indices (int64, on ``device``) of the heads whose width in ``bits`` is ``b``: made once per
+    device and kept, since a tensor made from host data inside a CUDA graph's capture is a host-to-device copy,
+    which a capture cannot hold (:mod:`pace_core.graphs`). Callers never write into it."""
+    return torch.tensor([h for h, x in enumerate(bits) if x == b], dtype=torch.long, device=device)
 
 
 def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor, spec: QuantSpec, *,
@@ -621,7 +619,7 @@ def quantize_heads(S: torch.Tensor, bits_per_head: Sequence[int] | torch.Tensor,
     parts, heads = {}, {}
     for b in sorted(set(bits)):
         idx = heads_at(bits, b, S.device)
-        heads[b] = heads_at(bits, b, S.device, torch.int16)
+        heads[b] = idx.to(torch.int16)
         parts[b] = quantize(S.index_select(S.dim() - 3, idx), replace(spec, bits=b), name=name, generator=generator)
     return MixedPackedState(parts, heads, tuple(S.shape))
 

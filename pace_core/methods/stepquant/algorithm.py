@@ -308,7 +308,7 @@ def _quantize(S: torch.Tensor, widths: Sequence[int] | torch.Tensor, w: torch.Te
     for b in sorted(set(widths)):
         ids = [h for h in range(hv) if widths[h] == b]
         idx = heads_at(widths, b, S.device)
-        heads[b] = heads_at(widths, b, S.device, torch.int16)
+        heads[b] = idx.to(torch.int16)
         x = S.index_select(S.dim() - 3, idx)
         if b == PIVOT:
             big = x.abs().amax((-2, -1)) > FP16_MAX
