@@ -65,6 +65,11 @@ for stage in "${expanded[@]}"; do
       echo "all on the 4B shape exit $? after ${SECONDS}s"
       ls -l --time-style=+%T /tmp/res4b/*/ | awk '{print $6, $7}' | sort > "$OUT/all_4b_files.txt" ;;
     app4b)  # every view's first visit on a fresh host (the first run beside the median), 4B shape fp32
+      if ! python3 -c 'import streamlit, plotly' 2>/dev/null; then  # the device image has neither (2026-12-06)
+        echo "app4b: streamlit or plotly is missing here: carry their wheels and those of their needs (README of"
+        echo "the device tools: pip download --no-deps for Python 3.12) and install them into PYTHONPATH first"
+        continue
+      fi
       [ -d /tmp/q4b ] || python3 scripts/random_checkpoint.py --shape qwen3.5-4b --out /tmp/q4b --device cuda \
         > "$OUT/q4b_log.txt" 2>&1
       timeout "$(left)" python3 scripts/measure_app.py --model /tmp/q4b --device cuda --repeats 2 --out "$OUT" \
