@@ -108,7 +108,8 @@ class HeadTable:
 
 _TABLES: dict[tuple[tuple[int, ...], torch.device], tuple[list[int], HeadTable]] = {}
 """Head tables by (bits per head, device), made once: every store and load of a layer reuses its table
-(no host-to-device copies per token), and a head map that is a kept table's reads back without a sync."""
+(no host-to-device copies per token), and a head map that is a kept table's is known without a read
+(:data:`_KNOWN_MAPS`)."""
 _MAX_TABLES = 4096
 
 
@@ -130,32 +131,33 @@ def head_table(bits_per_head: list[int], device: torch.device) -> tuple[list[int
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
         found = _TABLES[key] = (widths, HeadTable(as_i32(part), as_i32(slot), heads))
+        _remember_map(heads, list(key[0]))
     return list(found[0]), found[1]
 
 
-_READ_MAPS: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], list[int]]] = {}
-"""Head maps read from the device once, by the identities of their tensors (kept alive here, so an identity is never
-another map's): a checkpoint's later plans, e.g. inside a CUDA graph's capture, know its bits without a read."""
+_KNOWN_MAPS: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], list[int]]] = {}
+"""The bits per head of head maps known on the host (the kept tables' maps, and checkpoints' maps read from the device
+once), by the identities of their tensors (kept alive here, so an identity is never another map's): a checkpoint's
+later plans, e.g. inside a CUDA graph's capture, know its bits without a read."""
+
+
+def _remember_map(heads: dict[int, torch.Tensor], bits: list[int]) -> None:
+    if len(_KNOWN_MAPS) >= _MAX_TABLES:
+        _KNOWN_MAPS.clear()
+    _KNOWN_MAPS[tuple(id(t) for t in heads.values())] = (dict(heads), bits)
 
 
 def bits_of_heads(heads: dict[int, torch.Tensor], hv: int) -> list[int]:
-    """Bits of each of the ``hv`` value heads of a head map (bits -> head indices): from the kept table
-    whose map it is, or from the map's earlier read (no device read), else read from the device once."""
-    for (bits, _), (_, table) in _TABLES.items():
-        if (len(bits) == hv and table.heads.keys() == heads.keys()
-                and all(table.heads[b] is t for b, t in heads.items())):
-            return list(bits)
-    key = tuple(id(t) for t in heads.values())
-    found = _READ_MAPS.get(key)
+    """Bits of each of the ``hv`` value heads of a head map (bits -> head indices): known on the host when the map is
+    a kept table's or was read before (:data:`_KNOWN_MAPS`), else read from the device once."""
+    found = _KNOWN_MAPS.get(tuple(id(t) for t in heads.values()))
     if found is not None and found[0].keys() == heads.keys() and all(found[0][b] is t for b, t in heads.items()):
         return list(found[1])
     out = [0] * hv
     for b, t in heads.items():
         for h in t.tolist():
             out[h] = b
-    if len(_READ_MAPS) >= _MAX_TABLES:
-        _READ_MAPS.clear()
-    _READ_MAPS[key] = (dict(heads), out)
+    _remember_map(heads, out)
     return list(out)
 
 

@@ -322,8 +322,7 @@ class StoreStack:
             store.capture = (lambda lay, c=captures[i]: c) if captures[i] is not None else None
         inputs = (q, k, v, g, beta)
         if self.graphs is not None and checked and self.teacher_forcing and not any(captures):
-            key = (layer, tuple(q.shape), self._host_state(layer))
-            o = self.graphs.run(key, lambda *x: self._run(layer, decode, *x), inputs,
+            o = self.graphs.run(self.graph_key(layer, q), lambda *x: self._run(layer, decode, *x), inputs,
                                 lambda: self._host_state(layer), lambda counts: self._set_host_state(layer, counts))
         else:
             o = self._run(layer, decode, *inputs)
@@ -340,6 +339,11 @@ class StoreStack:
         outputs = [store.run(layer, *inputs, decode, checked)
                    for store, *inputs in zip(self.stores, *(t.split(self.rows) for t in (q, k, v, g, beta)))]
         return torch.cat(outputs)
+
+    def graph_key(self, layer: int, q: torch.Tensor) -> tuple:
+        """What a teacher-forced call's CUDA graph is recorded under: the layer, the inputs' shape and the host's part
+        of the layer's states (:meth:`_host_state`)."""
+        return layer, tuple(q.shape), self._host_state(layer)
 
     def _host_state(self, layer: int) -> tuple[int, ...]:
         """What the host keeps of one layer's states: each member's count of buffered records."""
