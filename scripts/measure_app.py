@@ -301,8 +301,11 @@ def _one_process(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, 
     if args.model:
         cmd += ["--model", args.model]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"a repeat failed:\n{done.stderr[-4000:]}")
+    if done.returncode:  # its whole log beside the figures (a page's traceback may lie far from the end)
+        log = Path(args.out) / f"measure_app_failed_{args.device}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(done.stderr)
+        raise RuntimeError(f"a repeat failed (its whole log: {log}):\n{done.stderr[-4000:]}")
     seconds, threads = json.loads(done.stdout.strip().splitlines()[-1])
     return seconds, threads
 

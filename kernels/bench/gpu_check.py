@@ -6,12 +6,16 @@ Runs ``tests/test_kernels_quant.py`` and ``tests/test_kernels_decode.py`` with
 (γ = 2 and 3), K = V = 128, dP = 8, P = 128 (see ``tests/kernels_support.py``). The tests' conftest is
 not loaded (it builds tiny transformers checkpoints the kernels do not need).
 
+Where pytest-xdist is installed the tests run in up to 8 processes: Triton's compilation, which takes most of the
+run, is spread over the host's cores (the GPU work is small).
+
 Usage (on the GPU machine, from the repository root): ``python3 kernels/bench/gpu_check.py``; exit status
 is pytest's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -31,8 +35,10 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     env = {**os.environ, "PACE_KERNEL_TESTS": "cuda",
            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    workers = min(8, os.cpu_count() or 1)
+    spread = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
     cmd = [sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-rfE",
-           "--durations=5", *TESTS]
+           "--durations=5", *spread, *TESTS]
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
