@@ -108,9 +108,9 @@ class StateFormat(ABC):
     The combinations a method composes with (:data:`pace_core.methods.COMBINATIONS`) are applied by its format
     with these helpers: :attr:`generator` for stochastic rounding (``rounding`` "stochastic"), one per layer
     state, seeded with ``rounding_seed · 2^16 + gdn_index`` on the layer's device when the state starts
-    (:meth:`restart`) and advanced by each rounding, so the same configuration, seed, inputs (batch included)
-    and device give the same codes; :meth:`rotate` and :meth:`unrotate` for the Hadamard rotation along the key
-    axis (``key_hadamard``).
+    (:meth:`restart`, the same generator seeded again: a CUDA graph that draws from it holds it) and advanced by
+    each rounding, so the same configuration, seed, inputs (batch included) and device give the same codes;
+    :meth:`rotate` and :meth:`unrotate` for the Hadamard rotation along the key axis (``key_hadamard``).
     """
 
     dtype: torch.dtype | None = None
@@ -137,15 +137,18 @@ class StateFormat(ABC):
         """This format with its calibrated tensors (and its rounding's generator, started again) on ``device``."""
         if self.layer is not None:
             self.layer = {k: t.to(device) for k, t in self.layer.items()}
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # with its index ("cuda" is cuda:0), as tensors name it
         self.restart()
         return self
 
     def restart(self) -> None:
         """The start of the layer's sequences (:meth:`pace_core.schedule.PeriodicState.reset`): stochastic
         rounding's generator seeded again (class docstring)."""
-        if self.cfg.rounding == "stochastic":
-            self.generator = torch.Generator(self.device).manual_seed(self.cfg.rounding_seed * 2**16 + self.gdn_index)
+        if self.cfg.rounding != "stochastic":
+            return
+        if self.generator is None or self.generator.device != self.device:
+            self.generator = torch.Generator(self.device)
+        self.generator.manual_seed(self.cfg.rounding_seed * 2**16 + self.gdn_index)  # in place: graphs hold it
 
     def rotate(self, S: torch.Tensor) -> torch.Tensor:
         """``S [B, HV, K, V]`` in the basis the format quantises: ``H S`` along the key axis with ``key_hadamard``

@@ -20,9 +20,11 @@ set to what the recorded call left after each replay.
   :attr:`DecodeGraphs.refused` says why, as does a warning (once per stack: the run is slower, not
   different). ``tests/test_graphs.py`` checks on the CPU that no recordable call holds such an operation.
 
-Graphs are used on CUDA devices unless :data:`GRAPHS_ENV` is ``off``, and only for configurations whose formats
-keep no state on the host between stores (:data:`pace_core.methods.HOST_STATE_COMBINATIONS`: a graph would replay
-the same random draws, and count nothing).
+- Stochastic rounding's generators are registered with each graph that draws from them: a replay advances them as
+  the call would (the same draws as without graphs), and a state's restart seeds the same generator again.
+  Static scales count their saturated values in a device tensor, which a replay adds to in place.
+
+Graphs are used on CUDA devices unless :data:`GRAPHS_ENV` is ``off``.
 """
 
 from __future__ import annotations
@@ -83,15 +85,17 @@ class DecodeGraphs:
             torch._C._cuda_endAllocateToPool(self.device.index or 0, self.pool)
 
     def run(self, key: Hashable, call: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
-            host_state: Callable[[], Hashable], set_host_state: Callable[[Hashable], None]) -> torch.Tensor:
+            host_state: Callable[[], Hashable], set_host_state: Callable[[Hashable], None],
+            generators: Sequence[torch.Generator] = ()) -> torch.Tensor:
         """``call(*inputs)``, recorded or replayed under ``key`` (which must hold ``host_state()``, the host's
-        part of the state the call starts from; ``set_host_state`` restores one)."""
+        part of the state the call starts from; ``set_host_state`` restores one); ``generators``: the random
+        generators ``call`` draws from (module docstring)."""
         recorded = self._recorded.get(key)
         if recorded is None:
             if key in self.refused or key not in self._seen:
                 self._seen.add(key)
                 return call(*inputs)
-            recorded = self._record(key, call, inputs, host_state, set_host_state)
+            recorded = self._record(key, call, inputs, host_state, set_host_state, generators)
             if recorded is None:
                 return call(*inputs)
         for static, given in zip(recorded.inputs, inputs):
@@ -101,15 +105,18 @@ class DecodeGraphs:
         return recorded.output
 
     def _record(self, key: Hashable, call: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
-                host_state: Callable[[], Hashable], set_host_state: Callable[[Hashable], None]) -> _Recorded | None:
+                host_state: Callable[[], Hashable], set_host_state: Callable[[Hashable], None],
+                generators: Sequence[torch.Generator]) -> _Recorded | None:
         """Record ``call`` on copies of ``inputs`` (the host state restored afterwards: recording runs nothing on
-        the device); None where it cannot be recorded (:attr:`refused`)."""
+        the device, and advances no generator); None where it cannot be recorded (:attr:`refused`)."""
         if self.broken is not None:
             self.refused[key] = self.broken
             return None
         before = host_state()
         static = tuple(t.clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
+        for generator in generators:
+            graph.register_generator_state(generator)
         try:  # thread-local: the app's background kernel compilation may use the device meanwhile
             with (deferred.deferring() as failures,
                   torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")):

@@ -263,8 +263,7 @@ class FusedPool:
     def _outcome(self) -> Failure | None:
         info = self.info.tolist()
         if self.static:  # as GroupFormat counts its stores: values stored, and those saturated
-            self.fmt.saturated += info[4]
-            self.fmt.stored += info[5] * self.dims[2] * self.dims[3]
+            self.fmt.count(info[4], info[5] * self.dims[2] * self.dims[3])
         if not info[0]:
             return None
         K, V = self.dims[2], self.dims[3]

@@ -494,7 +494,7 @@ def static_scales(ranges: dict[str, torch.Tensor], spec: QuantSpec, margin: floa
     ``z = clamp(round(−fl32(margin · low) / scale), 0, 2^b − 1)``, as :func:`quantize` computes them from a
     group's own range. The scales are clamped into fp16's [2^-14, 65504]: a group calibrated at 0 keeps the finest
     step, and values beyond a scale's range saturate (:func:`quantize_fixed`)."""
-    m = torch.tensor(margin, dtype=torch.float32, device=next(iter(ranges.values())).device)
+    m = float(margin)  # a float32 tensor times a Python number multiplies in float32: fl32(margin · amax)
     if spec.symmetric:
         amax = ranges["amax"].float() * m
         return fp16_scale(div_by_int(amax, spec.qmax), torch.ones_like(amax, dtype=torch.bool)), None

@@ -323,7 +323,8 @@ class StoreStack:
         inputs = (q, k, v, g, beta)
         if self.graphs is not None and checked and self.teacher_forcing and not any(captures):
             o = self.graphs.run(self.graph_key(layer, q), lambda *x: self._run(layer, decode, *x), inputs,
-                                lambda: self._host_state(layer), lambda counts: self._set_host_state(layer, counts))
+                                lambda: self._host_state(layer), lambda counts: self._set_host_state(layer, counts),
+                                self.generators(layer))
         else:
             o = self._run(layer, decode, *inputs)
         if self.progress is not None:
@@ -344,6 +345,10 @@ class StoreStack:
         """What a teacher-forced call's CUDA graph is recorded under: the layer, the inputs' shape and the host's part
         of the layer's states (:meth:`_host_state`)."""
         return layer, tuple(q.shape), self._host_state(layer)
+
+    def generators(self, layer: int) -> list[torch.Generator]:
+        """The random generators of the layer's states (stochastic rounding's), which its calls draw from."""
+        return [s.layer(layer).fmt.generator for s in self.stores if s.layer(layer).fmt.generator is not None]
 
     def _host_state(self, layer: int) -> tuple[int, ...]:
         """What the host keeps of one layer's states: each member's count of buffered records."""

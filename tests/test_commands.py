@@ -472,22 +472,6 @@ def test_results_of_another_method_version_are_not_reused(env, capsys, tmp_path,
     assert [r.provenance["method_version"] for r in current.results] == [bumped] * 2
 
 
-def test_configurations_without_graphs_are_grouped_apart_from_the_others():
-    """A configuration that keeps state on the host (its decode calls run without CUDA graphs) would hold its whole
-    group off the graphs: those come in groups of their own after the others, every configuration once, each part
-    in its given order."""
-    from pace_core.config import get_config
-    from pace_core.methods import keeps_host_state
-
-    cfgs = [get_config(n) for n in NAMED_CONFIGS]
-    host = [c.name for c in cfgs if keeps_host_state(c)]
-    assert host == ["pace-4-sr", "pace-4-static"]  # stochastic rounding, static scales
-    groups = [[c.name for c in g] for g in commands.config_groups(cfgs)]
-    assert all(1 <= len(g) <= commands.CONFIG_GROUP for g in groups)
-    assert sum(groups, []) == [c.name for c in cfgs if not keeps_host_state(c)] + host
-    assert [any(n in host for n in g) for g in groups] == [False] * (len(groups) - 1) + [True]
-
-
 def test_per_config_stores_each_group_as_it_finishes(env, capsys, tmp_path, monkeypatch):
     """A run stopped (Ctrl-C) after its first group keeps that group's results, exits 130 naming them and the
     command that resumes; the resumed run computes only the rest."""

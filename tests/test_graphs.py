@@ -91,7 +91,7 @@ class _FailingGraphs:
     def __init__(self) -> None:
         self.calls = 0
 
-    def run(self, key, call, inputs, host_state, set_host_state):
+    def run(self, key, call, inputs, host_state, set_host_state, generators=()):
         self.calls += 1
         return call(*inputs)
 
@@ -183,22 +183,21 @@ class _HostReads(TorchFunctionMode):
 
 
 def test_a_recordable_call_reads_nothing_on_the_host(embedded, monkeypatch):
-    """Every configuration that graphs take (:func:`pace_core.methods.keeps_host_state` excluded), in one
-    stack: the teacher-forced calls a :class:`~pace_core.graphs.DecodeGraphs` would record (a key's second call and
-    later: its first runs as it is, filling the kept head maps and plans) hold no host read while checks are
-    deferred (the H100 of 2026-12-06 refused every capture after a reference dequantisation's ``torch.tensor`` of a
-    number; the same day's second run found the kernels reading back the head map of PACE-4/8's pooled checkpoints:
+    """Every named configuration (stochastic rounding and static scales included), in one stack: the
+    teacher-forced calls a :class:`~pace_core.graphs.DecodeGraphs` would record (a key's second call and later: its
+    first runs as it is, filling the kept head maps and plans) hold no host read while checks are deferred (the
+    H100 of 2026-12-06 refused every capture after a reference dequantisation's ``torch.tensor`` of a number; the
+    same day's second run found the kernels reading back the head map of PACE-4/8's pooled checkpoints:
     ``tests/test_kernels_quantize.py`` keeps that one on the CPU)."""
     from pace_core.analysis.calibration import calibrate
     from pace_core.analysis.quality import perplexity
     from pace_core.analysis.text import CALIBRATION_TEXT, TEST_TEXT
     from pace_core.config import NAMED_CONFIGS
-    from pace_core.methods import keeps_host_state
     from pace_core.state_store import StoreStack
 
     cfgs = [get_config(n) for n in NAMED_CONFIGS]
     cfgs = [calibrate(embedded, c, str(CALIBRATION_TEXT), tokens=64, sample_every=16).config
-            if c.needs_calibration else c for c in cfgs if not keeps_host_state(c)]
+            if c.needs_calibration else c for c in cfgs]
     modes, seen_keys, run = [], set(), StoreStack._run
 
     def watched(self, layer, decode, *inputs):
@@ -218,7 +217,8 @@ def test_a_recordable_call_reads_nothing_on_the_host(embedded, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: the GPU check (PACE_KERNEL_TESTS=cuda)")
-@pytest.mark.parametrize("names", [("bf16", "pace-4", "rtn-int4", "qmamba-dsq"), ("pace-4-8", "damp-int8")])
+@pytest.mark.parametrize("names", [("bf16", "pace-4", "rtn-int4", "qmamba-dsq"), ("pace-4-8", "damp-int8"),
+                                   ("pace-4-sr", "pace-4-static")])
 def test_graphed_quality_is_the_run_without_graphs(embedded, monkeypatch, names):
     from pace_core.analysis.calibration import calibrate
     from pace_core.analysis.quality import perplexity

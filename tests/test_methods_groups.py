@@ -235,6 +235,22 @@ def test_calibrated_ranges_are_each_groups_range_over_the_snapshots_rounded_outw
             assert outward.all() and (inside | (ref == 0)).all()
 
 
+def test_a_restart_seeds_the_same_generator_and_zeroes_the_same_counts():
+    """A recorded CUDA graph holds a format's random generator and its static scales' counts (:mod:`pace_core.graphs`):
+    a restart seeds that generator again and zeroes those counts in place, so the draws after it are the first ones
+    again, and the counts start from 0."""
+    cfg = static_config("pace-4-static", key_hadamard=True, rounding="stochastic", static_margin=1.5)
+    fmt = state_format(cfg, (4,) * HV, cfg.calibrated.layers[0])
+    S = 1.6 * snapshots(9, 1)[0].expand(B, HV, K, V).contiguous()
+    generator, counts = fmt.generator, fmt._counts
+    first = fmt.store(S).codes[4]
+    assert fmt.stored == S.numel() and fmt.saturated > 0
+    assert not torch.equal(fmt.store(S).codes[4], first)  # the generator advanced
+    fmt.restart()
+    assert fmt.generator is generator and fmt._counts is counts and (fmt.saturated, fmt.stored) == (0, 0)
+    assert torch.equal(fmt.store(S).codes[4], first)
+
+
 @pytest.mark.parametrize("name, changes", [
     ("pace-4-static", dict(group_size=16)),
     ("rtn-int4", dict(scales="static", symmetric=False, static_margin=1.0)),
@@ -304,17 +320,20 @@ def test_static_scales_of_mixed_widths_follow_each_heads_bits():
 
 
 def test_static_scales_cost_no_bits_per_sequence():
-    """A sequence stores the codes alone; the fp16 ranges (one per group, two with zero points) are kept once per
-    layer. A store holds exactly what the accounting counts."""
+    """A sequence stores the codes alone; the fp16 ranges (one per group, two with zero points) and two int64
+    counts (values stored and saturated) are kept once per layer. A store holds exactly what the accounting
+    counts."""
     plain, static = get_config("pace-4"), get_config("pace-4-static")
     groups = SHAPE.num_gdn_layers * HV * K * V // plain.group_size
     assert state_bytes_per_sequence(plain, SHAPE) - state_bytes_per_sequence(static, SHAPE) == 2 * groups
-    assert state_bytes(static, SHAPE, 1) - state_bytes_per_sequence(static, SHAPE) == 2 * groups
+    counts = SHAPE.num_gdn_layers * 2 * 8
+    assert state_bytes(static, SHAPE, 1) - state_bytes_per_sequence(static, SHAPE) == 2 * groups + counts
     bits = resident_bits(static, SHAPE)
-    assert (bits.code_bits, bits.scale_bits) == (4, 0) and bits.metadata_bits == 16 / plain.group_size
+    assert (bits.code_bits, bits.scale_bits) == (4, 0)
+    assert bits.metadata_bits == 16 / plain.group_size + counts * 8 / (SHAPE.num_gdn_layers * HV * K * V)
     zero_point = get_config("pace-4-8").replace(scales="static", high_share=0.0)
     assert state_bytes(zero_point, SHAPE, 1) - state_bytes_per_sequence(zero_point, SHAPE) == 2 * 2 * (
-        SHAPE.num_gdn_layers * HV * K * V // zero_point.group_size)
+        SHAPE.num_gdn_layers * HV * K * V // zero_point.group_size) + counts
     for cfg in (static_config("pace-4-static"), static_config("pace-4-8", scales="static", high_heads=((1,), (3,)))):
         store = StateStore(cfg, SHAPE, B, "cpu", H, HV, K, V, [0, 2])
         tokens = _tokens(20, seed=11)

@@ -19,7 +19,7 @@ from pace_core.analysis.text import CALIBRATION_TEXT, read_text
 from pace_core.config import tagged
 from pace_core.errors import PaceError
 from pace_core.export import admit, config_to_dict, read_config
-from pace_core.methods import keeps_host_state, method_of
+from pace_core.methods import method_of
 from pace_core.model.card import checkpoint_stamp, save_card
 from pace_core.results import DamagedResult, load_result, make_provenance, result_key, save_result, text_sha256
 
@@ -51,11 +51,8 @@ _SAVED: list[str] = []
 
 
 def config_groups(cfgs: list) -> list[list]:
-    """``cfgs`` in groups of :data:`CONFIG_GROUP`, in their order, those whose decode calls run without CUDA graphs
-    (:func:`pace_core.methods.keeps_host_state`) in groups of their own after the others: one of them in a group
-    holds all of the group's configurations off the graphs."""
-    parts = ([c for c in cfgs if not keeps_host_state(c)], [c for c in cfgs if keeps_host_state(c)])
-    return [part[i:i + CONFIG_GROUP] for part in parts for i in range(0, len(part), CONFIG_GROUP)]
+    """``cfgs`` in groups of :data:`CONFIG_GROUP`, in their order."""
+    return [cfgs[i:i + CONFIG_GROUP] for i in range(0, len(cfgs), CONFIG_GROUP)]
 
 
 class Context:

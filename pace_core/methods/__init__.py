@@ -10,13 +10,11 @@ import pkgutil
 
 from pace_core.methods.base import (
     COMBINATIONS,
-    HOST_STATE_COMBINATIONS,
     METHODS,
     Calibrated,
     LayerCalibration,
     Method,
     Sampling,
-    keeps_host_state,
     method_of,
     register,
     state_format,
@@ -29,13 +27,11 @@ for _method in sorted(METHODS.values(), key=lambda m: m.order):
 
 __all__ = [
     "COMBINATIONS",
-    "HOST_STATE_COMBINATIONS",
     "METHODS",
     "Calibrated",
     "LayerCalibration",
     "Method",
     "Sampling",
-    "keeps_host_state",
     "method_of",
     "register",
     "state_format",

@@ -138,17 +138,6 @@ COMBINATIONS: dict[str, tuple[str, ...]] = {
 a Hadamard rotation of the state along the key axis, static scales), each with the settings read with it
 (:class:`pace_core.config.PaceConfig`'s fields; off at their defaults). A method takes those in its ``composes``."""
 
-HOST_STATE_COMBINATIONS: tuple[str, ...] = ("rounding", "scales")
-"""The combinations whose format keeps state on the host between stores (stochastic rounding's random generator,
-static scales' saturation counts), which a recorded CUDA graph's replay would not advance (:mod:`pace_core.graphs`)."""
-
-
-def keeps_host_state(cfg: Configuration) -> bool:
-    """Whether ``cfg``'s format keeps state on the host between stores (:data:`HOST_STATE_COMBINATIONS`): its
-    decode calls run without CUDA graphs."""
-    return bool(set(cfg.combined) & set(HOST_STATE_COMBINATIONS))
-
-
 @dataclass(frozen=True)
 class Method:
     """One state quantiser.

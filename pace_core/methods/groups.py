@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 SCALE_BITS = 16
 RANGE_BITS = 16
 """Bits of a calibrated range entry kept per layer (fp16: max |x|, or the min and the max)."""
+COUNTS_BYTES = 16
+"""The counts static scales keep per layer: values stored and values saturated, one int64 each."""
 STATIC_MARGIN = 0.625
 """The default factor on the calibrated ranges of static scales **[ours]**: below 1, it clips the rare extremes of
 the calibration snapshots. Measured on held-out text (WikiText-2 validation, first 8,192 tokens, embedded model,
@@ -102,7 +104,11 @@ class GroupFormat(StateFormat):
     """Packed groups (:func:`pace_core.quant.quantize`), per head width where some heads keep ``high_bits``, with
     the configuration's combinations (module docstring). With static scales: ``layer`` holds the calibrated ranges
     (:func:`range_names`); :attr:`saturated` counts the values stored beyond their range and :attr:`stored` all
-    values stored, since the layer's sequences started (:meth:`restart`)."""
+    values stored, since the layer's sequences started (:meth:`restart`). The counts are a tensor on the layer's
+    device, added to in place by each store (no host read per store; a CUDA graph's replay counts too)."""
+
+    _counts: torch.Tensor | None = None
+    """``[saturated, stored]`` int64 with static scales (:data:`COUNTS_BYTES`), else None."""
 
     def __init__(self, cfg, bits_per_head, layer=None, name="state", gdn_index=0) -> None:
         super().__init__(cfg, bits_per_head, layer, name, gdn_index)
@@ -119,7 +125,27 @@ class GroupFormat(StateFormat):
 
     def restart(self) -> None:
         super().restart()
-        self.saturated = self.stored = 0
+        if self.cfg.scales != "static":
+            return
+        if self._counts is not None and self._counts.device == self.device:
+            self._counts.zero_()  # in place: a recorded graph adds into this tensor
+        else:
+            self._counts = torch.zeros(COUNTS_BYTES // 8, dtype=torch.int64, device=self.device)
+
+    @property
+    def saturated(self) -> int:
+        """Values stored beyond their static range since :meth:`restart` (one device read)."""
+        return int(self._counts[0]) if self._counts is not None else 0
+
+    @property
+    def stored(self) -> int:
+        """Values stored with static scales since :meth:`restart` (one device read)."""
+        return int(self._counts[1]) if self._counts is not None else 0
+
+    def count(self, saturated: int | torch.Tensor, stored: int) -> None:
+        """Add ``saturated`` and ``stored`` values to the counts (also the fused CPU pool's stores)."""
+        self._counts[0].add_(saturated)
+        self._counts[1].add_(stored)
 
     def to(self, device: torch.device) -> GroupFormat:
         if self.cfg.scales == "static" and self.heads is not None:
@@ -158,10 +184,11 @@ class GroupFormat(StateFormat):
         return self.unrotate(Y)
 
     def nbytes(self, c) -> tuple[int, int]:
-        """The checkpoint's ``(payload, metadata)`` bytes, with static scales the layer's calibrated ranges in the
-        metadata."""
+        """The checkpoint's ``(payload, metadata)`` bytes, with static scales the layer's calibrated ranges and its
+        counts in the metadata."""
         payload, metadata = checkpoint_bytes(c)
-        return payload, metadata + sum(t.numel() * t.element_size() for t in (self.layer or {}).values())
+        kept = [*(self.layer or {}).values(), *([] if self._counts is None else [self._counts])]
+        return payload, metadata + sum(t.numel() * t.element_size() for t in kept)
 
     def _heads(self, bits: int) -> torch.Tensor | None:
         """The heads at ``bits`` (long), or None when every head has that width."""
@@ -184,8 +211,7 @@ class GroupFormat(StateFormat):
                                                        checked=True, generator=self.generator)
             values = _joined(values, part, heads, tuple(Y.shape))
             saturated = saturated + sat
-        self.saturated += int(saturated)
-        self.stored += Y.numel()
+        self.count(saturated, Y.numel())
         return StaticCodes(codes, self.heads, tuple(Y.shape)), values
 
 
@@ -239,12 +265,12 @@ def layer_bytes(cfg: Configuration, shape: ModelShape, n_seq: int, layer: int) -
 def fixed_bytes(cfg: Configuration, shape: ModelShape, layer: int) -> int:
     """Kept once per layer: the head map of a layer that mixes two widths (one int16 per value head; none where the
     high-bit heads have the others' width), and with static scales the calibrated ranges (one or two fp16 per scale
-    group of every head)."""
+    group of every head) and the counts of values stored and saturated (:data:`COUNTS_BYTES`)."""
     hv = shape.num_v_heads
     total = 2 * hv if 0 < high_head_counts(cfg, shape)[layer] < hv and cfg.high_bits != cfg.bits else 0
     if cfg.scales == "static":
         groups = len(quant.RANGE_NAMES[cfg.symmetric]) * hv * (shape.d_k * shape.d_v // cfg.group_size)
-        total += groups * RANGE_BITS // 8
+        total += groups * RANGE_BITS // 8 + COUNTS_BYTES
     return total
 
 

@@ -58,7 +58,6 @@ from torch import nn
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.graphs import DecodeGraphs, graphs_setting
-from pace_core.methods import keeps_host_state
 from pace_core.model import state_op
 from pace_core.recurrence import prepare_qk
 from pace_core.shapes import ModelShape, shape_from_hf_config
@@ -469,8 +468,7 @@ def new_stack(model: nn.Module, configs: list[PaceConfig], rows: int, *, device:
               graphs: bool = True) -> StoreStack:
     """A :class:`~pace_core.state_store.StoreStack` of ``configs`` for ``rows`` sequences each on ``model``'s GDN
     layers (zero states), to run in :func:`stacked`; on one CUDA device its teacher-forced calls are recorded as
-    CUDA graphs (:mod:`pace_core.graphs`) unless ``graphs`` is False, a member keeps state on the host between
-    stores (:func:`pace_core.methods.keeps_host_state`) or graphs are off
+    CUDA graphs (:mod:`pace_core.graphs`) unless ``graphs`` is False or graphs are off
     (:data:`pace_core.graphs.GRAPHS_ENV`)."""
     modules = _modules_or_refuse(model)
     shape = _shape(model)
@@ -480,8 +478,7 @@ def new_stack(model: nn.Module, configs: list[PaceConfig], rows: int, *, device:
                          layers) for cfg in configs]
     stack = StoreStack(stores, rows)
     places = {torch.device(d) for d in devices.values()}
-    if (graphs and len(places) == 1 and next(iter(places)).type == "cuda" and graphs_setting() == "auto"
-            and not any(keeps_host_state(cfg) for cfg in configs)):
+    if graphs and len(places) == 1 and next(iter(places)).type == "cuda" and graphs_setting() == "auto":
         stack.graphs = DecodeGraphs(next(iter(places)))
     return stack
 
