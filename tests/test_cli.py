@@ -56,13 +56,14 @@ def test_bits_json_for_one_config(capsys):
 
 
 def test_bits_of_static_scales_per_sequence(capsys):
-    """Static scales keep their ranges once per layer: a sequence's bits drop by the scales' 16/g, which the
-    per-sequence figure shows (one sequence's resident bits count the ranges too)."""
+    """Static scales keep their ranges (and two int64 counts) once per layer: a sequence's bits drop by the scales'
+    16/g, which the per-sequence figure shows (one sequence's resident bits count the ranges and counts too)."""
     shape = BUILTIN_SHAPES["qwen3.5-4b"]
     rc, out, _ = run(capsys, "bits", "--config", "pace-4", "--model", "qwen3.5-4b", "--scales", "static", "--json")
     row = json.loads(out)
     plain = resident_bits(get_config("pace-4"), shape)
-    assert rc == 0 and row["scale_bits"] == 0 and row["resident_bits"] == plain.resident_bits
+    counts = shape.num_gdn_layers * 2 * 64 / shape.state_values
+    assert rc == 0 and row["scale_bits"] == 0 and row["resident_bits"] == plain.resident_bits + counts
     assert row["sequence_bits"] == plain.sequence_bits - 16 / 64 == 8 * (
         state_bytes(get_config("pace-4-static"), shape, 2) - state_bytes(get_config("pace-4-static"), shape, 1)
     ) / shape.state_values
