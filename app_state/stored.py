@@ -15,7 +15,7 @@ import streamlit as st
 from app_state.controls import REPO_ROOT, model_source
 from app_state.markup import code, escape
 from app_state.session import results_model_name
-from pace_core.results import code_label
+from pace_core.provenance import code_label
 
 BENCH_DIR = Path(os.environ.get("PACE_BENCH_DIR", REPO_ROOT / "data" / "bench"))
 

@@ -34,15 +34,12 @@ find the same result again.
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import io
 import json
 import os
-import platform
 import re
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -52,10 +49,10 @@ from typing import Any
 
 import pandas as pd
 
-from pace_core._version import __version__
 from pace_core.config import NAMED_CONFIGS
 from pace_core.errors import PaceError
 from pace_core.export import config_to_dict
+from pace_core.provenance import code_label, invocation, utc_date, versions
 from pace_core.result_checks import check_result
 from pace_core.version import METHOD_VERSION, REPO_ROOT, code_commit
 
@@ -106,13 +103,6 @@ class Result:
         """None for a current result, else ``stale: made by method version N (code <commit>), recompute
         with `<command>```."""
         return stale_label(self.provenance) if self.stale else None
-
-
-def code_label(provenance: dict[str, Any]) -> str:
-    """The code that made a result, from its provenance: its commit's first 12 hex digits, ``with uncommitted
-    changes`` when its files differed from that commit (``unknown`` when no commit was recorded)."""
-    code = provenance.get("code") or {}
-    return str(code.get("commit") or "unknown")[:12] + (" with uncommitted changes" if code.get("dirty") else "")
 
 
 def stale_label(provenance: dict[str, Any]) -> str:
@@ -209,42 +199,6 @@ def text_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def versions() -> dict[str, str]:
-    """Versions of pace_core, torch, transformers and Python."""
-    import torch
-    import transformers
-
-    return {
-        "pace_core": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def invocation() -> str:
-    """This process's command line as another machine would type it, without this machine's paths: a module of the
-    repository run with ``-m`` as ``python -m <module>``, a script of the repository by its path from the
-    repository's root, any other program (``pace``, ``streamlit``, ``pytest``) by its name."""
-    if not sys.argv or not sys.argv[0]:
-        return "python"
-    path = Path(sys.argv[0]).resolve()
-    try:
-        rel = path.relative_to(REPO_ROOT)
-    except ValueError:
-        rel = None
-    if rel is None:
-        program = ("python " if path.suffix == ".py" else "") + path.name
-    elif path.suffix != ".py":
-        program = path.name
-    elif rel.parts[0] == "pace_core":
-        parts = rel.with_suffix("").parts
-        program = "python -m " + ".".join(parts[:-1] if parts[-1] == "__main__" else parts)
-    else:
-        program = f"python {rel.as_posix()}"
-    return " ".join([program, *sys.argv[1:]])
-
-
 def make_provenance(
     model: str,
     *,
@@ -255,14 +209,14 @@ def make_provenance(
 ) -> dict[str, Any]:
     """Provenance block: model, config hashes, versions, the method version and the code's git commit
     (:mod:`pace_core.version`; ``code`` is None outside a git checkout), text path + sha256, UTC date,
-    command."""
+    command (:mod:`pace_core.provenance`: what made a number, in one place)."""
     prov: dict[str, Any] = {
         "model": model,
         "config_hashes": {getattr(c, "name", str(i)): config_hash(c) for i, c in enumerate(configs)},
         "versions": versions(),
         "method_version": METHOD_VERSION,
         "code": code_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_date(),
         "command": command if command is not None else invocation(),
     }
     if text_path is not None:

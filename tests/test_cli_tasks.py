@@ -40,9 +40,11 @@ def calls(monkeypatch) -> list[tuple[str, str]]:
 
 
 def _run(tmp_path, *configs: str, extra: tuple[str, ...] = ()) -> int:
-    return cli.main(["tasks", "--tasks", f"{local_task(tmp_path)},pace_vt_mc_640", "--configs", *configs,
-                     "--references", "fp32", "--limit", "2", "--samples", "2", "--out", str(tmp_path), "--quiet",
-                     *extra])
+    argv = ["tasks", "--tasks", f"{local_task(tmp_path)},pace_vt_mc_640", "--configs", *configs, "--references",
+            "fp32", "--limit", "2", "--samples", "2", "--out", str(tmp_path), "--quiet", *extra]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [str(REPO_ROOT / "pace_core" / "__main__.py"), *argv])  # `python -m pace_core`
+        return cli.main(argv)
 
 
 def test_tasks_are_stored_per_configuration_and_task_reloaded_and_reused(tmp_path, calls, capsys):
@@ -91,7 +93,8 @@ def test_a_stopped_run_resumes_at_the_first_pair_not_stored(tmp_path, calls, mon
 
     monkeypatch.setattr(task_analysis, "evaluate_config", stopping)
     assert _run(tmp_path, "rtn-int2") == 130
-    assert "stored 2 result(s): task of fp32, task of fp32. `python -m pace_core" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "stored 2 result(s): task of fp32, task of fp32. `python -m pace_core tasks --tasks " in err
     monkeypatch.setattr(task_analysis, "evaluate_config", counting)
     calls.clear()
     assert _run(tmp_path, "rtn-int2") == 0

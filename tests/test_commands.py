@@ -1,7 +1,11 @@
+import sys
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
 
+import pace_core
 from pace_core.analysis.text import TEST_TEXT
 from pace_core.cli import context as commands
 from pace_core.cli import main
@@ -9,6 +13,9 @@ from pace_core.cli.calibration import export_differences
 from pace_core.config import NAMED_CONFIGS
 from pace_core.export import config_from_dict, config_from_json
 from pace_core.results import config_hash, list_results, result_sets
+
+PACE_MAIN = str(Path(pace_core.__file__).parent / "__main__.py")
+"""``sys.argv[0]`` under ``python -m pace_core``: what a stored result's command and the resume hint name."""
 
 
 @pytest.fixture(scope="module")
@@ -490,10 +497,12 @@ def test_per_config_stores_each_group_as_it_finishes(env, capsys, tmp_path, monk
     monkeypatch.setattr(analysis, "drift", drift)
     argv = ["drift", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--tokens", "32",
             "--every", "4", "--configs", "rtn-int4", "rtn-int8"]
+    monkeypatch.setattr(sys, "argv", [PACE_MAIN, *argv])  # as `python -m pace_core drift ...` sets it
     assert main(argv) == 130
     err = capsys.readouterr().err
     assert calls == [["rtn-int4"], ["rtn-int8"]]
-    assert "interrupted: stored 1 result(s): drift of rtn-int4. `python -m pace_core" in err and "resumes" in err
+    assert (f"interrupted: stored 1 result(s): drift of rtn-int4. `python -m pace_core {' '.join(argv)}` resumes"
+            in err)
     assert [r.data["config"] for r in list_results(env["model"], "drift", root=out).results] == ["rtn-int4"]
     assert main(argv) == 0
     assert calls[2:] == [["rtn-int8"]] and "reusing stored drift of rtn-int4" in capsys.readouterr().out
@@ -512,6 +521,7 @@ def drift(*args, **kwargs):
     return real(*args, **kwargs)
 analysis.drift = drift
 from pace_core.cli import main
+sys.argv[0] = sys.argv.pop(1)  # the path of pace_core/__main__.py, as `python -m pace_core` sets it
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -523,16 +533,14 @@ def test_a_stopped_run_keeps_its_finished_groups(env, tmp_path, sig):
     import os
     import signal
     import subprocess
-    import sys
-    from pathlib import Path
 
     out = str(tmp_path / "results")
     configs = ["rtn-int3", "rtn-int4", "rtn-int5", "rtn-int6", "rtn-int8"]
     argv = ["drift", "--model", env["model"], "--out", out, "--quiet", "--text", env["text"], "--tokens", "32",
             "--every", "4", "--configs", *configs]
     repo = str(Path(__file__).resolve().parents[1])
-    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_RUN, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": repo})
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_RUN, PACE_MAIN, *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": repo})
     try:
         lines = []
         while not lines or lines[-1] != "ready":
@@ -547,7 +555,7 @@ def test_a_stopped_run_keeps_its_finished_groups(env, tmp_path, sig):
     if sig == "SIGINT":
         assert proc.returncode == 130
         assert ("interrupted: stored 4 result(s): drift of rtn-int3, drift of rtn-int4, drift of rtn-int5, drift of "
-                "rtn-int6. `python -m pace_core drift --model") in err
+                f"rtn-int6. `python -m pace_core {' '.join(argv)}` resumes") in err
     else:
         assert proc.returncode == -signal.SIGKILL
     listing = list_results(env["model"], "drift", root=out)

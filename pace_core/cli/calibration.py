@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pace_core.analysis.text import CALIBRATION_TEXT
-from pace_core.cli.context import _SAVED, _command, _common, _context, _interruptible, _print_table, _read_configs
+from pace_core.cli.context import _SAVED, _common, _context, _interruptible, _print_table, _read_configs
 from pace_core.errors import PaceError
 from pace_core.export import export_filename, export_json
 from pace_core.model.card import card_of
@@ -52,7 +52,7 @@ def run_export(args: argparse.Namespace) -> int:
     cfg = ctx.admit(doc, lambda c: ctx.calibration(c, args.text, args.tokens, args.sample_every).config,
                     ready_for="run")
     prov = make_provenance(ctx.loaded.reference, configs=[cfg], text_path=args.text or CALIBRATION_TEXT,
-                           command=_command(), extra={"calibration_tokens": args.tokens})
+                           extra={"calibration_tokens": args.tokens})
     text = export_json(cfg, shape=ctx.loaded.shape, source=ctx.loaded.reference,
                        weights_fingerprint=ctx.loaded.fingerprint, provenance=prov)
     out = Path(args.output) if args.output else results_dir(ctx.model_name, args.out) / f"config-{export_filename(cfg)}"

@@ -21,6 +21,7 @@ from pace_core.errors import PaceError
 from pace_core.export import admit, config_to_dict, read_config
 from pace_core.methods import method_of
 from pace_core.model.card import checkpoint_stamp, save_card
+from pace_core.provenance import invocation
 from pace_core.results import DamagedResult, load_result, make_provenance, result_key, save_result, text_sha256
 
 DEFAULT_CONFIGS = tagged("cli-default")
@@ -91,7 +92,7 @@ class Context:
         return key, found
 
     def save(self, kind: str, key: str, data: dict, table=None, *, configs=(), text=None, extra=None):
-        prov = make_provenance(self.loaded.reference, configs=list(configs), text_path=text, command=_command(),
+        prov = make_provenance(self.loaded.reference, configs=list(configs), text_path=text,
                                extra={"weights": self.loaded.fingerprint, "dtype": self.args.dtype,
                                       "device": str(self.loaded.device), **(extra or {})})
         result = save_result(kind, self.model_name, key, data, prov, table, root=self.args.out)
@@ -175,10 +176,6 @@ def _read_configs(specs: list[str]) -> list:
     return [read_config(spec) for spec in specs]
 
 
-def _command() -> str:
-    return " ".join(["python -m pace_core", *sys.argv[1:]])
-
-
 def _interruptible(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """``run`` that answers Ctrl-C (KeyboardInterrupt) with exit code 130 and a line on stderr naming what
     this run stored before it and the command that resumes (stored results are reused)."""
@@ -190,7 +187,7 @@ def _interruptible(run: Callable[[argparse.Namespace], int]) -> Callable[[argpar
         except KeyboardInterrupt:
             saved = _SAVED[start:]
             what = f"stored {len(saved)} result(s): {', '.join(saved)}" if saved else "nothing stored by this run"
-            print(f"\ninterrupted: {what}. `{_command()}` resumes (it reuses what is stored)", file=sys.stderr)
+            print(f"\ninterrupted: {what}. `{invocation()}` resumes (it reuses what is stored)", file=sys.stderr)
             return 130
 
     return interruptible

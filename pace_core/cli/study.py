@@ -45,6 +45,7 @@ from pace_core.errors import PaceError
 from pace_core.export import config_to_dict
 from pace_core.frontier import KL, PERPLEXITY, Point, best_under
 from pace_core.model import DEFAULT_MODEL_DIR
+from pace_core.provenance import code_label
 from pace_core.results import list_results
 
 AXES = {"kl": KL, "ppl": PERPLEXITY}
@@ -130,11 +131,9 @@ def _stored_comparison(args: argparse.Namespace):
         print(f"measuring the comparison: {why} (about 9 minutes for the embedded model on a 2-core CPU)")
         return None
     result = current[0]
-    code = result.provenance.get("code") or {}
-    commit = (code.get("commit") or "unknown")[:12] + (" with uncommitted changes" if code.get("dirty") else "")
     print(f"using the stored comparison {result.path}: windows of {result.data['window']:,} tokens, "
           f"{result.data['tokens']:,} scored tokens of {Path(result.provenance.get('text', {}).get('path', '?')).name}"
-          f", made by commit {commit} on {result.provenance.get('date', '?')} "
+          f", made by commit {code_label(result.provenance)} on {result.provenance.get('date', '?')} "
           f"({result.provenance.get('device', '?')}, {result.provenance.get('dtype', '?')}); "
           "--window, --max-tokens, --text or --configs for other settings, --force to measure again")
     return result, card.shape

@@ -286,7 +286,6 @@ def main(argv: Sequence[str] | None = None) -> int:
            f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "rows": rows, "ratios": ratios(rows),
            "provenance": make_provenance(portable_reference(str(args.model)),
-                                         command=" ".join(["python -m pace_core.vllm.bench", *sys.argv[1:]]),
                                          extra={"vllm": vllm.__version__, "platform": platform.platform(),
                                                 "load_avg_start": load_start, "load_avg_end": os.getloadavg()})}
     text = json.dumps(doc, indent=1) + "\n"

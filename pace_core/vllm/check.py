@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,7 +295,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pace_core.results import atomic_write, make_provenance
 
     provenance = make_provenance(portable_reference(str(args.model)), text_path=CALIBRATION_TEXT,
-                                 command=" ".join(["python -m pace_core.vllm.check", *sys.argv[1:]]),
                                  extra={"vllm": vllm.__version__, "platform": platform.platform(),
                                         "cpu": platform.processor()})
     if args.own_state:
