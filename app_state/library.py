@@ -22,6 +22,7 @@ from pace_core.export import admit, export_filename, parse_json
 from pace_core.frontier import KL, PERPLEXITY, Axis, Point, best_under
 from pace_core.heads import high_heads_for
 from pace_core.model.loading import portable_reference
+from pace_core.provenance import code_label
 from pace_core.quant import QuantSpec, fake_quantize
 from pace_core.shapes import BUILTIN_SHAPES
 from pace_core.vllm import INSTALL_COMMAND as VLLM_INSTALL
@@ -32,7 +33,7 @@ from pace_core.vllm.settings import serve_command
 __all__ = [
     "BUILTIN_SHAPES", "EVAL_INSTALL", "HIGH_SHARE_METHODS", "KL", "NAMED_CONFIGS", "PERPLEXITY", "SPREAD_LEVEL",
     "TASK_KIND", "VLLM_INSTALL", "Axis", "PaceConfig", "Point", "QuantSpec", "admit", "axis_table", "best_in_memory",
-    "best_under", "budget_bits", "capacity", "evidence", "export_filename", "fake_quantize", "gap",
+    "best_under", "budget_bits", "capacity", "code_label", "evidence", "export_filename", "fake_quantize", "gap",
     "generate_side_by_side", "get_config", "harness_installed", "high_heads_for", "parse_json", "portable_reference",
     "recommendation", "resident_bits", "serve_command", "setting_label", "state_bytes", "state_share", "stored_config",
     "stored_configs", "strongest_outlier_head", "structure_stats", "tagged", "task_axes", "task_table", "verdict",

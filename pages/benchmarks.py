@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from app_state import frame, stored
-from app_state.library import PaceConfig
+from app_state.library import PaceConfig, code_label
 from app_state.markup import code, escape
 from pace_core import figures
 
@@ -91,7 +91,7 @@ def _file(path: Path, doc: dict) -> None:
     where = {**nested, **provenance}
     measured = ", ".join(f"{k} {escape(where[k])}" for k in ("device", "date", "torch", "triton", "vllm")
                          if k in where and not isinstance(where[k], dict))
-    st.caption(f"Measured on {measured} · file {escape(path.name)}")
+    st.caption(f"Measured on {measured}, code {escape(code_label(where))} · file {escape(path.name)}")
     if path.stem.startswith("vllm"):
         st.caption(_vllm_label(where))
     for name, rows in tables.items():

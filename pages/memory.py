@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from app_state import frame, session, stored
-from app_state.library import BUILTIN_SHAPES, NAMED_CONFIGS, PaceConfig, capacity, tagged
+from app_state.library import BUILTIN_SHAPES, NAMED_CONFIGS, PaceConfig, capacity, code_label, tagged
 from app_state.markup import code, escape
 from pace_core import figures
 
@@ -116,7 +116,7 @@ def _measured() -> None:
             continue
         made = (f"{escape(prov.get('model'))} on {escape(prov.get('device'))}, {escape(prov.get('batch'))} sequences, "
                 f"{escape(prov.get('prompt_tokens'))} prompt + {escape(prov.get('new_tokens'))} generated tokens; "
-                f"commit {escape(str(prov.get('commit'))[:10])}, {escape(prov.get('date'))} ({code(path.name)})")
+                f"code {escape(code_label(prov))}, {escape(prov.get('date'))} ({code(path.name)})")
         st.caption(f"{made}. *held* counts every tensor the generation's state keeps (equal to the accounted bytes); "
                    "*cache* adds the attention KV and "
                    "conv states; *step peak* is the largest workspace of one further decode step (freed after it).")

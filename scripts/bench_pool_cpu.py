@@ -44,12 +44,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_provenance import host_provenance  # noqa: E402
 
 from pace_core.config import get_config  # noqa: E402
 from pace_core.pool import StatePool  # noqa: E402
+from pace_core.provenance import measurement  # noqa: E402
 from pace_core.recurrence import gdn_gates, prepare_qk  # noqa: E402
 
 H, HV, K, V = 2, 4, 128, 128
@@ -230,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                   + f"  load {load:.2f}", flush=True)
     doc = {"kind": "pool-cpu-bench", "shape": {"H": H, "HV": HV, "K": K, "V": V}, "threads": args.threads,
            "clock": args.clock,
-           "rows": rows, "provenance": {**host_provenance(), "vllm_own": vllm_ops is not None,
+           "rows": rows, "provenance": {**measurement(), "vllm_own": vllm_ops is not None,
                                         "load_avg_end": os.getloadavg()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")

@@ -18,10 +18,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from bench_provenance import host_provenance  # noqa: E402
-
+from pace_core.provenance import measurement  # noqa: E402
 from pace_core.results import list_results  # noqa: E402
 
 
@@ -73,8 +71,7 @@ def main() -> int:
         print(f"{r['config']:<12}{r['steps']:>6}{r['mean_rel_error_gpu']:>11.6f}{r['mean_rel_error_cpu']:>11.6f}"
               f"{r['max_abs_diff_rel_error']:>11.2e}{r['max_rel_diff_rel_error']:>13.2e}{r['max_abs_diff_excess_nll']:>13.2e}")
     if args.out:
-        doc = {"kind": "drift_gpu_vs_cpu", "provenance": {**host_provenance(), "command": " ".join(sys.argv)},
-               "rows": rows}
+        doc = {"kind": "drift_gpu_vs_cpu", "provenance": measurement(), "rows": rows}
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"saved {args.out}")
     return 0

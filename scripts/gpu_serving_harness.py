@@ -50,12 +50,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_provenance import host_provenance  # noqa: E402
 
 from pace_core.config import get_config  # noqa: E402
 from pace_core.pool import StatePool  # noqa: E402
+from pace_core.provenance import measurement  # noqa: E402
 
 LIMIT = 1e-2
 """Relative Frobenius bound of kernels against reference (tests/test_vllm_slots.py: their float32 rounding may move a
@@ -401,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{r['config']}: state step {r['decode']['ratio_over_bf16']:.2f}x bf16's at B={args.batch}")
     doc = {"kind": "gpu-serving-harness", "device": str(device), "args": {k: str(v) for k, v in vars(args).items()},
            "limit": LIMIT, "results": results, "wall_s": time.perf_counter() - started,
-           "provenance": {**host_provenance(), "triton_interpret": os.environ.get("TRITON_INTERPRET")}}
+           "provenance": {**measurement(), "triton_interpret": os.environ.get("TRITON_INTERPRET")}}
     tmp = args.out / "harness.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, args.out / "harness.json")

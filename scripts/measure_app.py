@@ -48,11 +48,12 @@ import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from bench_provenance import host_provenance  # noqa: E402
+from pace_core.provenance import measurement  # noqa: E402
 
 TARGETS_S = {
     "cpu": {
@@ -310,15 +311,12 @@ def _one_process(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, 
     return seconds, threads
 
 
-def provenance(args: argparse.Namespace) -> dict:
-    import torch
-
+def settings(args: argparse.Namespace) -> dict:
+    """What this measurement ran with, beside its provenance (:func:`pace_core.provenance.measurement`)."""
     return {
-        **host_provenance(),
         "torch_threads": torch.get_num_threads(),
         "device": args.device,
         "weights": args.weights,
-        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
         "model": args.model or "embedded",
         "repeats": args.repeats,
         "pages_only": args.pages_only,
@@ -426,7 +424,7 @@ def _save(args: argparse.Namespace, rows: list[dict], host: dict) -> Path:
     path = _path(args, busy=bool(args.busy))
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = json.dumps({"kind": "app_responsiveness",
-                      "provenance": {**provenance(args), "repeats_done": len(rows[0]["runs_s"]), **host,
+                      "provenance": {**measurement(), **settings(args), "repeats_done": len(rows[0]["runs_s"]), **host,
                                      "targets": "2x the quiet figures of " + _path(args, busy=False).name
                                                 if args.busy else "issue 16"},
                       "figures": rows}, indent=2)

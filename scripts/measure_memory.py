@@ -21,9 +21,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from bench_provenance import host_provenance  # noqa: E402
+from pace_core.provenance import measurement  # noqa: E402
 
 CONFIGS = ("fp32", "bf16", "rtn-int8", "rtn-int4", "rtn-int3", "pace-4", "pace-3", "pace-4-8", "qmamba-dsq")
 """The named configurations ``pace_core.apply`` runs (DAMP needs its outlier rows passed to apply_pace)."""
@@ -92,7 +91,7 @@ def main() -> None:
     for row in rows:
         row["saving_vs_fp32"] = fp32 / row["state_bytes_held"]
     doc = {"kind": "apply_memory",
-           "provenance": {**host_provenance(), "model": loaded.reference, "weights": loaded.fingerprint,
+           "provenance": {**measurement(), "model": loaded.reference, "weights": loaded.fingerprint,
                           "device": str(loaded.device), "batch": args.batch, "prompt_tokens": args.prompt_tokens,
                           "new_tokens": args.new_tokens},
            "rows": rows}

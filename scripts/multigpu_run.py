@@ -30,8 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from bench_provenance import host_provenance  # noqa: E402
-
+from pace_core.provenance import measurement  # noqa: E402
 from pace_core.shapes import PUBLISHED_CONFIGS  # noqa: E402
 
 MODEST: dict[str, int] = {"calibration-tokens": 256, "sweep-tokens": 256, "sweep-decode-tokens": 16,
@@ -104,7 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc: dict[str, Any] = {"kind": "multigpu_run", "status": "running", "label": args.label, "shape": args.shape,
                            "model": str(args.model), "dtype": args.dtype, "device_map": args.device_map,
                            "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                           "provenance": host_provenance(), "steps": []}
+                           "provenance": measurement(), "steps": []}
     args.json.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:

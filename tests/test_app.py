@@ -341,8 +341,10 @@ def test_each_width_shows_its_cost_before_the_user_moves_to_it(params, loaded):
 
 
 def test_memory_page_shows_the_measured_apply_bytes(params, tmp_path, monkeypatch):
-    """The measured table (scripts/measure_memory.py's JSON) is shown as stored, and a damaged file is named."""
-    doc = {"kind": "apply_memory", "provenance": {"model": "m", "device": "cpu", "batch": 4, "commit": "abc"},
+    """The measured table (scripts/measure_memory.py's JSON) is shown as stored, with the code that made it (here a
+    file written before pace_core.provenance: ``commit`` and ``worktree_dirty``), and a damaged file is named."""
+    doc = {"kind": "apply_memory", "provenance": {"model": "m", "device": "cpu", "batch": 4, "commit": "abc",
+                                                  "worktree_dirty": False},
            "rows": [{"config": "fp32", "resident_bits": 32.0, "state_bytes_accounted": 4 << 20,
                      "state_bytes_held": 4 << 20, "saving_vs_fp32": 1.0, "cache_bytes_held": 5 << 20,
                      "decode_step_peak_bytes": 1 << 20},
@@ -354,6 +356,7 @@ def test_memory_page_shows_the_measured_apply_bytes(params, tmp_path, monkeypatc
     at = start(params, page="memory", preset="pace-4")
     table = next(d.value for d in at.dataframe if "state MiB (held)" in d.value.columns).set_index("configuration")
     assert table.loc["pace-4", "state MiB (held)"] == 1.0 and table.loc["pace-4", "× fewer than fp32"] == 4.0
+    assert any("; code abc, " in plain(c.value) and "memory_cpu.json" in plain(c.value) for c in at.caption)
     (tmp_path / "memory_cuda.json").write_text("{not json")
     at.run()
     assert not at.exception and [plain(e.value) for e in at.error if "memory_cuda.json" in plain(e.value)]
@@ -485,7 +488,9 @@ def test_benchmarks_without_results_say_what_to_run(params, tmp_path, monkeypatc
 def test_benchmarks_lead_with_a_headline_table_in_units(params, tmp_path, monkeypatch):
     rows = [{"batch": b, "variant": v, "seconds_per_token": t0 * b * 1e-6, "hbm_fraction": f}
             for v, t0, f in (("bf16 per-token", 50, 0.5), ("PACE-4 dP=8", 20, 0.25)) for b in (1, 8)]
-    (tmp_path / "bench.json").write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-11-30", "rows": rows}))
+    code = {"commit": "0123456789abcdef" * 2 + "01234567", "dirty": True}  # pace_core.provenance.measurement's
+    (tmp_path / "bench.json").write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-11-30", "code": code,
+                                                     "rows": rows}))
     (tmp_path / "a_list.json").write_text("[1, 2]")  # sorts first: a bad file must not hide the others
     (tmp_path / "b_bytes.json").write_bytes(b"\xff\xfe")
     monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
@@ -497,8 +502,9 @@ def test_benchmarks_lead_with_a_headline_table_in_units(params, tmp_path, monkey
     assert not at.exception
     assert [plain(e.value).split(":")[0] for e in at.error] == ["a_list.json", "b_bytes.json"]
     assert plain(at.subheader[0].value).startswith("Decode step of 24 GDN layers")
-    assert at.json[0].value == json.dumps({"device": "NVIDIA H200", "date": "2026-11-30"})
-    assert any(c.value.startswith("Measured on device NVIDIA H200, date 2026-11-30") for c in at.caption)
+    assert at.json[0].value == json.dumps({"device": "NVIDIA H200", "date": "2026-11-30", "code": code})
+    assert any(c.value.startswith("Measured on device NVIDIA H200, date 2026-11-30, code 0123456789ab with uncommitted "
+                                  "changes · file") for c in at.caption)
     headline = at.dataframe[1].value.set_index("variant")  # after the lead table of speed-ups
     assert headline.loc["bf16 per-token", "B = 8"] == "400.0 µs · 50% HBM"
     assert headline.loc["PACE-4 dP=8", "B = 8"] == "160.0 µs · 2.50× · 25% HBM"  # 400 / 160

@@ -17,7 +17,9 @@ import torch
 from kernels_support import kernel_modules
 
 from kernels.settings import SplitSettings
+from pace_core.provenance import measurement
 from pace_core.recurrence import gdn_recurrent
+from pace_core.version import code_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -276,7 +278,8 @@ def test_main_writes_the_rows_and_stops_at_its_deadline(bench, monkeypatch, tmp_
     assert rc == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["not_run_batches"] == [4] and doc["device"] == "cpu" and doc["copy_bandwidth"] == 1e11
-    assert doc["command"] and "code" in doc and (tmp_path / "bench.png").read_text() == "figure"
+    assert set(measurement()) <= set(doc) and doc["code"] == code_commit()  # the provenance of every measurement
+    assert (tmp_path / "bench.png").read_text() == "figure"
     (row,) = doc["rows"]
     assert (row["variant"], row["batch"], row["speedup_vs_bf16_per_token"]) == ("bf16 per-token", 2, 1.0)
     assert [t["config"] for t in row["tried"]] == [dataclasses.asdict(c) for c in bench.configs("bf16 per-token")]

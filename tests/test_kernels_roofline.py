@@ -15,6 +15,8 @@ import torch
 from test_kernels_bench import bench  # noqa: F401 - the fixture
 from test_kernels_ncu_profile import fake_ncu
 
+from pace_core.version import code_commit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,6 +39,7 @@ def test_one_call_writes_the_bench_the_profiles_and_the_targets(bench, monkeypat
     with tarfile.open(out / "ncu_raw.tar.gz") as tar:
         assert tar.getnames() == ["ncu_PACE-4_B1.csv"]
     doc = json.loads((out / "roofline.json").read_text())
+    assert doc["code"] == code_commit() and doc["device"] == "cpu"
     rows = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
     ratio = rows["PACE-4 dP=8"]["seconds_per_token"] / rows["bf16 per-token"]["seconds_per_token"]
     b1 = doc["targets"]["pace4_b1_ratio"]

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -59,9 +58,9 @@ from pace_core.buffer import record_bytes
 from pace_core.config import get_config
 from pace_core.memory import reachable_tensors
 from pace_core.methods import state_format
+from pace_core.provenance import measurement
 from pace_core.recurrence import prepare_qk
 from pace_core.schedule import PeriodicState
-from pace_core.version import code_commit
 
 LAYERS, H, HV, K, V, PERIOD = 24, 16, 32, 128, 128, 8
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -619,10 +618,7 @@ def main(argv: list[str] | None = None, device: torch.device | None = None) -> i
     chosen = args.variants.split(",") if args.variants else VARIANTS
     variants = [v for v in available_variants() if v in chosen or v == "bf16 per-token"]  # the speed-up's base
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-               "torch": torch.__version__,
-               "triton": triton.__version__, "python": platform.python_version(),
-               "fla": _fla_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-               "code": code_commit(), "command": " ".join([sys.executable, *sys.argv]),
+               **measurement(), "triton": triton.__version__, "fla": _fla_version(),
                "shape": {"gdn_layers": LAYERS, "key_heads": H, "value_heads": HV, "d_k": K, "d_v": V,
                          "decode_period": PERIOD},
                "copy_bandwidth": bw, "bytes_model": BYTES_MODEL, "variants": variants, "rows": []}

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import statistics
 import sys
 import time
@@ -67,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pace_core.config import get_config
 from pace_core.model.patch import pace
+from pace_core.provenance import cpu_model, measurement
 from pace_core.results import atomic_write
 from pace_core.shapes import PUBLISHED_CONFIGS
 
@@ -424,12 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.tiny, device, dtype)
     compiled = compile_model(model, args.compile_backend) if args.compile else None
     stem = "bench_e2e_compiled" if args.compile else "bench_e2e"
-    import transformers
-
     results = {"model": "tiny Qwen3.5" if args.tiny else "Qwen3.5-4B-sized", "device": str(
-        torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"),
-        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "dtype": str(dtype).removeprefix("torch."),
+        torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model() or "cpu"),
+        **measurement(), "dtype": str(dtype).removeprefix("torch."),
         "parameters": sum(p.numel() for p in model.parameters()), "context": args.context,
         "mode": ("torch.compile + " if args.compile else "") + ("cuda graphs" if graphs else "eager"),
         "compile_backend": args.compile_backend if args.compile else None, "cache": "static", "rows": []}

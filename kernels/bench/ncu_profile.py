@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kernels.settings import Launch, RecurrentSettings, SplitSettings  # noqa: E402
+from pace_core.provenance import measurement  # noqa: E402
 
 VARIANTS = ("bf16 per-token", "PACE-4 dP=8", "PACE-4/8 dP=8")
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
@@ -182,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-               "command": " ".join([sys.executable, *sys.argv]), "ncu": subprocess.run(
-                   [ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:],
+    version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
+    summary = {**measurement(), "ncu": version,
                "shape": "Qwen3.5-4B GDN layer: H 16, HV 32, K = V = 128, dP 8 (one layer)", "rows": [],
                "not_run": []}
     for B in (int(b) for b in args.batches.split(",")):

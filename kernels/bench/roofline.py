@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels.bench import bench  # noqa: E402
 from kernels.bench.widths_gpu import Tee  # noqa: E402
+from pace_core.provenance import measurement  # noqa: E402
 
 PACE4, PACE48, BF16 = "PACE-4 dP=8", "PACE-4/8 dP=8", "bf16 per-token"
 NCU_VARIANTS = (PACE4, PACE48)
@@ -199,11 +200,10 @@ def main(argv: list[str] | None = None, device=None) -> int:
     bench_json = json.loads((args.out / "bench.json").read_text()) if (args.out / "bench.json").exists() else None
     ncu_path = args.out / "ncu_summary.json"
     ncu = json.loads(ncu_path.read_text()) if ncu_path.exists() else None
-    result = {"command": " ".join([sys.executable, *sys.argv]), "bench_rc": bench_rc, "ncu_rc": ncu_rc,
+    result = {**measurement(), "bench_rc": bench_rc, "ncu_rc": ncu_rc,
               "seconds": time.monotonic() - started,
               "device": None if bench_json is None else bench_json["device"],
               "copy_bandwidth": None if bench_json is None else bench_json["copy_bandwidth"],
-              "code": None if bench_json is None else bench_json.get("code"),
               "targets": {} if bench_json is None else targets(bench_json, ncu)}
     (args.out / "roofline.json").write_text(json.dumps(result, indent=1, default=bench.jsonable))
     print(f"\nroofline: {result['seconds']:.0f} s on {result['device']}")

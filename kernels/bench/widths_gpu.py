@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kernels.bench import bench  # noqa: E402
-from pace_core.version import code_commit  # noqa: E402
+from pace_core.provenance import measurement  # noqa: E402
 
 TESTS = ("tests/test_kernels_quantize.py", "tests/test_kernels_decode.py")
 SELECT = ("pace-3 or rtn-int3 or rtn-value-3 or True-3 or False-3 or False-1-3 or True-1-3 or other_widths "
@@ -102,9 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             print("widths_gpu: no CUDA device; run this on the GPU machine")
             return 2
         start = time.time()
-        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "code": code_commit(),
-               "command": " ".join([sys.executable, *sys.argv]), "variants": list(VARIANTS)}
+        doc = {"device": torch.cuda.get_device_name(), **measurement(), "triton": triton.__version__,
+               "variants": list(VARIANTS)}
         print(f"device {doc['device']}  torch {doc['torch']}  triton {doc['triton']}", flush=True)
         doc["tests"] = None if args.skip_tests else run_tests()
         left = max(args.budget_s - (time.time() - start), 0.0)

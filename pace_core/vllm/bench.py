@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pace_core.provenance import cpu_model
 from pace_core.vllm.check import EMBEDDED, MAX_MODEL_LEN, REPO_ROOT, VLLM_OWN, _label, served_configs
 from pace_core.vllm.settings import serve_command
 
@@ -282,8 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
     doc = {"kind": "vllm-serve-bench", "memory_mib": args.memory_mib,
            "shapes": [{"prompt_tokens": p, "tokens": t, "prompts": len(ids)} for (p, t), ids in prompt_sets.items()],
-           "device": f"CPU {platform.processor() or platform.machine()}, "
-           f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "device": f"CPU {cpu_model() or platform.machine()}, {os.cpu_count()} cores",
            "rows": rows, "ratios": ratios(rows),
            "provenance": make_provenance(portable_reference(str(args.model)),
                                          extra={"vllm": vllm.__version__, "platform": platform.platform(),
