@@ -12,7 +12,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from app_state import work
+from app_state import turns, work
 from app_state.controls import Runtime
 from app_state.markup import escape
 from app_state.session import _load_model, model_label_of
@@ -87,9 +87,11 @@ def reference_states(source: str, where: Runtime, text: str) -> dict[int, dict[i
     if found is None:
         loaded = _load_model(source, where)
         ids = tokenize(loaded.tokenizer, text, min_tokens=1)
-        work.use_free_cores()
-        with st.spinner(f"Reading {ids.shape[1]} tokens with the fp32 reference…"):
-            run = run_with_states(loaded, get_config("fp32"), ids, capture_steps=heatmap_positions(ids.shape[1]))
+        with turns.of(loaded.model).page():
+            work.use_free_cores()
+            with st.spinner(f"Reading {ids.shape[1]} tokens with the fp32 reference…"):
+                run = run_with_states(loaded, get_config("fp32"), ids,
+                                      capture_steps=heatmap_positions(ids.shape[1]))
         found = {pos: {layer: S[0] for layer, S in layers.items()} for pos, layers in run.states.items()}
         work.kept("heatmap_states", 4).put(key, found)
     return found
@@ -117,14 +119,15 @@ def generations(source: str, where: Runtime, configs: tuple[tuple[str, str], ...
     ref = reference.get(setting)
 
     def compute(missing: dict[str, str]) -> dict:
-        ready = _ready(source, where, missing)
         names = ", ".join(missing if ref is not None else ["fp32", *missing])
-        with work.progress(generation_progress_total((mode,), max_new_tokens),
-                           f"Generating {max_new_tokens} tokens with {names}",
-                           ("generation", setting, tuple(missing.values()))) as advance:
-            table = generate_side_by_side(loaded, ready, prompt,
-                                          max_new_tokens=max_new_tokens, modes=(mode,), seed=GENERATION_SEED,
-                                          reference_rows=ref, progress=advance)
+        with turns.of(loaded.model).page():
+            ready = _ready(source, where, missing)
+            with work.progress(generation_progress_total((mode,), max_new_tokens),
+                               f"Generating {max_new_tokens} tokens with {names}",
+                               ("generation", setting, tuple(missing.values()))) as advance:
+                table = generate_side_by_side(loaded, ready, prompt,
+                                              max_new_tokens=max_new_tokens, modes=(mode,), seed=GENERATION_SEED,
+                                              reference_rows=ref, progress=advance)
         if ref is None:
             reference.put(setting, table[table.config == "fp32"])
         return {label: table[table.config == label] for label in missing}
@@ -159,14 +162,15 @@ def drift(source: str, where: Runtime, configs: tuple[tuple[str, str], ...], pre
     reference = work.kept("drift_reference", 2)
 
     def compute(missing: dict[str, str]) -> dict:
-        ready = _ready(source, where, missing)
         kept = reference.get(setting)
         names = ", ".join(missing if kept is not None else ["the fp32 reference", *missing])
-        with work.progress(drift_progress_total(loaded, len(missing), T, prefill, with_reference=kept is None),
-                           f"Teacher-forcing {names} over {T - prefill - 1} decode steps",
-                           ("drift", setting, tuple(missing.values()))) as advance:
-            res = run_drift(loaded, ready, ids, prefill, every=every,
-                            reference=kept, keep_reference=kept is None, progress=advance)
+        with turns.of(loaded.model).page():
+            ready = _ready(source, where, missing)
+            with work.progress(drift_progress_total(loaded, len(missing), T, prefill, with_reference=kept is None),
+                               f"Teacher-forcing {names} over {T - prefill - 1} decode steps",
+                               ("drift", setting, tuple(missing.values()))) as advance:
+                res = run_drift(loaded, ready, ids, prefill, every=every,
+                                reference=kept, keep_reference=kept is None, progress=advance)
         reference.put(setting, res.reference)
         return {label: (res.table[res.table.config == label], res.summary[res.summary.config == label])
                 for label in missing}
@@ -232,18 +236,20 @@ def calibration(source: str, where: Runtime, key: str) -> dict[str, Any]:
                         "or set the share of 8-bit heads to 0 (DAMP always needs one)")
     cfg = config_from_json(key)
     sampling = method_of(cfg).sampling(cfg)  # a method's own samples (STEPQuant's authors' protocol), else the shared
-    samples = work.kept("calibration_samples", 2).get((source, where, sampling))
-    if samples is None:
-        what = (f"{CALIBRATION_TOKENS} calibration tokens" if sampling is None else
-                f"{sampling.total_tokens:,} calibration tokens ({sampling.describe()})")
-        with work.progress(calibration_progress_total(loaded, sampling), f"Reading {what} of {CALIBRATION_TEXT.name}",
-                           ("calibration", source, where, sampling)) as advance:
-            samples = (calibration_samples(loaded, tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
-                                           progress=advance) if sampling is None else
-                       protocol_samples(loaded, CALIBRATION_TEXT, sampling, progress=advance))
-        work.kept("calibration_samples", 2).put((source, where, sampling), samples)
-    work.use_free_cores()
-    cal = calibrate(loaded, cfg, samples=samples)
+    with turns.of(loaded.model).page():
+        samples = work.kept("calibration_samples", 2).get((source, where, sampling))
+        if samples is None:
+            what = (f"{CALIBRATION_TOKENS} calibration tokens" if sampling is None else
+                    f"{sampling.total_tokens:,} calibration tokens ({sampling.describe()})")
+            with work.progress(calibration_progress_total(loaded, sampling),
+                               f"Reading {what} of {CALIBRATION_TEXT.name}",
+                               ("calibration", source, where, sampling)) as advance:
+                samples = (calibration_samples(loaded, tokens=CALIBRATION_TOKENS, sample_every=CALIBRATION_EVERY,
+                                               progress=advance) if sampling is None else
+                           protocol_samples(loaded, CALIBRATION_TEXT, sampling, progress=advance))
+            work.kept("calibration_samples", 2).put((source, where, sampling), samples)
+        work.use_free_cores()
+        cal = calibrate(loaded, cfg, samples=samples)
     found = {"calibration": cal,
              "provenance_label": f"{escape(samples.describe())}, computed live on {escape(model_label_of(source))}"
                                  + _damaged_calibrations(source, loaded.fingerprint)}

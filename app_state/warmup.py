@@ -7,16 +7,21 @@ the sidebar's configuration and its neighbours (:func:`plan`): the Drift page's 
 decode with captures), a few tokens of generation (the one-token decode path), the heatmaps' fp32 reference (a
 prefill with captures). Their results are dropped; what stays is the compiled kernels and their launch plans (Triton's
 caches, per process and on disk), so the views' first runs find them. The thread runs once per loaded model and
-configuration, never on the CPU (nothing there compiles); its failure is logged and changes nothing else.
+configuration, never on the CPU (nothing there compiles); its failure is logged and changes nothing else. Each of
+its steps holds the model's turn in the background (:mod:`app_state.turns`): it never computes beside a page, stops
+at its next progress unit when a page asks for the model, and runs again once the pages are done.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
+from app_state import turns
 from pace_core.analysis.calibration import calibrate
 from pace_core.analysis.drift import drift
 from pace_core.analysis.generation import generate_side_by_side
@@ -37,6 +42,7 @@ WARM_TEXT = "The history of the city begins in the year when the river was first
 
 _STARTED: set[tuple[int, str]] = set()
 _LOCK = threading.Lock()
+T = TypeVar("T")
 
 
 def plan(cfg: PaceConfig) -> list[PaceConfig]:
@@ -58,14 +64,28 @@ def warm(loaded: LoadedModel, cfgs: list[PaceConfig], *, prefill: int = DRIFT_PR
          new_tokens: int = GENERATED_TOKENS) -> None:
     """Run what the live views run first for ``cfgs`` on ``loaded`` (module docstring), results dropped. A
     configuration that needs a calibration on the model is calibrated on a short text first."""
-    ready = [calibrate(loaded, c, str(CALIBRATION_TEXT), tokens=256, sample_every=32).config
+    turn = turns.of(loaded.model)
+    ready = [_step(turn, lambda p, c=c: calibrate(loaded, c, str(CALIBRATION_TEXT), tokens=256, sample_every=32,
+                                                  progress=p).config)
              if c.needs_calibration else c for c in cfgs]
     ids = tokenize(loaded.tokenizer, WARM_TEXT, max_tokens=prefill + steps + 1, min_tokens=prefill + 3)
     every = -(-steps // DRIFT_CAPTURES)
-    drift(loaded, ready, ids, prefill, every=every)
-    generate_side_by_side(loaded, {c.name: c for c in ready}, WARM_TEXT[:48], max_new_tokens=new_tokens,
-                          modes=("greedy",))
-    run_with_states(loaded, get_config("fp32"), ids[:, :prefill], capture_steps=[prefill // 2, prefill])
+    _step(turn, lambda p: drift(loaded, ready, ids, prefill, every=every, progress=p))
+    _step(turn, lambda p: generate_side_by_side(loaded, {c.name: c for c in ready}, WARM_TEXT[:48],
+                                                max_new_tokens=new_tokens, modes=("greedy",), progress=p))
+    _step(turn, lambda p: run_with_states(loaded, get_config("fp32"), ids[:, :prefill],
+                                          capture_steps=[prefill // 2, prefill]))  # one prefill: no progress
+
+
+def _step(turn: turns.Turn, run: Callable[[Callable[[int], None]], T]) -> T:
+    """``run(progress)`` holding the model's turn in the background (:meth:`app_state.turns.Turn.background`),
+    again from its start each time a page made it yield."""
+    while True:
+        with turn.background():
+            try:
+                return run(turn.yield_to_pages)
+            except turns.Yielded:
+                continue
 
 
 def ahead(loaded: LoadedModel, cfg: PaceConfig, key: str) -> threading.Thread | None:
