@@ -115,9 +115,9 @@ class DecodeGraphs:
         before = host_state()
         static = tuple(t.clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
-        for generator in generators:
-            graph.register_generator_state(generator)
         try:  # thread-local: the app's background kernel compilation may use the device meanwhile
+            for generator in generators:
+                graph.register_generator_state(generator)
             with (deferred.deferring() as failures,
                   torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")):
                 output = call(*static)
