@@ -86,10 +86,10 @@ class DecodeGraphs:
 
     def run(self, key: Hashable, call: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
             host_state: Callable[[], Hashable], set_host_state: Callable[[Hashable], None],
-            generators: Sequence[torch.Generator] = ()) -> torch.Tensor:
+            generators: Callable[[], Sequence[torch.Generator]] = tuple) -> torch.Tensor:
         """``call(*inputs)``, recorded or replayed under ``key`` (which must hold ``host_state()``, the host's
-        part of the state the call starts from; ``set_host_state`` restores one); ``generators``: the random
-        generators ``call`` draws from (module docstring)."""
+        part of the state the call starts from; ``set_host_state`` restores one); ``generators()``: the random
+        generators ``call`` draws from (module docstring), asked for when the call is recorded."""
         recorded = self._recorded.get(key)
         if recorded is None:
             if key in self.refused or key not in self._seen:
@@ -106,7 +106,7 @@ class DecodeGraphs:
 
     def _record(self, key: Hashable, call: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
                 host_state: Callable[[], Hashable], set_host_state: Callable[[Hashable], None],
-                generators: Sequence[torch.Generator]) -> _Recorded | None:
+                generators: Callable[[], Sequence[torch.Generator]]) -> _Recorded | None:
         """Record ``call`` on copies of ``inputs`` (the host state restored afterwards: recording runs nothing on
         the device, and advances no generator); None where it cannot be recorded (:attr:`refused`)."""
         if self.broken is not None:
@@ -116,7 +116,7 @@ class DecodeGraphs:
         static = tuple(t.clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
         try:  # thread-local: the app's background kernel compilation may use the device meanwhile
-            for generator in generators:
+            for generator in generators():
                 graph.register_generator_state(generator)
             with (deferred.deferring() as failures,
                   torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")):

@@ -324,7 +324,7 @@ class StoreStack:
         if self.graphs is not None and checked and self.teacher_forcing and not any(captures):
             o = self.graphs.run(self.graph_key(layer, q), lambda *x: self._run(layer, decode, *x), inputs,
                                 lambda: self._host_state(layer), lambda counts: self._set_host_state(layer, counts),
-                                self.generators(layer))
+                                lambda: self.generators(layer))
         else:
             o = self._run(layer, decode, *inputs)
         if self.progress is not None:

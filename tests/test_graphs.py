@@ -91,7 +91,7 @@ class _FailingGraphs:
     def __init__(self) -> None:
         self.calls = 0
 
-    def run(self, key, call, inputs, host_state, set_host_state, generators=()):
+    def run(self, key, call, inputs, host_state, set_host_state, generators=tuple):
         self.calls += 1
         return call(*inputs)
 
