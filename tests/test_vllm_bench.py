@@ -7,6 +7,9 @@ import json
 
 import pytest
 
+from pace_core.accounting import state_bytes_per_sequence
+from pace_core.config import NAMED_CONFIGS
+from pace_core.shapes import shape_from_hf_config
 from pace_core.vllm import bench
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -49,6 +52,50 @@ def test_ratios_compare_each_plugin_row_with_vllms_own_of_the_same_run():
     assert got[0]["wall_ratio"] == 4.0 and got[1]["tokens_per_s_ratio"] == 0.5 and got[1]["wall_ratio"] == 1.5
 
 
+def test_ratios_compare_what_the_engines_said_they_hold():
+    rows = [{**_row(1, "vllm-own", 64, 1000.0, 16, 10.0), "max_concurrency": 17.0},
+            {**_row(1, "pace-4", 64, 1000.0, 42, 10.0), "max_concurrency": 34.13},
+            {**_row(1, "fp32", 64, 1000.0, 16, 10.0), "max_concurrency": None}]
+    got = {r["config"]: r["max_concurrency_ratio"] for r in bench.ratios(rows)}
+    assert got == {"pace-4": 34.13 / 17.0, "fp32": None}
+
+
+# vLLM 0.32's start-up lines, as a server on the embedded model printed them (PACE-4, 64 MiB, 768 tokens)
+STARTUP = """(Worker pid=1) INFO 12-07 00:07:07 [interface.py:1096] Setting attention block size to 64 tokens to \
+ensure that attention page size is >= mamba page size.
+(Worker pid=1) INFO 12-07 00:07:07 [interface.py:1120] Padding mamba page size by 38.47% to ensure that mamba page \
+size and attention page size are exactly equal.
+(EngineCore pid=2) INFO 12-07 00:07:07 [kv_cache_utils.py:2327] CPU KV cache size: 26,214 tokens, Maximum \
+concurrency for 768 tokens per request: 34.13x
+"""
+
+
+def test_the_engine_report_reads_vllms_start_up_lines():
+    assert bench.engine_report(STARTUP) == {"max_concurrency": 34.13, "state_page_padding_pct": 38.47,
+                                            "attention_block_tokens": 64.0}
+    assert bench.engine_report("no such lines") == dict.fromkeys(bench.ENGINE_LINES)
+
+
+def test_request_bytes_are_the_states_and_the_attention_cache_at_full_length(tiny_checkpoints):
+    hf = (tiny_checkpoints["qwen3_5_text"] / "config.json").read_text()
+    rows = bench.request_bytes(hf, ["vllm-own", "pace-4"], [(24, 32), (512, 256)])
+    # the tiny model: 3 GDN layers of HV = 4 heads of 64 x 32 values, 1 attention layer of 1 KV head of 32
+    own, kv_token = 4 * 3 * 4 * 64 * 32, 2 * 2 * 1 * 32 * 1
+    assert [(r["config"], r["prompt_tokens"], r["kv_bytes"]) for r in rows] == [
+        ("vllm-own", 24, 56 * kv_token), ("vllm-own", 512, 768 * kv_token),
+        ("pace-4", 24, 56 * kv_token), ("pace-4", 512, 768 * kv_token)]
+    assert rows[0]["state_bytes"] == own and rows[0]["sequences_bound"] == 1.0
+    # the pool rows the plugin lays out hold what the accounting counts for one sequence
+    shape = shape_from_hf_config(json.loads(hf))
+    pace = state_bytes_per_sequence(NAMED_CONFIGS["pace-4"], shape)
+    assert rows[2]["state_bytes"] == pace
+    for r in rows:
+        kv = r["kv_bytes"]
+        assert r["sequences_bound"] == pytest.approx((own + kv) / (r["state_bytes"] + kv), rel=1e-15)
+        assert r["zero_state_bound"] == pytest.approx((own + kv) / kv, rel=1e-15)
+    assert rows[3]["sequences_bound"] < rows[2]["sequences_bound"] < rows[2]["zero_state_bound"]
+
+
 def test_ratios_compare_rows_of_the_same_shape():
     long = (512, 256)
     rows = [_row(1, "vllm-own", 8, 400.0, 8, 5.0), _row(1, "vllm-own", 8, 100.0, 8, 20.0, long),
@@ -69,6 +116,10 @@ def test_the_stored_burst_is_read_as_a_short_table(tmp_path):
     path.write_text(json.dumps({"rows": rows, "ratios": bench.ratios(rows)}))
     assert bench.shipped_table(path) == [{"configuration": "pace-4-8", "run": 1, "prompt + output tokens": "24 + 32",
                                           "output tok/s ×": 0.25, "peak running ×": 3.0, "burst wall time ×": 4.0}]
+    memory = [{"config": "data/results/m/config-pace-4-8.json", "prompt_tokens": 24, "tokens": 32,
+               "sequences_bound": 3.7444}]
+    path.write_text(json.dumps({"rows": rows, "ratios": bench.ratios(rows), "memory": memory}))
+    assert bench.shipped_table(path)[0]["fits at full length ×"] == 3.74
     path.write_text("{")
     assert bench.shipped_table(path) is None
     assert bench.shipped_table(tmp_path / "missing.json") is None

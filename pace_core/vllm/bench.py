@@ -19,6 +19,14 @@ output tokens over the wall time; one request before the first level warms the s
 ``/metrics``, polled every 0.1 s) and the wall time; ``c = 64`` is the burst of 64 requests. ``ratios``: each
 plugin row over ``vllm-own``'s row of the same run, shape and concurrency. The machine may be shared: the
 one-minute load average is recorded beside each level, and the ratios within one run are the figures to read.
+
+What the memory allows, beside what the servers did: each row carries what its server reported at start-up
+(:func:`engine_report`: the most requests of the longest shape vLLM can hold at once, the padding of each state
+page to whole attention blocks, :mod:`pace_core.vllm.pages`), and ``memory`` (:func:`request_bytes`) gives, per
+configuration and shape, the bytes one request holds at its full length: its recurrent state (the plugin's pool
+rows, or vLLM's own float32 state) and the full-attention layers' bf16 KV cache, with the most sequences the state
+format can fit over vLLM's own at equal memory (``sequences_bound``) and that bound for a state of no bytes at all
+(``zero_state_bound``): where the KV cache outweighs the state, no state format reaches a given multiple.
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from pace_core.provenance import cpu_model
+from pace_core.shapes import shape_from_hf_config
 from pace_core.vllm.check import EMBEDDED, MAX_MODEL_LEN, REPO_ROOT, VLLM_OWN, _label, served_configs
-from pace_core.vllm.settings import serve_command
+from pace_core.vllm.settings import serve_command, served_for
 
 CONFIGS = (VLLM_OWN, *served_configs("pool"))
 """vLLM's own state and the named configurations served from a pool row (tag ``pool``; PACE-4/8 as the embedded
@@ -129,6 +138,45 @@ class VllmServer:
         return self.proc.returncode
 
 
+ENGINE_LINES = {
+    "max_concurrency": re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x"),
+    "state_page_padding_pct": re.compile(r"Padding mamba page size by ([\d.]+)%"),
+    "attention_block_tokens": re.compile(r"Setting attention block size to (\d+) tokens"),
+}
+"""The start-up lines of vLLM 0.32 that say what its memory holds (:func:`engine_report`)."""
+
+
+def engine_report(log_text: str) -> dict[str, float | None]:
+    """What a server's start-up output says of its memory (None where a line is absent): ``max_concurrency``, the
+    most requests of ``--max-model-len`` tokens it holds at once; ``state_page_padding_pct``, how much vLLM pads each
+    state page to make it one attention block; ``attention_block_tokens``, that block."""
+    found = {key: pattern.search(log_text) for key, pattern in ENGINE_LINES.items()}
+    return {key: None if m is None else float(m.group(1)) for key, m in found.items()}
+
+
+def request_bytes(hf_config_json: str, configs: Sequence[str],
+                  shapes: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Per configuration and shape ``(P, T)``: the bytes one request holds at its full length ``P + T`` on the model
+    of ``hf_config_json`` (its ``config.json`` text): ``state_bytes``, its recurrent states over the GDN layers (the
+    plugin's pool rows, :class:`~pace_core.vllm.slots.SlotLayout`, before vLLM pads them to pages; ``vllm-own``:
+    vLLM's float32 state), and ``kv_bytes``, the full-attention layers' bf16 KV cache
+    (:attr:`~pace_core.shapes.ModelShape.kv_bytes_per_token`); the convolution state is the same in both and left
+    out. ``sequences_bound``: vLLM's own bytes per request over these, the most sequences the format fits over vLLM's
+    own at equal memory; ``zero_state_bound``: the same for a state of no bytes."""
+    shape = shape_from_hf_config(json.loads(hf_config_json))
+    own = 4 * shape.state_values
+    rows = []
+    for config in configs:
+        state = own if config == VLLM_OWN else sum(
+            layout.nbytes for layout in served_for(config, hf_config_json).layouts.values())
+        for p, t in shapes:
+            kv = shape.kv_bytes_per_token * (p + t)
+            rows.append({"config": _label(config), "prompt_tokens": p, "tokens": t, "state_bytes": state,
+                         "kv_bytes": kv, "sequences_bound": (own + kv) / (state + kv),
+                         "zero_state_bound": (own + kv) / kv})
+    return rows
+
+
 def metric(text: str, name: str) -> float | None:
     """The value of the first sample of metric ``name`` in a Prometheus text (None when absent)."""
     found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
@@ -193,6 +241,7 @@ def measure(model: str, config: str, prompt_sets: Mapping[tuple[int, int], Seque
         server.wait_ready()
         served = json.loads(server.get("/v1/models"))["data"][0]["id"]
         blocks = re.search(r'num_gpu_blocks="(\d+)"', server.get("/metrics"))
+        engine = engine_report(log.read_text(errors="replace"))
         rows = []
         for (p, t), prompt_ids in prompt_sets.items():
             asyncio.run(_level(server, served, prompt_ids[:1], 1, t, requests=1))  # warm-up, not counted
@@ -200,7 +249,7 @@ def measure(model: str, config: str, prompt_sets: Mapping[tuple[int, int], Seque
                 load = os.getloadavg()[0]
                 row = asyncio.run(_level(server, served, prompt_ids, c, t))
                 rows.append({"config": _label(config), "prompt_tokens": p, "tokens": t, **row,
-                             "blocks": int(blocks.group(1)) if blocks else None, "load_avg_1m": load})
+                             "blocks": int(blocks.group(1)) if blocks else None, **engine, "load_avg_1m": load})
     finally:
         server.stop()
     return rows
@@ -222,21 +271,31 @@ def ratios(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                     "tokens": r.get("tokens"), "concurrency": r["concurrency"],
                     "tokens_per_s_ratio": r["output_tokens_per_s"] / base["output_tokens_per_s"],
                     "peak_running_ratio": r["peak_running"] / max(base["peak_running"], 1),
-                    "wall_ratio": r["wall_s"] / base["wall_s"]})
+                    "wall_ratio": r["wall_s"] / base["wall_s"],
+                    "max_concurrency_ratio": None if not (r.get("max_concurrency") and base.get("max_concurrency"))
+                    else r["max_concurrency"] / base["max_concurrency"]})
     return out
 
 
 def shipped_table(path: Path = SHIPPED, concurrency: int = 64) -> list[dict[str, Any]] | None:
     """The stored ratios at ``concurrency`` (the burst), one row per configuration, shape and run: tokens/s, peak
-    running and wall time over vLLM's own (None when the file is missing or unreadable)."""
+    running and wall time over vLLM's own, and, where the file has ``memory``, the most sequences the state format
+    fits at the requests' full length over vLLM's own (None when the file is missing or unreadable)."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        return [{"configuration": Path(r["config"]).stem.removeprefix("config-"), "run": r["run"],
-                 "prompt + output tokens": f"{r.get('prompt_tokens', doc.get('prompt_tokens'))} + "
-                                           f"{r.get('tokens', doc.get('tokens'))}",
-                 "output tok/s ×": round(r["tokens_per_s_ratio"], 2),
-                 "peak running ×": round(r["peak_running_ratio"], 2), "burst wall time ×": round(r["wall_ratio"], 2)}
-                for r in doc["ratios"] if r["concurrency"] == concurrency]
+        bound = {(m["config"], m["prompt_tokens"], m["tokens"]): m["sequences_bound"] for m in doc.get("memory", [])}
+        rows = []
+        for r in doc["ratios"]:
+            if r["concurrency"] != concurrency:
+                continue
+            p, t = r.get("prompt_tokens", doc.get("prompt_tokens")), r.get("tokens", doc.get("tokens"))
+            row = {"configuration": Path(r["config"]).stem.removeprefix("config-"), "run": r["run"],
+                   "prompt + output tokens": f"{p} + {t}", "output tok/s ×": round(r["tokens_per_s_ratio"], 2),
+                   "peak running ×": round(r["peak_running_ratio"], 2), "burst wall time ×": round(r["wall_ratio"], 2)}
+            if (r["config"], p, t) in bound:
+                row["fits at full length ×"] = round(bound[r["config"], p, t], 2)
+            rows.append(row)
+        return rows
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -257,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "temporary folder, printed)")
     args = parser.parse_args(argv)
     import vllm
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from pace_core.model.loading import portable_reference
     from pace_core.results import atomic_write, make_provenance
@@ -265,6 +324,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt_sets = {(p, t): prompts(tokenizer, args.prompts, p, fewer=True) for p, t in args.shapes}
+    memory = request_bytes(AutoConfig.from_pretrained(args.model).to_json_string(use_diff=False), args.configs,
+                           args.shapes)
+    for m in memory:
+        print(f"{m['config']:<48} {m['prompt_tokens']:>3}+{m['tokens']:<3} state {m['state_bytes'] / 1024:8.1f} KiB "
+              f"KV {m['kv_bytes'] / 1024:8.1f} KiB per request: at most {m['sequences_bound']:.2f}x vLLM's own "
+              f"sequences (a state of no bytes: {m['zero_state_bound']:.2f}x)", flush=True)
     load_start, rows = os.getloadavg(), []
     logs = args.logs or Path(tempfile.mkdtemp(prefix="vllm-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -284,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {"kind": "vllm-serve-bench", "memory_mib": args.memory_mib,
            "shapes": [{"prompt_tokens": p, "tokens": t, "prompts": len(ids)} for (p, t), ids in prompt_sets.items()],
            "device": f"CPU {cpu_model() or platform.machine()}, {os.cpu_count()} cores",
-           "rows": rows, "ratios": ratios(rows),
+           "memory": memory, "rows": rows, "ratios": ratios(rows),
            "provenance": make_provenance(portable_reference(str(args.model)),
                                          extra={"vllm": vllm.__version__, "platform": platform.platform(),
                                                 "load_avg_start": load_start, "load_avg_end": os.getloadavg()})}

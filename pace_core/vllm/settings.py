@@ -118,7 +118,10 @@ def _refuse_unknown(source: str) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _served(source: str, hf_config_json: str, tp: int) -> Served:
+def served_for(source: str, hf_config_json: str, tp: int = 1) -> Served:
+    """The configuration ``source`` (a name, JSON text or an exported file) admitted for the model of
+    ``hf_config_json`` (its ``config.json`` text) at tensor parallel size ``tp``: what an engine with those settings
+    serves."""
     shape = shape_from_hf_config(json.loads(hf_config_json))
     cfg = admit(source, shape)  # no weights fingerprint here: the engine has not loaded them yet
     layouts = {(layer, rank): SlotLayout(cfg, shape.num_k_heads // tp, shape.num_v_heads // tp, shape.d_k, shape.d_v,
@@ -136,4 +139,4 @@ def served(vllm_config: Any) -> Served | None:
     _refuse_unknown(source)
     _refuse_settings(vllm_config)
     hf = vllm_config.model_config.hf_config
-    return _served(source, hf.to_json_string(use_diff=False), vllm_config.parallel_config.tensor_parallel_size)
+    return served_for(source, hf.to_json_string(use_diff=False), vllm_config.parallel_config.tensor_parallel_size)
