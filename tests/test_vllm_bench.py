@@ -25,6 +25,11 @@ def test_metric_reads_a_sample_with_or_without_labels():
     assert bench.metric(METRICS, "vllm:num_requests_waiting") is None
 
 
+def test_even_runs_serve_the_configurations_in_reverse():
+    configs = ["vllm-own", "fp32", "pace-4"]
+    assert [bench.serving_order(configs, run) for run in (1, 2, 3)] == [configs, configs[::-1], configs]
+
+
 def test_percentile_interpolates_between_ranks():
     values = [4.0, 1.0, 3.0, 2.0]  # sorted 1..4: rank 2.97 of 0..3 for the 99th
     assert bench.percentile(values, 99) == pytest.approx(1 + 3 * 0.99)

@@ -5,20 +5,21 @@ state and cache memory budget.
                                    [--memory-mib 64] [--concurrency 1 8 32 64] [--shapes 24x32 512x256]
                                    [--runs 2] [--out data/bench/vllm_serve_cpu.json]
 
-(in the vLLM environment: ``make vllm-env``). Each run serves every configuration in turn (by default vLLM's
-own state, ``vllm-own``, and each named configuration a pool row holds, PACE-4/8 with the embedded model's
-exported heads) with the documented command (:func:`pace_core.vllm.settings.serve_command`; ``vllm-own``:
-the same engine settings without a configuration), ``--kv-cache-memory-bytes`` of ``--memory-mib`` and
-``--max-model-len`` of the longest shape (at least :data:`pace_core.vllm.check.MAX_MODEL_LEN`). Per shape
-``PxT`` of ``--shapes`` (short prompts and outputs, 24x32; long ones, 512x256, where prefill and the buffer's
-flushes weigh differently) and each concurrency ``c`` it sends ``max(c, 8)`` requests, at most ``c`` in flight,
-of ``T`` greedy tokens each (``ignore_eos``) on the ``P``-token prompts of :func:`pace_core.vllm.check.prompts`
-in turn (the text has 8 lines of 512 tokens; prefix caching is off), and measures: output tokens per second (all
-output tokens over the wall time; one request before the first level warms the server up), mean and
-99th-percentile latency of a request, peak running sequences (vLLM's ``vllm:num_requests_running`` on
-``/metrics``, polled every 0.1 s) and the wall time; ``c = 64`` is the burst of 64 requests. ``ratios``: each
-plugin row over ``vllm-own``'s row of the same run, shape and concurrency. The machine may be shared: the
-one-minute load average is recorded beside each level, and the ratios within one run are the figures to read.
+(in the vLLM environment: ``make vllm-env``). Each run serves every configuration in turn (even runs in the reverse
+order, :func:`serving_order`; by default vLLM's own state, ``vllm-own``, and each named configuration a pool row
+holds, PACE-4/8 with the embedded model's exported heads) with the documented command
+(:func:`pace_core.vllm.settings.serve_command`; ``vllm-own``: the same engine settings without a configuration),
+``--kv-cache-memory-bytes`` of ``--memory-mib`` and ``--max-model-len`` of the longest shape (at least
+:data:`pace_core.vllm.check.MAX_MODEL_LEN`). Per shape ``PxT`` of ``--shapes`` (short prompts and outputs, 24x32;
+long ones, 512x256, where prefill and the buffer's flushes weigh differently) and each concurrency ``c`` it sends
+``max(c, 8)`` requests, at most ``c`` in flight, of ``T`` greedy tokens each (``ignore_eos``) on the ``P``-token
+prompts of :func:`pace_core.vllm.check.prompts` in turn (the text has 8 lines of 512 tokens; prefix caching is off),
+and measures: output tokens per second (all output tokens over the wall time; one request before the first level
+warms the server up), mean and 99th-percentile latency of a request, peak running sequences (vLLM's
+``vllm:num_requests_running`` on ``/metrics``, polled every 0.1 s) and the wall time; ``c = 64`` is the burst of 64
+requests. ``ratios``: each plugin row over ``vllm-own``'s row of the same run, shape and concurrency. The machine
+may be shared: the one-minute load average is recorded beside each level, and the ratios within one run are the
+figures to read.
 
 What the memory allows, beside what the servers did: each row carries what its server reported at start-up
 (:func:`engine_report`: the most requests of the longest shape vLLM can hold at once, the padding of each state
@@ -175,6 +176,12 @@ def request_bytes(hf_config_json: str, configs: Sequence[str],
                          "kv_bytes": kv, "sequences_bound": (own + kv) / (state + kv),
                          "zero_state_bound": (own + kv) / kv})
     return rows
+
+
+def serving_order(configs: Sequence[str], run: int) -> list[str]:
+    """The configurations in the order run ``run`` (from 1) serves them: as given in odd runs, reversed in even ones,
+    so that a shared machine's drift over a run weighs on every configuration alike over two runs."""
+    return list(configs) if run % 2 else list(reversed(configs))
 
 
 def metric(text: str, name: str) -> float | None:
@@ -335,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"servers' output in {logs}", flush=True)
     for run in range(1, args.runs + 1):
-        for config in args.configs:
+        for config in serving_order(args.configs, run):
             log = logs / f"run{run}-{Path(_label(config)).stem}.log"
             for row in measure(args.model, config, prompt_sets, args.concurrency, args.memory_mib << 20, log):
                 rows.append({"run": run, **row})
