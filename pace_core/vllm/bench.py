@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pace_core.accounting import state_bytes_per_sequence
+from pace_core.config import NAMED_CONFIGS
 from pace_core.provenance import cpu_model
 from pace_core.shapes import shape_from_hf_config
 from pace_core.vllm.check import EMBEDDED, MAX_MODEL_LEN, REPO_ROOT, VLLM_OWN, _label, served_configs
@@ -165,7 +167,7 @@ def request_bytes(hf_config_json: str, configs: Sequence[str],
     out. ``sequences_bound``: vLLM's own bytes per request over these, the most sequences the format fits over vLLM's
     own at equal memory; ``zero_state_bound``: the same for a state of no bytes."""
     shape = shape_from_hf_config(json.loads(hf_config_json))
-    own = 4 * shape.state_values
+    own = state_bytes_per_sequence(NAMED_CONFIGS["fp32"], shape)  # vLLM's own state: float32, as fp32's
     rows = []
     for config in configs:
         state = own if config == VLLM_OWN else sum(
