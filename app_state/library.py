@@ -21,7 +21,7 @@ from pace_core.config import HIGH_SHARE_METHODS, NAMED_CONFIGS, PaceConfig, get_
 from pace_core.export import admit, export_filename, parse_json
 from pace_core.frontier import KL, PERPLEXITY, Axis, Point, best_under
 from pace_core.heads import high_heads_for
-from pace_core.model.loading import portable_reference
+from pace_core.model.reference import portable_reference
 from pace_core.provenance import code_label
 from pace_core.quant import QuantSpec, fake_quantize
 from pace_core.shapes import BUILTIN_SHAPES

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import streamlit as st
 
-from app_state import warmup
 from app_state.controls import (
     EMBEDDED,
     Runtime,
@@ -109,6 +108,8 @@ def loaded_model(*, stop: bool = True):
 def _warm_up(loaded) -> None:
     """Compile ahead, in the background, the kernels the live views launch for the sidebar's configuration
     (:mod:`app_state.warmup`; on a GPU, once per model and configuration)."""
+    from app_state import warmup  # here, as load_model above: it imports the model code a first page needs not
+
     try:
         cfg = current_config()
     except PaceError:

@@ -120,23 +120,6 @@ def test_default_source_is_the_embedded_model(tiny_checkpoints, monkeypatch, tmp
         load_model(None)
 
 
-def test_portable_reference_names_repository_folders_relative_to_the_repository(tmp_path, monkeypatch):
-    """The embedded model (as loaded: its absolute path) is named by its repository path; a hub id, a folder
-    outside the repository (absolute or relative) and a relative path inside it are given as they are."""
-    from pace_core.model import DEFAULT_MODEL_DIR
-    from pace_core.results import REPO_ROOT
-
-    assert loading.portable_reference(str(DEFAULT_MODEL_DIR)) == "data/models/pace-tiny-qwen35"
-    assert loading.portable_reference(str(REPO_ROOT / "data" / "models" / ".." / "models" / "x")) == "data/models/x"
-    assert loading.portable_reference("Qwen/Qwen3.5-4B") == "Qwen/Qwen3.5-4B"
-    assert loading.portable_reference(str(tmp_path)) == str(tmp_path)
-    monkeypatch.chdir(REPO_ROOT)
-    assert loading.portable_reference("./data/models/pace-tiny-qwen35") == "data/models/pace-tiny-qwen35"
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "m").mkdir()
-    assert loading.portable_reference("m") == "m" and loading.portable_reference("../elsewhere/m") == "../elsewhere/m"
-
-
 def test_weights_fingerprint_names_the_weights(tiny_checkpoints, tmp_path):
     path = tiny_checkpoints["qwen3_5_text"]
     first, again = load_model(path), load_model(path)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -56,8 +57,10 @@ from pace_core.analysis.text import read_text, tokenize
 from pace_core.config import PaceConfig, get_config, tagged
 from pace_core.errors import PaceError
 from pace_core.export import config_to_json
-from pace_core.model.loading import LoadedModel
 from pace_core.shapes import BUILTIN_SHAPES, ModelShape
+
+if TYPE_CHECKING:
+    from pace_core.model.loading import LoadedModel
 
 CLAIM_BITS = (3, 4, 5, 6)
 DRIFT_PERIODS = (1, 2, 4, 8, 16)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -22,8 +23,10 @@ from pace_core.analysis.metrics import relative_error
 from pace_core.analysis.quality import config_map
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
-from pace_core.model.loading import LoadedModel
 from pace_core.model.teacher import Member, progress_total, teacher_forced
+
+if TYPE_CHECKING:
+    from pace_core.model.loading import LoadedModel
 
 
 @dataclass

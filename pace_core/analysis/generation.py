@@ -15,6 +15,7 @@ reference's continuation of the same mode. A continuation ends at the end-of-tex
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -23,9 +24,11 @@ from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogits
 from pace_core.analysis.quality import config_map
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
-from pace_core.model.loading import LoadedModel
 from pace_core.model.patch import pace, stacked
 from pace_core.model.teacher import Member
+
+if TYPE_CHECKING:
+    from pace_core.model.loading import LoadedModel
 
 MODES = ("greedy", "sampled")
 

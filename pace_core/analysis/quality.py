@@ -32,7 +32,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -40,8 +40,10 @@ import torch
 from pace_core.analysis.text import read_text, tokenize
 from pace_core.config import PaceConfig, get_config
 from pace_core.errors import PaceError
-from pace_core.model.loading import LoadedModel
 from pace_core.model.teacher import DECODE_CHUNK, Member, progress_total, teacher_forced
+
+if TYPE_CHECKING:
+    from pace_core.model.loading import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
-from pace_core.model.loading import LoadedModel
 from pace_core.model.teacher import Member, teacher_forced
+
+if TYPE_CHECKING:
+    from pace_core.model.loading import LoadedModel
 
 
 @dataclasses.dataclass

@@ -12,16 +12,17 @@ import dataclasses
 import hashlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from pace_core.accounting import state_bytes
 from pace_core.config import get_config
 from pace_core.errors import PaceError
 from pace_core.model import DEFAULT_MODEL_DIR
-from pace_core.results import REPO_ROOT
+from pace_core.model.reference import looks_like_path, portable_reference
 from pace_core.shapes import (
     GDN_LAYER_TYPE,
     SUPPORTED_MODEL_TYPES,
@@ -29,6 +30,9 @@ from pace_core.shapes import (
     check_config_values,
     shape_from_hf_config,
 )
+
+if TYPE_CHECKING:  # transformers' model base class: 2 s of imports, which loading a model pays for when it loads one
+    from transformers import PreTrainedModel
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,30 +113,6 @@ def _not_hybrid(source: str, why: str) -> PaceError:
     )
 
 
-def _looks_like_path(source: str) -> bool:
-    """A hub id is ``name`` or ``owner/name``; anything else (absolute, relative with ./ or ~,
-    deeper than one slash, or an existing file system entry) is a local path."""
-    return (
-        os.path.isabs(source)
-        or source.startswith((".", "~"))
-        or source.count("/") > 1
-        or source.endswith(("/", os.sep))
-        or Path(source).exists()
-    )
-
-
-def portable_reference(source: str) -> str:
-    """``source`` as another machine can follow it: a folder inside this repository by its path relative to the
-    repository root (the embedded model: ``data/models/pace-tiny-qwen35``), a hub id or a folder elsewhere
-    as given (never this machine's absolute path of a repository folder)."""
-    if not _looks_like_path(source):
-        return source
-    try:
-        return Path(source).expanduser().resolve().relative_to(REPO_ROOT).as_posix()
-    except ValueError:  # outside the repository: the user's own reference
-        return source
-
-
 def _resolve_source(source: str | os.PathLike | None) -> str:
     if source is None:
         if not DEFAULT_MODEL_DIR.is_dir():
@@ -144,7 +124,7 @@ def _resolve_source(source: str | os.PathLike | None) -> str:
     source = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
     if not isinstance(source, str) or not source:
         raise PaceError(f"source: {source!r} not allowed; allowed: a local checkpoint directory or a hub id")
-    if _looks_like_path(source):
+    if looks_like_path(source):
         path = Path(source).expanduser()
         if not path.exists():
             raise PaceError(

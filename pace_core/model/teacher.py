@@ -23,16 +23,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.graphs import GRAPHS_ENV
-from pace_core.model.loading import LoadedModel
 from pace_core.model.patch import new_stack, stacked
 from pace_core.schedule import Capture
 from pace_core.state_store import StoreStack
+
+if TYPE_CHECKING:
+    from pace_core.model.loading import LoadedModel
 
 StateHook = Callable[[int, int, int, torch.Tensor], None]
 """``on_state(member, layer, step, S [N, HV, K, V])``: member index, GDN layer, token count, effective state."""

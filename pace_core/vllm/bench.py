@@ -327,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vllm
     from transformers import AutoConfig, AutoTokenizer
 
-    from pace_core.model.loading import portable_reference
+    from pace_core.model.reference import portable_reference
     from pace_core.results import atomic_write, make_provenance
     from pace_core.vllm.check import prompts
 

@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vllm
 
     from pace_core.analysis.text import CALIBRATION_TEXT
-    from pace_core.model.loading import portable_reference
+    from pace_core.model.reference import portable_reference
     from pace_core.results import atomic_write, make_provenance
 
     provenance = make_provenance(portable_reference(str(args.model)), text_path=CALIBRATION_TEXT,
