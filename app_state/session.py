@@ -108,7 +108,7 @@ def loaded_model(*, stop: bool = True):
 def _warm_up(loaded) -> None:
     """Compile ahead, in the background, the kernels the live views launch for the sidebar's configuration
     (:mod:`app_state.warmup`; on a GPU, once per model and configuration)."""
-    from app_state import warmup  # here, as load_model above: it imports the model code a first page needs not
+    from app_state import warmup  # here, as load_model above: it brings the model code, which others skip
 
     try:
         cfg = current_config()
