@@ -31,7 +31,8 @@ state and vLLM with the plugin serving ``CONFIG`` (``fp32``: the plugin's unroun
 greedily (all submitted together, top-2 log-probabilities kept), and each prompt whose tokens differ is
 reported at its first differing step with vLLM's top-2 margin there and the largest change of a top-2 margin
 between the two engines at the steps before it (same text): a difference is a near tie when that margin is
-within that change (:func:`own_state_agreement`). Written to ``<out>/vllm_cpu_own.json``.
+within that change, up to the rounding of the log-probabilities (:data:`TIE_SLACK`; :func:`own_state_agreement`).
+Written to ``<out>/vllm_cpu_own.json``.
 """
 
 from __future__ import annotations
@@ -232,6 +233,18 @@ class OwnStateRow:
     near_tie: bool | None
 
 
+TIE_SLACK = 2.0**-12
+"""How far a margin may exceed the largest margin change and still count as within it: vLLM's log-probabilities are
+float32 log-softmax values, each off by at most two roundings of half an ulp of the logits (below 2^9 in magnitude:
+2^-15 each), and a margin against a change of margins takes six of them: 6 x 2^-15 < 2^-12, far below the 2^-4
+steps in which the margins of a bf16 model's logits of that size move."""
+
+
+def near_tie(margin: float, drift: float) -> bool:
+    """Whether a top-2 ``margin`` is within the largest change of a margin between the engines, ``drift``."""
+    return margin <= drift + TIE_SLACK
+
+
 def _margins(step: dict) -> tuple[tuple[int, int], float]:
     """The top-2 token ids of one step's log-probabilities (vLLM's ``{token: Logprob}``) and their margin."""
     (a, la), (b, lb) = sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])[:2]
@@ -259,7 +272,7 @@ def own_state_agreement(model: str | os.PathLike, config: str, prompt_ids: Seque
             if set(pair) <= set(pace_lp[s]):
                 drift = max(drift, abs(margin - (pace_lp[s][pair[0]].logprob - pace_lp[s][pair[1]].logprob)))
         margin = None if t is None else _margins(own_lp[t])[1]
-        rows.append(OwnStateRow(i, t, margin, drift, None if t is None else margin <= drift))
+        rows.append(OwnStateRow(i, t, margin, drift, None if t is None else near_tie(margin, drift)))
     return rows
 
 
