@@ -16,6 +16,8 @@ METRICS = """# HELP vllm:num_requests_running Number of requests in model execut
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 21.0
 pace_state_slots 8192.0
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 4.0
 """
 
 
@@ -23,6 +25,10 @@ def test_metric_reads_a_sample_with_or_without_labels():
     assert bench.metric(METRICS, "vllm:num_requests_running") == 21.0
     assert bench.metric(METRICS, "pace_state_slots") == 8192.0
     assert bench.metric(METRICS, "vllm:num_requests_waiting") is None
+
+
+def test_preemptions_are_read_from_vllms_counter():
+    assert bench.preemptions(METRICS) == 4 and bench.preemptions("") == 0
 
 
 def test_even_runs_serve_the_configurations_in_reverse():

@@ -16,10 +16,11 @@ long ones, 512x256, where prefill and the buffer's flushes weigh differently) an
 prompts of :func:`pace_core.vllm.check.prompts` in turn (the text has 8 lines of 512 tokens; prefix caching is off),
 and measures: output tokens per second (all output tokens over the wall time; one request before the first level
 warms the server up), mean and 99th-percentile latency of a request, peak running sequences (vLLM's
-``vllm:num_requests_running`` on ``/metrics``, polled every 0.1 s) and the wall time; ``c = 64`` is the burst of 64
-requests. ``ratios``: each plugin row over ``vllm-own``'s row of the same run, shape and concurrency. The machine
-may be shared: the one-minute load average is recorded beside each level, and the ratios within one run are the
-figures to read.
+``vllm:num_requests_running`` on ``/metrics``, polled every 0.1 s), the requests vLLM preempted (freed their
+blocks to admit others and computed their tokens again on resuming; :data:`PREEMPTIONS`) and the wall time;
+``c = 64`` is the burst of 64 requests. ``ratios``: each plugin row over ``vllm-own``'s row of the same run, shape
+and concurrency. The machine may be shared: the one-minute load average is recorded beside each level, and the
+ratios within one run are the figures to read.
 
 What the memory allows, beside what the servers did: each row carries what its server reported at start-up
 (:func:`engine_report`: the most requests of the longest shape vLLM can hold at once, the padding of each state
@@ -192,6 +193,16 @@ def metric(text: str, name: str) -> float | None:
     return None if found is None else float(found.group(1))
 
 
+PREEMPTIONS = "vllm:num_preemptions_total"
+"""vLLM's count of requests it preempted (their KV blocks freed, their tokens computed again when resumed)."""
+
+
+def preemptions(text: str) -> int:
+    """The requests a server has preempted since it started, from its ``/metrics`` text (:data:`PREEMPTIONS`; 0
+    before its first)."""
+    return int(metric(text, PREEMPTIONS) or 0)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values``, linear between the closest ranks."""
     ordered = sorted(values)
@@ -226,6 +237,7 @@ async def _level(server: VllmServer, model: str, prompt_ids: Sequence[Sequence[i
             await asyncio.sleep(0.1)
 
     n = requests or max(concurrency, MIN_REQUESTS)
+    preempted = preemptions(server.get("/metrics"))
     watcher = asyncio.create_task(watch())
     start = time.perf_counter()
     await asyncio.gather(*(request(prompt_ids[i % len(prompt_ids)]) for i in range(n)))
@@ -235,7 +247,8 @@ async def _level(server: VllmServer, model: str, prompt_ids: Sequence[Sequence[i
     await client.close()
     return {"concurrency": concurrency, "requests": n, "output_tokens": sum(outputs),
             "output_tokens_per_s": sum(outputs) / wall, "latency_mean_s": sum(latencies) / n,
-            "latency_p99_s": percentile(latencies, 99), "peak_running": peak, "wall_s": wall}
+            "latency_p99_s": percentile(latencies, 99), "peak_running": peak, "wall_s": wall,
+            "preemptions": preemptions(server.get("/metrics")) - preempted}
 
 
 def measure(model: str, config: str, prompt_sets: Mapping[tuple[int, int], Sequence[Sequence[int]]],
