@@ -12,10 +12,11 @@ holds, PACE-4/8 with the embedded model's exported heads) with the documented co
 ``--kv-cache-memory-bytes`` of ``--memory-mib`` and ``--max-model-len`` of the longest shape (at least
 :data:`pace_core.vllm.check.MAX_MODEL_LEN`). Per shape ``PxT`` of ``--shapes`` (short prompts and outputs, 24x32;
 long ones, 512x256, where prefill and the buffer's flushes weigh differently) and each concurrency ``c`` it sends
-``max(c, 8)`` requests, at most ``c`` in flight, of ``T`` greedy tokens each (``ignore_eos``) on the ``P``-token
-prompts of :func:`pace_core.vllm.check.prompts` in turn (the text has 8 lines of 512 tokens; prefix caching is off),
-and measures: output tokens per second (all output tokens over the wall time; one request before the first level
-warms the server up), mean and 99th-percentile latency of a request, peak running sequences (vLLM's
+``max(c, 8)`` requests, at most ``c`` in flight, and more until the level has run :data:`MIN_WALL_S` seconds
+(except the highest ``c``, the burst: exactly its requests), of ``T`` greedy tokens each (``ignore_eos``) on the
+``P``-token prompts of :func:`pace_core.vllm.check.prompts` in turn (the text has 8 lines of 512 tokens; prefix
+caching is off), and measures: output tokens per second (all output tokens over the wall time; one request before
+the first level warms the server up), mean and 99th-percentile latency of a request, peak running sequences (vLLM's
 ``vllm:num_requests_running`` on ``/metrics``, polled every 0.1 s), the requests vLLM preempted (freed their
 blocks to admit others and computed their tokens again on resuming; :data:`PREEMPTIONS`) and the wall time;
 ``c = 64`` is the burst of 64 requests. ``ratios``: each plugin row over ``vllm-own``'s row of the same run, shape
@@ -67,6 +68,9 @@ SHIPPED = REPO_ROOT / "data" / "bench" / "vllm_serve_cpu.json"
 READY_S = 300
 """How long a server may take to answer ``/health`` (about 40 s on two shared cores)."""
 MIN_REQUESTS = 8
+MIN_WALL_S = 8.0
+"""A level below the burst sends requests until it has run this long (the same prompts in turn): a level of 8
+requests of 24+32 takes about 0.5 s, where two runs of one cell moved by 0.3 of vLLM's own speed."""
 SHAPES = ("24x32", "512x256")
 """Prompt and output tokens of the measured requests, ``PxT``: short ones, and long prompts with long outputs."""
 
@@ -213,20 +217,23 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 async def _level(server: VllmServer, model: str, prompt_ids: Sequence[Sequence[int]], concurrency: int,
-                 tokens: int, requests: int | None = None) -> dict[str, Any]:
-    """One concurrency level's measurements (module docstring): ``requests`` (default ``max(concurrency,
-    MIN_REQUESTS)``) requests, at most ``concurrency`` in flight."""
+                 tokens: int, requests: int | None = None, min_wall_s: float = 0.0) -> dict[str, Any]:
+    """One concurrency level's measurements (module docstring): at least ``requests`` (default ``max(concurrency,
+    MIN_REQUESTS)``) requests, at most ``concurrency`` in flight, more until ``min_wall_s`` seconds have passed."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
-    gate, latencies, outputs, peak, done = asyncio.Semaphore(concurrency), [], [], 0, asyncio.Event()
+    latencies, outputs, peak, done, sent = [], [], 0, asyncio.Event(), 0
+    least = requests or max(concurrency, MIN_REQUESTS)
 
-    async def request(ids: Sequence[int]) -> None:
-        async with gate:
-            start = time.perf_counter()
+    async def client_loop() -> None:  # one of ``concurrency`` clients, each sending its next request when answered
+        nonlocal sent
+        while sent < least or time.perf_counter() - start < min_wall_s:
+            ids, sent = prompt_ids[sent % len(prompt_ids)], sent + 1
+            begin = time.perf_counter()
             r = await client.completions.create(model=model, prompt=list(ids), max_tokens=tokens, temperature=0.0,
                                                 extra_body={"ignore_eos": True})
-            latencies.append(time.perf_counter() - start)
+            latencies.append(time.perf_counter() - begin)
             outputs.append(r.usage.completion_tokens)
 
     async def watch() -> None:
@@ -236,11 +243,11 @@ async def _level(server: VllmServer, model: str, prompt_ids: Sequence[Sequence[i
             peak = max(peak, int(metric(text, "vllm:num_requests_running") or 0))
             await asyncio.sleep(0.1)
 
-    n = requests or max(concurrency, MIN_REQUESTS)
     preempted = preemptions(server.get("/metrics"))
     watcher = asyncio.create_task(watch())
     start = time.perf_counter()
-    await asyncio.gather(*(request(prompt_ids[i % len(prompt_ids)]) for i in range(n)))
+    await asyncio.gather(*(client_loop() for _ in range(min(concurrency, least))))
+    n = len(latencies)
     wall = time.perf_counter() - start
     done.set()
     await watcher
@@ -269,7 +276,8 @@ def measure(model: str, config: str, prompt_sets: Mapping[tuple[int, int], Seque
             asyncio.run(_level(server, served, prompt_ids[:1], 1, t, requests=1))  # warm-up, not counted
             for c in concurrency:
                 load = os.getloadavg()[0]
-                row = asyncio.run(_level(server, served, prompt_ids, c, t))
+                row = asyncio.run(_level(server, served, prompt_ids, c, t,
+                                         min_wall_s=0.0 if c == max(concurrency) else MIN_WALL_S))
                 rows.append({"config": _label(config), "prompt_tokens": p, "tokens": t, **row,
                              "blocks": int(blocks.group(1)) if blocks else None, **engine, "load_avg_1m": load})
     finally:
