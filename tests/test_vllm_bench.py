@@ -3,7 +3,10 @@ runs servers and is a measurement, not a test)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
+import types
 
 import pytest
 
@@ -134,3 +137,54 @@ def test_the_stored_burst_is_read_as_a_short_table(tmp_path):
     path.write_text("{")
     assert bench.shipped_table(path) is None
     assert bench.shipped_table(tmp_path / "missing.json") is None
+
+
+class _FakeServer:
+    """A server whose /metrics counts the preemptions so far (three more on every read after the first)."""
+
+    url = "http://fake"
+
+    def __init__(self):
+        self.reads = 0
+
+    def get(self, path: str) -> str:
+        self.reads += 1
+        return f"vllm:num_requests_running 1.0\nvllm:num_preemptions_total {3.0 * (self.reads > 1)}\n"
+
+
+def _fake_openai(monkeypatch, seconds: float) -> dict:
+    """An ``openai`` module whose completions take ``seconds`` each and answer 32 tokens; counts what was sent."""
+    seen = {"sent": 0, "in_flight": 0, "most_in_flight": 0}
+
+    class Completions:
+        async def create(self, **kwargs):
+            seen["sent"] += 1
+            seen["in_flight"] += 1
+            seen["most_in_flight"] = max(seen["most_in_flight"], seen["in_flight"])
+            await asyncio.sleep(seconds)
+            seen["in_flight"] -= 1
+            return types.SimpleNamespace(usage=types.SimpleNamespace(completion_tokens=kwargs["max_tokens"]))
+
+    class AsyncOpenAI:
+        def __init__(self, **kwargs):
+            self.completions = Completions()
+
+        async def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "openai", types.SimpleNamespace(AsyncOpenAI=AsyncOpenAI))
+    return seen
+
+
+def test_a_level_runs_until_its_least_requests_and_wall_time(monkeypatch):
+    seen = _fake_openai(monkeypatch, 0.02)
+    row = asyncio.run(bench._level(_FakeServer(), "m", [[1, 2], [3]], 2, 32, min_wall_s=0.3))
+    assert row["wall_s"] >= 0.3 and row["requests"] == seen["sent"] >= 8  # 8 requests take 0.08 s: it went on
+    assert seen["most_in_flight"] == 2 and row["output_tokens"] == 32 * row["requests"]
+    assert row["preemptions"] == 3
+
+
+def test_the_burst_sends_exactly_its_requests(monkeypatch):
+    seen = _fake_openai(monkeypatch, 0.01)
+    row = asyncio.run(bench._level(_FakeServer(), "m", [[1, 2], [3]], 64, 8))
+    assert row["requests"] == seen["sent"] == 64 and seen["most_in_flight"] == 64
