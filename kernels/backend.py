@@ -48,6 +48,7 @@ from .flush import launch_flush
 from .fused_step import launch_fused
 from .packed_step import launch_packed_step, launch_window
 from .plan import DecodePlan, check_kernel_shape, is_pow2, output_tensor, plan_decode
+from .pool_step import PoolStep
 from .recurrent_step import RecurrentPlan, plan_recurrent, recurrent_run
 from .settings import Launch
 
@@ -203,3 +204,8 @@ class TritonSteps:
     def fold(self, st) -> torch.Tensor:
         """Checkpoint plus folded buffer ``[B, HV, K, V]`` float32 (the reference's fold)."""
         return fold(st.loaded(), st.buffer)
+
+    def pool_step(self, st) -> PoolStep | str:
+        """The in-place step of a state pool whose schedule over every slot is ``st`` (:mod:`kernels.pool_step`), with
+        this backend's launch settings, or why there is none."""
+        return PoolStep.refusal(st) or PoolStep(st, self.launch)

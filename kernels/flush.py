@@ -8,14 +8,27 @@ range a reduction along a row).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from pace_core.buffer import DecodeBuffer
 
 from .plan import DecodePlan
-from .primitives import bf16_split, biased, expand, load3, operand, pack3, packed_head, quant_tile, store3, unpack3
-from .records import RECORD_COUNT, load_vecs, vec_parts
+from .primitives import (
+    bf16_split,
+    biased,
+    expand,
+    load3,
+    operand,
+    pack3,
+    packed_head,
+    pool_program,
+    quant_tile,
+    store3,
+    unpack3,
+)
+from .records import RECORD_COUNT, load_vecs, records_held, vec_parts
 
 
 @triton.jit
@@ -193,13 +206,13 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
 @triton.jit(do_not_specialize=RECORD_COUNT)
 def _flush_kernel(
     part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0: tl.constexpr, HV1: tl.constexpr,
-    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, H: tl.constexpr, HV: tl.constexpr,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, rows_ptr, H: tl.constexpr, HV: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
     TWO: tl.constexpr, MAPPED: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
     KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr,
-    K_BF16: tl.constexpr, V_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr,
+    K_BF16: tl.constexpr, V_BF16: tl.constexpr, NB: tl.constexpr, BF16: tl.constexpr, POOL: tl.constexpr = False,
 ):
     """Fold the ``n`` buffered records into the packed checkpoint and requantise it in place:
     ``S = e^{G} Ŝ + Σ_i e^{G - G_i} k_i u_iᵀ`` for the columns ``c0 .. c0+BV`` of one head.
@@ -207,12 +220,37 @@ def _flush_kernel(
     The fold is transposed, ``[N, NB] x [NB, T]`` on tensor cores for ``T`` key rows at a time
     (:func:`_flush_head`): ``e^{G - G_i} s_i u_i`` split into three bfloat16 terms (:func:`bf16_split`)
     against the keys as the exact integers ``c - 2^(b-1)`` (integer storage; bfloat16 keys as they
-    are), so every product is exact; float32 keys take an IEEE fp32 dot (:func:`_fold`)."""
+    are), so every product is exact; float32 keys take an IEEE fp32 dot (:func:`_fold`).
+
+    ``POOL``: the programs fold the slots ``rows_ptr`` of a state pool whose buffers are full (``cap`` records), and
+    leave the others as they are (``n`` unused: :mod:`kernels.pool_step`)."""
     pid = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
+    if POOL:
+        pid = pool_program(pid, rows_ptr, HV0 if MAPPED else HV)
     b, h, kh, part, a0, as0, az0, a1, as1, az1, _ = packed_head(
         pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1, ZS1, TWO,
         MAPPED)
+    if POOL:
+        n = records_held(bg_ptr, b, h, cap, HV, NB)
+        if n == cap:
+            _flush_parts(part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr,
+                         n, cap, b, h, kh, H, HV, cb, K, V, BV, G, SYM, BITS0, PZ0, BITS1, PZ1, TWO, KBITS, KG, KSYM,
+                         KPZ, VBITS, VG, VSYM, VPZ, K_BF16, NB, BF16)
+    else:
+        _flush_parts(part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n,
+                     cap, b, h, kh, H, HV, cb, K, V, BV, G, SYM, BITS0, PZ0, BITS1, PZ1, TWO, KBITS, KG, KSYM, KPZ,
+                     VBITS, VG, VSYM, VPZ, K_BF16, NB, BF16)
+
+
+@triton.jit
+def _flush_parts(part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap,
+                 b, h, kh, H, HV, cb, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr,
+                 SYM: tl.constexpr, BITS0: tl.constexpr, PZ0: tl.constexpr, BITS1: tl.constexpr, PZ1: tl.constexpr,
+                 TWO: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr,
+                 VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPZ: tl.constexpr, K_BF16: tl.constexpr,
+                 NB: tl.constexpr, BF16: tl.constexpr):
+    """:func:`_flush_head` of the head's part (its bit width)."""
     if TWO:
         if part == 1:
             _flush_head(a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh,
@@ -228,22 +266,23 @@ def _flush_kernel(
                     NB, BF16)
 
 
-def launch_flush(plan: DecodePlan, buf: DecodeBuffer) -> None:
+def launch_flush(plan: DecodePlan, buf: DecodeBuffer, rows: torch.Tensor | None = None) -> None:
     """The split path's flush kernel: fold the buffer's ``len(buf)`` records into the packed
     checkpoint and requantise it in place (the caller clears the buffer); launches that
-    :func:`kernels.plan.gluon_flush_apply` takes run :mod:`kernels.gluon_flush`."""
+    :func:`kernels.plan.gluon_flush_apply` takes run :mod:`kernels.gluon_flush`. ``rows`` (long, on the device): of
+    these rows of a state pool, those whose buffer is full, by :func:`_flush_kernel` (:mod:`kernels.pool_step`)."""
     B, H, HV, K, V = plan.shape
     sp = plan.split
     s = sp.settings
     bv = min(s.flush_columns, V)
     cap = {} if s.flush_maxnreg is None else {"maxnreg": s.flush_maxnreg}
     for launch in sp.per_width:
-        if launch.gluon_flush:  # decided once per plan (kernels.plan.gluon_flush_apply); imported only on a GPU
+        if rows is None and launch.gluon_flush:  # decided once per plan (kernels.plan.gluon_flush_apply); GPU only
             from . import gluon_flush
 
             gluon_flush.launch(plan, len(buf), launch)
             continue
-        _flush_kernel[(B * launch.heads, V // bv)](*launch.ckpt.args(), *plan.records.args(), len(buf), plan.capacity,
-                                                   H, HV, BV=bv, NB=16, **plan.records.layout.constexprs(),
-                                                   num_warps=s.flush_warps, num_stages=1, **cap,
-                                                   **sp.constexprs(launch, K, V))
+        _flush_kernel[((B if rows is None else rows.numel()) * launch.heads, V // bv)](
+            *launch.ckpt.args(), *plan.records.args(), len(buf) if rows is None else 0, plan.capacity, rows, H, HV,
+            BV=bv, NB=16, **plan.records.layout.constexprs(), num_warps=s.flush_warps, num_stages=1, **cap,
+            **sp.constexprs(launch, K, V), POOL=rows is not None)

@@ -554,6 +554,14 @@ def part_head(pid, map_ptr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr,
 
 
 @triton.jit
+def pool_program(pid, rows_ptr, HP):
+    """Program ``pid`` of a launch over ``B`` rows of a state pool (``rows_ptr [B]``: their slots) as the program of a
+    launch over every slot, ``HP`` programs per slot: the kernels then address the checkpoint, the decode buffer and
+    the inputs (staged at the slots' positions) of that slot, in place (:mod:`kernels.pool_step`)."""
+    return tl.load(rows_ptr + pid // HP).to(tl.int64) * HP + pid % HP
+
+
+@triton.jit
 def packed_head(pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K: tl.constexpr,
                  CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr,
                  ZS1: tl.constexpr, TWO: tl.constexpr, MAPPED: tl.constexpr):

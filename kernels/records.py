@@ -181,6 +181,18 @@ def store_vec(ptr, scale_ptr, zero_ptr, rec, c0, codes, scale, zero, x, R: tl.co
 
 
 @triton.jit
+def records_held(bg_ptr, b, h, cap, HV, NB: tl.constexpr):
+    """The records row ``b`` holds, read from its value head ``h``'s log decays (a record's is <= 0, an empty slot's
+    :data:`pace_core.buffer.EMPTY`: :func:`pace_core.buffer.records_held`; every head of a row holds as many): a
+    state pool's rows hold different counts, each read by its own programs."""
+    held = tl.sum(tl.zeros((NB,), tl.int32))
+    for blk in range(tl.cdiv(cap, NB)):
+        i = blk * NB + tl.arange(0, NB)
+        held += tl.sum((tl.load(bg_ptr + (b * cap + i) * HV + h, mask=i < cap, other=1.0) <= 0).to(tl.int32))
+    return held
+
+
+@triton.jit
 def record_reads(bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, b, h, kh, H, HV, c0, kfull,
                   qfull, g_t, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, KBITS: tl.constexpr,
                   KG: tl.constexpr, KSYM: tl.constexpr, KPZ: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,

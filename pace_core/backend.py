@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pace_core import deferred
 from pace_core.errors import PaceError
+from pace_core.quant import all_finite
 from pace_core.recurrence import buffered_step, buffered_window, fold, gdn_recurrent, gdn_segment
 
 if TYPE_CHECKING:
@@ -93,6 +95,15 @@ class Steps(Protocol):
 
     def fold(self, st: PeriodicState) -> torch.Tensor: ...
 
+    def pool_step(self, st: PeriodicState) -> PoolStep | str: ...
+
+
+class PoolStep(Protocol):
+    """A state pool's decode step in place (:meth:`Steps.pool_step`; :mod:`kernels.pool_step`)."""
+
+    def decode(self, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor) -> torch.Tensor: ...
+
 
 def capturing(t: torch.Tensor) -> bool:
     """True while a CUDA graph is being captured on the stream of ``t``'s GPU (checks that read the device
@@ -101,6 +112,16 @@ def capturing(t: torch.Tensor) -> bool:
         return False
     with torch.cuda.device(t.device):
         return torch.cuda.is_current_stream_capturing()
+
+
+def refuse_non_finite(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, name: str) -> None:
+    """PaceError when decode inputs ``k, v, g`` hold NaN or inf: one check (:func:`pace_core.quant.all_finite`,
+    a device read; recorded while checks are deferred), skipped while another CUDA graph is being captured (its
+    replays do not check their inputs)."""
+    if capturing(k) and not deferred.active():
+        return
+    if not all_finite(k, v, g):
+        raise PaceError(f"k, v, g of {name}: non-finite values; allowed: finite inputs")
 
 
 def token_by_token(steps: Steps, st: PeriodicState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -169,6 +190,10 @@ class ReferenceSteps:
     def fold(self, st):
         """Checkpoint plus folded buffer ``[B, HV, K, V]`` float32."""
         return fold(st.loaded(), st.buffer)
+
+    def pool_step(self, st):
+        """Why a state pool steps by count groups (or all rows at once) on the reference: it has no in-place step."""
+        return "the reference has no in-place pool step"
 
 
 REFERENCE = ReferenceSteps()

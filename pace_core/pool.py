@@ -28,14 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pace_core.backend import backend_setting, select_steps
+from pace_core.backend import PoolStep, backend_setting, refuse_non_finite, select_steps
 from pace_core.buffer import EMPTY, DecodeBuffer, records_held
 from pace_core.checkpoint import checkpoint_tensors, with_tensors
 from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.methods import state_format
 from pace_core.pool_cpu import Failure, FusedPool
-from pace_core.quant import all_finite
 from pace_core.recurrence import fold_records, gdn_gates, prepare_qk, step_records
 from pace_core.schedule import PeriodicState
 
@@ -92,6 +91,7 @@ class StatePool:
         """The decode buffer over every slot's records, each row holding its own count (its per-row methods)."""
         self._backend = backend
         self._fused: tuple[FusedPool | None, str | None] | None = None
+        self._in_place: tuple[PoolStep | None, str | None] | None = None
         self.reset()
 
     @property
@@ -106,10 +106,23 @@ class StatePool:
         return self._fused[0]
 
     @property
+    def in_place(self) -> PoolStep | None:
+        """The backend's in-place step of :meth:`decode` (the GPU kernels: :meth:`pace_core.backend.Steps.pool_step`),
+        or None; made at the first step that asks, once."""
+        if self._in_place is None:
+            made = self.steps.pool_step(self.state())
+            self._in_place = (None, made) if isinstance(made, str) else (made, None)
+        return self._in_place[0]
+
+    @property
     def step(self) -> str:
-        """Who steps the pool by slot: the fused CPU step, or the backend and why not the fused step."""
-        return "fused CPU step (pace_core.pool_cpu)" if self.fused is not None else \
-            f"{self.steps.name} ({self._fused[1]})"
+        """Who steps the pool by slot: the fused CPU step, the backend in place, or the backend by count groups and
+        why not the fused step (on a CPU) or the in-place one."""
+        if self.fused is not None:
+            return "fused CPU step (pace_core.pool_cpu)"
+        if self.in_place is not None:
+            return f"{self.steps.name} in place (kernels.pool_step)"
+        return f"{self.steps.name} ({self._fused[1] if self.device.type == 'cpu' else self._in_place[1]})"
 
     def state(self, rows: dict[str, torch.Tensor] | None = None) -> PeriodicState:
         """The schedule over every slot of the pool at once (``rows``: over these gathered rows instead), all at the
@@ -170,8 +183,9 @@ class StatePool:
             self._run_fused(slots, (q, k, v, g, beta), out, None)
             return out
         slots = slots.long()
-        if not all_finite(k, v, g):
-            raise PaceError(f"k, v, g of {self.name}: non-finite values; allowed: finite inputs")
+        refuse_non_finite(k, v, g, self.name)
+        if self.in_place is not None:
+            return self.in_place.decode(slots, q, k, v, g, beta)
         if self.records is not None and self.steps.name == "reference":
             return self._decode_rows(slots, q, k, v, g, beta)
         out = torch.empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)

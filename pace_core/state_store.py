@@ -27,12 +27,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pace_core import deferred
-from pace_core.backend import backend_setting, capturing
+from pace_core.backend import backend_setting, refuse_non_finite
 from pace_core.errors import PaceError
 from pace_core.graphs import DecodeGraphs
 from pace_core.pool import StatePool
-from pace_core.quant import all_finite
 from pace_core.schedule import Capture
 from pace_core.shapes import ModelShape
 
@@ -40,16 +38,6 @@ if TYPE_CHECKING:
     from pace_core.buffer import DecodeBuffer
     from pace_core.checkpoint import Checkpoint
     from pace_core.config import PaceConfig
-
-
-def refuse_non_finite(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, name: str) -> None:
-    """PaceError when decode inputs ``k, v, g`` hold NaN or inf: one check (:func:`pace_core.quant.all_finite`,
-    a device read; recorded while checks are deferred), skipped while another CUDA graph is being captured (its
-    replays do not check their inputs)."""
-    if capturing(k) and not deferred.active():
-        return
-    if not all_finite(k, v, g):
-        raise PaceError(f"k, v, g of {name}: non-finite values; allowed: finite inputs")
 
 
 class LayerState:

@@ -27,7 +27,7 @@ else:
 
 
 MODULES = ("primitives", "records", "plan", "quantize", "packed_step", "flush", "fused_step", "recurrent_step", "chunk",
-           "backend")
+           "pool_step", "backend")
 """The kernels' modules, each after those it imports."""
 
 

@@ -3,18 +3,8 @@ pool row holds, over random schedules (random slot orders, rows at every positio
 B = 1 to every slot). Each step starts both pools from the same stored state (the fused pool's, copied), so every
 step is compared alone and a difference of one code cannot grow over the steps that follow.
 
-Tolerances (tests/numerics.py):
 
-- ``o_t``: ``STEP_TOL = fp32_bound(4 K + 2 dP)``: the checkpoint's dots of length K, the records' key dots, the sum
-  over at most dP records and the output's sum, each in another order (a blocked sum, a per-group scale applied
-  after the group's sum); float32 throughout.
-- the records' keys and log decays: equal. A key record is the same float32 ``k_t`` rounded by the same correctly
-  rounded operations (a maximum, one IEEE division per group, round half to even, fp16 and bfloat16 rounding to
-  nearest even), so both sides store the same bits on any CPU.
-- the records' delta values ``u_t`` and a flushed or per-token checkpoint: computed from float32 sums in another
-  order, so a stored entry may land on the other side of a rounding boundary: within one storage step of the
-  reference's (``_within_one_step``; float32 and bfloat16 storage: the fold's float32 bound, then bfloat16's half
-  ulp), and nearly all equal.
+Tolerances: tests/pool_support.py.
 """
 
 from __future__ import annotations
@@ -27,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from calibration_support import calibrated
-from numerics import assert_within_one_step, fp32_bound, rel, step_size
+from numerics import fp32_bound, rel, step_size
+from pool_support import SLOTS, VARIANTS, config, pools, run_schedule, token, within_one_step
 
 from pace_core import quant
-from pace_core.config import NAMED_CONFIGS, PaceConfig
+from pace_core.config import NAMED_CONFIGS
 from pace_core.errors import PaceError
 from pace_core.pool import StatePool
 from pace_core.pool_cpu import library
@@ -43,128 +33,12 @@ pytestmark = pytest.mark.numerics
 REPO = Path(__file__).resolve().parents[1]
 SERVED = [name for name, cfg in NAMED_CONFIGS.items() if pool_refusal(cfg) is None]
 """Every named configuration a pool row holds (what the vLLM plugin serves)."""
-SLOTS = 7
-VARIANTS = {f"{name}-zero": NAMED_CONFIGS[name].replace(symmetric=False) for name in ("pace-3", "rtn-int5")}
-"""Odd widths with zero points (dense packing of codes and zero points at widths no named configuration combines)."""
-
-
-def config(name: str, hv: int, k: int, v: int) -> PaceConfig:
-    cfg = {**NAMED_CONFIGS, **VARIANTS}[name]
-    if cfg.quantized and cfg.group_axis == "value" and v % cfg.group_size:  # value heads of 48: groups of 16
-        cfg = cfg.replace(group_size=16)
-    if cfg.high_share:
-        cfg = cfg.replace(high_heads=(tuple(h for h in range(hv) if h % 4 == 1),))
-    return calibrated(cfg, hv, k, 1, d_v=v)
-
-
-def pools(name: str, dims: tuple[int, int, int, int]) -> tuple[StatePool, StatePool]:
-    cfg = config(name, dims[1], dims[2], dims[3])
-    fused = StatePool(cfg, dims, SLOTS, "cpu")
-    reference = StatePool(cfg, dims, SLOTS, "cpu", backend="reference")
-    assert fused.fused is not None, fused.step
-    assert reference.fused is None
-    return fused, reference
-
-
-def token(dims, B: int, gen: torch.Generator, scale: float = 1.0):
-    H, HV, K, V = dims
-    q, k = prepare_qk(torch.randn(B, H, K, generator=gen), torch.randn(B, H, K, generator=gen))
-    return (q, k, torch.randn(B, HV, V, generator=gen) * scale, -torch.rand(B, HV, generator=gen) * 0.7,
-            torch.rand(B, HV, generator=gen))
-
-
-def _within_one_step(got, ref) -> None:
-    """Two stored checkpoints of the same slots: each entry within one storage step of the other, nearly all equal
-    (:func:`numerics.assert_within_one_step`); dense: float32 / bfloat16 rounding."""
-    if isinstance(ref, torch.Tensor):
-        assert rel(got, ref) <= (fp32_bound(4 * got.shape[-2]) if ref.dtype == torch.float32 else 2.0**-8)
-        return
-    if hasattr(ref, "codes") and isinstance(ref.codes, dict):  # static scales: the codes alone
-        for b in ref.codes:
-            d = quant.unpack_codes(got.codes[b], b, got.shape[-1]).int() - \
-                quant.unpack_codes(ref.codes[b], b, ref.shape[-1]).int()
-            assert d.abs().max() <= 1 and (d == 0).float().mean() > 0.98
-        return
-    assert_within_one_step(got, ref)
-
-
-def _compare(fused: StatePool, reference: StatePool, slots: torch.Tensor, counts: torch.Tensor) -> None:
-    """The pools' tensors after one step of ``slots`` (their record counts before it ``counts``): rows not stepped
-    and checkpoints not flushed are untouched on both sides (the same bytes), records and flushed checkpoints as the
-    module docstring says."""
-    cfg = fused.cfg
-    period = cfg.decode_period if cfg.buffered else 1
-    flushed = slots[counts + 1 == period] if cfg.buffered else slots
-    kept = slots[counts + 1 < period] if cfg.buffered else slots[:0]
-    others = torch.tensor([s for s in range(SLOTS) if s not in set(slots.tolist())], dtype=torch.long)
-    for name, t in fused.tensors.items():
-        assert torch.equal(t[others], reference.tensors[name][others]), name
-        if name in fused.checkpoint_names:
-            assert torch.equal(t[kept], reference.tensors[name][kept]), name
-    if flushed.numel():
-        f, r = fused.state({n: t[flushed] for n, t in fused.tensors.items()}), \
-            reference.state({n: t[flushed] for n, t in reference.tensors.items()})
-        _within_one_step(f.checkpoint, r.checkpoint)
-    if not cfg.buffered:
-        return
-    assert torch.equal(fused.tensors["log_decays"], reference.tensors["log_decays"])
-    rows, at = kept, counts[counts + 1 < period]
-    if rows.numel():
-        for part, fmt_part in (("key", "keys"), ("value", "values")):
-            got = fused.records._keys if part == "key" else fused.records._values
-            ref = reference.records._keys if part == "key" else reference.records._values
-            mine = got.read(period, torch.float32, rows=rows)[torch.arange(rows.numel()), at]
-            theirs = ref.read(period, torch.float32, rows=rows)[torch.arange(rows.numel()), at]
-            if part == "key":
-                assert torch.equal(mine, theirs), fmt_part
-            elif got.spec is not None:  # one integer step per vector group at most, nearly all equal
-                span = (theirs.amax(-1, keepdim=True) - theirs.amin(-1, keepdim=True)).clamp(min=0)
-                step = theirs.abs().amax(-1, keepdim=True) / got.spec.qmax * 1.01 if got.spec.symmetric else \
-                    span / got.spec.levels * 1.02
-                assert ((mine - theirs).abs() <= step + 1e-30).all() and (mine == theirs).float().mean() > 0.95
-            else:
-                tol = fp32_bound(4 * fused.dims[2]) if got.kind == torch.float32 else 2.0**-8
-                assert rel(mine, theirs) <= tol
-
-
-def _run_schedule(name: str, dims: tuple[int, int, int, int], steps: int, seed: int) -> None:
-    fused, reference = pools(name, dims)
-    period = fused.cfg.decode_period if fused.cfg.buffered else 1
-    gen = torch.Generator().manual_seed(seed)
-    H, HV, K, V = dims
-    for s in range(SLOTS):  # a prompt of 3..9 tokens in every slot (the reference prefill on both pools)
-        T = 3 + s
-        x = [y[0] for y in token(dims, 1, gen)]
-        prompt = [torch.stack([y] * T) + 0.01 * torch.randn(T, *y.shape, generator=gen) for y in x]
-        prompt[0], prompt[1] = prepare_qk(prompt[0], prompt[1])
-        prompt[3] = -prompt[3].abs()
-        fused.prefill(s, *prompt, initial=False)
-    tol = fp32_bound(4 * K + 2 * period)
-    for t in range(steps):
-        for n_, tensor in fused.tensors.items():  # both from the same stored state
-            reference.tensors[n_].copy_(tensor)
-        B = 1 if t % 5 == 0 else (SLOTS if t % 5 == 1 else int(torch.randint(2, SLOTS, (1,), generator=gen)))
-        slots = torch.randperm(SLOTS, generator=gen)[:B]
-        counts = fused.counts(slots)
-        x = token(dims, B, gen)
-        static = fused.cfg.scales == "static"
-        before = [(p.fmt.saturated, p.fmt.stored) for p in (fused, reference)] if static else None
-        o_fused = fused.decode(slots, *x)
-        o_ref = reference.decode(slots, *x)
-        assert rel(o_fused, o_ref) <= tol, (t, rel(o_fused, o_ref))
-        _compare(fused, reference, slots, counts)
-        if static:  # the values stored and those saturated (GroupFormat's counts), counted alike
-            after = [(p.fmt.saturated, p.fmt.stored) for p in (fused, reference)]
-            counted = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
-            assert counted[0] == counted[1]
-
-
 @pytest.mark.parametrize("name", SERVED)
 def test_fused_step_is_the_reference_step(name: str) -> None:
     """Every named configuration a pool row holds, H = 2, HV = 4, K = V = 64: 3 dP steps of random batches."""
     dims = (2, 4, 64, 64)
     cfg = NAMED_CONFIGS[name]
-    _run_schedule(name, dims, 3 * (cfg.decode_period if cfg.buffered else 4) + 2, seed=1)
+    run_schedule(name, dims, 3 * (cfg.decode_period if cfg.buffered else 4) + 2, seed=1)
 
 
 @pytest.mark.parametrize("name", ["fp32", "rtn-int4", "pace-4", "pace-4-8", "pace-3", *VARIANTS])
@@ -173,7 +47,7 @@ def test_fused_step_on_other_widths(name: str) -> None:
     and 128 wide (the embedded model's), one key head per value head and three per key head; odd code widths with
     zero points packed densely."""
     for dims in ((2, 2, 64, 48), (1, 3, 128, 128)):
-        _run_schedule(name, dims, 10, seed=2)
+        run_schedule(name, dims, 10, seed=2)
 
 
 def test_projected_step_is_the_reference_with_its_gates() -> None:
@@ -323,7 +197,7 @@ def test_fused_prefill_is_the_reference_prefill(name: str) -> None:
                     flushed.flush()
                 slack = float(_steps(flushed.checkpoint).norm() * x[0].norm())
             assert float((o_fused - o_ref).norm()) <= fp32_bound(3 * K * T) * float(o_ref.norm()) + slack, (t, after)
-            _within_one_step(fused.state({n: t_[one] for n, t_ in fused.tensors.items()}).checkpoint,
+            within_one_step(fused.state({n: t_[one] for n, t_ in fused.tensors.items()}).checkpoint,
                              reference.state({n: t_[one] for n, t_ in reference.tensors.items()}).checkpoint)
             assert int(fused.counts(one)) == int(reference.counts(one)) == 0
     x = token(dims, 40, gen)

@@ -1,6 +1,6 @@
 """The kernels' correctness tests on the GPU at full Qwen3.5 GDN shapes (issue 5).
 
-Runs ``tests/test_kernels_quant.py`` and ``tests/test_kernels_decode.py`` with
+Runs ``tests/test_kernels_quantize.py``, ``tests/test_kernels_decode.py`` and ``tests/test_kernels_pool_step.py`` with
 ``PACE_KERNEL_TESTS=cuda``: the compiled Triton kernels on CUDA tensors against the pace_core reference
 (on the same GPU) and a float64 plain recurrence, at B = 8, 16 key heads, 32 and 48 value heads
 (γ = 2 and 3), K = V = 128, dP = 8, P = 128 (see ``tests/kernels_support.py``). The tests' conftest is
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ("tests/test_kernels_quantize.py", "tests/test_kernels_decode.py")
+TESTS = ("tests/test_kernels_quantize.py", "tests/test_kernels_decode.py", "tests/test_kernels_pool_step.py")
 
 
 def main() -> int:
