@@ -205,7 +205,9 @@ class TritonSteps:
         """Checkpoint plus folded buffer ``[B, HV, K, V]`` float32 (the reference's fold)."""
         return fold(st.loaded(), st.buffer)
 
-    def pool_step(self, st) -> PoolStep | str:
-        """The in-place step of a state pool whose schedule over every slot is ``st`` (:mod:`kernels.pool_step`), with
-        this backend's launch settings, or why there is none."""
-        return PoolStep.refusal(st) or PoolStep(st, self.launch)
+    def pool_step(self, fmt, checkpoint, buffer, dims: tuple[int, int, int, int], exact_current: bool
+                  ) -> PoolStep | str:
+        """The in-place step of a state pool (:class:`kernels.pool_step.PoolStep`'s arguments), with this backend's
+        launch settings, or why there is none."""
+        return PoolStep.refusal(fmt, checkpoint, buffer) or PoolStep(fmt, checkpoint, buffer, dims, exact_current,
+                                                                      self.launch)

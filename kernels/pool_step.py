@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pace_core.buffer import EMPTY, records_held
+from pace_core.buffer import EMPTY, DecodeBuffer, records_held
 from pace_core.checkpoint import checkpoint_tensors
 
 from .flush import launch_flush
@@ -44,31 +44,33 @@ def _staging(device: torch.device, slots: int, dims: tuple[int, int, int, int]) 
 
 
 class PoolStep:
-    """The in-place step of one pool's layer (module docstring): ``st``, the schedule over every slot of the pool
-    (:meth:`pace_core.pool.StatePool.state`, its tensors the pool's own), with the kernels' ``launch`` settings."""
+    """The in-place step of one pool's layer (module docstring): the pool's checkpoint over every slot (``checkpoint``,
+    of format ``fmt``: views of the pool's tensors) and its per-row decode buffer (``buffer``, None at dP = 1), heads
+    ``dims = (H, HV, K, V)``, the exact current token or not, with the kernels' ``launch`` settings."""
 
-    def __init__(self, st, launch: Launch) -> None:
-        self.st = st
-        B, H, HV, K, V = st.shape
-        self.dims = (H, HV, K, V)
+    def __init__(self, fmt, checkpoint, buffer: DecodeBuffer | None, dims: tuple[int, int, int, int],
+                 exact_current: bool, launch: Launch) -> None:
+        self.checkpoint, self.buffer, self.dims = checkpoint, buffer, dims
+        self.slots = checkpoint.shape[0]
+        self.device = buffer.device if buffer is not None else checkpoint.device
         self.plan: DecodePlan | RecurrentPlan = (
-            plan_recurrent(st.checkpoint, launch.recurrent) if st.buffer is None
-            else plan_decode(st.checkpoint, st.buffer, st.exact_current, launch))
+            plan_recurrent(checkpoint, launch.recurrent) if buffer is None
+            else plan_decode(checkpoint, buffer, exact_current, launch))
 
     @staticmethod
-    def refusal(st) -> str | None:
-        """Why the kernels cannot step ``st``'s pool in place (then it steps by count groups), or None."""
-        held = [*checkpoint_tensors(st.checkpoint).values(), *(st.buffer.storage().values() if st.buffer else ())]
+    def refusal(fmt, checkpoint, buffer: DecodeBuffer | None) -> str | None:
+        """Why the kernels cannot step such a pool in place (then it steps by count groups), or None."""
+        held = [*checkpoint_tensors(checkpoint).values(), *(buffer.storage().values() if buffer is not None else ())]
         if not all(t.is_contiguous() for t in held):
             return ("the pool's tensors are views with a slot stride (an engine's pages), and the kernels address "
                     "contiguous rows")
-        if st.buffer is None:
-            return None if isinstance(st.checkpoint, torch.Tensor) else \
+        if buffer is None:
+            return None if isinstance(checkpoint, torch.Tensor) else \
                 "a packed checkpoint at dP = 1 is rewritten to new storage by its kernel"
-        if isinstance(st.checkpoint, torch.Tensor) or st.fmt.spec.axis != "key":
+        if isinstance(checkpoint, torch.Tensor) or fmt.spec.axis != "key":
             return "buffered dense or value-axis checkpoints step in the whole-batch kernel"
-        V = st.shape[-1]
-        if any((V // 2 if bits == 4 else V) < 16 for bits in st.fmt.bits_per_head):
+        V = checkpoint.shape[-1]
+        if any((V // 2 if bits == 4 else V) < 16 for bits in fmt.bits_per_head):
             return "heads too narrow for the one-kernel step"
         return None
 
@@ -77,19 +79,19 @@ class PoolStep:
         """One token for the slots ``rows [B]`` (distinct, long, on the pool's device): ``q, k [B, H, K]``
         prepared, ``v [B, HV, V]``, ``g, beta [B, HV]`` -> ``o [B, HV, V]`` float32 (finite inputs: the caller
         checked them)."""
-        st, plan = self.st, self.plan
-        staged = _staging(st.device, st.shape[0], self.dims)
+        plan = self.plan
+        staged = _staging(self.device, self.slots, self.dims)
         for buf, x in zip(staged, (q, k, v, g, beta)):
             buf.index_copy_(0, rows, x.to(torch.float32))
         sq, sk, sv, sg, sbeta, so = staged
-        if st.buffer is None:
-            recurrent_run(st.checkpoint, *(x[:, None] for x in (sq, sk, sv, sg, sbeta)), out=so[:, None], plan=plan,
-                          rows=rows)
+        if self.buffer is None:
+            recurrent_run(self.checkpoint, *(x[:, None] for x in (sq, sk, sv, sg, sbeta)), out=so[:, None],
+                          plan=plan, rows=rows)
             return so.index_select(0, rows)
         decays = plan.records.log_decays
         full = records_held(decays.index_select(0, rows)) + 1 == plan.capacity
-        launch_packed_step(plan, st.buffer, sq, sk, sv, sg, sbeta, so, rows=rows)
-        launch_flush(plan, st.buffer, rows=rows)
+        launch_packed_step(plan, self.buffer, sq, sk, sv, sg, sbeta, so, rows=rows)
+        launch_flush(plan, self.buffer, rows=rows)
         kept = decays.index_select(0, rows)
         decays.index_copy_(0, rows, torch.where(full[:, None, None], torch.full_like(kept, EMPTY), kept))
         return so.index_select(0, rows)

@@ -95,7 +95,8 @@ class Steps(Protocol):
 
     def fold(self, st: PeriodicState) -> torch.Tensor: ...
 
-    def pool_step(self, st: PeriodicState) -> PoolStep | str: ...
+    def pool_step(self, fmt: StateFormat | RoundingFormat, checkpoint: Checkpoint, buffer: DecodeBuffer | None,
+                  dims: tuple[int, int, int, int], exact_current: bool) -> PoolStep | str: ...
 
 
 class PoolStep(Protocol):
@@ -191,7 +192,7 @@ class ReferenceSteps:
         """Checkpoint plus folded buffer ``[B, HV, K, V]`` float32."""
         return fold(st.loaded(), st.buffer)
 
-    def pool_step(self, st):
+    def pool_step(self, fmt, checkpoint, buffer, dims, exact_current):
         """Why a state pool steps by count groups (or all rows at once) on the reference: it has no in-place step."""
         return "the reference has no in-place pool step"
 

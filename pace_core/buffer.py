@@ -350,6 +350,17 @@ class DecodeBuffer:
         return (self._keys.read(n, self.dtype, copy=False), self._values.read(n, self.dtype, copy=False),
                 self._decays[:, :n])
 
+    def stored(self, part: str) -> quant.PackedTensor | torch.Tensor:
+        """The ``key`` or ``value`` records as stored (views, not copies): a :class:`pace_core.quant.PackedTensor`
+        ``[B, capacity, heads, 1, length]`` for integer storage (each vector one row of value-axis groups, as it was
+        quantised), else the float tensor ``[B, capacity, heads, length]``."""
+        store = self._keys if part == "key" else self._values
+        if store.spec is None:
+            return store.data
+        zero = None if store.zero is None else store.zero.unsqueeze(-2)
+        return quant.PackedTensor(store.codes.unsqueeze(-2), store.scale.unsqueeze(-2), zero, store.spec,
+                                  (*store.codes.shape[:-1], 1, store.length))
+
     def storage(self) -> dict[str, torch.Tensor]:
         """The live storage tensors (not copies), for kernels that write records in place (and a state pool's
         rows):

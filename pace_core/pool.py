@@ -110,7 +110,8 @@ class StatePool:
         """The backend's in-place step of :meth:`decode` (the GPU kernels: :meth:`pace_core.backend.Steps.pool_step`),
         or None; made at the first step that asks, once."""
         if self._in_place is None:
-            made = self.steps.pool_step(self.state())
+            checkpoint = with_tensors(self.template, {n: self.tensors[n] for n in self.checkpoint_names})
+            made = self.steps.pool_step(self.fmt, checkpoint, self.records, self.dims, self.cfg.exact_current_token)
             self._in_place = (None, made) if isinstance(made, str) else (made, None)
         return self._in_place[0]
 

@@ -527,6 +527,30 @@ def dequantize_fixed(codes: torch.Tensor, spec: QuantSpec, scale: torch.Tensor, 
     return (q * scale.unsqueeze(dim).to(w)).reshape(shape).to(dtype)
 
 
+def code_step(p: PackedTensor) -> torch.Tensor:
+    """One code step of every entry of ``p`` (its group's scale) ``[..., K, V]``: the codes one level above the zero
+    point, dequantised."""
+    b = p.spec.bits
+    code = torch.full(p.shape, 1 if p.zero is not None else (1 << (b - 1)) + 1, dtype=torch.uint8,
+                      device=p.codes.device)
+    zero = None if p.zero is None else pack_codes(torch.zeros(p.scale.shape, dtype=torch.uint8,
+                                                              device=p.codes.device), b)
+    return dequantize(PackedTensor(pack_codes(code, b), p.scale, zero, p.spec, p.shape)).abs()
+
+
+def steps_apart(got: PackedTensor, ref: PackedTensor, slack: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """How far apart two requantisations of (nearly) the same values are, entry by entry, in units of what rounding
+    alone allows: ``|got - ref|`` over ``(s_got + s_ref)(1/2 + L 2^-11)`` (``s``: each side's :func:`code_step`; each
+    side's entry lies within half a step of its value, and with a zero point a value at its group's range end up to
+    ``s (1/2 + L 2^-11)`` away: the range's top ``(L - z) s`` misses it by the rounded zero point and the fp16
+    rounding of the scale over the ``L = 2^b - 1`` steps; symmetric groups miss by less than half a step). At most 1
+    (times 1.01, the bound's own rounding) where the two sides differ only by rounding; 0 where they are equal.
+    ``slack``: a difference of the values themselves that the bound adds (broadcast against ``[..., K, V]``)."""
+    levels = 0 if ref.zero is None else (1 << ref.spec.bits) - 1
+    bound = (code_step(got) + code_step(ref)) * (0.5 + levels * 2.0**-11) + slack + 1e-30
+    return (dequantize(got) - dequantize(ref)).abs() / bound
+
+
 def packed_nbytes(shape: Sequence[int], spec: QuantSpec) -> int:
     """Bytes that `quantize` stores for a tensor of `shape [..., K, V]` (codes + scales + zero points)."""
     *lead, k, v = shape

@@ -18,11 +18,11 @@ Per configuration (``--configs``; bf16 is the dense bfloat16 state the targets c
    every forward mixes decode rows and prompt rows, slots in random order. Before each forward the reference pool
    (``backend="reference"``, the definition of correct) is given the kernel pool's stored state; both run the
    forward; outputs must agree within ``LIMIT`` (relative Frobenius norm, tests/test_vllm_slots.py's bound for the
-   kernels against the reference) and so must every state written (compared dequantised). Tokens per second of
-   the kernel pool's forwards (decode and prompt tokens over the operator's time).
+   kernels against the reference) and every stored state entry by entry within one rounding (:func:`state_apart`).
+   Tokens per second of the kernel pool's forwards (decode and prompt tokens over the operator's time).
 2. ``compiled``: ``torch.compile`` of a layer around the operator (in projection, the operator, out projection; dynamic
    in the row count) against the same layer eager, from the same stored state, over mixed forwards: outputs and
-   states within ``LIMIT``.
+   states as in 1.
 3. ``graph`` (after every configuration's other stages): one decode forward of every slot captured in one CUDA
    graph (``torch.cuda.CUDAGraph``) and replayed against the eager forward from the same stored state; a capture the
    step cannot take (a device-to-host read inside the pool's step) is recorded with its error.
@@ -51,14 +51,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pace_core import quant  # noqa: E402
+from pace_core.checkpoint import with_tensors  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
 from pace_core.pool import StatePool  # noqa: E402
 from pace_core.provenance import measurement  # noqa: E402
 
 LIMIT = 1e-2
-"""Relative Frobenius bound of kernels against reference (tests/test_vllm_slots.py: their float32 rounding may move a
-code by one step where a value lies at a rounding boundary; a row given another's state or flush point is off by
-several 1e-2)."""
+"""Relative Frobenius bound of the outputs, kernels against reference (tests/test_vllm_slots.py: their float32 rounding
+may move a code by one step where a value lies at a rounding boundary; a row given another's state or flush point is
+off by several 1e-2). The stored states are compared entry by entry (:func:`state_apart`)."""
 POOLS: dict[int, StatePool] = {}
 """The pools the operator steps, by the id it is given (the plugin's operator finds its layer by name)."""
 
@@ -127,15 +129,50 @@ def copy_state(src: StatePool, dst: StatePool) -> None:
         dst.tensors[name].copy_(t)
 
 
-def state_rel(a: StatePool, b: StatePool, slots: torch.Tensor) -> float:
-    """The largest relative difference over ``slots`` of the two pools' effective states (checkpoint and buffer)."""
-    worst = 0.0
-    for s in slots.tolist():
-        one = torch.tensor([s], device=slots.device)
-        sa, sb = (p.state({n: t.index_select(0, one) for n, t in p.tensors.items()}) for p in (a, b))
-        with sa.call(), sb.call():
-            worst = max(worst, rel(sa.effective_state(), sb.effective_state()))
-    return worst
+def stored_parts(pool: StatePool, slots: torch.Tensor) -> list:
+    """What ``pool`` stores for ``slots``: the checkpoint (a dense tensor, or a packed tensor per bit width), then at
+    dP >= 2 the key and value records (packed or float) and their log decays."""
+    def rows(x):
+        if isinstance(x, torch.Tensor):
+            return x.index_select(0, slots)
+        pick = [None if t is None else t.index_select(0, slots) for t in (x.codes, x.scale, x.zero)]
+        return quant.PackedTensor(*pick, x.spec, (slots.numel(), *x.shape[1:]))
+
+    c = with_tensors(pool.template, {n: pool.tensors[n].index_select(0, slots) for n in pool.checkpoint_names})
+    parts = [c] if isinstance(c, (torch.Tensor, quant.PackedTensor)) else [c.parts[b] for b in sorted(c.parts)]
+    if pool.records is not None:
+        parts += [rows(pool.records.stored("key")), rows(pool.records.stored("value")),
+                  rows(pool.tensors["log_decays"])]
+    return parts
+
+
+def state_apart(a: StatePool, b: StatePool, slots: torch.Tensor) -> tuple[float, float]:
+    """How far apart the two pools' stored states of ``slots`` are, in units of what rounding allows (1: at most one
+    rounding apart), and the share of their packed entries that are equal. Packed codes (checkpoint and records):
+    :func:`pace_core.quant.steps_apart` (float32 sums in another order may put a value on the other side of a rounding
+    boundary: one step, rarely); float storage: the relative difference over its rounding (bfloat16 ``2^-8``; float32
+    a first-order bound of dots of length K summed in another order, four per entry: tests/numerics.py's
+    ``fp32_bound(4 K)``)."""
+    worst, equal, total = 0.0, 0, 0
+    fp32 = 4 * a.dims[2] * 2.0**-24
+    for got, ref in zip(stored_parts(a, slots), stored_parts(b, slots)):
+        if isinstance(ref, torch.Tensor):
+            worst = max(worst, rel(got.float(), ref.float()) / (2.0**-8 if ref.dtype == torch.bfloat16 else fp32))
+            continue
+        apart = quant.steps_apart(got, ref)
+        worst, equal, total = max(worst, float(apart.max())), equal + int((apart == 0).sum()), total + apart.numel()
+    return worst, equal / total if total else 1.0
+
+
+def worse(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    """The worse of two :func:`state_apart` results."""
+    return max(a[0], b[0]), min(a[1], b[1])
+
+
+def states_agree(apart: tuple[float, float]) -> bool:
+    """:func:`state_apart`'s verdict: every entry within one rounding (the bound's own rounding: 1 %), > 98 % of the
+    packed entries equal."""
+    return apart[0] <= 1.01 and apart[1] > 0.98
 
 
 class Scheduler:
@@ -220,7 +257,7 @@ def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log)
     D = HV * V
 
     # 1. continuous batching against the reference
-    sched, worst_o, worst_s, tokens, op_time, mixed = Scheduler(args.batch, args, gen), 0.0, 0.0, 0, 0.0, 0
+    sched, worst_o, worst_s, tokens, op_time, mixed = Scheduler(args.batch, args, gen), 0.0, (0.0, 1.0), 0, 0.0, 0
     for decodes, prompts, slots, starts, initial, T, x in forwards(sched, args.steps, gen, D, device):
         copy_state(pool, ref)
         sync(device)
@@ -230,30 +267,32 @@ def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log)
         op_time += time.perf_counter() - t0
         o_ref = layer(1, x, slots, starts, initial, len(decodes))
         worst_o = max(worst_o, rel(o.float(), o_ref.float()))
-        worst_s = max(worst_s, state_rel(pool, ref, slots.long()))
+        worst_s = worse(worst_s, state_apart(pool, ref, slots.long()))
         tokens += T
         mixed += bool(decodes) and bool(prompts)
-    ok = worst_o <= LIMIT and worst_s <= LIMIT and mixed > 0
+    ok = worst_o <= LIMIT and states_agree(worst_s) and mixed > 0
     result["continuous"] = {"forwards": args.steps, "mixed_forwards": mixed, "tokens": tokens,
-                            "output_rel_max": worst_o, "state_rel_max": worst_s, "limit": LIMIT,
+                            "output_rel_max": worst_o, "state_roundings_max": worst_s[0],
+                            "state_equal_min": worst_s[1], "limit": LIMIT,
                             "tokens_per_s_with_projections": tokens / op_time, "ok": ok}
     result["checks"]["continuous"] = ok
-    log(f"  continuous: {mixed}/{args.steps} mixed forwards, {tokens} tokens, output rel {worst_o:.2e}, state rel "
-        f"{worst_s:.2e} (limit {LIMIT}) {'ok' if ok else 'FAILED'}")
+    log(f"  continuous: {mixed}/{args.steps} mixed forwards, {tokens} tokens, output rel {worst_o:.2e}, states "
+        f"{worst_s[0]:.2f} roundings apart, {worst_s[1]:.2%} equal {'ok' if ok else 'FAILED'}")
 
     # 2. torch.compile of the layer around the operator against the eager layer
     if compiled is not None:
         try:
-            worst_o = worst_s = 0.0
+            worst_o, worst_s = 0.0, (0.0, 1.0)
             t0 = time.perf_counter()
             for decodes, _, slots, starts, initial, _, x in forwards(sched, args.compile_steps, gen, D, device):
                 copy_state(pool, ref)
                 o = compiled(0, x, slots, starts, initial, len(decodes))
                 o_eager = layer(1, x, slots, starts, initial, len(decodes))
                 worst_o = max(worst_o, rel(o.float(), o_eager.float()))
-                worst_s = max(worst_s, state_rel(pool, ref, slots.long()))
-            ok = worst_o <= LIMIT and worst_s <= LIMIT
-            result["compiled"] = {"forwards": args.compile_steps, "output_rel_max": worst_o, "state_rel_max": worst_s,
+                worst_s = worse(worst_s, state_apart(pool, ref, slots.long()))
+            ok = worst_o <= LIMIT and states_agree(worst_s)
+            result["compiled"] = {"forwards": args.compile_steps, "output_rel_max": worst_o,
+                                  "state_roundings_max": worst_s[0], "state_equal_min": worst_s[1],
                                   "seconds": time.perf_counter() - t0, "ok": ok}
         except Exception as err:  # recorded: a stage the step does not support yet is a result
             ok = False
@@ -327,9 +366,10 @@ def graph_stage(result: dict, ctx: dict, log) -> None:
         graph.replay()
         sync(device)
         o_ref = layer(1, x, slots, starts0, none, batch)
-        r_o, r_s = rel(o_graph.float(), o_ref.float()), state_rel(pool, ref, slots.long())
-        ok = r_o <= LIMIT and r_s <= LIMIT
-        result["graph"] = {"captured": True, "output_rel": r_o, "state_rel": r_s, "ok": ok}
+        r_o, r_s = rel(o_graph.float(), o_ref.float()), state_apart(pool, ref, slots.long())
+        ok = r_o <= LIMIT and states_agree(r_s)
+        result["graph"] = {"captured": True, "output_rel": r_o, "state_roundings": r_s[0], "state_equal": r_s[1],
+                           "ok": ok}
     except Exception as err:
         ok = False
         result["graph"] = {"captured": False, "error": f"{type(err).__name__}: {err}"[:2000],

@@ -98,40 +98,23 @@ def mean_difference_bound(diff: np.ndarray, blocks: int = 8, z: float = 4.0) -> 
     return z * float(means.std(ddof=1)) / len(means) ** 0.5
 
 
-def step_size(p: quant.PackedTensor) -> torch.Tensor:
-    """One code step of every entry of ``p`` (its group's scale) ``[..., K, V]``: the codes one level above the
-    zero point, dequantised."""
-    b = p.spec.bits
-    code = torch.full(p.shape, 1 if p.zero is not None else (1 << (b - 1)) + 1, dtype=torch.uint8,
-                      device=p.codes.device)
-    zero = None if p.zero is None else quant.pack_codes(torch.zeros(p.scale.shape, dtype=torch.uint8,
-                                                                    device=p.codes.device), b)
-    return quant.dequantize(quant.PackedTensor(quant.pack_codes(code, b), p.scale, zero, p.spec, p.shape)).abs()
-
-
 def assert_within_one_step(got, ref, head_slack: float = 0.0) -> None:
     """Two requantisations of (nearly) the same values, ``got`` and ``ref`` (a :class:`quant.PackedTensor` or a
-    format's checkpoint with ``parts`` by width): equal except near a rounding boundary. Each side's entry is within
-    half a step ``s / 2`` of its value; with a zero point, a value at its group's range end may be ``s (1/2 + L
-    2^-11)`` away (the range's top ``(L - z) s`` misses it by the rounded zero point and the fp16 rounding of the
-    scale over the ``L = 2^b - 1`` steps), so where the two sides' scales differ by an fp16 ulp an 8-bit entry may
-    differ by a little more than one step. (Symmetric groups: ``q_max s`` misses the maximum by at most ``q_max s
-    2^-11``, less than half a step.) With ``head_slack = 0`` the values agree to float32 rounding, so nearly every
-    entry is equal (> 98 %); else they differ by up to ``head_slack`` of the largest |value| of the head, which each
-    entry's bound adds and which may move a group's scale and every entry of it."""
+    format's checkpoint with ``parts`` by width): equal except near a rounding boundary, each entry within
+    :func:`pace_core.quant.steps_apart`'s bound (so where the two sides' scales differ by an fp16 ulp an 8-bit entry
+    with a zero point may differ by a little more than one step). With ``head_slack = 0`` the values agree to float32
+    rounding, so nearly every entry is equal (> 98 %); else they differ by up to ``head_slack`` of the largest |value|
+    of the head, which each entry's bound adds and which may move a group's scale and every entry of it."""
     parts_ref = {ref.spec.bits: ref} if isinstance(ref, quant.PackedTensor) else ref.parts
     parts_got = {got.spec.bits: got} if isinstance(got, quant.PackedTensor) else got.parts
     for b, r in parts_ref.items():
         g = parts_got[b]
-        d = (quant.dequantize(g) - quant.dequantize(r)).abs()
-        levels = 0 if r.zero is None else (1 << b) - 1
-        bound = (step_size(g) + step_size(r)) * (0.5 + levels * 2.0**-11) * 1.01 + 1e-30
-        if head_slack:
-            bound = bound + head_slack * quant.dequantize(r).abs().amax((-2, -1), keepdim=True)
-        assert torch.isfinite(d).all()
-        worst = int((d / bound).argmax())
-        assert (d <= bound).all(), (f"{b}-bit entry {worst}: |got - ref| {d.flatten()[worst]:.4g} > bound "
-                                    f"{bound.flatten()[worst]:.4g}; steps {step_size(g).flatten()[worst]:.4g} / "
-                                    f"{step_size(r).flatten()[worst]:.4g}")
+        slack = head_slack * quant.dequantize(r).abs().amax((-2, -1), keepdim=True) if head_slack else 0.0
+        apart = quant.steps_apart(g, r, slack)
+        assert torch.isfinite(apart).all()
+        worst = int(apart.argmax())
+        assert (apart <= 1.01).all(), (f"{b}-bit entry {worst}: {apart.flatten()[worst]:.4g} times the rounding "
+                                       f"bound; steps {quant.code_step(g).flatten()[worst]:.4g} / "
+                                       f"{quant.code_step(r).flatten()[worst]:.4g}")
         if not head_slack:
-            assert (d == 0).float().mean() > 0.98
+            assert (apart == 0).float().mean() > 0.98

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from numerics import fp32_bound, rel, step_size
+from numerics import fp32_bound, rel
 from pool_support import SLOTS, VARIANTS, config, pools, run_schedule, token, within_one_step
 
 from pace_core import quant
@@ -158,7 +158,7 @@ def _steps(checkpoint) -> torch.Tensor:
         getattr(checkpoint, "parts", None)
     if parts is None:  # static scales: the layer's steps, the same on both sides
         return torch.zeros(checkpoint.shape)
-    return torch.cat([step_size(p).flatten() for p in parts.values()])
+    return torch.cat([quant.code_step(p).flatten() for p in parts.values()])
 
 
 @pytest.mark.parametrize("name", SERVED)
