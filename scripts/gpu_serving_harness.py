@@ -28,7 +28,9 @@ Per configuration (``--configs``; bf16 is the dense bfloat16 state the targets c
    step cannot take (a device-to-host read inside the pool's step) is recorded with its error.
 4. ``decode``: the state step alone at B = ``--batch`` (every slot decoding, rows at staggered buffer positions so
    about one in dP flushes per step): the median time of a forward over ``--timed`` forwards (CUDA events), tokens
-   per second; ``ratio_over_bf16``: that of bf16 over this configuration's time (the target: PACE-4 >= 2.5).
+   per second; ``ratio_over_bf16``: that of bf16 over this configuration's time (the target: PACE-4 >= 2.5); where
+   stage 3 captured, the same step captured in a CUDA graph and replayed (``graph_median_s``, as vLLM replays its
+   decode forwards; every replay a step, each row flushing at its own count) and ``graph_ratio_over_bf16``.
 
 JSON (``harness.json``) and the log (``harness_log.txt``) under ``--out``; exit status 1 when a check fails. On a
 CPU (``--device cpu``, Triton under ``TRITON_INTERPRET=1``) it runs at small sizes as its test
@@ -320,27 +322,37 @@ def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log)
     q, k, v = q.unflatten(-1, (H, K)).contiguous(), k.unflatten(-1, (H, K)).contiguous(), v.unflatten(-1, (HV, V))
     v, a, b = v.contiguous(), a.contiguous(), b.contiguous()
     out = torch.empty(args.batch, HV, V, dtype=torch.bfloat16, device=device)
+
+    def step() -> None:
+        pool.decode_projected(slots, q, k, v, a, b, layer.A_log, layer.dt_bias, out)
+
+    times = timed(step, device, args)
+    median = statistics.median(times)
+    result["decode"] = {"batch": args.batch, "forwards": args.timed, "median_s": median, "min_s": min(times),
+                        "tokens_per_s": args.batch / median}
+    log(f"  decode B={args.batch}: median {median * 1e3:.3f} ms, {args.batch / median:,.0f} tokens/s")
+    return result, {"pool": pool, "ref": ref, "layer": layer, "x": x, "slots": slots, "starts0": starts0,
+                    "none": none, "device": device, "step": step, "args": args}
+
+
+def timed(fn, device: torch.device, args: argparse.Namespace) -> list[float]:
+    """Seconds of each of ``args.timed`` calls of ``fn`` after ``args.warmup`` (CUDA events on a GPU)."""
     times = []
     for i in range(args.warmup + args.timed):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            pool.decode_projected(slots, q, k, v, a, b, layer.A_log, layer.dt_bias, out)
+            fn()
             end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end) / 1e3
         else:
             t0 = time.perf_counter()
-            pool.decode_projected(slots, q, k, v, a, b, layer.A_log, layer.dt_bias, out)
+            fn()
             elapsed = time.perf_counter() - t0
         if i >= args.warmup:
             times.append(elapsed)
-    step = statistics.median(times)
-    result["decode"] = {"batch": args.batch, "forwards": args.timed, "median_s": step, "min_s": min(times),
-                        "tokens_per_s": args.batch / step}
-    log(f"  decode B={args.batch}: median {step * 1e3:.3f} ms, {args.batch / step:,.0f} tokens/s")
-    return result, {"pool": pool, "ref": ref, "layer": layer, "x": x, "slots": slots, "starts0": starts0,
-                    "none": none, "device": device}
+    return times
 
 
 def graph_stage(result: dict, ctx: dict, log) -> None:
@@ -370,6 +382,11 @@ def graph_stage(result: dict, ctx: dict, log) -> None:
         ok = r_o <= LIMIT and states_agree(r_s)
         result["graph"] = {"captured": True, "output_rel": r_o, "state_roundings": r_s[0], "state_equal": r_s[1],
                            "ok": ok}
+        step_graph = torch.cuda.CUDAGraph()  # stage 4's state step alone, replayed as vLLM replays a decode
+        with torch.cuda.graph(step_graph):
+            ctx["step"]()
+        times = timed(step_graph.replay, device, ctx["args"])
+        result["decode"]["graph_median_s"] = statistics.median(times)
     except Exception as err:
         ok = False
         result["graph"] = {"captured": False, "error": f"{type(err).__name__}: {err}"[:2000],
@@ -435,8 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     base = next((r for r in results if r["config"] == "bf16" and "decode" in r), None)
     for r in results:
         if base is not None and "decode" in r:
-            r["decode"]["ratio_over_bf16"] = base["decode"]["median_s"] / r["decode"]["median_s"]
-            log(f"{r['config']}: state step {r['decode']['ratio_over_bf16']:.2f}x bf16's at B={args.batch}")
+            d, b = r["decode"], base["decode"]
+            d["ratio_over_bf16"] = b["median_s"] / d["median_s"]
+            line = f"{r['config']}: state step {d['ratio_over_bf16']:.2f}x bf16's at B={args.batch} (eager)"
+            if "graph_median_s" in d and "graph_median_s" in b:
+                d["graph_ratio_over_bf16"] = b["graph_median_s"] / d["graph_median_s"]
+                line += f", {d['graph_ratio_over_bf16']:.2f}x in CUDA graphs ({d['graph_median_s'] * 1e6:.0f} us)"
+            log(line)
     doc = {"kind": "gpu-serving-harness", "device": str(device), "args": {k: str(v) for k, v in vars(args).items()},
            "limit": LIMIT, "results": results, "wall_s": time.perf_counter() - started,
            "provenance": {**measurement(), "triton_interpret": os.environ.get("TRITON_INTERPRET")}}
