@@ -27,8 +27,8 @@ from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
 
 from .plan import DecodePlan
-from .primitives import bf16_split, centred, load3, nibbles_bf16, operand, packed_head, pool_program, unpack3
-from .records import RECORD_COUNT, append_record, record_reads, records_held, token_output
+from .primitives import bf16_split, centred, load3, nibbles_bf16, operand, packed_head, pool_row, slot_parts, unpack3
+from .records import RECORD_COUNT, append_record, record_reads, records_held, slot_records, token_output
 
 
 @triton.jit
@@ -260,7 +260,8 @@ def _head_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part, a0, as0, az0, 
 def _ckpt_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p,
     HV0: tl.constexpr, HV1: tl.constexpr,
-    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, rows_ptr, H: tl.constexpr, HV: tl.constexpr,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, rows_ptr, strides_ptr, H: tl.constexpr,
+    HV: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
@@ -271,11 +272,17 @@ def _ckpt_step_kernel(
 ):
     """The split path's step as one kernel, one program per (sequence, value head) (:func:`_head_step`).
     One launch and no workspace round trip per token; its reductions span all the program's warps. ``POOL``: the
-    programs step the slots ``rows_ptr`` of a state pool, each with the records its slot holds (``n`` unused:
-    :mod:`kernels.pool_step`)."""
+    programs step the slots ``rows_ptr`` of a state pool whose checkpoint and records lie ``strides_ptr`` apart (the
+    parts' then the records' slot strides; the pointers are the first slot's), each with the records its slot holds
+    (``n`` unused: :mod:`kernels.pool_step`)."""
     pid = tl.program_id(0).to(tl.int64)
-    if POOL:
-        pid = pool_program(pid, rows_ptr, HV0 if MAPPED else HV)
+    if POOL:  # the batch row's inputs and its slot's state, then the program within the row
+        r, slot_i, pid = pool_row(pid, rows_ptr, HV)
+        q_ptr, k_ptr, g_ptr, beta_ptr = q_ptr + r * H * K, k_ptr + r * H * K, g_ptr + r * HV, beta_ptr + r * HV
+        v_ptr, o_ptr = v_ptr + r * HV * V, o_ptr + r * HV * V
+        c0p, s0p, z0p, c1p, s1p, z1p = slot_parts(slot_i, strides_ptr, c0p, s0p, z0p, c1p, s1p, z1p)
+        bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr = slot_records(
+            slot_i, strides_ptr + 6, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr)
     b, h, kh, part, a0, as0, az0, a1, as1, az1, row = packed_head(
         pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1, ZS1, TWO,
         MAPPED)
@@ -357,13 +364,15 @@ def launch_records(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torc
 
 
 def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+                       g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor, rows: torch.Tensor | None = None,
+                       strides: torch.Tensor | None = None) -> None:
     """One buffered token on the split path: ``q, k [B, H, K]``, ``v [B, HV, V]``, ``g, beta [B, HV]`` float32
     contiguous -> ``o [B, HV, V]``, the token's record written into slot ``len(buf)`` (the caller counts it). As one
     kernel (setting ``fused_step``, where the heads are wide enough: ``plan.split.fusable``): :mod:`kernels.gluon_step`
     where it applies (``plan.split.gluon_step``), else :func:`_ckpt_step_kernel`; otherwise :func:`launch_dots` then
-    :func:`launch_records`. ``rows`` (long, on the device; ``plan.split.fusable``): only these rows of a state pool,
-    each with the records it holds, by :func:`_ckpt_step_kernel` (:mod:`kernels.pool_step`)."""
+    :func:`launch_records`. ``rows`` (long, on the device; ``plan.split.fusable``): the inputs are of these slots of
+    a state pool whose first slot ``plan`` is and whose slots lie ``strides`` apart (the one launch's
+    :func:`kernels.pool_step.slot_strides`), each stepped with the records it holds by :func:`_ckpt_step_kernel`."""
     sp = plan.split
     if rows is None and not (sp.settings.fused_step and sp.fusable):
         launch_dots(plan, q, k)
@@ -377,7 +386,7 @@ def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: 
     launch = sp.launches[False][0]
     _ckpt_step_kernel[(B * HV if rows is None else rows.numel() * HV,)](
         q, k, v, g, beta, o, *launch.ckpt.args(), *plan.records.args(), 0 if rows is not None else len(buf),
-        plan.capacity, rows, H, HV, EXACT=plan.exact, **plan.records.layout.constexprs(), NB=plan.record_block,
+        plan.capacity, rows, strides, H, HV, EXACT=plan.exact, **plan.records.layout.constexprs(), NB=plan.record_block,
         num_warps=sp.settings.step_warps, **_maxnreg(sp.settings.step_maxnreg), **sp.constexprs(launch, K, V),
         POOL=rows is not None,
     )

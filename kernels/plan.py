@@ -379,13 +379,14 @@ def sm_count(device: torch.device) -> int:
 
 
 def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True, launch: Launch | None = None, *,
-                bf16: bool | None = None) -> DecodePlan:
+                bf16: bool | None = None, batch: int | None = None) -> DecodePlan:
     """Validate ``ckpt`` against ``buf`` and prepare the launches (see :class:`DecodePlan`). ``ckpt``: a dense state
     ``[B, HV, K, V]`` float32 / bfloat16 contiguous or a packed checkpoint of that shape (one or two bit widths);
     ``exact_current``: the current token's output from its exact record (pace_core.recurrence.buffered_step);
     ``launch``: the launch settings (:class:`kernels.settings.Launch`; kernels/bench/bench.py tries others);
     ``bf16``: the split path's tensor-core operands in bfloat16 (None: on a GPU; kernels/bench/sass.py compiles the
-    GPU's kernels from CPU tensors)."""
+    GPU's kernels from CPU tensors); ``batch``: the sequences a launch steps, where not ``ckpt``'s (a state pool's
+    first slot planned for the pool: the launch settings that depend on it)."""
     launch = launch or Launch()
     B, H, HV, K, V = buf.batch, buf.num_k_heads, buf.num_v_heads, buf.d_k, buf.d_v
     if buf.precision == "fp64":
@@ -412,7 +413,7 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
         warps = f.num_warps if f.num_warps is not None else (8 if rows * BV >= 8192 else 4)
         rows = min(f.rows if f.rows is not None else rows, K)
         return DecodePlan(**common, fused=FusedPlan(state, args, rows, BV, G, key_axis, sym, dense, warps))
-    one_wave = buf.device.type == "cuda" and B * HV <= sm_count(buf.device)
+    one_wave = buf.device.type == "cuda" and (batch or B) * HV <= sm_count(buf.device)
     split = SplitPlan(launch.split, buf.device.type == "cuda" if bf16 is None else bf16, G, sym,
                       all((V // 2 if p.spec.bits == 4 else V) >= 16 for p in m.parts.values()), ((), ()), False,
                       B * HV * 2 * V)

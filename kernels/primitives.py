@@ -554,11 +554,20 @@ def part_head(pid, map_ptr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr,
 
 
 @triton.jit
-def pool_program(pid, rows_ptr, HP):
-    """Program ``pid`` of a launch over ``B`` rows of a state pool (``rows_ptr [B]``: their slots) as the program of a
-    launch over every slot, ``HP`` programs per slot: the kernels then address the checkpoint, the decode buffer and
-    the inputs (staged at the slots' positions) of that slot, in place (:mod:`kernels.pool_step`)."""
-    return tl.load(rows_ptr + pid // HP).to(tl.int64) * HP + pid % HP
+def pool_row(pid, rows_ptr, HP):
+    """Program ``pid`` of a launch over ``B`` rows of a state pool (``rows_ptr [B]``: their slots), ``HP`` programs per
+    row: its batch row, that row's slot, and the program within the row (:mod:`kernels.pool_step`)."""
+    r = pid // HP
+    return r, tl.load(rows_ptr + r).to(tl.int64), pid % HP
+
+
+@triton.jit
+def slot_parts(slot, strides_ptr, c0p, s0p, z0p, c1p, s1p, z1p):
+    """The checkpoint parts' pointers (codes, scale, zero of part 0, then of part 1) moved to pool slot ``slot``
+    (``strides_ptr[0..5]``: their slot strides in elements: a pool's rows, or an engine's pages)."""
+    return (c0p + slot * tl.load(strides_ptr), s0p + slot * tl.load(strides_ptr + 1),
+            z0p + slot * tl.load(strides_ptr + 2), c1p + slot * tl.load(strides_ptr + 3),
+            s1p + slot * tl.load(strides_ptr + 4), z1p + slot * tl.load(strides_ptr + 5))
 
 
 @triton.jit

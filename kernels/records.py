@@ -181,6 +181,16 @@ def store_vec(ptr, scale_ptr, zero_ptr, rec, c0, codes, scale, zero, x, R: tl.co
 
 
 @triton.jit
+def slot_records(slot, strides_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr):
+    """The records' pointers (:meth:`Records.args`' order) moved to pool slot ``slot`` (``strides_ptr[0..6]``: their
+    slot strides in elements)."""
+    return (bk_ptr + slot * tl.load(strides_ptr), bks_ptr + slot * tl.load(strides_ptr + 1),
+            bkz_ptr + slot * tl.load(strides_ptr + 2), bv_ptr + slot * tl.load(strides_ptr + 3),
+            bvs_ptr + slot * tl.load(strides_ptr + 4), bvz_ptr + slot * tl.load(strides_ptr + 5),
+            bg_ptr + slot * tl.load(strides_ptr + 6))
+
+
+@triton.jit
 def records_held(bg_ptr, b, h, cap, HV, NB: tl.constexpr):
     """The records row ``b`` holds, read from its value head ``h``'s log decays (a record's is <= 0, an empty slot's
     :data:`pace_core.buffer.EMPTY`: :func:`pace_core.buffer.records_held`; every head of a row holds as many): a

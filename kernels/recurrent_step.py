@@ -26,7 +26,7 @@ from pace_core import quant
 from pace_core.errors import PaceError
 
 from .plan import CkptArgs, PartLayout, PartStorage, as_mixed, output_tensor, packed_ckpt, sm_count, whole_groups
-from .primitives import ckpt_base, ckpt_round, ckpt_store, ckpt_tile, head_slot, pool_program, round_bf16, store_as
+from .primitives import ckpt_base, ckpt_round, ckpt_store, ckpt_tile, head_slot, pool_row, round_bf16, store_as
 from .quantize import empty_part
 from .settings import RecurrentSettings
 
@@ -35,18 +35,21 @@ from .settings import RecurrentSettings
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, peak_ptr,
     dense_ptr, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, d0p, t0p, y0p, d1p, t1p, y1p,
-    T, H, HV, rows_ptr,
+    T, H, HV, rows_ptr, strides_ptr,
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, KEY_AXIS: tl.constexpr,
     SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
     TWO: tl.constexpr, DENSE: tl.constexpr, BF16_STATE: tl.constexpr, POOL: tl.constexpr = False,
 ):
-    """``POOL`` (a dense state): the programs step the slots ``rows_ptr`` of a state pool in place
-    (:mod:`kernels.pool_step`)."""
+    """``POOL`` (a dense state, ``T = 1``): the programs step the slots ``rows_ptr`` of a state pool in place, the
+    state's pointer the first slot's and ``strides_ptr[0]`` the slot stride (:mod:`kernels.pool_step`)."""
     pid = tl.program_id(0).to(tl.int64)
-    if POOL:
-        pid = pool_program(pid, rows_ptr, HV)
+    if POOL:  # the batch row's inputs and output, its slot's state, then the program within the row
+        r, slot_i, pid = pool_row(pid, rows_ptr, HV)
+        q_ptr, k_ptr, g_ptr, beta_ptr = q_ptr + r * H * K, k_ptr + r * H * K, g_ptr + r * HV, beta_ptr + r * HV
+        v_ptr, o_ptr = v_ptr + r * HV * V, o_ptr + r * HV * V
+        dense_ptr = dense_ptr + slot_i * tl.load(strides_ptr)
     c0 = tl.program_id(1) * BV
     b = pid // HV
     h = pid % HV
@@ -145,16 +148,18 @@ class RecurrentPlan:
                                                          for p, layout in zip(parts, self.layouts)], self.heads)
 
 
-def plan_recurrent(ckpt: Checkpoint, settings: RecurrentSettings | None = None) -> RecurrentPlan:
+def plan_recurrent(ckpt: Checkpoint, settings: RecurrentSettings | None = None, batch: int | None = None
+                   ) -> RecurrentPlan:
     """Validate ``ckpt`` (as :func:`recurrent_run` takes it) and plan its launches (:class:`RecurrentPlan`) with the
-    launch ``settings`` (:class:`kernels.settings.RecurrentSettings`: columns per program and warps)."""
+    launch ``settings`` (:class:`kernels.settings.RecurrentSettings`: columns per program and warps); ``batch``: the
+    sequences a launch steps, where not ``ckpt``'s (a state pool's first slot planned for the pool)."""
     settings = settings or RecurrentSettings()
     if isinstance(ckpt, torch.Tensor):
         if ckpt.dim() != 4 or ckpt.dtype not in (torch.float32, torch.bfloat16) or not ckpt.is_contiguous():
             raise PaceError(f"ckpt: {tuple(ckpt.shape)} {ckpt.dtype} not allowed; "
                             "allowed: contiguous float32/bfloat16 [B, HV, K, V]")
         B, HV, K, V = ckpt.shape
-        BV = _columns(B, HV, V, ckpt.device, settings.block_v)
+        BV = _columns(batch or B, HV, V, ckpt.device, settings.block_v)
         return RecurrentPlan((B, HV, K, V), ckpt.device, (B * HV, V // BV), BV, 1, True, True, True,
                              ckpt.dtype == torch.bfloat16, settings.num_warps)
     m = as_mixed(ckpt)
@@ -163,7 +168,7 @@ def plan_recurrent(ckpt: Checkpoint, settings: RecurrentSettings | None = None) 
     device = m.parts[widths[0]].codes.device
     spec = m.parts[widths[0]].spec
     table, _ = packed_ckpt(m, (B, HV, K, V))
-    BV = whole_groups(_columns(B, HV, V, device, settings.block_v), V, spec.group_size, spec.axis == "key",
+    BV = whole_groups(_columns(batch or B, HV, V, device, settings.block_v), V, spec.group_size, spec.axis == "key",
                       spec.symmetric, table.parts[0].layout.pack_zero)
     parts = tuple((m.parts[w].shape[:-2], m.parts[w].spec) for w in widths)
     return RecurrentPlan((B, HV, K, V), device, (B * HV, V // BV), BV, spec.group_size, spec.axis == "key",
@@ -187,8 +192,7 @@ def _empty_like(ckpt: quant.PackedTensor | quant.MixedPackedState, plan: Recurre
 
 def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, settings: RecurrentSettings | None = None, out: torch.Tensor | None = None,
-                  plan: RecurrentPlan | None = None, rows: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, Checkpoint, torch.Tensor | None]:
+                  plan: RecurrentPlan | None = None) -> tuple[torch.Tensor, Checkpoint, torch.Tensor | None]:
     """``T`` tokens of the plain recurrence from ``ckpt``, rounded after each as it is stored (module
     docstring).
 
@@ -197,11 +201,10 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
     widths). ``q, k [B, T, H, K]`` (prepared), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``, T >= 1;
     ``settings``: columns per program and warps (:class:`kernels.settings.RecurrentSettings`), ``out``: a contiguous
     float32 tensor for ``o``; ``plan``: :func:`plan_recurrent` of a checkpoint of ``ckpt``'s layout (then
-    ``settings`` are the plan's; a caller that runs one state again and again makes it once); ``rows`` (a dense
-    state; long, on the device): only these rows of a state pool, whose inputs and outputs lie at their rows of
-    ``q .. beta`` and ``o`` (:mod:`kernels.pool_step`). Returns ``o [B, T, HV, V]`` float32, the state after the last
-    token (``ckpt`` itself when dense, else new storage) and, for a packed checkpoint, the largest ``|S_t|`` of the
-    unrounded states as a float32 device tensor ``[1]`` (inf where one held NaN or inf), else None. Matches
+    ``settings`` are the plan's; a caller that runs one state again and again makes it once). Returns
+    ``o [B, T, HV, V]`` float32, the state after the last token (``ckpt`` itself when dense, else new
+    storage) and, for a packed checkpoint, the largest ``|S_t|`` of the unrounded states as a float32 device
+    tensor ``[1]`` (inf where one held NaN or inf), else None. Matches
     :func:`pace_core.recurrence.gdn_recurrent` token by token with a store after each to float32 rounding
     (dots of length K, another summation order), and a rounded entry one code apart where a state lies
     within that of a rounding boundary."""
@@ -216,9 +219,7 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
                         f"[B, T, HV], [B, T, HV] with T >= 1 and HV a multiple of H (the state is {(B, HV, K, V)})")
     q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q, k, v, g, beta))
     o = output_tensor(out, (B, T, HV, V), plan.device)
-    if rows is not None and not plan.dense:
-        raise PaceError("rows: a packed checkpoint's run writes new storage for every row; allowed: rows of a dense "
-                        "state only")
+
     if plan.dense:  # a dense program reads no head table or part: the state stands in for every pointer
         src = dst = CkptArgs.dense(ckpt, ckpt)
         new, peak, state = ckpt, None, ckpt
@@ -227,10 +228,23 @@ def recurrent_run(ckpt: Checkpoint, q: torch.Tensor, k: torch.Tensor, v: torch.T
         src, dst = plan.ckpt(ckpt), plan.ckpt(new)
         peak = torch.zeros(1, dtype=torch.float32, device=plan.device)
         state = src.parts[0].scale
-    grid = plan.grid if rows is None else (rows.numel() * HV, plan.grid[1])
-    _recurrent_kernel[grid](q, k, v, g, beta, o, o if peak is None else peak, state, *src.args(),
-                            *dst.pointers()[2:], T, H, HV, rows, **plan.constexprs(src), POOL=rows is not None)
+    _recurrent_kernel[plan.grid](q, k, v, g, beta, o, o if peak is None else peak, state, *src.args(),
+                                 *dst.pointers()[2:], T, H, HV, None, None, **plan.constexprs(src))
     return o, new, peak
+
+
+def pool_dense_step(plan: RecurrentPlan, state: torch.Tensor, rows: torch.Tensor, strides: torch.Tensor,
+                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """One token for the slots ``rows [B]`` (long, on the device) of a state pool of a dense state, updated in place:
+    ``state`` the first slot ``[1, HV, K, V]`` (``plan``: :func:`plan_recurrent` of it), the slots ``strides[0]``
+    elements apart; ``q, k [B, H, K]`` prepared, ``v [B, HV, V]``, ``g, beta [B, HV]`` float32 contiguous, ``o``
+    written into ``out [B, HV, V]`` float32 contiguous (:mod:`kernels.pool_step`)."""
+    HV = plan.shape[1]
+    args = CkptArgs.dense(state, state)
+    _recurrent_kernel[(rows.numel() * HV, plan.grid[1])](q, k, v, g, beta, out, out, state, *args.args(),
+                                                         *args.pointers()[2:], 1, q.shape[1], HV, rows, strides,
+                                                         **plan.constexprs(args), POOL=True)
 
 
 def dense_recurrent_step(S: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,

@@ -12,7 +12,6 @@ from pool_support import SLOTS, pools, run_schedule, token
 
 from pace_core.config import get_config
 from pace_core.pool import StatePool
-from pace_core.vllm.slots import SlotLayout
 
 pytestmark = pytest.mark.numerics
 
@@ -41,15 +40,10 @@ def test_what_the_kernels_cannot_step_in_place_steps_by_count_groups(name: str) 
     assert pool._in_place[1] == why
 
 
-def test_an_engines_pages_step_by_count_groups() -> None:
-    """A pool over an engine's rows of bytes (vLLM's pages: every field a view with the page as its slot stride) is
-    not stepped in place, and the pool says why."""
-    layout = SlotLayout(get_config("pace-4"), 2, 4, 64, 64)
-    rows = torch.zeros(SLOTS, layout.nbytes, dtype=torch.uint8, device=DEVICE)
-    pool = StatePool(layout.cfg, layout.dims, SLOTS, DEVICE, tensors=layout.views(rows), backend="triton")
-    assert pool.in_place is None
-    assert pool._in_place[1] == ("the pool's tensors are views with a slot stride (an engine's pages), and the "
-                                 "kernels address contiguous rows")
+@pytest.mark.parametrize("name", ["pace-4-8", "bf16"])
+def test_an_engines_pages_step_in_place(name: str) -> None:
+    """A pool over an engine's rows of bytes (vLLM's pages: every field a view with the page as its slot stride)."""
+    run_schedule(name, DIMS, 8 + 2, seed=6, backend="triton", device=DEVICE, pages=True)
 
 
 def test_the_step_reads_nothing_on_the_host() -> None:
