@@ -16,9 +16,10 @@ steps it.
   all at the same position (a transformers batch: ``generate``, the analyses). :meth:`decode` steps the slots
   ``slots [B]`` by one token each, whatever their positions: each row's record goes into its own buffer and a
   row whose buffer this token fills is flushed, the others' checkpoints are left as they are; :meth:`prefill`
-  runs a prompt in one slot, from its stored state or from zero. The rows are gathered by their record count (a
-  pool step is one schedule step per count present, at most dP), run by the same schedule and backend as the
-  transformers path, and written back: the arithmetic is the same function on the same inputs.
+  runs a prompt in one slot, from its stored state or from zero. On the fused CPU step and the kernels' in-place
+  step the rows step where they lie; elsewhere they are gathered by their record count (a pool step is one
+  schedule step per count present, at most dP), run by the same schedule and backend as the transformers path,
+  and written back: the arithmetic is the same function on the same inputs.
 """
 
 from __future__ import annotations
@@ -177,15 +178,15 @@ class StatePool:
 
         On the reference backend all rows step at once (:func:`pace_core.recurrence.step_records` on each row's
         records, a slot beyond its count masked; the record written at each row's own position; the rows the token
-        fills folded and stored together); the kernels take rows of one count per launch, so there the rows run
-        in groups of equal count through the schedule."""
+        fills folded and stored together); on the kernels in place where they can (:attr:`in_place`: each row at
+        its own count, no host read), else in groups of equal count through the schedule."""
         if self.fused is not None and all(x.dtype == torch.float32 for x in (q, k, v, g, beta)):
             out = torch.empty(v.shape, dtype=torch.float32)
             self._run_fused(slots, (q, k, v, g, beta), out, None)
             return out
         slots = slots.long()
         refuse_non_finite(k, v, g, self.name)
-        if self.in_place is not None:
+        if self.in_place is not None and v.dtype != torch.float64:  # the kernels compute in float32
             return self.in_place.decode(slots, q, k, v, g, beta)
         if self.records is not None and self.steps.name == "reference":
             return self._decode_rows(slots, q, k, v, g, beta)
