@@ -143,6 +143,7 @@ def test_shipped_results_and_the_new_parts(server, page):
         page.get_by_text("stored:", exact=False).first.click()
         _settle(page)
         columns = page.locator('[data-testid="stColumn"]').filter(has=page.locator('[data-testid="stHtml"]'))
+        columns.nth(1).wait_for(timeout=PAGE_TIMEOUT_MS)  # the click's rerun may begin after _settle saw a run end
         assert columns.count() >= 2
         assert "degenerate continuation" in _main_text(page)
         _assert_no_error(page, "generations")
