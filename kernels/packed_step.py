@@ -27,7 +27,18 @@ from pace_core.buffer import DecodeBuffer
 from pace_core.errors import PaceError
 
 from .plan import DecodePlan
-from .primitives import bf16_split, centred, load3, nibbles_bf16, operand, packed_head, pool_row, slot_parts, unpack3
+from .primitives import (
+    bf16_split,
+    centred,
+    load3,
+    nibbles_bf16,
+    operand,
+    packed_head,
+    pool_row,
+    row_inputs,
+    slot_parts,
+    unpack3,
+)
 from .records import RECORD_COUNT, append_record, record_reads, records_held, slot_records, token_output
 
 
@@ -278,8 +289,8 @@ def _ckpt_step_kernel(
     pid = tl.program_id(0).to(tl.int64)
     if POOL:  # the batch row's inputs and its slot's state, then the program within the row
         r, slot_i, pid = pool_row(pid, rows_ptr, HV)
-        q_ptr, k_ptr, g_ptr, beta_ptr = q_ptr + r * H * K, k_ptr + r * H * K, g_ptr + r * HV, beta_ptr + r * HV
-        v_ptr, o_ptr = v_ptr + r * HV * V, o_ptr + r * HV * V
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr = row_inputs(r, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, H, HV,
+                                                                 K, V)
         c0p, s0p, z0p, c1p, s1p, z1p = slot_parts(slot_i, strides_ptr, c0p, s0p, z0p, c1p, s1p, z1p)
         bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr = slot_records(
             slot_i, strides_ptr + 6, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr)

@@ -88,9 +88,9 @@ class PoolStep:
         if self.decays is None:
             pool_dense_step(self.plan, self.state, rows, self.strides, q, k, v, g, beta, o)
             return o
-        full = records_held(self.decays.index_select(0, rows)) + 1 == self.plan.capacity
         launch_packed_step(self.plan, self.buffer, q, k, v, g, beta, o, rows=rows, strides=self.step_strides)
         launch_flush(self.plan, self.buffer, rows=rows, strides=self.flush_strides)
-        kept = self.decays.index_select(0, rows)
+        kept = self.decays.index_select(0, rows)  # a full buffer was just folded: forget its records
+        full = records_held(kept) == self.plan.capacity
         self.decays.index_copy_(0, rows, torch.where(full[:, None, None], torch.full_like(kept, EMPTY), kept))
         return o

@@ -562,6 +562,13 @@ def pool_row(pid, rows_ptr, HP):
 
 
 @triton.jit
+def row_inputs(r, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, H, HV, K: tl.constexpr, V: tl.constexpr):
+    """The pointers of batch row ``r``'s token: ``q, k [H, K]``, ``v [HV, V]``, ``g, beta [HV]``, ``o [HV, V]``."""
+    return (q_ptr + r * H * K, k_ptr + r * H * K, v_ptr + r * HV * V, g_ptr + r * HV, beta_ptr + r * HV,
+            o_ptr + r * HV * V)
+
+
+@triton.jit
 def slot_parts(slot, strides_ptr, c0p, s0p, z0p, c1p, s1p, z1p):
     """The checkpoint parts' pointers (codes, scale, zero of part 0, then of part 1) moved to pool slot ``slot``
     (``strides_ptr[0..5]``: their slot strides in elements: a pool's rows, or an engine's pages)."""

@@ -26,7 +26,17 @@ from pace_core import quant
 from pace_core.errors import PaceError
 
 from .plan import CkptArgs, PartLayout, PartStorage, as_mixed, output_tensor, packed_ckpt, sm_count, whole_groups
-from .primitives import ckpt_base, ckpt_round, ckpt_store, ckpt_tile, head_slot, pool_row, round_bf16, store_as
+from .primitives import (
+    ckpt_base,
+    ckpt_round,
+    ckpt_store,
+    ckpt_tile,
+    head_slot,
+    pool_row,
+    round_bf16,
+    row_inputs,
+    store_as,
+)
 from .quantize import empty_part
 from .settings import RecurrentSettings
 
@@ -47,8 +57,8 @@ def _recurrent_kernel(
     pid = tl.program_id(0).to(tl.int64)
     if POOL:  # the batch row's inputs and output, its slot's state, then the program within the row
         r, slot_i, pid = pool_row(pid, rows_ptr, HV)
-        q_ptr, k_ptr, g_ptr, beta_ptr = q_ptr + r * H * K, k_ptr + r * H * K, g_ptr + r * HV, beta_ptr + r * HV
-        v_ptr, o_ptr = v_ptr + r * HV * V, o_ptr + r * HV * V
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr = row_inputs(r, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, H, HV,
+                                                                 K, V)
         dense_ptr = dense_ptr + slot_i * tl.load(strides_ptr)
     c0 = tl.program_id(1) * BV
     b = pid // HV

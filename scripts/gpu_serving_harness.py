@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pace_core import quant  # noqa: E402
-from pace_core.checkpoint import with_tensors  # noqa: E402
+from pace_core.checkpoint import checkpoint_tensors, with_tensors  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
 from pace_core.pool import StatePool  # noqa: E402
 from pace_core.provenance import measurement  # noqa: E402
@@ -134,11 +134,8 @@ def copy_state(src: StatePool, dst: StatePool) -> None:
 def stored_parts(pool: StatePool, slots: torch.Tensor) -> list:
     """What ``pool`` stores for ``slots``: the checkpoint (a dense tensor, or a packed tensor per bit width), then at
     dP >= 2 the key and value records (packed or float) and their log decays."""
-    def rows(x):
-        if isinstance(x, torch.Tensor):
-            return x.index_select(0, slots)
-        pick = [None if t is None else t.index_select(0, slots) for t in (x.codes, x.scale, x.zero)]
-        return quant.PackedTensor(*pick, x.spec, (slots.numel(), *x.shape[1:]))
+    def rows(x):  # packed records, or a tensor, at those slots
+        return with_tensors(x, {n: t.index_select(0, slots) for n, t in checkpoint_tensors(x).items()})
 
     c = with_tensors(pool.template, {n: pool.tensors[n].index_select(0, slots) for n in pool.checkpoint_names})
     parts = [c] if isinstance(c, (torch.Tensor, quant.PackedTensor)) else [c.parts[b] for b in sorted(c.parts)]
