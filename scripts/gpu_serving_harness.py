@@ -32,6 +32,13 @@ Per configuration (``--configs``; bf16 is the dense bfloat16 state the targets c
    stage 3 captured, the same step captured in a CUDA graph and replayed (``graph_median_s``, as vLLM replays its
    decode forwards; every replay a step, each row flushing at its own count) and ``graph_ratio_over_bf16``.
 
+5. ``profile`` (``--profile N``, CUDA): the state step's device time by kernel (``torch.profiler``), eager and as the
+   graph's replays, N steps each: where a step's time goes, launch by launch.
+6. ``ncu`` (``--ncu``, CUDA, Nsight Compute on the PATH): each kernel of one eager state step at B = ``--batch`` under
+   ``ncu --clock-control none`` (:mod:`kernels.bench.ncu_profile`'s metrics): duration, DRAM bytes and bandwidth,
+   occupancy, stalls. The harness runs itself under ncu with ``--ncu-child CONFIG`` (the setup of stage 4, the step
+   twice to compile, then once inside the profiler's range); the raw page goes to ``ncu_<config>.csv``.
+
 JSON (``harness.json``) and the log (``harness_log.txt``) under ``--out``; exit status 1 when a check fails. On a
 CPU (``--device cpu``, Triton under ``TRITON_INTERPRET=1``) it runs at small sizes as its test
 (tests/test_gpu_serving_harness.py); there the graph stage is skipped (no CUDA) and times mean nothing.
@@ -42,7 +49,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -53,6 +62,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kernels.bench.ncu_profile import METRICS, SECTIONS, STALLS, raw_rows, summarise  # noqa: E402
 from pace_core import quant  # noqa: E402
 from pace_core.checkpoint import checkpoint_tensors, with_tensors  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
@@ -240,6 +250,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def decode_setup(cfg, pool: StatePool, layer: Layer, args: argparse.Namespace, gen: torch.Generator):
+    """Stage 4's inputs: every slot of ``pool`` holding a sequence, its rows at staggered buffer positions (each count
+    of the decode period), a decode forward's ``x`` and slot order, and ``step``, the state step alone on them:
+    ``(x, slots, starts0, none, step)``."""
+    H, HV, K, V = layer.dims
+    device = layer.A_log.device
+    D = HV * V
+    period = cfg.decode_period if cfg.buffered else 1
+    every = torch.arange(args.batch, dtype=torch.int32, device=device)
+    for count in range(period):
+        rows = every[every % period >= count] if count else every
+        T = rows.shape[0]
+        x = (torch.randn(T, D, generator=gen) * 0.5).bfloat16().to(device)
+        layer(0, x, rows, torch.zeros(1, dtype=torch.int32, device=device),
+              torch.zeros(0, dtype=torch.bool, device=device), T)
+    slots = every[torch.randperm(args.batch, generator=gen).to(device)]
+    starts0 = torch.zeros(1, dtype=torch.int32, device=device)
+    none = torch.zeros(0, dtype=torch.bool, device=device)
+    x = (torch.randn(args.batch, D, generator=gen) * 0.5).bfloat16().to(device)
+    q, k, v, a, b = (x @ layer.inp).split(layer.split, dim=-1)
+    q, k, v = q.unflatten(-1, (H, K)).contiguous(), k.unflatten(-1, (H, K)).contiguous(), v.unflatten(-1, (HV, V))
+    v, a, b = v.contiguous(), a.contiguous(), b.contiguous()
+    out = torch.empty(args.batch, HV, V, dtype=torch.bfloat16, device=device)
+
+    def step() -> None:
+        pool.decode_projected(slots, q, k, v, a, b, layer.A_log, layer.dt_bias, out)
+
+    return x, slots, starts0, none, step
+
+
 def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log) -> tuple[dict, dict]:
     """Stages 1, 2 and 4 (module docstring) of configuration ``name`` with ``layer`` (and ``compiled``, its
     torch.compile, shared by the configurations: one compilation): its result, and what stage 3 needs."""
@@ -300,29 +340,7 @@ def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log)
         result["checks"]["compiled"] = ok
         log(f"  compiled: {json.dumps({k: v for k, v in result['compiled'].items() if k != 'traceback'})[:400]}")
 
-    # staggered buffer positions for the graph and the timing: every slot holds a sequence, rows at every count
-    period = cfg.decode_period if cfg.buffered else 1
-    every = torch.arange(args.batch, dtype=torch.int32, device=device)
-    for count in range(period):
-        rows = every[every % period >= count] if count else every
-        T = rows.shape[0]
-        x = (torch.randn(T, D, generator=gen) * 0.5).bfloat16().to(device)
-        layer(0, x, rows, torch.zeros(1, dtype=torch.int32, device=device),
-              torch.zeros(0, dtype=torch.bool, device=device), T)
-    slots = every[torch.randperm(args.batch, generator=gen).to(device)]
-    starts0 = torch.zeros(1, dtype=torch.int32, device=device)
-    none = torch.zeros(0, dtype=torch.bool, device=device)
-    x = (torch.randn(args.batch, D, generator=gen) * 0.5).bfloat16().to(device)
-
-    # 4. the state step alone at B = --batch
-    q, k, v, a, b = (x @ layer.inp).split(layer.split, dim=-1)
-    q, k, v = q.unflatten(-1, (H, K)).contiguous(), k.unflatten(-1, (H, K)).contiguous(), v.unflatten(-1, (HV, V))
-    v, a, b = v.contiguous(), a.contiguous(), b.contiguous()
-    out = torch.empty(args.batch, HV, V, dtype=torch.bfloat16, device=device)
-
-    def step() -> None:
-        pool.decode_projected(slots, q, k, v, a, b, layer.A_log, layer.dt_bias, out)
-
+    x, slots, starts0, none, step = decode_setup(cfg, pool, layer, args, gen)
     times = timed(step, device, args)
     median = statistics.median(times)
     result["decode"] = {"batch": args.batch, "forwards": args.timed, "median_s": median, "min_s": min(times),
@@ -384,6 +402,10 @@ def graph_stage(result: dict, ctx: dict, log) -> None:
             ctx["step"]()
         times = timed(step_graph.replay, device, ctx["args"])
         result["decode"]["graph_median_s"] = statistics.median(times)
+        if ctx["args"].profile:
+            result["profile"] = {"eager": kernel_table(ctx["step"], ctx["args"].profile),
+                                 "graph": kernel_table(step_graph.replay, ctx["args"].profile)}
+            log("  " + profile_text(result["profile"]))
     except Exception as err:
         ok = False
         result["graph"] = {"captured": False, "error": f"{type(err).__name__}: {err}"[:2000],
@@ -396,6 +418,81 @@ def graph_stage(result: dict, ctx: dict, log) -> None:
         t.copy_(saved[n])
     result["checks"]["graph"] = ok
     log(f"  graph: {json.dumps({k: v for k, v in result['graph'].items() if k != 'traceback'})[:400]}")
+
+
+def kernel_table(fn, n: int) -> dict:
+    """Stage 5: the device time of one call of ``fn`` (a state step, eager or a graph's replay) by kernel over ``n``
+    calls (``torch.profiler``, CUDA activity): ``{"device_us": per call, "kernels": [{kernel, calls, us}, ...]}``,
+    the longest first."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:160], "calls": e.count / n, "us": e.self_device_time_total / n}
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r["us"])
+    return {"device_us": sum(r["us"] for r in rows), "kernels": rows}
+
+
+def profile_text(profile: dict) -> str:
+    """Stage 5's figures in a few lines of the log."""
+    lines = []
+    for how, table in profile.items():
+        lines.append(f"profile {how}: {table['device_us']:.1f} us of kernels per step, "
+                     f"{sum(r['calls'] for r in table['kernels']):.0f} launches")
+        lines += [f"    {r['us']:8.2f} us x{r['calls']:.0f} {r['kernel'][:90]}" for r in table["kernels"]]
+    return "\n  ".join(lines)
+
+
+def ncu_stage(name: str, args: argparse.Namespace, log) -> dict:
+    """Stage 6 (module docstring) of configuration ``name``: ncu's figures of each kernel of one state step."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        return {"ok": False, "error": "Nsight Compute (ncu) is not on the PATH"}
+    child = [sys.executable, __file__, "--out", str(args.out), "--ncu-child", name, "--device", args.device,
+             "--batch", str(args.batch), "--heads", str(args.heads), "--v-heads", str(args.v_heads),
+             "--dim", str(args.dim)]
+    for metrics in (METRICS + STALLS, METRICS):  # without the stall metrics if this ncu lacks one
+        cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
+               *(a for s in SECTIONS for a in ("--section", s)), "--metrics", ",".join(metrics), *child]
+        try:
+            done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.ncu_timeout)
+        except subprocess.SubprocessError as err:
+            return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+        rows = raw_rows(done.stdout)
+        if rows:
+            break
+    (args.out / f"ncu_{name}.csv").write_text(done.stdout + "\n# stderr\n" + done.stderr[-4000:])
+    if done.returncode or not rows:
+        return {"ok": False, "error": f"ncu rc {done.returncode}: {(done.stdout + done.stderr)[-600:]}"}
+    kernels = [summarise(row) for row in rows]
+    for k in kernels:
+        log(f"  ncu {k['kernel'][:40]:40s} {k['seconds'] * 1e6:8.2f} us {(k['dram_bytes_per_second'] or 0) / 1e12:5.2f}"
+            f" TB/s ({k['dram_pct_of_peak'] or 0:4.1f}% peak) occ {k['achieved_occupancy_pct'] or 0:4.1f}% stalls "
+            + ", ".join(f"{s} {v:.1f}" for s, v in k["top_stalls"]))
+    return {"ok": True, "kernels": kernels, "seconds": sum(k["seconds"] for k in kernels),
+            "dram_bytes": sum(k["dram_bytes"] for k in kernels)}
+
+
+def ncu_child(name: str, args: argparse.Namespace) -> None:
+    """What ncu profiles for stage 6: stage 4's setup, the step twice (kernels compiled), once in the profiler's
+    range."""
+    device = torch.device(args.device)
+    layer = Layer((args.heads, args.v_heads, args.dim, args.dim), torch.Generator().manual_seed(0), device)
+    cfg = config(name, args.v_heads)
+    pool = StatePool(cfg, layer.dims, args.batch, device, backend="triton")
+    POOLS.clear()
+    POOLS[0] = pool
+    step = decode_setup(cfg, pool, layer, args, torch.Generator().manual_seed(1))[-1]
+    for profiled in (False, False, True):
+        torch.cuda.synchronize()
+        if profiled:
+            torch.cuda.cudart().cudaProfilerStart()
+        step()
+        torch.cuda.synchronize()
+        if profiled:
+            torch.cuda.cudart().cudaProfilerStop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,8 +514,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-out", dest="max_out", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timed", type=int, default=50)
+    parser.add_argument("--profile", type=int, default=0, help="stage 5: steps profiled by kernel (0: none)")
+    parser.add_argument("--ncu", action="store_true", help="stage 6: each kernel of a step under Nsight Compute")
+    parser.add_argument("--ncu-timeout", dest="ncu_timeout", type=float, default=240.0)
+    parser.add_argument("--ncu-child", dest="ncu_child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    torch.set_grad_enabled(False)  # serving: no autograd around the operator or the projections
+    if args.ncu_child:
+        ncu_child(args.ncu_child, args)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
 
@@ -429,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     results = []
-    torch.set_grad_enabled(False)  # serving: no autograd around the operator or the projections
     layer = Layer((args.heads, args.v_heads, args.dim, args.dim), torch.Generator().manual_seed(0), device)
     compiled = torch.compile(layer, dynamic=True) if args.compile else None
     graphs = []
@@ -446,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         for result, ctx in graphs:
             log(f"{result['config']}:")
             graph_stage(result, ctx, log)
+    if device.type == "cuda" and args.ncu:
+        for r in results:
+            if "decode" in r:
+                log(f"{r['config']}: ncu")
+                r["ncu"] = ncu_stage(r["config"], args, log)
     base = next((r for r in results if r["config"] == "bf16" and "decode" in r), None)
     for r in results:
         if base is not None and "decode" in r:

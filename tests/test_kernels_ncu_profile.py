@@ -44,7 +44,7 @@ def test_raw_page_to_summary() -> None:
                 **{k: f"{v:.3f}" for k, v in stalls.items()},
             }
         )
-    rows = ncu_profile._rows(_raw_page(kernels))
+    rows = ncu_profile.raw_rows(_raw_page(kernels))
     assert [r["ID"] for r in rows] == ["0", "1", "2"]  # the units row and the warning are not kernels
     for row, given in zip(rows, kernels):
         s = ncu_profile.summarise(row)

@@ -126,7 +126,7 @@ def launch(variant: str, B: int, settings: dict | None = None, window: bool = Tr
                 torch.cuda.cudart().cudaProfilerStop()
 
 
-def _rows(text: str) -> list[dict]:
+def raw_rows(text: str) -> list[dict]:
     """ncu's ``--csv --page raw`` output as one dict per profiled kernel (the units row dropped)."""
     lines = [line for line in text.splitlines() if line.startswith('"')]
     rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
                            *(a for s in SECTIONS for a in ("--section", s)), "--metrics", ",".join(metrics), *child]
                     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
-                    rows = _rows(done.stdout)
+                    rows = raw_rows(done.stdout)
                     if rows:
                         break
             except (subprocess.SubprocessError, OSError) as err:
