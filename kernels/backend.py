@@ -44,6 +44,7 @@ from pace_core.recurrence import RECURRENT_BELOW, fold
 
 from . import chunk as _chunk
 from . import quantize as _quantize
+from . import step_inputs as _inputs
 from .flush import launch_flush
 from .fused_step import launch_fused
 from .packed_step import launch_packed_step, launch_window
@@ -211,3 +212,10 @@ class TritonSteps:
         launch settings, or why there is none."""
         return PoolStep.refusal(fmt, checkpoint, buffer) or PoolStep(fmt, checkpoint, buffer, dims, exact_current,
                                                                       self.launch)
+
+    def step_inputs(self, q, k, v, a, b, A_log, dt_bias):
+        """The step inputs from a GDN layer's projections (:meth:`pace_core.backend.ReferenceSteps.step_inputs`) in
+        one launch (:func:`kernels.step_inputs.step_inputs`), or on the reference where it does not take them."""
+        if _inputs.refusal(q, v, b):
+            return REFERENCE.step_inputs(q, k, v, a, b, A_log, dt_bias)
+        return _inputs.step_inputs(q, k, v, a, b, A_log, dt_bias)

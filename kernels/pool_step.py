@@ -7,10 +7,12 @@ host (so that a CUDA graph can record it) and no copy of the state.
 - Each program moves its pointers to the slot its batch row names (:func:`kernels.primitives.pool_row`,
   :func:`~kernels.primitives.slot_parts`, :func:`kernels.records.slot_records`) and reads the records that slot holds
   from the slot's own log decays (:func:`kernels.records.records_held`).
+- The inputs come from the layer's projections in one launch (:mod:`kernels.step_inputs`, the backend's
+  ``step_inputs``).
 - Buffered packed key-axis checkpoints (PACE, RTN at dP >= 2): the one-kernel step
   (:func:`kernels.packed_step.launch_packed_step`), then the flush over the same rows, in which only the slots whose
   buffer the token filled fold (:func:`kernels.flush.launch_flush`); those slots' records are then forgotten (their
-  log decays :data:`pace_core.buffer.EMPTY`, on the device).
+  log decays :data:`pace_core.buffer.EMPTY`, one launch: :func:`kernels.records.forget_full`).
 - A dense state at dP = 1 (fp32, bf16): the per-token recurrence (:func:`kernels.recurrent_step.pool_dense_step`).
 
 The Triton kernels only: the Gluon step and flush address whole batches. What this does not cover
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from pace_core.buffer import EMPTY, DecodeBuffer, records_held
+from pace_core.buffer import DecodeBuffer
 from pace_core.checkpoint import checkpoint_tensors, with_tensors
 
 from .flush import launch_flush
 from .packed_step import launch_packed_step
 from .plan import CkptArgs, DecodePlan, plan_decode
+from .records import forget_full
 from .recurrent_step import RecurrentPlan, plan_recurrent, pool_dense_step
 from .settings import Launch
 
@@ -90,7 +93,5 @@ class PoolStep:
             return o
         launch_packed_step(self.plan, self.buffer, q, k, v, g, beta, o, rows=rows, strides=self.step_strides)
         launch_flush(self.plan, self.buffer, rows=rows, strides=self.flush_strides)
-        kept = self.decays.index_select(0, rows)  # a full buffer was just folded: forget its records
-        full = records_held(kept) == self.plan.capacity
-        self.decays.index_copy_(0, rows, torch.where(full[:, None, None], torch.full_like(kept, EMPTY), kept))
+        forget_full(self.decays, rows)  # a full buffer was just folded
         return o

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pace_core.buffer import BUFFER_LAYOUT, DecodeBuffer
+from pace_core.buffer import BUFFER_LAYOUT, EMPTY, DecodeBuffer
 
 from .primitives import expand, quant_tile, round_bf16, store_as, sym_value, zero_pairs
 
@@ -200,6 +200,30 @@ def records_held(bg_ptr, b, h, cap, HV, NB: tl.constexpr):
         i = blk * NB + tl.arange(0, NB)
         held += tl.sum((tl.load(bg_ptr + (b * cap + i) * HV + h, mask=i < cap, other=1.0) <= 0).to(tl.int32))
     return held
+
+
+@triton.jit
+def _forget_full_kernel(bg_ptr, rows_ptr, slot_stride, cap, HV, EMPTY: tl.constexpr, BC: tl.constexpr,
+                        BHV: tl.constexpr):
+    """Pool slot ``rows[program_id(0)]``: its log decays ``[cap, HV]`` (at ``slot_stride`` elements per slot) set to
+    ``EMPTY`` where its buffer is full (every head holds as many records: head 0's are counted)."""
+    slot = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    i = tl.arange(0, BC)[:, None]
+    h = tl.arange(0, BHV)[None, :]
+    at = bg_ptr + slot * slot_stride + i * HV + h
+    inside = (i < cap) & (h < HV)
+    held = tl.sum(tl.sum((tl.load(at, mask=inside & (h == 0), other=1.0) <= 0).to(tl.int32), axis=1), axis=0)
+    if held == cap:
+        tl.store(at, tl.full((BC, BHV), EMPTY, tl.float32), mask=inside)
+
+
+def forget_full(log_decays: torch.Tensor, rows: torch.Tensor) -> None:
+    """The records of the pool slots ``rows [B]`` whose buffers are full forgotten, in place, in one launch: their
+    ``log_decays [slots, capacity, HV]`` (float32, each slot's contiguous, a view at any slot stride) set to
+    :data:`pace_core.buffer.EMPTY` (a state pool's step after it folded them: :mod:`kernels.pool_step`)."""
+    _, cap, HV = log_decays.shape
+    _forget_full_kernel[(rows.shape[0],)](log_decays, rows, log_decays.stride(0), cap, HV, EMPTY=EMPTY,
+                                          BC=triton.next_power_of_2(cap), BHV=triton.next_power_of_2(HV), num_warps=1)
 
 
 @triton.jit

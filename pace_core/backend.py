@@ -32,7 +32,15 @@ import torch
 from pace_core import deferred
 from pace_core.errors import PaceError
 from pace_core.quant import all_finite
-from pace_core.recurrence import buffered_step, buffered_window, fold, gdn_recurrent, gdn_segment
+from pace_core.recurrence import (
+    buffered_step,
+    buffered_window,
+    fold,
+    gdn_gates,
+    gdn_recurrent,
+    gdn_segment,
+    prepare_qk,
+)
 
 if TYPE_CHECKING:
     from pace_core.buffer import BufferFormat, DecodeBuffer
@@ -97,6 +105,9 @@ class Steps(Protocol):
 
     def pool_step(self, fmt: StateFormat | RoundingFormat, checkpoint: Checkpoint, buffer: DecodeBuffer | None,
                   dims: tuple[int, int, int, int], exact_current: bool) -> PoolStep | str: ...
+
+    def step_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
 
 class PoolStep(Protocol):
@@ -195,6 +206,13 @@ class ReferenceSteps:
     def pool_step(self, fmt, checkpoint, buffer, dims, exact_current):
         """Why a state pool steps by count groups (or all rows at once) on the reference: it has no in-place step."""
         return "the reference has no in-place pool step"
+
+    def step_inputs(self, q, k, v, a, b, A_log, dt_bias):
+        """A GDN layer's step inputs from its projections, one row per token: ``q, k [T, H, K]``, ``v [T, HV, V]``,
+        ``a, b [T, HV]``, ``A_log, dt_bias [HV]`` -> ``(q, k, v, g, beta)`` (:func:`pace_core.recurrence.prepare_qk`,
+        :func:`pace_core.recurrence.gdn_gates`, ``v`` float32)."""
+        q, k = prepare_qk(q, k)
+        return (q, k, v.float(), *gdn_gates(a, b, A_log, dt_bias))
 
 
 REFERENCE = ReferenceSteps()

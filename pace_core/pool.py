@@ -36,7 +36,7 @@ from pace_core.config import PaceConfig
 from pace_core.errors import PaceError
 from pace_core.methods import state_format
 from pace_core.pool_cpu import Failure, FusedPool
-from pace_core.recurrence import fold_records, gdn_gates, prepare_qk, step_records
+from pace_core.recurrence import fold_records, step_records
 from pace_core.schedule import PeriodicState
 
 
@@ -215,9 +215,7 @@ class StatePool:
         if self.fused is not None and all(x.dtype != torch.float64 for x in (q, k, v, a, b)):
             self._run_fused(slots, (q, k, v, a, b), out, (A_log, dt_bias))
             return
-        q, k = prepare_qk(q, k)
-        g, beta = gdn_gates(a, b, A_log, dt_bias)
-        out.copy_(self.decode(slots, q, k, v.float(), g, beta))
+        out.copy_(self.decode(slots, *self.steps.step_inputs(q, k, v, a, b, A_log, dt_bias)))
 
     def _run_fused(self, slots: torch.Tensor, inputs: tuple[torch.Tensor, ...], out: torch.Tensor,
                gates: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -309,10 +307,10 @@ class StatePool:
             if failure is not None:
                 self._refuse(slots, failure)
             return
+        q, k, v, g, beta = self.steps.step_inputs(q, k, v, a, b, A_log, dt_bias)
         for p, (s, e) in enumerate(zip(bounds, bounds[1:])):
-            qp, kp = prepare_qk(q[s:e], k[s:e])
-            g, beta = gdn_gates(a[s:e], b[s:e], A_log, dt_bias)
-            out[s:e] = self.prefill(int(slots[p]), qp, kp, v[s:e].float(), g, beta, bool(initial[p])).to(out.dtype)
+            out[s:e] = self.prefill(int(slots[p]), q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], bool(initial[p])
+                                    ).to(out.dtype)
 
 
 def layer_format(cfg: PaceConfig, num_v_heads: int, gdn_index: int = 0, tp: tuple[int, int] = (0, 1),

@@ -26,8 +26,8 @@ else:
     SIZES = dict(B=2, H=2, K=16, V=16, PERIOD=4, GROUP=8, T=11, P=4, CHUNK=4, QUANT_SHAPE=(2, 3, 16, 32))
 
 
-MODULES = ("primitives", "records", "plan", "quantize", "packed_step", "flush", "fused_step", "recurrent_step", "chunk",
-           "pool_step", "backend")
+MODULES = ("primitives", "step_inputs", "records", "plan", "quantize", "packed_step", "flush", "fused_step",
+           "recurrent_step", "chunk", "pool_step", "backend")
 """The kernels' modules, each after those it imports."""
 
 

@@ -61,10 +61,13 @@ def pools(name: str, dims: tuple[int, int, int, int], backend: str | None = None
 
 
 def token(dims, B: int, gen: torch.Generator, scale: float = 1.0):
+    """A decode token's prepared inputs for ``B`` rows, drawn on the CPU from ``gen`` (also where CUDA is the default
+    device: the GPU check)."""
     H, HV, K, V = dims
-    q, k = prepare_qk(torch.randn(B, H, K, generator=gen), torch.randn(B, H, K, generator=gen))
-    return (q, k, torch.randn(B, HV, V, generator=gen) * scale, -torch.rand(B, HV, generator=gen) * 0.7,
-            torch.rand(B, HV, generator=gen))
+    with torch.device("cpu"):
+        q, k = prepare_qk(torch.randn(B, H, K, generator=gen), torch.randn(B, H, K, generator=gen))
+        return (q, k, torch.randn(B, HV, V, generator=gen) * scale, -torch.rand(B, HV, generator=gen) * 0.7,
+                torch.rand(B, HV, generator=gen))
 
 
 def within_one_step(got, ref) -> None:
@@ -132,7 +135,7 @@ def run_schedule(name: str, dims: tuple[int, int, int, int], steps: int, seed: i
     for s in range(SLOTS):  # a prompt of 3..9 tokens in every slot (the reference prefill on both pools)
         T = 3 + s
         x = [y[0] for y in token(dims, 1, gen)]
-        prompt = [torch.stack([y] * T) + 0.01 * torch.randn(T, *y.shape, generator=gen) for y in x]
+        prompt = [torch.stack([y] * T) + 0.01 * torch.randn(T, *y.shape, generator=gen, device="cpu") for y in x]
         prompt[0], prompt[1] = prepare_qk(prompt[0], prompt[1])
         prompt[3] = -prompt[3].abs()
         fused.prefill(s, *(y.to(device) for y in prompt), initial=False)
@@ -140,8 +143,9 @@ def run_schedule(name: str, dims: tuple[int, int, int, int], steps: int, seed: i
     for t in range(steps):
         for n_, tensor in fused.tensors.items():  # both from the same stored state
             reference.tensors[n_].copy_(tensor)
-        B = 1 if t % 5 == 0 else (SLOTS if t % 5 == 1 else int(torch.randint(2, SLOTS, (1,), generator=gen)))
-        slots = torch.randperm(SLOTS, generator=gen)[:B].to(device)
+        B = 1 if t % 5 == 0 else (SLOTS if t % 5 == 1 else int(torch.randint(2, SLOTS, (1,), generator=gen,
+                                                                            device="cpu")))
+        slots = torch.randperm(SLOTS, generator=gen, device="cpu")[:B].to(device)
         counts = fused.counts(slots)
         x = [y.to(device) for y in token(dims, B, gen)]
         static = fused.cfg.scales == "static"

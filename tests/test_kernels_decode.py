@@ -118,27 +118,19 @@ def _poison_slot(buf: DecodeBuffer) -> None:
     buf._decays[:, slot] = float("nan")
 
 
-CHUNK_AGREEMENT = 2e-3
-"""fla's tensor-core chunk against the reference's float32 chunk, of a head's largest |value|
-(:func:`_assert_within_one_step`)."""
-
-
 def _assert_within_one_step(got, ref, exact_rounding: bool = True) -> None:
     """Requantised checkpoints: equal except near a rounding boundary (:func:`numerics.assert_within_one_step`
     derives the bound). Dense checkpoints: float32 rounding of the fold (one term per record and the decayed
     checkpoint), then the bfloat16 cast's half ulp. ``exact_rounding``: the folded values agree to float32
     rounding, so nearly every entry is equal; False where they agree less closely (fla's tensor-core prefill: a
     group's range and so its fp16 scale moves, and all its entries with it). There each entry's bound adds the
-    folded values' own difference, CHUNK_AGREEMENT of the largest |value| of its head: fla's chunk kernel rounds
-    its inputs to tf32 (10 mantissa bits, 2^-11 relative each, 2^-10 a product) and accumulates in float32 over a
-    chunk's tokens, two matmul stages deep, so an entry moves by up to about 2^-9 of the magnitudes it sums, which
-    the head's largest value bounds; 2e-3 is the agreement the prefill test states for fla's outputs and dense
-    checkpoints (the H100 of 2026-12-06 met an 8-bit entry 1 % beyond the bound without this term)."""
+    folded values' own difference, :data:`kernels.chunk.AGREEMENT` of the largest |value| of its head (the H100 of
+    2026-12-06 met an 8-bit entry 1 % beyond the bound without this term)."""
     if isinstance(ref, torch.Tensor):
         bound = fp32_bound(2 * PERIOD + 2) if ref.dtype == torch.float32 else 2.0**-8
         assert rel(got, ref) <= bound
         return
-    assert_within_one_step(got, ref, 0.0 if exact_rounding else CHUNK_AGREEMENT)
+    assert_within_one_step(got, ref, 0.0 if exact_rounding else KERNELS["chunk"].AGREEMENT)
 
 
 def _storage_step(precision: str, u: torch.Tensor) -> torch.Tensor:
@@ -264,7 +256,7 @@ def test_prefill_matches_reference(name: str, gamma: int) -> None:
     """P-token segments through the kernels' backend (chunk, store, load) against the reference backend.
     Segments of at least RECURRENT_BELOW tokens without fla (or off the GPU) are the reference's own chunked
     GDN and the stores are bit-identical, so outputs and checkpoints are equal. fla's chunk kernel computes
-    its dot products in tf32 / bf16 on tensor cores (kernels/chunk.py), so there outputs agree to 2e-3 and
+    its dot products in tf32 / bf16 on tensor cores, so there outputs agree to :data:`kernels.chunk.AGREEMENT` and
     checkpoints to one code step. Shorter segments run the recurrence kernel: float32 rounding of the dots
     (length K, three per token) against the float64 recurrence for fp32; a quantised checkpoint may then be
     stored one code apart where a state lies within that of a rounding boundary, which moves the later
@@ -275,15 +267,15 @@ def test_prefill_matches_reference(name: str, gamma: int) -> None:
     tokens = _tokens(HV, T)
     o_k, o_r = (st.prefill(*tokens) for st in states)
     assert type(states[0].checkpoint) is type(states[1].checkpoint)
-    fla = KERNELS["chunk"].fla_chunk is not None and o_k.is_cuda
+    fla, agreement = KERNELS["chunk"].runs_fla(o_k), KERNELS["chunk"].AGREEMENT
     short = SIZES["P"] < RECURRENT_BELOW
     o64, S64 = gdn_recurrent(*(x.double() for x in tokens), initial_state=S0.double())
     if short and name == "fp32":
         assert rel(o_k, o64) <= fp32_bound(T * 3 * K) and rel(states[0].loaded(), S64) <= fp32_bound(T * 3 * K)
     elif fla or short:
-        assert rel(o_k, o_r) <= 2e-3
+        assert rel(o_k, o_r) <= agreement
         if isinstance(states[1].checkpoint, torch.Tensor):
-            assert rel(states[0].loaded(), states[1].loaded()) <= 2e-3
+            assert rel(states[0].loaded(), states[1].loaded()) <= agreement
         else:
             _assert_within_one_step(states[0].checkpoint, states[1].checkpoint, exact_rounding=False)
     else:
