@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ("tests/test_kernels_quantize.py", "tests/test_kernels_decode.py", "tests/test_kernels_pool_step.py")
+TESTS = ("tests/test_kernels_quantize.py", "tests/test_kernels_decode.py", "tests/test_kernels_pool_step.py",
+         "tests/test_kernels_step_inputs.py")
 
 
 def main() -> int:
