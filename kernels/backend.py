@@ -67,10 +67,11 @@ class TritonSteps:
         self._chunk_plan: RecurrentPlan | None = None  # a short chunk's run on a float32 copy of its state
 
     @classmethod
-    def for_layer(cls, fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> TritonSteps | None:
-        """A backend for a layer of format ``fmt`` with that buffer format (None at dP = 1) and head dims, or
-        None where the kernels do not cover it (:meth:`refusal` says why)."""
-        return None if cls.refusal(fmt, buffer, d_k, d_v) else cls()
+    def for_layer(cls, fmt, buffer: BufferFormat | None, d_k: int, d_v: int, launch: Launch | None = None
+                  ) -> TritonSteps | None:
+        """A backend for a layer of format ``fmt`` with that buffer format (None at dP = 1) and head dims, with
+        ``launch``'s settings, or None where the kernels do not cover it (:meth:`refusal` says why)."""
+        return None if cls.refusal(fmt, buffer, d_k, d_v) else cls(launch)
 
     @staticmethod
     def refusal(fmt, buffer: BufferFormat | None, d_k: int, d_v: int) -> str | None:

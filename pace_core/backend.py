@@ -43,6 +43,7 @@ from pace_core.recurrence import (
 )
 
 if TYPE_CHECKING:
+    from kernels.settings import Launch
     from pace_core.buffer import BufferFormat, DecodeBuffer
     from pace_core.checkpoint import Checkpoint, RoundingFormat, StateFormat
 
@@ -219,14 +220,14 @@ REFERENCE = ReferenceSteps()
 
 
 def select_steps(fmt: StateFormat | RoundingFormat, buffer: BufferFormat | None, d_k: int, d_v: int,
-                 device: torch.device, setting: str | None = None) -> Steps:
+                 device: torch.device, setting: str | None = None, launch: Launch | None = None) -> Steps:
     """The backend of one layer: the Triton kernels where ``setting`` (module docstring) asks for them and
-    they support the format, the buffer's format (``None`` at dP = 1) and the head dims on ``device``,
-    else the reference."""
+    they support the format, the buffer's format (``None`` at dP = 1) and the head dims on ``device``, with
+    ``launch``'s settings (the defaults when None), else the reference."""
     setting = backend_setting(setting)
     if setting == "reference" or (setting == "auto" and torch.device(device).type != "cuda"):
         return REFERENCE
-    return kernels_module("backend").TritonSteps.for_layer(fmt, buffer, d_k, d_v) or REFERENCE
+    return kernels_module("backend").TritonSteps.for_layer(fmt, buffer, d_k, d_v, launch) or REFERENCE
 
 
 def kernels_module(name: str) -> ModuleType:

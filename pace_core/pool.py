@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from pace_core.methods import state_format
 from pace_core.pool_cpu import Failure, FusedPool
 from pace_core.recurrence import fold_records, step_records
 from pace_core.schedule import PeriodicState
+
+if TYPE_CHECKING:
+    from kernels.settings import Launch
 
 
 @dataclass(frozen=True)
@@ -61,18 +65,21 @@ class StatePool:
     layers (its 8-bit heads, its calibrated tensors); ``tp = (rank, size)``: a tensor-parallel rank holds the
     layer's value heads ``rank·HV`` to ``(rank + 1)·HV`` (and their key heads) of ``size·HV``; ``tensors``:
     the pool's tensors by :func:`pool_fields` name, ``[slots, *shape]`` each (an engine's memory), else allocated
-    on ``device`` with a zero state in every slot; ``backend`` as :func:`pace_core.backend.select_steps`;
+    on ``device`` with a zero state in every slot; ``backend`` and ``launch`` (the kernels' settings) as
+    :func:`pace_core.backend.select_steps`;
     ``chunk_size``: the chunked GDN's chunk length.
     """
 
     def __init__(self, cfg: PaceConfig, dims: tuple[int, int, int, int], slots: int, device: torch.device | str,
                  *, gdn_index: int = 0, tp: tuple[int, int] = (0, 1), tensors: dict[str, torch.Tensor] | None = None,
-                 name: str = "state", backend: str | None = None, chunk_size: int = 64) -> None:
+                 name: str = "state", backend: str | None = None, launch: Launch | None = None,
+                 chunk_size: int = 64) -> None:
         H, HV, K, V = dims
         self.cfg, self.dims, self.slots, self.name, self.chunk_size = cfg, dims, slots, name, chunk_size
         self.device = torch.device(device)
         self.fmt = layer_format(cfg, HV, gdn_index, tp, name).to(self.device)
-        self.steps = select_steps(self.fmt, cfg.buffer_format if cfg.buffered else None, K, V, self.device, backend)
+        self.steps = select_steps(self.fmt, cfg.buffer_format if cfg.buffered else None, K, V, self.device, backend,
+                                  launch)
         zero = self.fmt.zeros((1, HV, K, V), self.device)
         self.checkpoint_names = tuple(checkpoint_tensors(zero))
         fields = pool_fields(cfg, dims, gdn_index, tp, zero)

@@ -2,6 +2,7 @@
 
     python3 scripts/gpu_serving_harness.py --out DIR [--configs pace-4 pace-4-8 bf16] [--batch 128] [--steps 48]
                                            [--heads 16 --v-heads 32 --dim 128] [--device cuda]
+                                           [--launch JSON] [--profile N] [--ncu]
 
 vLLM's CUDA wheel does not reach the GPU host, so this drives what the plugin's custom operator
 (``torch.ops.vllm.pace_gdn_state``, :mod:`pace_core.vllm.layer`) runs after vLLM's conv: ``StatePool.decode_projected``
@@ -64,6 +65,7 @@ sys.path.insert(0, str(REPO))
 
 from kernels.bench.ncu_profile import METRICS, SECTIONS, STALLS, raw_rows, summarise  # noqa: E402
 from kernels.chunk import AGREEMENT, runs_fla  # noqa: E402
+from kernels.settings import FusedSettings, Launch, RecurrentSettings, SplitSettings  # noqa: E402
 from pace_core import quant  # noqa: E402
 from pace_core.checkpoint import checkpoint_tensors, with_tensors  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
@@ -269,6 +271,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def launch_of(args: argparse.Namespace) -> Launch:
+    """The kernel pool's launch settings: ``--launch``, a JSON object of kernel families (``split``, ``fused``,
+    ``recurrent``: :mod:`kernels.settings`) and their fields, the defaults for the others."""
+    given = json.loads(args.launch)
+    families = {"split": SplitSettings, "fused": FusedSettings, "recurrent": RecurrentSettings}
+    return Launch(**{name: families[name](**fields) for name, fields in given.items()})
+
+
 def decode_setup(cfg, pool: StatePool, layer: Layer, args: argparse.Namespace, gen: torch.Generator):
     """Stage 4's inputs: every slot of ``pool`` holding a sequence, its rows at staggered buffer positions (each count
     of the decode period), a decode forward's ``x`` and slot order, and ``step``, the state step alone on them:
@@ -306,11 +316,11 @@ def run_config(name: str, args: argparse.Namespace, layer: Layer, compiled, log)
     device = layer.A_log.device
     cfg = config(name, HV)
     gen = torch.Generator().manual_seed(1)
-    pool = StatePool(cfg, dims, args.batch, device, backend="triton")
+    pool = StatePool(cfg, dims, args.batch, device, backend="triton", launch=launch_of(args))
     ref = StatePool(cfg, dims, args.batch, device, backend="reference")
     POOLS.clear()
     POOLS.update({0: pool, 1: ref})
-    result = {"config": name, "backend": pool.steps.name, "checks": {}}
+    result = {"config": name, "backend": pool.steps.name, "launch": json.loads(args.launch), "checks": {}}
     log(f"{name}: backend {pool.steps.name}, {args.batch} slots, H {H} HV {HV} K {K} V {V}")
     D = HV * V
 
@@ -472,7 +482,7 @@ def ncu_stage(name: str, args: argparse.Namespace, log) -> dict:
         return {"ok": False, "error": "Nsight Compute (ncu) is not on the PATH"}
     child = [sys.executable, __file__, "--out", str(args.out), "--ncu-child", name, "--device", args.device,
              "--batch", str(args.batch), "--heads", str(args.heads), "--v-heads", str(args.v_heads),
-             "--dim", str(args.dim)]
+             "--dim", str(args.dim), "--launch", args.launch]
     for metrics in (METRICS + STALLS, METRICS):  # without the stall metrics if this ncu lacks one
         cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
                *(a for s in SECTIONS for a in ("--section", s)), "--metrics", ",".join(metrics), *child]
@@ -501,7 +511,7 @@ def ncu_child(name: str, args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     layer = Layer((args.heads, args.v_heads, args.dim, args.dim), torch.Generator().manual_seed(0), device)
     cfg = config(name, args.v_heads)
-    pool = StatePool(cfg, layer.dims, args.batch, device, backend="triton")
+    pool = StatePool(cfg, layer.dims, args.batch, device, backend="triton", launch=launch_of(args))
     POOLS.clear()
     POOLS[0] = pool
     step = decode_setup(cfg, pool, layer, args, torch.Generator().manual_seed(1))[-1]
@@ -537,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=0, help="stage 5: steps profiled by kernel (0: none)")
     parser.add_argument("--ncu", action="store_true", help="stage 6: each kernel of a step under Nsight Compute")
     parser.add_argument("--ncu-timeout", dest="ncu_timeout", type=float, default=240.0)
+    parser.add_argument("--launch", default="{}",
+                        help='the kernels\' launch settings, e.g. \'{"split": {"flush_columns": 32}}\' (launch_of)')
     parser.add_argument("--ncu-child", dest="ncu_child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)

@@ -44,16 +44,16 @@ def config(name: str, hv: int, k: int, v: int) -> PaceConfig:
 
 
 def pools(name: str, dims: tuple[int, int, int, int], backend: str | None = None,
-          device: torch.device | str = "cpu", pages: bool = False) -> tuple[StatePool, StatePool]:
-    """The pool under test (``backend`` None: the fused CPU step; ``triton``: the kernels' in-place step; ``pages``:
-    over an engine's rows of bytes, :class:`pace_core.vllm.slots.SlotLayout`) and the reference pool, of
-    configuration ``name`` at ``dims``."""
+          device: torch.device | str = "cpu", pages: bool = False, launch=None) -> tuple[StatePool, StatePool]:
+    """The pool under test (``backend`` None: the fused CPU step; ``triton``: the kernels' in-place step with
+    ``launch``'s settings; ``pages``: over an engine's rows of bytes, :class:`pace_core.vllm.slots.SlotLayout`) and
+    the reference pool, of configuration ``name`` at ``dims``."""
     cfg = config(name, dims[1], dims[2], dims[3])
     tensors = None
     if pages:
         layout = SlotLayout(cfg, *dims)
         tensors = layout.views(torch.zeros(SLOTS, layout.nbytes, dtype=torch.uint8, device=device))
-    fast = StatePool(cfg, dims, SLOTS, device, backend=backend, tensors=tensors)
+    fast = StatePool(cfg, dims, SLOTS, device, backend=backend, tensors=tensors, launch=launch)
     reference = StatePool(cfg, dims, SLOTS, device, backend="reference")
     assert (fast.fused if backend is None else fast.in_place) is not None, fast.step
     assert reference.fused is None
@@ -125,10 +125,10 @@ def compare(fused: StatePool, reference: StatePool, slots: torch.Tensor, counts:
 
 
 def run_schedule(name: str, dims: tuple[int, int, int, int], steps: int, seed: int, backend: str | None = None,
-                 device: torch.device | str = "cpu", pages: bool = False) -> None:
+                 device: torch.device | str = "cpu", pages: bool = False, launch=None) -> None:
     """``steps`` steps of random batches of the pool under test (:func:`pools`) against the reference, each from the
     same stored state (module docstring)."""
-    fused, reference = pools(name, dims, backend, device, pages)
+    fused, reference = pools(name, dims, backend, device, pages, launch)
     period = fused.cfg.decode_period if fused.cfg.buffered else 1
     gen = torch.Generator().manual_seed(seed)
     H, HV, K, V = dims

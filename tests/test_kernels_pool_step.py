@@ -10,6 +10,7 @@ import torch
 from kernels_support import DEVICE, ON_GPU, kernel_modules
 from pool_support import SLOTS, pools, run_schedule, token
 
+from kernels.settings import Launch, SplitSettings
 from pace_core.config import get_config
 from pace_core.pool import StatePool
 
@@ -26,6 +27,17 @@ def test_in_place_step_is_the_reference_step(name: str) -> None:
     """The buffered packed checkpoints (the step, then the flush of the rows the token fills) and the dense states at
     dP = 1 (the per-token recurrence), two buffers' worth of random batches."""
     run_schedule(name, DIMS, 2 * 8 + 2, seed=5, backend="triton", device=DEVICE)
+
+
+@pytest.mark.parametrize("name", ["pace-4", "pace-4-8"])
+def test_the_step_takes_its_launch_settings(name: str) -> None:
+    """Other launch settings (more flush programs per head, more warps per step program) reach the in-place step and
+    step as the reference does."""
+    split = SplitSettings(flush_columns=32 if ON_GPU else 16, step_warps=8, flush_warps=2)
+    launch = Launch(split=split)
+    fast, _ = pools(name, DIMS, "triton", DEVICE, launch=launch)
+    assert fast.in_place.plan.split.settings.flush_columns == split.flush_columns
+    run_schedule(name, DIMS, 8 + 2, seed=7, backend="triton", device=DEVICE, launch=launch)
 
 
 @pytest.mark.parametrize("name", ["rtn-int4", "pace-4-sr"])
