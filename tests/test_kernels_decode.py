@@ -749,6 +749,26 @@ def test_gluon_flush_is_the_triton_flush(name: str, group: int | None, gamma: in
     _assert_within_one_step(out[True], out[False])
 
 
+@pytest.mark.parametrize("name,per_part", [("pace-4", True), ("pace-4-8", True), ("pace-4-8", False)])
+def test_the_flush_folds_alike_at_every_column_width(name: str, per_part: bool) -> None:
+    """The Triton flush with fewer value columns per program (``flush_columns``: more programs per head) against the
+    widest on the same checkpoint and full buffer: the same products and sums per entry, so the checkpoints are equal
+    but near a rounding boundary. PACE-4/8 (zero points, key records in groups narrower than a tile) launched once
+    per bit width and once over both."""
+    flush = KERNELS["flush"]
+    st0, _ = _states(name, 2 * H)
+    _fill([st0], PERIOD)
+    out = {}
+    for columns in (V, V // 2, V // 4):
+        st = copy.deepcopy(st0)
+        plan = backend.TritonSteps(Launch.of(SplitSettings(gluon_flush=False, per_part=per_part,
+                                                           flush_columns=columns))).plan(st)
+        flush.launch_flush(plan, st.buffer)
+        out[columns] = st.checkpoint
+    for columns in (V // 2, V // 4):
+        _assert_within_one_step(out[columns], out[V])
+
+
 KERNEL_RESIDENT = {**{name: name for name in ("fp32", "bf16", "rtn-int3", "rtn-int4", "rtn-int8", "pace-3", "pace-4",
                                                 "pace-4-8")},
                    "pace-3-8": get_config("pace-4-8").replace(name="pace-3-8", bits=3)}
