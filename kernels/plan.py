@@ -423,7 +423,22 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
     split = replace(split, launches=launches)
     gluon_step = gluon_step_apply(replace(plan, split=split))
     split = replace(split, gluon_step=gluon_step, settings=launch.split.resolved(one_wave, gluon_step))
+    check_flush_tile(split, plan.records.layout.constexprs()["KG"], V)
     return replace(plan, split=split)
+
+
+def check_flush_tile(split: SplitPlan, key_group: int, V: int) -> None:
+    """PaceError for a Triton flush launch that folds wrong checkpoints on the GPU: fewer value columns per program
+    than the head's (``flush_columns < V``) where the key records' groups are narrower than the tile's key rows
+    (``max(G, 16)``), with tensor-core operands. Seen: PACE-4/8 (key records in groups of 16, tiles of 32 rows) at 32
+    and 64 of 128 columns on an H100 (2026-12-07), entries 20 roundings off in every head and column block
+    (tests/test_kernels_decode.py::test_the_flush_folds_alike_at_every_column_width); at 128 it is right, and PACE-4
+    (one group per tile) is right at every width. Not yet traced: whether narrow tiles or split heads cause it."""
+    rows = max(split.group, 16)
+    if split.bf16 and key_group < rows and split.settings.flush_columns < V:
+        raise PaceError(f"launch setting flush_columns={split.settings.flush_columns} not allowed where key records "
+                        f"come in groups of {key_group} rows, narrower than the flush's tiles of {rows}: its flush "
+                        f"folds wrong checkpoints on the GPU; allowed: flush_columns >= {V} (the head's columns)")
 
 
 def split_launches(plan: DecodePlan, args: CkptArgs, m: quant.MixedPackedState, table: HeadTable

@@ -754,18 +754,23 @@ def test_the_flush_folds_alike_at_every_column_width(name: str, per_part: bool) 
     """The Triton flush with fewer value columns per program (``flush_columns``: more programs per head) against the
     widest on the same checkpoint and full buffer: the same products and sums per entry, so the checkpoints are equal
     but near a rounding boundary. PACE-4/8 (zero points, key records in groups narrower than a tile) launched once
-    per bit width and once over both."""
+    per bit width and once over both; on the GPU its narrower launches are refused (they folded wrong there:
+    kernels.plan.check_flush_tile)."""
     flush = KERNELS["flush"]
     st0, _ = _states(name, 2 * H)
     _fill([st0], PERIOD)
     out = {}
     for columns in (V, V // 2, V // 4):
         st = copy.deepcopy(st0)
-        plan = backend.TritonSteps(Launch.of(SplitSettings(gluon_flush=False, per_part=per_part,
-                                                           flush_columns=columns))).plan(st)
+        launch = Launch.of(SplitSettings(gluon_flush=False, per_part=per_part, flush_columns=columns))
+        try:
+            plan = backend.TritonSteps(launch).plan(st)
+        except PaceError as refused:  # kernels.plan.check_flush_tile: these fold wrong on the GPU
+            assert DEVICE.type == "cuda" and name == "pace-4-8" and columns < V, refused
+            continue
         flush.launch_flush(plan, st.buffer)
         out[columns] = st.checkpoint
-    for columns in (V // 2, V // 4):
+    for columns in set(out) - {V}:
         _assert_within_one_step(out[columns], out[V])
 
 

@@ -12,6 +12,7 @@ from kernels_support import kernel_modules
 from kernels.settings import Launch, SplitSettings
 from pace_core.backend import REFERENCE
 from pace_core.config import get_config
+from pace_core.errors import PaceError
 from pace_core.methods import state_format
 from pace_core.schedule import PeriodicState
 
@@ -86,3 +87,22 @@ def test_gluon_step_takes_the_checked_format(name: str, changes: dict, gluon: bo
 def test_other_formats_keep_the_triton_flush(name: str, changes: dict) -> None:
     plan = _plan(_state(name, **changes), per_part=True)
     assert not any(_gluon(plan, True, "gluon_flush"))
+
+
+@pytest.mark.parametrize("name,columns,refused", [
+    ("pace-4-8", 64, True), ("pace-4-8", 32, True), ("pace-4-8", 128, False),  # key records in groups of 16
+    ("pace-4", 32, False), ("pace-4", 64, False),  # one key group per tile
+])
+def test_flush_tiles_that_fold_wrong_on_the_gpu_are_refused(name: str, columns: int, refused: bool) -> None:
+    """plan_decode refuses a flush narrower than the head where key records come in groups narrower than its tile,
+    with tensor-core operands (kernels.plan.check_flush_tile: wrong checkpoints on an H100); float32 operands (the
+    interpreter) and the other formats plan as asked."""
+    st = _state(name)
+    if refused:
+        with pytest.raises(PaceError, match=rf"flush_columns={columns} not allowed where key records come in groups "
+                                            r"of 16 rows.*allowed: flush_columns >= 128"):
+            _plan(st, flush_columns=columns)
+    else:
+        assert _plan(st, flush_columns=columns).split.settings.flush_columns == columns
+    cpu = plan_mod.plan_decode(st.checkpoint, st.buffer, True, Launch.of(SplitSettings(flush_columns=columns)))
+    assert cpu.split.settings.flush_columns == columns

@@ -5,6 +5,8 @@ derives the tolerances: the kernels compute in float32 in another order, as the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernels_support import DEVICE, ON_GPU, kernel_modules
@@ -12,6 +14,7 @@ from pool_support import SLOTS, pools, run_schedule, token
 
 from kernels.settings import Launch, SplitSettings
 from pace_core.config import get_config
+from pace_core.errors import PaceError
 from pace_core.pool import StatePool
 
 pytestmark = pytest.mark.numerics
@@ -29,15 +32,20 @@ def test_in_place_step_is_the_reference_step(name: str) -> None:
     run_schedule(name, DIMS, 2 * 8 + 2, seed=5, backend="triton", device=DEVICE)
 
 
-@pytest.mark.parametrize("name", ["pace-4", "pace-4-8"])
-def test_the_step_takes_its_launch_settings(name: str) -> None:
-    """Other launch settings (more flush programs per head, more warps per step program) reach the in-place step and
-    step as the reference does."""
-    split = SplitSettings(flush_columns=32 if ON_GPU else 16, step_warps=8, flush_warps=2)
+@pytest.mark.parametrize("name,columns", [("pace-4", DIMS[3] // 4), ("pace-4-8", DIMS[3])])
+def test_the_step_takes_its_launch_settings(name: str, columns: int) -> None:
+    """Other launch settings (more flush programs per head, more warps per step program, fewer per flush program)
+    reach the in-place step and step as the reference does; PACE-4/8's flush narrower than its heads is refused on the
+    GPU (kernels.plan.check_flush_tile)."""
+    split = SplitSettings(flush_columns=columns, step_warps=8, flush_warps=2)
     launch = Launch(split=split)
     fast, _ = pools(name, DIMS, "triton", DEVICE, launch=launch)
-    assert fast.in_place.plan.split.settings.flush_columns == split.flush_columns
+    assert fast.in_place.plan.split.settings == dataclasses.replace(fast.in_place.plan.split.settings, **{
+        k: getattr(split, k) for k in ("flush_columns", "step_warps", "flush_warps")})
     run_schedule(name, DIMS, 8 + 2, seed=7, backend="triton", device=DEVICE, launch=launch)
+    if ON_GPU and name == "pace-4-8":
+        with pytest.raises(PaceError, match="flush_columns=32 not allowed where key records come in groups of 16"):
+            pools(name, DIMS, "triton", DEVICE, launch=Launch(split=SplitSettings(flush_columns=32)))
 
 
 @pytest.mark.parametrize("name", ["rtn-int4", "pace-4-sr"])
