@@ -428,17 +428,19 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
 
 
 def check_flush_tile(split: SplitPlan, key_group: int, V: int) -> None:
-    """PaceError for a Triton flush launch that folds wrong checkpoints on the GPU: fewer value columns per program
-    than the head's (``flush_columns < V``) where the key records' groups are narrower than the tile's key rows
-    (``max(G, 16)``), with tensor-core operands. Seen: PACE-4/8 (key records in groups of 16, tiles of 32 rows) at 32
-    and 64 of 128 columns on an H100 (2026-12-07), entries 20 roundings off in every head and column block
-    (tests/test_kernels_decode.py::test_the_flush_folds_alike_at_every_column_width); at 128 it is right, and PACE-4
-    (one group per tile) is right at every width. Not yet traced: whether narrow tiles or split heads cause it."""
+    """PaceError for a Triton flush launch that folds wrong checkpoints on the GPU. Where the key records' groups are
+    narrower than the flush's tile of key rows (``max(G, 16)``; one dot per group) with tensor-core operands, only the
+    default layout is right: a program over the head's ``V`` columns with 4 warps. PACE-4/8 (key records in groups of
+    16, tiles of 32 rows) on an H100 (2026-12-07) stored entries 20 roundings off in every head with 32 or 64 of 128
+    columns, or with 2 warps (tests/test_kernels_decode.py::test_the_flush_folds_alike_at_every_column_width,
+    tests/test_kernels_pool_step.py); PACE-4 (one group per tile) is right at every width. Not yet traced."""
     rows = max(split.group, 16)
-    if split.bf16 and key_group < rows and split.settings.flush_columns < V:
-        raise PaceError(f"launch setting flush_columns={split.settings.flush_columns} not allowed where key records "
-                        f"come in groups of {key_group} rows, narrower than the flush's tiles of {rows}: its flush "
-                        f"folds wrong checkpoints on the GPU; allowed: flush_columns >= {V} (the head's columns)")
+    s = split.settings
+    if split.bf16 and key_group < rows and (s.flush_columns < V or s.flush_warps != 4):
+        raise PaceError(f"launch settings flush_columns={s.flush_columns}, flush_warps={s.flush_warps} not allowed "
+                        f"where key records come in groups of {key_group} rows, narrower than the flush's tiles of "
+                        f"{rows}: its flush folds wrong checkpoints on the GPU; allowed: flush_columns >= {V} with "
+                        "flush_warps=4")
 
 
 def split_launches(plan: DecodePlan, args: CkptArgs, m: quant.MixedPackedState, table: HeadTable

@@ -765,7 +765,7 @@ def test_the_flush_folds_alike_at_every_column_width(name: str, per_part: bool) 
         launch = Launch.of(SplitSettings(gluon_flush=False, per_part=per_part, flush_columns=columns))
         try:
             plan = backend.TritonSteps(launch).plan(st)
-        except PaceError as refused:  # kernels.plan.check_flush_tile: these fold wrong on the GPU
+        except PaceError as refused:  # kernels.plan.check_flush_tile: these folded wrong on the GPU
             assert DEVICE.type == "cuda" and name == "pace-4-8" and columns < V, refused
             continue
         flush.launch_flush(plan, st.buffer)

@@ -89,20 +89,24 @@ def test_other_formats_keep_the_triton_flush(name: str, changes: dict) -> None:
     assert not any(_gluon(plan, True, "gluon_flush"))
 
 
-@pytest.mark.parametrize("name,columns,refused", [
-    ("pace-4-8", 64, True), ("pace-4-8", 32, True), ("pace-4-8", 128, False),  # key records in groups of 16
-    ("pace-4", 32, False), ("pace-4", 64, False),  # one key group per tile
+@pytest.mark.parametrize("name,settings,refused", [
+    ("pace-4-8", {"flush_columns": 64}, True), ("pace-4-8", {"flush_columns": 32}, True),  # key records in groups of 16
+    ("pace-4-8", {"flush_warps": 2}, True), ("pace-4-8", {}, False), ("pace-4-8", {"step_warps": 8}, False),
+    ("pace-4", {"flush_columns": 32, "flush_warps": 2}, False), ("pace-4", {"flush_columns": 64}, False),  # one group
 ])
-def test_flush_tiles_that_fold_wrong_on_the_gpu_are_refused(name: str, columns: int, refused: bool) -> None:
-    """plan_decode refuses a flush narrower than the head where key records come in groups narrower than its tile,
-    with tensor-core operands (kernels.plan.check_flush_tile: wrong checkpoints on an H100); float32 operands (the
-    interpreter) and the other formats plan as asked."""
+def test_flush_tiles_that_fold_wrong_on_the_gpu_are_refused(name: str, settings: dict, refused: bool) -> None:
+    """plan_decode refuses a flush layout other than the default where key records come in groups narrower than its
+    tile, with tensor-core operands (kernels.plan.check_flush_tile: wrong checkpoints on an H100); float32 operands
+    (the interpreter) and the other formats plan as asked."""
     st = _state(name)
+    given = SplitSettings(**settings)
     if refused:
-        with pytest.raises(PaceError, match=rf"flush_columns={columns} not allowed where key records come in groups "
-                                            r"of 16 rows.*allowed: flush_columns >= 128"):
-            _plan(st, flush_columns=columns)
+        asked = f"flush_columns={given.flush_columns}, flush_warps={given.flush_warps}"
+        with pytest.raises(PaceError, match=rf"{asked} not allowed where key records come in groups of 16 rows.*"
+                                            r"allowed: flush_columns >= 128 with flush_warps=4"):
+            _plan(st, **settings)
     else:
-        assert _plan(st, flush_columns=columns).split.settings.flush_columns == columns
-    cpu = plan_mod.plan_decode(st.checkpoint, st.buffer, True, Launch.of(SplitSettings(flush_columns=columns)))
-    assert cpu.split.settings.flush_columns == columns
+        assert _plan(st, **settings).split.settings.flush_columns == given.flush_columns
+    cpu = plan_mod.plan_decode(st.checkpoint, st.buffer, True, Launch.of(given))
+    assert (cpu.split.settings.flush_columns, cpu.split.settings.flush_warps) == (given.flush_columns,
+                                                                                   given.flush_warps)

@@ -32,20 +32,20 @@ def test_in_place_step_is_the_reference_step(name: str) -> None:
     run_schedule(name, DIMS, 2 * 8 + 2, seed=5, backend="triton", device=DEVICE)
 
 
-@pytest.mark.parametrize("name,columns", [("pace-4", DIMS[3] // 4), ("pace-4-8", DIMS[3])])
-def test_the_step_takes_its_launch_settings(name: str, columns: int) -> None:
-    """Other launch settings (more flush programs per head, more warps per step program, fewer per flush program)
-    reach the in-place step and step as the reference does; PACE-4/8's flush narrower than its heads is refused on the
-    GPU (kernels.plan.check_flush_tile)."""
-    split = SplitSettings(flush_columns=columns, step_warps=8, flush_warps=2)
+@pytest.mark.parametrize("name,flush", [("pace-4", dict(flush_columns=DIMS[3] // 4, flush_warps=2)), ("pace-4-8", {})])
+def test_the_step_takes_its_launch_settings(name: str, flush: dict) -> None:
+    """Other launch settings (more warps per step program; PACE-4: more flush programs per head, fewer warps each)
+    reach the in-place step and step as the reference does; PACE-4/8's other flush layouts are refused on the GPU
+    (kernels.plan.check_flush_tile)."""
+    split = SplitSettings(step_warps=8, **flush)
     launch = Launch(split=split)
     fast, _ = pools(name, DIMS, "triton", DEVICE, launch=launch)
     assert fast.in_place.plan.split.settings == dataclasses.replace(fast.in_place.plan.split.settings, **{
         k: getattr(split, k) for k in ("flush_columns", "step_warps", "flush_warps")})
     run_schedule(name, DIMS, 8 + 2, seed=7, backend="triton", device=DEVICE, launch=launch)
     if ON_GPU and name == "pace-4-8":
-        with pytest.raises(PaceError, match="flush_columns=32 not allowed where key records come in groups of 16"):
-            pools(name, DIMS, "triton", DEVICE, launch=Launch(split=SplitSettings(flush_columns=32)))
+        with pytest.raises(PaceError, match="flush_warps=2 not allowed where key records come in groups of 16"):
+            pools(name, DIMS, "triton", DEVICE, launch=Launch(split=SplitSettings(flush_warps=2)))
 
 
 @pytest.mark.parametrize("name", ["rtn-int4", "pace-4-sr"])
