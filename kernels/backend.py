@@ -217,6 +217,6 @@ class TritonSteps:
     def step_inputs(self, q, k, v, a, b, A_log, dt_bias):
         """The step inputs from a GDN layer's projections (:meth:`pace_core.backend.ReferenceSteps.step_inputs`) in
         one launch (:func:`kernels.step_inputs.step_inputs`), or on the reference where it does not take them."""
-        if _inputs.refusal(q, v, b):
+        if _inputs.refusal(q, k, v, b):
             return REFERENCE.step_inputs(q, k, v, a, b, A_log, dt_bias)
         return _inputs.step_inputs(q, k, v, a, b, A_log, dt_bias)

@@ -71,11 +71,13 @@ def _inputs_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, qo_ptr,
     tl.store(bo_ptr + r * HV + hv, beta, mask=mv)
 
 
-def refusal(q: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> str | None:
-    """Why :func:`step_inputs` does not take these inputs (then the reference computes them), or None."""
+def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why :func:`step_inputs` does not take these inputs (then the reference computes them), or None: float64 ``q``
+    or ``k`` (the reference normalises them in float64), ``b`` of another dtype than its rounding's, head dims not
+    powers of two."""
     K, V = q.shape[-1], v.shape[-1]
-    if q.dtype == torch.float64 or b.dtype not in ROUNDING:
-        return f"{q.dtype} / {b.dtype} inputs compute on the reference"
+    if torch.float64 in (q.dtype, k.dtype) or b.dtype not in ROUNDING:
+        return f"{q.dtype} / {k.dtype} / {b.dtype} inputs compute on the reference"
     if K & (K - 1) or V & (V - 1):
         return f"head dims {K}, {V} are not powers of two"
     return None
@@ -99,7 +101,7 @@ def step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         raise PaceError(f"step inputs: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, a {tuple(a.shape)}, "
                         f"b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)} not allowed; "
                         "allowed: q, k [T, H, K], v [T, HV, V], a, b [T, HV], A_log, dt_bias [HV]")
-    why = refusal(q, v, b)
+    why = refusal(q, k, v, b)
     if why:
         raise PaceError(f"step inputs: {why}; allowed: float32, bfloat16 or float16, head dims powers of two")
     q, k, v, a, b = (_rows(x) for x in (q, k, v, a, b))

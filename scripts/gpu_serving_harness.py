@@ -36,7 +36,7 @@ Per configuration (``--configs``; bf16 is the dense bfloat16 state the targets c
 5. ``profile`` (``--profile N``, CUDA): the state step's device time by kernel (``torch.profiler``), eager and as the
    graph's replays, N steps each: where a step's time goes, launch by launch.
 6. ``ncu`` (``--ncu``, CUDA, Nsight Compute on the PATH): each kernel of one eager state step at B = ``--batch`` under
-   ``ncu --clock-control none`` (:mod:`kernels.bench.ncu_profile`'s metrics): duration, DRAM bytes and bandwidth,
+   ``ncu --clock-control none`` (:func:`kernels.bench.ncu_profile.run_ncu`): duration, DRAM bytes and bandwidth,
    occupancy, stalls. The harness runs itself under ncu with ``--ncu-child CONFIG`` (the setup of stage 4, the step
    twice to compile, then once inside the profiler's range); the raw page goes to ``ncu_<config>.csv``.
 
@@ -63,7 +63,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels.bench.ncu_profile import METRICS, SECTIONS, STALLS, raw_rows, summarise  # noqa: E402
+from kernels.bench.ncu_profile import run_ncu, summarise  # noqa: E402
 from kernels.chunk import AGREEMENT, runs_fla  # noqa: E402
 from kernels.settings import FusedSettings, Launch, RecurrentSettings, SplitSettings  # noqa: E402
 from pace_core import quant  # noqa: E402
@@ -483,16 +483,10 @@ def ncu_stage(name: str, args: argparse.Namespace, log) -> dict:
     child = [sys.executable, __file__, "--out", str(args.out), "--ncu-child", name, "--device", args.device,
              "--batch", str(args.batch), "--heads", str(args.heads), "--v-heads", str(args.v_heads),
              "--dim", str(args.dim), "--launch", args.launch]
-    for metrics in (METRICS + STALLS, METRICS):  # without the stall metrics if this ncu lacks one
-        cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-               *(a for s in SECTIONS for a in ("--section", s)), "--metrics", ",".join(metrics), *child]
-        try:
-            done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.ncu_timeout)
-        except subprocess.SubprocessError as err:
-            return {"ok": False, "error": f"{type(err).__name__}: {err}"}
-        rows = raw_rows(done.stdout)
-        if rows:
-            break
+    try:
+        done, rows = run_ncu(ncu, child, args.ncu_timeout)
+    except (subprocess.SubprocessError, OSError) as err:
+        return {"ok": False, "error": f"{type(err).__name__}: {err}"}
     (args.out / f"ncu_{name}.csv").write_text(done.stdout + "\n# stderr\n" + done.stderr[-4000:])
     if done.returncode or not rows:
         return {"ok": False, "error": f"ncu rc {done.returncode}: {(done.stdout + done.stderr)[-600:]}"}

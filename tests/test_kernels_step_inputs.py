@@ -86,11 +86,12 @@ def test_the_backend_takes_what_the_kernel_takes_and_else_the_reference() -> Non
     float64 (bit for bit: the same code)."""
     backend = KERNELS["backend"].TritonSteps()
     proj = projections(torch.float64, seed=2)
-    assert inputs.refusal(proj[0], proj[2], proj[4]) == "torch.float64 / torch.float64 inputs compute on the reference"
+    assert inputs.refusal(*proj[:3], proj[4]) == \
+        "torch.float64 / torch.float64 / torch.float64 inputs compute on the reference"
     for got, ref in zip(backend.step_inputs(*proj), REFERENCE.step_inputs(*proj)):
         assert torch.equal(got, ref)
     proj = projections(torch.bfloat16, seed=2)
-    assert inputs.refusal(proj[0], proj[2], proj[4]) is None
+    assert inputs.refusal(*proj[:3], proj[4]) is None
     for got, ref in zip(backend.step_inputs(*proj), inputs.step_inputs(*proj)):
         assert torch.equal(got, ref)
 

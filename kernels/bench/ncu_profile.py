@@ -133,6 +133,20 @@ def raw_rows(text: str) -> list[dict]:
     return [r for r in rows if r.get("ID", "").strip().isdigit()]
 
 
+def run_ncu(ncu: str, child: list[str], timeout_s: float) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """``child`` (a command that opens the profiler's range around what to profile) under ``ncu --clock-control
+    none`` with :data:`SECTIONS`, :data:`METRICS` and :data:`STALLS` (without the stall metrics if this ncu lacks
+    one), from the repository root: ncu's run and its rows (:func:`raw_rows`)."""
+    for metrics in (METRICS + STALLS, METRICS):
+        cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
+               *(a for s in SECTIONS for a in ("--section", s)), "--metrics", ",".join(metrics), *child]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        rows = raw_rows(done.stdout)
+        if rows:
+            break
+    return done, rows
+
+
 def _number(value: str) -> float | None:
     try:
         return float(value.replace(",", ""))
@@ -198,13 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if not args.no_precompile:  # compile outside the profiler first: under ncu it takes minutes
                     subprocess.run(child, cwd=ROOT, check=True, timeout=args.timeout_s)
-                for metrics in (METRICS + STALLS, METRICS):  # without the stall metrics if this ncu lacks one
-                    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-                           *(a for s in SECTIONS for a in ("--section", s)), "--metrics", ",".join(metrics), *child]
-                    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
-                    rows = raw_rows(done.stdout)
-                    if rows:
-                        break
+                done, rows = run_ncu(ncu, child, args.timeout_s)
             except (subprocess.SubprocessError, OSError) as err:
                 summary["not_run"].append({"variant": variant, "batch": B, "why": f"{type(err).__name__}: {err}"})
                 print(f"B={B} {variant}: not profiled: {type(err).__name__}: {err}", flush=True)
