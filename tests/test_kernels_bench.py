@@ -200,7 +200,7 @@ def test_split_variant_also_times_the_combination(bench, monkeypatch):
     monkeypatch.setattr(bench, "configs", lambda variant: configs)
     monkeypatch.setattr(bench, "split_breakdown", lambda layers, config, reps: _breakdown(*times.get(
         config.dots_warps, (4e-3, 1e-3, 1e-3, 8e-3))))
-    monkeypatch.setattr(bench, "period_outputs", lambda layers, config, restore: torch.ones(3))
+    monkeypatch.setattr(bench, "period_outputs", lambda layers, config, restore: [torch.ones(3), torch.ones(2)])
     row = bench.time_variant("PACE-4 dP=8", 2, torch.device("cpu"), 1)
     combined = bench.best_split_combination(row["tried"][:2])
     assert [t["config"] for t in row["tried"]] == [*configs, combined]
@@ -238,8 +238,8 @@ def test_a_configuration_that_computes_something_else_is_left_out(bench, monkeyp
     configs = [_split_config(i) for i in range(3)]
     monkeypatch.setattr(bench, "configs", lambda variant: configs)
     wrong = configs[1]
-    monkeypatch.setattr(bench, "period_outputs", lambda layers, config, restore: torch.ones(4) * (
-        1.5 if config == wrong else 1.0 + 1e-4 * (config == configs[2])))
+    monkeypatch.setattr(bench, "period_outputs", lambda layers, config, restore: [torch.ones(4) * (
+        1.5 if config == wrong else 1.0 + 1e-4 * (config == configs[2])), torch.ones(2)])
     fast = {c.dots_warps: t for c, t in zip(configs, [2e-3, 1e-3, 3e-3])}  # the wrong one is the fastest
     monkeypatch.setattr(bench, "time_config", lambda layers, config, reps: [fast.get(config.dots_warps, 4e-3)] * reps)
     monkeypatch.setattr(bench, "split_breakdown", lambda layers, config, reps: _breakdown(
@@ -254,10 +254,15 @@ def test_a_configuration_that_computes_something_else_is_left_out(bench, monkeyp
 
 
 def test_outputs_agree_within_the_bound_only():
-    ref = torch.randn(100, dtype=torch.float64)
-    assert bench_module().outputs_agree(ref * (1 + 1e-3), ref)[0]
-    assert not bench_module().outputs_agree(ref * 1.1, ref)[0]
-    assert not bench_module().outputs_agree(torch.full_like(ref, float("nan")), ref)[0]
+    """Outputs and states each within the bound (a wrong flush shows in the states only)."""
+    gen = torch.Generator().manual_seed(0)
+    ref = [torch.randn(100, dtype=torch.float64, generator=gen), torch.randn(50, dtype=torch.float64, generator=gen)]
+    agree = bench_module().outputs_agree
+    assert agree([ref[0] * (1 + 1e-3), ref[1]], ref)[0]
+    assert not agree([ref[0] * 1.1, ref[1]], ref)[0]
+    assert not agree([ref[0], ref[1] * 1.1], ref)[0]
+    assert agree([ref[0], ref[1] * 1.1], ref)[1] == pytest.approx(0.1)
+    assert not agree([torch.full_like(ref[0], float("nan")), ref[1]], ref)[0]
 
 
 def bench_module():

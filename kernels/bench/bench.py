@@ -21,9 +21,9 @@ Timing: each layer has its own state, buffer and inputs; one dP = 8 token period
 (8 x 24 launches) is captured in a CUDA graph, replayed ``--reps`` times after a warm-up, timed by
 CUDA events; the median replay / 8 is the time per token. Each variant tries a few launch
 configurations (:func:`configs`: typed settings of :mod:`kernels.settings`, the same number for the baselines) and
-reports its fastest among those whose outputs agree with its first configuration's (:func:`outputs_agree`: a
-configuration that computes something else is never reported as the fastest). The state does not depend on the
-context length (512 tokens in the issue), so none is built.
+reports its fastest among those whose outputs and states after a period agree with its first configuration's
+(:func:`outputs_agree`: a configuration that computes or stores something else is never reported as the fastest).
+The state does not depend on the context length (512 tokens in the issue), so none is built.
 
 Bytes per token: see ``BYTES_MODEL``. Achieved bandwidth over the device-to-device copy bandwidth
 measured in the same run (bytes read + written) gives the fraction of HBM bandwidth.
@@ -230,26 +230,32 @@ def run_period(layers: list, config: Settings | None) -> None:
 
 AGREEMENT = 1e-2
 """How far a configuration's outputs may be from the first configuration's (relative Frobenius norm over every
-layer's output of a period's last token, from the same state): the kernels of two configurations sum in other orders
-(float32 rounding) and may store a buffered record one code apart where a value lies within that of a rounding
-boundary (a step of an int8 record is under 1 % of its largest value, and it weighs in one token's part of the
-output); a configuration that computes something else is off by the size of the output."""
+layer's output of a period's last token, from the same state), and its states after the period likewise: the
+kernels of two configurations sum in other orders (float32 rounding) and may store a buffered record one code apart
+where a value lies within that of a rounding boundary (a step of an int8 record is under 1 % of its largest value,
+and it weighs in one token's part of the output), or a flushed checkpoint's entry one code apart there (rarely);
+a configuration that computes something else is off by the size of the output, and a wrong flush (PACE-4/8's narrow
+Triton flush on an H100, 2026-12-07: every entry 20 codes apart) by far more than 1 % of the state."""
 
 
-def period_outputs(layers: list, config: Settings | None, restore: Callable[[], None]) -> torch.Tensor:
-    """Every layer's output of one period's last token with ``config``, from the state ``restore`` puts back (before
-    and after)."""
+def period_outputs(layers: list, config: Settings | None, restore: Callable[[], None]) -> list[torch.Tensor]:
+    """Every layer's output of one period's last token with ``config``, then every layer's state after the period (a
+    buffered layer's checkpoint as it stores it, dequantised: the period's flush), from the state ``restore`` puts
+    back (before and after)."""
     restore()
     run_period(layers, config)
     out = torch.cat([o.reshape(-1).double() for _, _, _, o in layers])
+    held = {"dense": lambda st: st, "fla": lambda st: st[0], "buffered": lambda st: st.loaded()}
+    states = torch.cat([held[kind](st).reshape(-1).double() for kind, st, _, _ in layers])
     restore()
-    return out
+    return [out, states]
 
 
-def outputs_agree(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
-    """Whether ``got`` is within :data:`AGREEMENT` of ``ref`` (finite, relative Frobenius norm), and the distance."""
-    err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-    return bool(torch.isfinite(got).all()) and err <= AGREEMENT, err
+def outputs_agree(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[bool, float]:
+    """Whether each of ``got`` (:func:`period_outputs`: outputs, states) is within :data:`AGREEMENT` of ``ref``'s
+    (finite, relative Frobenius norm), and the largest distance."""
+    err = max(float((g - r).norm() / r.norm().clamp_min(1e-30)) for g, r in zip(got, ref))
+    return all(bool(torch.isfinite(g).all()) for g in got) and err <= AGREEMENT, err
 
 
 def keep_memory(layers: list) -> Callable[[], None]:
