@@ -207,13 +207,12 @@ def _forget_full_kernel(bg_ptr, rows_ptr, slot_stride, cap, HV, EMPTY: tl.conste
                         BHV: tl.constexpr):
     """Pool slot ``rows[program_id(0)]``: its log decays ``[cap, HV]`` (at ``slot_stride`` elements per slot) set to
     ``EMPTY`` where its buffer is full (every head holds as many records: head 0's are counted)."""
-    slot = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    bg_ptr += tl.load(rows_ptr + tl.program_id(0)).to(tl.int64) * slot_stride
     i = tl.arange(0, BC)[:, None]
     h = tl.arange(0, BHV)[None, :]
-    at = bg_ptr + slot * slot_stride + i * HV + h
+    at = bg_ptr + i * HV + h
     inside = (i < cap) & (h < HV)
-    held = tl.sum(tl.sum((tl.load(at, mask=inside & (h == 0), other=1.0) <= 0).to(tl.int32), axis=1), axis=0)
-    if held == cap:
+    if records_held(bg_ptr, 0, 0, cap, HV, BC) == cap:
         tl.store(at, tl.full((BC, BHV), EMPTY, tl.float32), mask=inside)
 
 

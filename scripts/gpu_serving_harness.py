@@ -63,7 +63,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels.bench.ncu_profile import run_ncu, summarise  # noqa: E402
+from kernels.bench.ncu_profile import in_range, run_ncu, summarise  # noqa: E402
 from kernels.chunk import AGREEMENT, runs_fla  # noqa: E402
 from kernels.settings import FusedSettings, Launch, RecurrentSettings, SplitSettings  # noqa: E402
 from pace_core import quant  # noqa: E402
@@ -510,13 +510,7 @@ def ncu_child(name: str, args: argparse.Namespace) -> None:
     POOLS[0] = pool
     step = decode_setup(cfg, pool, layer, args, torch.Generator().manual_seed(1))[-1]
     for profiled in (False, False, True):
-        torch.cuda.synchronize()
-        if profiled:
-            torch.cuda.cudart().cudaProfilerStart()
-        step()
-        torch.cuda.synchronize()
-        if profiled:
-            torch.cuda.cudart().cudaProfilerStop()
+        in_range(step, profiled)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,13 +117,21 @@ def launch(variant: str, B: int, settings: dict | None = None, window: bool = Tr
         for records, kernel in work:
             if records is not None:
                 bench.fill_buffers(layers, records)
-            torch.cuda.synchronize()
-            if profiled:
-                torch.cuda.cudart().cudaProfilerStart()
-            kernel()
-            torch.cuda.synchronize()
-            if profiled:
-                torch.cuda.cudart().cudaProfilerStop()
+            in_range(kernel, profiled)
+
+
+def in_range(fn, profiled: bool = True) -> None:
+    """``fn()`` on an idle GPU, inside the profiler's range (``cudaProfilerStart`` / ``Stop``: what ncu profiles with
+    ``--profile-from-start off``) where ``profiled``, else alone (a run that compiles its kernels first)."""
+    import torch
+
+    torch.cuda.synchronize()
+    if profiled:
+        torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    if profiled:
+        torch.cuda.cudart().cudaProfilerStop()
 
 
 def raw_rows(text: str) -> list[dict]:
