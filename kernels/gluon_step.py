@@ -30,8 +30,8 @@ from pace_core.buffer import DecodeBuffer
 from .gluon_dots import head_dots, head_dots_split, products
 from .gluon_flush import record_log_decays
 from .plan import DecodePlan
-from .primitives import part_head, rint_bits, sym_code_sum, sym_scale, sym_value
-from .records import RECORD_COUNT
+from .primitives import part_head, pool_row, rint_bits, row_inputs, slot_parts, sym_code_sum, sym_scale, sym_value
+from .records import RECORD_COUNT, slot_records
 
 
 @gluon.jit
@@ -71,17 +71,29 @@ def _store_record(x, codes_at, scale_at, cols):
     gl.store(scale_at, scale)
 
 
+@gluon.jit
+def _records_held(bg_ptr, h, cap, HV: gl.constexpr, NB: gl.constexpr, W: gl.constexpr):
+    """The records a pool slot holds (``cap <= NB`` slots), counted from its value head ``h``'s log decays as
+    :func:`kernels.records.records_held` counts them (a record's is <= 0, an empty slot's
+    :data:`pace_core.buffer.EMPTY`)."""
+    i = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [W], [0]))
+    return gl.sum((gl.load(bg_ptr + i * HV + h, mask=i < cap, other=1.0) <= 0).to(gl.int32), axis=0)
+
+
 @gluon.jit(do_not_specialize=RECORD_COUNT)
 def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr,
-                 bg_ptr, n, cap, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, G: gl.constexpr,
-                 SS: gl.constexpr, NB: gl.constexpr, W: gl.constexpr = 1, AHEAD: gl.constexpr = 8):
+                 bg_ptr, n, cap, rows_ptr, strides_ptr, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+                 V: gl.constexpr, G: gl.constexpr, SS: gl.constexpr, NB: gl.constexpr, W: gl.constexpr = 1,
+                 AHEAD: gl.constexpr = 8, POOL: gl.constexpr = False):
     """One token of (sequence, value head) ``pid`` (``W`` warps): ``o [B*HV, V]`` and the token's record in slot
     ``n`` of the buffer (``cap`` slots; keys ``bk [B*cap*H, K]`` uint8 with fp16 scales ``bks``, values
     ``bv [B*cap*HV, V]`` with ``bvs``, log decays ``bg [B*cap*HV]``), from the checkpoint's codes, its ``SS`` fp16
     scales per head, and the ``n <= NB`` records before it; ``q, k [B, H, K]``, ``v [B, HV, V]``, ``g, beta [B, HV]``
     fp32. With ``W`` 2 or 4 the dots are split over the value columns (:func:`head_dots_split`) and the records'
     vectors over the warps (more warps per head where a batch leaves SMs idle); ``AHEAD``: :func:`head_dots`' steps
-    requested ahead (one warp)."""
+    requested ahead (one warp). ``POOL``: the programs step the slots ``rows_ptr`` of a state pool whose checkpoint
+    and records lie ``strides_ptr`` apart (:func:`kernels.pool_step.slot_strides`; the pointers are the first slot's),
+    each with the records its slot holds (``n`` unused), as :func:`kernels.packed_step._ckpt_step_kernel` does."""
     KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # record keys: 16 bytes per thread
     VL: gl.constexpr = gl.BlockedLayout([NB, 4 // W], [1, 32], [1, W], [1, 0])  # record values: all records of 4 / W
     L1: gl.constexpr = gl.SliceLayout(0, VL)  # [V] vectors: 4 / W consecutive columns per thread
@@ -89,6 +101,15 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
     gl.static_assert(NB == 8, "the record block of the GPU test: 8 slots (kernels.plan.gluon_step_apply)")
 
     pid = gl.program_id(0).to(gl.int64)
+    if POOL:  # the batch row's inputs and its slot's state, then the program within the row
+        r, slot_i, pid = pool_row(pid, rows_ptr, HV)
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr = row_inputs(r, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, H, HV,
+                                                                 K, V)
+        codes_ptr, scale_ptr, _, _, _, _ = slot_parts(slot_i, strides_ptr, codes_ptr, scale_ptr, codes_ptr, codes_ptr,
+                                                      codes_ptr, codes_ptr)
+        bk_ptr, bks_ptr, _, bv_ptr, bvs_ptr, _, bg_ptr = slot_records(slot_i, strides_ptr + 6, bk_ptr, bks_ptr, bk_ptr,
+                                                                      bv_ptr, bvs_ptr, bv_ptr, bg_ptr)
+        n = _records_held(bg_ptr, pid, cap, HV, NB, W)
     b, _, h, kh = part_head(pid, q_ptr, H, HV, HV, False)  # all heads, unmapped: the pointer is not read
     row = b * HV + h
     k_at = k_ptr + (b * H + kh) * K
@@ -138,11 +159,15 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
 
 
 def launch(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-           beta: torch.Tensor, o: torch.Tensor) -> None:
+           beta: torch.Tensor, o: torch.Tensor, rows: torch.Tensor | None = None,
+           strides: torch.Tensor | None = None) -> None:
     """One :func:`_step_kernel` launch over every (sequence, value head) of ``plan`` (one 4-bit part,
     :func:`kernels.plan.gluon_step_apply`) with ``len(buf)`` records held; writes the token's record into slot
-    ``len(buf)`` (the caller counts it). Inputs as :func:`kernels.packed_step.launch_packed_step`'s."""
+    ``len(buf)`` (the caller counts it). Inputs as :func:`kernels.packed_step.launch_packed_step`'s, ``rows`` and
+    ``strides`` too (a state pool's slots, each with the records it holds)."""
     B, H, HV, K, V = plan.shape
+    if rows is not None:
+        B = rows.numel()
     sp = plan.split
     part = sp.launches[False][0].ckpt.parts[0]
     r = plan.records
@@ -150,5 +175,6 @@ def launch(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor
     W = sp.settings.gluon_step_warps
     split = ({} if W == 1 else {"W": W}) | ({} if sp.settings.dots_ahead == 8 else {"AHEAD": sp.settings.dots_ahead})
     _step_kernel[(B * HV,)](q, k, v, g, beta, o, part.codes, part.scale, r.keys, r.key_scale, r.values, r.value_scale,
-                            r.log_decays, len(buf), plan.capacity, H=H, HV=HV, K=K, V=V, G=sp.group,
-                            SS=part.layout.scale_size, NB=plan.record_block, num_warps=W, **split, **cap)
+                            r.log_decays, 0 if rows is not None else len(buf), plan.capacity, rows, strides, H=H,
+                            HV=HV, K=K, V=V, G=sp.group, SS=part.layout.scale_size, NB=plan.record_block,
+                            num_warps=W, **split, **cap, POOL=rows is not None)

@@ -383,15 +383,15 @@ def launch_packed_step(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: 
     where it applies (``plan.split.gluon_step``), else :func:`_ckpt_step_kernel`; otherwise :func:`launch_dots` then
     :func:`launch_records`. ``rows`` (long, on the device; ``plan.split.fusable``): the inputs are of these slots of
     a state pool whose first slot ``plan`` is and whose slots lie ``strides`` apart (the one launch's
-    :func:`kernels.pool_step.slot_strides`), each stepped with the records it holds by :func:`_ckpt_step_kernel`."""
+    :func:`kernels.pool_step.slot_strides`), each stepped with the records it holds by the one kernel."""
     sp = plan.split
     if rows is None and not (sp.settings.fused_step and sp.fusable):
         launch_dots(plan, q, k)
         launch_records(plan, buf, q, k, v, g, beta, o)
         return
-    if rows is None and sp.gluon_step:
+    if sp.gluon_step:
         from . import gluon_step  # GPU only: never imported under the interpreter
-        gluon_step.launch(plan, buf, q, k, v, g, beta, o)
+        gluon_step.launch(plan, buf, q, k, v, g, beta, o, rows, strides)
         return
     B, H, HV, K, V = plan.shape
     launch = sp.launches[False][0]

@@ -10,12 +10,13 @@ host (so that a CUDA graph can record it) and no copy of the state.
 - The inputs come from the layer's projections in one launch (:mod:`kernels.step_inputs`, the backend's
   ``step_inputs``).
 - Buffered packed key-axis checkpoints (PACE, RTN at dP >= 2): the one-kernel step
-  (:func:`kernels.packed_step.launch_packed_step`), then the flush over the same rows, in which only the slots whose
+  (:func:`kernels.packed_step.launch_packed_step`: PACE-4's Gluon step on a GPU where it applies, else the Triton
+  one), then the Triton flush over the same rows, in which only the slots whose
   buffer the token filled fold (:func:`kernels.flush.launch_flush`); those slots' records are then forgotten (their
   log decays :data:`pace_core.buffer.EMPTY`, one launch: :func:`kernels.records.forget_full`).
 - A dense state at dP = 1 (fp32, bf16): the per-token recurrence (:func:`kernels.recurrent_step.pool_dense_step`).
 
-The Triton kernels only: the Gluon step and flush address whole batches. What this does not cover
+The Gluon flush addresses whole batches only. What this does not cover
 (:meth:`PoolStep.refusal`) steps by count groups (:meth:`pace_core.pool.StatePool.decode`).
 """
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels.bench.bench import HV, K, V, _inputs, _layer_state
 from kernels.plan import DecodePlan, plan_decode
+from kernels.pool_step import slot_strides
 from kernels.settings import Launch, SplitSettings
 from pace_core.backend import REFERENCE
 
@@ -100,7 +101,8 @@ def launches(variant: str, B: int, settings: dict | None = None, every: bool = F
     by the reference), the GPU's bfloat16 operands, the buffer holding half a period of records, the launch
     ``settings`` (:class:`kernels.settings.SplitSettings` fields) over the defaults. ``dots``: the Triton dots kernel;
     ``gluon_dots``: the Gluon one (launched per width); ``step``: the Triton one-kernel step, ``gluon_step``: the Gluon
-    one (PACE-4 only, one launch); ``flush``, ``gluon_flush``: as the dots."""
+    one (PACE-4 only, one launch); ``pool_step``, ``pool_gluon_step``: the same over a state pool's slots
+    (:mod:`kernels.pool_step`); ``flush``, ``gluon_flush``: as the dots."""
     from kernels import flush, gluon_dots, gluon_flush, gluon_step, packed_step
 
     st = _layer_state(variant, torch.randn(B, HV, K, V) * 0.05, REFERENCE)
@@ -113,6 +115,10 @@ def launches(variant: str, B: int, settings: dict | None = None, every: bool = F
         return plan_decode(st.checkpoint, st.buffer, st.exact_current,
                            Launch.of(SplitSettings(**{**(settings or {}), **launch})), bf16=True)
 
+    def pool(p: DecodePlan) -> None:  # the batch's rows as a state pool's slots (kernels.pool_step)
+        strides = slot_strides(p.split.launches[False][0].ckpt, p.records.args())
+        packed_step.launch_packed_step(p, st.buffer, q, k, v, g, beta, o, rows=torch.arange(B), strides=strides)
+
     calls = {
         "dots": (packed_step._ckpt_dots_kernel, lambda: packed_step.launch_dots(plan(gluon_dots=False), q, k)),
         "gluon_dots": (gluon_dots._dots_kernel, lambda: packed_step.launch_dots(plan(dots_per_part=True), q, k)),
@@ -123,6 +129,8 @@ def launches(variant: str, B: int, settings: dict | None = None, every: bool = F
                                                         beta, o)),
         "gluon_step": (gluon_step._step_kernel,
                        lambda: packed_step.launch_packed_step(plan(fused_step=True), st.buffer, q, k, v, g, beta, o)),
+        "pool_step": (packed_step._ckpt_step_kernel, lambda: pool(plan(fused_step=True, gluon_step=False))),
+        "pool_gluon_step": (gluon_step._step_kernel, lambda: pool(plan(fused_step=True))),
         "flush": (flush._flush_kernel, lambda: flush.launch_flush(plan(gluon_flush=False), st.buffer)),
         "gluon_flush": (gluon_flush._flush_kernel, lambda: flush.launch_flush(plan(), st.buffer)),
     }
