@@ -276,18 +276,18 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer, rows: torch.Tensor | None 
     """The split path's flush kernel: fold the buffer's ``len(buf)`` records into the packed
     checkpoint and requantise it in place (the caller clears the buffer); launches that
     :func:`kernels.plan.gluon_flush_apply` takes run :mod:`kernels.gluon_flush`. ``rows`` (long, on the device): of
-    these slots of a state pool whose first slot ``plan`` is, those whose buffer is full, by :func:`_flush_kernel`
-    (``strides``: each launch's slot strides, :func:`kernels.pool_step.slot_strides`)."""
+    these slots of a state pool whose first slot ``plan`` is, those whose buffer is full (``strides``: each launch's
+    slot strides, :func:`kernels.pool_step.slot_strides`)."""
     B, H, HV, K, V = plan.shape
     sp = plan.split
     s = sp.settings
     bv = min(s.flush_columns, V)
     cap = {} if s.flush_maxnreg is None else {"maxnreg": s.flush_maxnreg}
     for i, launch in enumerate(sp.per_width):
-        if rows is None and launch.gluon_flush:  # decided once per plan (kernels.plan.gluon_flush_apply); GPU only
+        if launch.gluon_flush:  # decided once per plan (kernels.plan.gluon_flush_apply); GPU only
             from . import gluon_flush
 
-            gluon_flush.launch(plan, len(buf), launch)
+            gluon_flush.launch(plan, len(buf), launch, rows, strides[i] if rows is not None else None)
             continue
         _flush_kernel[((B if rows is None else rows.numel()) * launch.heads, V // bv)](
             *launch.ckpt.args(), *plan.records.args(), len(buf) if rows is None else 0, plan.capacity, rows,

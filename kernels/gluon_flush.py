@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -39,11 +40,14 @@ from .primitives import (
     biased,
     code_clamp,
     part_head,
+    pool_row,
+    slot_parts,
     sym_code_sum,
     sym_fits,
     sym_scale,
     sym_value,
 )
+from .records import slot_records
 
 COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
@@ -155,6 +159,15 @@ def record_log_decays(bg_ptr, n, at, HV: gl.constexpr, RB: gl.constexpr, L: gl.c
 
 
 @gluon.jit
+def records_held(bg_ptr, h, cap, HV: gl.constexpr, NB: gl.constexpr, W: gl.constexpr):
+    """The records a pool slot holds (``cap <= NB`` slots), counted from its value head ``h``'s log decays as
+    :func:`kernels.records.records_held` counts them (a record's is <= 0, an empty slot's
+    :data:`pace_core.buffer.EMPTY`)."""
+    i = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [W], [0]))
+    return gl.sum((gl.load(bg_ptr + i * HV + h, mask=i < cap, other=1.0) <= 0).to(gl.int32), axis=0)
+
+
+@gluon.jit
 def _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H: gl.constexpr, HV: gl.constexpr,
              V: gl.constexpr, RB: gl.constexpr, REC: gl.constexpr, LU: gl.constexpr):
     """The B operands of the fold (:func:`_flush_kernel`) and ``e^{G}``: the records' ``e^{G - G_i} u_i`` (times
@@ -221,10 +234,10 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, r0: gl.constexpr, K: gl.conste
 
 @gluon.jit
 def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
-                  H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
-                  V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr,
-                  RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LW: gl.constexpr,
-                  LK: gl.constexpr, LU: gl.constexpr, GROUPS: gl.constexpr):
+                  rows_ptr, strides_ptr, H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr,
+                  K: gl.constexpr, V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr,
+                  ZS: gl.constexpr, RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LW: gl.constexpr,
+                  LK: gl.constexpr, LU: gl.constexpr, GROUPS: gl.constexpr, POOL: gl.constexpr = False):
     """Fold the ``n`` buffered records into columns ``32 c .. 32 c + 31`` (``c``: program axis 1) of one (sequence,
     value head)'s 4-bit key-axis checkpoint (codes ``[K, V/2]`` bytes, fp16 scales ``[K/G, V]``, with ``SYM`` False
     zero points ``[K/G, V/2]`` bytes packed like the codes; the part holds ``HP`` heads per sequence, ``MAPPED``: slot
@@ -235,14 +248,38 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
     bfloat16 values (PACE-4/8's). ``LW``: a ``[G, 4]`` block of code words, word ``q`` of row ``r`` in lane
     ``4 (r % 8) + q``; ``LK``, ``LU``: the keys ``[G, RB]`` and weights ``[RB, 32]`` (:func:`layouts`). ``GROUPS``: the
     key groups of a program, ``K / G`` (all) or fewer: program axis 2 then picks the block of groups (more programs
-    at small batch, each computing the records' weights again)."""
+    at small batch, each computing the records' weights again). ``POOL``: the programs fold the slots ``rows_ptr`` of a
+    state pool whose buffers are full (``cap`` records; the pointers are the first slot's, ``strides_ptr`` the slot
+    strides of :func:`kernels.pool_step.slot_strides`) and leave the others as they are (``n`` unused), as
+    :func:`kernels.flush._flush_kernel` does."""
+    gl.static_assert(G % 16 == 0 and G <= 64, "key groups of 16 to 64 rows")
+    pid = gl.program_id(0).to(gl.int64)
+    ct = gl.program_id(1)
+    if POOL:  # the batch row's slot, then the program within the row
+        _, slot_i, pid = pool_row(pid, rows_ptr, HP)
+        codes_ptr, scale_ptr, zero_ptr, _, _, _ = slot_parts(slot_i, strides_ptr, codes_ptr, scale_ptr, zero_ptr,
+                                                             codes_ptr, codes_ptr, codes_ptr)
+        bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, _, bg_ptr = slot_records(slot_i, strides_ptr + 6, bk_ptr, bks_ptr,
+                                                                            bkz_ptr, bv_ptr, bvs_ptr, bv_ptr, bg_ptr)
+        n = records_held(bg_ptr, 0, cap, HV, RB, 1)
+        if n == cap:
+            _flush_columns(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr,
+                           n, cap, pid, ct, H, HV, HP, MAPPED, K, V, G, SYM, SS, ZS, RB, REC, KG, LW, LK, LU, GROUPS)
+    else:
+        _flush_columns(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr, n,
+                       cap, pid, ct, H, HV, HP, MAPPED, K, V, G, SYM, SS, ZS, RB, REC, KG, LW, LK, LU, GROUPS)
+
+
+@gluon.jit
+def _flush_columns(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
+                   pid, ct, H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
+                   V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr,
+                   RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LW: gl.constexpr, LK: gl.constexpr,
+                   LU: gl.constexpr, GROUPS: gl.constexpr):
+    """The fold and requantisation of program ``(pid, ct)`` of :func:`_flush_kernel` (its arguments)."""
     # the columns' scales (and zero points) once per lane: one column, or with zero points a pair (one byte)
     LC: gl.constexpr = gl.BlockedLayout([1 if SYM else 2], [32], [1], [0])
     NW: gl.constexpr = V // 8  # 32-bit words per key row
-    gl.static_assert(G % 16 == 0 and G <= 64, "key groups of 16 to 64 rows")
-
-    pid = gl.program_id(0).to(gl.int64)
-    ct = gl.program_id(1)
     b, slot, h, kh = part_head(pid, map_ptr, H, HV, HP, MAPPED)
     head = b * HP + slot
     w_hi, w_mid, w_lo, total = _weights(bv_ptr, bvs_ptr, bg_ptr, bks_ptr, n, cap, b, h, kh, ct, H, HV, V, RB, REC, LU)
@@ -315,10 +352,15 @@ def layouts(G: int, RB: int) -> dict:
                 LU=gl.DistributedLinearLayout([[1, 0], [0, 8], [0, 16]], _LANES_B, [], [], [8, COLUMNS.value]))
 
 
-def launch(plan: DecodePlan, n: int, launch: SplitLaunch) -> None:
+def launch(plan: DecodePlan, n: int, launch: SplitLaunch, rows: torch.Tensor | None = None,
+           strides: torch.Tensor | None = None) -> None:
     """One :func:`_flush_kernel` launch over the value heads of one 4-bit part (``launch``, one of
-    ``plan.split.per_width``), folding the buffer's ``n`` records (``plan.records``)."""
+    ``plan.split.per_width``), folding the buffer's ``n`` records (``plan.records``); ``rows`` (long, on the device):
+    of these slots of a state pool whose first slot ``plan`` is (slot strides ``strides``), those whose buffer is
+    full."""
     B, H, HV, K, V = plan.shape
+    if rows is not None:
+        B = rows.numel()
     sp = plan.split
     part = launch.ckpt.parts[0]
     r = plan.records
@@ -327,7 +369,8 @@ def launch(plan: DecodePlan, n: int, launch: SplitLaunch) -> None:
     blocks = min(sp.settings.flush_row_blocks, K // sp.group)
     _flush_kernel[(B * launch.heads, V // COLUMNS.value, blocks)](
         part.codes, part.scale, part.zero, launch.ckpt.table, r.keys, r.key_scale, r.key_zero, r.values, r.value_scale,
-        r.log_decays, n, plan.capacity, H=H, HV=HV, HP=launch.heads, MAPPED=launch.ckpt.mapped, K=K, V=V, G=sp.group,
-        SYM=sp.symmetric, SS=part.layout.scale_size, ZS=part.layout.zero_size, RB=RB,
+        r.log_decays, 0 if rows is not None else n, plan.capacity, rows, strides, H=H, HV=HV, HP=launch.heads,
+        MAPPED=launch.ckpt.mapped, K=K, V=V, G=sp.group, SYM=sp.symmetric, SS=part.layout.scale_size,
+        ZS=part.layout.zero_size, RB=RB,
         REC=0 if r.layout.keys.bits == 8 else 1, KG=r.layout.keys.group, **layouts(sp.group, RB),
-        GROUPS=K // sp.group // blocks, num_warps=1, **cap)
+        GROUPS=K // sp.group // blocks, num_warps=1, **cap, POOL=rows is not None)

@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from pace_core.buffer import DecodeBuffer
 
 from .gluon_dots import head_dots, head_dots_split, products
-from .gluon_flush import record_log_decays
+from .gluon_flush import record_log_decays, records_held
 from .plan import DecodePlan
 from .primitives import part_head, pool_row, rint_bits, row_inputs, slot_parts, sym_code_sum, sym_scale, sym_value
 from .records import RECORD_COUNT, slot_records
@@ -71,15 +71,6 @@ def _store_record(x, codes_at, scale_at, cols):
     gl.store(scale_at, scale)
 
 
-@gluon.jit
-def _records_held(bg_ptr, h, cap, HV: gl.constexpr, NB: gl.constexpr, W: gl.constexpr):
-    """The records a pool slot holds (``cap <= NB`` slots), counted from its value head ``h``'s log decays as
-    :func:`kernels.records.records_held` counts them (a record's is <= 0, an empty slot's
-    :data:`pace_core.buffer.EMPTY`)."""
-    i = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [W], [0]))
-    return gl.sum((gl.load(bg_ptr + i * HV + h, mask=i < cap, other=1.0) <= 0).to(gl.int32), axis=0)
-
-
 @gluon.jit(do_not_specialize=RECORD_COUNT)
 def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr,
                  bg_ptr, n, cap, rows_ptr, strides_ptr, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
@@ -109,7 +100,7 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
                                                       codes_ptr, codes_ptr)
         bk_ptr, bks_ptr, _, bv_ptr, bvs_ptr, _, bg_ptr = slot_records(slot_i, strides_ptr + 6, bk_ptr, bks_ptr, bk_ptr,
                                                                       bv_ptr, bvs_ptr, bv_ptr, bg_ptr)
-        n = _records_held(bg_ptr, pid, cap, HV, NB, W)
+        n = records_held(bg_ptr, pid, cap, HV, NB, W)
     b, _, h, kh = part_head(pid, q_ptr, H, HV, HV, False)  # all heads, unmapped: the pointer is not read
     row = b * HV + h
     k_at = k_ptr + (b * H + kh) * K

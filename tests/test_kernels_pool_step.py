@@ -33,21 +33,22 @@ def test_in_place_step_is_the_reference_step(name: str) -> None:
 
 
 @pytest.mark.parametrize("name,settings", [
-    ("pace-4", dict(step_warps=8, gluon_step=False, flush_columns=DIMS[3] // 4, flush_warps=2)),
+    ("pace-4", dict(step_warps=8, gluon_step=False, gluon_flush=False, flush_columns=DIMS[3] // 4, flush_warps=2)),
     ("pace-4", dict(gluon_step_warps=2)),
     ("pace-4-8", dict(step_warps=8)),
 ])
 def test_the_step_takes_its_launch_settings(name: str, settings: dict) -> None:
     """Other launch settings reach the in-place step and step as the reference does: more warps per step program,
-    PACE-4's Triton step where a GPU would run its Gluon one (kernels.gluon_step; on the GPU by default) and more flush
-    programs per head with fewer warps each, the Gluon step's value columns over 2 warps. PACE-4/8's other flush
-    layouts are refused on the GPU (kernels.plan.check_flush_tile)."""
+    PACE-4's Triton step and flush where a GPU would run its Gluon ones (kernels.gluon_step, kernels.gluon_flush; on
+    the GPU by default) and more flush programs per head with fewer warps each, the Gluon step's value columns over 2
+    warps. PACE-4/8's other flush layouts are refused on the GPU (kernels.plan.check_flush_tile)."""
     split = SplitSettings(**settings)
     launch = Launch(split=split)
     fast, _ = pools(name, DIMS, "triton", DEVICE, launch=launch)
     plan = fast.in_place.plan.split
     assert plan.settings == dataclasses.replace(plan.settings, **settings)
     assert plan.gluon_step == (ON_GPU and name == "pace-4" and split.gluon_step)
+    assert plan.per_width[0].gluon_flush == (ON_GPU and split.gluon_flush)  # PACE-4's part, PACE-4/8's 4-bit one
     run_schedule(name, DIMS, 8 + 2, seed=7, backend="triton", device=DEVICE, launch=launch)
     if ON_GPU and name == "pace-4-8":
         with pytest.raises(PaceError, match="flush_warps=2 not allowed where key records come in groups of 16"):

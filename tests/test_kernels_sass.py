@@ -18,12 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("variant", ["PACE-4 dP=8", "PACE-4/8 dP=8"])
 def test_gluon_kernels_compile_for_the_h200(variant: str, tmp_path: Path) -> None:
     """The Gluon dots and flush kernels of both variants (PACE-4's symmetric codes with int8 records, PACE-4/8's
-    4-bit heads with zero points, 4-bit grouped keys and bfloat16 values), and PACE-4's Gluon step, over a batch and
-    over a state pool's slots."""
+    4-bit heads with zero points, 4-bit grouped keys and bfloat16 values), and PACE-4's Gluon step, the step and the
+    flush over a batch and over a state pool's slots."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "kernels/bench/sass.py", "--variant", variant, "--batch", "4",
-                           "--kernel", "gluon_dots", "dots", "gluon_flush", "gluon_step", "pool_gluon_step",
-                           "--dump", str(tmp_path)],
+                           "--kernel", "gluon_dots", "dots", "gluon_flush", "pool_gluon_flush", "gluon_step",
+                           "pool_gluon_step", "--dump", str(tmp_path)],
                           cwd=ROOT, env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")}, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -31,7 +31,7 @@ def test_gluon_kernels_compile_for_the_h200(variant: str, tmp_path: Path) -> Non
     assert report["target"] == "sm_90a"
     pace4 = variant == "PACE-4 dP=8"
     steps = {"gluon_step", "pool_gluon_step"} if pace4 else set()
-    assert set(report["kernels"]) == {"gluon_dots", "dots", "gluon_flush"} | steps
+    assert set(report["kernels"]) == {"gluon_dots", "dots", "gluon_flush", "pool_gluon_flush"} | steps
     gluon, dots = report["kernels"]["gluon_dots"], report["kernels"]["dots"]
     assert gluon["stack_bytes"] == 0 and gluon["ops"].get("HMMA.16816.F32.BF16", 0) > 0
     assert gluon["ops"].get("PRMT", 0) > 0  # the inline-PTX unpacking is there
@@ -41,6 +41,8 @@ def test_gluon_kernels_compile_for_the_h200(variant: str, tmp_path: Path) -> Non
     fl = report["kernels"]["gluon_flush"]  # the tile stays in registers: shared memory only for per-column values
     assert fl["stack_bytes"] == 0 and fl["shared_bytes"] <= 256 and fl["ops"].get("HMMA.16816.F32.BF16", 0) > 0
     assert fl["ops"].get("PRMT", 0) > 0 and "LDS.U8" not in fl["ops"]
+    pool_fl = report["kernels"]["pool_gluon_flush"]  # the same work at the slots' addresses, for full buffers
+    assert pool_fl["stack_bytes"] == 0 and pool_fl["ops"]["HMMA.16816.F32.BF16"] == fl["ops"]["HMMA.16816.F32.BF16"]
     if pace4:  # the dots' tensor-core products and unpacking, then the records in the same warp: no local memory
         st = report["kernels"]["gluon_step"]
         assert st["stack_bytes"] == 0 and st["ops"]["HMMA.16816.F32.BF16"] == gluon["ops"]["HMMA.16816.F32.BF16"]
@@ -73,7 +75,7 @@ def test_issue43_launch_settings_compile_for_the_h200(settings: list[str], kerne
 
 def test_three_bit_kernels_compile_for_the_h200(tmp_path: Path) -> None:
     """PACE-3's split path (issue 48: 3-bit codes read as three byte planes of 24-bit words, unpacked in registers):
-    the Triton dots kernel, the one-kernel step (over a batch and over a state pool's slots) and the flush compile for
+    the Triton dots kernel, the one-kernel step and the flush (over a batch and over a state pool's slots) compile for
     sm_90a, the products on tensor cores and
     nothing spilled to local memory; the Gluon kernels (4-bit codes only) are not launched for it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -85,11 +87,11 @@ def test_three_bit_kernels_compile_for_the_h200(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "sass.json").read_text())
     assert report["target"] == "sm_90a"
     # no Gluon kernel takes 3-bit codes
-    assert set(report["kernels"]) == {"dots", "records", "step", "pool_step", "flush"}
+    assert set(report["kernels"]) == {"dots", "records", "step", "pool_step", "flush", "pool_flush"}
     for name in ("dots", "step", "pool_step"):
         kernel = report["kernels"][name]
         assert kernel["stack_bytes"] == 0 and kernel["ops"].get("HMMA.16816.F32.BF16", 0) > 0
     flush = report["kernels"]["flush"]
     assert flush["stack_bytes"] == 0 and any(op.startswith(("HMMA", "HGMMA")) for op in flush["ops"])
-    planes = ("dots", "step", "pool_step", "flush")  # the codes read as byte planes
+    planes = ("dots", "step", "pool_step", "flush", "pool_flush")  # the codes read as byte planes
     assert all(report["kernels"][name]["ops"].get("LDG.E.U8", 0) > 0 for name in planes)

@@ -101,8 +101,8 @@ def launches(variant: str, B: int, settings: dict | None = None, every: bool = F
     by the reference), the GPU's bfloat16 operands, the buffer holding half a period of records, the launch
     ``settings`` (:class:`kernels.settings.SplitSettings` fields) over the defaults. ``dots``: the Triton dots kernel;
     ``gluon_dots``: the Gluon one (launched per width); ``step``: the Triton one-kernel step, ``gluon_step``: the Gluon
-    one (PACE-4 only, one launch); ``pool_step``, ``pool_gluon_step``: the same over a state pool's slots
-    (:mod:`kernels.pool_step`); ``flush``, ``gluon_flush``: as the dots."""
+    one (PACE-4 only, one launch); ``pool_step``, ``pool_gluon_step``, ``pool_flush``, ``pool_gluon_flush``: the same
+    over a state pool's slots (:mod:`kernels.pool_step`); ``flush``, ``gluon_flush``: as the dots."""
     from kernels import flush, gluon_dots, gluon_flush, gluon_step, packed_step
 
     st = _layer_state(variant, torch.randn(B, HV, K, V) * 0.05, REFERENCE)
@@ -119,6 +119,10 @@ def launches(variant: str, B: int, settings: dict | None = None, every: bool = F
         strides = slot_strides(p.split.launches[False][0].ckpt, p.records.args())
         packed_step.launch_packed_step(p, st.buffer, q, k, v, g, beta, o, rows=torch.arange(B), strides=strides)
 
+    def pool_flush(p: DecodePlan) -> None:
+        strides = tuple(slot_strides(launch.ckpt, p.records.args()) for launch in p.split.per_width)
+        flush.launch_flush(p, st.buffer, rows=torch.arange(B), strides=strides)
+
     calls = {
         "dots": (packed_step._ckpt_dots_kernel, lambda: packed_step.launch_dots(plan(gluon_dots=False), q, k)),
         "gluon_dots": (gluon_dots._dots_kernel, lambda: packed_step.launch_dots(plan(dots_per_part=True), q, k)),
@@ -133,6 +137,8 @@ def launches(variant: str, B: int, settings: dict | None = None, every: bool = F
         "pool_gluon_step": (gluon_step._step_kernel, lambda: pool(plan(fused_step=True))),
         "flush": (flush._flush_kernel, lambda: flush.launch_flush(plan(gluon_flush=False), st.buffer)),
         "gluon_flush": (gluon_flush._flush_kernel, lambda: flush.launch_flush(plan(), st.buffer)),
+        "pool_flush": (flush._flush_kernel, lambda: pool_flush(plan(gluon_flush=False))),
+        "pool_gluon_flush": (gluon_flush._flush_kernel, lambda: pool_flush(plan())),
     }
     kernels = {fn for fn, _ in calls.values()}
     out = {}
