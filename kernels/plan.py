@@ -430,10 +430,10 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
 def check_flush_tile(split: SplitPlan, key_group: int, V: int) -> None:
     """PaceError for a Triton flush launch that folds wrong checkpoints on the GPU. Where the key records' groups are
     narrower than the flush's tile of key rows (``max(G, 16)``; one dot per group) with tensor-core operands, only the
-    default layout is right: a program over the head's ``V`` columns with 4 warps. PACE-4/8 (key records in groups of
-    16, tiles of 32 rows) on an H100 (2026-12-07) stored entries 20 roundings off in every head with 32 or 64 of 128
-    columns, or with 2 warps (tests/test_kernels_decode.py::test_the_flush_folds_alike_at_every_column_width,
-    tests/test_kernels_pool_step.py); PACE-4 (one group per tile) is right at every width. Not yet traced."""
+    default layout is right: a program over the head's ``V`` columns with 4 warps, whose fold compiles to wgmma. The
+    other layouts compile it to mma.sync and fold wrong (PACE-4/8: key records in groups of 16, tiles of 32 rows);
+    PACE-4's mma.sync folds (one group per tile) are right. kernels/bench/NOTES.md "The flush fault" has the
+    evidence; tests/test_kernels_decode.py::test_the_flush_folds_alike_at_every_column_width shows it on a GPU."""
     rows = max(split.group, 16)
     s = split.settings
     if split.bf16 and key_group < rows and (s.flush_columns < V or s.flush_warps != 4):
