@@ -283,14 +283,15 @@ def launch_flush(plan: DecodePlan, buf: DecodeBuffer, rows: torch.Tensor | None 
     s = sp.settings
     bv = min(s.flush_columns, V)
     cap = {} if s.flush_maxnreg is None else {"maxnreg": s.flush_maxnreg}
+    n = len(buf) if rows is None else 0  # a pool's programs count their slot's records
     for i, launch in enumerate(sp.per_width):
+        launch_strides = strides[i] if rows is not None else None
         if launch.gluon_flush:  # decided once per plan (kernels.plan.gluon_flush_apply); GPU only
             from . import gluon_flush
 
-            gluon_flush.launch(plan, len(buf), launch, rows, strides[i] if rows is not None else None)
+            gluon_flush.launch(plan, n, launch, rows, launch_strides)
             continue
         _flush_kernel[((B if rows is None else rows.numel()) * launch.heads, V // bv)](
-            *launch.ckpt.args(), *plan.records.args(), len(buf) if rows is None else 0, plan.capacity, rows,
-            strides[i] if rows is not None else None, H, HV,
+            *launch.ckpt.args(), *plan.records.args(), n, plan.capacity, rows, launch_strides, H, HV,
             BV=bv, NB=16, **plan.records.layout.constexprs(), num_warps=s.flush_warps, num_stages=1, **cap,
             **sp.constexprs(launch, K, V), POOL=rows is not None)

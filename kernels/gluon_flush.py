@@ -357,7 +357,7 @@ def launch(plan: DecodePlan, n: int, launch: SplitLaunch, rows: torch.Tensor | N
     """One :func:`_flush_kernel` launch over the value heads of one 4-bit part (``launch``, one of
     ``plan.split.per_width``), folding the buffer's ``n`` records (``plan.records``); ``rows`` (long, on the device):
     of these slots of a state pool whose first slot ``plan`` is (slot strides ``strides``), those whose buffer is
-    full."""
+    full (``n`` unused)."""
     B, H, HV, K, V = plan.shape
     if rows is not None:
         B = rows.numel()
@@ -369,7 +369,7 @@ def launch(plan: DecodePlan, n: int, launch: SplitLaunch, rows: torch.Tensor | N
     blocks = min(sp.settings.flush_row_blocks, K // sp.group)
     _flush_kernel[(B * launch.heads, V // COLUMNS.value, blocks)](
         part.codes, part.scale, part.zero, launch.ckpt.table, r.keys, r.key_scale, r.key_zero, r.values, r.value_scale,
-        r.log_decays, 0 if rows is not None else n, plan.capacity, rows, strides, H=H, HV=HV, HP=launch.heads,
+        r.log_decays, n, plan.capacity, rows, strides, H=H, HV=HV, HP=launch.heads,
         MAPPED=launch.ckpt.mapped, K=K, V=V, G=sp.group, SYM=sp.symmetric, SS=part.layout.scale_size,
         ZS=part.layout.zero_size, RB=RB,
         REC=0 if r.layout.keys.bits == 8 else 1, KG=r.layout.keys.group, **layouts(sp.group, RB),
