@@ -4,6 +4,7 @@ import pytest
 import torch
 from numerics import fp32_bound
 
+from pace_core.analysis import quality
 from pace_core.analysis.quality import (
     MOST_WINDOWS_PER_BATCH,
     WINDOW_COLUMNS,
@@ -14,6 +15,7 @@ from pace_core.analysis.quality import (
     quality_run,
     scored_bytes,
     sliding_windows,
+    window_sums,
     windows_per_batch,
 )
 from pace_core.analysis.text import tokenize
@@ -134,6 +136,36 @@ def test_each_window_holds_its_own_figures(loaded):
         assert row.nll == pytest.approx(float(-got[at].gather(1, targets[:, None]).sum()), rel=1e-3)
         assert row.kl == pytest.approx(float((ref[at].exp() * (ref[at] - got[at])).sum()), rel=1e-2)
         assert abs(row.agreed - int((got[at].argmax(-1) == ref[at].argmax(-1)).sum())) <= 1
+
+
+@pytest.mark.parametrize("first", [0, 5, 11])
+@pytest.mark.parametrize("slice_windows", [1, 2, 8])
+def test_window_sums_are_each_window_and_member_reduced_alone(monkeypatch, first, slice_windows):
+    """The reduction of a forward's logits, all windows and members at once (in slices of ``slice_windows``
+    windows), against the spec's formulas applied to one member's window at a time (float64; the same terms, each
+    sum over a window's tokens taken in another grouping: 1e-12 relative)."""
+    g = torch.Generator().manual_seed(7)
+    M, N, W, t, vocab = 3, 5, 16, 6, 11
+    logits = torch.randn(M * N, t, vocab, generator=g)
+    logits[N:2 * N] = logits[:N] + 0.05 * torch.randn(N, t, vocab, generator=g)  # a member near the reference
+    ids = torch.randint(0, vocab, (N, W), generator=g)
+    first_scored = [1, 9, 9, 9, 12]  # the text's first window, then windows whose first target is later
+    monkeypatch.setattr(quality, "REDUCE_BYTES", slice_windows * t * vocab * 8)
+    got = window_sums(logits, first, ids, first_scored)
+    for m in range(M):
+        for i, f in enumerate(first_scored):
+            lo, hi = max(f - 1, first), min(W - 1, first + t)
+            want = torch.zeros(3, dtype=torch.float64)
+            if lo < hi:
+                ref = logits[i, lo - first:hi - first].double().log_softmax(-1)
+                logp = logits[m * N + i, lo - first:hi - first].double().log_softmax(-1)
+                targets = ids[i, lo + 1:hi + 1]
+                want = torch.stack([-logp[torch.arange(hi - lo), targets].sum(),
+                                    (logp.argmax(-1) == ref.argmax(-1)).sum().double(),
+                                    (ref.exp() * (ref - logp)).sum()])
+            assert got[m, i].tolist() == pytest.approx(want.tolist(), rel=1e-12, abs=1e-15)
+    assert (got[0, :, 2].abs() < 1e-15).all() and (got[0, :, 1] == got[0, :, 1].round()).all()
+    assert got[1, :, 2].sum() > 0 and got[2, :, 2].sum() > got[1, :, 2].sum()  # the near member is nearer
 
 
 def test_batched_windows_group_equal_lengths_in_order():

@@ -28,6 +28,7 @@ up to the totals), so a difference between configurations can be given a spread 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -209,28 +210,15 @@ def quality_run(
     stacks: dict = {}  # batches of one shape run on one store stack (its CUDA graphs recorded once)
     for group in batched_windows(windows, batch):
         chunk = torch.cat([ids[:, w.begin : w.end] for w in group]).to(device)
-        n, W = chunk.shape
+        W = chunk.shape[1]
         d = prompt_tokens(decode_from, W)
         first_scored = [w.first_target - w.begin for w in group]  # window positions of the first target
         count += sum(W - f for f in first_scored)
 
-        def on_logits(logits: torch.Tensor, first: int, chunk=chunk, n=n, first_scored=first_scored,
-                      done=done, W=W) -> None:
-            for i, f in enumerate(first_scored):
-                lo, hi = max(f - 1, first), min(W - 1, first + logits.shape[1])  # positions predicting targets
-                if lo >= hi:
-                    continue
-                targets = chunk[i, lo + 1:hi + 1].to(totals.device)
-                ref_logp = None
-                for m in range(len(members)):
-                    logp = torch.log_softmax(logits[m * n + i, lo - first:hi - first].double(), dim=-1)
-                    if ref_logp is None:
-                        ref_logp = logp
-                    sums = torch.stack([-logp.gather(1, targets[:, None]).sum(),
-                                        (logp.argmax(-1) == ref_logp.argmax(-1)).sum().double(),
-                                        (ref_logp.exp() * (ref_logp - logp)).sum()])
-                    totals[m] += sums
-                    per_window[m, done + i] += sums
+        def on_logits(logits: torch.Tensor, first: int, chunk=chunk, first_scored=first_scored, done=done) -> None:
+            sums = window_sums(logits, first, chunk, first_scored)
+            per_window[:, done:done + len(first_scored)] += sums
+            totals.add_(sums.sum(1))
 
         teacher_forced(loaded, members, chunk, d, on_logits=on_logits, logits_from=min(first_scored) - 1,
                        progress=progress, stacks=stacks)
@@ -243,6 +231,43 @@ def quality_run(
              "nll": float(per_window[m, j, 0]), "agreed": int(per_window[m, j, 1]), "kl": float(per_window[m, j, 2])}
             for m, name in enumerate(names) for j, w in enumerate(windows)]
     return QualityRun(table, pd.DataFrame(rows, columns=list(WINDOW_COLUMNS)))
+
+
+REDUCE_BYTES = 1 << 28
+"""The most bytes of float64 log-probabilities :func:`window_sums` holds at once per member (it takes the windows
+in slices of this size)."""
+
+
+def window_sums(logits: torch.Tensor, first: int, ids: torch.Tensor, first_scored: list[int]) -> torch.Tensor:
+    """``[M, N, 3]`` float64 on the logits' device: each member's and window's sums over the targets a forward's
+    logits predict: NLL (nats), top-1 agreement with the reference (member 0) and KL(reference ‖ member) (nats).
+
+    ``logits [M·N, t, vocab]`` of positions ``first .. first + t - 1`` (member ``m``'s window ``i`` in row
+    ``m·N + i``), ``ids [N, W]`` the windows' tokens, ``first_scored[i]`` the position of window ``i``'s first
+    target; a position ``p`` counts when it predicts a target (``first_scored[i] - 1 <= p < W - 1``). Consecutive
+    windows of one first target are reduced together, in slices of at most :data:`REDUCE_BYTES` of float64 log-
+    probabilities per member."""
+    N, W = ids.shape
+    M, t, vocab = logits.shape[0] // N, logits.shape[1], logits.shape[2]
+    by_member, ids = logits.view(M, N, t, vocab), ids.to(logits.device)
+    out = torch.zeros(M, N, 3, dtype=torch.float64, device=logits.device)
+    i = 0
+    for f, run in itertools.groupby(first_scored):
+        end = i + len(list(run))
+        lo, hi = max(f - 1, first), min(W - 1, first + t)  # positions predicting targets
+        step = max(1, REDUCE_BYTES // (max(hi - lo, 1) * vocab * 8))
+        for a in range(i, end if lo < hi else i, step):
+            b = min(a + step, end)
+            targets = ids[a:b, lo + 1:hi + 1].unsqueeze(-1)  # [n, L, 1]
+            ref = torch.log_softmax(by_member[0, a:b, lo - first:hi - first].double(), dim=-1)
+            ref_top, ref_p = ref.argmax(-1), ref.exp()
+            for m in range(M):
+                logp = ref if m == 0 else torch.log_softmax(by_member[m, a:b, lo - first:hi - first].double(), dim=-1)
+                out[m, a:b, 0] = -logp.gather(-1, targets).sum((1, 2))
+                out[m, a:b, 1] = (logp.argmax(-1) == ref_top).sum(1)
+                out[m, a:b, 2] = (ref_p * (ref - logp)).sum((1, 2))
+        i = end
+    return out
 
 
 def quality_progress_total(loaded: LoadedModel, configs: int, n_tokens: int, window: int, stride: int,
