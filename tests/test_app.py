@@ -1168,6 +1168,33 @@ def test_benchmarks_lead_with_the_servers_gain_and_keep_the_dashboards_times_las
     assert "Not a speed measurement" in vllm and "pace-tiny-qwen35" in vllm and "python -m pace_core.vllm.check" in vllm
 
 
+def test_benchmarks_show_each_gpu_calls_folder_with_its_readme_and_nested_figures(params, tmp_path, monkeypatch):
+    """A folder of data/bench/ (one GPU machine's calls) comes under its own heading with its README, and a file's
+    nested records (the serving harness's per-stage figures) are columns ``stage.figure``; two folders' files of one
+    name both show."""
+    harness = {"kind": "gpu-serving-harness", "device": "cuda", "results": [
+        {"config": c, "checks": {"graph": True}, "decode": {"graph_median_s": t, "graph_ratio_over_bf16": r}}
+        for c, t, r in (("bf16", 128e-6, 1.0), ("pace-4", 66e-6, 1.95))]}
+    for day in ("h100_2026-12-06", "h100_2026-12-07"):
+        (tmp_path / day).mkdir()
+        (tmp_path / day / "harness.json").write_text(json.dumps(harness))
+    (tmp_path / "h100_2026-12-07" / "README.md").write_text("# Calls of the day\nSession 59: the pool step.")
+    (tmp_path / "bench.json").write_text(json.dumps({"device": "NVIDIA H100", "rows": [
+        {"batch": 1, "variant": "bf16 per-token", "seconds_per_token": 5e-5}]}))
+    monkeypatch.setattr(stored, "BENCH_DIR", tmp_path)
+    at = start(params, page="benchmarks")
+    assert not at.exception
+    assert "GPU calls, one folder each" in [plain(h.value) for h in at.header]
+    titles = [plain(s.value) for s in at.subheader]
+    assert [t for t in titles if t.startswith("h100_")] == ["h100_2026-12-06", "h100_2026-12-07"]
+    assert any("Session 59: the pool step." in m.value for m in at.markdown)
+    tables = [getattr(d.value, "data", d.value) for d in at.dataframe]
+    nested = [t for t in tables if "decode.graph_ratio_over_bf16" in t.columns]
+    assert len(nested) == 2
+    assert nested[0].set_index("config").loc["pace-4", "decode.graph_ratio_over_bf16"] == pytest.approx(1.95)
+    assert nested[0].set_index("config").loc["bf16", "checks.graph"]
+
+
 def test_state_heatmap_marks_the_sidebars_groups(params, loaded):
     """The scale-group boundaries of each grouping are drawn on its panels and the sidebar's grouping is named;
     moving the sidebar's axis moves the mark."""

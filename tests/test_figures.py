@@ -223,9 +223,13 @@ def test_split_bench_document_and_plot_columns(rng):
     assert prov == {"device": "H200", "date": "2026-11-30", "notes": ["a", "b"]}
     assert figures.bench_plot_columns(pd.DataFrame(rows)) == ("batch", ["step_time_us"], "variant")
     assert figures.bench_plot_columns(pd.DataFrame(rows).drop(columns=["variant"])) is None
-    nested = [dict(r, spread=[0.1, 0.2], config={"warps": 4}, hbm_fraction=0.5) for r in rows]
+    nested = [dict(r, spread=[0.1, 0.2], config={"warps": 4, "per_part": "auto" if i else True}, hbm_fraction=0.5)
+              for i, r in enumerate(rows)]
     table = figures.bench_scalar_table(nested)
-    assert list(table.columns) == ["batch", "variant", "step_time_us", "bytes", "hbm_fraction"]
+    # nested records' fields as columns, lists left out, a field of several types as text (Arrow takes one type)
+    assert list(table.columns) == ["batch", "variant", "step_time_us", "bytes", "hbm_fraction", "config.warps",
+                                   "config.per_part"]
+    assert list(table["config.warps"]) == [4] * 4 and list(table["config.per_part"]) == ["True"] + ["auto"] * 3
     assert figures.bench_plot_columns(table) == ("batch", ["step_time_us", "hbm_fraction"], "variant")
 
 
