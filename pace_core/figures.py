@@ -554,7 +554,7 @@ def bench_scalar_table(rows: list[dict]) -> pd.DataFrame:
     frame = frame.drop(columns=nested)
     for c in frame.columns:  # a field of several types (a setting "auto" or a flag) as text: Arrow takes one type
         if frame[c].dtype == "object" and frame[c].dropna().map(type).nunique() > 1:
-            frame[c] = frame[c].map(lambda v: v if v is None or v != v else str(v))
+            frame[c] = frame[c].map(lambda v: v if pd.isna(v) else str(v))
     return frame
 
 

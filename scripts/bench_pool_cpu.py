@@ -49,6 +49,7 @@ from pace_core.config import get_config  # noqa: E402
 from pace_core.pool import StatePool  # noqa: E402
 from pace_core.provenance import measurement  # noqa: E402
 from pace_core.recurrence import gdn_gates, prepare_qk  # noqa: E402
+from pace_core.results import atomic_write  # noqa: E402
 
 H, HV, K, V = 2, 4, 128, 128
 CONFIGS = ("fp32", "bf16", "rtn-int4", "pace-4", "pace-4-8")
@@ -230,10 +231,7 @@ def main(argv: list[str] | None = None) -> int:
            "clock": args.clock,
            "rows": rows, "provenance": {**measurement(), "vllm_own": vllm_ops is not None,
                                         "load_avg_end": os.getloadavg()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, args.out)
+    atomic_write(args.out, lambda path: path.write_text(json.dumps(doc, indent=1) + "\n"))
     return 0
 
 

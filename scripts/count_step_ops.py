@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from pace_core.config import NAMED_CONFIGS, get_config  # noqa: E402
 from pace_core.model.loading import load_model  # noqa: E402
 from pace_core.model.teacher import Member, teacher_forced  # noqa: E402
 from pace_core.provenance import measurement  # noqa: E402
+from pace_core.results import atomic_write  # noqa: E402
 
 HOST_READS = {"_local_scalar_dense"}
 NO_DATA = {"_unsafe_view"}
@@ -99,10 +99,7 @@ def main() -> int:
     doc = {"kind": "study-ops-cpu", "rows_per_run": args.rows, "tokens": args.tokens, "decode_from": args.decode_from,
            "gdn_layers": len(loaded.gdn_layers), "model": loaded.source, "rows": rows,
            "provenance": measurement()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, args.out)
+    atomic_write(args.out, lambda path: path.write_text(json.dumps(doc, indent=1) + "\n"))
     return 0
 
 

@@ -71,6 +71,7 @@ from pace_core.checkpoint import checkpoint_tensors, with_tensors  # noqa: E402
 from pace_core.config import get_config  # noqa: E402
 from pace_core.pool import StatePool  # noqa: E402
 from pace_core.provenance import measurement  # noqa: E402
+from pace_core.results import atomic_write  # noqa: E402
 
 LIMIT = 1e-2
 """Relative Frobenius bound of the outputs, kernels against reference (tests/test_vllm_slots.py: their float32 rounding
@@ -588,9 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"kind": "gpu-serving-harness", "device": str(device), "args": {k: str(v) for k, v in vars(args).items()},
            "limit": LIMIT, "results": results, "wall_s": time.perf_counter() - started,
            "provenance": {**measurement(), "triton_interpret": os.environ.get("TRITON_INTERPRET")}}
-    tmp = args.out / "harness.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, args.out / "harness.json")
+    atomic_write(args.out / "harness.json", lambda path: path.write_text(json.dumps(doc, indent=1) + "\n"))
     failed = [f"{r['config']}.{k}" for r in results for k, ok in r["checks"].items() if not ok]
     log(f"checks failed: {', '.join(failed)}" if failed else "all checks passed")
     return 1 if failed else 0

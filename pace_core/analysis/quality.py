@@ -256,7 +256,7 @@ def window_sums(logits: torch.Tensor, first: int, ids: torch.Tensor, first_score
         end = i + len(list(run))
         lo, hi = max(f - 1, first), min(W - 1, first + t)  # positions predicting targets
         step = max(1, REDUCE_BYTES // (max(hi - lo, 1) * vocab * 8))
-        for a in range(i, end if lo < hi else i, step):
+        for a in range(i, end, step) if lo < hi else ():
             b = min(a + step, end)
             targets = ids[a:b, lo + 1:hi + 1].unsqueeze(-1)  # [n, L, 1]
             ref = torch.log_softmax(by_member[0, a:b, lo - first:hi - first].double(), dim=-1)
