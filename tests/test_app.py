@@ -1407,18 +1407,19 @@ def test_overview_shows_the_perplexity_run_over_the_most_tokens_first(params, lo
     assert box.value == box.options[0]
 
 
-def test_a_drift_run_superseded_by_a_dp_change_leaves_nothing_behind(params):
+def test_a_drift_run_superseded_by_a_dp_change_leaves_nothing_behind(params, monkeypatch):
     """A dP change while Drift computes: streamlit (fast reruns) starts the new run in a new script thread at
-    once and stops the old one at its next progress update, so the two run at the same time on the one shared
-    model. Here session 1 computes; at its first progress update session 2 (the new run, dP 16) starts and
-    computes; session 1 is then stopped (StopException, as streamlit raises it) and unwinds while session 2 is
-    in the middle of its run. Session 2 finishes without an error (it failed with "Expected size for first two
-    dimensions of batch2 tensor to be: [8, 128] but got: [8, 0]"), and session 1 then computes with another dP."""
+    once and stops the old one at its next progress update. Here session 1 computes; at its first progress update
+    session 2 (the new run, dP 16) starts and asks for the model's turn (app_state.turns: one computation at a time
+    on the shared model; without it the two ran at once and session 2 failed with "Expected size for first two
+    dimensions of batch2 tensor to be: [8, 128] but got: [8, 0]"); session 1 is then stopped (StopException, as
+    streamlit raises it) and unwinds, session 2 computes and finishes without an error, and session 1 then computes
+    with another dP."""
     import threading
 
     from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
-    from app_state import work
+    from app_state import turns, work
 
     sessions = []
     for dp in ("8", "16"):  # settings of their own (40 steps): nothing kept from other tests
@@ -1428,9 +1429,18 @@ def test_a_drift_run_superseded_by_a_dp_change_leaves_nothing_behind(params):
         check(at)
         sessions.append(at)
     first, second = sessions
-    real, opened = work.progress, []
-    second_running, first_gone = threading.Event(), threading.Event()
+    real, opened, asked = work.progress, [], set()
+    second_asks = threading.Event()
     superseding = threading.Thread(target=lambda: second.slider(key="drift_prefill").set_value(32).run())
+    page = turns.Turn.page
+
+    @contextlib.contextmanager
+    def asking(turn):
+        asked.add(threading.get_ident())
+        if len(asked) == 2:  # a second thread asks for the turn the first holds
+            second_asks.set()
+        with page(turn):
+            yield
 
     @contextlib.contextmanager
     def interleaved(total: int, text: str, key):
@@ -1439,26 +1449,20 @@ def test_a_drift_run_superseded_by_a_dp_change_leaves_nothing_behind(params):
         with real(total, text, key) as advance:
             def step(n: int) -> None:
                 advance(n)
-                if session == 0:  # the superseded run: the new one starts, then this one is stopped
+                if session == 0:  # the superseded run: the new one starts and asks for the turn, this one stops
                     superseding.start()
-                    assert second_running.wait(120)
+                    assert second_asks.wait(120)
                     raise StopException()
-                second_running.set()  # the new run waits in its run until the old one has unwound
-                assert first_gone.wait(120)
 
-            try:
-                yield step
-            finally:
-                if session == 0:
-                    first_gone.set()
+            yield step
 
-    work.progress = interleaved
-    try:
-        first.slider(key="drift_prefill").set_value(32).run()
-        superseding.join(300)
-    finally:
-        work.progress = real
-    assert not superseding.is_alive() and len(opened) == 2
+    monkeypatch.setattr(turns.Turn, "page", asking)
+    monkeypatch.setattr(work, "progress", interleaved)
+    first.slider(key="drift_prefill").set_value(32).run()
+    superseding.join(300)
+    monkeypatch.undo()
+    assert not superseding.is_alive() and len(opened) == 2 and len(asked) == 2
+    assert not first.exception  # stopped at its progress update, not failed
     check(second)
     assert array(chart(second, "drift_chart")["data"][0]["x"]).max() == 40
     first.sidebar.select_slider(key="w_dp").set_value(4).run()  # dP 4 and 8 computed, dP 1 kept from session 2
