@@ -45,8 +45,8 @@ def page(cfg: PaceConfig) -> None:
 
 
 def _device_calls() -> None:
-    """The folders of data/bench/, one per GPU machine's calls of a day: each its README (what each call ran, on
-    which card and tree, with its figures) and its JSON results."""
+    """The folders of data/bench/ that hold JSON results (a GPU machine's calls of one day, or one measurement's
+    files): each with its README where it has one (what each call ran, on which card and tree) and its files."""
     folders = sorted(p for p in stored.BENCH_DIR.iterdir() if p.is_dir() and any(p.glob("*.json")))
     if not folders:
         return
