@@ -23,13 +23,12 @@ from .primitives import (
     operand,
     pack3,
     packed_head,
-    pool_row,
     quant_tile,
     slot_parts,
     store3,
     unpack3,
 )
-from .records import RECORD_COUNT, load_vecs, records_held, slot_records, vec_parts
+from .records import RECORD_COUNT, full_row, load_vecs, slot_records, vec_parts
 
 
 @triton.jit
@@ -207,7 +206,7 @@ def _flush_head(codes, scale, zero, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
 @triton.jit(do_not_specialize=RECORD_COUNT)
 def _flush_kernel(
     part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0: tl.constexpr, HV1: tl.constexpr,
-    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, rows_ptr, strides_ptr, H: tl.constexpr,
+    bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n, cap, full_ptr, strides_ptr, H: tl.constexpr,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr,
     BITS0: tl.constexpr, PZ0: tl.constexpr, CC0: tl.constexpr, SS0: tl.constexpr, ZS0: tl.constexpr,
     BITS1: tl.constexpr, PZ1: tl.constexpr, CC1: tl.constexpr, SS1: tl.constexpr, ZS1: tl.constexpr,
@@ -223,26 +222,23 @@ def _flush_kernel(
     against the keys as the exact integers ``c - 2^(b-1)`` (integer storage; bfloat16 keys as they
     are), so every product is exact; float32 keys take an IEEE fp32 dot (:func:`_fold`).
 
-    ``POOL``: the programs fold the slots ``rows_ptr`` of a state pool (laid out as :func:`kernels.packed_step.
-    _ckpt_step_kernel`'s) whose buffers are full (``cap`` records), and leave the others as they are (``n`` unused:
-    :mod:`kernels.pool_step`)."""
+    ``POOL``: the programs fold the full slots ``full_ptr`` (:func:`kernels.records.full_slots`: ``cap`` records
+    each) of a state pool laid out as :func:`kernels.packed_step._ckpt_step_kernel`'s, the first rows' programs; the
+    others exit (``n`` unused: :mod:`kernels.pool_step`)."""
     pid = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
-    if POOL:
-        _, slot_i, pid = pool_row(pid, rows_ptr, HV0 if MAPPED else HV)
-        c0p, s0p, z0p, c1p, s1p, z1p = slot_parts(slot_i, strides_ptr, c0p, s0p, z0p, c1p, s1p, z1p)
-        bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr = slot_records(
-            slot_i, strides_ptr + 6, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr)
-    b, h, kh, part, a0, as0, az0, a1, as1, az1, _ = packed_head(
-        pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1, ZS1, TWO,
-        MAPPED)
-    if POOL:
-        n = records_held(bg_ptr, b, h, cap, HV, NB)
-        if n == cap:
-            _flush_parts(part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr,
-                         n, cap, b, h, kh, H, HV, cb, K, V, BV, G, SYM, BITS0, PZ0, BITS1, PZ1, TWO, KBITS, KG, KSYM,
-                         KPZ, VBITS, VG, VSYM, VPZ, K_BF16, NB, BF16)
-    else:
+    folds = True
+    if POOL:  # the pool's full slots first (full_ptr: kernels.records.full_slots); the other programs exit
+        folds, slot_i, pid = full_row(pid, full_ptr, HV0 if MAPPED else HV)
+        n = cap
+    if folds:
+        if POOL:
+            c0p, s0p, z0p, c1p, s1p, z1p = slot_parts(slot_i, strides_ptr, c0p, s0p, z0p, c1p, s1p, z1p)
+            bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr = slot_records(
+                slot_i, strides_ptr + 6, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr)
+        b, h, kh, part, a0, as0, az0, a1, as1, az1, _ = packed_head(
+            pid, H, HV, part_ptr, slot_ptr, c0p, s0p, z0p, c1p, s1p, z1p, HV0, HV1, K, CC0, SS0, ZS0, CC1, SS1, ZS1,
+            TWO, MAPPED)
         _flush_parts(part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bvz_ptr, bg_ptr, n,
                      cap, b, h, kh, H, HV, cb, K, V, BV, G, SYM, BITS0, PZ0, BITS1, PZ1, TWO, KBITS, KG, KSYM, KPZ,
                      VBITS, VG, VSYM, VPZ, K_BF16, NB, BF16)
@@ -271,27 +267,29 @@ def _flush_parts(part, a0, as0, az0, a1, as1, az1, bk_ptr, bks_ptr, bkz_ptr, bv_
                     NB, BF16)
 
 
-def launch_flush(plan: DecodePlan, buf: DecodeBuffer, rows: torch.Tensor | None = None,
+def launch_flush(plan: DecodePlan, buf: DecodeBuffer, full: torch.Tensor | None = None,
                  strides: tuple[torch.Tensor, ...] = ()) -> None:
     """The split path's flush kernel: fold the buffer's ``len(buf)`` records into the packed
     checkpoint and requantise it in place (the caller clears the buffer); launches that
-    :func:`kernels.plan.gluon_flush_apply` takes run :mod:`kernels.gluon_flush`. ``rows`` (long, on the device): of
-    these slots of a state pool whose first slot ``plan`` is, those whose buffer is full (``strides``: each launch's
-    slot strides, :func:`kernels.pool_step.slot_strides`)."""
+    :func:`kernels.plan.gluon_flush_apply` takes run :mod:`kernels.gluon_flush`. ``full [1 + B]`` (on the device,
+    :func:`kernels.records.full_slots`): the slots whose buffers are full of the ``B`` rows of a state pool whose
+    first slot ``plan`` is (``strides``: each launch's slot strides, :func:`kernels.pool_step.slot_strides`)."""
     B, H, HV, K, V = plan.shape
+    if full is not None:
+        B = full.numel() - 1
     sp = plan.split
     s = sp.settings
     bv = min(s.flush_columns, V)
     cap = {} if s.flush_maxnreg is None else {"maxnreg": s.flush_maxnreg}
-    n = len(buf) if rows is None else 0  # a pool's programs count their slot's records
+    n = len(buf) if full is None else 0  # a pool's slots are full
     for i, launch in enumerate(sp.per_width):
-        launch_strides = strides[i] if rows is not None else None
+        launch_strides = strides[i] if full is not None else None
         if launch.gluon_flush:  # decided once per plan (kernels.plan.gluon_flush_apply); GPU only
             from . import gluon_flush
 
-            gluon_flush.launch(plan, n, launch, rows, launch_strides)
+            gluon_flush.launch(plan, n, launch, full, launch_strides)
             continue
-        _flush_kernel[((B if rows is None else rows.numel()) * launch.heads, V // bv)](
-            *launch.ckpt.args(), *plan.records.args(), n, plan.capacity, rows, launch_strides, H, HV,
+        _flush_kernel[(B * launch.heads, V // bv)](
+            *launch.ckpt.args(), *plan.records.args(), n, plan.capacity, full, launch_strides, H, HV,
             BV=bv, NB=16, **plan.records.layout.constexprs(), num_warps=s.flush_warps, num_stages=1, **cap,
-            **sp.constexprs(launch, K, V), POOL=rows is not None)
+            **sp.constexprs(launch, K, V), POOL=full is not None)

@@ -40,14 +40,13 @@ from .primitives import (
     biased,
     code_clamp,
     part_head,
-    pool_row,
     slot_parts,
     sym_code_sum,
     sym_fits,
     sym_scale,
     sym_value,
 )
-from .records import slot_records
+from .records import full_row, slot_records
 
 COLUMNS = gl.constexpr(32)
 """Value columns per program: four 8-column steps of the accumulator, one 32-bit word of codes per key row and
@@ -234,7 +233,7 @@ def _keys(bk_ptr, bks_ptr, bkz_ptr, vec, r, held, r0: gl.constexpr, K: gl.conste
 
 @gluon.jit
 def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
-                  rows_ptr, strides_ptr, H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr,
+                  full_ptr, strides_ptr, H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr,
                   K: gl.constexpr, V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr,
                   ZS: gl.constexpr, RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LW: gl.constexpr,
                   LK: gl.constexpr, LU: gl.constexpr, GROUPS: gl.constexpr, POOL: gl.constexpr = False):
@@ -248,23 +247,22 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
     bfloat16 values (PACE-4/8's). ``LW``: a ``[G, 4]`` block of code words, word ``q`` of row ``r`` in lane
     ``4 (r % 8) + q``; ``LK``, ``LU``: the keys ``[G, RB]`` and weights ``[RB, 32]`` (:func:`layouts`). ``GROUPS``: the
     key groups of a program, ``K / G`` (all) or fewer: program axis 2 then picks the block of groups (more programs
-    at small batch, each computing the records' weights again). ``POOL``: the programs fold the slots ``rows_ptr`` of a
-    state pool whose buffers are full (``cap`` records; the pointers are the first slot's, ``strides_ptr`` the slot
-    strides of :func:`kernels.pool_step.slot_strides`) and leave the others as they are (``n`` unused), as
-    :func:`kernels.flush._flush_kernel` does."""
+    at small batch, each computing the records' weights again). ``POOL``: the programs fold the full slots ``full_ptr``
+    of a state pool (:func:`kernels.records.full_slots`: ``cap`` records each; the pointers are the first slot's,
+    ``strides_ptr`` the slot strides of :func:`kernels.pool_step.slot_strides`), the first rows' programs; the others
+    exit (``n`` unused), as :func:`kernels.flush._flush_kernel` does."""
     gl.static_assert(G % 16 == 0 and G <= 64, "key groups of 16 to 64 rows")
     pid = gl.program_id(0).to(gl.int64)
     ct = gl.program_id(1)
-    if POOL:  # the batch row's slot, then the program within the row
-        _, slot_i, pid = pool_row(pid, rows_ptr, HP)
-        codes_ptr, scale_ptr, zero_ptr, _, _, _ = slot_parts(slot_i, strides_ptr, codes_ptr, scale_ptr, zero_ptr,
-                                                             codes_ptr, codes_ptr, codes_ptr)
-        bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, _, bg_ptr = slot_records(slot_i, strides_ptr + 6, bk_ptr, bks_ptr,
-                                                                            bkz_ptr, bv_ptr, bvs_ptr, bv_ptr, bg_ptr)
-        n = records_held(bg_ptr, 0, cap, HV, RB, 1)
-        if n == cap:
+    if POOL:  # the pool's full slots first (full_ptr: kernels.records.full_slots); the other programs exit
+        folds, slot_i, pid = full_row(pid, full_ptr, HP)
+        if folds:
+            codes_ptr, scale_ptr, zero_ptr, _, _, _ = slot_parts(slot_i, strides_ptr, codes_ptr, scale_ptr, zero_ptr,
+                                                                 codes_ptr, codes_ptr, codes_ptr)
+            bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, _, bg_ptr = slot_records(
+                slot_i, strides_ptr + 6, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bv_ptr, bg_ptr)
             _flush_columns(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr,
-                           n, cap, pid, ct, H, HV, HP, MAPPED, K, V, G, SYM, SS, ZS, RB, REC, KG, LW, LK, LU, GROUPS)
+                           cap, cap, pid, ct, H, HV, HP, MAPPED, K, V, G, SYM, SS, ZS, RB, REC, KG, LW, LK, LU, GROUPS)
     else:
         _flush_columns(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr, n,
                        cap, pid, ct, H, HV, HP, MAPPED, K, V, G, SYM, SS, ZS, RB, REC, KG, LW, LK, LU, GROUPS)
@@ -352,15 +350,15 @@ def layouts(G: int, RB: int) -> dict:
                 LU=gl.DistributedLinearLayout([[1, 0], [0, 8], [0, 16]], _LANES_B, [], [], [8, COLUMNS.value]))
 
 
-def launch(plan: DecodePlan, n: int, launch: SplitLaunch, rows: torch.Tensor | None = None,
+def launch(plan: DecodePlan, n: int, launch: SplitLaunch, full: torch.Tensor | None = None,
            strides: torch.Tensor | None = None) -> None:
     """One :func:`_flush_kernel` launch over the value heads of one 4-bit part (``launch``, one of
-    ``plan.split.per_width``), folding the buffer's ``n`` records (``plan.records``); ``rows`` (long, on the device):
-    of these slots of a state pool whose first slot ``plan`` is (slot strides ``strides``), those whose buffer is
-    full (``n`` unused)."""
+    ``plan.split.per_width``), folding the buffer's ``n`` records (``plan.records``); ``full [1 + B]`` (on the
+    device, :func:`kernels.records.full_slots`): the full slots of ``B`` rows of a state pool whose first slot
+    ``plan`` is (slot strides ``strides``; ``n`` unused)."""
     B, H, HV, K, V = plan.shape
-    if rows is not None:
-        B = rows.numel()
+    if full is not None:
+        B = full.numel() - 1
     sp = plan.split
     part = launch.ckpt.parts[0]
     r = plan.records
@@ -369,8 +367,8 @@ def launch(plan: DecodePlan, n: int, launch: SplitLaunch, rows: torch.Tensor | N
     blocks = min(sp.settings.flush_row_blocks, K // sp.group)
     _flush_kernel[(B * launch.heads, V // COLUMNS.value, blocks)](
         part.codes, part.scale, part.zero, launch.ckpt.table, r.keys, r.key_scale, r.key_zero, r.values, r.value_scale,
-        r.log_decays, n, plan.capacity, rows, strides, H=H, HV=HV, HP=launch.heads,
+        r.log_decays, n, plan.capacity, full, strides, H=H, HV=HV, HP=launch.heads,
         MAPPED=launch.ckpt.mapped, K=K, V=V, G=sp.group, SYM=sp.symmetric, SS=part.layout.scale_size,
         ZS=part.layout.zero_size, RB=RB,
         REC=0 if r.layout.keys.bits == 8 else 1, KG=r.layout.keys.group, **layouts(sp.group, RB),
-        GROUPS=K // sp.group // blocks, num_warps=1, **cap, POOL=rows is not None)
+        GROUPS=K // sp.group // blocks, num_warps=1, **cap, POOL=full is not None)

@@ -11,9 +11,9 @@ host (so that a CUDA graph can record it) and no copy of the state.
   ``step_inputs``).
 - Buffered packed key-axis checkpoints (PACE, RTN at dP >= 2): the one-kernel step
   (:func:`kernels.packed_step.launch_packed_step`: PACE-4's Gluon step on a GPU where it applies, else the Triton
-  one), then the Triton flush over the same rows, in which only the slots whose
-  buffer the token filled fold (:func:`kernels.flush.launch_flush`); those slots' records are then forgotten (their
-  log decays :data:`pace_core.buffer.EMPTY`, one launch: :func:`kernels.records.forget_full`).
+  one); then the slots whose buffer the token filled, listed on the device (:func:`kernels.records.full_slots`),
+  fold (:func:`kernels.flush.launch_flush`: the first rows' programs fold, the others exit) and their records are
+  forgotten (their log decays :data:`pace_core.buffer.EMPTY`, one launch: :func:`kernels.records.forget_full`).
 - A dense state at dP = 1 (fp32, bf16): the per-token recurrence (:func:`kernels.recurrent_step.pool_dense_step`).
 
 The Gluon flush addresses whole batches only. What this does not cover
@@ -30,7 +30,7 @@ from pace_core.checkpoint import checkpoint_tensors, with_tensors
 from .flush import launch_flush
 from .packed_step import launch_packed_step
 from .plan import CkptArgs, DecodePlan, plan_decode
-from .records import forget_full
+from .records import forget_full, full_slots
 from .recurrent_step import RecurrentPlan, plan_recurrent, pool_dense_step
 from .settings import Launch
 
@@ -93,6 +93,7 @@ class PoolStep:
             pool_dense_step(self.plan, self.state, rows, self.strides, q, k, v, g, beta, o)
             return o
         launch_packed_step(self.plan, self.buffer, q, k, v, g, beta, o, rows=rows, strides=self.step_strides)
-        launch_flush(self.plan, self.buffer, rows=rows, strides=self.flush_strides)
-        forget_full(self.decays, rows)  # a full buffer was just folded
+        full = full_slots(self.decays, rows)
+        launch_flush(self.plan, self.buffer, full=full, strides=self.flush_strides)
+        forget_full(self.decays, full)  # their buffers were just folded
         return o

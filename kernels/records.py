@@ -203,26 +203,67 @@ def records_held(bg_ptr, b, h, cap, HV, NB: tl.constexpr):
 
 
 @triton.jit
-def _forget_full_kernel(bg_ptr, rows_ptr, slot_stride, cap, HV, EMPTY: tl.constexpr, BC: tl.constexpr,
+def _full_slots_kernel(bg_ptr, rows_ptr, full_ptr, B, slot_stride, cap, HV, BR: tl.constexpr, BC: tl.constexpr):
+    """One program: of the pool slots ``rows [B]`` (log decays ``[cap, HV]`` at ``slot_stride`` elements per slot),
+    those whose buffer is full (head 0's records counted: every head holds as many), in the rows' order, as
+    ``full [1 + B]``: their count, then their slots."""
+    i = tl.arange(0, BC)[None, :]
+    held = tl.sum(tl.zeros((BR,), tl.int32))  # full slots found so far
+    for r0 in range(0, B, BR):
+        r = r0 + tl.arange(0, BR)
+        inside = r < B
+        slot = tl.load(rows_ptr + r, mask=inside, other=0).to(tl.int64)
+        d = tl.load(bg_ptr + slot[:, None] * slot_stride + i * HV, mask=inside[:, None] & (i < cap), other=1.0)
+        full = ((tl.sum((d <= 0).to(tl.int32), axis=1) == cap) & inside).to(tl.int32)
+        tl.store(full_ptr + 1 + held + tl.cumsum(full, axis=0) - full, slot, mask=full == 1)
+        held += tl.sum(full, axis=0)
+    tl.store(full_ptr, held.to(tl.int64))
+
+
+def full_slots(log_decays: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Of the pool slots ``rows [B]`` (long, on the device), those whose buffers are full, in one launch and without
+    a read on the host: ``full [1 + B]`` int64, their count, then their slots in the rows' order (the rest unset).
+    ``log_decays [slots, capacity, HV]``: float32, each slot's contiguous, a view at any slot stride. A state pool's
+    flush folds these slots and then forgets their records (:func:`kernels.flush.launch_flush`,
+    :func:`forget_full`)."""
+    _, cap, HV = log_decays.shape
+    B = rows.shape[0]
+    full = torch.empty(1 + B, dtype=torch.int64, device=rows.device)
+    _full_slots_kernel[(1,)](log_decays, rows, full, B, log_decays.stride(0), cap, HV,
+                             BR=min(triton.next_power_of_2(B), 256), BC=triton.next_power_of_2(cap), num_warps=4)
+    return full
+
+
+@triton.jit
+def full_row(pid, full_ptr, HP):
+    """Program ``pid`` of a launch over a state pool's full slots (``full_ptr``: :func:`full_slots`), ``HP``
+    programs per slot: whether its row is one of them, that slot (0 where not) and the program within the row."""
+    r = pid // HP
+    folds = r < tl.load(full_ptr)
+    return folds, tl.load(full_ptr + 1 + r, mask=folds, other=0), pid % HP
+
+
+@triton.jit
+def _forget_full_kernel(bg_ptr, full_ptr, slot_stride, cap, HV, EMPTY: tl.constexpr, BC: tl.constexpr,
                         BHV: tl.constexpr):
-    """Pool slot ``rows[program_id(0)]``: its log decays ``[cap, HV]`` (at ``slot_stride`` elements per slot) set to
-    ``EMPTY`` where its buffer is full (every head holds as many records: head 0's are counted)."""
-    bg_ptr += tl.load(rows_ptr + tl.program_id(0)).to(tl.int64) * slot_stride
-    i = tl.arange(0, BC)[:, None]
-    h = tl.arange(0, BHV)[None, :]
-    at = bg_ptr + i * HV + h
-    inside = (i < cap) & (h < HV)
-    if records_held(bg_ptr, 0, 0, cap, HV, BC) == cap:
-        tl.store(at, tl.full((BC, BHV), EMPTY, tl.float32), mask=inside)
+    """Full slot ``program_id(0)`` of ``full_ptr`` (:func:`full_slots`), if there is one: its log decays ``[cap, HV]``
+    (at ``slot_stride`` elements per slot) set to ``EMPTY``."""
+    folds, slot, _ = full_row(tl.program_id(0), full_ptr, 1)
+    if folds:
+        i = tl.arange(0, BC)[:, None]
+        h = tl.arange(0, BHV)[None, :]
+        tl.store(bg_ptr + slot * slot_stride + i * HV + h, tl.full((BC, BHV), EMPTY, tl.float32),
+                 mask=(i < cap) & (h < HV))
 
 
-def forget_full(log_decays: torch.Tensor, rows: torch.Tensor) -> None:
-    """The records of the pool slots ``rows [B]`` whose buffers are full forgotten, in place, in one launch: their
+def forget_full(log_decays: torch.Tensor, full: torch.Tensor) -> None:
+    """The records of the full pool slots ``full`` (:func:`full_slots`) forgotten, in place, in one launch: their
     ``log_decays [slots, capacity, HV]`` (float32, each slot's contiguous, a view at any slot stride) set to
     :data:`pace_core.buffer.EMPTY` (a state pool's step after it folded them: :mod:`kernels.pool_step`)."""
     _, cap, HV = log_decays.shape
-    _forget_full_kernel[(rows.shape[0],)](log_decays, rows, log_decays.stride(0), cap, HV, EMPTY=EMPTY,
-                                          BC=triton.next_power_of_2(cap), BHV=triton.next_power_of_2(HV), num_warps=1)
+    _forget_full_kernel[(full.shape[0] - 1,)](log_decays, full, log_decays.stride(0), cap, HV, EMPTY=EMPTY,
+                                              BC=triton.next_power_of_2(cap), BHV=triton.next_power_of_2(HV),
+                                              num_warps=1)
 
 
 @triton.jit

@@ -121,7 +121,7 @@ def launches(variant: str, B: int, settings: dict | None = None, every: bool = F
 
     def pool_flush(p: DecodePlan) -> None:
         strides = tuple(slot_strides(launch.ckpt, p.records.args()) for launch in p.split.per_width)
-        flush.launch_flush(p, st.buffer, rows=torch.arange(B), strides=strides)
+        flush.launch_flush(p, st.buffer, full=torch.tensor([B, *range(B)]), strides=strides)  # every slot full
 
     calls = {
         "dots": (packed_step._ckpt_dots_kernel, lambda: packed_step.launch_dots(plan(gluon_dots=False), q, k)),
