@@ -139,7 +139,8 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
         sk, sq = _split_columns(f0, f1, f2, f3, L1, W)
     kfull = gl.load(k_at + cols)
     u = gl.load(beta_ptr + row) * (gl.load(v_ptr + row * V + cols) - gl.exp(g_t) * (gl.exp(run) * sk + rk))
-    gl.store(o_ptr + row * V + cols, gl.exp(run + g_t) * sq + rq + gl.sum(kfull * gl.load(q_at + cols), axis=0) * u)
+    o = gl.exp(run + g_t) * sq + rq + gl.sum(kfull * gl.load(q_at + cols), axis=0) * u
+    gl.store(o_ptr + row * V + cols, o.to(o_ptr.dtype.element_ty))  # float32, or the caller's bfloat16
 
     # the token's record in slot n (kernels.records.append_record): the key by the group's first value head
     at = b * cap + n

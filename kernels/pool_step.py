@@ -83,17 +83,19 @@ class PoolStep:
         return None
 
     def decode(self, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor) -> torch.Tensor:
-        """One token for the slots ``rows [B]`` (distinct, long, on the pool's device): ``q, k [B, H, K]``
-        prepared, ``v [B, HV, V]``, ``g, beta [B, HV]`` -> ``o [B, HV, V]`` float32 (finite inputs: the caller
-        checked them)."""
+               beta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One token for the slots ``rows [B]`` (distinct, int32 or long, on the pool's device): ``q, k [B, H, K]``
+        prepared, ``v [B, HV, V]``, ``g, beta [B, HV]`` -> ``o [B, HV, V]`` float32, or written into ``out`` and
+        returned (float32 or bfloat16: the kernels round their float32 ``o`` to it as they store it) (finite inputs:
+        the caller checked them)."""
         q, k, v, g, beta = (x.to(torch.float32).contiguous() for x in (q, k, v, g, beta))
-        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        direct = out is not None and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
+        o = out if direct else torch.empty(v.shape, dtype=torch.float32, device=v.device)
         if self.decays is None:
             pool_dense_step(self.plan, self.state, rows, self.strides, q, k, v, g, beta, o)
-            return o
-        launch_packed_step(self.plan, self.buffer, q, k, v, g, beta, o, rows=rows, strides=self.step_strides)
-        full = full_slots(self.decays, rows)
-        launch_flush(self.plan, self.buffer, full=full, strides=self.flush_strides)
-        forget_full(self.decays, full)  # their buffers were just folded
-        return o
+        else:
+            launch_packed_step(self.plan, self.buffer, q, k, v, g, beta, o, rows=rows, strides=self.step_strides)
+            full = full_slots(self.decays, rows)
+            launch_flush(self.plan, self.buffer, full=full, strides=self.flush_strides)
+            forget_full(self.decays, full)  # their buffers were just folded
+        return o if out is None or direct else out.copy_(o)

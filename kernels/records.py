@@ -323,7 +323,7 @@ def token_output(beta_ptr, v_ptr, o_ptr, pid, cols, g_t, run, sk, sq, rk, rq, kf
     else:
         _, _, _, khat = stored_vec(kfull, K, KBITS, KG, KSYM, K_BF16)
         current = tl.sum(khat * qfull) * uhat
-    tl.store(o_ptr + pid * V + cols, tl.exp(run + g_t) * sq + rq + current)
+    tl.store(o_ptr + pid * V + cols, (tl.exp(run + g_t) * sq + rq + current).to(o_ptr.dtype.element_ty))
     return ucodes, uscale, uzero, uhat
 
 

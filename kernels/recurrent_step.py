@@ -87,7 +87,7 @@ def _recurrent_kernel(
         X = S * alpha
         u = beta * (tl.load(v_ptr + (x * HV + h) * V + cols) - tl.sum(X * k[:, None], axis=0))
         X = X + k[:, None] * u[None, :]
-        tl.store(o_ptr + (x * HV + h) * V + cols, tl.sum(X * q[:, None], axis=0))
+        tl.store(o_ptr + (x * HV + h) * V + cols, tl.sum(X * q[:, None], axis=0).to(o_ptr.dtype.element_ty))
         if DENSE:
             if BF16_STATE:
                 S = round_bf16(X)
@@ -249,7 +249,7 @@ def pool_dense_step(plan: RecurrentPlan, state: torch.Tensor, rows: torch.Tensor
     """One token for the slots ``rows [B]`` (long, on the device) of a state pool of a dense state, updated in place:
     ``state`` the first slot ``[1, HV, K, V]`` (``plan``: :func:`plan_recurrent` of it), the slots ``strides[0]``
     elements apart; ``q, k [B, H, K]`` prepared, ``v [B, HV, V]``, ``g, beta [B, HV]`` float32 contiguous, ``o``
-    written into ``out [B, HV, V]`` float32 contiguous (:mod:`kernels.pool_step`)."""
+    written into ``out [B, HV, V]`` contiguous, float32 or rounded to its dtype (:mod:`kernels.pool_step`)."""
     HV = plan.shape[1]
     args = CkptArgs.dense(state, state)
     _recurrent_kernel[(rows.numel() * HV, plan.grid[1])](q, k, v, g, beta, out, out, state, *args.args(),

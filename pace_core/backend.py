@@ -115,7 +115,7 @@ class PoolStep(Protocol):
     """A state pool's decode step in place (:meth:`Steps.pool_step`; :mod:`kernels.pool_step`)."""
 
     def decode(self, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor) -> torch.Tensor: ...
+               beta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def capturing(t: torch.Tensor) -> bool:

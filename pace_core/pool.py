@@ -176,9 +176,10 @@ class StatePool:
             self.tensors[name].index_copy_(0, slots, rows[name])
 
     def decode(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor) -> torch.Tensor:
+               beta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """One decode token for each slot of ``slots [B]`` (integers, distinct): ``q, k [B, H, K]`` prepared,
-        ``v [B, HV, V]``, ``g, beta [B, HV]`` float32 (float64 computes in float64) -> ``o [B, HV, V]``. Each row's
+        ``v [B, HV, V]``, ``g, beta [B, HV]`` float32 (float64 computes in float64) -> ``o [B, HV, V]``, or written
+        into ``out [B, HV, V]`` (in its dtype) and returned. Each row's
         record goes into its own buffer; a row whose buffer the token fills is flushed (its checkpoint written back,
         its buffer emptied); the other rows' checkpoints are not written. Non-finite ``k, v, g`` are refused before
         anything is written.
@@ -188,15 +189,20 @@ class StatePool:
         fills folded and stored together); on the kernels in place where they can (:attr:`in_place`: each row at
         its own count, no host read), else in groups of equal count through the schedule."""
         if self.fused is not None and all(x.dtype == torch.float32 for x in (q, k, v, g, beta)):
-            out = torch.empty(v.shape, dtype=torch.float32)
+            out = torch.empty(v.shape, dtype=torch.float32) if out is None else out
             self._run_fused(slots, (q, k, v, g, beta), out, None)
             return out
-        slots = slots.long()
         refuse_non_finite(k, v, g, self.name)
         if self.in_place is not None and v.dtype != torch.float64:  # the kernels compute in float32
-            return self.in_place.decode(slots, q, k, v, g, beta)
-        if self.records is not None and self.steps.name == "reference":
-            return self._decode_rows(slots, q, k, v, g, beta)
+            return self.in_place.decode(slots, q, k, v, g, beta, out)
+        slots = slots.long()
+        o = self._decode_rows(slots, q, k, v, g, beta) if self.records is not None and self.steps.name == "reference" \
+            else self._decode_groups(slots, q, k, v, g, beta)
+        return o if out is None else out.copy_(o)
+
+    def _decode_groups(self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` in groups of rows at equal counts, each through the schedule (the method's docstring)."""
         out = torch.empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
         counts = self.counts(slots)
         for count in counts.unique().tolist():
@@ -222,7 +228,7 @@ class StatePool:
         if self.fused is not None and all(x.dtype != torch.float64 for x in (q, k, v, a, b)):
             self._run_fused(slots, (q, k, v, a, b), out, (A_log, dt_bias))
             return
-        out.copy_(self.decode(slots, *self.steps.step_inputs(q, k, v, a, b, A_log, dt_bias)))
+        self.decode(slots, *self.steps.step_inputs(q, k, v, a, b, A_log, dt_bias), out=out)
 
     def _run_fused(self, slots: torch.Tensor, inputs: tuple[torch.Tensor, ...], out: torch.Tensor,
                gates: tuple[torch.Tensor, torch.Tensor] | None) -> None:
