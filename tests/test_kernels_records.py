@@ -18,13 +18,14 @@ def _pool_decays(slots: int, cap: int, HV: int, page: int, seed: int) -> tuple[t
     """Log decays ``[slots, cap, HV]`` as a view of pages of ``page`` floats (an engine's slot stride), each slot
     holding a random count of records (negative decays first, then EMPTY), a third of them full; and the pages."""
     gen = torch.Generator().manual_seed(seed)
-    held = torch.randint(0, cap, (slots,), generator=gen)
-    held[torch.randperm(slots, generator=gen)[: slots // 3]] = cap
-    decays = torch.full((slots, cap, HV), EMPTY)
-    filled = torch.arange(cap)[None, :] < held[:, None]
-    decays[filled] = -torch.rand(int(filled.sum()), HV, generator=gen)
-    pages = torch.zeros(slots, page)
-    pages[:, : cap * HV] = decays.reshape(slots, -1)
+    with torch.device("cpu"):  # drawn on the CPU (the GPU run sets CUDA as the default device)
+        held = torch.randint(0, cap, (slots,), generator=gen)
+        held[torch.randperm(slots, generator=gen)[: slots // 3]] = cap
+        decays = torch.full((slots, cap, HV), EMPTY)
+        filled = torch.arange(cap)[None, :] < held[:, None]
+        decays[filled] = -torch.rand(int(filled.sum()), HV, generator=gen)
+        pages = torch.zeros(slots, page)
+        pages[:, : cap * HV] = decays.reshape(slots, -1)
     pages = pages.to(DEVICE)
     return pages[:, : cap * HV].view(slots, cap, HV), pages
 
@@ -36,7 +37,7 @@ def test_full_slots_are_listed_in_row_order_and_forgotten(slots: int, B: int) ->
     was (the same values: nothing else is written)."""
     cap, HV = 8, 3
     decays, pages = _pool_decays(slots, cap, HV, cap * HV + 5, seed=slots)
-    rows = torch.randperm(slots, generator=torch.Generator().manual_seed(B))[:B].to(DEVICE)
+    rows = torch.randperm(slots, generator=torch.Generator().manual_seed(B), device="cpu")[:B].to(DEVICE)
     expected = [int(s) for s in rows.cpu() if records_held(decays.cpu()[s : s + 1]).item() == cap]
     assert 0 < len(expected) < B or B == 1
     full = KERNELS["records"].full_slots(decays, rows)
@@ -44,14 +45,13 @@ def test_full_slots_are_listed_in_row_order_and_forgotten(slots: int, B: int) ->
     assert int(full[0]) == len(expected)
     assert full[1 : 1 + len(expected)].tolist() == expected
 
-    before = pages.clone()
+    before = pages.to("cpu", copy=True)
     KERNELS["records"].forget_full(decays, full)
-    forgotten = torch.zeros(slots, dtype=torch.bool)
+    forgotten = torch.zeros(slots, dtype=torch.bool, device="cpu")
     forgotten[expected] = True
     after = decays.cpu()
     assert bool((after[forgotten] == EMPTY).all())
-    assert torch.equal(after[~forgotten], before[:, : cap * HV].view(slots, cap, HV).cpu()[~forgotten])
-    assert torch.equal(pages[:, cap * HV :], before[:, cap * HV :])  # the rest of each page untouched
-    assert records_held(after).tolist() == [0 if f else int(n) for f, n in
-                                             zip(forgotten, records_held(before[:, : cap * HV].view(slots, cap, HV)
-                                                                         .cpu()))]
+    held_before = before[:, : cap * HV].view(slots, cap, HV)
+    assert torch.equal(after[~forgotten], held_before[~forgotten])
+    assert torch.equal(pages.cpu()[:, cap * HV :], before[:, cap * HV :])  # the rest of each page untouched
+    assert records_held(after).tolist() == [0 if f else int(n) for f, n in zip(forgotten, records_held(held_before))]
