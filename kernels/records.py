@@ -191,14 +191,20 @@ def slot_records(slot, strides_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, b
 
 
 @triton.jit
+def is_record(log_decay_ptr, inside):
+    """1 where the log decays at ``log_decay_ptr`` (any block of pointers) are a record's (<= 0; an empty slot's is
+    :data:`pace_core.buffer.EMPTY`: :func:`pace_core.buffer.records_held`), 0 there and outside ``inside``."""
+    return (tl.load(log_decay_ptr, mask=inside, other=1.0) <= 0).to(tl.int32)
+
+
+@triton.jit
 def records_held(bg_ptr, b, h, cap, HV, NB: tl.constexpr):
-    """The records row ``b`` holds, read from its value head ``h``'s log decays (a record's is <= 0, an empty slot's
-    :data:`pace_core.buffer.EMPTY`: :func:`pace_core.buffer.records_held`; every head of a row holds as many): a
-    state pool's rows hold different counts, each read by its own programs."""
+    """The records row ``b`` holds, read from its value head ``h``'s log decays (:func:`is_record`; every head of a
+    row holds as many): a state pool's rows hold different counts, each read by its own programs."""
     held = tl.sum(tl.zeros((NB,), tl.int32))
     for blk in range(tl.cdiv(cap, NB)):
         i = blk * NB + tl.arange(0, NB)
-        held += tl.sum((tl.load(bg_ptr + (b * cap + i) * HV + h, mask=i < cap, other=1.0) <= 0).to(tl.int32))
+        held += tl.sum(is_record(bg_ptr + (b * cap + i) * HV + h, i < cap))
     return held
 
 
@@ -213,8 +219,8 @@ def _full_slots_kernel(bg_ptr, rows_ptr, full_ptr, B, slot_stride, cap, HV, BR: 
         r = r0 + tl.arange(0, BR)
         inside = r < B
         slot = tl.load(rows_ptr + r, mask=inside, other=0).to(tl.int64)
-        d = tl.load(bg_ptr + slot[:, None] * slot_stride + i * HV, mask=inside[:, None] & (i < cap), other=1.0)
-        full = ((tl.sum((d <= 0).to(tl.int32), axis=1) == cap) & inside).to(tl.int32)
+        n = tl.sum(is_record(bg_ptr + slot[:, None] * slot_stride + i * HV, inside[:, None] & (i < cap)), axis=1)
+        full = ((n == cap) & inside).to(tl.int32)
         tl.store(full_ptr + 1 + held + tl.cumsum(full, axis=0) - full, slot, mask=full == 1)
         held += tl.sum(full, axis=0)
     tl.store(full_ptr, held.to(tl.int64))
