@@ -103,9 +103,10 @@ def assert_within_one_step(got, ref, head_slack: float = 0.0, slack: torch.Tenso
     format's checkpoint with ``parts`` by width): equal except near a rounding boundary, each entry within
     :func:`pace_core.quant.steps_apart`'s bound (so where the two sides' scales differ by an fp16 ulp an 8-bit entry
     with a zero point may differ by a little more than one step). With ``head_slack = 0`` and no ``slack`` the values
-    agree to float32 rounding, so nearly every entry is equal (> 98 %); else they differ by up to ``head_slack`` of
-    the largest |value| of the head, or by ``slack [..., HV, K, V]`` entry by entry, which each entry's bound adds
-    and which may move a group's scale and every entry of it."""
+    agree to float32 rounding, so nearly every entry is equal (> 98 %; a ``slack [..., HV, K, V]`` of a few columns'
+    difference, entry by entry, which each entry's bound adds, leaves that so); else they differ by up to
+    ``head_slack`` of the largest |value| of the head, which each entry's bound adds and which may move a group's
+    scale and every entry of it."""
     parts_ref = {ref.spec.bits: ref} if isinstance(ref, quant.PackedTensor) else ref.parts
     parts_got = {got.spec.bits: got} if isinstance(got, quant.PackedTensor) else got.parts
     for b, r in parts_ref.items():
@@ -119,5 +120,5 @@ def assert_within_one_step(got, ref, head_slack: float = 0.0, slack: torch.Tenso
         assert (apart <= 1.01).all(), (f"{b}-bit entry {worst}: {apart.flatten()[worst]:.4g} times the rounding "
                                        f"bound; steps {quant.code_step(g).flatten()[worst]:.4g} / "
                                        f"{quant.code_step(r).flatten()[worst]:.4g}")
-        if not head_slack and slack is None:
+        if not head_slack:
             assert (apart == 0).float().mean() > 0.98
