@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_support import SIZES, kernel_modules
+from kernels_support import DEVICE, SIZES, kernel_modules
 
 from pace_core import quant
 from pace_core.backend import REFERENCE
@@ -240,8 +240,7 @@ def test_a_checkpoints_head_map_is_read_from_the_device_once(monkeypatch):
     from kernels.plan import bits_of_heads
 
     bits = [4, 8, 4, 4, 8]
-    torch.manual_seed(11)  # on the default device: the GPU run's is CUDA
-    S = torch.randn(2, len(bits), 16, 32)
+    S = torch.randn(2, len(bits), 16, 32, generator=torch.Generator().manual_seed(11), device="cpu").to(DEVICE)
     spec = quant.QuantSpec(4, False, "key", 8)
     made = [quant.quantize_heads(S, bits, spec), KERNELS["quantize"].quantize_heads(S, bits, spec)]
     made += [m.with_stored({name: t[:1] for name, t in m.stored_tensors().items()}) for m in made]
