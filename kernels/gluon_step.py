@@ -25,13 +25,15 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from pace_core.buffer import DecodeBuffer
+from pace_core.buffer import EMPTY, DecodeBuffer
 
 from .gluon_dots import head_dots, head_dots_split, products
-from .gluon_flush import record_log_decays, records_held
+from .gluon_flush import COLUMNS, flush_columns, layouts, record_log_decays, records_held
 from .plan import DecodePlan
 from .primitives import part_head, pool_row, rint_bits, row_inputs, slot_parts, sym_code_sum, sym_scale, sym_value
 from .records import RECORD_COUNT, slot_records
+
+_EMPTY = gl.constexpr(EMPTY)
 
 
 @gluon.jit
@@ -71,11 +73,28 @@ def _store_record(x, codes_at, scale_at, cols):
     gl.store(scale_at, scale)
 
 
+@gluon.jit(noinline=True)
+def _fold(codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, cap, h, H: gl.constexpr, HV: gl.constexpr,
+          K: gl.constexpr, V: gl.constexpr, G: gl.constexpr, SS: gl.constexpr, NB: gl.constexpr, LW: gl.constexpr,
+          LK: gl.constexpr, LU: gl.constexpr):
+    """A pool slot's full buffer (``cap`` records, pointers moved to the slot) folded into value head ``h``'s
+    checkpoint (:func:`kernels.gluon_flush.flush_columns`, one column tile after another), then forgotten: the head's
+    log decays :data:`pace_core.buffer.EMPTY`. A call, not inlined: the fold's registers stay out of the step's."""
+    gl.barrier()  # every record stored by the program's threads before the fold reads them
+    for ct in range(V // COLUMNS):
+        flush_columns(codes_ptr, scale_ptr, codes_ptr, codes_ptr, bk_ptr, bks_ptr, bk_ptr, bv_ptr, bvs_ptr, bg_ptr,
+                      cap, cap, h, ct, H, HV, HV, False, K, V, G, True, SS, 0, NB, 0, K, LW, LK, LU, K // G)
+    gl.barrier()  # every read before forgetting
+    i = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    gl.store(bg_ptr + i * HV + h, gl.full([NB], _EMPTY, gl.float32, i.type.layout), mask=i < cap)
+
+
 @gluon.jit(do_not_specialize=RECORD_COUNT)
 def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr,
                  bg_ptr, n, cap, rows_ptr, strides_ptr, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
                  V: gl.constexpr, G: gl.constexpr, SS: gl.constexpr, NB: gl.constexpr, W: gl.constexpr = 1,
-                 AHEAD: gl.constexpr = 8, POOL: gl.constexpr = False):
+                 AHEAD: gl.constexpr = 8, POOL: gl.constexpr = False, FOLD: gl.constexpr = False,
+                 LW: gl.constexpr = None, LK: gl.constexpr = None, LU: gl.constexpr = None):
     """One token of (sequence, value head) ``pid`` (``W`` warps): ``o [B*HV, V]`` and the token's record in slot
     ``n`` of the buffer (``cap`` slots; keys ``bk [B*cap*H, K]`` uint8 with fp16 scales ``bks``, values
     ``bv [B*cap*HV, V]`` with ``bvs``, log decays ``bg [B*cap*HV]``), from the checkpoint's codes, its ``SS`` fp16
@@ -84,7 +103,11 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
     vectors over the warps (more warps per head where a batch leaves SMs idle); ``AHEAD``: :func:`head_dots`' steps
     requested ahead (one warp). ``POOL``: the programs step the slots ``rows_ptr`` of a state pool whose checkpoint
     and records lie ``strides_ptr`` apart (:func:`kernels.pool_step.slot_strides`; the pointers are the first slot's),
-    each with the records its slot holds (``n`` unused), as :func:`kernels.packed_step._ckpt_step_kernel` does."""
+    each with the records its slot holds (``n`` unused), as :func:`kernels.packed_step._ckpt_step_kernel` does.
+    ``FOLD`` (``POOL``, one warp): a program whose token fills its slot's buffer then folds the records into the
+    head's checkpoint (:func:`kernels.gluon_flush.flush_columns`, one column tile after another; ``LW, LK, LU``: its
+    layouts, :func:`kernels.gluon_flush.layouts`) and forgets them (its head's log decays
+    :data:`pace_core.buffer.EMPTY`)."""
     KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # record keys: 16 bytes per thread
     VL: gl.constexpr = gl.BlockedLayout([NB, 4 // W], [1, 32], [1, W], [1, 0])  # record values: all records of 4 / W
     L1: gl.constexpr = gl.SliceLayout(0, VL)  # [V] vectors: 4 / W consecutive columns per thread
@@ -146,8 +169,14 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, codes_ptr, scale_p
     at = b * cap + n
     gl.store(bg_ptr + at * HV + h, g_t)
     _store_record(u, bv_ptr + (at * HV + h) * V, bvs_ptr + at * HV + h, cols)
-    if h % (HV // H) == 0:
+    writes_key = h % (HV // H) == 0
+    if FOLD:  # a folding program reads the key it wrote: the same bytes as its group's first head writes
+        writes_key = writes_key or n == cap - 1
+    if writes_key:
         _store_record(kfull, bk_ptr + (at * H + kh) * K, bks_ptr + at * H + kh, cols)
+    if FOLD and n == cap - 1:
+        _fold(codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, cap, pid, H, HV, K, V, G, SS, NB, LW, LK,
+              LU)
 
 
 def launch(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -166,7 +195,8 @@ def launch(plan: DecodePlan, buf: DecodeBuffer, q: torch.Tensor, k: torch.Tensor
     cap = {} if sp.settings.step_maxnreg is None else {"maxnreg": sp.settings.step_maxnreg}
     W = sp.settings.gluon_step_warps
     split = ({} if W == 1 else {"W": W}) | ({} if sp.settings.dots_ahead == 8 else {"AHEAD": sp.settings.dots_ahead})
+    fold = dict(FOLD=True, **layouts(sp.group, plan.record_block)) if rows is not None and sp.step_folds else {}
     _step_kernel[(B * HV,)](q, k, v, g, beta, o, part.codes, part.scale, r.keys, r.key_scale, r.values, r.value_scale,
                             r.log_decays, 0 if rows is not None else len(buf), plan.capacity, rows, strides, H=H,
                             HV=HV, K=K, V=V, G=sp.group, SS=part.layout.scale_size, NB=plan.record_block,
-                            num_warps=W, **split, **cap, POOL=rows is not None)
+                            num_warps=W, **split, **cap, **fold, POOL=rows is not None)

@@ -280,7 +280,8 @@ class SplitPlan:
     GPU; float32 holding the same values under the interpreter), the key groups' rows ``group`` and symmetry,
     whether the heads are wide enough for the one-kernel step (``fusable``: no padded dot columns), the launches
     (``launches[per_part]``: one over all heads, or one per bit width, :func:`split_launches`), whether the
-    one-kernel step runs :mod:`kernels.gluon_step`, and the ``[B*HV, 2, V]`` float32 workspace of the dots kernel."""
+    one-kernel step runs :mod:`kernels.gluon_step`, the ``[B*HV, 2, V]`` float32 workspace of the dots kernel, and
+    whether a state pool's Gluon step folds the slots it fills (:func:`step_folds_apply`)."""
 
     settings: SplitSettings
     bf16: bool
@@ -290,6 +291,7 @@ class SplitPlan:
     launches: tuple[tuple[SplitLaunch, ...], tuple[SplitLaunch, ...]]
     gluon_step: bool
     workspace_size: int
+    step_folds: bool = False
 
     def constexprs(self, launch: SplitLaunch, K: int, V: int) -> dict:
         """The split kernels' common constexprs for ``launch``: the head shape, the key groups, the operands'
@@ -423,6 +425,7 @@ def plan_decode(ckpt: Checkpoint, buf: DecodeBuffer, exact_current: bool = True,
     split = replace(split, launches=launches)
     gluon_step = gluon_step_apply(replace(plan, split=split))
     split = replace(split, gluon_step=gluon_step, settings=launch.split.resolved(one_wave, gluon_step))
+    split = replace(split, step_folds=step_folds_apply(split))
     check_flush_tile(split, plan.records.layout.constexprs()["KG"], V)
     return replace(plan, split=split)
 
@@ -505,6 +508,13 @@ def gluon_step_apply(plan: DecodePlan) -> bool:
     test's), the exact current token, and the setting ``gluon_step`` on."""
     return bool(plan.split.settings.gluon_step and _gluon_dots_part(plan, plan.split.launches[False][0])
                 and plan.split.symmetric and _pace4_records(plan) and 4 < plan.capacity <= 8 and plan.exact)
+
+
+def step_folds_apply(split: SplitPlan) -> bool:
+    """Whether a state pool's Gluon step also folds the slots its token fills (setting ``step_folds``): the Gluon
+    step at one warp per head, over one launch that the Gluon flush takes (its fold runs in the step's programs)."""
+    return bool(split.settings.step_folds and split.gluon_step and split.settings.gluon_step_warps == 1
+                and len(split.per_width) == 1 and split.per_width[0].gluon_flush)
 
 
 def gluon_flush_apply(plan: DecodePlan, launch: SplitLaunch) -> bool:

@@ -13,7 +13,9 @@ host (so that a CUDA graph can record it) and no copy of the state.
   (:func:`kernels.packed_step.launch_packed_step`: PACE-4's Gluon step on a GPU where it applies, else the Triton
   one); then the slots whose buffer the token filled, listed on the device (:func:`kernels.records.full_slots`),
   fold (:func:`kernels.flush.launch_flush`: the first rows' programs fold, the others exit) and their records are
-  forgotten (their log decays :data:`pace_core.buffer.EMPTY`, one launch: :func:`kernels.records.forget_full`).
+  forgotten (their log decays :data:`pace_core.buffer.EMPTY`, one launch: :func:`kernels.records.forget_full`);
+  with the setting ``step_folds`` (:func:`kernels.plan.step_folds_apply`) the Gluon step's programs fold and forget
+  their own slots', one launch in all.
 - A dense state at dP = 1 (fp32, bf16): the per-token recurrence (:func:`kernels.recurrent_step.pool_dense_step`).
 
 The Gluon flush addresses whole batches only. What this does not cover
@@ -95,7 +97,8 @@ class PoolStep:
             pool_dense_step(self.plan, self.state, rows, self.strides, q, k, v, g, beta, o)
         else:
             launch_packed_step(self.plan, self.buffer, q, k, v, g, beta, o, rows=rows, strides=self.step_strides)
-            full = full_slots(self.decays, rows)
-            launch_flush(self.plan, self.buffer, full=full, strides=self.flush_strides)
-            forget_full(self.decays, full)  # their buffers were just folded
+            if not self.plan.split.step_folds:  # else the step's programs folded and forgot their own slots
+                full = full_slots(self.decays, rows)
+                launch_flush(self.plan, self.buffer, full=full, strides=self.flush_strides)
+                forget_full(self.decays, full)  # their buffers were just folded
         return o if out is None or direct else out.copy_(o)

@@ -83,6 +83,10 @@ class SplitSettings:
     per width; ``"auto"``: when the programs are more than the SMs (in one wave one launch is faster), always under
     the interpreter (so that the tests run it).
 
+    ``step_folds``: a state pool's Gluon step (one warp per head) also folds the slots its token fills and forgets
+    their records, in the same programs (:mod:`kernels.gluon_step`, with :mod:`kernels.gluon_flush`'s fold): no
+    full-slot list, flush or forget launch. Where the Gluon flush applies too; the whole-batch step ignores it.
+
     ``dots_ahead``: the 16-row steps of a head's codes the Gluon dots and step request ahead (8: all, 64 registers
     of words per thread; fewer leave registers for more warps per SM).
 
@@ -104,6 +108,7 @@ class SplitSettings:
     gluon_flush: bool = True
     gluon_step: bool = True
     gluon_step_warps: int = 1
+    step_folds: bool = False
     dots_ahead: int = 8
     step_maxnreg: int | None = None
     dots_maxnreg: int | None = None
@@ -114,7 +119,7 @@ class SplitSettings:
         _check(self, fused_step="auto", step_warps="warps", dots_columns="pow2", dots_warps="warps",
                record_warps="warps", flush_warps="warps", flush_columns="pow2", dots_per_part="auto",
                per_part="auto", gluon_dots="bool", gluon_flush="bool", gluon_step="bool", step_maxnreg="maxnreg",
-               gluon_step_warps="step_split", dots_ahead="ahead",
+               gluon_step_warps="step_split", step_folds="bool", dots_ahead="ahead",
                dots_maxnreg="maxnreg", flush_maxnreg="maxnreg", flush_row_blocks="pow2")
 
     def resolved(self, one_wave: bool, gluon_step: bool) -> SplitSettings:
