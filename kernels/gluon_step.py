@@ -34,6 +34,7 @@ from .primitives import part_head, pool_row, rint_bits, row_inputs, slot_parts, 
 from .records import RECORD_COUNT, slot_records
 
 _EMPTY = gl.constexpr(EMPTY)
+_CTA_BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # Triton 3.9's name, 3.6's
 
 
 @gluon.jit
@@ -80,11 +81,11 @@ def _fold(codes_ptr, scale_ptr, bk_ptr, bks_ptr, bv_ptr, bvs_ptr, bg_ptr, cap, h
     """A pool slot's full buffer (``cap`` records, pointers moved to the slot) folded into value head ``h``'s
     checkpoint (:func:`kernels.gluon_flush.flush_columns`, one column tile after another), then forgotten: the head's
     log decays :data:`pace_core.buffer.EMPTY`. A call, not inlined: the fold's registers stay out of the step's."""
-    gl.barrier()  # every record stored by the program's threads before the fold reads them
+    _CTA_BARRIER()  # every record stored by the program's threads before the fold reads them
     for ct in range(V // COLUMNS):
         flush_columns(codes_ptr, scale_ptr, codes_ptr, codes_ptr, bk_ptr, bks_ptr, bk_ptr, bv_ptr, bvs_ptr, bg_ptr,
                       cap, cap, h, ct, H, HV, HV, False, K, V, G, True, SS, 0, NB, 0, K, LW, LK, LU, K // G)
-    gl.barrier()  # every read before forgetting
+    _CTA_BARRIER()  # every read before forgetting
     i = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [1], [0]))
     gl.store(bg_ptr + i * HV + h, gl.full([NB], _EMPTY, gl.float32, i.type.layout), mask=i < cap)
 
