@@ -262,18 +262,18 @@ def _flush_kernel(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_
             bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, _, bg_ptr = slot_records(
                 slot_i, strides_ptr + 6, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bv_ptr, bg_ptr)
             flush_columns(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr,
-                           cap, cap, pid, ct, H, HV, HP, MAPPED, K, V, G, SYM, SS, ZS, RB, REC, KG, LW, LK, LU, GROUPS)
+                          cap, cap, pid, ct, H, HV, HP, MAPPED, K, V, G, SYM, SS, ZS, RB, REC, KG, LW, LK, LU, GROUPS)
     else:
         flush_columns(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr, n,
-                       cap, pid, ct, H, HV, HP, MAPPED, K, V, G, SYM, SS, ZS, RB, REC, KG, LW, LK, LU, GROUPS)
+                      cap, pid, ct, H, HV, HP, MAPPED, K, V, G, SYM, SS, ZS, RB, REC, KG, LW, LK, LU, GROUPS)
 
 
 @gluon.jit
 def flush_columns(codes_ptr, scale_ptr, zero_ptr, map_ptr, bk_ptr, bks_ptr, bkz_ptr, bv_ptr, bvs_ptr, bg_ptr, n, cap,
-                   pid, ct, H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
-                   V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr,
-                   RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LW: gl.constexpr, LK: gl.constexpr,
-                   LU: gl.constexpr, GROUPS: gl.constexpr):
+                  pid, ct, H: gl.constexpr, HV: gl.constexpr, HP: gl.constexpr, MAPPED: gl.constexpr, K: gl.constexpr,
+                  V: gl.constexpr, G: gl.constexpr, SYM: gl.constexpr, SS: gl.constexpr, ZS: gl.constexpr,
+                  RB: gl.constexpr, REC: gl.constexpr, KG: gl.constexpr, LW: gl.constexpr, LK: gl.constexpr,
+                  LU: gl.constexpr, GROUPS: gl.constexpr):
     """The fold and requantisation of program ``(pid, ct)`` of :func:`_flush_kernel` (its arguments; also the fold of
     :mod:`kernels.gluon_step`'s programs, one warp, ``ct`` each column tile in turn)."""
     # the columns' scales (and zero points) once per lane: one column, or with zero points a pair (one byte)
